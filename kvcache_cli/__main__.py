@@ -1,0 +1,3 @@
+from kvcache_cli.cli import main
+
+main()
