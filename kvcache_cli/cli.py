@@ -96,5 +96,108 @@ def _root(
     """Understand, size and measure the transformer KV cache."""
 
 
+# --- demo and break: the reference script's scenarios ---------------------------------
+
+# The GPT-2 breaks run on the PyTorch model; their names live here so that
+# `kvcache break --list` needs no torch.
+GPT2_BREAKS = {
+    "position-offset": "GPT-2: every decode token gets position 0",
+    "causal-decode": "GPT-2: is_causal=True for a one-row query against the cache",
+    "stale-cache": "GPT-2: a cache reused across requests without a reset",
+}
+
+
+def _pick(name: str, table: dict, kind: str, extra: dict | None = None) -> list[str]:
+    """Names to run for NAME or `all`; an unknown name is bad input."""
+    valid = [*table, *(extra or {})]
+    if name == "all":
+        return valid
+    if name not in valid:
+        fail(f"unknown {kind} {name!r}; choose one of: all, {', '.join(valid)}")
+    return [name]
+
+
+def _show(results: dict[str, tuple[str, object]], as_json: bool) -> None:
+    """Print {name: (title, result)}: JSON of the result (or a name → result map), or panels."""
+    if as_json:
+        from kvcache_cli.views import to_json
+
+        only = next(iter(results.values()))[1] if len(results) == 1 else None
+        typer.echo(to_json(only if only is not None else
+                           {name: result for name, (_, result) in results.items()}))
+        return
+    from rich.console import Console
+
+    from kvcache_cli.views.demos import render
+
+    console = Console()
+    for title, result in results.values():
+        console.print(render(title, result))
+
+
+@app.command()
+def demo(
+    name: Annotated[str, typer.Argument(help="A demo name, or 'all'.")] = "all",
+    list_: Annotated[bool, typer.Option("--list", help="List the demos and exit.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the raw result as JSON.")] = False,
+) -> None:
+    """Run the reference script's demos: macs, exact, mask, memory, gqa, intensity, paged."""
+    import kv_cache_from_scratch as ref
+
+    if list_:
+        _list({n: s.title for n, s in ref.DEMOS.items()}, "demos", as_json)
+        return
+    names = _pick(name, ref.DEMOS, "demo")
+    model = ref.init_model()
+    _show({n: (ref.DEMOS[n].title, ref.DEMOS[n].run(model)) for n in names}, as_json)
+
+
+@app.command("break")
+def break_(
+    name: Annotated[str, typer.Argument(help="A break name, or 'all'.")] = "all",
+    list_: Annotated[bool, typer.Option("--list", help="List the breaks and exit.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the raw result as JSON.")] = False,
+    model: Annotated[str, typer.Option(
+        help="GPT-2 breaks: gpt2, gpt2-medium, gpt2-large, gpt2-xl or a checkpoint dir.")
+    ] = "gpt2",
+    weights: Annotated[str, typer.Option(
+        help="GPT-2 breaks: auto (real if available, else random), pretrained, random.")
+    ] = "auto",
+    device: Annotated[str, typer.Option(help="GPT-2 breaks: cpu or cuda.")] = "cpu",
+    max_new_tokens: Annotated[int, typer.Option(
+        help="GPT-2 breaks: tokens to generate per loop.")] = 16,
+) -> None:
+    """Break the cache on purpose and watch the symptom.
+
+    Five on the NumPy toy (no-mask, no-append, cache-q, overflow, wrong-cache) and
+    three on GPT-2 in PyTorch (position-offset, causal-decode, stale-cache).
+    """
+    import kv_cache_from_scratch as ref
+
+    if list_:
+        _list({**{n: s.title for n, s in ref.BREAKS.items()}, **GPT2_BREAKS}, "breaks", as_json)
+        return
+    names = _pick(name, ref.BREAKS, "break", GPT2_BREAKS)
+    toy = [n for n in names if n in ref.BREAKS]
+    if toy:
+        toy_model = ref.init_model()
+        _show({n: (ref.BREAKS[n].title, ref.BREAKS[n].run(toy_model)) for n in toy}, as_json)
+    for gpt2_name in (n for n in names if n in GPT2_BREAKS):
+        _gpt2_break(gpt2_name, model, weights, device, max_new_tokens, as_json)
+
+
+def _list(titles: dict[str, str], heading: str, as_json: bool) -> None:
+    if as_json:
+        from kvcache_cli.views import to_json
+
+        typer.echo(to_json(titles))
+        return
+    from rich.console import Console
+
+    from kvcache_cli.views.demos import listing
+
+    Console().print(listing(titles, heading))
+
+
 def main() -> None:
     app()

@@ -1,0 +1,100 @@
+"""`kvcache demo` and `kvcache break` for the NumPy scenarios: rich, --json, --list, bad names."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+import kv_cache_from_scratch as ref
+from kvcache_cli.cli import GPT2_BREAKS, app
+
+runner = CliRunner()
+
+
+def invoke(*args: str):
+    return runner.invoke(app, list(args), terminal_width=120)
+
+
+@pytest.mark.parametrize("name", list(ref.DEMOS))
+def test_demo_renders_each_demo_with_its_title(name):
+    result = invoke("demo", name)
+    assert result.exit_code == 0, result.output
+    assert ref.DEMOS[name].title in result.output
+
+
+def test_demo_macs_shows_the_spec_figures():
+    out = invoke("demo", "macs").output
+    assert "62,566,400" in out and "1,839,104" in out and "34.0x" in out
+
+
+def test_demo_mask_shows_exact_zero_with_the_mask():
+    out = invoke("demo", "mask").output
+    assert "0.000e+00 ✓ exactly zero" in out
+    assert "every earlier row moved" in out
+
+
+def test_demo_all_renders_every_demo():
+    result = invoke("demo")
+    assert result.exit_code == 0, result.output
+    assert all(s.title in result.output for s in ref.DEMOS.values())
+
+
+def test_demo_json_is_the_result_object():
+    result = invoke("demo", "memory", "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["bytes_per_token"] == 524_288
+    assert data["rows"][0][:2] == [1024, 0.5]
+
+
+def test_demo_all_json_maps_names_to_results():
+    data = json.loads(invoke("demo", "all", "--json").output)
+    assert list(data) == list(ref.DEMOS)
+    assert data["exact"]["same_tokens"] is True
+    assert data["mask"]["masked"]["max_change"] == 0.0
+
+
+def test_demo_list_names_every_demo():
+    data = json.loads(invoke("demo", "--list", "--json").output)
+    assert data == {n: s.title for n, s in ref.DEMOS.items()}
+
+
+@pytest.mark.parametrize("command", ["demo", "break"])
+def test_unknown_name_is_one_line_listing_the_valid_ones(command):
+    result = invoke(command, "nope")
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and "'nope'" in lines[0]
+    valid = ref.DEMOS if command == "demo" else {**ref.BREAKS, **GPT2_BREAKS}
+    assert all(name in lines[0] for name in valid)
+
+
+@pytest.mark.parametrize("name", list(ref.BREAKS))
+def test_break_renders_each_numpy_break(name):
+    result = invoke("break", name)
+    assert result.exit_code == 0, result.output
+    assert ref.BREAKS[name].title in result.output
+
+
+def test_break_overflow_json_names_position_and_window():
+    data = json.loads(invoke("break", "overflow", "--json").output)
+    assert data["error"] == "position 128 past context window 128"
+
+
+def test_break_list_includes_the_gpt2_breaks():
+    data = json.loads(invoke("break", "--list", "--json").output)
+    assert set(data) == set(ref.BREAKS) | set(GPT2_BREAKS)
+
+
+@pytest.mark.parametrize("args", [["--help"], ["demo", "mask"], ["break", "no-mask"]])
+def test_help_demo_and_numpy_break_never_import_torch(args):
+    probe = ("import sys; from kvcache_cli.cli import app; from typer.testing import CliRunner; "
+             f"r = CliRunner().invoke(app, {args!r}); assert r.exit_code == 0, r.output; "
+             "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+             "('torch', 'transformers', 'tiktoken')))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
