@@ -331,7 +331,8 @@ def _head0_rows(model: Model, ids: list[int], use_mask: bool) -> np.ndarray:
 def _mask_case(model: Model, ids: list[int], use_mask: bool) -> MaskCase:
     before = _head0_rows(model, ids[:4], use_mask)
     after = _head0_rows(model, ids[:5], use_mask)[:4]
-    change = float(np.abs(after - np.pad(before, ((0, 0), (0, 1)))).max())
+    # The 5th column was implicitly 0 before: count any weight it takes as change.
+    change = max(float(np.abs(after[:, :4] - before).max()), float(after[:, 4].max()))
     return MaskCase(use_mask, before, after, change)
 
 
@@ -494,10 +495,10 @@ class PagedSequence:
         self.length = full * self.allocator.page_size
 
     def append(self, n_tokens: int = 1) -> None:
-        for _ in range(n_tokens):
-            if self.length % self.allocator.page_size == 0:   # last page full: allocate on demand
-                self.pages.append(self.allocator.alloc())
-            self.length += 1
+        """Grow by n_tokens, allocating a page only when the last one is full."""
+        self.length += n_tokens
+        while len(self.pages) * self.allocator.page_size < self.length:
+            self.pages.append(self.allocator.alloc())
 
     def free(self) -> None:
         for page in self.pages:
@@ -529,7 +530,7 @@ class PagedDemo:
     lengths: tuple[int, ...]
 
 
-def _paged_run(lengths: list[int], n_pages: int, page_size: int,
+def _paged_run(prompts: list[int], replies: list[int], n_pages: int, page_size: int,
                shared_prefix: int) -> tuple[int, list[int], int]:
     """Admit every request, decode all to full length in lockstep, then finish them.
 
@@ -537,15 +538,18 @@ def _paged_run(lengths: list[int], n_pages: int, page_size: int,
     With shared_prefix > 0, requests after the first share its prefix pages.
     """
     allocator = PageAllocator(n_pages, page_size)
-    seqs = [PagedSequence(allocator) for _ in lengths]
-    for i, seq in enumerate(seqs):
-        if shared_prefix and i > 0:
+    seqs: list[PagedSequence] = []
+    for prompt in prompts:
+        seq = PagedSequence(allocator)
+        if shared_prefix and seqs:
             seq.fork_prefix(seqs[0], shared_prefix)
-        # The prompt (or the unshared rest of it) arrives at once: prefill.
-        seq.append(min(lengths[i], max(shared_prefix, 1)) - seq.length)
-    for _ in range(max(lengths)):
-        for seq, n in zip(seqs, lengths):
-            if seq.length < n:
+        seq.append(prompt - seq.length)          # prefill: the (unshared) prompt at once
+        seqs.append(seq)
+    # One token per running request per step, so the requests' pages interleave
+    # in the pool as they do in a server: a block table is not contiguous.
+    for step in range(max(replies)):
+        for seq, reply in zip(seqs, replies):
+            if step < reply:
                 seq.append()
     in_use = allocator.pages_in_use
     table = list(seqs[1].pages)
@@ -562,13 +566,15 @@ def demo_paged(n_requests: int = 32, page_size: int = 16, max_len: int = 2048,
     user = rng.integers(16, 256, n_requests)
     reply = np.minimum(rng.exponential(300, n_requests).astype(int) + 8,
                        max_len - shared_prefix - user)
-    lengths = [int(shared_prefix + u + r) for u, r in zip(user, reply)]
+    prompts = [int(shared_prefix + u) for u in user]
+    replies = [int(r) for r in reply]
+    lengths = [p + r for p, r in zip(prompts, replies)]
     n_pages = n_requests * max_len // page_size      # the same memory the slabs would take
     held = sum(lengths)
     # Only whole pages of the prefix are shared; its tail page is each request's own.
     stored = held - (n_requests - 1) * (shared_prefix // page_size) * page_size
-    paged, _, _ = _paged_run(lengths, n_pages, page_size, 0)
-    shared, table, free_after = _paged_run(lengths, n_pages, page_size, shared_prefix)
+    paged, _, _ = _paged_run(prompts, replies, n_pages, page_size, 0)
+    shared, table, free_after = _paged_run(prompts, replies, n_pages, page_size, shared_prefix)
     return PagedDemo(
         n_requests, page_size, max_len, shared_prefix, held, stored, n_requests * max_len,
         held / (n_requests * max_len), paged, held / (paged * page_size), shared, paged - shared,
