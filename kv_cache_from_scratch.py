@@ -429,19 +429,22 @@ class IntensityDemo:
 
 def demo_intensity(prompt_len: int = 512) -> IntensityDemo:
     m = LLAMA2_7B
-    d = m["d_model"]
+    L, T, d = m["layers"], prompt_len, m["d_model"]
+    ff = 4 * d                                      # d_ff = 4·d, the article's approximation
 
-    def step(n: int) -> int:   # d_ff = 4·d, as in the article's approximation
-        return macs_per_token(m["layers"], d, 4 * d, n)
+    def step(n: int) -> int:
+        return macs_per_token(L, d, ff, n)
 
-    # Causal prefill: token n attends to n keys, exactly what decode step n does.
-    prefill = sum(step(n) for n in range(1, prompt_len + 1))
-    decode_total = sum(step(n) for n in range(1, prompt_len + 1))
+    # Prefill counted as one batched pass: every projection and FFN for T tokens
+    # at once, and causal attention over T(T+1)/2 (query, key) pairs.
+    prefill = L * (T * (4 * d * d + 2 * d * ff) + 2 * d * (T * (T + 1) // 2))
+    # Decode counted step by step: step n attends over n keys. Same total.
+    decode_total = sum(step(n) for n in range(1, T + 1))
     weight_bytes = m["params"] * m["dtype_bytes"]
-    kv = kv_cache_bytes(m["layers"], m["heads"], m["head_dim"], prompt_len, m["dtype_bytes"])
+    kv = kv_cache_bytes(L, m["heads"], m["head_dim"], T, m["dtype_bytes"])
     moved = weight_bytes + kv
-    return IntensityDemo(prompt_len, prefill, decode_total, step(prompt_len), weight_bytes, kv,
-                         prefill / moved, step(prompt_len) / moved)
+    return IntensityDemo(T, prefill, decode_total, step(T), weight_bytes, kv,
+                         prefill / moved, step(T) / moved)
 
 
 # --- Paged storage --------------------------------------------------------
