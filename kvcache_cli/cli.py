@@ -199,5 +199,98 @@ def _list(titles: dict[str, str], heading: str, as_json: bool) -> None:
     Console().print(listing(titles, heading))
 
 
+# --- size and models: the cache calculator for real models ---------------------------
+
+
+@app.command()
+def size(
+    model: Annotated[str | None, typer.Option(
+        "--model", "-m", help="A preset (see 'kvcache models') or its Hub id.")] = None,
+    config: Annotated[str | None, typer.Option(
+        help="A Hugging Face config.json, or the folder holding it; read offline.")] = None,
+    layers: Annotated[int | None, typer.Option(help="Decoder layers.")] = None,
+    kv_heads: Annotated[int | None, typer.Option(
+        help="K/V heads per layer (1 = MQA; default: --heads).")] = None,
+    head_dim: Annotated[int | None, typer.Option(
+        help="Width of one head.  [default: 128]")] = None,
+    heads: Annotated[int | None, typer.Option(
+        help="Query heads, for the multi-head baseline.")] = None,
+    seq: Annotated[int | None, typer.Option(
+        help="Tokens per sequence.  [default: the model's context window]")] = None,
+    batch: Annotated[int, typer.Option(help="Sequences cached at once.")] = 1,
+    dtype: Annotated[str, typer.Option(
+        help="Cache dtype: fp32, fp16, bf16, fp8, int8, int4.")] = "fp16",
+    tp: Annotated[int, typer.Option(help="Tensor-parallel GPUs sharing the KV heads.")] = 1,
+    gpu_mem: Annotated[str | None, typer.Option(
+        help="Memory of one GPU: 80GiB, 80GB or bytes. Reports what fits.")] = None,
+    weight_dtype: Annotated[str, typer.Option(
+        help="Dtype of the weights, for --gpu-mem.")] = "fp16",
+    params: Annotated[str | None, typer.Option(
+        help="Parameter count for --gpu-mem without --model: 6.74B, 6738415616.")] = None,
+    block_size: Annotated[int | None, typer.Option(
+        help="Paged-cache block size in tokens, for --gpu-mem.")] = None,
+    verify: Annotated[bool, typer.Option(
+        "--verify", help="Build the model small in transformers and measure its real cache.")
+    ] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the raw result as JSON.")] = False,
+) -> None:
+    """How big the KV cache is for a model, a sequence length and a batch, and what fits.
+
+    The shape comes from --model, --config, or the flags --layers/--kv-heads/--head-dim.
+    """
+    import dataclasses
+
+    from kvcache_cli import sizing
+
+    try:
+        count = None if params is None else sizing.parse_count(params)
+        memory = None if gpu_mem is None else sizing.parse_bytes(gpu_mem)
+        shape, hf_config = sizing.resolve_shape(
+            model, config, layers, kv_heads, head_dim, heads, count
+        )
+        result = sizing.size_cache(shape, seq, batch, dtype, tp, memory, weight_dtype, block_size)
+    except ValueError as err:
+        fail(str(err))
+    if verify:
+        try:
+            result = dataclasses.replace(result, verify=sizing.verify_cache(hf_config, dtype))
+        except sizing.VerifyError as err:
+            fail(str(err), code=1)
+    if as_json:
+        from kvcache_cli.views import to_json
+
+        typer.echo(to_json(result))
+        return
+    from rich.console import Console
+
+    from kvcache_cli.views.sizing import size_view
+
+    Console().print(size_view(result))
+
+
+@app.command()
+def models(
+    dtype: Annotated[str, typer.Option(help="Cache dtype for the per-token column.")] = "fp16",
+    as_json: Annotated[bool, typer.Option("--json", help="Print the raw list as JSON.")] = False,
+) -> None:
+    """List the model presets with their published shapes."""
+    from kvcache_cli import sizing
+
+    try:
+        rows = sizing.list_models(dtype)
+    except ValueError as err:
+        fail(str(err))
+    if as_json:
+        from kvcache_cli.views import to_json
+
+        typer.echo(to_json(rows))
+        return
+    from rich.console import Console
+
+    from kvcache_cli.views.sizing import models_view
+
+    Console().print(models_view(rows))
+
+
 def main() -> None:
     app()

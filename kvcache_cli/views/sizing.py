@@ -1,0 +1,194 @@
+"""Rich views of `kvcache size` and `kvcache models`: the numbers in `sizing`'s results,
+formatted for people. Nothing is computed here beyond unit formatting."""
+
+from __future__ import annotations
+
+from rich import box
+from rich.console import Group, RenderableType
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from kvcache_cli.sizing import (
+    ModelRow,
+    ModelShape,
+    SizeResult,
+    Verification,
+    format_bytes,
+    format_gib,
+)
+
+_KIND_LABEL = {
+    "full": "full attention",
+    "sliding": "sliding",
+    "chunked": "chunked",
+    "mla": "MLA latent",
+    "none": "no attention",
+}
+
+
+def _kind_label(shape: ModelShape, kind: str) -> str:
+    if kind in ("sliding", "chunked"):
+        return f"{_KIND_LABEL[kind]} ({shape.window:,})"
+    return _KIND_LABEL[kind]
+
+
+def _count(n: int | None, unit: str = "") -> str:
+    return "no limit" if n is None else f"{n:,}{unit}"
+
+
+def _headline(r: SizeResult) -> Panel:
+    lines = Text()
+    lines.append(format_bytes(r.total_bytes), style="bold green")
+    lines.append(f"  for {r.seq:,} tokens × batch {r.batch:,}, {r.dtype} cache\n")
+    lines.append(f"per token: {r.bytes_per_token:,} bytes ({format_gib(r.bytes_per_token)})")
+    lines.append(f" · per layer: {r.bytes_per_token_per_layer:,} bytes")
+    if r.mha_total_bytes is not None:
+        lines.append(f"\nmulti-head baseline: {format_bytes(r.mha_total_bytes)}")
+        if r.reduction is not None:
+            lines.append(" · reduction ")
+            lines.append(f"{r.reduction:.1f}x", style="bold")
+    shape = r.shape
+    title = f"KV cache · {r.model}"
+    if shape.source != "command-line flags":
+        heads = f"{shape.heads} heads, " if shape.heads is not None else ""
+        title += f": {shape.layers} layers, {heads}{shape.describe()}"
+    return Panel(lines, title=title, subtitle=shape.source, title_align="left",
+                 subtitle_align="left", box=box.ROUNDED)
+
+
+def _kinds_table(r: SizeResult) -> Table:
+    table = Table(title="per layer kind", box=box.SIMPLE_HEAD, title_justify="left")
+    table.add_column("layers", justify="right")
+    table.add_column("kind")
+    table.add_column("values/token", justify="right")
+    table.add_column("bytes/token/layer", justify="right")
+    table.add_column("tokens held", justify="right")
+    table.add_column("total", justify="right")
+    for row in r.kinds:
+        table.add_row(
+            f"{row.layers:,}",
+            _kind_label(r.shape, row.kind),
+            f"{row.values_per_token:,}",
+            f"{row.bytes_per_token_per_layer:,}",
+            f"{row.tokens_held:,}",
+            format_gib(row.total_bytes),
+        )
+    return table
+
+
+def _tp_table(r: SizeResult) -> RenderableType:
+    tp = r.tp
+    table = Table(title=f"tensor parallel, {tp.tp} GPUs", box=box.SIMPLE_HEAD,
+                  title_justify="left", show_header=False)
+    table.add_column("what")
+    table.add_column("value", justify="right")
+    if not r.shape.is_mla:
+        table.add_row("KV heads per GPU", f"{tp.kv_heads_per_gpu:,}")
+    table.add_row("GPUs holding each copy", f"{tp.replicas:,}")
+    table.add_row("bytes / token / GPU", f"{tp.bytes_per_token_per_gpu:,}")
+    table.add_row("cache per GPU", format_bytes(tp.total_bytes_per_gpu))
+    table.add_row("cache, all GPUs", format_bytes(tp.total_bytes_all_gpus))
+    return Group(table, Text(tp.note, style="dim"), Text(""))
+
+
+def _fit_table(r: SizeResult) -> RenderableType:
+    fit = r.fit
+    table = Table(title=f"fit on one GPU of {format_bytes(fit.gpu_mem_bytes)}",
+                  box=box.SIMPLE_HEAD, title_justify="left", show_header=False)
+    table.add_column("what")
+    table.add_column("value", justify="right")
+    table.add_row(f"weights ({fit.params:,} params × {fit.weight_dtype})",
+                  format_bytes(fit.weights_bytes))
+    if r.tp is not None:
+        table.add_row("weights per GPU", format_bytes(fit.weights_bytes_per_gpu))
+    table.add_row("room for the cache", format_bytes(fit.room_bytes))
+    table.add_row("max tokens, one sequence", _count(fit.max_tokens))
+    table.add_row(f"max sequences of {r.seq:,} tokens", _count(fit.max_sequences))
+    if fit.block_size is not None:
+        table.add_row(f"one sequence in {fit.block_size}-token blocks",
+                      f"{format_bytes(fit.paged_bytes_per_sequence)} "
+                      f"(+{fit.paged_waste_bytes_per_sequence:,} bytes rounding)")
+        table.add_row("max sequences, paged", _count(fit.max_sequences_paged))
+        table.add_row("max tokens, paged", _count(fit.max_tokens_paged))
+    bound = "an upper bound: activations, the CUDA context and fragmentation are not counted"
+    return Group(table, Text(bound, style="dim"), Text(""))
+
+
+def verify_view(v: Verification) -> RenderableType:
+    table = Table(title=f"--verify: transformers {v.model_type}, {v.tokens} tokens, {v.dtype}",
+                  box=box.SIMPLE_HEAD, title_justify="left")
+    table.add_column("layer", justify="right")
+    table.add_column("kind")
+    table.add_column("K shape")
+    table.add_column("V shape")
+    table.add_column("measured", justify="right")
+    table.add_column("formula", justify="right")
+    table.add_column("", justify="center")
+    for layer in v.layers:
+        same = layer.measured_bytes == layer.formula_bytes
+        table.add_row(
+            str(layer.index), layer.kind, str(layer.key_shape), str(layer.value_shape),
+            f"{layer.measured_bytes:,}", f"{layer.formula_bytes:,}",
+            Text("✓", style="green") if same else Text("✗", style="yellow"),
+        )
+    table.add_row("", "total", "", "", f"{v.measured_bytes:,}", f"{v.formula_bytes:,}", "",
+                  style="bold")
+    notes = Text()
+    for line in v.explanation:
+        notes.append(f"• {line}\n")
+    notes.append(f"built with: {'; '.join(v.changes)}", style="dim")
+    return Group(table, notes)
+
+
+def size_view(r: SizeResult) -> RenderableType:
+    """Everything `kvcache size` shows, in reading order."""
+    parts: list[RenderableType] = [_headline(r)]
+    formula = Text("formula\n", style="bold")
+    for line in r.formula:
+        formula.append(f"  {line}\n", style="cyan")
+    parts.append(formula)
+    parts.append(_kinds_table(r))
+    if r.tp is not None:
+        parts.append(_tp_table(r))
+    if r.fit is not None:
+        parts.append(_fit_table(r))
+    if r.verify is not None:
+        parts.append(verify_view(r.verify))
+    if r.notes:
+        notes = Text()
+        for line in r.notes:
+            notes.append(f"note: {line}\n", style="dim")
+        parts.append(notes)
+    return Group(*parts)
+
+
+def _params(n: int) -> str:
+    return f"{n / 1e9:,.2f}B" if n >= 10**9 else f"{n / 1e6:,.0f}M"
+
+
+def models_view(rows: tuple[ModelRow, ...]) -> RenderableType:
+    dtype = rows[0].dtype if rows else "fp16"
+    table = Table(title=f"model presets (KV cache per token at {dtype})", box=box.SIMPLE_HEAD,
+                  title_justify="left")
+    table.add_column("name")
+    table.add_column("params", justify="right")
+    table.add_column("layers", justify="right")
+    table.add_column("attention", no_wrap=True)
+    table.add_column("head_dim", justify="right")
+    table.add_column("KV / token", justify="right")
+    table.add_column("context", justify="right")
+    for row in rows:
+        shape = row.shape
+        table.add_row(
+            row.name,
+            _params(row.params),
+            str(shape.layers),
+            shape.describe(),
+            str(shape.head_dim),
+            format_gib(row.bytes_per_token),
+            f"{shape.max_positions:,}" if shape.max_positions else "",
+        )
+    table.caption = "use with: kvcache size --model NAME (Hub ids work too)"
+    table.caption_justify = "left"
+    return table
