@@ -1,0 +1,341 @@
+"""Generation with GPT-2: prefill, decode, three cache modes, and the three torch breaks.
+
+Modes: `naive` runs the full forward over the whole sequence for every token;
+`concat` and `static` prefill the prompt once and then decode one token per forward
+against a cache (`gpt2.ConcatCache`, `gpt2.StaticCache`). All three pick the same
+greedy tokens; the breaks are the article's three bugs, each a correct loop with one
+call changed, run side by side with the correct loop on the same model.
+Reference: the GPT-2 KV-cache article in `seeds/003_*`, section 5.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from kvcache_cli.gpt2 import GPT, KVCache, make_cache
+
+MODES = ("naive", "concat", "static")
+
+# "The quick brown fox jumps over the lazy dog" and "Once upon a time" in GPT-2's BPE,
+# so the breaks have prompts even where tiktoken's files cannot be fetched.
+DEFAULT_PROMPT_IDS = (464, 2068, 7586, 21831, 18045, 625, 262, 16931, 3290)
+OTHER_PROMPT_IDS = (7454, 2402, 257, 640)
+
+# A step's forward: (tokens (B, T), start_pos, cache) -> logits (B, T, vocab).
+Forward = Callable[[Tensor, int, "KVCache | None"], Tensor]
+
+# ---------------------------------------------------------------------------- checks
+
+
+def check_request(model: GPT, prompt_ids: list[int], max_new_tokens: int) -> None:
+    """Refuse, before any work, a request the model cannot serve."""
+    if not prompt_ids:
+        raise ValueError("empty prompt: give at least one token")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    V, window = model.config.vocab_size, model.config.block_size
+    bad = [t for t in prompt_ids if not 0 <= t < V]
+    if bad:
+        raise ValueError(f"token id {bad[0]} outside the vocabulary 0..{V - 1}")
+    last = len(prompt_ids) + max_new_tokens - 1  # the position of the last new token
+    if last >= window:
+        raise IndexError(
+            f"position {last} past context window {window}: a {len(prompt_ids)}-token prompt "
+            f"+ {max_new_tokens} new tokens needs {last + 1} positions"
+        )
+
+
+# ---------------------------------------------------------------------------- steps
+
+
+def sample(
+    logits: Tensor,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """Next token ids (B,) from last-position logits (B, vocab); temperature 0 is greedy."""
+    if temperature == 0.0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
+@torch.inference_mode()
+def _last_logits(forward: Forward, idx: Tensor, start_pos: int, cache: KVCache | None) -> Tensor:
+    return forward(idx, start_pos, cache)[:, -1, :].float()  # (B, vocab)
+
+
+def _steps(
+    model: GPT,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    mode: str,
+    cache: KVCache | None,
+    choose: Callable[[Tensor], Tensor],
+    forward: Forward | None = None,
+) -> Iterator[tuple[int, Tensor]]:
+    """(token, the logits it was chosen from) per step; the loop behind every mode."""
+    forward = forward if forward is not None else model
+    idx = torch.tensor([prompt_ids], dtype=torch.long, device=model.device)  # (1, T)
+    P = idx.size(1)
+    if mode == "naive":
+        for i in range(max_new_tokens):
+            # No cache: the whole sequence goes through the model again, every step.
+            logits = _last_logits(forward, idx, 0, None)  # (1, vocab)
+            nxt = choose(logits)  # (1,)
+            yield int(nxt.item()), logits  # .item() waits for the device: the sync point
+            if i + 1 < max_new_tokens:
+                idx = torch.cat([idx, nxt.view(1, 1)], dim=1)  # (1, T + 1)
+        return
+    logits = _last_logits(forward, idx, 0, cache)  # prefill: the prompt in one forward
+    for i in range(max_new_tokens):
+        nxt = choose(logits)  # (1,)
+        yield int(nxt.item()), logits
+        if i + 1 < max_new_tokens:  # the last token is never fed back
+            # Decode: one token at position P + i, attending over the cache.
+            logits = _last_logits(forward, nxt.view(1, 1), P + i, cache)
+
+
+def stream_tokens(
+    model: GPT,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    mode: str,
+    *,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    generator: torch.Generator | None = None,
+    cache: KVCache | None = None,
+) -> Iterator[int]:
+    """Yield each new token id as soon as it is chosen.
+
+    The first yield comes right after the prefill (time to first token), each later
+    one after one decode step. Checks run now, before the first `next()`. Without a
+    `cache`, a fresh one is made for the request (sized prompt + new tokens for
+    `static`); pass one to read its `bytes_copied` afterwards.
+    """
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}: expected {', '.join(MODES)}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be >= 1, got {top_k}")
+    check_request(model, prompt_ids, max_new_tokens)
+    if mode == "naive" and cache is not None:
+        raise ValueError("mode naive uses no cache")
+    if mode != "naive" and cache is None:
+        cache = make_cache(mode, model, len(prompt_ids) + max_new_tokens)
+
+    def choose(logits: Tensor) -> Tensor:
+        return sample(logits, temperature, top_k, generator)
+
+    steps = _steps(model, list(prompt_ids), max_new_tokens, mode, cache, choose)
+    return (token for token, _ in steps)
+
+
+@dataclass(frozen=True)
+class Generation:
+    mode: str
+    device: str
+    dtype: str
+    prompt_ids: tuple[int, ...]
+    tokens: tuple[int, ...]  # the new tokens only
+    first_token_s: float  # prefill + first token: time to first token
+    decode_s: float  # the remaining len(tokens) - 1 tokens, one forward each
+    cache_bytes_held: int  # 0 for naive
+    cache_bytes_copied: int
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        n = len(self.tokens) - 1
+        return n / self.decode_s if n and self.decode_s > 0 else float("nan")
+
+
+def generate(
+    model: GPT,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    mode: str = "static",
+    *,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    generator: torch.Generator | None = None,
+    on_token: Callable[[int], None] | None = None,
+) -> Generation:
+    """Run one request to the end; `on_token` sees each token as it is made."""
+    check_request(model, prompt_ids, max_new_tokens)  # before sizing a cache for it
+    cache = make_cache(mode, model, len(prompt_ids) + max_new_tokens)
+    stream = stream_tokens(
+        model, prompt_ids, max_new_tokens, mode,
+        temperature=temperature, top_k=top_k, generator=generator, cache=cache,
+    )  # fmt: skip
+    tokens: list[int] = []
+    start = time.perf_counter()
+    first = start
+    for token in stream:
+        if not tokens:
+            first = time.perf_counter()
+        tokens.append(token)
+        if on_token is not None:
+            on_token(token)
+    end = time.perf_counter()
+    return Generation(
+        mode=mode,
+        device=str(model.device),
+        dtype=str(model.dtype).removeprefix("torch."),
+        prompt_ids=tuple(prompt_ids),
+        tokens=tuple(tokens),
+        first_token_s=first - start,
+        decode_s=end - first,
+        cache_bytes_held=cache.bytes_held if cache is not None else 0,
+        cache_bytes_copied=cache.bytes_copied if cache is not None else 0,
+    )
+
+
+# ---------------------------------------------------------------------------- breaks
+
+
+@dataclass(frozen=True)
+class BreakResult:
+    name: str
+    bug: str  # what the broken loop does differently
+    mode: str  # the cache both loops use
+    prompt_ids: tuple[int, ...]
+    earlier_ids: tuple[int, ...]  # stale-cache: the request whose cache is reused
+    correct: tuple[int, ...]  # tokens from the correct loop
+    broken: tuple[int, ...]  # tokens from the broken loop
+    first_divergence: int | None  # first step whose tokens differ (0: the first new token)
+    max_logit_diff: float  # largest |broken - correct| logit while both saw the same tokens
+    step_logit_diff: tuple[float, ...]  # per step, up to and including the divergence
+    naive_logit_diff: float  # the correct loop against a full recompute: float32 noise
+    naive_agrees: bool  # ... and its tokens equal the full recompute's
+
+
+BREAKS = {
+    "position-offset": "decode forgets the offset: every new token gets position 0",
+    "causal-decode": "is_causal=True for a one-token query: the mask hides all but key 0",
+    "stale-cache": "the cache of an earlier request is reused without a reset",
+}
+
+
+def _compare(a: Iterator[tuple[int, Tensor]], b: Iterator[tuple[int, Tensor]]):
+    """Tokens of both runs, first differing step, per-step max |logit difference|.
+
+    Logits are compared up to and including the first differing step: after it the
+    two loops are fed different tokens, so later differences say nothing new.
+    """
+    tokens_a, tokens_b, diffs, first = [], [], [], None
+    for step, ((ta, la), (tb, lb)) in enumerate(zip(a, b, strict=True)):
+        tokens_a.append(ta)
+        tokens_b.append(tb)
+        if first is None:
+            diffs.append((la - lb).abs().max().item())
+            if ta != tb:
+                first = step
+    return tuple(tokens_a), tuple(tokens_b), first, tuple(diffs)
+
+
+def run_break(
+    name: str,
+    model: GPT,
+    prompt_ids: list[int] | None = None,
+    max_new_tokens: int = 24,
+    *,
+    mode: str = "concat",
+    earlier_ids: list[int] | None = None,
+) -> BreakResult:
+    """Run the correct and the broken loop of one break on the same model, greedily.
+
+    The default cache is `concat`, the article's. (With `static`, `stale-cache` does
+    not break: explicit positions overwrite the old request and reads stop at the
+    filled prefix.)
+    """
+    if name not in BREAKS:
+        raise ValueError(f"unknown break {name!r}: expected {', '.join(BREAKS)}")
+    if mode not in ("concat", "static"):
+        raise ValueError(f"breaks need a cache: mode concat or static, got {mode!r}")
+    V = model.config.vocab_size
+    # The default prompts are GPT-2 ids; a smaller test vocabulary wraps them.
+    prompt = list(prompt_ids if prompt_ids is not None else DEFAULT_PROMPT_IDS)
+    prompt = [t % V for t in prompt] if prompt_ids is None else prompt
+    earlier = list(earlier_ids if earlier_ids is not None else OTHER_PROMPT_IDS)
+    earlier = [t % V for t in earlier] if earlier_ids is None else earlier
+    check_request(model, prompt, max_new_tokens)
+
+    def greedy(logits: Tensor) -> Tensor:
+        return logits.argmax(dim=-1)
+
+    def run(forward: Forward | None = None, cache: KVCache | None = None, ids=prompt):
+        cache = cache if cache is not None else make_cache(mode, model, len(ids) + max_new_tokens)
+        return _steps(model, ids, max_new_tokens, mode, cache, greedy, forward)
+
+    used: tuple[int, ...] = ()
+    if name == "position-offset":
+        # The one change: start_pos is 0 on every call instead of the token's position.
+        broken = run(lambda idx, pos, cache: model(idx, 0, cache))
+    elif name == "causal-decode":
+        broken = run(lambda idx, pos, cache: model(idx, pos, cache, force_is_causal=True))
+    else:  # stale-cache
+        check_request(model, earlier, max_new_tokens)
+        window = len(earlier) + len(prompt) + 2 * max_new_tokens
+        cache = make_cache(mode, model, min(window, model.config.block_size))
+        for _ in run(cache=cache, ids=earlier):  # request 1 fills the cache
+            pass
+        broken = run(cache=cache)  # request 2 on the same cache, no reset
+        used = tuple(earlier)
+    reference = _steps(model, prompt, max_new_tokens, "naive", None, greedy)
+    naive, correct_a, naive_first, naive_diffs = _compare(reference, run())
+    correct, bad, first, diffs = _compare(run(), broken)
+    return BreakResult(
+        name=name,
+        bug=BREAKS[name],
+        mode=mode,
+        prompt_ids=tuple(prompt),
+        earlier_ids=used,
+        correct=correct,
+        broken=bad,
+        first_divergence=first,
+        max_logit_diff=max(diffs),
+        step_logit_diff=diffs,
+        naive_logit_diff=max(naive_diffs),
+        naive_agrees=naive_first is None,
+    )
+
+
+# ---------------------------------------------------------------------------- tokenizer
+
+
+def gpt2_encoding(timeout_s: float = 10.0):
+    """(tiktoken's gpt2 Encoding, None), or (None, one line saying why not).
+
+    tiktoken downloads its two files on first use and caches them; its download has
+    no timeout, so it runs in a thread we stop waiting for.
+    """
+    box: dict[str, object] = {}
+
+    def load() -> None:
+        try:
+            import tiktoken
+
+            box["enc"] = tiktoken.get_encoding("gpt2")
+        except Exception as error:  # missing package, no network, bad cache: all "no"
+            box["why"] = f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"
+
+    thread = threading.Thread(target=load, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if "enc" in box:
+        return box["enc"], None
+    why = box.get("why", f"no answer within {timeout_s:g} s")
+    return None, f"tiktoken's gpt2 encoding is unavailable ({why})"

@@ -1,0 +1,522 @@
+"""GPT-2 in PyTorch with a KV cache: the model, two caches, and loading.
+
+The model is nanoGPT's (Hugging Face parameter names, so a checkpoint loads key for
+key); the static cache and the explicit positions are gpt-fast's. `forward` takes the
+new tokens, the position of the first of them, and a cache; it never keeps a counter
+of its own, so the caller always says where the tokens sit.
+
+Two caches share one small interface (`KVCache`):
+- `ConcatCache` appends with `torch.cat`: simple, and it copies the whole history at
+  every step (quadratic bytes moved over a generation);
+- `StaticCache` allocates two buffers once for the longest sequence and writes each
+  step in place at its position; attention reads the filled prefix only.
+
+Weights come from a local `save_pretrained` directory or the Hugging Face Hub, through
+safetensors (or `torch.load(weights_only=True)`); nothing is ever unpickled freely.
+Reference: the GPT-2 KV-cache article in `seeds/003_*` ("Build it, break it, measure it").
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pickle
+import socket
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlparse
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+# ---------------------------------------------------------------------------- config
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    block_size: int = 1024  # GPT-2 learned 1024 position embeddings: its context window
+    vocab_size: int = 50257  # 50,000 BPE merges + 256 byte tokens + <|endoftext|>
+    n_layer: int = 12  # the defaults are GPT-2 small (124M parameters)
+    n_head: int = 12
+    n_embd: int = 768  # every GPT-2 size keeps the head size n_embd / n_head = 64
+
+    def __post_init__(self) -> None:
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd {self.n_embd} is not a multiple of n_head {self.n_head}")
+
+    @property
+    def head_size(self) -> int:
+        return self.n_embd // self.n_head
+
+
+# The four published sizes; the Hub repositories hold them under openai-community/.
+PRESETS = {
+    "gpt2": GPTConfig(n_layer=12, n_head=12, n_embd=768),  # 124M
+    "gpt2-medium": GPTConfig(n_layer=24, n_head=16, n_embd=1024),  # 350M
+    "gpt2-large": GPTConfig(n_layer=36, n_head=20, n_embd=1280),  # 774M
+    "gpt2-xl": GPTConfig(n_layer=48, n_head=25, n_embd=1600),  # 1558M
+}
+
+# ---------------------------------------------------------------------------- caches
+
+
+def _nbytes(t: Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class KVCache:
+    """What attention needs from a cache: the keys and values of every position so far.
+
+    `update(layer, start_pos, k, v)` stores this call's k, v (B, nh, T, hs) for the
+    tokens at positions start_pos .. start_pos+T-1 and returns the keys and values to
+    attend over, (B, nh, S, hs), with this call's tokens last. `length` is how many
+    positions the cache holds, `bytes_held` what it occupies, `bytes_copied` how many
+    bytes its appends have moved since it was made or reset.
+    """
+
+    length: int
+    bytes_copied: int
+
+    def update(self, layer: int, start_pos: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        raise NotImplementedError
+
+    @property
+    def bytes_held(self) -> int:
+        raise NotImplementedError
+
+    def reset(self) -> None:
+        raise NotImplementedError
+
+
+class ConcatCache(KVCache):
+    """Append with torch.cat, as the article's first cache does.
+
+    It can only append: new tokens go after whatever it holds, whatever `start_pos`
+    says, so keeping positions and contents in step is the caller's job (the
+    `position-offset` and `stale-cache` breaks are what happens when they drift).
+    """
+
+    def __init__(self, config: GPTConfig, batch: int, device, dtype: torch.dtype):
+        self.config, self.batch, self.device, self.dtype = config, batch, device, dtype
+        self.reset()
+
+    def reset(self) -> None:
+        c = self.config
+        empty = (self.batch, c.n_head, 0, c.head_size)  # (B, nh, 0, hs)
+        new = dict(device=self.device, dtype=self.dtype)
+        self.k = [torch.empty(empty, **new) for _ in range(c.n_layer)]
+        self.v = [torch.empty(empty, **new) for _ in range(c.n_layer)]
+        self.bytes_copied = 0
+
+    def update(self, layer: int, start_pos: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        # torch.cat allocates a new tensor and copies the whole history into it: step n
+        # moves n positions' worth of bytes, a generation of n tokens O(n^2).
+        self.k[layer] = torch.cat([self.k[layer], k], dim=2)  # (B, nh, S, hs)
+        self.v[layer] = torch.cat([self.v[layer], v], dim=2)
+        self.bytes_copied += _nbytes(self.k[layer]) + _nbytes(self.v[layer])
+        return self.k[layer], self.v[layer]
+
+    @property
+    def length(self) -> int:
+        return self.k[0].size(2)
+
+    @property
+    def bytes_held(self) -> int:
+        return sum(_nbytes(t) for t in self.k + self.v)
+
+
+class StaticCache(KVCache):
+    """Two buffers allocated once for `max_len` positions, written in place (gpt-fast).
+
+    A step copies only its own tokens' keys and values; attention reads the filled
+    prefix [0, start_pos + T), so whatever lies beyond it is never seen.
+    """
+
+    def __init__(self, config: GPTConfig, max_len: int, batch: int, device, dtype: torch.dtype):
+        if not 0 < max_len <= config.block_size:
+            raise ValueError(f"max_len {max_len} outside the context window 1..{config.block_size}")
+        self.max_len = max_len
+        shape = (config.n_layer, batch, config.n_head, max_len, config.head_size)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)  # (L, B, nh, max_len, hs)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.reset()
+
+    def reset(self) -> None:
+        # No need to clear the buffers: nothing past the filled prefix is ever read.
+        self.length = 0
+        self.bytes_copied = 0
+
+    def update(self, layer: int, start_pos: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        end = start_pos + k.size(2)
+        if end > self.max_len:
+            raise IndexError(f"position {end - 1} past the static cache's {self.max_len} slots")
+        self.k[layer, :, :, start_pos:end] = k
+        self.v[layer, :, :, start_pos:end] = v
+        self.bytes_copied += _nbytes(k) + _nbytes(v)
+        self.length = end
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]  # (B, nh, end, hs)
+
+    @property
+    def bytes_held(self) -> int:
+        return _nbytes(self.k) + _nbytes(self.v)
+
+
+# ---------------------------------------------------------------------------- model
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig, layer: int):
+        super().__init__()
+        self.layer = layer  # which slot of the cache is this layer's
+        self.n_head = config.n_head
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)  # q, k, v in one matmul
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd)
+
+    def forward(
+        self, x: Tensor, start_pos: int, cache: KVCache | None, force_is_causal: bool = False
+    ) -> Tensor:
+        B, T, C = x.size()
+        nh, hs = self.n_head, C // self.n_head
+        q, k, v = self.c_attn(x).split(C, dim=2)  # each (B, T, C)
+        q = q.view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
+        if cache is not None:
+            k, v = cache.update(self.layer, start_pos, k, v)  # (B, nh, S, hs), ours last
+        S = k.size(2)
+        mask, is_causal = None, False
+        if T == S or force_is_causal:
+            # Square scores: the ordinary causal mask. SDPA aligns is_causal to the top
+            # left, so forced onto a one-row query against S keys (the article's bug 2)
+            # it lets the newest token see key 0 and nothing else.
+            is_causal = True
+        elif T > 1:
+            # T new tokens after S - T cached ones: query i sits at position S - T + i
+            # and may see keys 0 .. S - T + i (the mask aligned bottom right).
+            mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(S - T)
+        # else one query, the newest token: every cached key is in its past, no mask.
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
+        return self.c_proj(y)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd)
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd)
+
+    def forward(self, x: Tensor) -> Tensor:
+        # GPT-2 was trained with the tanh approximation of GELU ("gelu_new" in HF).
+        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig, layer: int):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd)
+        self.attn = CausalSelfAttention(config, layer)
+        self.ln_2 = nn.LayerNorm(config.n_embd)
+        self.mlp = MLP(config)
+
+    def forward(
+        self, x: Tensor, start_pos: int, cache: KVCache | None, force_is_causal: bool = False
+    ) -> Tensor:
+        x = x + self.attn(self.ln_1(x), start_pos, cache, force_is_causal)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig, init_std: float = 0.02, seed: int = 0):
+        super().__init__()
+        self.config = config
+        # Embeddings handed an empty weight skip nn's own init, which _init_weights
+        # replaces anyway (and which on the meta device costs seconds of imports).
+        wte = torch.empty(config.vocab_size, config.n_embd)  # (vocab, C)
+        wpe = torch.empty(config.block_size, config.n_embd)  # (block_size, C)
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(config.vocab_size, config.n_embd, _weight=wte),
+                wpe=nn.Embedding(config.block_size, config.n_embd, _weight=wpe),
+                h=nn.ModuleList(Block(config, i) for i in range(config.n_layer)),
+                ln_f=nn.LayerNorm(config.n_embd),
+            )
+        )
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head.weight = self.transformer.wte.weight  # GPT-2 ties the two matrices
+        if not self.lm_head.weight.is_meta:  # a model built to be loaded skips the init
+            self._init_weights(init_std, seed)
+
+    @torch.no_grad()
+    def _init_weights(self, std: float, seed: int) -> None:
+        # GPT-2's init (std 0.02; the projections into the residual stream scaled by
+        # 1/sqrt(2 n_layer), since 2 n_layer of them add up), from a seeded generator of
+        # its own so a random model is the same model every run.
+        g = torch.Generator(device=self.lm_head.weight.device).manual_seed(seed)
+        for name, p in self.named_parameters():
+            if p.dim() == 1:  # biases start at 0, LayerNorm gains at 1
+                p.fill_(1.0 if ".ln_" in name and name.endswith("weight") else 0.0)
+                continue
+            residual = name.endswith("c_proj.weight")
+            scale = std / math.sqrt(2 * self.config.n_layer) if residual else std
+            p.normal_(0.0, scale, generator=g)
+
+    def forward(
+        self,
+        idx: Tensor,
+        start_pos: int,
+        cache: KVCache | None = None,
+        *,
+        force_is_causal: bool = False,
+    ) -> Tensor:
+        """Logits (B, T, vocab) for tokens idx (B, T) sitting at positions start_pos ...
+
+        With a cache, attention also sees every position the cache already holds.
+        `force_is_causal` exists only to reproduce the article's bug 2 (`kvcache break
+        causal-decode`): it hands SDPA is_causal=True whatever the shapes.
+        """
+        B, T = idx.size()
+        if start_pos < 0 or start_pos + T > self.config.block_size:
+            raise IndexError(
+                f"position {start_pos + T - 1} past context window {self.config.block_size}"
+            )
+        pos = torch.arange(start_pos, start_pos + T, device=idx.device)  # (T,)
+        x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # (B, T, C)
+        for block in self.transformer.h:
+            x = block(x, start_pos, cache, force_is_causal)
+        x = self.transformer.ln_f(x)
+        return self.lm_head(x)  # (B, T, vocab)
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())  # tied weights counted once
+
+
+def make_cache(mode: str, model: GPT, max_len: int, batch: int = 1) -> KVCache | None:
+    """A fresh cache for `mode`: None for naive (no cache), else concat or static."""
+    if mode == "naive":
+        return None
+    if mode == "concat":
+        return ConcatCache(model.config, batch, model.device, model.dtype)
+    if mode == "static":
+        return StaticCache(model.config, max_len, batch, model.device, model.dtype)
+    raise ValueError(f"unknown cache mode {mode!r}: expected naive, concat or static")
+
+
+# ---------------------------------------------------------------------------- loading
+
+# GPT-2 was written in TensorFlow, and Hugging Face kept its layers as "Conv1D", whose
+# weight is stored (in, out); nn.Linear stores (out, in). These four need a transpose.
+_CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+# Old checkpoints also carry the causal mask as buffers; we build masks in forward.
+_IGNORED = ("attn.bias", "attn.masked_bias")
+_HUB_REPO = "openai-community/{name}"
+_HUB_TIMEOUT_S = 3.0
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: GPT
+    source: str  # "pretrained gpt2 (cached)", "checkpoint /path", "random weights (gpt2 shape)"
+    note: str | None = None  # one line when `auto` fell back to random weights
+
+
+def load_gpt2(
+    name_or_path: str,
+    weights: str = "auto",
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> LoadedModel:
+    """GPT-2 by preset name (gpt2, gpt2-medium, gpt2-large, gpt2-xl) or checkpoint directory.
+
+    weights: "pretrained" (a checkpoint's own weights, or the Hub's: cached or
+    downloaded), "random" (the config only, nothing read or downloaded), or "auto"
+    (pretrained when available, else random with a one-line note).
+    """
+    if weights not in ("auto", "pretrained", "random"):
+        raise ValueError(f"unknown weights {weights!r}: expected auto, pretrained or random")
+    if name_or_path in PRESETS:
+        config, name = PRESETS[name_or_path], name_or_path
+        if weights == "random":
+            return _random(config, f"random weights ({name} shape)", device, dtype)
+        path, how, why = _hub_weights(name)
+        if path is None:
+            if weights == "pretrained":
+                raise RuntimeError(f"pretrained {name} weights unavailable: {why}")
+            note = f"pretrained {name} weights unavailable ({why}): using random weights"
+            return _random(config, f"random weights ({name} shape)", device, dtype, note)
+        state = _read_weights(Path(path))
+        return LoadedModel(_from_state(config, state, device, dtype), f"pretrained {name} ({how})")
+    directory = Path(name_or_path)
+    if not directory.is_dir():
+        raise ValueError(
+            f"unknown model {name_or_path!r}: expected {', '.join(PRESETS)} "
+            "or a checkpoint directory (save_pretrained)"
+        )
+    config = _read_config(directory / "config.json")
+    if weights == "random":
+        return _random(config, f"random weights ({directory} shape)", device, dtype)
+    state = _read_weights(_weights_file(directory))
+    return LoadedModel(_from_state(config, state, device, dtype), f"checkpoint {directory}")
+
+
+def _random(config, source, device, dtype, note=None) -> LoadedModel:
+    with torch.device("meta"):
+        model = GPT(config)  # shapes only, so the init below runs once, not twice
+    model = model.to_empty(device="cpu")  # init on the CPU: one seeded stream everywhere
+    model.lm_head.weight = model.transformer.wte.weight
+    model._init_weights(0.02, seed=0)
+    return LoadedModel(model.to(device=device, dtype=dtype).eval(), source, note)
+
+
+def _read_config(path: Path) -> GPTConfig:
+    if not path.is_file():
+        raise ValueError(f"no config.json in {path.parent}")
+    raw = json.loads(path.read_text())
+    if raw.get("model_type", "gpt2") != "gpt2":
+        raise ValueError(f"{path}: model_type {raw['model_type']!r} is not gpt2")
+    # Options this minimal model does not implement: refuse rather than run a different net.
+    unsupported = {
+        "activation_function": "gelu_new",
+        "layer_norm_epsilon": 1e-5,
+        "scale_attn_weights": True,
+        "scale_attn_by_inverse_layer_idx": False,
+        "reorder_and_upcast_attn": False,
+    }
+    for key, expected in unsupported.items():
+        if raw.get(key, expected) != expected:
+            raise ValueError(f"{path}: {key}={raw[key]!r} is not supported (only {expected!r})")
+    return GPTConfig(
+        block_size=raw["n_positions"],
+        vocab_size=raw["vocab_size"],
+        n_layer=raw["n_layer"],
+        n_head=raw["n_head"],
+        n_embd=raw["n_embd"],
+    )
+
+
+def _weights_file(directory: Path) -> Path:
+    for name in ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin"):
+        if (directory / name).is_file():
+            return directory / name
+    raise ValueError(f"no model.safetensors or pytorch_model.bin in {directory}")
+
+
+def _read_weights(path: Path) -> dict[str, Tensor]:
+    """Tensors only: safetensors, or a pickle restricted to tensors (weights_only)."""
+    if path.name.endswith(".index.json"):  # a sharded safetensors checkpoint
+        shards = sorted(set(json.loads(path.read_text())["weight_map"].values()))
+        return {k: t for shard in shards for k, t in _read_weights(path.parent / shard).items()}
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        return load_file(path)
+    try:
+        # weights_only=True unpickles tensors and plain containers and refuses any other
+        # object, so a .bin that would run code on load fails here instead.
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        first = str(error).strip().splitlines()[0]
+        raise ValueError(f"refusing {path}: not a plain tensor file ({first})") from None
+
+
+def _from_state(config: GPTConfig, state: dict[str, Tensor], device, dtype) -> GPT:
+    """Copy a Hugging Face GPT-2 state dict into a GPT, key for key."""
+    # Hub files saved from GPT2Model lack the "transformer." prefix; LMHead ones have it.
+    state = {k.removeprefix("transformer."): t for k, t in state.items()}
+    with torch.device("meta"):
+        model = GPT(config)  # shapes only: no memory, no init to overwrite
+    model = model.to_empty(device=device).to(dtype)
+    model.lm_head.weight = model.transformer.wte.weight  # re-tie after allocation
+    extra = set(state) - {"lm_head.weight"}
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # the tied lm_head comes once, as wte
+            key = name.removeprefix("transformer.")
+            if key not in state:
+                raise ValueError(f"checkpoint has no {key!r}")
+            t = state[key]
+            if name.endswith(_CONV1D):
+                t = t.t()
+            if t.shape != p.shape:
+                raise ValueError(f"{key}: checkpoint shape {tuple(t.shape)} != {tuple(p.shape)}")
+            p.copy_(t)
+            extra.discard(key)
+    extra = {k for k in extra if not k.endswith(_IGNORED)}
+    if extra:
+        raise ValueError(f"checkpoint has weights this GPT-2 lacks: {sorted(extra)[:3]}")
+    return model.eval()
+
+
+def _hub_weights(name: str) -> tuple[str | None, str, str]:
+    """(local path, "cached" | "downloaded", why not) for a preset's model.safetensors."""
+    from huggingface_hub import constants, hf_hub_download, try_to_load_from_cache
+
+    repos = (_HUB_REPO.format(name=name), name)  # the canonical id, then the legacy alias
+    for repo in repos:
+        path = try_to_load_from_cache(repo, "model.safetensors")
+        if isinstance(path, str):
+            return path, "cached", ""
+    if constants.HF_HUB_OFFLINE:
+        return None, "", "not in the Hugging Face cache and HF_HUB_OFFLINE is set"
+    host = urlparse(constants.ENDPOINT).hostname or "huggingface.co"
+    if not _reachable(host, 443, _HUB_TIMEOUT_S):
+        # Checked first because the Hub client retries for ~25 s before giving up.
+        return None, "", f"not in the Hugging Face cache and {host} is unreachable"
+    try:
+        path = hf_hub_download(repos[0], "model.safetensors", etag_timeout=_HUB_TIMEOUT_S)
+    except Exception as error:  # any network or Hub failure means "not available"
+        return None, "", f"download failed: {type(error).__name__}"
+    return path, "downloaded", ""
+
+
+def _reachable(host: str, port: int, timeout: float) -> bool:
+    """Whether a TCP connection opens within `timeout` s (name lookup included)."""
+    ok = threading.Event()
+
+    def probe() -> None:
+        try:
+            socket.create_connection((host, port), timeout=timeout).close()
+            ok.set()
+        except OSError:
+            pass
+
+    # A thread, because getaddrinfo ignores socket timeouts and can hang on its own.
+    threading.Thread(target=probe, daemon=True).start()
+    return ok.wait(timeout)
+
+
+def to_hf(gpt: GPT):
+    """A transformers GPT2LMHeadModel holding the same weights (for comparisons)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    c = gpt.config
+    eos = c.vocab_size - 1 if c.vocab_size == 50257 else None  # <|endoftext|> in real GPT-2
+    hf_config = GPT2Config(
+        n_positions=c.block_size,
+        vocab_size=c.vocab_size,
+        n_layer=c.n_layer,
+        n_head=c.n_head,
+        n_embd=c.n_embd,
+        bos_token_id=eos,
+        eos_token_id=eos,
+    )
+    hf = GPT2LMHeadModel(hf_config)
+    state = {
+        k: (t.t() if k.endswith(_CONV1D) else t).detach().cpu().float()
+        for k, t in gpt.state_dict().items()
+    }
+    hf.load_state_dict(state, strict=False)  # strict=False: HF may add mask buffers
+    missing = set(hf.state_dict()) - set(state)
+    if {k for k in missing if not k.endswith(_IGNORED)}:
+        raise ValueError(f"to_hf: weights not copied: {sorted(missing)[:3]}")
+    return hf.to(device=gpt.device, dtype=gpt.dtype).eval()
