@@ -170,14 +170,14 @@ def _params(n: int) -> str:
 def models_view(rows: tuple[ModelRow, ...]) -> RenderableType:
     dtype = rows[0].dtype if rows else "fp16"
     table = Table(title=f"model presets (KV cache per token at {dtype})", box=box.SIMPLE_HEAD,
-                  title_justify="left")
-    table.add_column("name")
-    table.add_column("params", justify="right")
-    table.add_column("layers", justify="right")
-    table.add_column("attention", no_wrap=True)
-    table.add_column("head_dim", justify="right")
-    table.add_column("KV / token", justify="right")
-    table.add_column("context", justify="right")
+                  title_justify="left", pad_edge=False)
+    table.add_column("name", no_wrap=True)
+    table.add_column("params", justify="right", no_wrap=True)
+    table.add_column("layers", justify="right", no_wrap=True)
+    table.add_column("attention")
+    table.add_column("head_dim", justify="right", no_wrap=True)
+    table.add_column("KV / token", justify="right", no_wrap=True)
+    table.add_column("context", justify="right", no_wrap=True)
     for row in rows:
         shape = row.shape
         table.add_row(
