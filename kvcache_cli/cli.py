@@ -9,6 +9,7 @@ need them, so `kvcache --help`, `size` and `demo` start fast.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Annotated, NoReturn
 
 import typer
@@ -290,6 +291,100 @@ def models(
     from kvcache_cli.views.sizing import models_view
 
     Console().print(models_view(rows))
+
+
+# --- bench: measured decode speed -----------------------------------------------------
+
+
+@app.command()
+def bench(
+    device: Annotated[str, typer.Option(help="cpu, cuda, or auto (cuda when there is one).")
+    ] = "auto",
+    model: Annotated[str, typer.Option(
+        help="gpt2, gpt2-medium, gpt2-large, gpt2-xl or a checkpoint dir.")] = "gpt2",
+    weights: Annotated[str, typer.Option(
+        help="auto (real if available, else random), pretrained, random. Speed depends "
+        "on the shape only.")] = "auto",
+    prompt_len: Annotated[int, typer.Option(help="Prompt length (seeded random token ids).")
+    ] = 32,
+    new_tokens: Annotated[int, typer.Option(help="Tokens to generate per run.")] = 256,
+    modes: Annotated[str, typer.Option(
+        help="Comma-separated, from: naive, concat, static, hf (transformers' generate).")
+    ] = "naive,concat,static,hf",
+    repeats: Annotated[int, typer.Option(help="Timed runs per mode; medians are reported.")] = 3,
+    threads: Annotated[int | None, typer.Option(
+        help="torch intra-op threads (default: torch's own, one per core).")] = None,
+    plot: Annotated[Path | None, typer.Option(
+        help="Write the per-step latency plot to this PNG (needs matplotlib).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the raw result as JSON.")] = False,
+) -> None:
+    """Time every decode step of every mode, against transformers and the memory limit.
+
+    Warm-up excluded, the device synchronised around each timed step, medians over
+    repeats; the memory bandwidth is measured in the same run.
+    """
+    import torch
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    from kvcache_cli import bench as bench_
+    from kvcache_cli.gpt2 import load_gpt2
+    from kvcache_cli.plot import PlotUnavailable, require_matplotlib, save_plot
+
+    # Everything a user can get wrong is checked before minutes of benchmarking.
+    try:
+        mode_names = bench_.parse_modes(modes)
+        dev = bench_.resolve_device(device)
+    except ValueError as err:
+        fail(str(err))
+    if plot is not None:
+        try:
+            require_matplotlib()
+        except PlotUnavailable as err:
+            fail(str(err))
+        if not plot.parent.is_dir():
+            fail(f"--plot: no directory {str(plot.parent)!r} to write {plot.name!r} into")
+    try:
+        loaded = load_gpt2(model, weights=weights, device=dev, dtype=torch.float32)
+    except ValueError as err:
+        fail(str(err))
+    except (RuntimeError, OSError) as err:
+        fail(str(err), code=1)
+
+    # On stderr and transient, so stdout holds only the result (and --json stays JSON).
+    progress = Progress(
+        "{task.description}", BarColumn(), MofNCompleteColumn(), "tokens", TimeElapsedColumn(),
+        console=Console(stderr=True), transient=True,
+    )
+    task = progress.add_task("loading", total=None)
+
+    def on_progress(label: str, done: int, total: int) -> None:
+        progress.update(task, description=label, completed=done, total=total)
+
+    try:
+        with progress:
+            result = bench_.run_bench(
+                loaded.model, modes=mode_names, prompt_len=prompt_len, new_tokens=new_tokens,
+                repeats=repeats, threads=threads, model_name=loaded.source,
+                weights_note=loaded.note, progress=on_progress,
+            )  # fmt: skip
+    except (ValueError, IndexError) as err:
+        fail(str(err))
+    except RuntimeError as err:
+        fail(str(err), code=1)
+    if plot is not None:
+        save_plot(result, plot)
+    if as_json:
+        from kvcache_cli.views import to_json
+
+        typer.echo(to_json(result))
+        return
+    from kvcache_cli.views.bench import bench as bench_view
+
+    console = Console()
+    console.print(bench_view(result))
+    if plot is not None:
+        console.print(f"per-step plot written to {plot}")
 
 
 def main() -> None:

@@ -1,0 +1,572 @@
+"""Decode speed, measured: every generation mode side by side, against
+transformers' `generate()` and against the memory-bandwidth limit.
+
+The method is gpt-fast's: an untimed warm-up run of each mode first, the device
+synchronised before every read of the clock, and every decode step timed on its
+own, so the result holds the whole per-step curve (flat with a cache, rising
+without one) rather than one average. Repeats interleave the modes, so a slow
+patch of the machine lands on all of them; figures are medians over repeats with
+the min-max spread beside them.
+
+The limit: one decode step has to read every weight and the whole KV cache once,
+and on a batch of one it does little else, so measured memory bandwidth divided
+by those bytes is the tokens/s no implementation can beat on this device. The
+bandwidth is measured in the same run, with a large tensor copy.
+
+Torch is imported by the functions that need it; this module is imported only by
+the `bench` command and the tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+MODES = ("naive", "concat", "static", "hf")
+
+# A few untimed tokens per mode pay the one-time costs (lazy initialisation,
+# kernel selection, the allocator's first blocks) that would otherwise land in
+# the first timed steps; more only makes the naive loop's warm-up slow.
+WARMUP_TOKENS = 16
+
+# Larger than any last-level cache on either device, so the copy streams DRAM/HBM.
+BANDWIDTH_MIB = {"cpu": 256, "cuda": 1024}
+BANDWIDTH_REPEATS = 7
+
+# Where along the generation the per-step latency is reported (fractions of the
+# decode steps); 0 and 1 are the first and last decode steps.
+PROFILE_POINTS = (0.0, 0.25, 0.5, 0.75, 1.0)
+
+# A progress callback: (what is running, tokens done so far, tokens in all).
+ProgressFn = Callable[[str, int, int], None]
+
+
+@dataclass(frozen=True)
+class Bandwidth:
+    """Memory bandwidth from copying one large tensor into another."""
+
+    copy_bytes: int  # size of the tensor copied
+    bytes_moved: int  # per copy: the source read plus the destination written
+    seconds: tuple[float, ...]  # each timed copy
+    best_gbps: float  # GB = 10^9 bytes
+    median_gbps: float
+
+
+@dataclass(frozen=True)
+class ModeResult:
+    """One generation mode, timed `repeats` times."""
+
+    mode: str
+    tokens: tuple[int, ...]  # generated ids (the first repeat; greedy makes all repeats equal)
+    tokens_generated: int  # counted from what the mode returned, not what was asked
+    same_tokens: bool  # identical to the reference mode's tokens in every repeat
+    ttft_ms: tuple[float, ...]  # per repeat: prefill and the first token
+    step_ms: tuple[tuple[float, ...], ...]  # per repeat, per decode step
+    median_step_ms: tuple[float, ...]  # per decode step, median over repeats
+    tokens_per_s: tuple[float, ...]  # per repeat: decode steps / decode seconds
+    tokens_per_s_median: float
+    ms_per_token_median: float  # median over steps of median_step_ms
+    ttft_ms_median: float
+    profile_ms: tuple[float, ...]  # median_step_ms around each of BenchResult.profile_lengths
+    speedup_over_naive: float | None  # tokens/s ratio; None without a naive run
+    ratio_to_hf: float | None  # tokens/s ratio; None without an hf run
+    cache_bytes_held: int | None  # at the end of the run; None where not ours to count
+    bytes_copied: int | None  # by cache appends over the whole run
+    achieved_gbps: float  # bytes a decode step must read / its time
+    fraction_of_bandwidth: float  # achieved_gbps / measured best copy bandwidth
+
+
+@dataclass(frozen=True)
+class BenchResult:
+    model: str  # what was loaded, and from where
+    weights_note: str | None  # e.g. why the weights are random
+    device: str
+    device_name: str
+    dtype: str
+    threads: int
+    torch_version: str
+    transformers_version: str | None
+    n_params: int
+    prompt_len: int
+    new_tokens: int
+    repeats: int
+    warmup_tokens: int
+    reference_mode: str  # the mode every other one's tokens are compared with
+    tokens_agree: bool
+    weight_bytes: int  # read once per decode step
+    kv_bytes_per_token: int  # K and V, all layers, batch 1
+    step_bytes_first: int  # weights + KV cache a decode step reads at the first length
+    step_bytes_last: int  # ... and at the last
+    bandwidth: Bandwidth
+    ceiling_tokens_per_s: float  # measured bandwidth / mean bytes per decode step
+    profile_lengths: tuple[int, ...]  # context lengths of ModeResult.profile_ms
+    modes: tuple[ModeResult, ...]
+
+    def mode(self, name: str) -> ModeResult:
+        for result in self.modes:
+            if result.mode == name:
+                return result
+        raise KeyError(f"mode {name!r} was not run (ran {', '.join(m.mode for m in self.modes)})")
+
+
+# ---------------------------------------------------------------------------
+# Inputs
+
+
+def parse_modes(text: str) -> tuple[str, ...]:
+    """`"naive,static"` -> `("naive", "static")`, in the order given."""
+    names = tuple(part.strip() for part in text.split(",") if part.strip())
+    unknown = [name for name in names if name not in MODES]
+    if unknown or not names:
+        what = f"unknown mode {', '.join(map(repr, unknown))}" if unknown else "no modes given"
+        raise ValueError(f"{what}; valid modes: {', '.join(MODES)}")
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise ValueError(f"mode {', '.join(map(repr, repeated))} given twice")
+    return names
+
+
+def resolve_device(name: str) -> torch.device:
+    """`auto` picks CUDA when there is one; asking for CUDA without one is an error."""
+    import torch
+
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name not in ("cpu", "cuda"):
+        raise ValueError(f"unknown device {name!r}; valid devices: cpu, cuda, auto")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("CUDA is not available (torch sees no GPU); use --device cpu")
+    return torch.device(name)
+
+
+def random_prompt(vocab_size: int, length: int, seed: int = 0) -> list[int]:
+    """Seeded random token ids: speed does not depend on what the prompt says."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (length,), generator=generator).tolist()
+
+
+# ---------------------------------------------------------------------------
+# Counting bytes
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of weights one decode step reads.
+
+    Each tensor once, so the tied `wte`/`lm_head` counts once (the head reads all
+    of it); the position table counts one row, the only one a step looks up.
+    """
+    seen: set[int] = set()
+    total = 0
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if param.data_ptr() in seen:
+            continue
+        seen.add(param.data_ptr())
+        rows = 1 if name.endswith("wpe.weight") else param.shape[0]
+        total += rows * param[0].numel() * param.element_size()
+    return total
+
+
+def kv_bytes_per_token(n_layer: int, n_embd: int, element_size: int) -> int:
+    """K and V for one position, every layer, batch 1 (GPT-2 has n_kv_heads = n_head)."""
+    return 2 * n_layer * n_embd * element_size
+
+
+# ---------------------------------------------------------------------------
+# Clocks
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device: CUDA kernels are queued, and the clock must not run ahead."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclass
+class _Timeline:
+    """Clock readings of one run.
+
+    `marks[i]` is read when token i is known on the host; `resumes[i]` when the
+    bench's own bookkeeping after it (progress, list appends) is done. Decode
+    step i+1 is `marks[i+1] - resumes[i]`: the generator's work only.
+    """
+
+    start: float
+    marks: list[float]
+    resumes: list[float]
+
+    def ttft_ms(self) -> float:
+        return (self.marks[0] - self.start) * 1e3
+
+    def step_ms(self) -> list[float]:
+        return [(m - r) * 1e3 for m, r in zip(self.marks[1:], self.resumes[:-1], strict=True)]
+
+
+class _Clock:
+    """Reads the clock once per token, after synchronising the device."""
+
+    def __init__(self, device: torch.device, on_token: Callable[[], None]):
+        self.device = device
+        self.on_token = on_token
+        synchronize(device)
+        self.timeline = _Timeline(time.perf_counter(), [], [])
+
+    def tick(self) -> None:
+        synchronize(self.device)
+        self.timeline.marks.append(time.perf_counter())
+        self.on_token()
+        self.timeline.resumes.append(time.perf_counter())
+
+
+def measure_bandwidth(
+    device: torch.device, mib: int | None = None, repeats: int = BANDWIDTH_REPEATS
+) -> Bandwidth:
+    """Copy a `mib`-MiB float32 tensor `repeats` times; count read + write bytes."""
+    import torch
+
+    mib = BANDWIDTH_MIB[device.type] if mib is None else mib
+    n = mib * 2**20 // 4
+    # Both buffers are written before timing, so no copy pays for first-touch page faults.
+    src = torch.ones(n, dtype=torch.float32, device=device)
+    dst = torch.zeros(n, dtype=torch.float32, device=device)
+    dst.copy_(src)
+    seconds = []
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        synchronize(device)
+        seconds.append(time.perf_counter() - start)
+    copy_bytes = n * 4
+    moved = 2 * copy_bytes  # the source is read and the destination written
+    return Bandwidth(
+        copy_bytes=copy_bytes,
+        bytes_moved=moved,
+        seconds=tuple(seconds),
+        best_gbps=moved / min(seconds) / 1e9,
+        median_gbps=moved / statistics.median(seconds) / 1e9,
+    )
+
+
+# ---------------------------------------------------------------------------
+# One timed run per mode
+
+
+@dataclass
+class _Run:
+    tokens: list[int]
+    timeline: _Timeline
+    cache_bytes_held: int | None
+    bytes_copied: int | None
+
+
+def _run_ours(
+    model, prompt_ids: list[int], new_tokens: int, mode: str, device, on_token
+) -> _Run:
+    from kvcache_cli.generate import stream_tokens
+    from kvcache_cli.gpt2 import make_cache
+
+    # The bench owns the cache so it can read what the appends copied afterwards.
+    cache = None
+    if mode != "naive":
+        cache = make_cache(mode, model, max_len=len(prompt_ids) + new_tokens, batch=1)
+    tokens: list[int] = []
+    clock = _Clock(device, on_token)
+    for token in stream_tokens(model, prompt_ids, new_tokens, mode, cache=cache):
+        clock.tick()
+        tokens.append(token)
+    return _Run(
+        tokens,
+        clock.timeline,
+        None if cache is None else cache.bytes_held,
+        None if cache is None else cache.bytes_copied,
+    )
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """Library code prints nothing: silence transformers' advice for the hf run."""
+    from transformers.utils import logging
+
+    level = logging.get_verbosity()
+    logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(level)
+
+
+def _run_hf(hf_model, prompt_ids: list[int], new_tokens: int, device, on_token) -> _Run:
+    """transformers' `generate()`: greedy, its own KV cache on, the same lengths.
+
+    A stopping criterion is called once per step right after the step's token is
+    appended, the same moment `stream_tokens` yields one: it reads the clock there
+    and never stops anything.
+    """
+    import torch
+    from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
+
+    class ClockCriterion(StoppingCriteria):
+        def __init__(self, clock: _Clock):
+            self.clock = clock
+
+        def __call__(self, input_ids, scores, **kwargs):
+            self.clock.tick()
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    ids = torch.tensor([prompt_ids], device=device)
+    config = GenerationConfig(
+        max_new_tokens=new_tokens, do_sample=False, use_cache=True, pad_token_id=0
+    )
+    clock = _Clock(device, on_token)
+    with _quiet_transformers():
+        out = hf_model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            generation_config=config,
+            stopping_criteria=StoppingCriteriaList([ClockCriterion(clock)]),
+        )
+    return _Run(out[0, len(prompt_ids) :].tolist(), clock.timeline, None, None)
+
+
+def _hf_copy(model, device):
+    """The same weights as a transformers model, never stopping at an end-of-text token.
+
+    Our modes always produce `new_tokens`; random weights may pick token 50256,
+    which generate() would take as the end, and the runs would differ in length.
+    """
+    from kvcache_cli.gpt2 import to_hf
+
+    hf_model = to_hf(model).to(device).eval()
+    hf_model.generation_config.eos_token_id = None
+    return hf_model
+
+
+# ---------------------------------------------------------------------------
+# Summaries
+
+
+def _window_medians(steps: Sequence[float], points: Sequence[float]) -> tuple[float, ...]:
+    """Median latency in a short window at each fraction of the run.
+
+    One step is noisy; the median of the few around it is not, and the first and
+    last windows start and end at the first and last step.
+    """
+    n = len(steps)
+    width = max(1, min(8, n // 8))
+    out = []
+    for fraction in points:
+        lo = min(max(0, round(fraction * (n - 1)) - width // 2), n - width)
+        out.append(statistics.median(steps[lo : lo + width]))
+    return tuple(out)
+
+
+def _summarise(
+    mode: str,
+    runs: list[_Run],
+    reference: list[int],
+    step_bytes: Sequence[int],
+    bandwidth: Bandwidth,
+) -> ModeResult:
+    n_steps = min(len(run.timeline.marks) for run in runs) - 1
+    step_ms = tuple(tuple(run.timeline.step_ms()[:n_steps]) for run in runs)
+    median_steps = tuple(statistics.median(column) for column in zip(*step_ms, strict=True))
+    tokens_per_s = tuple(n_steps / (sum(steps) / 1e3) for steps in step_ms)
+    tps = statistics.median(tokens_per_s)
+    mean_step_bytes = sum(step_bytes[:n_steps]) / n_steps
+    achieved = mean_step_bytes * tps / 1e9
+    return ModeResult(
+        mode=mode,
+        tokens=tuple(runs[0].tokens),
+        tokens_generated=min(len(run.tokens) for run in runs),
+        same_tokens=all(run.tokens == reference for run in runs),
+        ttft_ms=tuple(run.timeline.ttft_ms() for run in runs),
+        step_ms=step_ms,
+        median_step_ms=median_steps,
+        tokens_per_s=tokens_per_s,
+        tokens_per_s_median=tps,
+        ms_per_token_median=statistics.median(median_steps),
+        ttft_ms_median=statistics.median(run.timeline.ttft_ms() for run in runs),
+        profile_ms=_window_medians(median_steps, PROFILE_POINTS),
+        speedup_over_naive=None,
+        ratio_to_hf=None,
+        cache_bytes_held=runs[0].cache_bytes_held,
+        bytes_copied=runs[0].bytes_copied,
+        achieved_gbps=achieved,
+        fraction_of_bandwidth=achieved / bandwidth.best_gbps,
+    )
+
+
+def _with_ratios(results: list[ModeResult]) -> tuple[ModeResult, ...]:
+    from dataclasses import replace
+
+    by_mode = {r.mode: r.tokens_per_s_median for r in results}
+
+    def over(r: ModeResult, base: str) -> float | None:
+        return r.tokens_per_s_median / by_mode[base] if base in by_mode else None
+
+    return tuple(
+        replace(r, speedup_over_naive=over(r, "naive"), ratio_to_hf=over(r, "hf")) for r in results
+    )
+
+
+# ---------------------------------------------------------------------------
+# The benchmark
+
+
+def run_bench(
+    model,
+    *,
+    modes: Sequence[str] = MODES,
+    prompt_len: int = 32,
+    new_tokens: int = 256,
+    repeats: int = 3,
+    threads: int | None = None,
+    model_name: str = "gpt2",
+    weights_note: str | None = None,
+    warmup_tokens: int = WARMUP_TOKENS,
+    bandwidth_mib: int | None = None,
+    seed: int = 0,
+    progress: ProgressFn | None = None,
+) -> BenchResult:
+    """Time every mode on `model` (already on its device) and measure the limit.
+
+    `threads` sets torch's intra-op threads for the run and restores them after.
+    """
+    import torch
+
+    modes = parse_modes(",".join(modes))
+    if "hf" in modes and _transformers_version() is None:
+        raise RuntimeError("mode 'hf' needs transformers: pip install 'kvcache[torch]'")
+    cfg = model.config
+    if prompt_len < 1:
+        raise ValueError(f"prompt length {prompt_len} must be at least 1")
+    if new_tokens < 2:
+        raise ValueError(f"new tokens {new_tokens} must be at least 2 (the prefill's and a decode)")
+    if prompt_len + new_tokens > cfg.block_size:
+        raise ValueError(
+            f"prompt {prompt_len} + new tokens {new_tokens} = {prompt_len + new_tokens} "
+            f"past context window {cfg.block_size}"
+        )
+    if repeats < 1:
+        raise ValueError(f"repeats {repeats} must be at least 1")
+    if threads is not None and threads < 1:
+        raise ValueError(f"threads {threads} must be at least 1")
+
+    param = next(model.parameters())
+    device, dtype = param.device, param.dtype
+    prompt = random_prompt(cfg.vocab_size, prompt_len, seed)
+    warmup = min(warmup_tokens, new_tokens)
+    total = len(modes) * (warmup + repeats * new_tokens)
+    done = 0
+
+    def report(label: str) -> Callable[[], None]:
+        def on_token() -> None:
+            nonlocal done
+            done += 1
+            if progress is not None:
+                progress(label, done, total)
+
+        return on_token
+
+    previous_threads = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        with torch.inference_mode():
+            hf_model = _hf_copy(model, device) if "hf" in modes else None
+
+            def run(mode: str, n: int, label: str) -> _Run:
+                if mode == "hf":
+                    return _run_hf(hf_model, prompt, n, device, report(label))
+                return _run_ours(model, prompt, n, mode, device, report(label))
+
+            for mode in modes:
+                run(mode, warmup, f"warm-up {mode}")
+            if progress is not None:
+                progress("memory bandwidth", done, total)
+            bandwidth = measure_bandwidth(device, bandwidth_mib)
+            runs: dict[str, list[_Run]] = {mode: [] for mode in modes}
+            # Interleaved, so drift on the machine reaches every mode alike.
+            for r in range(repeats):
+                for mode in modes:
+                    runs[mode].append(run(mode, new_tokens, f"{mode} {r + 1}/{repeats}"))
+        used_threads = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(previous_threads)
+
+    element = param.element_size()
+    w_bytes = weight_bytes(model)
+    kv_token = kv_bytes_per_token(cfg.n_layer, cfg.n_embd, element)
+    # Decode step i attends over the prompt, the prefill's token and i more.
+    lengths = [prompt_len + 1 + i for i in range(new_tokens - 1)]
+    step_bytes = [w_bytes + kv_token * length for length in lengths]
+    reference_mode = "naive" if "naive" in modes else modes[0]
+    reference = runs[reference_mode][0].tokens
+    results = [_summarise(m, runs[m], reference, step_bytes, bandwidth) for m in modes]
+    mean_bytes = sum(step_bytes) / len(step_bytes)
+    n_steps = len(results[0].median_step_ms)
+    profile_lengths = tuple(
+        lengths[min(max(0, round(f * (n_steps - 1))), n_steps - 1)] for f in PROFILE_POINTS
+    )
+    return BenchResult(
+        model=model_name,
+        weights_note=weights_note,
+        device=device.type,
+        device_name=_device_name(device),
+        dtype=str(dtype).removeprefix("torch."),
+        threads=used_threads,
+        torch_version=torch.__version__,
+        transformers_version=_transformers_version(),
+        n_params=sum(p.numel() for p in {p.data_ptr(): p for p in model.parameters()}.values()),
+        prompt_len=prompt_len,
+        new_tokens=new_tokens,
+        repeats=repeats,
+        warmup_tokens=warmup,
+        reference_mode=reference_mode,
+        tokens_agree=all(r.same_tokens for r in results),
+        weight_bytes=w_bytes,
+        kv_bytes_per_token=kv_token,
+        step_bytes_first=step_bytes[0],
+        step_bytes_last=step_bytes[-1],
+        bandwidth=bandwidth,
+        ceiling_tokens_per_s=bandwidth.best_gbps * 1e9 / mean_bytes,
+        profile_lengths=profile_lengths,
+        modes=_with_ratios(results),
+    )
+
+
+def _device_name(device: torch.device) -> str:
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    # platform.processor() is often empty on Linux; /proc/cpuinfo names the part.
+    name = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    name = line.split(":", 1)[1].strip()
+                    break
+    return f"{name}, {os.cpu_count()} logical CPUs"
+
+
+def _transformers_version() -> str | None:
+    try:
+        import transformers
+    except ImportError:
+        return None
+    return transformers.__version__

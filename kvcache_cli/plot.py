@@ -1,0 +1,80 @@
+"""The article's one-plot summary: per-step decode latency, one curve per mode.
+
+`save_plot` writes it as a PNG with matplotlib (an optional extra, imported only
+here and only when asked for); `sparkline` draws the same curve in one line of
+text, so the terminal shows its shape without matplotlib.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+
+from kvcache_cli.bench import BenchResult
+
+BARS = "▁▂▃▄▅▆▇█"
+
+
+class PlotUnavailable(RuntimeError):
+    """matplotlib is not installed."""
+
+
+def require_matplotlib() -> None:
+    """Fail before a long benchmark, not after it, when the plot cannot be drawn."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as error:
+        raise PlotUnavailable(
+            "--plot needs matplotlib: pip install 'kvcache[plot]' (or drop --plot)"
+        ) from error
+
+
+def sparkline(values: Sequence[float], width: int = 48) -> str:
+    """`values` as at most `width` bars, each the median of its share of the points.
+
+    The scale starts at zero, not at the smallest value: a flat curve then reads as
+    a flat row of tall bars, and a rising one climbs, instead of noise being
+    stretched to fill the height.
+    """
+    if not values:
+        return ""
+    width = min(width, len(values))
+    buckets = [
+        values[i * len(values) // width : (i + 1) * len(values) // width] for i in range(width)
+    ]
+    heights = [statistics.median(bucket) for bucket in buckets]
+    top = max(heights)
+    if top <= 0:
+        return BARS[0] * width
+    return "".join(BARS[min(len(BARS) - 1, int(h / top * len(BARS)))] for h in heights)
+
+
+def save_plot(result: BenchResult, path: str | Path) -> Path:
+    """Per-step latency (median over repeats) against context length, one line per mode."""
+    require_matplotlib()
+    # The object-oriented API with the Agg canvas: no GUI backend, no pyplot state.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(8, 4.5), dpi=120)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for mode in result.modes:
+        steps = mode.median_step_ms
+        lengths = range(result.prompt_len + 1, result.prompt_len + 1 + len(steps))
+        ax.plot(lengths, steps, label=f"{mode.mode} ({mode.tokens_per_s_median:.1f} tok/s)", lw=1.2)
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("decode step latency (ms)")
+    ax.set_ylim(bottom=0)
+    ax.set_title(
+        f"{result.model} · {result.device} ({result.dtype}, {result.threads} threads) · "
+        f"median of {result.repeats}",
+        fontsize=9,
+    )
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, format="png")
+    return path

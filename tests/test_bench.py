@@ -1,0 +1,258 @@
+"""`kvcache bench` on a tiny random GPT-2, on the CPU.
+
+What is checked is what the bench counts and reports: every mode runs, their tokens
+agree, steps and tokens are counted right, the bytes add up, the JSON and the plot
+are complete. Timings are never asserted: they depend on the machine.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from kvcache_cli import bench
+from kvcache_cli.cli import app
+from kvcache_cli.gpt2 import load_gpt2
+from kvcache_cli.plot import sparkline
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+PROMPT, NEW, REPEATS = 6, 12, 2
+
+
+@pytest.fixture
+def checkpoint(tmp_path: Path) -> Path:
+    """A real transformers checkpoint of a tiny GPT-2.
+
+    initializer_range 0.3 instead of GPT-2's 0.02: at 0.02 a tiny model repeats one
+    token forever, and tokens that agree would prove nothing.
+    """
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=96, n_positions=64,
+                        initializer_range=0.3)
+    GPT2LMHeadModel(config).save_pretrained(tmp_path / "tiny")
+    return tmp_path / "tiny"
+
+
+def _run(checkpoint: Path, **kwargs) -> bench.BenchResult:
+    model = load_gpt2(str(checkpoint), weights="pretrained").model
+    options = dict(prompt_len=PROMPT, new_tokens=NEW, repeats=REPEATS, bandwidth_mib=4)
+    return bench.run_bench(model, **{**options, **kwargs})
+
+
+def _cli(*args: str):
+    return CliRunner().invoke(app, ["bench", *args])
+
+
+def test_every_mode_runs_and_generates_the_same_varied_tokens(checkpoint):
+    result = _run(checkpoint)
+    assert [m.mode for m in result.modes] == list(bench.MODES)
+    naive = result.mode("naive").tokens
+    assert len(set(naive)) > 2, f"a tiny model stuck on one token proves nothing: {naive}"
+    for m in result.modes:
+        assert m.tokens == naive, m.mode
+        assert m.same_tokens, m.mode
+    assert result.tokens_agree
+    assert result.reference_mode == "naive"
+
+
+def test_steps_and_tokens_are_counted_per_repeat(checkpoint):
+    result = _run(checkpoint)
+    for m in result.modes:
+        assert m.tokens_generated == NEW, m.mode
+        # The first token comes from the prefill; every later one is one decode step.
+        assert len(m.step_ms) == REPEATS, m.mode
+        assert all(len(steps) == NEW - 1 for steps in m.step_ms), m.mode
+        assert len(m.median_step_ms) == NEW - 1, m.mode
+        assert len(m.ttft_ms) == len(m.tokens_per_s) == REPEATS, m.mode
+        assert all(ms > 0 for steps in m.step_ms for ms in steps), m.mode
+    assert result.warmup_tokens == min(bench.WARMUP_TOKENS, NEW)
+    assert result.profile_lengths[0] == PROMPT + 1
+    assert result.profile_lengths[-1] == PROMPT + NEW - 1
+
+
+def test_tokens_per_second_is_decode_steps_over_decode_time(checkpoint):
+    result = _run(checkpoint)
+    for m in result.modes:
+        for steps, tps in zip(m.step_ms, m.tokens_per_s, strict=True):
+            assert tps == pytest.approx((NEW - 1) / (sum(steps) / 1e3))
+        assert m.tokens_per_s_median == pytest.approx(sorted(m.tokens_per_s)[0] / 2
+                                                      + sorted(m.tokens_per_s)[1] / 2)
+    assert result.mode("naive").speedup_over_naive == pytest.approx(1.0)
+    assert result.mode("hf").ratio_to_hf == pytest.approx(1.0)
+    static = result.mode("static")
+    assert static.speedup_over_naive == pytest.approx(
+        static.tokens_per_s_median / result.mode("naive").tokens_per_s_median)
+
+
+def test_static_appends_copy_only_the_new_tokens_concat_the_whole_cache(checkpoint):
+    result = _run(checkpoint)
+    kv_token = result.kv_bytes_per_token  # 2 * layers * n_embd * 4 bytes
+    assert kv_token == 2 * 2 * 32 * 4
+    final = PROMPT + NEW - 1  # the last token is never fed back
+    # static writes each position once; concat re-copies the whole history each step.
+    assert result.mode("static").bytes_copied == kv_token * final
+    concat = sum(range(PROMPT + 1, final + 1)) + PROMPT
+    assert result.mode("concat").bytes_copied == kv_token * concat
+    assert result.mode("naive").bytes_copied is None
+    assert result.mode("hf").bytes_copied is None
+
+
+def test_the_limit_counts_weights_once_and_the_cache_at_each_length(checkpoint):
+    result = _run(checkpoint)
+    model = load_gpt2(str(checkpoint), weights="pretrained").model
+    C, V, L = 32, 96, 2
+    # wte (tied to lm_head, so once) + one row of wpe + ln_f + per layer: attn, mlp, 2 LNs.
+    layer = (C * 3 * C + 3 * C) + (C * C + C) + (C * 4 * C + 4 * C) + (4 * C * C + C) + 4 * C
+    assert result.weight_bytes == 4 * (V * C + C + 2 * C + L * layer)
+    assert result.weight_bytes == bench.weight_bytes(model)
+    assert result.step_bytes_first == result.weight_bytes + result.kv_bytes_per_token * (PROMPT + 1)
+    assert result.step_bytes_last == result.weight_bytes + result.kv_bytes_per_token * (
+        PROMPT + NEW - 1)
+    bw = result.bandwidth
+    assert bw.copy_bytes == 4 * 2**20 and bw.bytes_moved == 2 * bw.copy_bytes
+    assert bw.best_gbps >= bw.median_gbps > 0
+    mean_bytes = (result.step_bytes_first + result.step_bytes_last) / 2  # linear in length
+    assert result.ceiling_tokens_per_s == pytest.approx(bw.best_gbps * 1e9 / mean_bytes)
+    for m in result.modes:
+        assert m.achieved_gbps == pytest.approx(mean_bytes * m.tokens_per_s_median / 1e9)
+        assert m.fraction_of_bandwidth == pytest.approx(m.achieved_gbps / bw.best_gbps)
+
+
+def test_threads_are_set_for_the_run_and_restored(checkpoint):
+    before = torch.get_num_threads()
+    result = _run(checkpoint, modes=("static",), threads=1, repeats=1)
+    assert result.threads == 1
+    assert torch.get_num_threads() == before
+
+
+def test_a_subset_of_modes_compares_with_the_first_one(checkpoint):
+    result = _run(checkpoint, modes=("static", "concat"))
+    assert [m.mode for m in result.modes] == ["static", "concat"]
+    assert result.reference_mode == "static"
+    assert result.tokens_agree
+    assert all(m.speedup_over_naive is None and m.ratio_to_hf is None for m in result.modes)
+
+
+def test_the_clock_synchronises_cuda_before_every_reading(monkeypatch):
+    # No GPU here: a CUDA device object is enough to take the CUDA branch, with
+    # torch.cuda.synchronize replaced by a recorder.
+    events: list[str] = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: events.append("sync"))
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: events.append("clock") or 0.0)
+    clock = bench._Clock(torch.device("cuda"), on_token=lambda: events.append("token"))
+    clock.tick()
+    assert events == ["sync", "clock", "sync", "clock", "token", "clock"]
+    events.clear()
+    bench._Clock(torch.device("cpu"), on_token=lambda: None).tick()
+    assert "sync" not in events
+
+
+def test_bookkeeping_between_tokens_is_not_timed():
+    timeline = bench._Timeline(start=0.0, marks=[1.0, 3.0, 6.0], resumes=[1.5, 3.5, 6.5])
+    assert timeline.ttft_ms() == 1000.0
+    assert timeline.step_ms() == [1500.0, 2500.0]
+
+
+def test_bandwidth_counts_the_read_and_the_write():
+    bw = bench.measure_bandwidth(torch.device("cpu"), mib=2, repeats=3)
+    assert bw.copy_bytes == 2 * 2**20
+    assert bw.bytes_moved == 2 * bw.copy_bytes
+    assert len(bw.seconds) == 3
+    assert bw.best_gbps == pytest.approx(bw.bytes_moved / min(bw.seconds) / 1e9)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("naive,bogus", "unknown mode 'bogus'; valid modes: naive, concat, static, hf"),
+        ("", "no modes given; valid modes: naive, concat, static, hf"),
+        ("static,static", "mode 'static' given twice"),
+    ],
+)
+def test_parse_modes_rejects_bad_lists(text, message):
+    with pytest.raises(ValueError) as err:
+        bench.parse_modes(text)
+    assert str(err.value) == message
+
+
+def test_run_bench_refuses_lengths_past_the_window(checkpoint):
+    with pytest.raises(ValueError, match=r"prompt 32 \+ new tokens 40 = 72 past context window 64"):
+        _run(checkpoint, prompt_len=32, new_tokens=40)
+
+
+def test_sparkline_is_flat_for_flat_and_climbs_for_rising():
+    assert sparkline([5.0] * 10) == "█" * 10
+    rising = sparkline([float(i) for i in range(1, 65)], width=8)
+    assert len(rising) == 8
+    assert list(rising) == sorted(rising) and rising[0] != rising[-1]
+    assert sparkline([1.0, 2.0, 3.0], width=40) == sparkline([1.0, 2.0, 3.0], width=3)
+    assert sparkline([]) == ""
+
+
+def test_cli_json_has_every_key(checkpoint):
+    out = _cli("--model", str(checkpoint), "--weights", "pretrained", "--device", "cpu",
+               "--prompt-len", str(PROMPT), "--new-tokens", str(NEW), "--repeats", "1", "--json")
+    assert out.exit_code == 0, out.output
+    data = json.loads(out.stdout)
+    assert set(data) == {
+        "model", "weights_note", "device", "device_name", "dtype", "threads", "torch_version",
+        "transformers_version", "n_params", "prompt_len", "new_tokens", "repeats",
+        "warmup_tokens", "reference_mode", "tokens_agree", "weight_bytes", "kv_bytes_per_token",
+        "step_bytes_first", "step_bytes_last", "bandwidth", "ceiling_tokens_per_s",
+        "profile_lengths", "modes",
+    }
+    assert set(data["bandwidth"]) == {"copy_bytes", "bytes_moved", "seconds", "best_gbps",
+                                      "median_gbps"}
+    assert [m["mode"] for m in data["modes"]] == list(bench.MODES)
+    for m in data["modes"]:
+        assert set(m) == {
+            "mode", "tokens", "tokens_generated", "same_tokens", "ttft_ms", "step_ms",
+            "median_step_ms", "tokens_per_s", "tokens_per_s_median", "ms_per_token_median",
+            "ttft_ms_median", "profile_ms", "speedup_over_naive", "ratio_to_hf",
+            "cache_bytes_held", "bytes_copied", "achieved_gbps", "fraction_of_bandwidth",
+        }
+        assert len(m["median_step_ms"]) == NEW - 1
+        assert all(math.isfinite(x) for x in m["median_step_ms"])
+    assert data["device"] == "cpu" and data["dtype"] == "float32"
+    assert data["tokens_agree"] is True
+
+
+def test_cli_table_and_plot(checkpoint, tmp_path):
+    png = tmp_path / "steps.png"
+    out = _cli("--model", str(checkpoint), "--weights", "pretrained", "--device", "cpu",
+               "--prompt-len", str(PROMPT), "--new-tokens", str(NEW), "--repeats", "1",
+               "--modes", "naive,static", "--threads", "1", "--plot", str(png))
+    assert out.exit_code == 0, out.output
+    shown = " ".join(out.stdout.split())  # rich wraps long lines at the test's 80 columns
+    for text in ("naive", "static", "tokens/s", "the limit", "GB/s", "1 threads", "float32",
+                 f"per-step plot written to {png}"):
+        assert text in shown, text
+    assert png.read_bytes()[:8] == PNG_SIGNATURE
+
+
+def test_cli_bad_modes_is_one_line_and_exit_2():
+    out = _cli("--modes", "naive,fast", "--device", "cpu")
+    assert out.exit_code == 2, out.output
+    assert out.stderr == (
+        "error: unknown mode 'fast'; valid modes: naive, concat, static, hf\n")
+
+
+def test_cli_plot_into_a_missing_directory_is_refused_before_running(tmp_path):
+    out = _cli("--device", "cpu", "--plot", str(tmp_path / "nope" / "x.png"))
+    assert out.exit_code == 2, out.output
+    assert out.stderr.startswith("error: --plot: no directory") and out.stderr.count("\n") == 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_cli_cuda_without_a_gpu_is_one_line_and_exit_2():
+    out = _cli("--device", "cuda")
+    assert out.exit_code == 2, out.output
+    assert out.stderr == "error: CUDA is not available (torch sees no GPU); use --device cpu\n"
