@@ -213,11 +213,11 @@ def size(
     kv_heads: Annotated[int | None, typer.Option(
         help="K/V heads per layer (1 = MQA; default: --heads).")] = None,
     head_dim: Annotated[int | None, typer.Option(
-        help="Width of one head.  [default: 128]")] = None,
+        help="Width of one head (default 128).")] = None,
     heads: Annotated[int | None, typer.Option(
         help="Query heads, for the multi-head baseline.")] = None,
     seq: Annotated[int | None, typer.Option(
-        help="Tokens per sequence.  [default: the model's context window]")] = None,
+        help="Tokens per sequence (default: the model's context window).")] = None,
     batch: Annotated[int, typer.Option(help="Sequences cached at once.")] = 1,
     dtype: Annotated[str, typer.Option(
         help="Cache dtype: fp32, fp16, bf16, fp8, int8, int4.")] = "fp16",
