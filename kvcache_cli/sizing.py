@@ -724,7 +724,9 @@ class Fit:
     weights_bytes_per_gpu: int  # split across --tp GPUs
     room_bytes: int  # left for the cache on one GPU
     max_tokens: int | None  # longest single sequence whose cache fits; None: no limit
-    max_sequences: int  # concurrent sequences of --seq tokens
+    max_sequences: int | None  # concurrent sequences of --seq tokens; None: no limit
+    batch_bytes_per_gpu: int  # the --batch × --seq cache this GPU would hold
+    batch_fits: bool
     block_size: int | None
     paged_bytes_per_sequence: int | None  # one --seq sequence rounded up to whole blocks
     paged_waste_bytes_per_sequence: int | None
@@ -921,7 +923,7 @@ def size_cache(
 
     fit = None
     if gpu_mem is not None:
-        fit = _fit(shape, counts, per_gpu, seq, tp, gpu_mem, weight_dtype, block_size)
+        fit = _fit(shape, counts, per_gpu, seq, batch, tp, gpu_mem, weight_dtype, block_size)
 
     return SizeResult(
         model=shape.name,
@@ -1006,8 +1008,8 @@ def _tensor_parallel(shape: ModelShape, counts: dict[str, int], bits: int, seq: 
     return TensorParallel(tp, heads, replicas, per_token, per_gpu, per_gpu * tp, note)
 
 
-def _fit(shape: ModelShape, counts: dict[str, int], per_layer: dict[str, int], seq: int, tp: int,
-         gpu_mem: int, weight_dtype: str, block_size: int | None) -> Fit:
+def _fit(shape: ModelShape, counts: dict[str, int], per_layer: dict[str, int], seq: int,
+         batch: int, tp: int, gpu_mem: int, weight_dtype: str, block_size: int | None) -> Fit:
     if shape.params is None:
         raise SizingError(
             "--gpu-mem needs the weights' size: expected --model NAME or --params N "
@@ -1033,12 +1035,12 @@ def _fit(shape: ModelShape, counts: dict[str, int], per_layer: dict[str, int], s
     growing = sum(cnt * per_layer[k] for k, cnt in counts.items() if k in ("full", "mla"))
     bounded_at = (shape.window or 0) + (block_size or 0)
     per_sequence = cost(seq)
-    max_sequences = room // per_sequence if per_sequence else 0
+    max_sequences = room // per_sequence if per_sequence else None
     paged = waste = paged_sequences = paged_tokens = None
     if block_size is not None:
         paged = cost(seq, block_size)
         waste = paged - per_sequence
-        paged_sequences = room // paged if paged else 0
+        paged_sequences = room // paged if paged else None
         paged_tokens = _max_tokens(lambda n: cost(n, block_size), room, growing, bounded_at)
     return Fit(
         gpu_mem_bytes=gpu_mem,
@@ -1049,6 +1051,8 @@ def _fit(shape: ModelShape, counts: dict[str, int], per_layer: dict[str, int], s
         room_bytes=room,
         max_tokens=_max_tokens(cost, room, growing, bounded_at),
         max_sequences=max_sequences,
+        batch_bytes_per_gpu=per_sequence * batch,
+        batch_fits=per_sequence * batch <= room,
         block_size=block_size,
         paged_bytes_per_sequence=paged,
         paged_waste_bytes_per_sequence=waste,

@@ -413,6 +413,9 @@ def test_fit_llama2_7b_on_80_gib():
     assert fit.room_bytes == 80 * GiB - 13_476_831_232 == 72_422_514_688
     assert fit.max_tokens == 138_134  # room // 524,288 bytes per token
     assert fit.max_sequences == 33  # 2 GiB per 4,096-token sequence
+    assert fit.batch_fits
+    big = size_cache(PRESETS["llama-2-7b"].shape, seq=4096, batch=34, gpu_mem=80 * GiB).fit
+    assert big.batch_bytes_per_gpu == 68 * GiB and not big.batch_fits
 
 
 def test_fit_paged_rounding_charges_whole_blocks():

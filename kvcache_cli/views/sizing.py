@@ -105,6 +105,10 @@ def _fit_table(r: SizeResult) -> RenderableType:
     table.add_row("room for the cache", format_bytes(fit.room_bytes))
     table.add_row("max tokens, one sequence", _count(fit.max_tokens))
     table.add_row(f"max sequences of {r.seq:,} tokens", _count(fit.max_sequences))
+    verdict = Text("fits", style="green") if fit.batch_fits else Text("does not fit",
+                                                                       style="bold red")
+    table.add_row(f"--batch {r.batch:,} × {r.seq:,} tokens",
+                  Text.assemble(format_bytes(fit.batch_bytes_per_gpu), ": ", verdict))
     if fit.block_size is not None:
         table.add_row(f"one sequence in {fit.block_size}-token blocks",
                       f"{format_bytes(fit.paged_bytes_per_sequence)} "
