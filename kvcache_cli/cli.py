@@ -8,9 +8,10 @@ need them, so `kvcache --help`, `size` and `demo` start fast.
 
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import Annotated, Literal, NoReturn
 
 import typer
 from typer.core import TyperGroup
@@ -385,6 +386,153 @@ def bench(
     console.print(bench_view(result))
     if plot is not None:
         console.print(f"per-step plot written to {plot}")
+
+
+# --- generate and the GPT-2 breaks: the PyTorch model --------------------------------
+
+
+def _torch_device(device: str) -> str:
+    """Check --device before loading anything: no CUDA is bad input, in one line."""
+    import torch
+
+    if device not in ("cpu", "cuda"):
+        fail(f"--device {device!r}: expected cpu or cuda")
+    if device == "cuda" and not torch.cuda.is_available():
+        fail(f"--device cuda: CUDA is not available (torch {torch.__version__}); use --device cpu")
+    return device
+
+
+@functools.lru_cache(maxsize=1)  # `break all` runs three GPT-2 breaks on one model
+def _load_gpt2(model: str, weights: str, device: str):
+    from kvcache_cli.gpt2 import load_gpt2
+
+    try:
+        loaded = load_gpt2(model, weights, device)
+    except ValueError as err:
+        fail(str(err))
+    except (RuntimeError, OSError) as err:
+        fail(str(err), code=1)
+    if loaded.note:
+        typer.echo(f"note: {loaded.note}", err=True)
+    return loaded
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.replace(" ", "").split(",") if part]
+    except ValueError:
+        fail(f"--ids: expected comma-separated token ids like 464,2068,7586, got {text!r}")
+
+
+@app.command()
+def generate(
+    prompt: Annotated[str | None, typer.Argument(
+        help="Text to continue, tokenized with tiktoken's gpt2 encoding.")] = None,
+    max_new_tokens: Annotated[int, typer.Option(
+        "--max-new-tokens", "-n", min=1, help="Tokens to generate.")] = 32,
+    device: Annotated[Literal["cpu", "cuda"], typer.Option(help="Where to run.")] = "cpu",
+    mode: Annotated[Literal["naive", "concat", "static"], typer.Option(
+        help="naive: the full forward every token; concat: a torch.cat cache; "
+        "static: a preallocated cache written in place.")] = "static",
+    model: Annotated[str, typer.Option(
+        "--model", "-m",
+        help="gpt2, gpt2-medium, gpt2-large, gpt2-xl or a checkpoint dir (save_pretrained).")
+    ] = "gpt2",
+    weights: Annotated[Literal["auto", "pretrained", "random"], typer.Option(
+        help="auto: pretrained when cached or downloadable, else random (one note).")] = "auto",
+    ids: Annotated[str | None, typer.Option(
+        help="The prompt as token ids, e.g. 464,2068,7586: needs no tokenizer.")] = None,
+    temperature: Annotated[float, typer.Option(min=0.0, help="0 is greedy.")] = 0.0,
+    top_k: Annotated[int | None, typer.Option(
+        min=1, help="Sample from the k likeliest tokens only.")] = None,
+    seed: Annotated[int, typer.Option(help="Seed for sampling.")] = 0,
+    as_json: Annotated[bool, typer.Option(
+        "--json", help="Print the result as JSON instead of streaming.")] = False,
+) -> None:
+    """Generate with GPT-2 and its KV cache, streaming tokens as they are made."""
+    if (prompt is None) == (ids is None):
+        fail("give a prompt or --ids (token ids), one of the two")
+    prompt_ids = _parse_ids(ids) if ids is not None else []
+    _torch_device(device)
+    import torch
+    from rich.console import Console
+
+    from kvcache_cli import generate as gen
+    from kvcache_cli.views.generate import TokenStream, generation_view, header
+
+    loaded = _load_gpt2(model, weights, device)
+    gpt = loaded.model
+    encoding, why = None, f"the model's vocabulary ({gpt.config.vocab_size}) is not GPT-2's"
+    if gpt.config.vocab_size == 50257:  # tiktoken's gpt2 encoding fits GPT-2's own only
+        encoding, why = gen.gpt2_encoding()
+    if prompt is not None:
+        if encoding is None:
+            fail(f"{why}: give the prompt as token ids, e.g. --ids 464,2068,7586", code=1)
+        prompt_ids = encoding.encode(prompt, disallowed_special=())
+    elif encoding is None and gpt.config.vocab_size == 50257:
+        typer.echo(f"note: {why}: showing token ids", err=True)
+    try:
+        gen.check_request(gpt, prompt_ids, max_new_tokens)  # before anything is printed
+    except (ValueError, IndexError) as err:
+        fail(str(err))
+    generator = torch.Generator(device=device).manual_seed(seed)
+    console = Console()
+    stream = None if as_json else TokenStream(console, encoding)
+    if stream is not None:
+        console.print(header(loaded.source, gpt.num_params(), device, "float32", mode))
+        stream.prompt(prompt_ids)
+    try:
+        result = gen.generate(
+            gpt, prompt_ids, max_new_tokens, mode,
+            temperature=temperature, top_k=top_k, generator=generator, on_token=stream,
+        )  # fmt: skip
+    except (ValueError, IndexError) as err:
+        fail(str(err))
+    except RuntimeError as err:
+        fail(str(err), code=1)
+    if as_json:
+        from dataclasses import asdict
+
+        from kvcache_cli.views import to_json
+
+        text = encoding.decode(list(result.tokens)) if encoding is not None else None
+        typer.echo(to_json({"model": loaded.source, "note": loaded.note, **asdict(result),
+                            "text": text}))
+        return
+    stream.end()
+    console.print(generation_view(result))
+
+
+def _gpt2_break(
+    name: str, model: str, weights: str, device: str, max_new_tokens: int, as_json: bool
+) -> None:
+    """Run one GPT-2 break (the correct and the broken loop) and render it."""
+    _torch_device(device)
+    from kvcache_cli.generate import gpt2_encoding, run_break
+
+    loaded = _load_gpt2(model, weights, device)
+    try:
+        result = run_break(name, loaded.model, max_new_tokens=max_new_tokens)
+    except (ValueError, IndexError) as err:
+        fail(str(err))
+    if as_json:
+        from kvcache_cli.views import to_json
+
+        typer.echo(to_json(result))
+        return
+    from rich.console import Console
+
+    from kvcache_cli.views.generate import break_view, header
+
+    piece = None
+    if loaded.model.config.vocab_size == 50257:
+        encoding, _ = gpt2_encoding()
+        if encoding is not None:
+            piece = lambda t: encoding.decode([t])  # noqa: E731
+    console = Console()
+    gpt = loaded.model
+    console.print(header(loaded.source, gpt.num_params(), device, "float32", result.mode))
+    console.print(break_view(result, piece))
 
 
 def main() -> None:

@@ -10,6 +10,7 @@ Reference: the GPT-2 KV-cache article in `seeds/003_*`, section 5.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -229,21 +230,26 @@ BREAKS = {
 }
 
 
-def _compare(a: Iterator[tuple[int, Tensor]], b: Iterator[tuple[int, Tensor]]):
-    """Tokens of both runs, first differing step, per-step max |logit difference|.
+class _Diff:
+    """Two runs step by step: their tokens, the first differing step, the logit gaps.
 
     Logits are compared up to and including the first differing step: after it the
-    two loops are fed different tokens, so later differences say nothing new.
+    two loops are fed different tokens, so later gaps say nothing about the bug.
     """
-    tokens_a, tokens_b, diffs, first = [], [], [], None
-    for step, ((ta, la), (tb, lb)) in enumerate(zip(a, b, strict=True)):
-        tokens_a.append(ta)
-        tokens_b.append(tb)
-        if first is None:
-            diffs.append((la - lb).abs().max().item())
+
+    def __init__(self) -> None:
+        self.a: list[int] = []
+        self.b: list[int] = []
+        self.first: int | None = None
+        self.gaps: list[float] = []
+
+    def add(self, ta: int, la: Tensor, tb: int, lb: Tensor) -> None:
+        if self.first is None:
+            self.gaps.append((la - lb).abs().max().item())
             if ta != tb:
-                first = step
-    return tuple(tokens_a), tuple(tokens_b), first, tuple(diffs)
+                self.first = len(self.a)
+        self.a.append(ta)
+        self.b.append(tb)
 
 
 def run_break(
@@ -267,10 +273,8 @@ def run_break(
         raise ValueError(f"breaks need a cache: mode concat or static, got {mode!r}")
     V = model.config.vocab_size
     # The default prompts are GPT-2 ids; a smaller test vocabulary wraps them.
-    prompt = list(prompt_ids if prompt_ids is not None else DEFAULT_PROMPT_IDS)
-    prompt = [t % V for t in prompt] if prompt_ids is None else prompt
-    earlier = list(earlier_ids if earlier_ids is not None else OTHER_PROMPT_IDS)
-    earlier = [t % V for t in earlier] if earlier_ids is None else earlier
+    prompt = list(prompt_ids) if prompt_ids is not None else [t % V for t in DEFAULT_PROMPT_IDS]
+    earlier = list(earlier_ids) if earlier_ids is not None else [t % V for t in OTHER_PROMPT_IDS]
     check_request(model, prompt, max_new_tokens)
 
     def greedy(logits: Tensor) -> Tensor:
@@ -294,28 +298,31 @@ def run_break(
             pass
         broken = run(cache=cache)  # request 2 on the same cache, no reset
         used = tuple(earlier)
-    reference = _steps(model, prompt, max_new_tokens, "naive", None, greedy)
-    naive, correct_a, naive_first, naive_diffs = _compare(reference, run())
-    correct, bad, first, diffs = _compare(run(), broken)
+    naive = _steps(model, prompt, max_new_tokens, "naive", None, greedy)
+    control, bug = _Diff(), _Diff()
+    for (tn, ln), (tc, lc), (tb, lb) in zip(naive, run(), broken, strict=True):
+        control.add(tc, lc, tn, ln)
+        bug.add(tc, lc, tb, lb)
     return BreakResult(
         name=name,
         bug=BREAKS[name],
         mode=mode,
         prompt_ids=tuple(prompt),
         earlier_ids=used,
-        correct=correct,
-        broken=bad,
-        first_divergence=first,
-        max_logit_diff=max(diffs),
-        step_logit_diff=diffs,
-        naive_logit_diff=max(naive_diffs),
-        naive_agrees=naive_first is None,
+        correct=tuple(bug.a),
+        broken=tuple(bug.b),
+        first_divergence=bug.first,
+        max_logit_diff=max(bug.gaps),
+        step_logit_diff=tuple(bug.gaps),
+        naive_logit_diff=max(control.gaps),
+        naive_agrees=control.first is None,
     )
 
 
 # ---------------------------------------------------------------------------- tokenizer
 
 
+@functools.cache  # one try per process: a failed download would fail again
 def gpt2_encoding(timeout_s: float = 10.0):
     """(tiktoken's gpt2 Encoding, None), or (None, one line saying why not).
 

@@ -320,6 +320,9 @@ def make_cache(mode: str, model: GPT, max_len: int, batch: int = 1) -> KVCache |
 _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 # Old checkpoints also carry the causal mask as buffers; we build masks in forward.
 _IGNORED = ("attn.bias", "attn.masked_bias")
+# Random weights are drawn 10x wider than GPT-2's 0.02 training init: at 0.02 an
+# untrained model's greedy tokens repeat one id forever, so no bug could show in them.
+RANDOM_INIT_STD = 0.2
 _HUB_REPO = "openai-community/{name}"
 _HUB_TIMEOUT_S = 3.0
 
@@ -327,7 +330,7 @@ _HUB_TIMEOUT_S = 3.0
 @dataclass(frozen=True)
 class LoadedModel:
     model: GPT
-    source: str  # "pretrained gpt2 (cached)", "checkpoint /path", "random weights (gpt2 shape)"
+    source: str  # "pretrained gpt2 (cached)", "checkpoint /path", "random weights (gpt2 ...)"
     note: str | None = None  # one line when `auto` fell back to random weights
 
 
@@ -348,13 +351,13 @@ def load_gpt2(
     if name_or_path in PRESETS:
         config, name = PRESETS[name_or_path], name_or_path
         if weights == "random":
-            return _random(config, f"random weights ({name} shape)", device, dtype)
+            return _random(config, _random_source(name), device, dtype)
         path, how, why = _hub_weights(name)
         if path is None:
             if weights == "pretrained":
                 raise RuntimeError(f"pretrained {name} weights unavailable: {why}")
             note = f"pretrained {name} weights unavailable ({why}): using random weights"
-            return _random(config, f"random weights ({name} shape)", device, dtype, note)
+            return _random(config, _random_source(name), device, dtype, note)
         state = _read_weights(Path(path))
         return LoadedModel(_from_state(config, state, device, dtype), f"pretrained {name} ({how})")
     directory = Path(name_or_path)
@@ -365,9 +368,13 @@ def load_gpt2(
         )
     config = _read_config(directory / "config.json")
     if weights == "random":
-        return _random(config, f"random weights ({directory} shape)", device, dtype)
+        return _random(config, _random_source(str(directory)), device, dtype)
     state = _read_weights(_weights_file(directory))
     return LoadedModel(_from_state(config, state, device, dtype), f"checkpoint {directory}")
+
+
+def _random_source(shape: str) -> str:
+    return f"random weights ({shape} shape, std {RANDOM_INIT_STD})"
 
 
 def _random(config, source, device, dtype, note=None) -> LoadedModel:
@@ -375,7 +382,7 @@ def _random(config, source, device, dtype, note=None) -> LoadedModel:
         model = GPT(config)  # shapes only, so the init below runs once, not twice
     model = model.to_empty(device="cpu")  # init on the CPU: one seeded stream everywhere
     model.lm_head.weight = model.transformer.wte.weight
-    model._init_weights(0.02, seed=0)
+    model._init_weights(RANDOM_INIT_STD, seed=0)
     return LoadedModel(model.to(device=device, dtype=dtype).eval(), source, note)
 
 

@@ -1,0 +1,131 @@
+"""Rich views of GPT-2 generation and the three torch breaks.
+
+`TokenStream` writes tokens to the terminal as they are made; `generation_view` and
+`break_view` render the frozen results of `kvcache_cli.generate` (the same objects
+`--json` dumps).
+"""
+
+from __future__ import annotations
+
+import codecs
+from collections.abc import Callable
+
+from rich import box
+from rich.console import Console, Group, RenderableType
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from kvcache_cli.generate import BreakResult, Generation
+
+OK = "[bold green]✓[/]"
+BAD = "[bold red]✗[/]"
+
+
+def _bytes(n: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def header(source: str, params: int, device: str, dtype: str, mode: str) -> Text:
+    return Text.from_markup(
+        f"[bold]{source}[/] · {params / 1e6:.1f}M params · {device} {dtype} · mode [bold]{mode}[/]"
+    )
+
+
+class TokenStream:
+    """Write each token the moment it arrives: as text with a tokenizer, else as ids.
+
+    GPT-2's byte-level tokens can split a UTF-8 character, so text goes through an
+    incremental decoder that holds partial characters back until they are whole.
+    """
+
+    def __init__(self, console: Console, encoding=None):
+        self.console, self.encoding = console, encoding
+        self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def _write(self, text: str, style: str | None = None) -> None:
+        self.console.print(
+            text, end="", style=style, markup=False, highlight=False, soft_wrap=True
+        )
+        self.console.file.flush()
+
+    def prompt(self, ids: list[int]) -> None:
+        if self.encoding is not None:
+            self._write(self.utf8.decode(self.encoding.decode_bytes(ids)), "dim")
+        else:
+            self._write(" ".join(map(str, ids)) + " |", "dim")
+
+    def __call__(self, token: int) -> None:
+        if self.encoding is not None:
+            self._write(self.utf8.decode(self.encoding.decode_single_token_bytes(token)), "bold")
+        else:
+            self._write(f" {token}", "bold")
+
+    def end(self) -> None:
+        self._write(self.utf8.decode(b"", final=True) + "\n")
+
+
+def generation_view(g: Generation) -> RenderableType:
+    table = Table(box=None, show_header=False, padding=(0, 2, 0, 0))
+    table.add_column(style="dim")
+    table.add_column()
+    table.add_row("tokens", f"{len(g.tokens)} new after a {len(g.prompt_ids)}-token prompt")
+    table.add_row("first token", f"{g.first_token_s * 1e3:.1f} ms (prefill + first choice)")
+    rate = g.decode_tokens_per_s
+    if rate == rate:  # not NaN: at least one decode step ran
+        table.add_row("decode", f"{rate:.1f} tokens/s ({1e3 / rate:.1f} ms/token)")
+    if g.mode == "naive":
+        table.add_row("cache", "none: every step re-runs the whole sequence")
+    else:
+        table.add_row(
+            "cache",
+            f"{g.mode}: holds {_bytes(g.cache_bytes_held)}, "
+            f"appends copied {_bytes(g.cache_bytes_copied)}",
+        )
+    return table
+
+
+def _tokens(tokens, first: int | None = None, piece: Callable[[int], str] | None = None) -> Text:
+    """Token ids (or pieces), those from step `first` on in red."""
+    text = Text()
+    for i, t in enumerate(tokens):
+        if i:
+            text.append(" ")
+        shown = repr(piece(t))[1:-1] if piece is not None else str(t)
+        text.append(shown, style="bold red" if first is not None and i >= first else None)
+    return text
+
+
+def break_view(r: BreakResult, piece: Callable[[int], str] | None = None) -> RenderableType:
+    tokens = Table(box=box.SIMPLE_HEAD, padding=(0, 1))
+    tokens.add_column("loop")
+    tokens.add_column("tokens", ratio=1)
+    tokens.add_row("prompt", _tokens(r.prompt_ids, piece=piece))
+    if r.earlier_ids:
+        tokens.add_row("earlier request", _tokens(r.earlier_ids, piece=piece))
+    tokens.add_row("correct", _tokens(r.correct, piece=piece))
+    tokens.add_row("broken", _tokens(r.broken, r.first_divergence, piece))
+    gaps = " ".join(f"{g:.2f}" for g in r.step_logit_diff)
+    if r.first_divergence is None:
+        verdict = f"the tokens never diverge in {len(r.correct)} steps"
+    else:
+        verdict = (
+            f"tokens diverge at step [bold red]{r.first_divergence}[/] "
+            f"(0 = the first new token) of {len(r.correct)}"
+        )
+    lines = Text.from_markup(
+        f"{verdict}\n"
+        f"largest |correct - broken| logit up to there: [bold]{r.max_logit_diff:.3g}[/] "
+        f"(per step: {gaps})\n"
+        f"control, correct {r.mode} loop vs full recompute: max |Δ logit| "
+        f"{r.naive_logit_diff:.1e}, same tokens {OK if r.naive_agrees else BAD}"
+    )
+    return Panel(
+        Group(Text(r.bug), tokens, lines),
+        title=f"GPT-2 break: {r.name}",
+        title_align="left",
+        padding=(0, 1),
+    )
