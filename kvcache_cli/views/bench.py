@@ -16,6 +16,7 @@ from kvcache_cli.plot import sparkline
 
 OK = "[bold green]✓[/]"
 BAD = "[bold red]✗[/]"
+SPARK_WIDTH = 24  # beside five latency columns, the table still fits 80 columns
 
 
 def _table(*columns: str, title: str | None = None) -> Table:
@@ -36,78 +37,95 @@ def _bytes(n: int | float | None) -> str:
     return f"{n:.0f} B"
 
 
+def _num(x: float) -> str:
+    """One decimal for small figures, none for large: narrow columns."""
+    return f"{x:.1f}" if x < 100 else f"{x:.0f}"
+
+
 def _ratio(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}x"
 
 
-def _header(r: BenchResult) -> Text:
-    lines = [
-        f"model   [bold]{r.model}[/], {r.n_params / 1e6:.1f}M parameters",
-        f"device  [bold]{r.device}[/] ({r.device_name}), {r.dtype}, {r.threads} threads, "
-        f"torch {r.torch_version}"
-        + (f", transformers {r.transformers_version}" if r.transformers_version else ""),
-        f"run     prompt {r.prompt_len} random token ids + {r.new_tokens} new tokens, greedy; "
-        f"median of {r.repeats} repeats (spread min-max), {r.warmup_tokens}-token warm-up "
-        "per mode not timed",
-    ]
+def _header(r: BenchResult) -> Table:
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="dim")
+    grid.add_column()
+    grid.add_row("model", f"[bold]{r.model}[/], {r.n_params / 1e6:.1f}M parameters")
     if r.weights_note:
-        lines.append(f"[yellow]note    {r.weights_note}[/]")
-    return Text.from_markup("\n".join(lines))
+        grid.add_row("note", f"[yellow]{r.weights_note}[/]")
+    grid.add_row("device", f"[bold]{r.device}[/] ({r.device_name}), {r.dtype}, "
+                 f"[bold]{r.threads} threads[/]")
+    grid.add_row("software", f"torch {r.torch_version}"
+                 + (f", transformers {r.transformers_version}" if r.transformers_version else ""))
+    grid.add_row("run", f"prompt {r.prompt_len} random token ids + {r.new_tokens} new tokens, "
+                 f"greedy; median of {r.repeats} repeats, spread min-max; "
+                 f"a {r.warmup_tokens}-token warm-up per mode, not timed")
+    return grid
 
 
-def _modes(r: BenchResult) -> Table:
+def _speed(r: BenchResult) -> Table:
+    m0 = r.modes[0]
     table = _table(
-        "mode", "tokens/s", "spread", "ms/token", "TTFT ms", "first step", "last step",
-        "vs naive", "vs hf", "GB/s", "of bw", "appends copied", "tokens",
-        title=f"decode, {r.modes[0].tokens_generated} tokens per run "
-        f"({len(r.modes[0].median_step_ms)} decode steps after the prefill)",
+        "mode", "tokens/s", "spread", "ms/token", "TTFT ms", "×naive", "×hf", "tokens",
+        title=f"decode: {m0.tokens_generated} tokens a run, the first from the prefill (TTFT), "
+        f"then {len(m0.median_step_ms)} timed steps",
     )
     for m in r.modes:
-        lo, hi = min(m.tokens_per_s), max(m.tokens_per_s)
         same = OK if m.same_tokens else BAD
         if m.mode == r.reference_mode:
             same += " ref"
         table.add_row(
             f"[bold]{m.mode}[/]",
-            f"[bold]{m.tokens_per_s_median:.1f}[/]",
-            f"{lo:.1f}-{hi:.1f}",
-            f"{m.ms_per_token_median:.1f}",
-            f"{m.ttft_ms_median:.1f}",
-            f"{m.profile_ms[0]:.1f} ms",
-            f"{m.profile_ms[-1]:.1f} ms",
+            f"[bold]{_num(m.tokens_per_s_median)}[/]",
+            f"{_num(min(m.tokens_per_s))}-{_num(max(m.tokens_per_s))}",
+            _num(m.ms_per_token_median),
+            _num(m.ttft_ms_median),
             _ratio(m.speedup_over_naive),
             _ratio(m.ratio_to_hf),
-            f"{m.achieved_gbps:.1f}",
-            f"{m.fraction_of_bandwidth:.0%}",
-            _bytes(m.bytes_copied),
             same,
         )
     return table
 
 
-def _limit(r: BenchResult) -> Text:
+def _memory(r: BenchResult) -> Table:
+    table = _table("mode", "GB/s", "of bandwidth", "copied by appends", "cache held",
+                   title="memory: bytes a step must read / step time; what the cache moved")
+    for m in r.modes:
+        table.add_row(
+            m.mode,
+            f"{m.achieved_gbps:.1f}",
+            f"{m.fraction_of_bandwidth:.0%}",
+            _bytes(m.bytes_copied),
+            _bytes(m.cache_bytes_held),
+        )
+    return table
+
+
+def _limit(r: BenchResult) -> Table:
     bw = r.bandwidth
-    return Text.from_markup(
-        f"[bold]the limit[/]  memory bandwidth, measured now: copying "
-        f"{bw.copy_bytes / 2**20:.0f} MiB (read + write = {_bytes(bw.bytes_moved)} a copy) "
-        f"best [bold]{bw.best_gbps:.1f} GB/s[/], "
-        f"median {bw.median_gbps:.1f} GB/s\n"
-        f"           a decode step reads the weights ({_bytes(r.weight_bytes)}) + the KV cache "
-        f"({_bytes(r.kv_bytes_per_token)}/token): {_bytes(r.step_bytes_first)} at "
-        f"{r.profile_lengths[0]} tokens, {_bytes(r.step_bytes_last)} at {r.profile_lengths[-1]}\n"
-        f"           ceiling [bold cyan]{r.ceiling_tokens_per_s:.1f} tokens/s[/] "
-        "(best bandwidth / mean bytes per step); GB/s and 'of bw' above are those bytes "
-        "over each mode's step time"
-    )
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="dim")
+    grid.add_column()
+    grid.add_row("[not dim bold]the limit[/]", "")
+    grid.add_row("memory bandwidth", f"[bold]{bw.best_gbps:.1f} GB/s[/] best, "
+                 f"{bw.median_gbps:.1f} median: copying {bw.copy_bytes / 2**20:.0f} MiB "
+                 "in this run, read + write counted")
+    grid.add_row("a decode step reads", f"{_bytes(r.weight_bytes)} of weights + "
+                 f"{_bytes(r.kv_bytes_per_token)} of K and V per token: "
+                 f"{_bytes(r.step_bytes_first)} @{r.profile_lengths[0]} to "
+                 f"{_bytes(r.step_bytes_last)} @{r.profile_lengths[-1]}")
+    grid.add_row("ceiling", f"[bold cyan]{r.ceiling_tokens_per_s:.1f} tokens/s[/] "
+                 "(best bandwidth / mean bytes a step)")
+    return grid
 
 
 def _profile(r: BenchResult) -> Table:
-    table = _table("mode", *(f"@{n}" for n in r.profile_lengths), "per step (0 ms = bottom)",
-                   title="decode step latency (ms) by context length")
+    table = _table("mode", *(f"@{n}" for n in r.profile_lengths), "every step, from 0 ms",
+                   title="decode step latency (ms) at context length @n")
     table.columns[-1].justify = "left"
     for m in r.modes:
-        table.add_row(m.mode, *(f"{ms:.1f}" for ms in m.profile_ms),
-                      f"[cyan]{sparkline(m.median_step_ms)}[/]")
+        table.add_row(m.mode, *(_num(ms) for ms in m.profile_ms),
+                      f"[cyan]{sparkline(m.median_step_ms, SPARK_WIDTH)}[/]")
     return table
 
 
@@ -120,7 +138,7 @@ def _verdict(r: BenchResult) -> Text:
 
 
 def bench(r: BenchResult) -> RenderableType:
-    return Group(_header(r), _modes(r), _limit(r), Text(), _profile(r), _verdict(r))
+    return Group(_header(r), _speed(r), _profile(r), _memory(r), _limit(r), _verdict(r))
 
 
 def render(r: BenchResult) -> RenderableType:
