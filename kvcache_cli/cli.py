@@ -23,16 +23,6 @@ from kvcache_cli import __version__
 _UsageError = typer.BadParameter.__bases__[0]
 
 
-def _typed_value(error: Exception) -> object | None:
-    """The raw text a user typed, when the type conversion kept it (pydantic does)."""
-    errors = getattr(error.__cause__, "errors", None)
-    if callable(errors):
-        details = errors()
-        if details and "input" in details[0]:
-            return details[0]["input"]
-    return None
-
-
 class _OneLineErrors(TyperGroup):
     """Report a bad option or argument as one line on stderr, exit status 2.
 
@@ -50,9 +40,7 @@ class _OneLineErrors(TyperGroup):
                 # Plain `kvcache` asks for the help, not an error.
                 error.show()
                 sys.exit(2)
-            typed = _typed_value(error)
-            hint = f" (got {typed!r})" if typed is not None else ""
-            hint += f" (see '{error.ctx.command_path} --help')" if error.ctx else ""
+            hint = f" (see '{error.ctx.command_path} --help')" if error.ctx else ""
             typer.echo(f"error: {error.format_message()}{hint}", err=True)
             sys.exit(2)
         except typer.Abort:
