@@ -448,17 +448,23 @@ def generate(
     from kvcache_cli import generate as gen
     from kvcache_cli.views.generate import TokenStream, generation_view, header
 
+    use_ids = "give the prompt as token ids, e.g. --ids 464,2068,7586"
+    encoding, why = None, None
+    if prompt is not None:  # before loading a model: a text prompt needs the tokenizer
+        encoding, why = gen.gpt2_encoding()
+        if encoding is None:
+            fail(f"{why}: {use_ids}", code=1)
     loaded = _load_gpt2(model, weights, device)
     gpt = loaded.model
-    encoding, why = None, f"the model's vocabulary ({gpt.config.vocab_size}) is not GPT-2's"
-    if gpt.config.vocab_size == 50257:  # tiktoken's gpt2 encoding fits GPT-2's own only
-        encoding, why = gen.gpt2_encoding()
+    gpt2_vocab = gpt.config.vocab_size == 50257  # tiktoken's gpt2 encoding fits no other
     if prompt is not None:
-        if encoding is None:
-            fail(f"{why}: give the prompt as token ids, e.g. --ids 464,2068,7586", code=1)
+        if not gpt2_vocab:
+            fail(f"the model's vocabulary ({gpt.config.vocab_size}) is not GPT-2's: {use_ids}")
         prompt_ids = encoding.encode(prompt, disallowed_special=())
-    elif encoding is None and gpt.config.vocab_size == 50257:
-        typer.echo(f"note: {why}: showing token ids", err=True)
+    elif gpt2_vocab:
+        encoding, why = gen.gpt2_encoding()  # only to show the new tokens as text
+        if encoding is None:
+            typer.echo(f"note: {why}: showing token ids", err=True)
     try:
         gen.check_request(gpt, prompt_ids, max_new_tokens)  # before anything is printed
     except (ValueError, IndexError) as err:

@@ -334,10 +334,14 @@ def gpt2_encoding(timeout_s: float = 10.0):
     def load() -> None:
         try:
             import tiktoken
-
+        except ImportError:
+            box["why"] = "tiktoken is not installed"
+            return
+        try:
             box["enc"] = tiktoken.get_encoding("gpt2")
-        except Exception as error:  # missing package, no network, bad cache: all "no"
-            box["why"] = f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"
+        except Exception as error:  # no network, a bad cache: either way, no encoding
+            failure = type(error).__name__
+            box["why"] = f"its files are not cached and could not be fetched: {failure}"
 
     thread = threading.Thread(target=load, daemon=True)
     thread.start()

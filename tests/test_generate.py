@@ -218,7 +218,6 @@ def test_cli_device_cuda_without_cuda_is_one_line_exit_2(checkpoint):
         (["--ids", "1,x"], 2, "error: --ids: expected comma-separated token ids"),
         (["--ids", "1,999"], 2, "error: token id 999 outside the vocabulary 0..255"),
         ([], 2, "error: give a prompt or --ids"),
-        (["hello"], 1, "error: the model's vocabulary (256) is not GPT-2's: give the prompt"),
     ],
 )
 def test_cli_generate_bad_input_is_one_line(checkpoint, args, code, message):
@@ -226,6 +225,88 @@ def test_cli_generate_bad_input_is_one_line(checkpoint, args, code, message):
     assert result.exit_code == code, result.output
     assert result.stderr.startswith(message) and result.stderr.count("\n") == 1
     assert result.stdout == ""  # refused before anything was streamed
+
+
+class ByteEncoding:
+    """A stand-in for tiktoken's gpt2 encoding (whose files cannot be fetched offline):
+    one token per UTF-8 byte, so multi-byte characters arrive split across tokens."""
+
+    def encode(self, text: str, disallowed_special=()) -> list[int]:
+        return list(text.encode())
+
+    def decode_bytes(self, ids: list[int]) -> bytes:
+        return bytes(t % 256 for t in ids)
+
+    def decode_single_token_bytes(self, token: int) -> bytes:
+        return bytes([token % 256])
+
+    def decode(self, ids: list[int]) -> str:
+        return self.decode_bytes(ids).decode(errors="replace")
+
+
+@pytest.fixture(scope="module")
+def gpt2_vocab_checkpoint(tmp_path_factory) -> Path:
+    """A tiny random checkpoint with GPT-2's 50,257-token vocabulary."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=1, n_head=2, n_embd=32, n_positions=64, initializer_range=0.3)
+    path = tmp_path_factory.mktemp("tiny-gpt2-vocab")
+    GPT2LMHeadModel(config).save_pretrained(path)
+    return path
+
+
+def test_cli_text_prompt_is_encoded_and_streamed_as_text(gpt2_vocab_checkpoint, monkeypatch):
+    import kvcache_cli.generate as gen
+
+    monkeypatch.setattr(gen, "gpt2_encoding", lambda: (ByteEncoding(), None))
+    path = str(gpt2_vocab_checkpoint)
+    result = invoke("generate", "héllo", "--model", path, "-n", "8", "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["prompt_ids"] == list("héllo".encode())
+    assert data["text"] == ByteEncoding().decode(data["tokens"])
+    shown = invoke("generate", "héllo", "--model", path, "-n", "8")
+    assert shown.exit_code == 0, shown.output
+    assert "héllo" in shown.stdout  # the prompt's two-byte é, whole again
+
+
+def test_token_stream_holds_a_split_character_until_it_is_whole():
+    import io
+
+    from rich.console import Console
+
+    from kvcache_cli.views.generate import TokenStream
+
+    out = io.StringIO()
+    stream = TokenStream(Console(file=out, width=100), ByteEncoding())
+    stream.prompt(list(b"caf"))
+    stream(0xC3)  # the first byte of é: nothing printable yet
+    assert out.getvalue() == "caf"
+    stream(0xA9)
+    stream(ord("!"))
+    stream.end()
+    assert out.getvalue() == "café!\n"
+
+
+def test_cli_text_prompt_without_a_tokenizer_says_use_ids(checkpoint, monkeypatch):
+    import kvcache_cli.generate as gen
+
+    monkeypatch.setattr(gen, "gpt2_encoding", lambda: (None, "tiktoken is not installed"))
+    result = invoke("generate", "hello", "--model", str(checkpoint[0]))
+    assert result.exit_code == 1, result.output
+    assert result.stderr == (
+        "error: tiktoken is not installed: give the prompt as token ids, e.g. --ids 464,2068,7586\n"
+    )
+
+
+def test_cli_text_prompt_for_a_non_gpt2_vocabulary_is_refused(checkpoint, monkeypatch):
+    import kvcache_cli.generate as gen
+
+    monkeypatch.setattr(gen, "gpt2_encoding", lambda: (ByteEncoding(), None))
+    result = invoke("generate", "hello", "--model", str(checkpoint[0]))
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith("error: the model's vocabulary (256) is not GPT-2's")
 
 
 def test_cli_unknown_model_is_one_line_exit_2():
