@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import functools
 import sys
+from enum import Enum
 from pathlib import Path
-from typing import Annotated, Literal, NoReturn
+from typing import Annotated, NoReturn
 
 import typer
 from typer.core import TyperGroup
@@ -412,22 +413,41 @@ def _parse_ids(text: str) -> list[int]:
         fail(f"--ids: expected comma-separated token ids like 464,2068,7586, got {text!r}")
 
 
+# Choices as str Enums: the one way every typer version (>= 0.12) lists and checks them.
+class Device(str, Enum):
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class Mode(str, Enum):
+    naive = "naive"
+    concat = "concat"
+    static = "static"
+
+
+class Weights(str, Enum):
+    auto = "auto"
+    pretrained = "pretrained"
+    random = "random"
+
+
 @app.command()
 def generate(
     prompt: Annotated[str | None, typer.Argument(
         help="Text to continue, tokenized with tiktoken's gpt2 encoding.")] = None,
     max_new_tokens: Annotated[int, typer.Option(
         "--max-new-tokens", "-n", min=1, help="Tokens to generate.")] = 32,
-    device: Annotated[Literal["cpu", "cuda"], typer.Option(help="Where to run.")] = "cpu",
-    mode: Annotated[Literal["naive", "concat", "static"], typer.Option(
+    device: Annotated[Device, typer.Option(help="Where to run.")] = Device.cpu,
+    mode: Annotated[Mode, typer.Option(
         help="naive: the full forward every token; concat: a torch.cat cache; "
-        "static: a preallocated cache written in place.")] = "static",
+        "static: a preallocated cache written in place.")] = Mode.static,
     model: Annotated[str, typer.Option(
         "--model", "-m",
         help="gpt2, gpt2-medium, gpt2-large, gpt2-xl or a checkpoint dir (save_pretrained).")
     ] = "gpt2",
-    weights: Annotated[Literal["auto", "pretrained", "random"], typer.Option(
-        help="auto: pretrained when cached or downloadable, else random (one note).")] = "auto",
+    weights: Annotated[Weights, typer.Option(
+        help="auto: pretrained when cached or downloadable, else random (one note).")
+    ] = Weights.auto,
     ids: Annotated[str | None, typer.Option(
         help="The prompt as token ids, e.g. 464,2068,7586: needs no tokenizer.")] = None,
     temperature: Annotated[float, typer.Option(min=0.0, help="0 is greedy.")] = 0.0,
@@ -438,6 +458,7 @@ def generate(
         "--json", help="Print the result as JSON instead of streaming.")] = False,
 ) -> None:
     """Generate with GPT-2 and its KV cache, streaming tokens as they are made."""
+    device, mode, weights = device.value, mode.value, weights.value
     if (prompt is None) == (ids is None):
         fail("give a prompt or --ids (token ids), one of the two")
     prompt_ids = _parse_ids(ids) if ids is not None else []
