@@ -326,3 +326,19 @@ def test_cli_gpt2_break_on_a_checkpoint(checkpoint, model):
     shown = invoke("break", "causal-decode", "--model", path, "--max-new-tokens", "12")
     assert shown.exit_code == 0, shown.output
     assert f"tokens diverge at step {expected.first_divergence}" in shown.stdout
+
+
+def test_generate_help_does_not_import_torch():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from typer.testing import CliRunner\n"
+        "from kvcache_cli.cli import app\n"
+        "result = CliRunner().invoke(app, ['generate', '--help'])\n"
+        "assert result.exit_code == 0, result.output\n"
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
