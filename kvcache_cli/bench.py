@@ -91,6 +91,10 @@ class BenchResult:
     weights_note: str | None  # e.g. why the weights are random
     device: str
     device_name: str
+    cpus: int  # logical CPUs the OS reports
+    # Share of all CPUs' time that other processes used while the bench ran (None
+    # where /proc/stat is missing). Above a few percent, they competed for the cores.
+    others_cpu_share: float | None
     dtype: str
     threads: int
     torch_version: str
@@ -481,6 +485,7 @@ def run_bench(
 
         return on_token
 
+    others = _OtherProcesses()
     previous_threads = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
@@ -526,6 +531,8 @@ def run_bench(
         weights_note=weights_note,
         device=device.type,
         device_name=_device_name(device),
+        cpus=os.cpu_count() or 1,
+        others_cpu_share=others.share(),
         dtype=str(dtype).removeprefix("torch."),
         threads=used_threads,
         torch_version=torch.__version__,
@@ -548,6 +555,37 @@ def run_bench(
     )
 
 
+class _OtherProcesses:
+    """How much CPU time processes other than this one took since it was made.
+
+    /proc/stat counts every CPU's busy time; this process's own (all threads,
+    spinning included) is `time.process_time()`; the rest belongs to others.
+    """
+
+    def __init__(self):
+        self.wall, self.busy, self.ours = time.perf_counter(), _busy_seconds(), time.process_time()
+
+    def share(self) -> float | None:
+        busy = _busy_seconds()
+        if busy is None or self.busy is None:
+            return None
+        others = (busy - self.busy) - (time.process_time() - self.ours)
+        capacity = (time.perf_counter() - self.wall) * (os.cpu_count() or 1)
+        return min(1.0, max(0.0, others / capacity))
+
+
+def _busy_seconds() -> float | None:
+    """Busy time of all CPUs since boot (Linux); idle and iowait are not busy."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)
+    # guest time is already inside user time; counting fields 8+ would count it twice
+    return (sum(ticks[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
 def _device_name(device: torch.device) -> str:
     import torch
 
@@ -561,7 +599,7 @@ def _device_name(device: torch.device) -> str:
                 if line.startswith("model name"):
                     name = line.split(":", 1)[1].strip()
                     break
-    return f"{name}, {os.cpu_count()} logical CPUs"
+    return name
 
 
 def _transformers_version() -> str | None:

@@ -203,7 +203,8 @@ def test_cli_json_has_every_key(checkpoint):
     assert out.exit_code == 0, out.output
     data = json.loads(out.stdout)
     assert set(data) == {
-        "model", "weights_note", "device", "device_name", "dtype", "threads", "torch_version",
+        "model", "weights_note", "device", "device_name", "cpus", "others_cpu_share",
+        "dtype", "threads", "torch_version",
         "transformers_version", "n_params", "prompt_len", "new_tokens", "repeats",
         "warmup_tokens", "reference_mode", "tokens_agree", "weight_bytes", "kv_bytes_per_token",
         "step_bytes_first", "step_bytes_last", "bandwidth", "ceiling_tokens_per_s",
@@ -256,3 +257,15 @@ def test_cli_cuda_without_a_gpu_is_one_line_and_exit_2():
     out = _cli("--device", "cuda")
     assert out.exit_code == 2, out.output
     assert out.stderr == "error: CUDA is not available (torch sees no GPU); use --device cpu\n"
+
+
+def test_other_processes_share_is_their_busy_time_over_all_cpus(monkeypatch):
+    # 2 CPUs for 10 s: 20 CPU-seconds. All CPUs were busy 13 s, 8 of them ours: others 5.
+    clock = iter([100.0, 110.0])
+    busy = iter([1000.0, 1013.0])
+    ours = iter([50.0, 58.0])
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(bench.time, "process_time", lambda: next(ours))
+    monkeypatch.setattr(bench, "_busy_seconds", lambda: next(busy))
+    monkeypatch.setattr(bench.os, "cpu_count", lambda: 2)
+    assert bench._OtherProcesses().share() == pytest.approx(5 / 20)

@@ -16,6 +16,9 @@ from kvcache_cli.plot import sparkline
 
 OK = "[bold green]✓[/]"
 BAD = "[bold red]✗[/]"
+# Other processes' share of CPU time above which the view warns: a few percent is
+# the OS and daemons.
+BUSY_SHARE = 0.05
 SPARK_WIDTH = 24  # beside five latency columns, the table still fits 80 columns
 
 
@@ -53,8 +56,13 @@ def _header(r: BenchResult) -> Table:
     grid.add_row("model", f"[bold]{r.model}[/], {r.n_params / 1e6:.1f}M parameters")
     if r.weights_note:
         grid.add_row("note", f"[yellow]{r.weights_note}[/]")
-    grid.add_row("device", f"[bold]{r.device}[/] ({r.device_name}), {r.dtype}, "
+    grid.add_row("device", f"[bold]{r.device}[/] ({r.device_name}, {r.cpus} CPUs), {r.dtype}, "
                  f"[bold]{r.threads} threads[/]")
+    if r.others_cpu_share is not None:
+        load = f"other processes used {r.others_cpu_share:.0%} of the CPUs' time during the run"
+        if r.others_cpu_share > BUSY_SHARE:
+            load = f"[yellow]{load}: they competed for the cores, and slowed these figures[/]"
+        grid.add_row("load", load)
     grid.add_row("software", f"torch {r.torch_version}"
                  + (f", transformers {r.transformers_version}" if r.transformers_version else ""))
     grid.add_row("run", f"prompt {r.prompt_len} random token ids + {r.new_tokens} new tokens, "
