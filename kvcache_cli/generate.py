@@ -74,7 +74,7 @@ def sample(
 
 @torch.inference_mode()
 def _last_logits(forward: Forward, idx: Tensor, start_pos: int, cache: KVCache | None) -> Tensor:
-    return forward(idx, start_pos, cache)[:, -1, :].float()  # (B, vocab)
+    return forward(idx, start_pos, cache)[:, -1, :]  # (B, vocab)
 
 
 def _steps(
@@ -219,7 +219,8 @@ class BreakResult:
     first_divergence: int | None  # first step whose tokens differ (0: the first new token)
     max_logit_diff: float  # largest |broken - correct| logit while both saw the same tokens
     step_logit_diff: tuple[float, ...]  # per step, up to and including the divergence
-    naive_logit_diff: float  # the correct loop against a full recompute: float32 noise
+    naive_logit_diff: float  # the correct loop against a full recompute: rounding noise
+    max_abs_logit: float  # the scale that noise is relative to
     naive_agrees: bool  # ... and its tokens equal the full recompute's
 
 
@@ -242,10 +243,12 @@ class _Diff:
         self.b: list[int] = []
         self.first: int | None = None
         self.gaps: list[float] = []
+        self.scale = 0.0
 
     def add(self, ta: int, la: Tensor, tb: int, lb: Tensor) -> None:
         if self.first is None:
             self.gaps.append((la - lb).abs().max().item())
+            self.scale = max(self.scale, la.abs().max().item())
             if ta != tb:
                 self.first = len(self.a)
         self.a.append(ta)
@@ -315,6 +318,7 @@ def run_break(
         max_logit_diff=max(bug.gaps),
         step_logit_diff=tuple(bug.gaps),
         naive_logit_diff=max(control.gaps),
+        max_abs_logit=control.scale,
         naive_agrees=control.first is None,
     )
 

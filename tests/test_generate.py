@@ -29,6 +29,16 @@ PROMPT = [17, 200, 3, 91, 45]
 N_NEW = 24
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """A 64-wide model gains nothing from a second thread, and when the 2 cores are
+    busy, OpenMP's waits for a second thread make every small forward many times slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> tuple[Path, object]:
     """(directory, the GPT2LMHeadModel saved there); tests only read both."""
@@ -148,6 +158,14 @@ def test_each_break_diverges_and_the_correct_loop_does_not(model, name):
     assert r.correct[r.first_divergence] != r.broken[r.first_divergence]
     assert r.max_logit_diff > 1.0
     assert len(r.step_logit_diff) == r.first_divergence + 1
+
+
+def test_break_control_is_exact_in_float64(checkpoint):
+    # The control compares the correct cached loop with a full recompute: in float64
+    # any gap beyond rounding (1e-12 on logits of size ~10) would be a cache bug.
+    model = load_gpt2(str(checkpoint[0]), dtype=torch.float64).model
+    r = run_break("position-offset", model, PROMPT, N_NEW)
+    assert r.naive_agrees and r.naive_logit_diff <= 1e-12 < r.max_abs_logit
 
 
 @pytest.mark.parametrize("name", ["position-offset", "causal-decode"])

@@ -121,7 +121,8 @@ def break_view(r: BreakResult, piece: Callable[[int], str] | None = None) -> Ren
         f"largest |correct - broken| logit up to there: [bold]{r.max_logit_diff:.3g}[/] "
         f"(per step: {gaps})\n"
         f"control, correct {r.mode} loop vs full recompute: max |Δ logit| "
-        f"{r.naive_logit_diff:.1e}, same tokens {OK if r.naive_agrees else BAD}"
+        f"{r.naive_logit_diff:.1e} (rounding, on logits up to {r.max_abs_logit:.3g}), "
+        f"same tokens {OK if r.naive_agrees else BAD}"
     )
     return Panel(
         Group(Text(r.bug), tokens, lines),
