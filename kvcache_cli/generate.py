@@ -28,8 +28,9 @@ MODES = ("naive", "concat", "static")
 DEFAULT_PROMPT_IDS = (464, 2068, 7586, 21831, 18045, 625, 262, 16931, 3290)
 OTHER_PROMPT_IDS = (7454, 2402, 257, 640)
 
-# A step's forward: (tokens (B, T), start_pos, cache) -> logits (B, T, vocab).
-Forward = Callable[[Tensor, int, "KVCache | None"], Tensor]
+# A step's forward: (tokens (B, T), start_pos, cache, **options) -> logits (B, T', vocab),
+# GPT.forward itself or a broken stand-in for it.
+Forward = Callable[..., Tensor]
 
 # ---------------------------------------------------------------------------- checks
 
@@ -74,7 +75,7 @@ def sample(
 
 @torch.inference_mode()
 def _last_logits(forward: Forward, idx: Tensor, start_pos: int, cache: KVCache | None) -> Tensor:
-    return forward(idx, start_pos, cache)[:, -1, :]  # (B, vocab)
+    return forward(idx, start_pos, cache, last_only=True)[:, -1, :]  # (B, vocab)
 
 
 def _steps(
@@ -290,9 +291,12 @@ def run_break(
     used: tuple[int, ...] = ()
     if name == "position-offset":
         # The one change: start_pos is 0 on every call instead of the token's position.
-        broken = run(lambda idx, pos, cache: model(idx, 0, cache))
+        broken = run(lambda idx, pos, cache, **kw: model(idx, 0, cache, **kw))
     elif name == "causal-decode":
-        broken = run(lambda idx, pos, cache: model(idx, pos, cache, force_is_causal=True))
+        # The one change: SDPA's is_causal=True on every call, the decode steps included.
+        broken = run(
+            lambda idx, pos, cache, **kw: model(idx, pos, cache, **kw, force_is_causal=True)
+        )
     else:  # stale-cache
         check_request(model, earlier, max_new_tokens)
         window = len(earlier) + len(prompt) + 2 * max_new_tokens

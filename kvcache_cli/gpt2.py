@@ -270,11 +270,14 @@ class GPT(nn.Module):
         start_pos: int,
         cache: KVCache | None = None,
         *,
+        last_only: bool = False,
         force_is_causal: bool = False,
     ) -> Tensor:
         """Logits (B, T, vocab) for tokens idx (B, T) sitting at positions start_pos ...
 
         With a cache, attention also sees every position the cache already holds.
+        `last_only` returns the last position's logits only, (B, 1, vocab): all that
+        generation needs, and the LM head is the largest matmul (nanoGPT does the same).
         `force_is_causal` exists only to reproduce the article's bug 2 (`kvcache break
         causal-decode`): it hands SDPA is_causal=True whatever the shapes.
         """
@@ -287,8 +290,10 @@ class GPT(nn.Module):
         x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # (B, T, C)
         for block in self.transformer.h:
             x = block(x, start_pos, cache, force_is_causal)
+        if last_only:
+            x = x[:, -1:, :]  # (B, 1, C)
         x = self.transformer.ln_f(x)
-        return self.lm_head(x)  # (B, T, vocab)
+        return self.lm_head(x)  # (B, T, vocab), or (B, 1, vocab)
 
     @property
     def device(self) -> torch.device:
@@ -319,7 +324,7 @@ def make_cache(mode: str, model: GPT, max_len: int, batch: int = 1) -> KVCache |
 # weight is stored (in, out); nn.Linear stores (out, in). These four need a transpose.
 _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 # Old checkpoints also carry the causal mask as buffers; we build masks in forward.
-_IGNORED = ("attn.bias", "attn.masked_bias")
+_IGNORED = (".attn.bias", ".attn.masked_bias")
 # Random weights are drawn 10x wider than GPT-2's 0.02 training init: at 0.02 an
 # untrained model's greedy tokens repeat one id forever, so no bug could show in them.
 RANDOM_INIT_STD = 0.2
@@ -399,6 +404,7 @@ def _read_config(path: Path) -> GPTConfig:
         "scale_attn_weights": True,
         "scale_attn_by_inverse_layer_idx": False,
         "reorder_and_upcast_attn": False,
+        "tie_word_embeddings": True,
     }
     for key, expected in unsupported.items():
         if raw.get(key, expected) != expected:

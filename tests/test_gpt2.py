@@ -119,6 +119,15 @@ def test_cached_decode_is_exact_in_float64(checkpoint, mode):
     assert (torch.cat(steps, dim=1) - full).abs().max().item() <= 1e-12
 
 
+def test_last_only_is_the_last_row_of_the_full_logits(checkpoint):
+    model = load_gpt2(str(checkpoint[0])).model
+    idx = prompt(11, seed=4)
+    with torch.no_grad():
+        full, last = model(idx, 0), model(idx, 0, last_only=True)
+    assert last.shape == (1, 1, 256)
+    torch.testing.assert_close(last, full[:, -1:], **TOL)
+
+
 def test_to_hf_holds_the_same_weights(checkpoint):
     path, hf = checkpoint
     model = load_gpt2(str(path)).model
