@@ -155,13 +155,9 @@ class Generation:
     tokens: tuple[int, ...]  # the new tokens only
     first_token_s: float  # prefill + first token: time to first token
     decode_s: float  # the remaining len(tokens) - 1 tokens, one forward each
+    decode_tokens_per_s: float  # nan when only one token was asked for
     cache_bytes_held: int  # 0 for naive
     cache_bytes_copied: int
-
-    @property
-    def decode_tokens_per_s(self) -> float:
-        n = len(self.tokens) - 1
-        return n / self.decode_s if n and self.decode_s > 0 else float("nan")
 
 
 def generate(
@@ -184,14 +180,17 @@ def generate(
     )  # fmt: skip
     tokens: list[int] = []
     start = time.perf_counter()
-    first = start
+    first, outside = start, 0.0  # outside: time spent in on_token, not generating
     for token in stream:
         if not tokens:
             first = time.perf_counter()
         tokens.append(token)
         if on_token is not None:
+            before = time.perf_counter()
             on_token(token)
-    end = time.perf_counter()
+            outside += time.perf_counter() - before
+    decode_s = time.perf_counter() - first - outside
+    n_decoded = len(tokens) - 1
     return Generation(
         mode=mode,
         device=str(model.device),
@@ -199,7 +198,8 @@ def generate(
         prompt_ids=tuple(prompt_ids),
         tokens=tuple(tokens),
         first_token_s=first - start,
-        decode_s=end - first,
+        decode_s=decode_s,
+        decode_tokens_per_s=n_decoded / decode_s if n_decoded else float("nan"),
         cache_bytes_held=cache.bytes_held if cache is not None else 0,
         cache_bytes_copied=cache.bytes_copied if cache is not None else 0,
     )
