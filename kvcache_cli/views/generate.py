@@ -47,9 +47,7 @@ class TokenStream:
         self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def _write(self, text: str, style: str | None = None) -> None:
-        self.console.print(
-            text, end="", style=style, markup=False, highlight=False, soft_wrap=True
-        )
+        self.console.print(text, end="", style=style, markup=False, highlight=False, soft_wrap=True)
         self.console.file.flush()
 
     def prompt(self, ids: list[int]) -> None:
