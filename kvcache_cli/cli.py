@@ -170,11 +170,19 @@ def break_(
         return
     names = _pick(name, ref.BREAKS, "break", GPT2_BREAKS)
     toy = [n for n in names if n in ref.BREAKS]
-    if toy:
-        toy_model = ref.init_model()
-        _show({n: (ref.BREAKS[n].title, ref.BREAKS[n].run(toy_model)) for n in toy}, as_json)
-    for gpt2_name in (n for n in names if n in GPT2_BREAKS):
-        _gpt2_break(gpt2_name, model, weights, device, max_new_tokens, as_json)
+    toy_model = ref.init_model() if toy else None
+    results = {n: (ref.BREAKS[n].title, ref.BREAKS[n].run(toy_model)) for n in toy}
+    gpt2_names = [n for n in names if n in GPT2_BREAKS]
+    if not as_json:   # show the quick NumPy breaks before the GPT-2 model loads
+        _show(results, as_json=False)
+        results = {}
+    if gpt2_names:
+        loaded, gpt2_results = _gpt2_breaks(gpt2_names, model, weights, device, max_new_tokens)
+        if not as_json:
+            _show_gpt2_breaks(loaded, device, gpt2_results)
+        results |= {n: (GPT2_BREAKS[n], r) for n, r in gpt2_results.items()}
+    if as_json:
+        _show(results, as_json=True)
 
 
 def _list(titles: dict[str, str], heading: str, as_json: bool) -> None:
@@ -518,25 +526,24 @@ def generate(
     console.print(generation_view(result))
 
 
-def _gpt2_break(
-    name: str, model: str, weights: str, device: str, max_new_tokens: int, as_json: bool
-) -> None:
-    """Run one GPT-2 break (the correct and the broken loop) and render it."""
+def _gpt2_breaks(names: list[str], model: str, weights: str, device: str,
+                 max_new_tokens: int):
+    """Load the model once and run each named GPT-2 break (correct and broken loop)."""
     _torch_device(device)
-    from kvcache_cli.generate import gpt2_encoding, run_break
+    from kvcache_cli.generate import run_break
 
     loaded = _load_gpt2(model, weights, device)
     try:
-        result = run_break(name, loaded.model, max_new_tokens=max_new_tokens)
+        return loaded, {n: run_break(n, loaded.model, max_new_tokens=max_new_tokens)
+                        for n in names}
     except (ValueError, IndexError) as err:
         fail(str(err))
-    if as_json:
-        from kvcache_cli.views import to_json
 
-        typer.echo(to_json(result))
-        return
+
+def _show_gpt2_breaks(loaded, device: str, results: dict) -> None:
     from rich.console import Console
 
+    from kvcache_cli.generate import gpt2_encoding
     from kvcache_cli.views.generate import break_view, header
 
     piece = None
@@ -545,9 +552,10 @@ def _gpt2_break(
         if encoding is not None:
             piece = lambda t: encoding.decode([t])  # noqa: E731
     console = Console()
-    gpt = loaded.model
-    console.print(header(loaded.source, gpt.num_params(), device, "float32", result.mode))
-    console.print(break_view(result, piece))
+    first = next(iter(results.values()))
+    console.print(header(loaded.source, loaded.model.num_params(), device, "float32", first.mode))
+    for result in results.values():
+        console.print(break_view(result, piece))
 
 
 def main() -> None:

@@ -346,6 +346,17 @@ def test_cli_gpt2_break_on_a_checkpoint(checkpoint, model):
     assert f"tokens diverge at step {expected.first_divergence}" in shown.stdout
 
 
+def test_cli_break_all_json_is_one_document_of_all_eight(checkpoint):
+    result = invoke("break", "all", "--model", str(checkpoint[0]), "--max-new-tokens", "8",
+                    "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert list(data) == ["no-mask", "no-append", "cache-q", "overflow", "wrong-cache",
+                          "position-offset", "causal-decode", "stale-cache"]
+    assert data["overflow"]["position"] == 128
+    assert all(data[name]["first_divergence"] is not None for name in BREAKS)
+
+
 def test_generate_help_does_not_import_torch():
     import subprocess
     import sys
