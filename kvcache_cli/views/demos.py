@@ -57,7 +57,8 @@ def macs(r: ref.MacsDemo) -> RenderableType:
         f"cached loop total MACs  [bold]{r.cached_total:>12,}[/]\n"
         f"ratio                   [bold cyan]{r.ratio:>11.1f}x[/]")
     table = _table("step", "naive MACs", "cached MACs", "naive / cached",
-                   title="per step: naive grows with the context, cached stays nearly flat")
+                   title="per step: naive grows, cached stays nearly flat")
+    table.columns[0].justify = "right"
     for step, naive, cached in r.rows:
         table.add_row(str(step), f"{naive:,}", f"{cached:,}", f"{naive / cached:.1f}x")
     return Group(head, table)
