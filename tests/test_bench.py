@@ -269,3 +269,27 @@ def test_other_processes_share_is_their_busy_time_over_all_cpus(monkeypatch):
     monkeypatch.setattr(bench, "_busy_seconds", lambda: next(busy))
     monkeypatch.setattr(bench.os, "cpu_count", lambda: 2)
     assert bench._OtherProcesses().share() == pytest.approx(5 / 20)
+
+
+@pytest.mark.parametrize(("out_features", "threads"), [(96, 2), (97, 2), (97, 3), (5, 8)])
+def test_blocked_one_row_linear_equals_nn_linear(out_features, threads):
+    # gpt2.Linear splits a one-row product into a block of rows per thread (the bench
+    # found MKL runs it on one core); rows that do not divide evenly go on their own.
+    from kvcache_cli.gpt2 import Linear
+
+    torch.manual_seed(0)
+    layer = Linear(32, out_features)
+    plain = torch.nn.Linear(32, out_features)
+    plain.load_state_dict(layer.state_dict())
+    x = torch.randn(1, 1, 32)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = layer(x)
+    finally:
+        torch.set_num_threads(before)
+    # float32: the blocks sum in a different order than one gemm, ~1e-6 apart.
+    torch.testing.assert_close(got, plain(x), rtol=1e-5, atol=1e-5)
+    assert got.shape == (1, 1, out_features)
+    x2 = torch.randn(1, 3, 32)  # prefill: several rows take nn.Linear's own path
+    torch.testing.assert_close(layer(x2), plain(x2), rtol=0, atol=0)
