@@ -103,7 +103,7 @@ def _fit_table(r: SizeResult) -> RenderableType:
     if r.tp is not None:
         table.add_row("weights per GPU", format_bytes(fit.weights_bytes_per_gpu))
     table.add_row("room for the cache", format_bytes(fit.room_bytes))
-    table.add_row("max tokens, one sequence", _count(fit.max_tokens))
+    table.add_row("max tokens cached (one sequence, any length)", _count(fit.max_tokens))
     table.add_row(f"max sequences of {r.seq:,} tokens", _count(fit.max_sequences))
     verdict = Text("fits", style="green") if fit.batch_fits else Text("does not fit",
                                                                        style="bold red")
