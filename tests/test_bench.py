@@ -293,3 +293,11 @@ def test_blocked_one_row_linear_equals_nn_linear(out_features, threads):
     assert got.shape == (1, 1, out_features)
     x2 = torch.randn(1, 3, 32)  # prefill: several rows take nn.Linear's own path
     torch.testing.assert_close(layer(x2), plain(x2), rtol=0, atol=0)
+
+
+def test_cli_lengths_past_the_window_are_one_line_and_exit_2(checkpoint):
+    out = _cli("--model", str(checkpoint), "--weights", "pretrained", "--device", "cpu",
+               "--prompt-len", "32", "--new-tokens", "40")
+    assert out.exit_code == 2, out.output
+    assert out.stderr == (
+        "error: prompt 32 + new tokens 40 = 72 past context window 64\n"), out.stderr

@@ -75,8 +75,8 @@ def _speed(r: BenchResult) -> Table:
     m0 = r.modes[0]
     table = _table(
         "mode", "tokens/s", "spread", "ms/token", "TTFT ms", "×naive", "×hf", "tokens",
-        title=f"decode: {m0.tokens_generated} tokens a run, the first from the prefill (TTFT), "
-        f"then {len(m0.median_step_ms)} timed steps",
+        title=f"decode, {m0.tokens_generated} tokens a run: the prefill's (TTFT), then "
+        f"{len(m0.median_step_ms)} timed steps",
     )
     for m in r.modes:
         same = OK if m.same_tokens else BAD
