@@ -430,6 +430,33 @@ def _with_ratios(results: list[ModeResult]) -> tuple[ModeResult, ...]:
 # The benchmark
 
 
+def check_bench(
+    model,
+    modes: Sequence[str],
+    prompt_len: int,
+    new_tokens: int,
+    repeats: int,
+    threads: int | None,
+) -> None:
+    """Refuse, before any work, a benchmark that cannot run (`run_bench` calls it too)."""
+    if prompt_len < 1:
+        raise ValueError(f"prompt length {prompt_len} must be at least 1")
+    if new_tokens < 2:
+        raise ValueError(f"new tokens {new_tokens} must be at least 2 (the prefill's and a decode)")
+    window = model.config.block_size
+    if prompt_len + new_tokens > window:
+        raise ValueError(
+            f"prompt {prompt_len} + new tokens {new_tokens} = {prompt_len + new_tokens} "
+            f"past context window {window}"
+        )
+    if repeats < 1:
+        raise ValueError(f"repeats {repeats} must be at least 1")
+    if threads is not None and threads < 1:
+        raise ValueError(f"threads {threads} must be at least 1")
+    if "hf" in modes and _transformers_version() is None:
+        raise RuntimeError("mode 'hf' needs transformers: pip install 'kvcache[torch]'")
+
+
 def run_bench(
     model,
     *,
@@ -452,22 +479,8 @@ def run_bench(
     import torch
 
     modes = parse_modes(",".join(modes))
-    if "hf" in modes and _transformers_version() is None:
-        raise RuntimeError("mode 'hf' needs transformers: pip install 'kvcache[torch]'")
+    check_bench(model, modes, prompt_len, new_tokens, repeats, threads)
     cfg = model.config
-    if prompt_len < 1:
-        raise ValueError(f"prompt length {prompt_len} must be at least 1")
-    if new_tokens < 2:
-        raise ValueError(f"new tokens {new_tokens} must be at least 2 (the prefill's and a decode)")
-    if prompt_len + new_tokens > cfg.block_size:
-        raise ValueError(
-            f"prompt {prompt_len} + new tokens {new_tokens} = {prompt_len + new_tokens} "
-            f"past context window {cfg.block_size}"
-        )
-    if repeats < 1:
-        raise ValueError(f"repeats {repeats} must be at least 1")
-    if threads is not None and threads < 1:
-        raise ValueError(f"threads {threads} must be at least 1")
 
     param = next(model.parameters())
     device, dtype = param.device, param.dtype

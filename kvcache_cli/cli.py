@@ -348,6 +348,12 @@ def bench(
         fail(str(err))
     except (RuntimeError, OSError) as err:
         fail(str(err), code=1)
+    try:
+        bench_.check_bench(loaded.model, mode_names, prompt_len, new_tokens, repeats, threads)
+    except ValueError as err:
+        fail(str(err))
+    except RuntimeError as err:
+        fail(str(err), code=1)
 
     # On stderr and transient, so stdout holds only the result (and --json stays JSON).
     progress = Progress(
