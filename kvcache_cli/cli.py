@@ -356,9 +356,10 @@ def bench(
         fail(str(err), code=1)
 
     # On stderr and transient, so stdout holds only the result (and --json stays JSON).
+    # Redrawn twice a second, not rich's ten: the redraw thread shares the CPUs being timed.
     progress = Progress(
         "{task.description}", BarColumn(), MofNCompleteColumn(), "tokens", TimeElapsedColumn(),
-        console=Console(stderr=True), transient=True,
+        console=Console(stderr=True), transient=True, refresh_per_second=2,
     )
     task = progress.add_task("loading", total=None)
 
