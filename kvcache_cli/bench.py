@@ -69,6 +69,9 @@ class ModeResult:
     tokens: tuple[int, ...]  # generated ids (the first repeat; greedy makes all repeats equal)
     tokens_generated: int  # counted from what the mode returned, not what was asked
     same_tokens: bool  # identical to the reference mode's tokens in every repeat
+    # Index of the first token that differs from the reference (any repeat), else None.
+    # In float32 a long greedy run can flip a near-tie: kernels sum in different orders.
+    first_difference: int | None
     ttft_ms: tuple[float, ...]  # per repeat: prefill and the first token
     step_ms: tuple[tuple[float, ...], ...]  # per repeat, per decode step
     median_step_ms: tuple[float, ...]  # per decode step, median over repeats
@@ -396,6 +399,10 @@ def _summarise(
         tokens=tuple(runs[0].tokens),
         tokens_generated=min(len(run.tokens) for run in runs),
         same_tokens=all(run.tokens == reference for run in runs),
+        first_difference=min(
+            (d for run in runs if (d := _first_difference(run.tokens, reference)) is not None),
+            default=None,
+        ),
         ttft_ms=tuple(run.timeline.ttft_ms() for run in runs),
         step_ms=step_ms,
         median_step_ms=median_steps,
@@ -411,6 +418,13 @@ def _summarise(
         achieved_gbps=achieved,
         fraction_of_bandwidth=achieved / bandwidth.best_gbps,
     )
+
+
+def _first_difference(tokens: Sequence[int], reference: Sequence[int]) -> int | None:
+    for i, (a, b) in enumerate(zip(tokens, reference)):
+        if a != b:
+            return i
+    return None if len(tokens) == len(reference) else min(len(tokens), len(reference))
 
 
 def _with_ratios(results: list[ModeResult]) -> tuple[ModeResult, ...]:

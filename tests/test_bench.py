@@ -58,7 +58,7 @@ def test_every_mode_runs_and_generates_the_same_varied_tokens(checkpoint):
     assert len(set(naive)) > 2, f"a tiny model stuck on one token proves nothing: {naive}"
     for m in result.modes:
         assert m.tokens == naive, m.mode
-        assert m.same_tokens, m.mode
+        assert m.same_tokens and m.first_difference is None, m.mode
     assert result.tokens_agree
     assert result.reference_mode == "naive"
 
@@ -215,7 +215,8 @@ def test_cli_json_has_every_key(checkpoint):
     assert [m["mode"] for m in data["modes"]] == list(bench.MODES)
     for m in data["modes"]:
         assert set(m) == {
-            "mode", "tokens", "tokens_generated", "same_tokens", "ttft_ms", "step_ms",
+            "mode", "tokens", "tokens_generated", "same_tokens", "first_difference", "ttft_ms",
+            "step_ms",
             "median_step_ms", "tokens_per_s", "tokens_per_s_median", "ms_per_token_median",
             "ttft_ms_median", "profile_ms", "speedup_over_naive", "ratio_to_hf",
             "cache_bytes_held", "bytes_copied", "achieved_gbps", "fraction_of_bandwidth",
@@ -301,3 +302,9 @@ def test_cli_lengths_past_the_window_are_one_line_and_exit_2(checkpoint):
     assert out.exit_code == 2, out.output
     assert out.stderr == (
         "error: prompt 32 + new tokens 40 = 72 past context window 64\n"), out.stderr
+
+
+def test_first_difference_is_the_first_differing_token():
+    assert bench._first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert bench._first_difference([1, 9, 3], [1, 2, 3]) == 1
+    assert bench._first_difference([1, 2], [1, 2, 3]) == 2  # a run that stopped early

@@ -79,7 +79,7 @@ def _speed(r: BenchResult) -> Table:
         f"{len(m0.median_step_ms)} timed steps",
     )
     for m in r.modes:
-        same = OK if m.same_tokens else BAD
+        same = OK if m.same_tokens else f"{BAD} @{m.first_difference}"
         if m.mode == r.reference_mode:
             same += " ref"
         table.add_row(
@@ -141,8 +141,12 @@ def _verdict(r: BenchResult) -> Text:
     if r.tokens_agree:
         return Text.from_markup(f"{OK} every mode generated the same {r.modes[0].tokens_generated} "
                                 f"tokens as {r.reference_mode}")
-    differ = ", ".join(m.mode for m in r.modes if not m.same_tokens)
-    return Text.from_markup(f"{BAD} tokens differ from {r.reference_mode}'s: {differ}")
+    differ = ", ".join(f"{m.mode} from token {m.first_difference}"
+                       for m in r.modes if not m.same_tokens)
+    return Text.from_markup(f"{BAD} tokens differ from {r.reference_mode}'s: {differ} "
+                            f"(of {r.modes[0].tokens_generated}). In {r.dtype}, kernels that sum "
+                            "in another order can flip a near-tie, and greedy decoding then "
+                            "follows another path.")
 
 
 def bench(r: BenchResult) -> RenderableType:
