@@ -29,14 +29,7 @@ PROMPT = [17, 200, 3, 91, 45]
 N_NEW = 24
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """A 64-wide model gains nothing from a second thread, and when the 2 cores are
-    busy, OpenMP's waits for a second thread make every small forward many times slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

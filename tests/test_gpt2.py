@@ -34,14 +34,7 @@ from kvcache_cli.gpt2 import (
 TOL = dict(atol=1e-4, rtol=1e-4)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """A 64-wide model gains nothing from a second thread, and when the 2 cores are
-    busy, OpenMP's waits for a second thread make every small forward many times slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def tiny_hf(seed: int = 0):
