@@ -14,6 +14,8 @@ from pathlib import Path
 from kvcache_cli.bench import BenchResult
 
 BARS = "▁▂▃▄▅▆▇█"
+# One colour per mode whatever subset ran, so plots from different runs compare.
+COLORS = {"naive": "tab:blue", "concat": "tab:orange", "static": "tab:green", "hf": "tab:red"}
 
 
 class PlotUnavailable(RuntimeError):
@@ -63,7 +65,8 @@ def save_plot(result: BenchResult, path: str | Path) -> Path:
     for mode in result.modes:
         steps = mode.median_step_ms
         lengths = range(result.prompt_len + 1, result.prompt_len + 1 + len(steps))
-        ax.plot(lengths, steps, label=f"{mode.mode} ({mode.tokens_per_s_median:.1f} tok/s)", lw=1.2)
+        ax.plot(lengths, steps, label=f"{mode.mode} ({mode.tokens_per_s_median:.1f} tok/s)",
+                lw=1.2, color=COLORS.get(mode.mode))
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel("decode step latency (ms)")
     ax.set_ylim(bottom=0)

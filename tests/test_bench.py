@@ -118,6 +118,8 @@ def test_the_limit_counts_weights_once_and_the_cache_at_each_length(checkpoint):
         PROMPT + NEW - 1)
     bw = result.bandwidth
     assert bw.copy_bytes == 4 * 2**20 and bw.bytes_moved == 2 * bw.copy_bytes
+    assert len(bw.seconds) == REPEATS * bench.BANDWIDTH_REPEATS  # probed once a repeat
+    assert bw.best_gbps == pytest.approx(bw.bytes_moved / min(bw.seconds) / 1e9)
     assert bw.best_gbps >= bw.median_gbps > 0
     mean_bytes = (result.step_bytes_first + result.step_bytes_last) / 2  # linear in length
     assert result.ceiling_tokens_per_s == pytest.approx(bw.best_gbps * 1e9 / mean_bytes)

@@ -116,8 +116,8 @@ def _limit(r: BenchResult) -> Table:
     grid.add_column()
     grid.add_row("[not dim bold]the limit[/]", "")
     grid.add_row("memory bandwidth", f"[bold]{bw.best_gbps:.1f} GB/s[/] best, "
-                 f"{bw.median_gbps:.1f} median: copying {bw.copy_bytes / 2**20:.0f} MiB "
-                 "in this run, read + write counted")
+                 f"{bw.median_gbps:.1f} median of {len(bw.seconds)} copies of "
+                 f"{bw.copy_bytes / 2**20:.0f} MiB in this run, read + write counted")
     grid.add_row("a decode step reads", f"{_bytes(r.weight_bytes)} of weights + "
                  f"{_bytes(r.kv_bytes_per_token)} of K and V per token: "
                  f"{_bytes(r.step_bytes_first)} @{r.profile_lengths[0]} to "
