@@ -68,6 +68,9 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # Plain click help: typer's rich help imports rich.markdown and pygments, which
+    # doubles the start-up of `kvcache --help` (0.45 s against 0.22 s on 2 cores).
+    rich_markup_mode=None,
 )
 
 
