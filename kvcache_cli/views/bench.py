@@ -6,13 +6,13 @@ Numbers are taken from the result untouched; `--json` prints the same object.
 
 from __future__ import annotations
 
-from rich import box
 from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
 from kvcache_cli.bench import BenchResult
 from kvcache_cli.plot import sparkline
+from kvcache_cli.views.tables import figures_table
 
 OK = "[bold green]✓[/]"
 BAD = "[bold red]✗[/]"
@@ -20,14 +20,6 @@ BAD = "[bold red]✗[/]"
 # the OS and daemons.
 BUSY_SHARE = 0.05
 SPARK_WIDTH = 24  # beside five latency columns, the table still fits 80 columns
-
-
-def _table(*columns: str, title: str | None = None) -> Table:
-    table = Table(*columns, box=box.SIMPLE_HEAD, title=title, title_justify="left",
-                  title_style="bold")
-    for col in table.columns[1:]:
-        col.justify = "right"
-    return table
 
 
 def _bytes(n: int | float | None) -> str:
@@ -73,7 +65,7 @@ def _header(r: BenchResult) -> Table:
 
 def _speed(r: BenchResult) -> Table:
     m0 = r.modes[0]
-    table = _table(
+    table = figures_table(
         "mode", "tokens/s", "spread", "ms/token", "TTFT ms", "×naive", "×hf", "tokens",
         title=f"decode, {m0.tokens_generated} tokens a run: the prefill's (TTFT), then "
         f"{len(m0.median_step_ms)} timed steps",
@@ -96,7 +88,7 @@ def _speed(r: BenchResult) -> Table:
 
 
 def _memory(r: BenchResult) -> Table:
-    table = _table("mode", "GB/s", "of bandwidth", "copied by appends", "cache held",
+    table = figures_table("mode", "GB/s", "of bandwidth", "copied by appends", "cache held",
                    title="memory: bytes a step must read / step time; what the cache moved")
     for m in r.modes:
         table.add_row(
@@ -128,7 +120,7 @@ def _limit(r: BenchResult) -> Table:
 
 
 def _profile(r: BenchResult) -> Table:
-    table = _table("mode", *(f"@{n}" for n in r.profile_lengths), "every step, from 0 ms",
+    table = figures_table("mode", *(f"@{n}" for n in r.profile_lengths), "every step, from 0 ms",
                    title="decode step latency (ms) at context length @n")
     table.columns[-1].justify = "left"
     for m in r.modes:

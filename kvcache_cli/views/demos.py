@@ -17,6 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 import kv_cache_from_scratch as ref
+from kvcache_cli.views.tables import figures_table
 
 OK = "[bold green]✓[/]"
 BAD = "[bold red]✗[/]"
@@ -24,14 +25,6 @@ BAD = "[bold red]✗[/]"
 
 def mark(good: bool) -> str:
     return OK if good else BAD
-
-
-def _table(*columns: str, title: str | None = None) -> Table:
-    table = Table(*columns, box=box.SIMPLE_HEAD, title=title, title_justify="left",
-                  title_style="bold")
-    for col in table.columns[1:]:
-        col.justify = "right"
-    return table
 
 
 def _tokens(tokens) -> str:
@@ -56,7 +49,7 @@ def macs(r: ref.MacsDemo) -> RenderableType:
         f"naive  loop total MACs  [bold]{r.naive_total:>12,}[/]\n"
         f"cached loop total MACs  [bold]{r.cached_total:>12,}[/]\n"
         f"ratio                   [bold cyan]{r.ratio:>11.1f}x[/]")
-    table = _table("step", "naive MACs", "cached MACs", "naive / cached",
+    table = figures_table("step", "naive MACs", "cached MACs", "naive / cached",
                    title="per step: naive grows, cached stays nearly flat")
     table.columns[0].justify = "right"
     for step, naive, cached in r.rows:
@@ -65,7 +58,7 @@ def macs(r: ref.MacsDemo) -> RenderableType:
 
 
 def exact(r: ref.ExactDemo) -> RenderableType:
-    table = _table("loop", "generated tokens", title=f"prompt {_tokens(r.prompt)}")
+    table = figures_table("loop", "generated tokens", title=f"prompt {_tokens(r.prompt)}")
     table.columns[1].justify = "left"
     table.add_row("naive", _tokens(r.naive_tokens))
     table.add_row("cached", _tokens(r.cached_tokens))
@@ -101,7 +94,7 @@ def memory(r: ref.MemoryDemo) -> RenderableType:
         f" × {r.dtype_bytes} bytes\n"
         f"weights ({r.params:,} params, fp16): [bold]{r.weights_gib:.2f} GiB[/]\n"
         f"cache per token: [bold]{r.bytes_per_token:,} bytes = {r.bytes_per_token // 1024} KiB[/]")
-    table = _table("seq_len", "batch 1", f"batch {r.batch}", f"batch {r.batch} ÷ weights")
+    table = figures_table("seq_len", "batch 1", f"batch {r.batch}", f"batch {r.batch} ÷ weights")
     for seq, b1, bn, ratio in r.rows:
         style = "bold red" if ratio > 1 else ""
         table.add_row(f"{seq:,}", f"{b1:.2f} GiB", f"{bn:.1f} GiB", f"[{style}]{ratio:.1f}x[/]"
@@ -110,7 +103,8 @@ def memory(r: ref.MemoryDemo) -> RenderableType:
 
 
 def gqa(r: ref.GqaDemo) -> RenderableType:
-    table = _table("variant", "kv_heads", "4k × b32", "32k × b32", "bytes/token", "reduction")
+    table = figures_table("variant", "kv_heads", "4k × b32", "32k × b32", "bytes/token",
+                          "reduction")
     for g in r.rows:
         table.add_row(g.variant, str(g.kv_heads), f"{g.gib_4k_b32:.1f} GiB",
                       f"{g.gib_32k_b32:.1f} GiB", f"{g.bytes_per_token:,}", f"{g.reduction:.0f}x")
@@ -119,7 +113,7 @@ def gqa(r: ref.GqaDemo) -> RenderableType:
 
 
 def intensity(r: ref.IntensityDemo) -> RenderableType:
-    table = _table("", "MACs", "weights read")
+    table = figures_table("", "MACs", "weights read")
     table.add_row("prefill, one batched pass", f"{r.prefill_macs:,}", "once")
     table.add_row(f"{r.prompt_len} sequential decode steps", f"{r.decode_total_macs:,}",
                   f"{r.prompt_len}×")
@@ -135,7 +129,7 @@ def intensity(r: ref.IntensityDemo) -> RenderableType:
 
 def paged(r: ref.PagedDemo) -> RenderableType:
     gib = r.bytes_per_token / 2**30
-    table = _table("scheme", "reserved", "GiB", "holds tokens")
+    table = figures_table("scheme", "reserved", "GiB", "holds tokens")
     table.add_row(f"contiguous, {r.max_len:,} per request", f"{r.contiguous_reserved:,} tokens",
                   f"{r.contiguous_reserved * gib:.1f}", f"{r.contiguous_utilisation:.1%}")
     table.add_row(f"paged, {r.page_size}-token pages", f"{r.paged_pages:,} pages",
@@ -157,7 +151,7 @@ def paged(r: ref.PagedDemo) -> RenderableType:
 
 
 def no_mask(r: ref.NoMaskBreak) -> RenderableType:
-    table = _table("loop", "tokens chosen")
+    table = figures_table("loop", "tokens chosen")
     table.columns[1].justify = "left"
     table.add_row("recomputed", _tokens(r.recomputed_tokens))
     table.add_row("cached", _tokens(r.cached_tokens))
@@ -168,7 +162,7 @@ def no_mask(r: ref.NoMaskBreak) -> RenderableType:
 
 
 def no_append(r: ref.NoAppendBreak) -> RenderableType:
-    table = _table("loop", "tokens", "distinct", "cache length")
+    table = figures_table("loop", "tokens", "distinct", "cache length")
     table.columns[1].justify = "left"
     table.add_row("correct", _tokens(r.correct_tokens), str(r.correct_distinct),
                   str(r.cache_len_correct))
@@ -179,7 +173,7 @@ def no_append(r: ref.NoAppendBreak) -> RenderableType:
 
 
 def cache_q(r: ref.CacheQBreak) -> RenderableType:
-    table = _table("position", "‖q‖ (layer 0)", "reads of its q", "reads of its k")
+    table = figures_table("position", "‖q‖ (layer 0)", "reads of its q", "reads of its k")
     for i, (norm, q_reads, k_reads) in enumerate(zip(r.q_norms, r.q_reads, r.k_reads)):
         table.add_row(str(i), f"{norm:.3f}", str(q_reads), str(k_reads))
     return Group(table, Text.from_markup(
@@ -196,7 +190,7 @@ def overflow(r: ref.OverflowBreak) -> RenderableType:
 
 
 def wrong_cache(r: ref.WrongCacheBreak) -> RenderableType:
-    table = _table("sequence A", "tokens")
+    table = figures_table("sequence A", "tokens")
     table.columns[1].justify = "left"
     table.add_row("own cache", _tokens(r.own_tokens))
     table.add_row("B's warm cache", f"[bold red]{_tokens(r.leaked_tokens)}[/]")

@@ -1,0 +1,13 @@
+"""The table style every view shares: a rule under the header, numbers right-aligned."""
+
+from rich import box
+from rich.table import Table
+
+
+def figures_table(*columns: str, title: str | None = None) -> Table:
+    """A table whose first column is a label and whose other columns are figures."""
+    t = Table(*columns, box=box.SIMPLE_HEAD, title=title, title_justify="left",
+              title_style="bold")
+    for col in t.columns[1:]:
+        col.justify = "right"
+    return t
