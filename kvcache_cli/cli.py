@@ -8,7 +8,6 @@ need them, so `kvcache --help`, `size` and `demo` start fast.
 
 from __future__ import annotations
 
-import functools
 import sys
 from enum import Enum
 from pathlib import Path
@@ -409,7 +408,6 @@ def _torch_device(device: str) -> str:
     return device
 
 
-@functools.lru_cache(maxsize=1)  # `break all` runs three GPT-2 breaks on one model
 def _load_gpt2(model: str, weights: str, device: str):
     from kvcache_cli.gpt2 import load_gpt2
 
