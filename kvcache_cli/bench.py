@@ -28,6 +28,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kv_cache_from_scratch import kv_cache_bytes
+
 if TYPE_CHECKING:
     import torch
 
@@ -182,11 +184,6 @@ def weight_bytes(model: torch.nn.Module) -> int:
         rows = 1 if name.endswith("wpe.weight") else param.shape[0]
         total += rows * param[0].numel() * param.element_size()
     return total
-
-
-def kv_bytes_per_token(n_layer: int, n_embd: int, element_size: int) -> int:
-    """K and V for one position, every layer, batch 1 (GPT-2 has n_kv_heads = n_head)."""
-    return 2 * n_layer * n_embd * element_size
 
 
 # ---------------------------------------------------------------------------
@@ -557,7 +554,8 @@ def run_bench(
 
     element = param.element_size()
     w_bytes = weight_bytes(model)
-    kv_token = kv_bytes_per_token(cfg.n_layer, cfg.n_embd, element)
+    # The reference script's formula at seq 1; GPT-2 keeps a K and V head per query head.
+    kv_token = kv_cache_bytes(cfg.n_layer, cfg.n_head, cfg.head_size, 1, element)
     # Decode step i attends over the prompt, the prefill's token and i more.
     lengths = [prompt_len + 1 + i for i in range(new_tokens - 1)]
     step_bytes = [w_bytes + kv_token * length for length in lengths]
