@@ -483,6 +483,7 @@ def generate(
     from rich.console import Console
 
     from kvcache_cli import generate as gen
+    from kvcache_cli.gpt2 import GPT2_VOCAB_SIZE
     from kvcache_cli.views.generate import TokenStream, generation_view, header
 
     use_ids = "give the prompt as token ids, e.g. --ids 464,2068,7586"
@@ -493,7 +494,7 @@ def generate(
             fail(f"{why}: {use_ids}", code=1)
     loaded = _load_gpt2(model, weights, device)
     gpt = loaded.model
-    gpt2_vocab = gpt.config.vocab_size == 50257  # tiktoken's gpt2 encoding fits no other
+    gpt2_vocab = gpt.config.vocab_size == GPT2_VOCAB_SIZE
     if prompt is not None:
         if not gpt2_vocab:
             fail(f"the model's vocabulary ({gpt.config.vocab_size}) is not GPT-2's: {use_ids}")
@@ -552,10 +553,11 @@ def _show_gpt2_breaks(loaded, device: str, results: dict) -> None:
     from rich.console import Console
 
     from kvcache_cli.generate import gpt2_encoding
+    from kvcache_cli.gpt2 import GPT2_VOCAB_SIZE
     from kvcache_cli.views.generate import break_view, header
 
     piece = None
-    if loaded.model.config.vocab_size == 50257:
+    if loaded.model.config.vocab_size == GPT2_VOCAB_SIZE:
         encoding, _ = gpt2_encoding()
         if encoding is not None:
             piece = lambda t: encoding.decode([t])  # noqa: E731

@@ -34,11 +34,15 @@ from torch import Tensor
 
 # ---------------------------------------------------------------------------- config
 
+# 50,000 BPE merges + 256 byte tokens + <|endoftext|>: tiktoken's gpt2 encoding, and
+# the only vocabulary it can tokenize for.
+GPT2_VOCAB_SIZE = 50257
+
 
 @dataclass(frozen=True)
 class GPTConfig:
     block_size: int = 1024  # GPT-2 learned 1024 position embeddings: its context window
-    vocab_size: int = 50257  # 50,000 BPE merges + 256 byte tokens + <|endoftext|>
+    vocab_size: int = GPT2_VOCAB_SIZE
     n_layer: int = 12  # the defaults are GPT-2 small (124M parameters)
     n_head: int = 12
     n_embd: int = 768  # every GPT-2 size keeps the head size n_embd / n_head = 64
@@ -539,7 +543,8 @@ def to_hf(gpt: GPT):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     c = gpt.config
-    eos = c.vocab_size - 1 if c.vocab_size == 50257 else None  # <|endoftext|> in real GPT-2
+    # <|endoftext|> is the last id of real GPT-2's vocabulary.
+    eos = c.vocab_size - 1 if c.vocab_size == GPT2_VOCAB_SIZE else None
     hf_config = GPT2Config(
         n_positions=c.block_size,
         vocab_size=c.vocab_size,
