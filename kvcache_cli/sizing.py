@@ -902,14 +902,11 @@ def size_cache(
 
     mha_per_token = mha_total = reduction = None
     if shape.heads is not None:
-        mha_per_token = sum(
-            n * bytes_for_values(_mha_values_per_token(shape, k), bits) for k, n in counts.items()
-        )
-        mha_total = sum(
-            n * bytes_for_values(_mha_values_per_token(shape, k), bits)
-            * tokens_held(shape, k, seq) * batch
-            for k, n in counts.items()
-        )
+        mha_per_layer = {k: bytes_for_values(_mha_values_per_token(shape, k), bits)
+                         for k in counts}
+        mha_per_token = sum(n * mha_per_layer[k] for k, n in counts.items())
+        mha_total = sum(n * mha_per_layer[k] * tokens_held(shape, k, seq) * batch
+                        for k, n in counts.items())
         if total_bytes:
             reduction = mha_total / total_bytes
         if shape.is_mla:
