@@ -12,10 +12,8 @@ from rich.text import Text
 
 from kvcache_cli.bench import BenchResult
 from kvcache_cli.plot import sparkline
-from kvcache_cli.views.tables import figures_table
+from kvcache_cli.views.style import BAD, OK, figures_table
 
-OK = "[bold green]✓[/]"
-BAD = "[bold red]✗[/]"
 # Other processes' share of CPU time above which the view warns: a few percent is
 # the OS and daemons.
 BUSY_SHARE = 0.05

@@ -17,14 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 import kv_cache_from_scratch as ref
-from kvcache_cli.views.tables import figures_table
-
-OK = "[bold green]✓[/]"
-BAD = "[bold red]✗[/]"
-
-
-def mark(good: bool) -> str:
-    return OK if good else BAD
+from kvcache_cli.views.style import BAD, figures_table, mark
 
 
 def _tokens(tokens) -> str:

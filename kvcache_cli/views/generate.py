@@ -17,9 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from kvcache_cli.generate import BreakResult, Generation
-
-OK = "[bold green]✓[/]"
-BAD = "[bold red]✗[/]"
+from kvcache_cli.views.style import BAD, OK
 
 
 def _bytes(n: int) -> str:

@@ -1,7 +1,14 @@
-"""The table style every view shares: a rule under the header, numbers right-aligned."""
+"""What every view shares: the ✓/✗ marks and the table style."""
 
 from rich import box
 from rich.table import Table
+
+OK = "[bold green]✓[/]"
+BAD = "[bold red]✗[/]"
+
+
+def mark(good: bool) -> str:
+    return OK if good else BAD
 
 
 def figures_table(*columns: str, title: str | None = None) -> Table:
