@@ -115,9 +115,8 @@ def _show(results: dict[str, tuple[str, object]], as_json: bool) -> None:
     if as_json:
         from kvcache_cli.views import to_json
 
-        only = next(iter(results.values()))[1] if len(results) == 1 else None
-        typer.echo(to_json(only if only is not None else
-                           {name: result for name, (_, result) in results.items()}))
+        by_name = {name: result for name, (_, result) in results.items()}
+        typer.echo(to_json(next(iter(by_name.values())) if len(by_name) == 1 else by_name))
         return
     from rich.console import Console
 
