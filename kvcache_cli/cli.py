@@ -205,7 +205,11 @@ def _list(titles: dict[str, str], heading: str, as_json: bool) -> None:
 @app.command()
 def size(
     model: Annotated[str | None, typer.Option(
-        "--model", "-m", help="A preset (see 'kvcache models') or its Hub id.")] = None,
+        "--model", "-m", help="A preset (see 'kvcache models') or a Hub id ORG/NAME, whose "
+        "config.json is read through the local Hub cache.")] = None,
+    revision: Annotated[str | None, typer.Option(
+        help="Branch, tag or commit of a Hub id (default main); reads even a preset's id "
+        "from the Hub.")] = None,
     config: Annotated[str | None, typer.Option(
         help="A Hugging Face config.json, or the folder holding it; read offline.")] = None,
     layers: Annotated[int | None, typer.Option(help="Decoder layers.")] = None,
@@ -245,12 +249,20 @@ def size(
     try:
         count = None if params is None else sizing.parse_count(params)
         memory = None if gpu_mem is None else sizing.parse_bytes(gpu_mem)
+        hub_config = _hub_config(model, revision, config, layers, kv_heads, head_dim, heads)
+        if hub_config is not None:
+            model, config = None, hub_config.path
         shape, hf_config = sizing.resolve_shape(
             model, config, layers, kv_heads, head_dim, heads, count
         )
+        if hub_config is not None:
+            shape = dataclasses.replace(shape, name=hub_config.repo_id, source=(
+                f"{hub_config.repo_id} @ {hub_config.revision} ({hub_config.commit[:7]})"))
         result = sizing.size_cache(shape, seq, batch, dtype, tp, memory, weight_dtype, block_size)
     except ValueError as err:
         fail(str(err))
+    except RuntimeError as err:  # the Hub failed on its side
+        fail(str(err), code=1)
     if verify:
         try:
             result = dataclasses.replace(result, verify=sizing.verify_cache(hf_config, dtype))
@@ -266,6 +278,32 @@ def size(
     from kvcache_cli.views.sizing import size_view
 
     Console().print(size_view(result))
+
+
+def _hub_config(model, revision, config, *shape_flags):
+    """The Hub repository's config.json when --model names one, else None.
+
+    A preset's own name or Hub id stays the preset (offline, with its published parameter
+    count) unless --revision asks for the repository itself. With --config or shape flags,
+    nothing is fetched: resolve_shape reports the conflict. Raises ValueError for bad input
+    and RuntimeError when the Hub fails on its side.
+    """
+    from kvcache_cli import hub, sizing
+
+    if model is None or not hub.is_hub_id(model):
+        if revision is not None:
+            raise ValueError(f"--revision {revision!r} applies to a Hub id: expected --model "
+                             "ORG/NAME")
+        return None
+    if config is not None or any(flag is not None for flag in shape_flags):
+        return None
+    if revision is None:
+        try:
+            sizing.preset(model)
+            return None
+        except ValueError:
+            pass
+    return hub.config_json(model, revision)
 
 
 @app.command()

@@ -21,8 +21,6 @@ from __future__ import annotations
 import json
 import math
 import pickle
-import socket
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
@@ -359,7 +357,6 @@ _IGNORED = (".attn.bias", ".attn.masked_bias")
 # untrained model's greedy tokens repeat one id forever, so no bug could show in them.
 RANDOM_INIT_STD = 0.2
 _HUB_REPO = "openai-community/{name}"
-_HUB_TIMEOUT_S = 3.0
 
 
 @dataclass(frozen=True)
@@ -504,6 +501,8 @@ def _hub_weights(name: str) -> tuple[str | None, str, str]:
     """(local path, "cached" | "downloaded", why not) for a preset's model.safetensors."""
     from huggingface_hub import constants, hf_hub_download, try_to_load_from_cache
 
+    from kvcache_cli.hub import HUB_TIMEOUT_S, reachable
+
     repos = (_HUB_REPO.format(name=name), name)  # the canonical id, then the legacy alias
     for repo in repos:
         path = try_to_load_from_cache(repo, "model.safetensors")
@@ -512,30 +511,14 @@ def _hub_weights(name: str) -> tuple[str | None, str, str]:
     if constants.HF_HUB_OFFLINE:
         return None, "", "not in the Hugging Face cache and HF_HUB_OFFLINE is set"
     host = urlparse(constants.ENDPOINT).hostname or "huggingface.co"
-    if not _reachable(host, 443, _HUB_TIMEOUT_S):
+    if not reachable(host):
         # Checked first because the Hub client retries for ~25 s before giving up.
         return None, "", f"not in the Hugging Face cache and {host} is unreachable"
     try:
-        path = hf_hub_download(repos[0], "model.safetensors", etag_timeout=_HUB_TIMEOUT_S)
+        path = hf_hub_download(repos[0], "model.safetensors", etag_timeout=HUB_TIMEOUT_S)
     except Exception as error:  # any network or Hub failure means "not available"
         return None, "", f"download failed: {type(error).__name__}"
     return path, "downloaded", ""
-
-
-def _reachable(host: str, port: int, timeout: float) -> bool:
-    """Whether a TCP connection opens within `timeout` s (name lookup included)."""
-    ok = threading.Event()
-
-    def probe() -> None:
-        try:
-            socket.create_connection((host, port), timeout=timeout).close()
-            ok.set()
-        except OSError:
-            pass
-
-    # A thread, because getaddrinfo ignores socket timeouts and can hang on its own.
-    threading.Thread(target=probe, daemon=True).start()
-    return ok.wait(timeout)
 
 
 def to_hf(gpt: GPT):
