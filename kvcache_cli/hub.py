@@ -10,8 +10,6 @@ inside its functions: `kvcache size` pays for it only when it is given a Hub id.
 from __future__ import annotations
 
 import re
-import socket
-import threading
 from dataclasses import dataclass
 
 # An ORG/NAME repository id, as the Hub spells them (letters, digits, '-', '_', '.').
@@ -47,6 +45,9 @@ def is_hub_id(name: str) -> bool:
 
 def reachable(host: str, port: int = 443, timeout: float = HUB_TIMEOUT_S) -> bool:
     """Whether a TCP connection opens within `timeout` s (name lookup included)."""
+    import socket  # here, as huggingface_hub: `size` with a preset needs neither
+    import threading
+
     ok = threading.Event()
 
     def probe() -> None:
