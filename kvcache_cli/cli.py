@@ -59,6 +59,34 @@ def fail(message: str, code: int = 2) -> NoReturn:
     raise typer.Exit(code)
 
 
+# What the GPT-2 loader may import: torch always, safetensors for a checkpoint folder,
+# huggingface_hub for the pretrained weights. All come with the torch extra.
+GPT2_MODULES = ("torch", "safetensors", "huggingface_hub")
+
+
+def torch_extra_missing(who_needs: str, *modules: str) -> str | None:
+    """One line naming the missing MODULES and the install command, or None if none is missing.
+
+    WHO_NEEDS starts the sentence ("kvcache bench needs"). find_spec locates a module
+    without importing it, so the check costs no start-up time.
+    """
+    from importlib.util import find_spec
+
+    missing = [name for name in modules if find_spec(name) is None]
+    if not missing:
+        return None
+    names = ", ".join(missing[:-1]) + " and " + missing[-1] if len(missing) > 1 else missing[0]
+    verb = "is" if len(missing) == 1 else "are"
+    return f"{who_needs} {names}, which {verb} not installed: pip install 'kvcache[torch]'"
+
+
+def need_torch_extra(who_needs: str, *modules: str) -> None:
+    """Fail in one line, exit 2, when modules of the torch extra are missing."""
+    message = torch_extra_missing(who_needs, *modules)
+    if message is not None:
+        fail(message)
+
+
 app = typer.Typer(
     cls=_OneLineErrors,
     name="kvcache",
@@ -170,14 +198,21 @@ def break_(
         _list({**{n: s.title for n, s in ref.BREAKS.items()}, **GPT2_BREAKS}, "breaks", as_json)
         return
     names = _pick(name, ref.BREAKS, "break", GPT2_BREAKS)
+    gpt2_names = [n for n in names if n in GPT2_BREAKS]
+    who_needs = (f"the GPT-2 break {gpt2_names[0]} needs" if len(gpt2_names) == 1
+                 else f"the GPT-2 breaks ({', '.join(gpt2_names)}) need")
+    skipped = gpt2_names and torch_extra_missing(who_needs, *GPT2_MODULES)
+    if skipped and name != "all":
+        fail(skipped)
     toy = [n for n in names if n in ref.BREAKS]
     toy_model = ref.init_model() if toy else None
     results = {n: (ref.BREAKS[n].title, ref.BREAKS[n].run(toy_model)) for n in toy}
-    gpt2_names = [n for n in names if n in GPT2_BREAKS]
     if not as_json:   # show the quick NumPy breaks before the GPT-2 model loads
         _show(results, as_json=False)
         results = {}
-    if gpt2_names:
+    if skipped:  # `all` without torch: the NumPy breaks ran; say what was left out and why
+        typer.echo(f"note: {skipped}", err=True)
+    elif gpt2_names:
         loaded, gpt2_results = _gpt2_breaks(gpt2_names, model, weights, device, max_new_tokens)
         if not as_json:
             _show_gpt2_breaks(loaded, device, gpt2_results)
@@ -264,6 +299,7 @@ def size(
     except RuntimeError as err:  # the Hub failed on its side
         fail(str(err), code=1)
     if verify:
+        need_torch_extra("--verify needs", "torch", "transformers")
         try:
             result = dataclasses.replace(result, verify=sizing.verify_cache(hf_config, dtype))
         except sizing.VerifyError as err:
@@ -360,6 +396,7 @@ def bench(
     Warm-up excluded, the device synchronised around each timed step, medians over
     repeats; the memory bandwidth is measured in the same run.
     """
+    need_torch_extra("kvcache bench needs", *GPT2_MODULES, "transformers")
     import torch
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
@@ -515,6 +552,8 @@ def generate(
     if (prompt is None) == (ids is None):
         fail("give a prompt or --ids (token ids), one of the two")
     prompt_ids = _parse_ids(ids) if ids is not None else []
+    # A text prompt needs the tokenizer; token ids are shown as text only when it is there.
+    need_torch_extra("kvcache generate needs", *GPT2_MODULES, *(("tiktoken",) if prompt else ()))
     _torch_device(device)
     import torch
     from rich.console import Console
