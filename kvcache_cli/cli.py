@@ -93,7 +93,9 @@ app = typer.Typer(
     help="Understand, size and measure the transformer KV cache.",
     context_settings={"help_option_names": ["-h", "--help"]},
     no_args_is_help=True,
-    add_completion=False,
+    # --install-completion / --show-completion: typer imports its completion code either
+    # way, so offering them costs `kvcache size` no start-up time (measured: 0.13 s CPU both).
+    add_completion=True,
     pretty_exceptions_enable=False,
     # Plain click help: typer's rich help imports rich.markdown and pygments, which
     # doubles the start-up of `kvcache --help` (0.45 s against 0.22 s on 2 cores).
@@ -128,6 +130,25 @@ GPT2_BREAKS = {
 }
 
 
+# Shell completion of names: these run only when the shell asks, never at start-up.
+def _complete_demo(incomplete: str) -> list[str]:
+    import kv_cache_from_scratch as ref
+
+    return [n for n in ["all", *ref.DEMOS] if n.startswith(incomplete)]
+
+
+def _complete_break(incomplete: str) -> list[str]:
+    import kv_cache_from_scratch as ref
+
+    return [n for n in ["all", *ref.BREAKS, *GPT2_BREAKS] if n.startswith(incomplete)]
+
+
+def _complete_preset(incomplete: str) -> list[str]:
+    from kvcache_cli.sizing import PRESETS
+
+    return [n for n in PRESETS if n.startswith(incomplete)]
+
+
 def _pick(name: str, table: dict, kind: str, extra: dict | None = None) -> list[str]:
     """Names to run for NAME or `all`; an unknown name is bad input."""
     valid = [*table, *(extra or {})]
@@ -157,7 +178,8 @@ def _show(results: dict[str, tuple[str, object]], as_json: bool) -> None:
 
 @app.command()
 def demo(
-    name: Annotated[str, typer.Argument(help="A demo name, or 'all'.")] = "all",
+    name: Annotated[str, typer.Argument(
+        help="A demo name, or 'all'.", autocompletion=_complete_demo)] = "all",
     list_: Annotated[bool, typer.Option("--list", help="List the demos and exit.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the raw result as JSON.")] = False,
 ) -> None:
@@ -174,7 +196,8 @@ def demo(
 
 @app.command("break")
 def break_(
-    name: Annotated[str, typer.Argument(help="A break name, or 'all'.")] = "all",
+    name: Annotated[str, typer.Argument(
+        help="A break name, or 'all'.", autocompletion=_complete_break)] = "all",
     list_: Annotated[bool, typer.Option("--list", help="List the breaks and exit.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the raw result as JSON.")] = False,
     model: Annotated[str, typer.Option(
@@ -241,7 +264,8 @@ def _list(titles: dict[str, str], heading: str, as_json: bool) -> None:
 def size(
     model: Annotated[str | None, typer.Option(
         "--model", "-m", help="A preset (see 'kvcache models') or a Hub id ORG/NAME, whose "
-        "config.json is read through the local Hub cache.")] = None,
+        "config.json is read through the local Hub cache.",
+        autocompletion=_complete_preset)] = None,
     revision: Annotated[str | None, typer.Option(
         help="Branch, tag or commit of a Hub id (default main); reads even a preset's id "
         "from the Hub.")] = None,
