@@ -13,39 +13,10 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from hubcache import QWEN_INSTRUCT, QWEN_INSTRUCT_COMMIT, add_snapshot
 
-# Qwen/Qwen2.5-7B-Instruct's published config.json, the fields that matter and a few more.
-QWEN_INSTRUCT = {
-    "architectures": ["Qwen2ForCausalLM"],
-    "hidden_act": "silu",
-    "hidden_size": 3584,
-    "intermediate_size": 18944,
-    "max_position_embeddings": 32768,
-    "max_window_layers": 28,
-    "model_type": "qwen2",
-    "num_attention_heads": 28,
-    "num_hidden_layers": 28,
-    "num_key_value_heads": 4,
-    "rope_theta": 1000000.0,
-    "sliding_window": 131072,
-    "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
-    "use_sliding_window": False,
-    "vocab_size": 152064,
-}
-MAIN_COMMIT = "a09a35458c702b33eeacc393d103063234e8bc28"
+MAIN_COMMIT = QWEN_INSTRUCT_COMMIT
 OLD_COMMIT = "0123456789abcdef0123456789abcdef01234567"
-
-
-def add_snapshot(cache: Path, repo_id: str, commit: str, config: dict, ref: str | None) -> None:
-    """Lay out one snapshot the way huggingface_hub caches it (a plain file, not a symlink)."""
-    repo = cache / f"models--{repo_id.replace('/', '--')}"
-    snapshot = repo / "snapshots" / commit
-    snapshot.mkdir(parents=True)
-    (snapshot / "config.json").write_text(json.dumps(config))
-    if ref is not None:
-        (repo / "refs").mkdir(exist_ok=True)
-        (repo / "refs" / ref).write_text(commit)
 
 
 @pytest.fixture

@@ -1,0 +1,255 @@
+"""The README's command examples, run for real: check them against the README, or rewrite them.
+
+    python tests/readme_blocks.py           # check: print every difference, exit 1 if any
+    python tests/readme_blocks.py --write   # rewrite the exact blocks from real runs
+
+A block is a ```text fence whose first line is a `$ command`. Each `$ ` line is run, and
+what follows it, up to the next `$ ` line, is its output (stdout and stderr, in order).
+
+- **Exact blocks** are compared line for line with a real run, after `normalise`: trailing
+  spaces go (rich pads its tables), and so do timings (`4.3 ms`, `568.8 tokens/s`), which no
+  two runs share. Every other figure must match.
+- **Measured blocks** (`<!-- measured -->` on the line above the fence) hold timings taken on
+  a quiet machine. They are not run, because they take minutes (bench, serve). Their shape is
+  checked instead: every command must be accepted by the CLI as it is now (it is parsed with
+  `--help` appended, which runs nothing), and every column heading of their tables (the line
+  above a `───` rule) must be one that a renderer in kvcache_cli/views still prints.
+
+Commands run in one temporary folder. Blocks run side by side, one per core, but a block
+waits for every block above it that holds a `python3 -c` recipe, whose files (the tiny
+checkpoint) it may use; within a block, commands run in order. The environment is fixed: a
+100-column terminal, HF_HUB_OFFLINE=1 and a Hub cache holding only
+Qwen/Qwen2.5-7B-Instruct's config.json, so no command touches the network and a Hub id
+example reads the same everywhere.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from hubcache import (  # noqa: E402  (this file also runs as a script)
+    QWEN_INSTRUCT,
+    QWEN_INSTRUCT_COMMIT,
+    QWEN_INSTRUCT_ID,
+    add_snapshot,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+README = REPO / "README.md"
+MEASURED = "<!-- measured -->"
+KVCACHE = Path(sys.executable).with_name("kvcache")  # the installed entry point
+COLUMNS = "100"
+
+# A duration or a rate, with its unit: what no two runs share.
+_TIMING = re.compile(r"\d[\d,]*(?:\.\d+)?(?= (?:ms|s|tokens/s)\b)")
+_RULE = re.compile(r"^\s*─[─\s]*$")
+_ENV_WORD = re.compile(r"^[A-Z_][A-Z0-9_]*=")
+
+
+@dataclass(frozen=True)
+class Example:
+    command: str
+    output: tuple[str, ...]
+    gap: bool  # a blank line parts it from the next command in the block
+
+
+@dataclass(frozen=True)
+class Block:
+    start: int  # index of the opening fence among the README's lines
+    end: int  # index of the closing fence
+    measured: bool
+    examples: tuple[Example, ...]
+
+
+def parse(text: str) -> list[Block]:
+    """Every ```text block of TEXT that starts with a `$ ` command."""
+    lines = text.split("\n")
+    found = []
+    i = 0
+    while i < len(lines):
+        if lines[i].strip() != "```text":
+            i += 1
+            continue
+        end = lines.index("```", i + 1)
+        body = lines[i + 1:end]
+        if body and body[0].startswith("$ "):
+            measured = i > 0 and lines[i - 1].strip() == MEASURED
+            found.append(Block(i, end, measured, tuple(_examples(body))))
+        i = end + 1
+    return found
+
+
+def _examples(body: list[str]) -> list[Example]:
+    starts = [n for n, line in enumerate(body) if line.startswith("$ ")]
+    examples = []
+    for first, after in zip(starts, [*starts[1:], len(body)]):
+        output = body[first + 1:after]
+        gap = bool(output) and output[-1] == ""
+        while output and output[-1] == "":
+            output.pop()
+        examples.append(Example(body[first][2:], tuple(output), gap))
+    return examples
+
+
+def normalise(lines: tuple[str, ...] | list[str]) -> list[str]:
+    """What must match: trailing spaces and timings removed."""
+    return [_TIMING.sub("<t>", line.rstrip()) for line in lines]
+
+
+def argv(command: str, workdir: Path) -> tuple[dict[str, str], list[str]]:
+    """(extra environment, argv) for a README command: `kvcache ...` through the installed
+    entry point, `python3 ...` through this interpreter; `VAR=value` prefixes go to the env."""
+    words = shlex.split(command, comments=True)
+    env = {}
+    while words and _ENV_WORD.match(words[0]):
+        name, value = words.pop(0).split("=", 1)
+        env[name] = value
+    program, args = words[0], words[1:]
+    if program == "kvcache":
+        return env, [str(KVCACHE), *args]
+    if program in ("python", "python3"):
+        # A script named relative to the repository (kv_cache_from_scratch.py).
+        args = [str(REPO / a) if a.endswith(".py") and (REPO / a).is_file() else a for a in args]
+        return env, [sys.executable, *args]
+    raise ValueError(f"README command {command!r}: expected kvcache or python3")
+
+
+def environment(workdir: Path) -> dict[str, str]:
+    """The fixed environment every command runs in (see the module docstring)."""
+    cache = workdir / ".hub-cache"
+    if not cache.is_dir():
+        add_snapshot(cache, QWEN_INSTRUCT_ID, QWEN_INSTRUCT_COMMIT, QWEN_INSTRUCT, "main")
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("HF_", "HUGGINGFACE", "TRANSFORMERS_", "COLUMNS", "LINES"))}
+    return env | {"COLUMNS": COLUMNS, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
+                  "HF_HUB_CACHE": str(cache), "HF_HOME": str(workdir / ".hf-home")}
+
+
+def run(command: str, workdir: Path) -> list[str]:
+    """The command's output lines, stdout and stderr interleaved as a terminal shows them."""
+    extra, args = argv(command, workdir)
+    done = subprocess.run(args, cwd=workdir, env=environment(workdir) | extra, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=300)
+    lines = [line.rstrip() for line in done.stdout.replace(str(workdir) + os.sep, "").split("\n")]
+    while lines and lines[-1] == "":
+        lines.pop()
+    return lines
+
+
+def _headings() -> set[str]:
+    """Every quoted string in the renderers' sources: the column headings they can print."""
+    views = REPO / "kvcache_cli" / "views"
+    source = "\n".join(p.read_text(encoding="utf-8") for p in sorted(views.glob("*.py")))
+    return set(re.findall(r'"([^"\n]+)"', source))
+
+
+def check_measured(block: Block, workdir: Path) -> list[str]:
+    """The shape of a measured block, without running it (see the module docstring)."""
+    problems = []
+    known = _headings()
+    for example in block.examples:
+        extra, args = argv(example.command, workdir)
+        done = subprocess.run([*args, "--help"], cwd=workdir, env=environment(workdir) | extra,
+                              capture_output=True, text=True, timeout=120)
+        if done.returncode != 0:
+            problems.append(f"line {block.start + 2}: `{example.command}` is refused now: "
+                            f"{done.stderr.strip()}")
+        lines = example.output
+        for above, line in zip(lines, lines[1:]):
+            if not _RULE.match(line):
+                continue
+            for heading in re.split(r"\s{2,}", above.strip()):
+                if not re.fullmatch(r"@\d+", heading) and heading not in known:
+                    problems.append(f"`{example.command}`: table heading {heading!r} is not "
+                                    "one kvcache_cli/views prints")
+    return problems
+
+
+def _is_recipe(example: Example) -> bool:
+    """A `python3 -c` line makes files (the tiny checkpoint) that later blocks use."""
+    return example.command.startswith(("python3 -c", "python -c"))
+
+
+def run_blocks(blocks: list[Block], workdir: Path) -> dict[int, list[list[str]]]:
+    """Each exact block's outputs, keyed by its start: blocks run side by side, one per core,
+    except that a block waits for every block above it that holds a recipe."""
+    recipes: list[Future] = []
+    futures = {}
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+        for block in blocks:
+            if block.measured:
+                continue
+
+            def run_block(block=block, after=tuple(recipes)) -> list[list[str]]:
+                wait(after)
+                return [run(e.command, workdir) for e in block.examples]
+
+            futures[block.start] = pool.submit(run_block)
+            if any(_is_recipe(e) for e in block.examples):
+                recipes.append(futures[block.start])
+        return {start: future.result() for start, future in futures.items()}
+
+
+def check(text: str, select: Callable[[Block], bool] = lambda block: True) -> list[str]:
+    """Every difference between TEXT's blocks and real runs, one message each."""
+    problems = []
+    blocks = [block for block in parse(text) if select(block)]
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(tmp)
+        outputs = run_blocks(blocks, workdir)
+        for block in blocks:
+            if block.measured:
+                problems += check_measured(block, workdir)
+                continue
+            for example, output in zip(block.examples, outputs[block.start]):
+                want, got = normalise(example.output), normalise(output)
+                if want != got:
+                    diff = "\n".join(difflib.unified_diff(want, got, "README", "real run",
+                                                          lineterm=""))
+                    problems.append(f"README line {block.start + 2}: `{example.command}` "
+                                    f"prints something else now:\n{diff}")
+    return problems
+
+
+def write(text: str) -> str:
+    """TEXT with every exact block's outputs replaced by a real run's."""
+    lines = text.split("\n")
+    blocks = parse(text)
+    with tempfile.TemporaryDirectory() as tmp:
+        outputs = run_blocks(blocks, Path(tmp))
+    # From the last block up, so that the line numbers of the blocks above stay valid.
+    for block in reversed(blocks):
+        if block.measured:
+            continue
+        body = []
+        for n, (example, output) in enumerate(zip(block.examples, outputs[block.start])):
+            body += [f"$ {example.command}", *output]
+            if example.gap and n < len(block.examples) - 1:
+                body.append("")
+        lines[block.start + 1:block.end] = body
+    return "\n".join(lines)
+
+
+def main() -> int:
+    text = README.read_text(encoding="utf-8")
+    if "--write" in sys.argv[1:]:
+        README.write_text(write(text), encoding="utf-8")
+        return 0
+    problems = check(text)
+    print("\n\n".join(problems) if problems else "README examples match real runs")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
