@@ -48,7 +48,10 @@ from hubcache import (  # noqa: E402  (this file also runs as a script)
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
 MEASURED = "<!-- measured -->"
-KVCACHE = Path(sys.executable).with_name("kvcache")  # the installed entry point
+# What the installed `kvcache` script does, from this interpreter: no reliance on where pip
+# put the script, and argv[0] named so that messages say `kvcache`, as a user's would.
+KVCACHE = [sys.executable, "-c",
+           "import sys; sys.argv[0] = 'kvcache'; from kvcache_cli.cli import main; main()"]
 COLUMNS = "100"
 
 # A duration or a rate, with its unit: what no two runs share.
@@ -108,8 +111,8 @@ def normalise(lines: tuple[str, ...] | list[str]) -> list[str]:
 
 
 def argv(command: str, workdir: Path) -> tuple[dict[str, str], list[str]]:
-    """(extra environment, argv) for a README command: `kvcache ...` through the installed
-    entry point, `python3 ...` through this interpreter; `VAR=value` prefixes go to the env."""
+    """(extra environment, argv) for a README command: `kvcache ...` as its entry point runs
+    it, `python3 ...` through this interpreter; `VAR=value` prefixes go to the env."""
     words = shlex.split(command, comments=True)
     env = {}
     while words and _ENV_WORD.match(words[0]):
@@ -117,7 +120,7 @@ def argv(command: str, workdir: Path) -> tuple[dict[str, str], list[str]]:
         env[name] = value
     program, args = words[0], words[1:]
     if program == "kvcache":
-        return env, [str(KVCACHE), *args]
+        return env, [*KVCACHE, *args]
     if program in ("python", "python3"):
         # A script named relative to the repository (kv_cache_from_scratch.py).
         args = [str(REPO / a) if a.endswith(".py") and (REPO / a).is_file() else a for a in args]

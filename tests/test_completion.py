@@ -7,21 +7,21 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from kvcache_cli.cli import app
 
-KVCACHE = str(Path(sys.executable).with_name("kvcache"))
+# As the installed script runs it; the program's name, kvcache, picks the variable it reads.
+KVCACHE = [sys.executable, "-c",
+           "import sys; sys.argv[0] = 'kvcache'; from kvcache_cli.cli import main; main()"]
 
 
 def complete(words: str) -> list[str]:
     """What bash would be offered after WORDS (the last word is the one being completed)."""
     env = {**os.environ, "_KVCACHE_COMPLETE": "complete_bash", "COMP_WORDS": words,
            "COMP_CWORD": str(len(words.split()) - 1)}
-    # The installed entry point: the program's name, kvcache, picks the variable it reads.
-    done = subprocess.run([KVCACHE], capture_output=True, text=True, env=env, timeout=60)
+    done = subprocess.run(KVCACHE, capture_output=True, text=True, env=env, timeout=60)
     assert done.returncode == 0, done.stderr
     return done.stdout.split()
 
