@@ -304,6 +304,7 @@ def size(
     import dataclasses
 
     from kvcache_cli import sizing
+    from kvcache_cli.hub import HubUnavailable
 
     try:
         count = None if params is None else sizing.parse_count(params)
@@ -320,7 +321,7 @@ def size(
         result = sizing.size_cache(shape, seq, batch, dtype, tp, memory, weight_dtype, block_size)
     except ValueError as err:
         fail(str(err))
-    except RuntimeError as err:  # the Hub failed on its side
+    except HubUnavailable as err:  # the Hub failed on its side
         fail(str(err), code=1)
     if verify:
         need_torch_extra("--verify needs", "torch", "transformers")
@@ -346,7 +347,7 @@ def _hub_config(model, revision, config, *shape_flags):
     A preset's own name or Hub id stays the preset (offline, with its published parameter
     count) unless --revision asks for the repository itself. With --config or shape flags,
     nothing is fetched: resolve_shape reports the conflict. Raises ValueError for bad input
-    and RuntimeError when the Hub fails on its side.
+    and HubUnavailable when the Hub fails on its side.
     """
     from kvcache_cli import hub, sizing
 

@@ -121,21 +121,40 @@ def test_misused_revision_or_flags_are_one_line(hub_cache, args, expected):
     assert done.stderr.count("\n") == 1 and expected in done.stderr, done.stderr
 
 
-def test_gated_repository_says_accept_the_licence(monkeypatch):
+def hub_answers(monkeypatch, error_type, message: str) -> None:
+    """Make every download fail as the Hub would with ERROR_TYPE, without a network."""
     import huggingface_hub
-    from huggingface_hub import constants, errors
+    from huggingface_hub import constants
+
+    def download(*args, **kwargs):
+        # A stand-in for the Hub's HTTP answer: only the parts the error reads.
+        raise error_type(message, response=SimpleNamespace(headers={}, request=None))
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+
+
+def test_gated_repository_says_accept_the_licence(monkeypatch):
+    from huggingface_hub import errors
 
     from kvcache_cli import hub
 
-    def gated(*args, **kwargs):
-        # A stand-in for the Hub's 403 answer: only the parts the error reads.
-        response = SimpleNamespace(headers={}, request=None)
-        raise errors.GatedRepoError("403 Client Error: gated repo", response=response)
-
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    monkeypatch.setattr(huggingface_hub, "hf_hub_download", gated)
+    hub_answers(monkeypatch, errors.GatedRepoError, "403 Client Error: gated repo")
     with pytest.raises(hub.HubError, match="gated: accept the licence and set HF_TOKEN"):
         hub.config_json("meta-llama/Llama-3.1-8B")
+
+
+def test_a_hub_server_error_is_a_runtime_failure_in_one_line(monkeypatch):
+    from huggingface_hub import errors
+    from typer.testing import CliRunner
+
+    from kvcache_cli.cli import app
+
+    hub_answers(monkeypatch, errors.HfHubHTTPError, "503 Server Error: Service Unavailable")
+    result = CliRunner().invoke(app, ["size", "--model", "org/model"])
+    assert result.exit_code == 1, result.output
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert "the Hub failed to serve 'org/model'" in result.stderr and "503" in result.stderr
 
 
 def test_hub_id_spelling():
