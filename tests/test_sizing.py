@@ -104,9 +104,11 @@ def test_huge_sizes_stay_exact_and_print_in_large_units():
     assert format_gib(result.total_bytes) == "2.84 EiB"
     assert format_gib(2**50) == "1.00 PiB"
     assert format_gb(10**18) == "1.00 EB"
-    enormous = size_cache(flags(10**6, 10**3), seq=10**200).total_bytes
-    assert enormous == 2 * 10**6 * 10**3 * 128 * 10**200 * 2
-    assert format_gib(enormous).endswith(" YiB")  # no float overflow past 1e308
+    # Every number at its upper limit: still exact, still one short line.
+    enormous = size_cache(flags(100_000, 65_536, head_dim=65_536), seq=10**12,
+                          batch=10**9).total_bytes
+    assert enormous == 2 * 100_000 * 65_536 * 65_536 * 10**12 * 2 * 10**9
+    assert format_gib(enormous).endswith(" YiB") and len(format_gib(enormous)) < 30
     assert format_bytes(999) == "999 bytes"
 
 
@@ -244,12 +246,13 @@ def test_layer_types_with_sliding_and_linear_layers(tmp_path):
                                    "hidden_size": 512, "sliding_window": 128,
                                    "layer_types": types})
     shape, _ = resolve_shape(config=path)
-    assert shape.kind_counts() == {"full": 2, "sliding": 2, "none": 2}
+    assert shape.kind_counts() == {"full": 2, "sliding": 2, "recurrent": 2}
     result = size_cache(shape, seq=1000)
     per_layer = 2 * 2 * 64 * 2
     assert result.total_bytes == 2 * per_layer * 1000 + 2 * per_layer * 128
-    assert [(row.kind, row.total_bytes) for row in result.kinds][-1] == ("none", 0)
-    assert any("hold no KV" in note for note in result.notes)
+    assert [(row.kind, row.total_bytes) for row in result.kinds][-1] == ("recurrent", 0)
+    # model_type 'x' has no known state formula: said, not silently zero.
+    assert any("reader does not know for model_type 'x'" in note for note in result.notes)
 
 
 def test_family_defaults_for_layer_types_follow_transformers():
@@ -264,9 +267,9 @@ def test_family_defaults_for_layer_types_follow_transformers():
     gemma3 = shape_from_config({**base, "model_type": "gemma3_text", "sliding_window": 64})
     assert gemma3.layer_kinds == ("sliding",) * 5 + ("full", "sliding", "sliding")
     next_ = shape_from_config({**base, "model_type": "qwen3_next"})
-    assert next_.layer_kinds == ("none", "none", "none", "full") * 2
+    assert next_.layer_kinds == ("recurrent", "recurrent", "recurrent", "full") * 2
     jamba = shape_from_config({**base, "model_type": "jamba"})
-    assert jamba.layer_kinds == ("none",) * 4 + ("full",) + ("none",) * 3
+    assert jamba.layer_kinds == ("recurrent",) * 4 + ("full",) + ("recurrent",) * 3
 
 
 def test_nested_text_config(tmp_path):
@@ -310,7 +313,9 @@ def test_missing_config_file(tmp_path):
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
-    ({"layers": 0, "kv_heads": 8}, "--layers 0: expected a positive"),
+    ({"layers": 0, "kv_heads": 8}, "--layers 0: expected a whole number from 1 to 100,000"),
+    ({"layers": 10**6, "kv_heads": 8}, "--layers 1,000,000: expected a whole number from 1 "),
+    ({"layers": 32, "kv_heads": 10**9}, "--kv-heads 1,000,000,000: expected .* to 65,536"),
     ({"layers": 32, "kv_heads": -2}, "--kv-heads -2"),
     ({"layers": 32, "kv_heads": 8, "head_dim": 0}, "--head-dim 0"),
     ({"layers": 32, "kv_heads": 6, "heads": 32}, "--kv-heads 6 does not divide --heads 32"),
@@ -353,7 +358,7 @@ def test_parse_bytes(text, n):
 
 
 @pytest.mark.parametrize(("text", "message"), [
-    ("80G", "ambiguous"), ("0GiB", "more than 0"), ("-1GB", "expected a positive size"),
+    ("80G", "ambiguous"), ("0GiB", "from 1 byte to 1 EiB"), ("2EiB", "from 1 byte to 1 EiB"), ("-1GB", "expected a positive size"),
     ("lots", "expected a positive size"), ("80 furlongs", "unknown unit"),
 ])
 def test_parse_bytes_rejects(text, message):
@@ -450,14 +455,17 @@ def test_gpu_smaller_than_the_weights_is_an_error_naming_both():
 # --- --verify without torch: what it builds -------------------------------------------------
 
 
-def test_verify_config_keeps_one_layer_of_each_kind_and_the_attention_widths():
+def test_verify_config_keeps_a_prefix_with_every_kind_and_the_attention_widths():
     cfg = {"model_type": "qwen3_next", "num_hidden_layers": 48, "num_attention_heads": 16,
            "num_key_value_heads": 2, "head_dim": 256, "hidden_size": 2048,
-           "vocab_size": 151936, "intermediate_size": 5120, "eos_token_id": 151645}
+           "vocab_size": 151936, "intermediate_size": 5120, "eos_token_id": 151645,
+           "layer_types": ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"]
+           * 3 + ["full_attention"] + ["linear_attention", "full_attention"] * 20}
     small, changes = sizing._verify_config(cfg, max_layers=2)
-    assert small["num_hidden_layers"] == 2
-    assert small["layer_types"] == ["linear_attention", "full_attention"]
+    # Qwen3-Next's first full-attention layer is the 4th: four layers cover both kinds.
+    assert small["num_hidden_layers"] == 4
+    assert small["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
     assert (small["num_attention_heads"], small["num_key_value_heads"], small["head_dim"]) == (
         16, 2, 256)
     assert small["vocab_size"] == 512 and small["eos_token_id"] is None
-    assert any(change.startswith("layers 48 → 2") for change in changes)
+    assert any(change.startswith("layers 48 → 4") for change in changes)
