@@ -358,7 +358,8 @@ def test_parse_bytes(text, n):
 
 
 @pytest.mark.parametrize(("text", "message"), [
-    ("80G", "ambiguous"), ("0GiB", "from 1 byte to 1 EiB"), ("2EiB", "from 1 byte to 1 EiB"), ("-1GB", "expected a positive size"),
+    ("80G", "ambiguous"), ("0GiB", "from 1 byte to 1 EiB"), ("2EiB", "from 1 byte to 1 EiB"),
+    ("-1GB", "expected a positive size"),
     ("lots", "expected a positive size"), ("80 furlongs", "unknown unit"),
 ])
 def test_parse_bytes_rejects(text, message):
@@ -467,5 +468,5 @@ def test_verify_config_keeps_a_prefix_with_every_kind_and_the_attention_widths()
     assert small["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
     assert (small["num_attention_heads"], small["num_key_value_heads"], small["head_dim"]) == (
         16, 2, 256)
-    assert small["vocab_size"] == 512 and small["eos_token_id"] is None
+    assert small["vocab_size"] == 512 and small["eos_token_id"] == 0
     assert any(change.startswith("layers 48 → 4") for change in changes)

@@ -33,8 +33,9 @@ def values_per_token(shape: ModelShape, kind: str, kv_heads: int | None = None) 
         # key shared by every head: no factor 2, no heads. A sparse-attention indexer
         # (DeepSeek-V3.2) adds its own single-head key.
         return shape.kv_lora_rank + shape.qk_rope_head_dim + shape.index_head_dim
-    return (2 * (shape.kv_heads if kv_heads is None else kv_heads) * shape.head_dim
-            + shape.index_head_dim)
+    # K and V, each kv_heads × its width (V's width differs from K's in a few models).
+    heads = shape.kv_heads if kv_heads is None else kv_heads
+    return heads * (shape.head_dim + (shape.v_head_dim or shape.head_dim)) + shape.index_head_dim
 
 
 def mha_values_per_token(shape: ModelShape, kind: str) -> int:
@@ -44,7 +45,7 @@ def mha_values_per_token(shape: ModelShape, kind: str) -> int:
     if kind == "mla":
         # What an implementation that decompresses the latent would cache per head.
         return shape.heads * (shape.qk_nope_head_dim + shape.qk_rope_head_dim + shape.v_head_dim)
-    return 2 * shape.heads * shape.head_dim
+    return shape.heads * (shape.head_dim + (shape.v_head_dim or shape.head_dim))
 
 
 def tokens_held(shape: ModelShape, kind: str, seq: int) -> int:
@@ -155,6 +156,12 @@ def _kind_formula(shape: ModelShape, kind: str, n: int, seq: int, bits: int,
     tokens, held = "seq_len", f"{seq:,}"
     if kind in ("sliding", "chunked"):
         tokens, held = "min(seq_len, window)", f"min({seq:,}, {shape.window:,})"
+    if shape.v_head_dim and shape.v_head_dim != shape.head_dim:
+        return (
+            f"layers × kv_heads × (head_dim + v_head_dim) × {tokens} × dtype_bytes × batch",
+            f"{n} × {shape.kv_heads} × ({shape.head_dim} + {shape.v_head_dim}) × {held} × {size} "
+            f"× {batch:,}",
+        )
     return (
         f"2 × layers × kv_heads × head_dim × {tokens} × dtype_bytes × batch",
         f"2 × {n} × {shape.kv_heads} × {shape.head_dim} × {held} × {size} × {batch:,}",

@@ -20,13 +20,18 @@ from kvcache_cli.sizing.shape import ModelShape
 from kvcache_cli.sizing.units import LIMITS, ConfigError
 
 # Real configs spell the same number several ways; the first present wins.
-LAYER_KEYS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers")
-_HEAD_KEYS = ("num_attention_heads", "n_head", "n_heads", "num_heads")
+# decoder_layers / decoder_attention_heads: TrOCR's decoder (microsoft/trocr-base-handwritten).
+LAYER_KEYS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "decoder_layers")
+# attention_heads: XGLM (facebook/xglm-564M).
+_HEAD_KEYS = ("num_attention_heads", "n_head", "n_heads", "num_heads", "attention_heads",
+              "decoder_attention_heads")
 # multi_query_group_num: ChatGLM (THUDM/chatglm3-6b), 2 KV groups for 32 heads.
 _KV_HEAD_KEYS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_head_kv",
                  "multi_query_group_num")
-# kv_channels: ChatGLM (THUDM/chatglm3-6b); attention_head_dim: Zamba (Zyphra/Zamba-7B-v1).
-_HEAD_DIM_KEYS = ("head_dim", "kv_channels", "attention_head_dim")
+# attention_head_dim: Zamba2 (Zyphra/Zamba2-2.7B), whose shared attention block is twice the
+# model's width and which also carries a kv_channels of half that; kv_channels: ChatGLM
+# (THUDM/chatglm3-6b).
+_HEAD_DIM_KEYS = ("head_dim", "attention_head_dim", "kv_channels")
 HIDDEN_KEYS = ("hidden_size", "n_embd", "d_model", "dim")
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len")
 
@@ -170,8 +175,8 @@ def _attn_layer_period(cfg: dict, layers: int, where: str) -> list[str] | None:
     # ai21labs/Jamba-v0.1: one attention layer in every 8, at offset 4; Mamba elsewhere.
     if cfg.get("attn_layer_period") is None and cfg.get("model_type") != "jamba":
         return None
-    period = _int(cfg, "attn_layer_period", where, high=layers) if "attn_layer_period" in cfg \
-        else 8
+    period = _int(cfg, "attn_layer_period", where, high=LIMITS["--layers"]) \
+        if "attn_layer_period" in cfg else 8
     offset = _int(cfg, "attn_layer_offset", where, low=0, high=period - 1) \
         if "attn_layer_offset" in cfg else 4
     if offset >= period:
@@ -332,6 +337,15 @@ def _gated_deltanet_state(cfg: dict, where: str) -> tuple[int, int]:
     return width * conv, value_heads * key_dim * value_dim
 
 
+def _delta_attention_state(cfg: dict, where: str) -> tuple[int, int]:
+    # moonshotai/Kimi-Linear-48B-A3B-Instruct, inclusionAI/Ring-mini-linear-2.0: separate short
+    # convs over q, k and v, and a head_dim × head_dim state per head.
+    heads = _get(cfg, where, "linear_num_heads")
+    head_dim = _get(cfg, where, "linear_head_dim")
+    conv = _get(cfg, where, "linear_conv_kernel_dim")
+    return 3 * heads * head_dim * conv, heads * head_dim * head_dim
+
+
 def _short_conv_state(cfg: dict, where: str) -> tuple[int, int]:
     # LiquidAI/LFM2-1.2B: a short convolution over the last conv_L_cache inputs, no SSM state.
     return _hidden(cfg, where) * _get(cfg, where, "conv_L_cache"), 0
@@ -348,6 +362,8 @@ def _state_rule(cfg: dict) -> Callable[[dict, str], tuple[int, int]] | None:
         return _mamba1_state
     if cfg.get("linear_num_value_heads") is not None:
         return _gated_deltanet_state
+    if cfg.get("linear_num_heads") is not None:
+        return _delta_attention_state
     if cfg.get("conv_L_cache") is not None:
         return _short_conv_state
     return None
@@ -380,6 +396,10 @@ def shape_from_config(cfg: Any, name: str = "config.json", params: int | None = 
         where = f"{name} (text_config)"
     if not isinstance(cfg.get("model_type", ""), str):
         raise ConfigError(f"{where}: model_type is {cfg['model_type']!r}; expected a name")
+    if not any(cfg.get(key) is not None for key in LAYER_KEYS) and isinstance(
+            cfg.get("layers_block_type"), list):
+        # nvidia/NVIDIA-Nemotron-Nano-9B-v2 in transformers: the count is the pattern's length.
+        cfg = {**cfg, "num_hidden_layers": len(cfg["layers_block_type"])}
     layers = _first_int(cfg, LAYER_KEYS, where, high=LIMITS["--layers"])
     names = layer_type_names(cfg, layers, where)
     kinds = []
@@ -422,11 +442,13 @@ def shape_from_config(cfg: Any, name: str = "config.json", params: int | None = 
             head_dim = _first_int(cfg, _HEAD_DIM_KEYS, where, high=LIMITS["--head-dim"])
         else:
             hidden = _first_int(cfg, HIDDEN_KEYS, where)
+            head_dim = hidden // heads  # rounded down, as transformers' attention does
             if hidden % heads:
-                raise ConfigError(
-                    f"{where}: hidden size {hidden} is not a multiple of {heads} heads and "
-                    "there is no head_dim; expected head_dim or a divisible hidden size")
-            head_dim = hidden // heads
+                notes.append(f"hidden size {hidden} is not a multiple of {heads} heads and "
+                             f"there is no head_dim: transformers rounds down to {head_dim}")
+            if not head_dim:
+                raise ConfigError(f"{where}: hidden size {hidden} is smaller than {heads} heads; "
+                                  "expected head_dim or a hidden size of at least one per head")
     kinds = ["mla" if is_mla and kind == "full" else kind for kind in kinds]
 
     window = None
@@ -438,6 +460,9 @@ def shape_from_config(cfg: Any, name: str = "config.json", params: int | None = 
     if is_mla and has_kv:
         extra = {key: _first_int(cfg, (key,), where)
                  for key in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")}
+    if not is_mla and has_kv and cfg.get("v_head_dim") is not None:
+        # XiaomiMiMo/MiMo-V2-Flash: keys 192 wide, values 128.
+        extra["v_head_dim"] = _int(cfg, "v_head_dim", where, high=LIMITS["--head-dim"])
     if "indexed_attention" in names and cfg.get("index_head_dim") is not None:
         # deepseek-ai/DeepSeek-V3.2-Exp: the lightning indexer caches one key per token.
         extra["index_head_dim"] = _int(cfg, "index_head_dim", where)

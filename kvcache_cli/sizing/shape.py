@@ -37,7 +37,7 @@ class ModelShape:
     kv_lora_rank: int = 0  # MLA: compressed latent c_KV, shared by K and V
     qk_rope_head_dim: int = 0  # MLA: the decoupled rotary key, shared by all heads
     qk_nope_head_dim: int = 0  # MLA: per-head key width after decompression (no rope)
-    v_head_dim: int = 0  # MLA: per-head value width after decompression
+    v_head_dim: int = 0  # width of one V head when not head_dim (MLA: after decompression)
     index_head_dim: int = 0  # sparse attention (DeepSeek-V3.2): one indexer key per token
     state_layers: int = 0  # layers that keep a recurrent state (recurrent and hybrid layers)
     conv_state_values: int = 0  # numbers in one such layer's convolution state, per sequence

@@ -69,7 +69,9 @@ _SHRINK = {
     "num_local_experts": 4,
     "num_experts": 4,
     "num_experts_per_tok": 2,
+    "num_experts_per_token": 2,
     "n_group": 1,
+    "num_expert_group": 1,
     "topk_group": 1,
 }
 _VERIFY_WINDOW = 4  # a sliding window small enough to fill with a short prompt
@@ -90,17 +92,20 @@ def _verify_config(config: dict, max_layers: int) -> tuple[dict, list[str]]:
     if not cfg.get("model_type"):
         raise VerifyError("the config has no model_type: transformers cannot tell what to build")
     shape = shape_from_config(cfg)
-    layer_key = next(k for k in LAYER_KEYS if cfg.get(k) is not None)
-    layers = cfg[layer_key]  # decoder layers, before any per-layer block count
+    layer_key = next((k for k in LAYER_KEYS if cfg.get(k) is not None), None)
+    # Decoder layers, before any per-layer block count; Nemotron-H has no count but its pattern.
+    layers = cfg[layer_key] if layer_key else len(cfg["layers_block_type"])
     blocks = shape.layers // layers
     firsts = [shape.layer_kinds.index(kind) // blocks for kind in dict.fromkeys(shape.layer_kinds)]
     keep = min(layers, max(max_layers, max(firsts) + 1))
     changes = [f"layers {layers} → {keep} (the first {keep})"]
     if keep < layers:
-        cfg[layer_key] = keep
+        for key in (*LAYER_KEYS, "num_blocks"):  # xLSTM counts its blocks twice
+            if cfg.get(key) == layers:
+                cfg[key] = keep
         for key, value in list(cfg.items()):
-            if isinstance(value, (list, str)) and len(value) == layers and key not in (
-                    "model_type", "architectures"):
+            if (isinstance(value, list) or key == "hybrid_override_pattern") and len(
+                    value) == layers:
                 cfg[key] = value[:keep]  # layer_types, mlp_layer_types, hybrid patterns...
             elif key == "per_layer_config" and isinstance(value, dict):
                 cfg[key] = {k: v for k, v in value.items() if str(k).isdigit() and int(k) < keep}
@@ -122,8 +127,10 @@ def _verify_config(config: dict, max_layers: int) -> tuple[dict, list[str]]:
             changes.append(f"{key} {cfg[key]} → {small}")
             cfg[key] = small
     if (cfg.get("head_dim") is not None or cfg.get("kv_lora_rank") is not None) and (
-            not shape.state_layers and shape.heads):
-        # head_dim is explicit, so the hidden width no longer sets it: shrink it too.
+            not shape.state_layers and shape.heads
+            and shape.heads * shape.head_dim != cfg.get("hidden_size")):
+        # head_dim is explicit and not hidden / heads, so the hidden width no longer sets it:
+        # shrink it too. (Where they agree, some models assume it: Helium's o_proj.)
         hidden_key = next((k for k in HIDDEN_KEYS if k in cfg), None)
         small = 8 * shape.heads
         if hidden_key and isinstance(cfg[hidden_key], int) and cfg[hidden_key] > small:
@@ -138,11 +145,10 @@ def _verify_config(config: dict, max_layers: int) -> tuple[dict, list[str]]:
             )
             cfg[key] = _VERIFY_WINDOW
     # Token ids past the shrunk vocabulary, hub-only loaders and quantised weights have no
-    # bearing on the cache and would stop an offline CPU build.
-    for key in {"bos_token_id", "eos_token_id", "pad_token_id"} | {
-        k for k in cfg if k.endswith("_token_id")
-    }:
-        cfg[key] = None
+    # bearing on the cache and would stop an offline CPU build. Id 0 is inside any vocabulary
+    # (None fails the configs that require an id).
+    for key in [k for k in cfg if k.endswith("_token_id") and cfg[k] is not None]:
+        cfg[key] = 0
     for key in ("quantization_config", "auto_map", "torch_dtype", "dtype"):
         cfg.pop(key, None)
     return cfg, changes
