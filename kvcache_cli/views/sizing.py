@@ -23,7 +23,8 @@ _KIND_LABEL = {
     "sliding": "sliding",
     "chunked": "chunked",
     "mla": "MLA latent",
-    "none": "no attention",
+    "recurrent": "recurrent state",
+    "none": "no cache (MLP / shared KV)",
 }
 
 
@@ -40,7 +41,13 @@ def _count(n: int | None, unit: str = "") -> str:
 def _headline(r: SizeResult) -> Panel:
     lines = Text()
     lines.append(format_bytes(r.total_bytes), style="bold green")
-    lines.append(f"  for {r.seq:,} tokens × batch {r.batch:,}, {r.dtype} cache\n")
+    lines.append(f"  for {r.seq:,} tokens × batch {r.batch:,}, {r.dtype} cache")
+    lines.append("\n" if r.shape.has_kv else ": no attention layers, no KV cache\n")
+    if r.state_bytes:
+        lines.append("+ recurrent state ")
+        lines.append(format_bytes(r.state_bytes), style="bold green")
+        lines.append(f": {format_bytes(r.state_bytes_per_sequence)} per sequence, the same at "
+                     "any length\n")
     lines.append(f"per token: {r.bytes_per_token:,} bytes ({format_gib(r.bytes_per_token)})")
     lines.append(f" · per layer: {r.bytes_per_token_per_layer:,} bytes")
     if r.mha_total_bytes is not None:
@@ -103,6 +110,8 @@ def _fit_table(r: SizeResult) -> RenderableType:
     if r.tp is not None:
         table.add_row("weights per GPU", format_bytes(fit.weights_bytes_per_gpu))
     table.add_row("room for the cache", format_bytes(fit.room_bytes))
+    if fit.state_bytes_per_sequence:
+        table.add_row("recurrent state per sequence", format_bytes(fit.state_bytes_per_sequence))
     table.add_row("max tokens cached (one sequence, any length)", _count(fit.max_tokens))
     table.add_row(f"max sequences of {r.seq:,} tokens", _count(fit.max_sequences))
     verdict = Text("fits", style="green") if fit.batch_fits else Text("does not fit",
@@ -148,10 +157,11 @@ def verify_view(v: Verification) -> RenderableType:
 def size_view(r: SizeResult) -> RenderableType:
     """Everything `kvcache size` shows, in reading order."""
     parts: list[RenderableType] = [_headline(r)]
-    formula = Text("formula\n", style="bold")
-    for line in r.formula:
-        formula.append(f"  {line}\n", style="cyan")
-    parts.append(formula)
+    if r.formula:
+        formula = Text("formula\n", style="bold")
+        for line in r.formula:
+            formula.append(f"  {line}\n", style="cyan")
+        parts.append(formula)
     parts.append(_kinds_table(r))
     if r.tp is not None:
         parts.append(_tp_table(r))
