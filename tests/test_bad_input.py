@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -129,3 +131,179 @@ def test_files_that_are_not_config_files(tmp_path, make, first_line):
 def test_dev_zero_is_refused_without_reading_it():
     assert_one_line(["size", "--config", "/dev/zero", "--seq", "8"], 2,
                     "config file '/dev/zero' is not a regular file")
+
+
+# --- options that do not apply, and generate's numbers checked before the model loads ---------
+
+
+@pytest.mark.parametrize(("args", "first_line"), [
+    (["demo", "bogus", "--list"], "--list lists every demo: expected no NAME with it, got "
+                                  "'bogus'"),
+    (["break", "no-mask", "--list"], "--list lists every break"),
+    (["break", "no-mask", "--model", "gpt2-xl"],
+     "--model applies to the GPT-2 breaks only, and 'no-mask' runs on the NumPy toy"),
+    (["break", "overflow", "--device", "cuda", "--max-new-tokens", "5"],
+     "--device, --max-new-tokens apply to the GPT-2 breaks only"),
+    # --model names nothing that exists: each case must fail before a model is looked for.
+    (["generate", "--ids", "1,2", "--temperature", "nan", "--model", "/nonexistent"],
+     "--temperature nan: expected a finite number"),
+    (["generate", "--ids", "1,2", "--temperature", "inf", "--model", "/nonexistent"],
+     "--temperature inf: expected a finite number"),
+    (["generate", "--ids", "1,2", "--seed", str(2**64), "--model", "/nonexistent"],
+     "18446744073709551616 is not in the range 0<=x<=18446744073709551615"),
+    (["generate", "--ids", "1,2", "--seed", "-1", "--model", "/nonexistent"],
+     "-1 is not in the range"),
+    (["generate", "--ids", "1,-5", "--model", "/nonexistent"], "--ids: token id -5 is not a "
+                                                               "vocabulary index"),
+    (["generate", "--ids", ",", "--model", "/nonexistent"], "at least one"),
+    (["generate", "--ids", "one,two", "--model", "/nonexistent"], "--ids 'one,two': expected "
+                                                                  "comma-separated token ids"),
+])
+def test_options_that_do_not_apply_and_values_checked_first(args, first_line):
+    pytest.importorskip("torch")
+    import torch  # noqa: F401 - imported here so the timed run below measures the check only
+
+    assert_one_line(args, 2, first_line)
+
+
+@pytest.mark.parametrize(("plot", "first_line"), [
+    (".", "is a directory: expected a file name"),
+    ("/nonexistent/bench.png", "no directory '/nonexistent' to write 'bench.png' into"),
+])
+def test_plot_path_is_checked_before_the_benchmark_runs(plot, first_line):
+    pytest.importorskip("torch")
+    pytest.importorskip("matplotlib")
+    import torch  # noqa: F401
+
+    # --model names nothing: the plot check must come first.
+    assert_one_line(["bench", "--plot", plot, "--model", "/nonexistent"], 2, first_line)
+
+
+# --- checkpoints that are not GPT-2 checkpoints -----------------------------------------------
+
+TINY = {"model_type": "gpt2", "n_layer": 1, "n_head": 2, "n_embd": 8, "vocab_size": 16,
+        "n_positions": 16}
+
+
+@pytest.fixture(scope="module")
+def tiny_state():
+    torch = pytest.importorskip("torch")
+    from kvcache_cli.gpt2 import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=16, vocab_size=16, n_layer=1, n_head=2, n_embd=8))
+    # Hugging Face names and layout: Conv1D weights transposed, the tied lm_head left out.
+    from kvcache_cli.gpt2 import _CONV1D
+
+    return {k: (t.t() if k.endswith(_CONV1D) else t).contiguous()
+            for k, t in model.state_dict().items() if k != "lm_head.weight"}
+
+
+def _save_safetensors(state, path):
+    from safetensors.torch import save_file
+
+    save_file(state, str(path))
+
+
+def _truncated(tmp, state):
+    _save_safetensors(state, tmp / "model.safetensors")
+    data = (tmp / "model.safetensors").read_bytes()
+    (tmp / "model.safetensors").write_bytes(data[: len(data) // 2])
+
+
+def _bin(tmp, obj):
+    import torch
+
+    torch.save(obj, tmp / "pytorch_model.bin")
+
+
+def _index(tmp, shard):
+    (tmp / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"transformer.wte.weight": shard}}))
+
+
+@pytest.mark.parametrize(("config", "make", "first_line"), [
+    ({k: v for k, v in TINY.items() if k != "n_layer"}, _save_safetensors,
+     "no 'n_layer'; expected a GPT-2 config.json"),
+    ({**TINY, "n_head": "2"}, _save_safetensors, "n_head is '2'; expected a whole number"),
+    ({**TINY, "n_embd": 10**9}, _save_safetensors, "n_embd is 1000000000; expected a whole "
+                                                   "number from 1 to 65,536"),
+    ({**TINY, "n_embd": 7}, _save_safetensors, "n_embd 7 is not a multiple of n_head 2"),
+    (TINY, _truncated, "not a readable safetensors file"),
+    (TINY, lambda tmp, state: (tmp / "model.safetensors").write_bytes(b"\x08" + b"\0" * 64),
+     "not a readable safetensors file"),
+    (TINY, lambda tmp, state: (tmp / "model.safetensors").write_bytes(b""), "is empty"),
+    (TINY, lambda tmp, state: _bin(tmp, [1, 2, 3]), "holds list, not a state dict"),
+    (TINY, lambda tmp, state: _bin(tmp, {"wte.weight": "not a tensor"}),
+     "holds a dict of other values, not a state dict"),
+    (TINY, lambda tmp, state: (tmp / "pytorch_model.bin").write_bytes(b"PK\x03\x04junk"),
+     "not a plain tensor file"),
+    (TINY, lambda tmp, state: _index(tmp, "../outside.safetensors"),
+     "shard '../outside.safetensors' is outside the checkpoint directory"),
+    (TINY, lambda tmp, state: _index(tmp, "/etc/passwd"), "shard '/etc/passwd' is outside"),
+    (TINY, lambda tmp, state: _save_safetensors(
+        {k: t for k, t in state.items() if k != "transformer.h.0.ln_1.weight"},
+        tmp / "model.safetensors"),
+     "checkpoint has no 'h.0.ln_1.weight'"),
+])
+def test_broken_checkpoints_are_one_line(tmp_path, tiny_state, config, make, first_line):
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    if make is _save_safetensors:
+        _save_safetensors(tiny_state, tmp_path / "model.safetensors")
+    else:
+        make(tmp_path, tiny_state)
+    assert_one_line(["generate", "--model", str(tmp_path), "--weights", "pretrained",
+                     "--ids", "1,2", "-n", "1"], 2, first_line)
+
+
+def test_a_good_tiny_checkpoint_loads(tmp_path, tiny_state):
+    """The fixture itself is a valid checkpoint: the failures above come from the damage."""
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    _save_safetensors(tiny_state, tmp_path / "model.safetensors")
+    result = runner.invoke(app, ["generate", "--model", str(tmp_path), "--weights",
+                                 "pretrained", "--ids", "1,2", "-n", "2", "--json"])
+    assert result.exit_code == 0, result.output
+    assert len(json.loads(result.stdout)["tokens"]) == 2
+
+
+# --- stdout that cannot be written ------------------------------------------------------------
+
+
+def _kvcache(args: list[str], stdout) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvcache_cli", *args], stdout=stdout,
+                          stderr=subprocess.PIPE, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("args", [["models"], ["size", "--model", "llama-2-7b", "--json"]])
+def test_stdout_full_is_one_line_and_exit_1(args):
+    with open("/dev/full", "w") as full:
+        done = _kvcache(args, full)
+    assert done.returncode == 1
+    assert done.stderr == "error: cannot write the output: No space left on device\n"
+
+
+@pytest.mark.parametrize("args", [["models"], ["demo", "memory"], ["size", "--model", "gpt2"]])
+def test_reader_gone_exits_quietly(args):
+    read, write = os.pipe()
+    os.close(read)  # like `| head` that has already exited
+    with os.fdopen(write, "w") as pipe:
+        done = _kvcache(args, pipe)
+    assert done.returncode == 1  # click's status for a broken pipe
+    assert done.stderr == ""
+
+
+def test_a_plot_that_fails_after_the_run_keeps_the_results(tmp_path, tiny_state):
+    pytest.importorskip("matplotlib")
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    _save_safetensors(tiny_state, tmp_path / "model.safetensors")
+    # /dev/full passes every check made before the run and fails only when written.
+    result = runner.invoke(app, ["bench", "--model", str(tmp_path), "--weights", "pretrained",
+                                 "--device", "cpu", "--prompt-len", "2", "--new-tokens", "2",
+                                 "--repeats", "1", "--modes", "naive", "--plot", "/dev/full",
+                                 "--json"])
+    assert result.exit_code == 1, result.output
+    assert json.loads(result.stdout)["modes"], "the measured results come first"
+    # The progress bar (transient, on stderr) leaves a blank line; then the one error line.
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        "error: --plot '/dev/full': the plot could not be written"), result.stderr
