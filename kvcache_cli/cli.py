@@ -466,9 +466,9 @@ def _parse_ids(text: str) -> list[int]:
     try:
         ids = [int(part) for part in text.replace(" ", "").split(",") if part]
     except ValueError:
-        fail(f"--ids {text[:40]!r}: {expected}")
+        fail(f"--ids: {expected}, got {text[:40]!r}")
     if not ids:
-        fail(f"--ids {text!r}: {expected}, at least one")
+        fail(f"--ids: {expected}, at least one, got {text!r}")
     bad = next((i for i in ids if not 0 <= i < 2**31), None)
     if bad is not None:
         fail(f"--ids: token id {bad} is not a vocabulary index; {expected}, each 0 or more")

@@ -156,8 +156,8 @@ def test_dev_zero_is_refused_without_reading_it():
     (["generate", "--ids", "1,-5", "--model", "/nonexistent"], "--ids: token id -5 is not a "
                                                                "vocabulary index"),
     (["generate", "--ids", ",", "--model", "/nonexistent"], "at least one"),
-    (["generate", "--ids", "one,two", "--model", "/nonexistent"], "--ids 'one,two': expected "
-                                                                  "comma-separated token ids"),
+    (["generate", "--ids", "one,two", "--model", "/nonexistent"],
+     "--ids: expected comma-separated token ids like 464,2068,7586, got 'one,two'"),
 ])
 def test_options_that_do_not_apply_and_values_checked_first(args, first_line):
     pytest.importorskip("torch")
