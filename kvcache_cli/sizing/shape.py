@@ -79,7 +79,9 @@ class ModelShape:
                 attention += f", all {kind} {self.window:,}"
             elif kind in counts:
                 attention += f", {counts[kind]}/{self.layers} {kind} {self.window:,}"
-        if "recurrent" in counts:
+        if counts.get("recurrent") == self.layers:
+            attention = "recurrent only"
+        elif "recurrent" in counts:
             attention += f", {counts['recurrent']}/{self.layers} recurrent"
         if "none" in counts:
             attention += f", {counts['none']}/{self.layers} no cache"

@@ -46,8 +46,8 @@ def _headline(r: SizeResult) -> Panel:
     if r.state_bytes:
         lines.append("+ recurrent state ")
         lines.append(format_bytes(r.state_bytes), style="bold green")
-        lines.append(f": {format_bytes(r.state_bytes_per_sequence)} per sequence, the same at "
-                     "any length\n")
+        per = f": {format_bytes(r.state_bytes_per_sequence)}" if r.batch > 1 else ""
+        lines.append(f"{per} per sequence, the same at any length\n")
     lines.append(f"per token: {r.bytes_per_token:,} bytes ({format_gib(r.bytes_per_token)})")
     lines.append(f" · per layer: {r.bytes_per_token_per_layer:,} bytes")
     if r.mha_total_bytes is not None:
@@ -111,7 +111,8 @@ def _fit_table(r: SizeResult) -> RenderableType:
         table.add_row("weights per GPU", format_bytes(fit.weights_bytes_per_gpu))
     table.add_row("room for the cache", format_bytes(fit.room_bytes))
     if fit.state_bytes_per_sequence:
-        table.add_row("recurrent state per sequence", format_bytes(fit.state_bytes_per_sequence))
+        table.add_row("recurrent state per sequence" + (" per GPU" if r.tp is not None else ""),
+                      format_bytes(fit.state_bytes_per_sequence))
     table.add_row("max tokens cached (one sequence, any length)", _count(fit.max_tokens))
     table.add_row(f"max sequences of {r.seq:,} tokens", _count(fit.max_sequences))
     verdict = Text("fits", style="green") if fit.batch_fits else Text("does not fit",
@@ -199,7 +200,7 @@ def models_view(rows: tuple[ModelRow, ...]) -> RenderableType:
             _params(row.params),
             str(shape.layers),
             shape.describe(),
-            str(shape.head_dim),
+            str(shape.head_dim) if shape.has_kv else "",
             format_gib(row.bytes_per_token),
             f"{shape.max_positions:,}" if shape.max_positions else "",
         )
