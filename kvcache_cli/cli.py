@@ -410,8 +410,8 @@ def bench(
         try:
             save_plot(result, plot)
         except (OSError, ValueError) as err:
-            fail(f"--plot {str(plot)!r}: the plot could not be written ({err}); the results "
-                 "are above", code=1)
+            fail(f"--plot: the plot could not be written to {str(plot)!r} ({err}); the "
+                 "results are above", code=1)
         if not as_json:
             Console().print(f"per-step plot written to {plot}")
 
@@ -423,15 +423,14 @@ def _check_writable(path: Path) -> None:
     """--plot must be writable before the benchmark runs, without leaving a file behind."""
     import os
 
-    where = f"--plot {str(path)!r}"
     if path.is_dir():
-        fail(f"{where} is a directory: expected a file name such as bench.png")
+        fail(f"--plot: {str(path)!r} is a directory: expected a file name such as bench.png")
     if not path.parent.is_dir():
-        fail(f"{where}: no directory {str(path.parent)!r} to write {path.name!r} into")
+        fail(f"--plot: no directory {str(path.parent)!r} to write {path.name!r} into")
     if path.exists() and not os.access(path, os.W_OK):
-        fail(f"{where} is not writable: expected a path this user can write")
+        fail(f"--plot: {str(path)!r} is not writable: expected a path this user can write")
     if not path.exists() and not os.access(path.parent, os.W_OK | os.X_OK):
-        fail(f"{where}: directory {str(path.parent)!r} is not writable: expected one this user "
+        fail(f"--plot: directory {str(path.parent)!r} is not writable: expected one this user "
              "can write")
 
 

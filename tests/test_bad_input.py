@@ -167,8 +167,8 @@ def test_options_that_do_not_apply_and_values_checked_first(args, first_line):
 
 
 @pytest.mark.parametrize(("plot", "first_line"), [
-    (".", "is a directory: expected a file name"),
-    ("/nonexistent/bench.png", "no directory '/nonexistent' to write 'bench.png' into"),
+    (".", "--plot: '.' is a directory: expected a file name"),
+    ("/nonexistent/bench.png", "--plot: no directory '/nonexistent' to write 'bench.png' into"),
 ])
 def test_plot_path_is_checked_before_the_benchmark_runs(plot, first_line):
     pytest.importorskip("torch")
@@ -306,4 +306,4 @@ def test_a_plot_that_fails_after_the_run_keeps_the_results(tmp_path, tiny_state)
     # The progress bar (transient, on stderr) leaves a blank line; then the one error line.
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(
-        "error: --plot '/dev/full': the plot could not be written"), result.stderr
+        "error: --plot: the plot could not be written to '/dev/full'"), result.stderr

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvcache_cli.sizing.shape import ModelShape
+from kvcache_cli.sizing.shape import LayerGroup, ModelShape
 from kvcache_cli.sizing.units import (
     DTYPE_BITS,
     SizingError,
@@ -228,16 +228,16 @@ def size_cache(
             f"({shape.max_positions:,}); the bytes are still what such a cache would hold"
         )
 
-    counts = shape.kind_counts()
+    groups = shape.layer_groups()
     kinds: list[KindRow] = []
-    for kind, n in counts.items():
-        values = values_per_token(shape, kind)
+    for g in groups:
+        values = values_per_token(g.shape, g.kind)
         per_layer = bytes_for_values(values, bits)
-        held = tokens_held(shape, kind, seq)
-        total = n * per_layer * held * batch
+        held = tokens_held(shape, g.kind, seq)
+        total = g.layers * per_layer * held * batch
         symbols, numbers = ("", "") if not values else _kind_formula(
-            shape, kind, n, seq, bits, batch)
-        kinds.append(KindRow(kind, n, values, per_layer, held, total, symbols, numbers))
+            g.shape, g.kind, g.layers, seq, bits, batch)
+        kinds.append(KindRow(g.kind, g.layers, values, per_layer, held, total, symbols, numbers))
     total_bytes = sum(row.total_bytes for row in kinds)
     bytes_per_token = sum(row.layers * row.bytes_per_token_per_layer for row in kinds)
     main = max(kinds, key=lambda row: (row.values_per_token > 0, row.layers))
@@ -269,11 +269,11 @@ def size_cache(
 
     mha_per_token = mha_total = reduction = None
     if shape.heads is not None:
-        mha_per_layer = {k: bytes_for_values(mha_values_per_token(shape, k), bits)
-                         for k in counts}
-        mha_per_token = sum(n * mha_per_layer[k] for k, n in counts.items())
-        mha_total = sum(n * mha_per_layer[k] * tokens_held(shape, k, seq) * batch
-                        for k, n in counts.items())
+        mha_per_layer = [bytes_for_values(mha_values_per_token(g.shape, g.kind), bits)
+                         for g in groups]
+        mha_per_token = sum(g.layers * b for g, b in zip(groups, mha_per_layer, strict=True))
+        mha_total = sum(g.layers * b * tokens_held(shape, g.kind, seq) * batch
+                        for g, b in zip(groups, mha_per_layer, strict=True))
         if total_bytes:
             reduction = mha_total / total_bytes
         if shape.is_mla:
@@ -283,13 +283,13 @@ def size_cache(
                 f"+ {shape.v_head_dim} value) per token per layer"
             )
 
-    tp_result = _tensor_parallel(shape, counts, bits, seq, batch, tp) if tp > 1 else None
+    tp_result = _tensor_parallel(shape, groups, bits, seq, batch, tp) if tp > 1 else None
     state_per_gpu = -(-state_per_sequence // tp)
-    per_gpu = _per_gpu_bytes_per_token(shape, counts, bits, tp)
+    per_gpu = _per_gpu_bytes_per_token(groups, bits, tp)
 
     fit = None
     if gpu_mem is not None:
-        fit = _fit(shape, counts, per_gpu, state_per_gpu, seq, batch, tp, gpu_mem, weight_dtype,
+        fit = _fit(shape, groups, per_gpu, state_per_gpu, seq, batch, tp, gpu_mem, weight_dtype,
                    block_size)
 
     return SizeResult(
@@ -344,25 +344,24 @@ def _kv_heads_per_gpu(shape: ModelShape, tp: int) -> int:
     return 1
 
 
-def _per_gpu_bytes_per_token(shape: ModelShape, counts: dict[str, int], bits: int,
-                             tp: int) -> dict[str, int]:
-    """Bytes per token per layer on one GPU, for each kind."""
-    heads = _kv_heads_per_gpu(shape, tp)
-    return {
+def _per_gpu_bytes_per_token(groups: tuple[LayerGroup, ...], bits: int, tp: int) -> list[int]:
+    """Bytes per token per layer on one GPU, for each group of layers."""
+    return [
         # The MLA latent belongs to no head, so it cannot be split: every GPU keeps all of it.
-        kind: bytes_for_values(
-            values_per_token(shape, kind, kv_heads=heads if kind != "mla" else None), bits
-        )
-        for kind in counts
-    }
+        bytes_for_values(values_per_token(
+            g.shape, g.kind, kv_heads=_kv_heads_per_gpu(g.shape, tp) if g.kind != "mla" else None
+        ), bits)
+        for g in groups
+    ]
 
 
-def _tensor_parallel(shape: ModelShape, counts: dict[str, int], bits: int, seq: int, batch: int,
-                     tp: int) -> TensorParallel:
+def _tensor_parallel(shape: ModelShape, groups: tuple[LayerGroup, ...], bits: int, seq: int,
+                     batch: int, tp: int) -> TensorParallel:
     heads = _kv_heads_per_gpu(shape, tp)
-    per_layer = _per_gpu_bytes_per_token(shape, counts, bits, tp)
-    per_token = sum(n * per_layer[k] for k, n in counts.items())
-    per_gpu = sum(n * per_layer[k] * tokens_held(shape, k, seq) * batch for k, n in counts.items())
+    per_layer = _per_gpu_bytes_per_token(groups, bits, tp)
+    per_token = sum(g.layers * b for g, b in zip(groups, per_layer, strict=True))
+    per_gpu = sum(g.layers * b * tokens_held(shape, g.kind, seq) * batch
+                  for g, b in zip(groups, per_layer, strict=True))
     if shape.is_mla:
         replicas = tp
         note = (f"the MLA latent is shared by all heads, so it cannot be split: each of the {tp} "
@@ -377,7 +376,7 @@ def _tensor_parallel(shape: ModelShape, counts: dict[str, int], bits: int, seq: 
     return TensorParallel(tp, heads, replicas, per_token, per_gpu, per_gpu * tp, note)
 
 
-def _fit(shape: ModelShape, counts: dict[str, int], per_layer: dict[str, int], state: int,
+def _fit(shape: ModelShape, groups: tuple[LayerGroup, ...], per_layer: list[int], state: int,
          seq: int, batch: int, tp: int, gpu_mem: int, weight_dtype: str,
          block_size: int | None) -> Fit:
     if shape.params is None:
@@ -401,10 +400,11 @@ def _fit(shape: ModelShape, counts: dict[str, int], per_layer: dict[str, int], s
     def cost(n: int, block: int | None = None) -> int:
         # A sequence's recurrent state is allocated whole as soon as it starts.
         return (state if n else 0) + sum(
-            cnt * per_layer[k] * _round_up(tokens_held(shape, k, n), block)
-            for k, cnt in counts.items())
+            g.layers * b * _round_up(tokens_held(shape, g.kind, n), block)
+            for g, b in zip(groups, per_layer, strict=True))
 
-    growing = sum(cnt * per_layer[k] for k, cnt in counts.items() if k in ("full", "mla"))
+    growing = sum(g.layers * b for g, b in zip(groups, per_layer, strict=True)
+                  if g.kind in ("full", "mla"))
     bounded_at = max((shape.window or 0) + (block_size or 0), 1)
     per_sequence = cost(seq)
     max_sequences = room // per_sequence if per_sequence else None

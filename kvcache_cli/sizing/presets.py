@@ -239,8 +239,8 @@ def list_models(dtype: str = "fp16") -> tuple[ModelRow, ...]:
     for p in PRESETS.values():
         shape = p.shape
         per_token = sum(
-            n * bytes_for_values(values_per_token(shape, kind), DTYPE_BITS[dtype])
-            for kind, n in shape.kind_counts().items()
+            g.layers * bytes_for_values(values_per_token(g.shape, g.kind), DTYPE_BITS[dtype])
+            for g in shape.layer_groups()
         )
         rows.append(ModelRow(p.name, p.hf_id, p.params, shape, dtype, per_token))
     return tuple(rows)

@@ -7,7 +7,7 @@ preset (`presets`); the arithmetic in `arithmetic` takes it from there.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvcache_cli.sizing.units import SizingError, check_range
@@ -46,6 +46,25 @@ class ModelShape:
     max_positions: int | None = None  # the context window the config declares
     source: str = ""  # where the numbers came from
     notes: tuple[str, ...] = ()  # what the reader decided that a reader of the figures should know
+    # Per layer, the fields above that this layer sets differently, as (name, value) pairs;
+    # () when every layer has the model's widths (Gemma 4's global layers are 512 wide).
+    layer_overrides: tuple[tuple[tuple[str, int], ...], ...] = ()
+
+    def layer_shape(self, index: int) -> ModelShape:
+        """The shape that layer `index` caches with: the model's, or its own widths."""
+        overrides = self.layer_overrides[index] if self.layer_overrides else ()
+        return replace(self, layer_overrides=(), **dict(overrides)) if overrides else self
+
+    def layer_groups(self) -> tuple[LayerGroup, ...]:
+        """Layers that cache alike, grouped: by kind, then by their own widths."""
+        counts = Counter(
+            (kind, self.layer_overrides[i] if self.layer_overrides else ())
+            for i, kind in enumerate(self.layer_kinds))
+        ordered = sorted(counts, key=lambda key: (KINDS.index(key[0]), key[1]))
+        return tuple(
+            LayerGroup(kind, counts[kind, over],
+                       replace(self, layer_overrides=(), **dict(over)) if over else self)
+            for kind, over in ordered)
 
     def kind_counts(self) -> dict[str, int]:
         counts = Counter(self.layer_kinds)
@@ -86,6 +105,15 @@ class ModelShape:
         if "none" in counts:
             attention += f", {counts['none']}/{self.layers} no cache"
         return attention
+
+
+@dataclass(frozen=True)
+class LayerGroup:
+    """Layers of one kind that cache alike: how many, and the shape they cache with."""
+
+    kind: str
+    layers: int
+    shape: ModelShape
 
 
 def shape_from_flags(

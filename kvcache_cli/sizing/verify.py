@@ -225,8 +225,8 @@ def verify_cache(config: dict, dtype: str = "fp16", max_layers: int = 2) -> Veri
         measured = nbytes((keys, values, getattr(layer, "indexer_keys", None)))
         state_measured += nbytes([*(getattr(layer, "conv_states", None) or {}).values(),
                                   *(getattr(layer, "recurrent_states", None) or {}).values()])
-        expected = bytes_for_values(values_per_token(shape, kind), bits) * tokens_held(
-            shape, kind, _VERIFY_TOKENS)
+        expected = bytes_for_values(values_per_token(shape.layer_shape(index), kind),
+                                    bits) * tokens_held(shape, kind, _VERIFY_TOKENS)
         layers.append(VerifyLayer(index, kind, shapes[0], shapes[1], measured, expected))
     measured = sum(layer.measured_bytes for layer in layers)
     formula = sum(layer.formula_bytes for layer in layers)
@@ -258,7 +258,8 @@ def _window_minus_one(shape: ModelShape, layer: VerifyLayer, bits: int) -> int |
     """What transformers keeps for a sliding or chunked layer between steps: window − 1 tokens."""
     if layer.kind not in ("sliding", "chunked"):
         return None
-    return bytes_for_values(values_per_token(shape, layer.kind), bits) * (shape.window - 1)
+    per_token = values_per_token(shape.layer_shape(layer.index), layer.kind)
+    return bytes_for_values(per_token, bits) * (shape.window - 1)
 
 
 def _explain(shape: ModelShape, layers: list[VerifyLayer], bits: int) -> list[str]:
@@ -267,8 +268,9 @@ def _explain(shape: ModelShape, layers: list[VerifyLayer], bits: int) -> list[st
     for layer in layers:
         if layer.measured_bytes == layer.formula_bytes:
             continue
-        per_token = bytes_for_values(values_per_token(shape, layer.kind), bits)
-        decompressed = bytes_for_values(mha_values_per_token(shape, layer.kind), bits)
+        own = shape.layer_shape(layer.index)
+        per_token = bytes_for_values(values_per_token(own, layer.kind), bits)
+        decompressed = bytes_for_values(mha_values_per_token(own, layer.kind), bits)
         if layer.measured_bytes == _window_minus_one(shape, layer, bits):
             lines.append(
                 f"layer {layer.index} ({layer.kind}): transformers keeps window − 1 = "
