@@ -472,3 +472,38 @@ def test_verify_config_keeps_a_prefix_with_every_kind_and_the_attention_widths()
         16, 2, 256)
     assert small["vocab_size"] == 512 and small["eos_token_id"] == 0
     assert any(change.startswith("layers 48 → 4") for change in changes)
+
+
+# --- layers with their own widths -------------------------------------------------------------
+
+GEMMA4 = {"model_type": "gemma4_text", "num_hidden_layers": 6, "num_attention_heads": 8,
+          "num_key_value_heads": 4, "head_dim": 256, "hidden_size": 2304, "sliding_window": 512,
+          "layer_types": ["sliding_attention"] * 5 + ["full_attention"]}
+
+
+def test_gemma4_global_layers_are_global_head_dim_wide():
+    # The Hub's spelling (global_head_dim), and transformers 5's (per_layer_config), agree.
+    hub = shape_from_config({**GEMMA4, "global_head_dim": 512})
+    saved = shape_from_config({**GEMMA4, "per_layer_config": {"05": {"head_dim": 512}}})
+    for shape in (hub, saved):
+        result = size_cache(shape, seq=4096)
+        assert [(r.kind, r.layers, r.values_per_token) for r in result.kinds] == [
+            ("full", 1, 2 * 4 * 512), ("sliding", 5, 2 * 4 * 256)]
+        assert result.total_bytes == (2 * 4 * 512 * 4096 + 5 * 2 * 4 * 256 * 512) * 2
+
+
+def test_mimo_sliding_layers_keep_twice_the_kv_heads_and_the_query_in_the_window():
+    shape = shape_from_config({
+        "model_type": "mimo_v2_flash", "num_hidden_layers": 2, "num_attention_heads": 64,
+        "num_key_value_heads": 4, "head_dim": 192, "v_head_dim": 128, "hidden_size": 4096,
+        "sliding_window_size": 128, "layer_types": ["full_attention", "sliding_attention"]})
+    assert shape.window == 129
+    rows = {r.kind: r.values_per_token for r in size_cache(shape, seq=10).kinds}
+    assert rows == {"full": 4 * (192 + 128), "sliding": 8 * (192 + 128)}
+
+
+def test_deepseek_v32_indexer_key_is_cached_beside_the_latent():
+    shape = shape_from_config({**PRESETS["deepseek-v3"].config, "model_type": "deepseek_v32",
+                               "index_head_dim": 128,
+                               "layer_types": ["indexed_attention"] * 61})
+    assert size_cache(shape, seq=1).bytes_per_token == 61 * (512 + 64 + 128) * 2

@@ -28,7 +28,7 @@ def values_per_token(shape: ModelShape, kind: str, kv_heads: int | None = None) 
     """Numbers one layer of `kind` caches per token (K and V together)."""
     if kind in ("recurrent", "none"):
         return 0
-    if kind == "mla":
+    if kind == "mla" or _windowed_latent(shape, kind):
         # One latent c_KV, decompressed into both K and V at attention time, plus the rotary
         # key shared by every head: no factor 2, no heads. A sparse-attention indexer
         # (DeepSeek-V3.2) adds its own single-head key.
@@ -38,11 +38,17 @@ def values_per_token(shape: ModelShape, kind: str, kv_heads: int | None = None) 
     return heads * (shape.head_dim + (shape.v_head_dim or shape.head_dim)) + shape.index_head_dim
 
 
+def _windowed_latent(shape: ModelShape, kind: str) -> bool:
+    """A sliding or chunked layer of an MLA model: the latent, held for the window only
+    (rednote-hilab's dots3 note models)."""
+    return kind in ("sliding", "chunked") and bool(shape.kv_lora_rank)
+
+
 def mha_values_per_token(shape: ModelShape, kind: str) -> int:
     """The same layer with one K and one V per query head: the multi-head baseline."""
     if kind in ("recurrent", "none"):
         return 0
-    if kind == "mla":
+    if kind == "mla" or _windowed_latent(shape, kind):
         # What an implementation that decompresses the latent would cache per head.
         return shape.heads * (shape.qk_nope_head_dim + shape.qk_rope_head_dim + shape.v_head_dim)
     return shape.heads * (shape.head_dim + (shape.v_head_dim or shape.head_dim))
@@ -147,15 +153,15 @@ def _kind_formula(shape: ModelShape, kind: str, n: int, seq: int, bits: int,
                   batch: int) -> tuple[str, str]:
     """The formula for one kind of layer, in symbols and with this model's numbers."""
     size = f"{bits // 8}" if bits >= 8 else f"{bits / 8:g}"
-    if kind == "mla":
-        return (
-            "layers × (kv_lora_rank + qk_rope_head_dim) × seq_len × dtype_bytes × batch",
-            f"{n} × ({shape.kv_lora_rank} + {shape.qk_rope_head_dim}) × {seq:,} × {size} "
-            f"× {batch:,}",
-        )
     tokens, held = "seq_len", f"{seq:,}"
     if kind in ("sliding", "chunked"):
         tokens, held = "min(seq_len, window)", f"min({seq:,}, {shape.window:,})"
+    if kind == "mla" or _windowed_latent(shape, kind):
+        return (
+            f"layers × (kv_lora_rank + qk_rope_head_dim) × {tokens} × dtype_bytes × batch",
+            f"{n} × ({shape.kv_lora_rank} + {shape.qk_rope_head_dim}) × {held} × {size} "
+            f"× {batch:,}",
+        )
     if shape.v_head_dim and shape.v_head_dim != shape.head_dim:
         return (
             f"layers × kv_heads × (head_dim + v_head_dim) × {tokens} × dtype_bytes × batch",
@@ -349,7 +355,7 @@ def _per_gpu_bytes_per_token(groups: tuple[LayerGroup, ...], bits: int, tp: int)
     return [
         # The MLA latent belongs to no head, so it cannot be split: every GPU keeps all of it.
         bytes_for_values(values_per_token(
-            g.shape, g.kind, kv_heads=_kv_heads_per_gpu(g.shape, tp) if g.kind != "mla" else None
+            g.shape, g.kind, kv_heads=None if g.shape.is_mla else _kv_heads_per_gpu(g.shape, tp)
         ), bits)
         for g in groups
     ]

@@ -369,6 +369,71 @@ def _state_rule(cfg: dict) -> Callable[[dict, str], tuple[int, int]] | None:
     return None
 
 
+# --- layers with their own widths ----------------------------------------------------------------
+
+# per_layer_config fields (transformers 5) → the ModelShape field each one sets.
+_PER_LAYER_FIELDS = {
+    "num_key_value_heads": "kv_heads",
+    "num_attention_heads": "heads",
+    "head_dim": "head_dim",
+    "v_head_dim": "v_head_dim",
+    "kv_lora_rank": "kv_lora_rank",
+    "qk_rope_head_dim": "qk_rope_head_dim",
+    "qk_nope_head_dim": "qk_nope_head_dim",
+}
+
+
+def _layer_overrides(cfg: dict, names: list[str], where: str) -> list[dict[str, int]]:
+    """Per layer, the widths it sets apart from the model's, from each spelling of them."""
+    layers = len(names)
+    overrides: list[dict[str, int]] = [{} for _ in range(layers)]
+    per_layer = cfg.get("per_layer_config")
+    if per_layer is not None:
+        # rednote-hilab/dots.ocr-style MoE notes, Gemma 4 as transformers 5 writes it:
+        # {"05": {"head_dim": 512}, ...}, layer index → the fields that layer overrides.
+        if not isinstance(per_layer, dict):
+            raise ConfigError(f"{where}: per_layer_config is {str(per_layer)[:40]}; expected an "
+                              "object of layer index → fields")
+        for key, fields in per_layer.items():
+            if not str(key).isdigit() or int(key) >= layers or not isinstance(fields, dict):
+                raise ConfigError(f"{where}: per_layer_config has {str(key)[:20]!r}: "
+                                  f"{str(fields)[:40]}; expected layer indices from 0 to "
+                                  f"{layers - 1}, each with an object of fields")
+            for field, target in _PER_LAYER_FIELDS.items():
+                if fields.get(field) is not None:
+                    overrides[int(key)][target] = _int(fields, field,
+                                                       f"{where} per_layer_config {key}")
+    model_type = cfg.get("model_type")
+    for i, name in enumerate(names):
+        kind = LAYER_TYPE_KIND.get(name)
+        if name == "indexed_attention" and cfg.get("index_head_dim") is not None:
+            # deepseek-ai/DeepSeek-V3.2-Exp: the lightning indexer caches one more key per
+            # token in the layers that use it.
+            overrides[i]["index_head_dim"] = _int(cfg, "index_head_dim", where)
+        if model_type in ("gemma4", "gemma4_text") and name == "full_attention" and (
+                per_layer is None):
+            # google/gemma-4 config.json: global layers are global_head_dim wide (512 by
+            # default), with num_global_key_value_heads when attention_k_eq_v says so.
+            width = _int(cfg, "global_head_dim", where) if "global_head_dim" in cfg else 512
+            overrides[i]["head_dim"] = width
+            if cfg.get("attention_k_eq_v") and cfg.get("num_global_key_value_heads") is not None:
+                overrides[i]["kv_heads"] = _int(cfg, "num_global_key_value_heads", where)
+        if kind == "sliding":
+            # The Inkling family: sliding layers have their own heads and widths.
+            for field, target in (("swa_num_key_value_heads", "kv_heads"),
+                                  ("swa_num_attention_heads", "heads"),
+                                  ("swa_head_dim", "head_dim")):
+                if cfg.get(field) is not None:
+                    overrides[i][target] = _int(cfg, field, where)
+            if model_type == "mimo_v2_flash":
+                # XiaomiMiMo/MiMo-V2-Flash: sliding layers keep twice the KV heads (its
+                # attention builds them so; the config has no field for it).
+                kv = _first_int(cfg, _KV_HEAD_KEYS, where, required=False) or _first_int(
+                    cfg, _HEAD_KEYS, where)
+                overrides[i]["kv_heads"] = 2 * kv
+    return overrides
+
+
 # --- the shape ----------------------------------------------------------------------------------
 
 
@@ -452,7 +517,13 @@ def shape_from_config(cfg: Any, name: str = "config.json", params: int | None = 
     kinds = ["mla" if is_mla and kind == "full" else kind for kind in kinds]
 
     window = None
-    if "sliding" in kinds:
+    if "sliding" in kinds and cfg.get("sliding_window") is None and cfg.get(
+            "sliding_window_size") is not None:
+        # The Inkling family calls the window sliding_window_size; MiMo-V2-Flash's is the
+        # tokens before the query, so its class adds the query itself.
+        window = _int(cfg, "sliding_window_size", where, high=_MAX_WINDOW) + (
+            cfg.get("model_type") == "mimo_v2_flash")
+    elif "sliding" in kinds:
         window = _first_int(cfg, ("sliding_window",), where, high=_MAX_WINDOW)
     elif "chunked" in kinds:
         window = _first_int(cfg, ("attention_chunk_size",), where, high=_MAX_WINDOW)
@@ -463,9 +534,23 @@ def shape_from_config(cfg: Any, name: str = "config.json", params: int | None = 
     if not is_mla and has_kv and cfg.get("v_head_dim") is not None:
         # XiaomiMiMo/MiMo-V2-Flash: keys 192 wide, values 128.
         extra["v_head_dim"] = _int(cfg, "v_head_dim", where, high=LIMITS["--head-dim"])
-    if "indexed_attention" in names and cfg.get("index_head_dim") is not None:
-        # deepseek-ai/DeepSeek-V3.2-Exp: the lightning indexer caches one key per token.
-        extra["index_head_dim"] = _int(cfg, "index_head_dim", where)
+
+    overrides: tuple[tuple[tuple[str, int], ...], ...] = ()
+    if has_kv and cfg.get("model_type") != "longcat_flash":
+        model_widths = {"kv_heads": kv_heads, "heads": heads, "head_dim": head_dim,
+                        "v_head_dim": extra.get("v_head_dim", 0), **extra}
+        per_layer = [tuple(sorted((k, v) for k, v in over.items() if model_widths.get(k) != v))
+                     for over in _layer_overrides(cfg, names, where)]
+        if len(set(per_layer)) == 1:  # every layer alike (DeepSeek-V3.2's indexer keys)
+            uniform = dict(per_layer[0])
+            kv_heads = uniform.pop("kv_heads", kv_heads)
+            heads = uniform.pop("heads", heads)
+            head_dim = uniform.pop("head_dim", head_dim)
+            extra.update(uniform)
+        elif any(per_layer):
+            overrides = tuple(per_layer)
+            notes.append(f"{sum(map(bool, per_layer))} of {layers} layers have their own head "
+                         "widths")
 
     state_layers = sum(kind == "recurrent" for kind in kinds) + sum(n in _HYBRID for n in names)
     if cfg.get("model_type") == "falcon_h1":
@@ -492,6 +577,7 @@ def shape_from_config(cfg: Any, name: str = "config.json", params: int | None = 
         max_positions=_first_int(cfg, _CONTEXT_KEYS, where, required=False, high=_MAX_WINDOW),
         source=where,
         notes=tuple(notes),
+        layer_overrides=overrides,
         **extra,
     )
 
