@@ -507,3 +507,66 @@ def test_deepseek_v32_indexer_key_is_cached_beside_the_latent():
                                "index_head_dim": 128,
                                "layer_types": ["indexed_attention"] * 61})
     assert size_cache(shape, seq=1).bytes_per_token == 61 * (512 + 64 + 128) * 2
+
+
+# --- each config spelling as published checkpoints write it -----------------------------------
+
+BASE = {"num_hidden_layers": 8, "num_attention_heads": 8, "hidden_size": 512}
+
+
+@pytest.mark.parametrize(("cfg", "kinds", "kv_heads", "head_dim"), [
+    # tiiuae/falcon-40b: num_kv_heads under new_decoder_architecture, multi_query also true.
+    ({**BASE, "model_type": "falcon", "new_decoder_architecture": True, "multi_query": True,
+      "num_kv_heads": 2}, {"full": 8}, 2, 64),
+    # tiiuae/falcon-7b: multi_query alone, one K/V head.
+    ({**BASE, "model_type": "falcon", "multi_query": True}, {"full": 8}, 1, 64),
+    # databricks/dbrx-base: the KV heads nested in attn_config.
+    ({"model_type": "dbrx", "n_layers": 8, "n_heads": 8, "d_model": 512,
+      "attn_config": {"kv_n_heads": 2}}, {"full": 8}, 2, 64),
+    # THUDM/chatglm3-6b: kv_channels and multi_query_group_num.
+    ({**BASE, "model_type": "chatglm", "kv_channels": 128, "multi_query_group_num": 2},
+     {"full": 8}, 2, 128),
+    # google/recurrentgemma-2b: block_types repeated over the layers.
+    ({**BASE, "model_type": "recurrent_gemma", "block_types": ["recurrent", "recurrent",
+      "attention"], "attention_window_size": 2048}, {"full": 2, "recurrent": 6}, 8, 64),
+    # nvidia/Nemotron-H-8B-Base-8K: one character per layer.
+    ({**BASE, "model_type": "nemotron_h", "hybrid_override_pattern": "M-M*-M-E",
+      "mamba_num_heads": 16, "mamba_head_dim": 64, "n_groups": 8, "ssm_state_size": 128,
+      "conv_kernel": 4}, {"full": 1, "recurrent": 3, "none": 4}, 8, 64),
+    # ibm-ai-platform/Bamba-9B: attention layers listed.
+    ({**BASE, "model_type": "bamba", "attn_layer_indices": [3, 7], "mamba_n_heads": 16,
+      "mamba_d_head": 64, "mamba_d_state": 128, "mamba_d_conv": 4},
+     {"full": 2, "recurrent": 6}, 8, 64),
+    # moonshotai/Kimi-Linear-48B-A3B-Instruct: full layers counted from 1.
+    ({**BASE, "model_type": "kimi_linear", "linear_attn_config": {"full_attn_layers": [4, 8]},
+      "linear_num_heads": 8, "linear_head_dim": 64, "linear_conv_kernel_dim": 4},
+     {"full": 2, "recurrent": 6}, 8, 64),
+    # meta-llama/Llama-4-Scout-17B-16E: chunked attention, every 4th layer global.
+    ({**BASE, "model_type": "llama4_text", "attention_chunk_size": 8192},
+     {"full": 2, "chunked": 6}, 8, 64),
+    # google/gemma-3n-E4B-it: the last layers reuse earlier caches.
+    ({**BASE, "model_type": "gemma3n_text", "num_kv_shared_layers": 3}, {"full": 5, "none": 3},
+     8, 64),
+    # meituan-longcat/LongCat-Flash-Chat: two attention blocks per decoder layer.
+    ({"num_attention_heads": 8, "hidden_size": 512, "model_type": "longcat_flash",
+      "num_layers": 4}, {"full": 8}, 8, 64),
+    # Zyphra/Zamba2-2.7B: attention_head_dim wins over kv_channels.
+    ({**BASE, "model_type": "zamba2", "attention_head_dim": 128, "kv_channels": 64,
+      "layers_block_type": ["mamba"] * 7 + ["hybrid"], "mamba_headdim": 64,
+      "mamba_d_state": 64, "mamba_d_conv": 4}, {"full": 1, "recurrent": 7}, 8, 128),
+])
+def test_published_config_spellings(cfg, kinds, kv_heads, head_dim):
+    shape = shape_from_config(cfg)
+    assert shape.kind_counts() == kinds
+    assert (shape.kv_heads, shape.head_dim) == (kv_heads, head_dim)
+
+
+def test_mamba2_state_is_conv_over_x_b_c_and_heads_by_head_dim_by_state():
+    # mistralai/Mamba-Codestral-7B-v0.1
+    shape = shape_from_config({"model_type": "mamba2", "num_hidden_layers": 64,
+                               "hidden_size": 4096, "num_heads": 128, "head_dim": 64,
+                               "n_groups": 8, "state_size": 128, "conv_kernel": 4,
+                               "expand": 2})
+    assert shape.state_layers == 64
+    assert shape.conv_state_values == (128 * 64 + 2 * 8 * 128) * 4
+    assert shape.ssm_state_values == 128 * 64 * 128

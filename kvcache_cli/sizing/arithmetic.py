@@ -65,8 +65,9 @@ def tokens_held(shape: ModelShape, kind: str, seq: int) -> int:
 
 def state_bytes_per_sequence(shape: ModelShape, bits: int) -> int:
     """Bytes of recurrent state (convolution + SSM) one sequence keeps, whatever its length."""
+    ssm_bits = shape.ssm_state_bits or bits
     return shape.state_layers * (bytes_for_values(shape.conv_state_values, bits)
-                                 + bytes_for_values(shape.ssm_state_values, bits))
+                                 + bytes_for_values(shape.ssm_state_values, ssm_bits))
 
 
 def _round_up(n: int, block: int | None) -> int:
@@ -268,6 +269,9 @@ def size_cache(
             f"{shape.state_layers} recurrent layers keep {format_bytes(state_per_sequence)} of "
             "state per sequence (convolution + SSM), the same at any length"
         )
+        if not shape.ssm_state_bits and bits < 32:
+            notes.append(f"the SSM state is counted at {dtype}; implementations that keep it in "
+                         "fp32 (transformers' Jamba, or mamba_ssm_cache_dtype) hold more")
     if bits < 16:
         notes.append(
             f"{dtype} counts the values only; per-group scales add a few percent in practice"

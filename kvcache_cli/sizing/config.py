@@ -482,9 +482,9 @@ def shape_from_config(cfg: Any, name: str = "config.json", params: int | None = 
         shared = _int(cfg, "num_kv_shared_layers", where, low=0, high=layers)
         kinds[layers - shared:] = ["none"] * shared
         notes.append(f"the last {shared} layers reuse earlier layers' K/V (num_kv_shared_layers)")
-    if cfg.get("model_type") == "longcat_flash":
+    if cfg.get("model_type") == "longcat_flash" and cfg.get("num_hidden_layers") is None:
         # meituan-longcat/LongCat-Flash-Chat: two attention blocks in every decoder layer, each
-        # with its own cache.
+        # with its own cache (transformers' num_hidden_layers, when given, counts both).
         kinds = [kind for kind in kinds for _ in range(2)]
         notes.append(f"{layers} decoder layers with 2 attention blocks each: "
                      f"{2 * layers} cache layers")
@@ -555,10 +555,13 @@ def shape_from_config(cfg: Any, name: str = "config.json", params: int | None = 
     state_layers = sum(kind == "recurrent" for kind in kinds) + sum(n in _HYBRID for n in names)
     if cfg.get("model_type") == "falcon_h1":
         state_layers = layers  # tiiuae/Falcon-H1-7B: attention and Mamba-2 side by side
-    conv = ssm = 0
+    conv = ssm = ssm_bits = 0
     rule = _state_rule(cfg)
     if state_layers and rule is not None:
         conv, ssm = rule(cfg, where)
+        # nvidia/NVIDIA-Nemotron-Nano-9B-v2: "mamba_ssm_cache_dtype": "float32".
+        ssm_bits = {"float32": 32, "float16": 16, "bfloat16": 16}.get(
+            str(cfg.get("mamba_ssm_cache_dtype")), 0)
     elif state_layers:
         notes.append(f"{state_layers} recurrent layers keep a fixed-size state this reader does "
                      f"not know for model_type {str(cfg.get('model_type'))[:40]!r}; not counted")
@@ -573,6 +576,7 @@ def shape_from_config(cfg: Any, name: str = "config.json", params: int | None = 
         state_layers=state_layers if rule is not None else 0,
         conv_state_values=conv,
         ssm_state_values=ssm,
+        ssm_state_bits=ssm_bits,
         params=params,
         max_positions=_first_int(cfg, _CONTEXT_KEYS, where, required=False, high=_MAX_WINDOW),
         source=where,

@@ -42,6 +42,7 @@ class ModelShape:
     state_layers: int = 0  # layers that keep a recurrent state (recurrent and hybrid layers)
     conv_state_values: int = 0  # numbers in one such layer's convolution state, per sequence
     ssm_state_values: int = 0  # numbers in one such layer's SSM / linear-attention state
+    ssm_state_bits: int = 0  # bits per SSM state value when the config fixes them; 0: --dtype
     params: int | None = None  # published parameter count, for the weights
     max_positions: int | None = None  # the context window the config declares
     source: str = ""  # where the numbers came from

@@ -232,7 +232,13 @@ def verify_cache(config: dict, dtype: str = "fp16", max_layers: int = 2) -> Veri
     formula = sum(layer.formula_bytes for layer in layers)
     state_formula = state_bytes_per_sequence(shape, bits)
     explanation.extend(_explain(shape, layers, bits))
-    if state_measured != state_formula:
+    fp32_ssm = shape.state_layers * (bytes_for_values(shape.conv_state_values, bits)
+                                     + bytes_for_values(shape.ssm_state_values, 32))
+    if state_measured != state_formula and state_measured == fp32_ssm:
+        explanation.append(f"this transformers model keeps its SSM state in fp32 whatever its "
+                           f"dtype: {state_measured:,} bytes against the formula's "
+                           f"{state_formula:,} at {dtype}")
+    elif state_measured != state_formula:
         explanation.append(f"the recurrent states hold {state_measured:,} bytes against the "
                            f"formula's {state_formula:,}")
     return Verification(

@@ -146,7 +146,12 @@ def verify_view(v: Verification) -> RenderableType:
             f"{layer.measured_bytes:,}", f"{layer.formula_bytes:,}",
             Text("✓", style="green") if same else Text("✗", style="yellow"),
         )
-    table.add_row("", "total", "", "", f"{v.measured_bytes:,}", f"{v.formula_bytes:,}", "",
+    if v.state_measured_bytes or v.state_formula_bytes:
+        same = v.state_measured_bytes == v.state_formula_bytes
+        table.add_row("", "recurrent states", "", "", f"{v.state_measured_bytes:,}",
+                      f"{v.state_formula_bytes:,}",
+                      Text("✓", style="green") if same else Text("✗", style="yellow"))
+    table.add_row("", "total K/V", "", "", f"{v.measured_bytes:,}", f"{v.formula_bytes:,}", "",
                   style="bold")
     notes = Text()
     for line in v.explanation:
