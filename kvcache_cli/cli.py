@@ -315,6 +315,9 @@ def models(
 # --- bench: measured decode speed -----------------------------------------------------
 
 
+_MAX_THREADS = 1024
+
+
 @app.command()
 def bench(
     device: Annotated[str, typer.Option(help="cpu, cuda, or auto (cuda when there is one).")
@@ -356,6 +359,9 @@ def bench(
         dev = bench_.resolve_device(device)
     except ValueError as err:
         fail(str(err))
+    if threads is not None and not 1 <= threads <= _MAX_THREADS:
+        # OpenMP allocates per thread up front: a billion threads aborts the process.
+        fail(f"--threads {threads:,}: expected a whole number from 1 to {_MAX_THREADS:,}")
     if plot is not None:
         try:
             require_matplotlib()

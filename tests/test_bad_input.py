@@ -63,6 +63,8 @@ SIZE = ["size", "--layers", "32", "--kv-heads", "8", "--seq", "4096"]
     ([*SIZE, "--params", "nan", "--gpu-mem", "80GiB"], "--params 'nan'"),
     ([*SIZE, "--params", "7B", "--gpu-mem", "99999999999999999999999GiB"],
      "expected a size from 1 byte to 1 EiB"),
+    ([*SIZE, "--params", "7B", "--gpu-mem", "1.5"], "--gpu-mem '1.5' is 1.5 bytes: expected a "
+                                                    "whole number of bytes"),
     ([*SIZE, "--params", "7B", "--gpu-mem", "80GiB", "--block-size", str(10**9)],
      "--block-size 1,000,000,000: expected a whole number from 1 to 1,000,000"),
 ])
@@ -164,6 +166,18 @@ def test_options_that_do_not_apply_and_values_checked_first(args, first_line):
     import torch  # noqa: F401 - imported here so the timed run below measures the check only
 
     assert_one_line(args, 2, first_line)
+
+
+@pytest.mark.parametrize(("threads", "first_line"), [
+    ("0", "--threads 0: expected a whole number from 1 to 1,024"),
+    # OpenMP would try to allocate for every thread and abort the process.
+    ("1000000000", "--threads 1,000,000,000: expected a whole number from 1 to 1,024"),
+])
+def test_bench_threads_out_of_range(threads, first_line):
+    pytest.importorskip("torch")
+    import torch  # noqa: F401
+
+    assert_one_line(["bench", "--threads", threads, "--model", "/nonexistent"], 2, first_line)
 
 
 @pytest.mark.parametrize(("plot", "first_line"), [

@@ -140,6 +140,8 @@ def parse_bytes(text: str, what: str = "--gpu-mem") -> int:
     value = Decimal(number) * _SIZE_UNITS[unit]  # Decimal: '79.5GiB' is exact, no float
     if value < 1 or value > LIMITS["--gpu-mem"]:
         raise SizingError(f"{what} {text!r}: expected a size from 1 byte to 1 EiB (2^60 bytes)")
+    if value != value.to_integral_value():
+        raise SizingError(f"{what} {text!r} is {value} bytes: expected a whole number of bytes")
     return int(value)
 
 
