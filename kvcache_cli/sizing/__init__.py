@@ -51,13 +51,18 @@ from kvcache_cli.sizing.units import (
     parse_bytes,
     parse_count,
 )
-from kvcache_cli.sizing.verify import (
-    Verification,
-    VerifyError,
-    VerifyLayer,
-    _verify_config,
-    verify_cache,
-)
+
+# --verify's module is imported on first use: `kvcache size` without it never pays for it.
+_VERIFY_NAMES = {"Verification", "VerifyError", "VerifyLayer", "_verify_config", "verify_cache"}
+
+
+def __getattr__(name: str):
+    if name in _VERIFY_NAMES:
+        from kvcache_cli.sizing import verify
+
+        return getattr(verify, name)
+    raise AttributeError(f"module 'kvcache_cli.sizing' has no attribute {name!r}")
+
 
 __all__ = [
     "DTYPE_BITS", "KINDS", "LAYER_RULES", "LAYER_TYPE_KIND", "LIMITS", "PRESETS", "ConfigError",

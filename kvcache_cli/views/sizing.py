@@ -3,6 +3,8 @@ formatted for people. Nothing is computed here beyond unit formatting."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from rich import box
 from rich.console import Group, RenderableType
 from rich.panel import Panel
@@ -13,10 +15,12 @@ from kvcache_cli.sizing import (
     ModelRow,
     ModelShape,
     SizeResult,
-    Verification,
     format_bytes,
     format_gib,
 )
+
+if TYPE_CHECKING:
+    from kvcache_cli.sizing.verify import Verification
 
 _KIND_LABEL = {
     "full": "full attention",
