@@ -346,6 +346,15 @@ def _delta_attention_state(cfg: dict, where: str) -> tuple[int, int]:
     return 3 * heads * head_dim * conv, heads * head_dim * head_dim
 
 
+def _lightning_state(cfg: dict, where: str) -> tuple[int, int]:
+    # MiniMaxAI/MiniMax-Text-01: lightning attention keeps one head_dim × head_dim state per
+    # attention head, and no convolution.
+    heads = _first_int(cfg, _HEAD_KEYS, where)
+    head_dim = _first_int(cfg, ("head_dim",), where, required=False) or (
+        _first_int(cfg, HIDDEN_KEYS, where) // heads)
+    return 0, heads * head_dim * head_dim
+
+
 def _short_conv_state(cfg: dict, where: str) -> tuple[int, int]:
     # LiquidAI/LFM2-1.2B: a short convolution over the last conv_L_cache inputs, no SSM state.
     return _hidden(cfg, where) * _get(cfg, where, "conv_L_cache"), 0
@@ -366,6 +375,8 @@ def _state_rule(cfg: dict) -> Callable[[dict, str], tuple[int, int]] | None:
         return _delta_attention_state
     if cfg.get("conv_L_cache") is not None:
         return _short_conv_state
+    if model_type == "minimax":
+        return _lightning_state
     return None
 
 

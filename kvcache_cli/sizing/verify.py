@@ -213,12 +213,17 @@ def verify_cache(config: dict, dtype: str = "fp16", max_layers: int = 2) -> Veri
     def nbytes(tensors) -> int:
         return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
-    if len(cache.layers) != shape.layers:
-        raise VerifyError(f"model_type {model_type!r} built {len(cache.layers)} cache layers; "
+    # MiniMax's cache grows its K/V list only up to the last attention layer it saw, and keeps
+    # its linear-attention states in a list beside it.
+    state_measured = nbytes(t for t in getattr(cache, "linear_cache", []) or [])
+    cache_layers = list(cache.layers)
+    if hasattr(cache, "linear_cache"):
+        cache_layers += [None] * (shape.layers - len(cache_layers))
+    if len(cache_layers) != shape.layers:
+        raise VerifyError(f"model_type {model_type!r} built {len(cache_layers)} cache layers; "
                           f"the config reader expected {shape.layers}")
     layers = []
-    state_measured = 0
-    for index, (layer, kind) in enumerate(zip(cache.layers, shape.layer_kinds, strict=True)):
+    for index, (layer, kind) in enumerate(zip(cache_layers, shape.layer_kinds, strict=True)):
         keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
         shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else () for t in (keys, values)]
         # DeepSeek-V3.2's sparse-attention indexer keeps one more key per token.
