@@ -48,8 +48,11 @@ def _skip_reason(model_type: str, cfg: dict) -> str | None:
     """Why a class is out of scope: not a decoder-only model."""
     if cfg.get("is_encoder_decoder"):
         return "encoder-decoder: its cache pairs self- and cross-attention"
-    if model_type in ("blt", "xlm"):
-        return "no KV cache spelled as a decoder's (nested byte-level / encoder configs)"
+    if model_type in ("blt", "xlm", "big_bird"):
+        return "not a decoder-only config (nested byte-level configs, or an encoder)"
+    if model_type == "hrm_text":
+        return ("recurrent-depth model: its layer count is num_layers_per_stack × cycles, "
+                "which the sweep's cut to a few layers breaks")
     return None
 
 
