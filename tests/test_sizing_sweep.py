@@ -34,7 +34,6 @@ KNOWN_GAPS = {
     "inkling_text": "hybrid layers keep a convolution state not modelled yet",
     "inkling2_text": "hybrid layers keep a convolution state not modelled yet",
     "inkling2_loop_text": "hybrid layers keep a convolution state not modelled yet",
-    "zaya": "ZAYA's attention keeps a convolution state whose formula is not modelled",
 }
 
 

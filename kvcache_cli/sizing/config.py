@@ -355,6 +355,18 @@ def _lightning_state(cfg: dict, where: str) -> tuple[int, int]:
     return 0, heads * head_dim * head_dim
 
 
+def _cca_state(cfg: dict, where: str) -> tuple[int, int]:
+    # Zyphra/ZAYA1-base: compressed convolutional attention convolves q and k over the last
+    # (cca_time0 − 1) + (cca_time1 − 1) steps, and delays half the value width by one token.
+    heads = _first_int(cfg, _HEAD_KEYS, where)
+    kv_heads = _first_int(cfg, _KV_HEAD_KEYS, where, required=False) or heads
+    head_dim = _first_int(cfg, ("head_dim",), where, required=False) or (
+        _first_int(cfg, HIDDEN_KEYS, where) // heads)
+    steps = _get(cfg, where, "cca_time0", default=2) - 1 + _get(cfg, where, "cca_time1",
+                                                                 default=2) - 1
+    return (heads + kv_heads) * head_dim * steps, kv_heads * head_dim // 2
+
+
 def _short_conv_state(cfg: dict, where: str) -> tuple[int, int]:
     # LiquidAI/LFM2-1.2B: a short convolution over the last conv_L_cache inputs, no SSM state.
     return _hidden(cfg, where) * _get(cfg, where, "conv_L_cache"), 0
@@ -377,6 +389,8 @@ def _state_rule(cfg: dict) -> Callable[[dict, str], tuple[int, int]] | None:
         return _short_conv_state
     if model_type == "minimax":
         return _lightning_state
+    if model_type == "zaya":
+        return _cca_state
     return None
 
 
