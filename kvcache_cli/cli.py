@@ -8,6 +8,9 @@ need them, so `kvcache --help`, `size` and `demo` start fast.
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import math
 import sys
 from enum import Enum
 from pathlib import Path
@@ -187,6 +190,8 @@ def demo(
     import kv_cache_from_scratch as ref
 
     if list_:
+        if name != "all":
+            fail(f"--list lists every demo: expected no NAME with it, got {name!r}")
         _list({n: s.title for n, s in ref.DEMOS.items()}, "demos", as_json)
         return
     names = _pick(name, ref.DEMOS, "demo")
@@ -196,6 +201,7 @@ def demo(
 
 @app.command("break")
 def break_(
+    ctx: typer.Context,
     name: Annotated[str, typer.Argument(
         help="A break name, or 'all'.", autocompletion=_complete_break)] = "all",
     list_: Annotated[bool, typer.Option("--list", help="List the breaks and exit.")] = False,
@@ -218,9 +224,14 @@ def break_(
     import kv_cache_from_scratch as ref
 
     if list_:
+        if name != "all":
+            fail(f"--list lists every break: expected no NAME with it, got {name!r}")
         _list({**{n: s.title for n, s in ref.BREAKS.items()}, **GPT2_BREAKS}, "breaks", as_json)
         return
     names = _pick(name, ref.BREAKS, "break", GPT2_BREAKS)
+    if not any(n in GPT2_BREAKS for n in names):
+        _refuse_given(ctx, ("model", "weights", "device", "max_new_tokens"),
+                      f"to the GPT-2 breaks only, and {name!r} runs on the NumPy toy")
     gpt2_names = [n for n in names if n in GPT2_BREAKS]
     who_needs = (f"the GPT-2 break {gpt2_names[0]} needs" if len(gpt2_names) == 1
                  else f"the GPT-2 breaks ({', '.join(gpt2_names)}) need")
@@ -242,6 +253,15 @@ def break_(
         results |= {n: (GPT2_BREAKS[n], r) for n, r in gpt2_results.items()}
     if as_json:
         _show(results, as_json=True)
+
+
+def _refuse_given(ctx: typer.Context, params: tuple[str, ...], why: str) -> None:
+    """Options typed on the command line that the command would ignore are bad input."""
+    given = [f"--{p.replace('_', '-')}" for p in params
+             if getattr(ctx.get_parameter_source(p), "name", "") == "COMMANDLINE"]
+    if given:
+        verb = "applies" if len(given) == 1 else "apply"
+        fail(f"{', '.join(given)} {verb} {why}: expected a GPT-2 break with them, or none")
 
 
 def _list(titles: dict[str, str], heading: str, as_json: bool) -> None:
@@ -394,6 +414,9 @@ def models(
 # --- bench: measured decode speed -----------------------------------------------------
 
 
+_MAX_THREADS = 1024
+
+
 @app.command()
 def bench(
     device: Annotated[str, typer.Option(help="cpu, cuda, or auto (cuda when there is one).")
@@ -436,13 +459,15 @@ def bench(
         dev = bench_.resolve_device(device)
     except ValueError as err:
         fail(str(err))
+    if threads is not None and not 1 <= threads <= _MAX_THREADS:
+        # OpenMP allocates per thread up front: a billion threads aborts the process.
+        fail(f"--threads {threads:,}: expected a whole number from 1 to {_MAX_THREADS:,}")
     if plot is not None:
         try:
             require_matplotlib()
         except PlotUnavailable as err:
             fail(str(err))
-        if not plot.parent.is_dir():
-            fail(f"--plot: no directory {str(plot.parent)!r} to write {plot.name!r} into")
+        _check_writable(plot)
     try:
         loaded = load_gpt2(model, weights=weights, device=dev, dtype=torch.float32)
     except ValueError as err:
@@ -478,22 +503,41 @@ def bench(
         fail(str(err))
     except RuntimeError as err:
         fail(str(err), code=1)
-    if plot is not None:
-        save_plot(result, plot)
+    # The results first: a plot that fails to save after minutes of timing loses nothing.
     if as_json:
         from kvcache_cli.views import to_json
 
         typer.echo(to_json(result))
-        return
-    from kvcache_cli.views.bench import bench as bench_view
+    else:
+        from kvcache_cli.views.bench import bench as bench_view
 
-    console = Console()
-    console.print(bench_view(result))
+        Console().print(bench_view(result))
     if plot is not None:
-        console.print(f"per-step plot written to {plot}")
+        try:
+            save_plot(result, plot)
+        except (OSError, ValueError) as err:
+            fail(f"--plot: the plot could not be written to {str(plot)!r} ({err}); the "
+                 "results are above", code=1)
+        if not as_json:
+            Console().print(f"per-step plot written to {plot}")
 
 
 # --- generate and the GPT-2 breaks: the PyTorch model --------------------------------
+
+
+def _check_writable(path: Path) -> None:
+    """--plot must be writable before the benchmark runs, without leaving a file behind."""
+    import os
+
+    if path.is_dir():
+        fail(f"--plot: {str(path)!r} is a directory: expected a file name such as bench.png")
+    if not path.parent.is_dir():
+        fail(f"--plot: no directory {str(path.parent)!r} to write {path.name!r} into")
+    if path.exists() and not os.access(path, os.W_OK):
+        fail(f"--plot: {str(path)!r} is not writable: expected a path this user can write")
+    if not path.exists() and not os.access(path.parent, os.W_OK | os.X_OK):
+        fail(f"--plot: directory {str(path.parent)!r} is not writable: expected one this user "
+             "can write")
 
 
 def _torch_device(device: str) -> str:
@@ -522,10 +566,18 @@ def _load_gpt2(model: str, weights: str, device: str):
 
 
 def _parse_ids(text: str) -> list[int]:
+    """Token ids, checked for form and sign before a model is loaded (its vocabulary after)."""
+    expected = "expected comma-separated token ids like 464,2068,7586"
     try:
-        return [int(part) for part in text.replace(" ", "").split(",") if part]
+        ids = [int(part) for part in text.replace(" ", "").split(",") if part]
     except ValueError:
-        fail(f"--ids: expected comma-separated token ids like 464,2068,7586, got {text!r}")
+        fail(f"--ids: {expected}, got {text[:40]!r}")
+    if not ids:
+        fail(f"--ids: {expected}, at least one, got {text!r}")
+    bad = next((i for i in ids if not 0 <= i < 2**31), None)
+    if bad is not None:
+        fail(f"--ids: token id {bad} is not a vocabulary index; {expected}, each 0 or more")
+    return ids
 
 
 # Choices as str Enums: the one way every typer version (>= 0.12) lists and checks them.
@@ -568,7 +620,8 @@ def generate(
     temperature: Annotated[float, typer.Option(min=0.0, help="0 is greedy.")] = 0.0,
     top_k: Annotated[int | None, typer.Option(
         min=1, help="Sample from the k likeliest tokens only.")] = None,
-    seed: Annotated[int, typer.Option(help="Seed for sampling.")] = 0,
+    seed: Annotated[int, typer.Option(
+        min=0, max=2**64 - 1, help="Seed for sampling (torch takes 64 bits).")] = 0,
     as_json: Annotated[bool, typer.Option(
         "--json", help="Print the result as JSON instead of streaming.")] = False,
 ) -> None:
@@ -576,7 +629,9 @@ def generate(
     device, mode, weights = device.value, mode.value, weights.value
     if (prompt is None) == (ids is None):
         fail("give a prompt or --ids (token ids), one of the two")
-    prompt_ids = _parse_ids(ids) if ids is not None else []
+    if not math.isfinite(temperature):
+        fail(f"--temperature {temperature}: expected a finite number, 0 or more (0 is greedy)")
+    prompt_ids = _parse_ids(ids) if ids is not None else []  # before the model loads
     # A text prompt needs the tokenizer; token ids are shown as text only when it is there.
     need_torch_extra("kvcache generate needs", *GPT2_MODULES, *(("tiktoken",) if prompt else ()))
     _torch_device(device)
@@ -669,5 +724,29 @@ def _show_gpt2_breaks(loaded, device: str, results: dict) -> None:
         console.print(break_view(result, piece))
 
 
+_UNWRITABLE = (errno.EPIPE, errno.ENOSPC, errno.EIO, errno.EBADF)
+
+
 def main() -> None:
-    app()
+    """The entry point. Output that cannot be written ends quietly, exit 1, never a
+    traceback: a reader that went away (`| head`) without a word, as click does for a write
+    inside a command; a full disk (`> /dev/full`) with one line on stderr."""
+    try:
+        try:
+            app()
+        finally:
+            if sys.stdout is not None:
+                sys.stdout.flush()
+    except OSError as error:
+        if error.errno not in _UNWRITABLE:
+            raise
+        import os
+
+        # Python flushes stdout once more at exit: point it at /dev/null so that is silent.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(devnull, sys.stdout.fileno())
+        if error.errno == errno.EPIPE:
+            sys.exit(1)
+        sys.stderr.write(f"error: cannot write the output: {error.strerror}\n")
+        sys.exit(1)

@@ -18,7 +18,6 @@ Reference: the GPT-2 KV-cache article in `seeds/003_*` ("Build it, break it, mea
 
 from __future__ import annotations
 
-import json
 import math
 import pickle
 from dataclasses import dataclass
@@ -418,10 +417,22 @@ def _random(config, source, device, dtype, note=None) -> LoadedModel:
     return LoadedModel(model.to(device=device, dtype=dtype).eval(), source, note)
 
 
+# The GPT-2 config.json fields this model is built from, each with the range it accepts.
+_CONFIG_FIELDS = {
+    "n_positions": 2**20,
+    "vocab_size": 2**24,
+    "n_layer": 1_000,
+    "n_head": 1_024,
+    "n_embd": 2**16,
+}
+
+
 def _read_config(path: Path) -> GPTConfig:
+    from kvcache_cli.sizing.config import load_config  # regular files only, size-capped
+
     if not path.is_file():
         raise ValueError(f"no config.json in {path.parent}")
-    raw = json.loads(path.read_text())
+    raw = load_config(path)
     if raw.get("model_type", "gpt2") != "gpt2":
         raise ValueError(f"{path}: model_type {raw['model_type']!r} is not gpt2")
     # Options this minimal model does not implement: refuse rather than run a different net.
@@ -436,12 +447,22 @@ def _read_config(path: Path) -> GPTConfig:
     for key, expected in unsupported.items():
         if raw.get(key, expected) != expected:
             raise ValueError(f"{path}: {key}={raw[key]!r} is not supported (only {expected!r})")
+    values = {}
+    for key, high in _CONFIG_FIELDS.items():
+        if key not in raw:
+            raise ValueError(f"{path}: no {key!r}; expected a GPT-2 config.json with "
+                             f"{', '.join(_CONFIG_FIELDS)}")
+        value = raw[key]
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= high:
+            raise ValueError(f"{path}: {key} is {value!r}; expected a whole number from 1 to "
+                             f"{high:,}")
+        values[key] = value
     return GPTConfig(
-        block_size=raw["n_positions"],
-        vocab_size=raw["vocab_size"],
-        n_layer=raw["n_layer"],
-        n_head=raw["n_head"],
-        n_embd=raw["n_embd"],
+        block_size=values["n_positions"],
+        vocab_size=values["vocab_size"],
+        n_layer=values["n_layer"],
+        n_head=values["n_head"],
+        n_embd=values["n_embd"],
     )
 
 
@@ -453,21 +474,58 @@ def _weights_file(directory: Path) -> Path:
 
 
 def _read_weights(path: Path) -> dict[str, Tensor]:
-    """Tensors only: safetensors, or a pickle restricted to tensors (weights_only)."""
+    """Tensors only: safetensors, or a pickle restricted to tensors (weights_only).
+
+    Whatever the file holds, the outcome is a {name: tensor} dict or a ValueError naming the
+    file: never a traceback from the parser, never a read outside the checkpoint directory.
+    """
+    if not path.is_file():  # a FIFO or device would block or never end
+        raise ValueError(f"{path}: not a regular file; expected a checkpoint file")
+    if path.stat().st_size == 0:
+        raise ValueError(f"{path} is empty; expected a checkpoint file")
     if path.name.endswith(".index.json"):  # a sharded safetensors checkpoint
-        shards = sorted(set(json.loads(path.read_text())["weight_map"].values()))
-        return {k: t for shard in shards for k, t in _read_weights(path.parent / shard).items()}
+        return _read_shards(path)
     if path.suffix == ".safetensors":
+        from safetensors import SafetensorError
         from safetensors.torch import load_file
 
-        return load_file(path)
-    try:
-        # weights_only=True unpickles tensors and plain containers and refuses any other
-        # object, so a .bin that would run code on load fails here instead.
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as error:
-        first = str(error).strip().splitlines()[0]
-        raise ValueError(f"refusing {path}: not a plain tensor file ({first})") from None
+        try:
+            state = load_file(path)
+        except (SafetensorError, OSError, ValueError) as error:
+            first = (str(error).strip().splitlines() or [""])[0][:120]
+            raise ValueError(f"{path}: not a readable safetensors file ({first})") from None
+    else:
+        try:
+            # weights_only=True unpickles tensors and plain containers and refuses any other
+            # object, so a .bin that would run code on load fails here instead.
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as error:
+            first = (str(error).strip().splitlines() or [type(error).__name__])[0][:120]
+            raise ValueError(f"refusing {path}: not a plain tensor file ({first})") from None
+    if not isinstance(state, dict) or not all(
+            isinstance(k, str) and isinstance(t, Tensor) for k, t in state.items()):
+        kind = type(state).__name__ if not isinstance(state, dict) else "a dict of other values"
+        raise ValueError(f"{path} holds {kind}, not a state dict of named tensors")
+    return state
+
+
+def _read_shards(index: Path) -> dict[str, Tensor]:
+    """The shards an index names, each inside the index's own directory."""
+    from kvcache_cli.sizing.config import load_config  # regular files only, size-capped
+
+    weight_map = load_config(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not all(
+            isinstance(v, str) for v in weight_map.values()):
+        raise ValueError(f"{index}: no weight_map of tensor name → shard file")
+    root = index.parent.resolve()
+    state: dict[str, Tensor] = {}
+    for shard in sorted(set(weight_map.values())):
+        path = (root / shard).resolve()
+        if path.parent != root:  # '../x', '/etc/x' or a link out: never read outside
+            raise ValueError(f"{index}: shard {shard!r} is outside the checkpoint directory; "
+                             "expected a file name next to the index")
+        state.update(_read_weights(path))
+    return state
 
 
 def _from_state(config: GPTConfig, state: dict[str, Tensor], device, dtype) -> GPT:

@@ -157,6 +157,48 @@ def test_startup_never_imports_torch_or_transformers(args):
     assert "HEAVY []" in done.stderr, done.stderr
 
 
+# --- recurrent state: Mamba and hybrids ------------------------------------------------------
+
+# state-spaces/mamba-2.8b-hf's config.json (the fields the state depends on).
+MAMBA = {"model_type": "mamba", "num_hidden_layers": 64, "hidden_size": 2560,
+         "intermediate_size": 5120, "state_size": 16, "conv_kernel": 4, "vocab_size": 50280}
+# ai21labs/Jamba-v0.1: attention every 8th layer from layer 4, Mamba elsewhere.
+JAMBA = {"model_type": "jamba", "num_hidden_layers": 32, "num_attention_heads": 32,
+         "num_key_value_heads": 8, "hidden_size": 4096, "attn_layer_period": 8,
+         "attn_layer_offset": 4, "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_expand": 2}
+
+
+def test_mamba_has_no_kv_cache_and_its_state_is_reported(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(MAMBA))
+    data = size_json("--config", str(tmp_path), "--seq", "32768", "--batch", "8")
+    assert data["total_bytes"] == 0 and data["bytes_per_token"] == 0
+    per_sequence = 64 * (5120 * 4 + 5120 * 16) * 2  # layers × (conv + SSM) values × fp16
+    assert data["state_bytes_per_sequence"] == per_sequence
+    assert data["state_bytes"] == 8 * per_sequence
+    assert any("no attention layers: its KV cache is 0 bytes" in n for n in data["notes"])
+    out = ok("size", "--config", str(tmp_path), "--seq", "32768").stdout
+    assert "no attention layers, no KV cache" in out
+    assert "recurrent state 12.50 MiB" in out
+
+
+def test_fit_counts_the_recurrent_state_of_every_sequence(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(MAMBA))
+    fit = size_json("--config", str(tmp_path), "--seq", "32768", "--params", "2.77B",
+                    "--gpu-mem", "24GiB")["fit"]
+    per_sequence = 64 * (5120 * 4 + 5120 * 16) * 2
+    assert fit["state_bytes_per_sequence"] == per_sequence
+    assert fit["max_sequences"] == fit["room_bytes"] // per_sequence
+    assert fit["max_tokens"] is None  # the state does not grow: any length fits
+
+
+def test_hybrid_counts_kv_of_the_attention_layers_and_state_of_the_rest(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(JAMBA))
+    data = size_json("--config", str(tmp_path), "--seq", "1000")
+    assert [(k["kind"], k["layers"]) for k in data["kinds"]] == [("full", 4), ("recurrent", 28)]
+    assert data["total_bytes"] == 2 * 4 * 8 * 128 * 1000 * 2
+    assert data["state_bytes_per_sequence"] == 28 * (8192 * 4 + 8192 * 16) * 2
+
+
 # --- --verify: the formula against real transformers caches ---------------------------------
 
 SMALL = {

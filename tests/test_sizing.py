@@ -104,9 +104,11 @@ def test_huge_sizes_stay_exact_and_print_in_large_units():
     assert format_gib(result.total_bytes) == "2.84 EiB"
     assert format_gib(2**50) == "1.00 PiB"
     assert format_gb(10**18) == "1.00 EB"
-    enormous = size_cache(flags(10**6, 10**3), seq=10**200).total_bytes
-    assert enormous == 2 * 10**6 * 10**3 * 128 * 10**200 * 2
-    assert format_gib(enormous).endswith(" YiB")  # no float overflow past 1e308
+    # Every number at its upper limit: still exact, still one short line.
+    enormous = size_cache(flags(100_000, 65_536, head_dim=65_536), seq=10**12,
+                          batch=10**9).total_bytes
+    assert enormous == 2 * 100_000 * 65_536 * 65_536 * 10**12 * 2 * 10**9
+    assert format_gib(enormous).endswith(" YiB") and len(format_gib(enormous)) < 30
     assert format_bytes(999) == "999 bytes"
 
 
@@ -130,6 +132,8 @@ PUBLISHED = {
     "qwen2.5-7b": (28, 28, 4, 128, 7_615_616_512, 131072),
     "gemma-2-9b": (42, 16, 8, 256, 9_241_705_984, 8192),
     "deepseek-v3": (61, 128, 128, 192, 671_026_419_200, 163840),
+    "mamba-2.8b": (64, None, 0, 0, 2_768_345_600, None),
+    "jamba-v0.1": (32, 32, 8, 128, 51_570_323_328, 262144),
 }
 
 
@@ -244,12 +248,13 @@ def test_layer_types_with_sliding_and_linear_layers(tmp_path):
                                    "hidden_size": 512, "sliding_window": 128,
                                    "layer_types": types})
     shape, _ = resolve_shape(config=path)
-    assert shape.kind_counts() == {"full": 2, "sliding": 2, "none": 2}
+    assert shape.kind_counts() == {"full": 2, "sliding": 2, "recurrent": 2}
     result = size_cache(shape, seq=1000)
     per_layer = 2 * 2 * 64 * 2
     assert result.total_bytes == 2 * per_layer * 1000 + 2 * per_layer * 128
-    assert [(row.kind, row.total_bytes) for row in result.kinds][-1] == ("none", 0)
-    assert any("hold no KV" in note for note in result.notes)
+    assert [(row.kind, row.total_bytes) for row in result.kinds][-1] == ("recurrent", 0)
+    # model_type 'x' has no known state formula: said, not silently zero.
+    assert any("reader does not know for model_type 'x'" in note for note in result.notes)
 
 
 def test_family_defaults_for_layer_types_follow_transformers():
@@ -264,9 +269,9 @@ def test_family_defaults_for_layer_types_follow_transformers():
     gemma3 = shape_from_config({**base, "model_type": "gemma3_text", "sliding_window": 64})
     assert gemma3.layer_kinds == ("sliding",) * 5 + ("full", "sliding", "sliding")
     next_ = shape_from_config({**base, "model_type": "qwen3_next"})
-    assert next_.layer_kinds == ("none", "none", "none", "full") * 2
+    assert next_.layer_kinds == ("recurrent", "recurrent", "recurrent", "full") * 2
     jamba = shape_from_config({**base, "model_type": "jamba"})
-    assert jamba.layer_kinds == ("none",) * 4 + ("full",) + ("none",) * 3
+    assert jamba.layer_kinds == ("recurrent",) * 4 + ("full",) + ("recurrent",) * 3
 
 
 def test_nested_text_config(tmp_path):
@@ -310,7 +315,9 @@ def test_missing_config_file(tmp_path):
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
-    ({"layers": 0, "kv_heads": 8}, "--layers 0: expected a positive"),
+    ({"layers": 0, "kv_heads": 8}, "--layers 0: expected a whole number from 1 to 100,000"),
+    ({"layers": 10**6, "kv_heads": 8}, "--layers 1,000,000: expected a whole number from 1 "),
+    ({"layers": 32, "kv_heads": 10**9}, "--kv-heads 1,000,000,000: expected .* to 65,536"),
     ({"layers": 32, "kv_heads": -2}, "--kv-heads -2"),
     ({"layers": 32, "kv_heads": 8, "head_dim": 0}, "--head-dim 0"),
     ({"layers": 32, "kv_heads": 6, "heads": 32}, "--kv-heads 6 does not divide --heads 32"),
@@ -353,7 +360,8 @@ def test_parse_bytes(text, n):
 
 
 @pytest.mark.parametrize(("text", "message"), [
-    ("80G", "ambiguous"), ("0GiB", "more than 0"), ("-1GB", "expected a positive size"),
+    ("80G", "ambiguous"), ("0GiB", "from 1 byte to 1 EiB"), ("2EiB", "from 1 byte to 1 EiB"),
+    ("-1GB", "expected a positive size"),
     ("lots", "expected a positive size"), ("80 furlongs", "unknown unit"),
 ])
 def test_parse_bytes_rejects(text, message):
@@ -450,14 +458,115 @@ def test_gpu_smaller_than_the_weights_is_an_error_naming_both():
 # --- --verify without torch: what it builds -------------------------------------------------
 
 
-def test_verify_config_keeps_one_layer_of_each_kind_and_the_attention_widths():
+def test_verify_config_keeps_a_prefix_with_every_kind_and_the_attention_widths():
     cfg = {"model_type": "qwen3_next", "num_hidden_layers": 48, "num_attention_heads": 16,
            "num_key_value_heads": 2, "head_dim": 256, "hidden_size": 2048,
-           "vocab_size": 151936, "intermediate_size": 5120, "eos_token_id": 151645}
+           "vocab_size": 151936, "intermediate_size": 5120, "eos_token_id": 151645,
+           "layer_types": ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"]
+           * 3 + ["full_attention"] + ["linear_attention", "full_attention"] * 20}
     small, changes = sizing._verify_config(cfg, max_layers=2)
-    assert small["num_hidden_layers"] == 2
-    assert small["layer_types"] == ["linear_attention", "full_attention"]
+    # Qwen3-Next's first full-attention layer is the 4th: four layers cover both kinds.
+    assert small["num_hidden_layers"] == 4
+    assert small["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
     assert (small["num_attention_heads"], small["num_key_value_heads"], small["head_dim"]) == (
         16, 2, 256)
-    assert small["vocab_size"] == 512 and small["eos_token_id"] is None
-    assert any(change.startswith("layers 48 → 2") for change in changes)
+    assert small["vocab_size"] == 512 and small["eos_token_id"] == 0
+    assert any(change.startswith("layers 48 → 4") for change in changes)
+
+
+# --- layers with their own widths -------------------------------------------------------------
+
+GEMMA4 = {"model_type": "gemma4_text", "num_hidden_layers": 6, "num_attention_heads": 8,
+          "num_key_value_heads": 4, "head_dim": 256, "hidden_size": 2304, "sliding_window": 512,
+          "layer_types": ["sliding_attention"] * 5 + ["full_attention"]}
+
+
+def test_gemma4_global_layers_are_global_head_dim_wide():
+    # The Hub's spelling (global_head_dim), and transformers 5's (per_layer_config), agree.
+    hub = shape_from_config({**GEMMA4, "global_head_dim": 512})
+    saved = shape_from_config({**GEMMA4, "per_layer_config": {"05": {"head_dim": 512}}})
+    for shape in (hub, saved):
+        result = size_cache(shape, seq=4096)
+        assert [(r.kind, r.layers, r.values_per_token) for r in result.kinds] == [
+            ("full", 1, 2 * 4 * 512), ("sliding", 5, 2 * 4 * 256)]
+        assert result.total_bytes == (2 * 4 * 512 * 4096 + 5 * 2 * 4 * 256 * 512) * 2
+
+
+def test_mimo_sliding_layers_keep_twice_the_kv_heads_and_the_query_in_the_window():
+    shape = shape_from_config({
+        "model_type": "mimo_v2_flash", "num_hidden_layers": 2, "num_attention_heads": 64,
+        "num_key_value_heads": 4, "head_dim": 192, "v_head_dim": 128, "hidden_size": 4096,
+        "sliding_window_size": 128, "layer_types": ["full_attention", "sliding_attention"]})
+    assert shape.window == 129
+    rows = {r.kind: r.values_per_token for r in size_cache(shape, seq=10).kinds}
+    assert rows == {"full": 4 * (192 + 128), "sliding": 8 * (192 + 128)}
+
+
+def test_deepseek_v32_indexer_key_is_cached_beside_the_latent():
+    shape = shape_from_config({**PRESETS["deepseek-v3"].config, "model_type": "deepseek_v32",
+                               "index_head_dim": 128,
+                               "layer_types": ["indexed_attention"] * 61})
+    assert size_cache(shape, seq=1).bytes_per_token == 61 * (512 + 64 + 128) * 2
+
+
+# --- each config spelling as published checkpoints write it -----------------------------------
+
+BASE = {"num_hidden_layers": 8, "num_attention_heads": 8, "hidden_size": 512}
+
+
+@pytest.mark.parametrize(("cfg", "kinds", "kv_heads", "head_dim"), [
+    # tiiuae/falcon-40b: num_kv_heads under new_decoder_architecture, multi_query also true.
+    ({**BASE, "model_type": "falcon", "new_decoder_architecture": True, "multi_query": True,
+      "num_kv_heads": 2}, {"full": 8}, 2, 64),
+    # tiiuae/falcon-7b: multi_query alone, one K/V head.
+    ({**BASE, "model_type": "falcon", "multi_query": True}, {"full": 8}, 1, 64),
+    # databricks/dbrx-base: the KV heads nested in attn_config.
+    ({"model_type": "dbrx", "n_layers": 8, "n_heads": 8, "d_model": 512,
+      "attn_config": {"kv_n_heads": 2}}, {"full": 8}, 2, 64),
+    # THUDM/chatglm3-6b: kv_channels and multi_query_group_num.
+    ({**BASE, "model_type": "chatglm", "kv_channels": 128, "multi_query_group_num": 2},
+     {"full": 8}, 2, 128),
+    # google/recurrentgemma-2b: block_types repeated over the layers.
+    ({**BASE, "model_type": "recurrent_gemma", "block_types": ["recurrent", "recurrent",
+      "attention"], "attention_window_size": 2048}, {"full": 2, "recurrent": 6}, 8, 64),
+    # nvidia/Nemotron-H-8B-Base-8K: one character per layer.
+    ({**BASE, "model_type": "nemotron_h", "hybrid_override_pattern": "M-M*-M-E",
+      "mamba_num_heads": 16, "mamba_head_dim": 64, "n_groups": 8, "ssm_state_size": 128,
+      "conv_kernel": 4}, {"full": 1, "recurrent": 3, "none": 4}, 8, 64),
+    # ibm-ai-platform/Bamba-9B: attention layers listed.
+    ({**BASE, "model_type": "bamba", "attn_layer_indices": [3, 7], "mamba_n_heads": 16,
+      "mamba_d_head": 64, "mamba_d_state": 128, "mamba_d_conv": 4},
+     {"full": 2, "recurrent": 6}, 8, 64),
+    # moonshotai/Kimi-Linear-48B-A3B-Instruct: full layers counted from 1.
+    ({**BASE, "model_type": "kimi_linear", "linear_attn_config": {"full_attn_layers": [4, 8]},
+      "linear_num_heads": 8, "linear_head_dim": 64, "linear_conv_kernel_dim": 4},
+     {"full": 2, "recurrent": 6}, 8, 64),
+    # meta-llama/Llama-4-Scout-17B-16E: chunked attention, every 4th layer global.
+    ({**BASE, "model_type": "llama4_text", "attention_chunk_size": 8192},
+     {"full": 2, "chunked": 6}, 8, 64),
+    # google/gemma-3n-E4B-it: the last layers reuse earlier caches.
+    ({**BASE, "model_type": "gemma3n_text", "num_kv_shared_layers": 3}, {"full": 5, "none": 3},
+     8, 64),
+    # meituan-longcat/LongCat-Flash-Chat: two attention blocks per decoder layer.
+    ({"num_attention_heads": 8, "hidden_size": 512, "model_type": "longcat_flash",
+      "num_layers": 4}, {"full": 8}, 8, 64),
+    # Zyphra/Zamba2-2.7B: attention_head_dim wins over kv_channels.
+    ({**BASE, "model_type": "zamba2", "attention_head_dim": 128, "kv_channels": 64,
+      "layers_block_type": ["mamba"] * 7 + ["hybrid"], "mamba_headdim": 64,
+      "mamba_d_state": 64, "mamba_d_conv": 4}, {"full": 1, "recurrent": 7}, 8, 128),
+])
+def test_published_config_spellings(cfg, kinds, kv_heads, head_dim):
+    shape = shape_from_config(cfg)
+    assert shape.kind_counts() == kinds
+    assert (shape.kv_heads, shape.head_dim) == (kv_heads, head_dim)
+
+
+def test_mamba2_state_is_conv_over_x_b_c_and_heads_by_head_dim_by_state():
+    # mistralai/Mamba-Codestral-7B-v0.1
+    shape = shape_from_config({"model_type": "mamba2", "num_hidden_layers": 64,
+                               "hidden_size": 4096, "num_heads": 128, "head_dim": 64,
+                               "n_groups": 8, "state_size": 128, "conv_kernel": 4,
+                               "expand": 2})
+    assert shape.state_layers == 64
+    assert shape.conv_state_values == (128 * 64 + 2 * 8 * 128) * 4
+    assert shape.ssm_state_values == 128 * 64 * 128

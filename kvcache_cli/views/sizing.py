@@ -3,6 +3,8 @@ formatted for people. Nothing is computed here beyond unit formatting."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from rich import box
 from rich.console import Group, RenderableType
 from rich.panel import Panel
@@ -13,17 +15,20 @@ from kvcache_cli.sizing import (
     ModelRow,
     ModelShape,
     SizeResult,
-    Verification,
     format_bytes,
     format_gib,
 )
+
+if TYPE_CHECKING:
+    from kvcache_cli.sizing.verify import Verification
 
 _KIND_LABEL = {
     "full": "full attention",
     "sliding": "sliding",
     "chunked": "chunked",
     "mla": "MLA latent",
-    "none": "no attention",
+    "recurrent": "recurrent state",
+    "none": "no cache (MLP / shared KV)",
 }
 
 
@@ -40,7 +45,13 @@ def _count(n: int | None, unit: str = "") -> str:
 def _headline(r: SizeResult) -> Panel:
     lines = Text()
     lines.append(format_bytes(r.total_bytes), style="bold green")
-    lines.append(f"  for {r.seq:,} tokens × batch {r.batch:,}, {r.dtype} cache\n")
+    lines.append(f"  for {r.seq:,} tokens × batch {r.batch:,}, {r.dtype} cache")
+    lines.append("\n" if r.shape.has_kv else ": no attention layers, no KV cache\n")
+    if r.state_bytes:
+        lines.append("+ recurrent state ")
+        lines.append(format_bytes(r.state_bytes), style="bold green")
+        per = f": {format_bytes(r.state_bytes_per_sequence)}" if r.batch > 1 else ""
+        lines.append(f"{per} per sequence, the same at any length\n")
     lines.append(f"per token: {r.bytes_per_token:,} bytes ({format_gib(r.bytes_per_token)})")
     lines.append(f" · per layer: {r.bytes_per_token_per_layer:,} bytes")
     if r.mha_total_bytes is not None:
@@ -103,6 +114,9 @@ def _fit_table(r: SizeResult) -> RenderableType:
     if r.tp is not None:
         table.add_row("weights per GPU", format_bytes(fit.weights_bytes_per_gpu))
     table.add_row("room for the cache", format_bytes(fit.room_bytes))
+    if fit.state_bytes_per_sequence:
+        table.add_row("recurrent state per sequence" + (" per GPU" if r.tp is not None else ""),
+                      format_bytes(fit.state_bytes_per_sequence))
     table.add_row("max tokens cached (one sequence, any length)", _count(fit.max_tokens))
     table.add_row(f"max sequences of {r.seq:,} tokens", _count(fit.max_sequences))
     verdict = Text("fits", style="green") if fit.batch_fits else Text("does not fit",
@@ -136,7 +150,12 @@ def verify_view(v: Verification) -> RenderableType:
             f"{layer.measured_bytes:,}", f"{layer.formula_bytes:,}",
             Text("✓", style="green") if same else Text("✗", style="yellow"),
         )
-    table.add_row("", "total", "", "", f"{v.measured_bytes:,}", f"{v.formula_bytes:,}", "",
+    if v.state_measured_bytes or v.state_formula_bytes:
+        same = v.state_measured_bytes == v.state_formula_bytes
+        table.add_row("", "recurrent states", "", "", f"{v.state_measured_bytes:,}",
+                      f"{v.state_formula_bytes:,}",
+                      Text("✓", style="green") if same else Text("✗", style="yellow"))
+    table.add_row("", "total K/V", "", "", f"{v.measured_bytes:,}", f"{v.formula_bytes:,}", "",
                   style="bold")
     notes = Text()
     for line in v.explanation:
@@ -148,10 +167,11 @@ def verify_view(v: Verification) -> RenderableType:
 def size_view(r: SizeResult) -> RenderableType:
     """Everything `kvcache size` shows, in reading order."""
     parts: list[RenderableType] = [_headline(r)]
-    formula = Text("formula\n", style="bold")
-    for line in r.formula:
-        formula.append(f"  {line}\n", style="cyan")
-    parts.append(formula)
+    if r.formula:
+        formula = Text("formula\n", style="bold")
+        for line in r.formula:
+            formula.append(f"  {line}\n", style="cyan")
+        parts.append(formula)
     parts.append(_kinds_table(r))
     if r.tp is not None:
         parts.append(_tp_table(r))
@@ -189,7 +209,7 @@ def models_view(rows: tuple[ModelRow, ...]) -> RenderableType:
             _params(row.params),
             str(shape.layers),
             shape.describe(),
-            str(shape.head_dim),
+            str(shape.head_dim) if shape.has_kv else "",
             format_gib(row.bytes_per_token),
             f"{shape.max_positions:,}" if shape.max_positions else "",
         )

@@ -1,0 +1,669 @@
+"""config.json → ModelShape, as transformers would build the model, for every way real
+checkpoints spell "this layer attends", "this layer holds a window", "this layer holds a
+recurrent state instead" and "this layer reuses another layer's cache".
+
+The layer pattern is decided by a table of rules, tried in order; each rule reads one config
+spelling and names the public model it comes from. Every number read is checked for type and
+range, and the file itself is read with a size cap and only when it is a regular file, so a
+hostile or broken config ends in one ConfigError line, never a hang or a traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from kvcache_cli.sizing.shape import ModelShape
+from kvcache_cli.sizing.units import LIMITS, ConfigError
+
+# Real configs spell the same number several ways; the first present wins.
+# decoder_layers / decoder_attention_heads: TrOCR's decoder (microsoft/trocr-base-handwritten).
+LAYER_KEYS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "decoder_layers")
+# attention_heads: XGLM (facebook/xglm-564M).
+_HEAD_KEYS = ("num_attention_heads", "n_head", "n_heads", "num_heads", "attention_heads",
+              "decoder_attention_heads")
+# multi_query_group_num: ChatGLM (THUDM/chatglm3-6b), 2 KV groups for 32 heads.
+_KV_HEAD_KEYS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_head_kv",
+                 "multi_query_group_num")
+# attention_head_dim: Zamba2 (Zyphra/Zamba2-2.7B), whose shared attention block is twice the
+# model's width and which also carries a kv_channels of half that; kv_channels: ChatGLM
+# (THUDM/chatglm3-6b).
+_HEAD_DIM_KEYS = ("head_dim", "attention_head_dim", "kv_channels")
+HIDDEN_KEYS = ("hidden_size", "n_embd", "d_model", "dim")
+_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len")
+
+_MAX_CONFIG_BYTES = 16 * 2**20  # the largest real config.json is well under 1 MiB
+_MAX_WIDTH = 2**24  # any one width (hidden, state, window...) in a config
+_MAX_WINDOW = LIMITS["--seq"]
+
+# transformers' layer type names (and the older spellings configs still carry) → kind.
+LAYER_TYPE_KIND = {
+    "full_attention": "full",
+    "attention": "full",
+    "global": "full",
+    "global_attention": "full",
+    "full": "full",
+    "hybrid": "full",  # linear attention beside a full KV cache in one layer (Falcon-H1)
+    "indexed_attention": "full",  # DeepSeek-V3.2 sparse attention: KV plus an indexer key
+    "sliding_attention": "sliding",
+    "sliding": "sliding",
+    "local": "sliding",
+    "local_attention": "sliding",
+    "hybrid_sliding": "sliding",
+    "chunked_attention": "chunked",
+    "linear_attention": "recurrent",
+    "mamba": "recurrent",
+    "mamba2": "recurrent",
+    "m2": "recurrent",
+    "conv": "recurrent",
+    "recurrent": "recurrent",
+    "rwkv": "recurrent",
+    "moe": "none",
+    "mlp": "none",
+}
+_HYBRID = {"hybrid", "hybrid_sliding"}  # these layers keep a recurrent state as well as KV
+
+# transformers fills `layer_types` for these families when config.json has none; the
+# defaults are the ones in each family's configuration class (the Hub's gemma-2 configs, for
+# one, carry only `sliding_window` and rely on this).
+_SLIDING_EVERY = {"gemma2": 2, "gpt_oss": 2, "gemma3": 6, "gemma3_text": 6, "cohere2": 4}
+
+
+# --- reading one value --------------------------------------------------------------------------
+
+
+def _int(cfg: dict, key: str, where: str, low: int = 1, high: int = _MAX_WIDTH) -> int:
+    value = cfg[key]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{where}: {key} is {value!r}; expected a whole number")
+    if not low <= value <= high:
+        raise ConfigError(f"{where}: {key} is {value:,}; expected a whole number from {low:,} "
+                          f"to {high:,}")
+    return value
+
+
+def _first_int(cfg: dict, keys: tuple[str, ...], where: str, required: bool = True,
+               high: int = _MAX_WIDTH) -> int | None:
+    for key in keys:
+        if cfg.get(key) is not None:
+            return _int(cfg, key, where, high=high)
+    if required:
+        raise ConfigError(f"{where}: no {keys[0]} (expected one of {', '.join(keys)})")
+    return None
+
+
+def _int_list(cfg: dict, key: str, where: str, high: int) -> list[int]:
+    value = cfg[key]
+    if not isinstance(value, list):
+        raise ConfigError(f"{where}: {key} is {value!r}; expected a list of layer indices")
+    for item in value:
+        if isinstance(item, bool) or not isinstance(item, int) or not 0 <= item <= high:
+            raise ConfigError(f"{where}: {key} holds {item!r}; expected layer indices from 0 "
+                              f"to {high}")
+    return value
+
+
+def _names(value: Any, key: str, layers: int, where: str) -> list[str]:
+    if not isinstance(value, list) or len(value) != layers:
+        got = f"{len(value)} entries" if isinstance(value, list) else repr(value)
+        raise ConfigError(f"{where}: {key} has {got}; expected a list of {layers}, one per layer")
+    for name in value:
+        if not isinstance(name, str):
+            raise ConfigError(f"{where}: {key} holds {name!r}; expected layer type names")
+    return value
+
+
+# --- the layer pattern: one rule per spelling ---------------------------------------------------
+
+# Each rule returns every layer's transformers layer type, or None when its spelling is absent.
+Rule = Callable[[dict, int, str], "list[str] | None"]
+
+
+def _explicit_layer_types(cfg: dict, layers: int, where: str) -> list[str] | None:
+    # google/gemma-3-27b-it, Qwen/Qwen3-Next-80B-A3B-Instruct, LiquidAI/LFM2-1.2B ("conv"),
+    # openai/gpt-oss-20b: one name per layer.
+    if cfg.get("layer_types") is None:
+        return None
+    return _names(cfg["layer_types"], "layer_types", layers, where)
+
+
+def _layers_block_type(cfg: dict, layers: int, where: str) -> list[str] | None:
+    # Zyphra/Zamba-7B-v1 and Zyphra/Zamba2-2.7B: "mamba" or "hybrid" (a Mamba block with the
+    # shared attention block beside it) per layer.
+    if cfg.get("layers_block_type") is None:
+        return None
+    return _names(cfg["layers_block_type"], "layers_block_type", layers, where)
+
+
+_PATTERN_KIND = {"M": "mamba", "*": "full_attention", "-": "mlp", "E": "moe"}
+
+
+def _hybrid_override_pattern(cfg: dict, layers: int, where: str) -> list[str] | None:
+    # nvidia/Nemotron-H-8B-Base-8K: "M-M-M-M*-..." (Mamba, attention, MLP, MoE), one per layer.
+    pattern = cfg.get("hybrid_override_pattern")
+    if pattern is None:
+        return None
+    if not isinstance(pattern, str) or len(pattern) != layers or set(pattern) - set(_PATTERN_KIND):
+        raise ConfigError(f"{where}: hybrid_override_pattern is {str(pattern)[:60]!r}; expected "
+                          f"{layers} characters from M, *, -, E")
+    return [_PATTERN_KIND[c] for c in pattern]
+
+
+def _block_types(cfg: dict, layers: int, where: str) -> list[str] | None:
+    # google/recurrentgemma-2b: ["recurrent", "recurrent", "attention"], repeated over the layers.
+    key = "block_types" if cfg.get("block_types") is not None else "_block_types"
+    types = cfg.get(key)
+    if types is None:
+        return None
+    if not isinstance(types, list) or not types or not all(isinstance(t, str) for t in types):
+        raise ConfigError(f"{where}: {key} is {types!r}; expected a non-empty list of names")
+    return [types[i % len(types)] for i in range(layers)]
+
+
+def _attn_layer_indices(cfg: dict, layers: int, where: str) -> list[str] | None:
+    # ibm-ai-platform/Bamba-9B: the attention layers listed, Mamba-2 everywhere else.
+    if cfg.get("attn_layer_indices") is None:
+        return None
+    attention = set(_int_list(cfg, "attn_layer_indices", where, layers - 1))
+    return ["full_attention" if i in attention else "mamba" for i in range(layers)]
+
+
+def _attn_layer_period(cfg: dict, layers: int, where: str) -> list[str] | None:
+    # ai21labs/Jamba-v0.1: one attention layer in every 8, at offset 4; Mamba elsewhere.
+    if cfg.get("attn_layer_period") is None and cfg.get("model_type") != "jamba":
+        return None
+    period = _int(cfg, "attn_layer_period", where, high=LIMITS["--layers"]) \
+        if "attn_layer_period" in cfg else 8
+    offset = _int(cfg, "attn_layer_offset", where, low=0, high=period - 1) \
+        if "attn_layer_offset" in cfg else 4
+    if offset >= period:
+        raise ConfigError(f"{where}: the default attn_layer_offset 4 is past attn_layer_period "
+                          f"{period}; expected an offset below the period")
+    return ["full_attention" if i % period == offset else "mamba" for i in range(layers)]
+
+
+def _linear_attn_config(cfg: dict, layers: int, where: str) -> list[str] | None:
+    # moonshotai/Kimi-Linear-48B-A3B-Instruct: full_attn_layers counts from 1; the rest are
+    # Kimi Delta Attention, a linear attention with a recurrent state.
+    nested = cfg.get("linear_attn_config")
+    if nested is None:
+        return None
+    if not isinstance(nested, dict) or nested.get("full_attn_layers") is None:
+        raise ConfigError(f"{where}: linear_attn_config is {str(nested)[:60]}; expected an "
+                          "object with full_attn_layers")
+    full = {i - 1 for i in _int_list(nested, "full_attn_layers", f"{where} linear_attn_config",
+                                     layers)}
+    if -1 in full:
+        raise ConfigError(f"{where}: linear_attn_config full_attn_layers holds 0; expected "
+                          f"layer numbers from 1 to {layers}")
+    return ["full_attention" if i in full else "linear_attention" for i in range(layers)]
+
+
+def _full_attention_interval(cfg: dict, layers: int, where: str) -> list[str] | None:
+    # Qwen/Qwen3-Next-80B-A3B-Instruct as first published: every 4th layer attends, the others
+    # are Gated DeltaNet.
+    if cfg.get("full_attention_interval") is None and cfg.get("model_type") != "qwen3_next":
+        return None
+    every = _int(cfg, "full_attention_interval", where, high=layers) \
+        if "full_attention_interval" in cfg else 4
+    return ["full_attention" if (i + 1) % every == 0 else "linear_attention"
+            for i in range(layers)]
+
+
+def _state_space_only(cfg: dict, layers: int, where: str) -> list[str] | None:
+    # state-spaces/mamba-2.8b-hf, tiiuae/falcon-mamba-7b, mistralai/Mamba-Codestral-7B-v0.1
+    # (mamba2), RWKV/rwkv-4-169m-pile, NX-AI/xLSTM-7b: no attention anywhere.
+    if cfg.get("model_type") in ("mamba", "falcon_mamba", "mamba2", "rwkv", "xlstm"):
+        return ["mamba"] * layers
+    return None
+
+
+def _chunked_without_layer_types(cfg: dict, layers: int, where: str) -> list[str] | None:
+    # meta-llama/Llama-4-Scout-17B-16E: attention_chunk_size 8192 and every 4th layer (the one
+    # without RoPE) global, as Llama4TextConfig derives it.
+    if cfg.get("attention_chunk_size") is None:
+        return None
+    every = _int(cfg, "no_rope_layer_interval", where, high=layers) \
+        if "no_rope_layer_interval" in cfg else 4
+    return ["full_attention" if (i + 1) % every == 0 else "chunked_attention"
+            for i in range(layers)]
+
+
+def _sliding_window(cfg: dict, layers: int, where: str) -> list[str] | None:
+    window = cfg.get("sliding_window")
+    if cfg.get("use_sliding_window") is False or window is None:
+        # Qwen/Qwen2.5-7B ships sliding_window with use_sliding_window false: the window is off.
+        return None
+    model_type = cfg.get("model_type")
+    if cfg.get("sliding_window_pattern") is not None:
+        # google/gemma-3-4b-pt as first published: every 6th layer global.
+        every = _int(cfg, "sliding_window_pattern", where, high=max(layers, 1))
+    else:
+        # google/gemma-2-9b: only sliding_window; the family's class alternates.
+        every = _SLIDING_EVERY.get(model_type) if isinstance(model_type, str) else None
+    if every:
+        return ["full_attention" if (i + 1) % every == 0 else "sliding_attention"
+                for i in range(layers)]
+    if cfg.get("max_window_layers") is not None:
+        # Qwen2 with the window on: layers from this index slide.
+        first = _int(cfg, "max_window_layers", where, low=0, high=layers)
+        return ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+    return ["sliding_attention"] * layers  # mistralai/Mistral-7B-v0.1: every layer slides
+
+
+LAYER_RULES: tuple[Rule, ...] = (
+    _explicit_layer_types,
+    _layers_block_type,
+    _hybrid_override_pattern,
+    _block_types,
+    _attn_layer_indices,
+    _attn_layer_period,
+    _linear_attn_config,
+    _full_attention_interval,
+    _state_space_only,
+    _chunked_without_layer_types,
+    _sliding_window,
+)
+
+
+def layer_type_names(cfg: dict, layers: int, where: str) -> list[str]:
+    """Every layer's transformers layer type, from the first rule whose spelling is present."""
+    for rule in LAYER_RULES:
+        names = rule(cfg, layers, where)
+        if names is not None:
+            return names
+    return ["full_attention"] * layers  # meta-llama/Llama-2-7b-hf: every layer attends in full
+
+
+# --- the recurrent state: one rule per family ---------------------------------------------------
+
+
+def _get(cfg: dict, where: str, *keys: str, default: int | None = None) -> int:
+    for key in keys:
+        if cfg.get(key) is not None:
+            return _int(cfg, key, where)
+    if default is not None:
+        return default
+    raise ConfigError(f"{where}: no {keys[0]} (expected one of {', '.join(keys)}) for the "
+                      "recurrent layers' state")
+
+
+def _hidden(cfg: dict, where: str) -> int:
+    return _get(cfg, where, *HIDDEN_KEYS)
+
+
+def _mamba1_state(cfg: dict, where: str) -> tuple[int, int]:
+    # state-spaces/mamba-2.8b-hf, tiiuae/falcon-mamba-7b, ai21labs/Jamba-v0.1 (mamba_ prefix):
+    # a conv over the last d_conv inputs and a d_state-wide state per channel.
+    expand = _get(cfg, where, "mamba_expand", "expand", default=2)
+    channels = _get(cfg, where, "intermediate_size", default=expand * _hidden(cfg, where)) \
+        if cfg.get("model_type") != "jamba" else expand * _hidden(cfg, where)
+    conv = _get(cfg, where, "mamba_d_conv", "conv_kernel", default=4)
+    state = _get(cfg, where, "mamba_d_state", "state_size", default=16)
+    return channels * conv, channels * state
+
+
+def _mamba2_state(cfg: dict, where: str) -> tuple[int, int]:
+    # mistralai/Mamba-Codestral-7B-v0.1, ibm-ai-platform/Bamba-9B, nvidia/Nemotron-H-8B,
+    # tiiuae/Falcon-H1-7B, ibm-granite/granite-4.0-h-small, Zyphra/Zamba2-2.7B: the conv runs
+    # over x, B and C together; the state is heads × head_dim × d_state.
+    state = _get(cfg, where, "mamba_d_state", "ssm_state_size", "state_size")
+    groups = _get(cfg, where, "mamba_n_groups", "mamba_ngroups", "n_groups", default=1)
+    head_dim = _get(cfg, where, "mamba_d_head", "mamba_head_dim", "mamba_headdim", "head_dim")
+    if any(cfg.get(k) is not None for k in ("mamba_n_heads", "mamba_num_heads", "num_heads")):
+        heads = _get(cfg, where, "mamba_n_heads", "mamba_num_heads", "num_heads")
+    else:
+        expand = _get(cfg, where, "mamba_expand", "expand", default=2)
+        heads = expand * _hidden(cfg, where) // head_dim
+    channels = heads * head_dim
+    if cfg.get("mamba_d_ssm") is not None:  # Falcon-H1 sets the inner width directly
+        channels = _int(cfg, "mamba_d_ssm", where)
+    conv = _get(cfg, where, "mamba_d_conv", "conv_kernel")
+    return (channels + 2 * groups * state) * conv, heads * head_dim * state
+
+
+def _gated_deltanet_state(cfg: dict, where: str) -> tuple[int, int]:
+    # Qwen/Qwen3-Next-80B-A3B-Instruct: a conv over q, k and v, and a key × value state per
+    # value head.
+    key_heads = _get(cfg, where, "linear_num_key_heads")
+    value_heads = _get(cfg, where, "linear_num_value_heads")
+    key_dim = _get(cfg, where, "linear_key_head_dim")
+    value_dim = _get(cfg, where, "linear_value_head_dim")
+    conv = _get(cfg, where, "linear_conv_kernel_dim")
+    width = 2 * key_heads * key_dim + value_heads * value_dim
+    return width * conv, value_heads * key_dim * value_dim
+
+
+def _delta_attention_state(cfg: dict, where: str) -> tuple[int, int]:
+    # moonshotai/Kimi-Linear-48B-A3B-Instruct, inclusionAI/Ring-mini-linear-2.0: separate short
+    # convs over q, k and v, and a head_dim × head_dim state per head.
+    heads = _get(cfg, where, "linear_num_heads")
+    head_dim = _get(cfg, where, "linear_head_dim")
+    conv = _get(cfg, where, "linear_conv_kernel_dim")
+    return 3 * heads * head_dim * conv, heads * head_dim * head_dim
+
+
+def _lightning_state(cfg: dict, where: str) -> tuple[int, int]:
+    # MiniMaxAI/MiniMax-Text-01: lightning attention keeps one head_dim × head_dim state per
+    # attention head, and no convolution.
+    heads = _first_int(cfg, _HEAD_KEYS, where)
+    head_dim = _first_int(cfg, ("head_dim",), where, required=False) or (
+        _first_int(cfg, HIDDEN_KEYS, where) // heads)
+    return 0, heads * head_dim * head_dim
+
+
+def _cca_state(cfg: dict, where: str) -> tuple[int, int]:
+    # Zyphra/ZAYA1-base: compressed convolutional attention convolves q and k over the last
+    # (cca_time0 − 1) + (cca_time1 − 1) steps, and delays half the value width by one token.
+    heads = _first_int(cfg, _HEAD_KEYS, where)
+    kv_heads = _first_int(cfg, _KV_HEAD_KEYS, where, required=False) or heads
+    head_dim = _first_int(cfg, ("head_dim",), where, required=False) or (
+        _first_int(cfg, HIDDEN_KEYS, where) // heads)
+    steps = _get(cfg, where, "cca_time0", default=2) - 1 + _get(cfg, where, "cca_time1",
+                                                                 default=2) - 1
+    return (heads + kv_heads) * head_dim * steps, kv_heads * head_dim // 2
+
+
+def _short_conv_state(cfg: dict, where: str) -> tuple[int, int]:
+    # LiquidAI/LFM2-1.2B: a short convolution over the last conv_L_cache inputs, no SSM state.
+    return _hidden(cfg, where) * _get(cfg, where, "conv_L_cache"), 0
+
+
+_MAMBA2_TYPES = {"mamba2", "bamba", "nemotron_h", "falcon_h1", "granitemoehybrid", "zamba2"}
+
+
+def _state_rule(cfg: dict) -> Callable[[dict, str], tuple[int, int]] | None:
+    model_type = cfg.get("model_type")
+    if model_type in _MAMBA2_TYPES:
+        return _mamba2_state
+    if model_type in ("mamba", "falcon_mamba", "jamba"):
+        return _mamba1_state
+    if cfg.get("linear_num_value_heads") is not None:
+        return _gated_deltanet_state
+    if cfg.get("linear_num_heads") is not None:
+        return _delta_attention_state
+    if cfg.get("conv_L_cache") is not None:
+        return _short_conv_state
+    if model_type == "minimax":
+        return _lightning_state
+    if model_type == "zaya":
+        return _cca_state
+    return None
+
+
+# --- layers with their own widths ----------------------------------------------------------------
+
+# per_layer_config fields (transformers 5) → the ModelShape field each one sets.
+_PER_LAYER_FIELDS = {
+    "num_key_value_heads": "kv_heads",
+    "num_attention_heads": "heads",
+    "head_dim": "head_dim",
+    "v_head_dim": "v_head_dim",
+    "kv_lora_rank": "kv_lora_rank",
+    "qk_rope_head_dim": "qk_rope_head_dim",
+    "qk_nope_head_dim": "qk_nope_head_dim",
+}
+
+
+def _layer_overrides(cfg: dict, names: list[str], where: str) -> list[dict[str, int]]:
+    """Per layer, the widths it sets apart from the model's, from each spelling of them."""
+    layers = len(names)
+    overrides: list[dict[str, int]] = [{} for _ in range(layers)]
+    per_layer = cfg.get("per_layer_config")
+    if per_layer is not None:
+        # rednote-hilab/dots.ocr-style MoE notes, Gemma 4 as transformers 5 writes it:
+        # {"05": {"head_dim": 512}, ...}, layer index → the fields that layer overrides.
+        if not isinstance(per_layer, dict):
+            raise ConfigError(f"{where}: per_layer_config is {str(per_layer)[:40]}; expected an "
+                              "object of layer index → fields")
+        for key, fields in per_layer.items():
+            if not str(key).isdigit() or int(key) >= layers or not isinstance(fields, dict):
+                raise ConfigError(f"{where}: per_layer_config has {str(key)[:20]!r}: "
+                                  f"{str(fields)[:40]}; expected layer indices from 0 to "
+                                  f"{layers - 1}, each with an object of fields")
+            for field, target in _PER_LAYER_FIELDS.items():
+                if fields.get(field) is not None:
+                    overrides[int(key)][target] = _int(fields, field,
+                                                       f"{where} per_layer_config {key}")
+    model_type = cfg.get("model_type")
+    for i, name in enumerate(names):
+        kind = LAYER_TYPE_KIND.get(name)
+        if name == "indexed_attention" and cfg.get("index_head_dim") is not None:
+            # deepseek-ai/DeepSeek-V3.2-Exp: the lightning indexer caches one more key per
+            # token in the layers that use it.
+            overrides[i]["index_head_dim"] = _int(cfg, "index_head_dim", where)
+        if model_type in ("gemma4", "gemma4_text") and name == "full_attention" and (
+                per_layer is None):
+            # google/gemma-4 config.json: global layers are global_head_dim wide (512 by
+            # default), with num_global_key_value_heads when attention_k_eq_v says so.
+            width = _int(cfg, "global_head_dim", where) if "global_head_dim" in cfg else 512
+            overrides[i]["head_dim"] = width
+            if cfg.get("attention_k_eq_v") and cfg.get("num_global_key_value_heads") is not None:
+                overrides[i]["kv_heads"] = _int(cfg, "num_global_key_value_heads", where)
+        if kind == "sliding":
+            # The Inkling family: sliding layers have their own heads and widths.
+            for field, target in (("swa_num_key_value_heads", "kv_heads"),
+                                  ("swa_num_attention_heads", "heads"),
+                                  ("swa_head_dim", "head_dim")):
+                if cfg.get(field) is not None:
+                    overrides[i][target] = _int(cfg, field, where)
+            if model_type == "mimo_v2_flash":
+                # XiaomiMiMo/MiMo-V2-Flash: sliding layers keep twice the KV heads (its
+                # attention builds them so; the config has no field for it).
+                kv = _first_int(cfg, _KV_HEAD_KEYS, where, required=False) or _first_int(
+                    cfg, _HEAD_KEYS, where)
+                overrides[i]["kv_heads"] = 2 * kv
+    return overrides
+
+
+# --- the shape ----------------------------------------------------------------------------------
+
+
+def _kv_heads(cfg: dict, heads: int, where: str) -> int:
+    nested = cfg.get("attn_config")
+    if isinstance(nested, dict) and nested.get("kv_n_heads") is not None:
+        # databricks/dbrx-base: attn_config.kv_n_heads 8 under 48 heads.
+        return _int(nested, "kv_n_heads", f"{where} attn_config", high=heads)
+    if cfg.get("new_decoder_architecture"):
+        # tiiuae/falcon-40b: num_kv_heads 8, although multi_query is also true.
+        return _first_int(cfg, ("num_kv_heads", "num_key_value_heads"), where, required=False,
+                          high=heads) or heads
+    if cfg.get("multi_query"):  # bigcode/starcoder, tiiuae/falcon-7b: one K/V head
+        return 1
+    return _first_int(cfg, _KV_HEAD_KEYS, where, required=False, high=heads) or heads
+
+
+def shape_from_config(cfg: Any, name: str = "config.json", params: int | None = None) -> ModelShape:
+    """Read the cache-relevant numbers from a Hugging Face config dict, as transformers would."""
+    where = name
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{where}: expected a JSON object, got {type(cfg).__name__}")
+    if isinstance(cfg.get("text_config"), dict):  # multimodal wrappers: the decoder is inside
+        cfg = cfg["text_config"]
+        where = f"{name} (text_config)"
+    if not isinstance(cfg.get("model_type", ""), str):
+        raise ConfigError(f"{where}: model_type is {cfg['model_type']!r}; expected a name")
+    if not any(cfg.get(key) is not None for key in LAYER_KEYS) and isinstance(
+            cfg.get("layers_block_type"), list):
+        # nvidia/NVIDIA-Nemotron-Nano-9B-v2 in transformers: the count is the pattern's length.
+        cfg = {**cfg, "num_hidden_layers": len(cfg["layers_block_type"])}
+    layers = _first_int(cfg, LAYER_KEYS, where, high=LIMITS["--layers"])
+    names = layer_type_names(cfg, layers, where)
+    kinds = []
+    for type_name in names:
+        if type_name not in LAYER_TYPE_KIND:
+            raise ConfigError(
+                f"{where}: unknown layer type {type_name[:40]!r}; expected one of "
+                + ", ".join(sorted(LAYER_TYPE_KIND))
+            )
+        kinds.append(LAYER_TYPE_KIND[type_name])
+    notes: list[str] = []
+    if cfg.get("num_kv_shared_layers"):
+        # google/gemma-3n-E4B-it: the last 15 of 35 layers read the cache of an earlier layer
+        # of the same kind and keep none of their own.
+        shared = _int(cfg, "num_kv_shared_layers", where, low=0, high=layers)
+        kinds[layers - shared:] = ["none"] * shared
+        notes.append(f"the last {shared} layers reuse earlier layers' K/V (num_kv_shared_layers)")
+    if cfg.get("model_type") == "longcat_flash" and cfg.get("num_hidden_layers") is None:
+        # meituan-longcat/LongCat-Flash-Chat: two attention blocks in every decoder layer, each
+        # with its own cache (transformers' num_hidden_layers, when given, counts both).
+        kinds = [kind for kind in kinds for _ in range(2)]
+        notes.append(f"{layers} decoder layers with 2 attention blocks each: "
+                     f"{2 * layers} cache layers")
+        layers *= 2
+
+    has_kv = any(kind != "recurrent" and kind != "none" for kind in kinds)
+    heads = kv_heads = head_dim = 0
+    is_mla = cfg.get("kv_lora_rank") is not None
+    if has_kv:
+        heads = _first_int(cfg, _HEAD_KEYS, where, high=LIMITS["--heads"])
+        kv_heads = _kv_heads(cfg, heads, where)
+        if heads % kv_heads:
+            raise ConfigError(f"{where}: {kv_heads} KV heads do not divide {heads} attention "
+                              "heads; expected a divisor")
+        if is_mla:
+            # The width of one query/key head after decompression; the cache holds the latent.
+            head_dim = (_first_int(cfg, ("qk_nope_head_dim",), where)
+                        + _first_int(cfg, ("qk_rope_head_dim",), where))
+        elif any(cfg.get(key) is not None for key in _HEAD_DIM_KEYS):
+            head_dim = _first_int(cfg, _HEAD_DIM_KEYS, where, high=LIMITS["--head-dim"])
+        else:
+            hidden = _first_int(cfg, HIDDEN_KEYS, where)
+            head_dim = hidden // heads  # rounded down, as transformers' attention does
+            if hidden % heads:
+                notes.append(f"hidden size {hidden} is not a multiple of {heads} heads and "
+                             f"there is no head_dim: transformers rounds down to {head_dim}")
+            if not head_dim:
+                raise ConfigError(f"{where}: hidden size {hidden} is smaller than {heads} heads; "
+                                  "expected head_dim or a hidden size of at least one per head")
+    kinds = ["mla" if is_mla and kind == "full" else kind for kind in kinds]
+
+    window = None
+    if "sliding" in kinds and cfg.get("sliding_window") is None and cfg.get(
+            "sliding_window_size") is not None:
+        # The Inkling family calls the window sliding_window_size; MiMo-V2-Flash's is the
+        # tokens before the query, so its class adds the query itself.
+        window = _int(cfg, "sliding_window_size", where, high=_MAX_WINDOW) + (
+            cfg.get("model_type") == "mimo_v2_flash")
+    elif "sliding" in kinds:
+        window = _first_int(cfg, ("sliding_window",), where, high=_MAX_WINDOW)
+    elif "chunked" in kinds:
+        window = _first_int(cfg, ("attention_chunk_size",), where, high=_MAX_WINDOW)
+    extra: dict[str, int] = {}
+    if is_mla and has_kv:
+        extra = {key: _first_int(cfg, (key,), where)
+                 for key in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")}
+    if not is_mla and has_kv and cfg.get("v_head_dim") is not None:
+        # XiaomiMiMo/MiMo-V2-Flash: keys 192 wide, values 128.
+        extra["v_head_dim"] = _int(cfg, "v_head_dim", where, high=LIMITS["--head-dim"])
+
+    overrides: tuple[tuple[tuple[str, int], ...], ...] = ()
+    if has_kv and cfg.get("model_type") != "longcat_flash":
+        model_widths = {"kv_heads": kv_heads, "heads": heads, "head_dim": head_dim,
+                        "v_head_dim": extra.get("v_head_dim", 0), **extra}
+        per_layer = [tuple(sorted((k, v) for k, v in over.items() if model_widths.get(k) != v))
+                     for over in _layer_overrides(cfg, names, where)]
+        if len(set(per_layer)) == 1:  # every layer alike (DeepSeek-V3.2's indexer keys)
+            uniform = dict(per_layer[0])
+            kv_heads = uniform.pop("kv_heads", kv_heads)
+            heads = uniform.pop("heads", heads)
+            head_dim = uniform.pop("head_dim", head_dim)
+            extra.update(uniform)
+        elif any(per_layer):
+            overrides = tuple(per_layer)
+            notes.append(f"{sum(map(bool, per_layer))} of {layers} layers have their own head "
+                         "widths")
+
+    state_layers = sum(kind == "recurrent" for kind in kinds) + sum(n in _HYBRID for n in names)
+    if cfg.get("model_type") == "falcon_h1":
+        state_layers = layers  # tiiuae/Falcon-H1-7B: attention and Mamba-2 side by side
+    conv = ssm = ssm_bits = 0
+    rule = _state_rule(cfg)
+    if state_layers and rule is not None:
+        conv, ssm = rule(cfg, where)
+        # nvidia/NVIDIA-Nemotron-Nano-9B-v2: "mamba_ssm_cache_dtype": "float32".
+        ssm_bits = {"float32": 32, "float16": 16, "bfloat16": 16}.get(
+            str(cfg.get("mamba_ssm_cache_dtype")), 0)
+    elif state_layers:
+        notes.append(f"{state_layers} recurrent layers keep a fixed-size state this reader does "
+                     f"not know for model_type {str(cfg.get('model_type'))[:40]!r}; not counted")
+    return ModelShape(
+        name=name,
+        layers=layers,
+        heads=heads or None,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        layer_kinds=tuple(kinds),
+        window=window,
+        state_layers=state_layers if rule is not None else 0,
+        conv_state_values=conv,
+        ssm_state_values=ssm,
+        ssm_state_bits=ssm_bits,
+        params=params,
+        max_positions=_first_int(cfg, _CONTEXT_KEYS, where, required=False, high=_MAX_WINDOW),
+        source=where,
+        notes=tuple(notes),
+        layer_overrides=overrides,
+        **extra,
+    )
+
+
+# --- the file -----------------------------------------------------------------------------------
+
+def load_config(path: str | Path) -> dict:
+    """config.json as a dict: PATH may be the file or the model folder that holds it.
+
+    Only a regular file is opened (a FIFO would block the open, /dev/zero would never end),
+    and at most _MAX_CONFIG_BYTES of it are read.
+    """
+    import json  # here, not at the top: `kvcache size` with flags starts ~7 ms faster
+
+    path = Path(path)
+    shown = repr(str(path))
+    try:
+        if path.is_dir():
+            path = path / "config.json"
+            shown = repr(str(path))
+        info = os.stat(path)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {shown} not found; expected a config.json") from None
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"config file {shown} cannot be read: {error}") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise ConfigError(f"config file {shown} is not a regular file; expected a config.json")
+    if info.st_size > _MAX_CONFIG_BYTES:
+        raise ConfigError(f"config file {shown} is {info.st_size:,} bytes; expected a "
+                          f"config.json under {_MAX_CONFIG_BYTES // 2**20} MiB")
+    try:
+        # O_NONBLOCK: had the path been swapped for a FIFO since the stat, the open returns
+        # at once instead of waiting for a writer.
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        with os.fdopen(fd, "rb") as handle:
+            data = handle.read(_MAX_CONFIG_BYTES + 1)
+    except OSError as error:
+        raise ConfigError(f"config file {shown} cannot be read: {error}") from None
+    if len(data) > _MAX_CONFIG_BYTES:
+        raise ConfigError(f"config file {shown} is over {_MAX_CONFIG_BYTES // 2**20} MiB; "
+                          "expected a config.json")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"config file {shown} is not UTF-8 text: {error.reason} at byte "
+                          f"{error.start}") from None
+    try:
+        cfg = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ConfigError(
+            f"config file {shown} is not valid JSON: {error.msg} at line {error.lineno} "
+            f"column {error.colno}"
+        ) from None
+    except RecursionError:  # the parser recurses once per nested array or object
+        raise ConfigError(f"config file {shown} nests arrays or objects thousands deep; "
+                          "expected a config.json") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"config file {shown}: expected a JSON object, got {type(cfg).__name__}")
+    return cfg
+
