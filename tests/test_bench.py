@@ -274,28 +274,49 @@ def test_other_processes_share_is_their_busy_time_over_all_cpus(monkeypatch):
     assert bench._OtherProcesses().share() == pytest.approx(5 / 20)
 
 
+@pytest.mark.parametrize("in_out", [True, False])
 @pytest.mark.parametrize(("out_features", "threads"), [(96, 2), (97, 2), (97, 3), (5, 8)])
-def test_blocked_one_row_linear_equals_nn_linear(out_features, threads):
-    # gpt2.Linear splits a one-row product into a block of rows per thread (the bench
-    # found MKL runs it on one core); rows that do not divide evenly go on their own.
+def test_one_row_linear_equals_nn_linear_in_either_layout(out_features, threads, in_out):
+    # gpt2.Linear stored (in, out) splits a one-row product into a block of columns per
+    # thread; columns that do not divide evenly go on their own. (out, in) is nn.Linear.
     from kvcache_cli.gpt2 import Linear
 
     torch.manual_seed(0)
     layer = Linear(32, out_features)
     plain = torch.nn.Linear(32, out_features)
     plain.load_state_dict(layer.state_dict())
+    if in_out:
+        layer.weight.data = layer.weight.data.t().contiguous().t()
+    assert layer.weight.shape == plain.weight.shape  # the layout changes strides only
     x = torch.randn(1, 1, 32)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        got = layer(x)
+        got, x2_got = layer(x), layer(x2 := torch.randn(1, 3, 32))
     finally:
         torch.set_num_threads(before)
     # float32: the blocks sum in a different order than one gemm, ~1e-6 apart.
     torch.testing.assert_close(got, plain(x), rtol=1e-5, atol=1e-5)
     assert got.shape == (1, 1, out_features)
-    x2 = torch.randn(1, 3, 32)  # prefill: several rows take nn.Linear's own path
-    torch.testing.assert_close(layer(x2), plain(x2), rtol=0, atol=0)
+    # prefill: several rows take F.linear's own path
+    torch.testing.assert_close(x2_got, plain(x2), rtol=1e-5, atol=1e-5)
+
+
+def test_float32_cpu_weights_are_stored_in_out_and_load_the_same_values(checkpoint):
+    from transformers import GPT2LMHeadModel
+
+    from kvcache_cli.gpt2 import Linear
+
+    model = load_gpt2(str(checkpoint), weights="pretrained").model
+    hf = GPT2LMHeadModel.from_pretrained(checkpoint)
+    for name, module in model.named_modules():
+        if isinstance(module, Linear):
+            assert module.weight.stride(0) == 1, name  # (in, out) in memory
+    attn = model.transformer.h[0].attn.c_attn.weight
+    torch.testing.assert_close(attn, hf.transformer.h[0].attn.c_attn.weight.t(), rtol=0, atol=0)
+    assert model.lm_head.weight is model.transformer.wte.weight  # still tied
+    half = load_gpt2(str(checkpoint), weights="pretrained", dtype=torch.bfloat16).model
+    assert half.lm_head.weight.is_contiguous()  # (out, in): nn.Linear's own order
 
 
 def test_cli_lengths_past_the_window_are_one_line_and_exit_2(checkpoint):
