@@ -53,7 +53,7 @@ def _cli(*args: str):
 
 def test_every_mode_runs_and_generates_the_same_varied_tokens(checkpoint):
     result = _run(checkpoint)
-    assert [m.mode for m in result.modes] == list(bench.MODES)
+    assert [m.mode for m in result.modes] == list(bench.DEFAULT_MODES)
     naive = result.mode("naive").tokens
     assert len(set(naive)) > 2, f"a tiny model stuck on one token proves nothing: {naive}"
     for m in result.modes:
@@ -116,16 +116,25 @@ def test_the_limit_counts_weights_once_and_the_cache_at_each_length(checkpoint):
     assert result.step_bytes_first == result.weight_bytes + result.kv_bytes_per_token * (PROMPT + 1)
     assert result.step_bytes_last == result.weight_bytes + result.kv_bytes_per_token * (
         PROMPT + NEW - 1)
-    bw = result.bandwidth
-    assert bw.copy_bytes == 4 * 2**20 and bw.bytes_moved == 2 * bw.copy_bytes
-    assert len(bw.seconds) == REPEATS * bench.BANDWIDTH_REPEATS  # probed once a repeat
-    assert bw.best_gbps == pytest.approx(bw.bytes_moved / min(bw.seconds) / 1e9)
-    assert bw.best_gbps >= bw.median_gbps > 0
+    probes = {p.name: p for p in result.probes}
+    assert set(probes) == {"read", "copy", "product"}
+    assert probes["read"].bytes_per_run == 4 * 2**20  # read once
+    assert probes["copy"].bytes_per_run == 2 * 4 * 2**20  # read + write
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert len(linears) == 4 * L + 1  # the tied head once
+    assert probes["product"].bytes_per_run == 4 * sum(
+        p.numel() for m in linears for p in m.parameters())
+    for p in probes.values():
+        assert len(p.seconds) == REPEATS * bench.BANDWIDTH_REPEATS, p.name  # once a repeat
+        assert p.best_gbps == pytest.approx(p.bytes_per_run / min(p.seconds) / 1e9), p.name
+        assert p.best_gbps >= p.median_gbps > 0, p.name
+    best = max(result.probes, key=lambda p: p.best_gbps)
+    assert (result.limit_probe, result.limit_gbps) == (best.name, best.best_gbps)
     mean_bytes = (result.step_bytes_first + result.step_bytes_last) / 2  # linear in length
-    assert result.ceiling_tokens_per_s == pytest.approx(bw.best_gbps * 1e9 / mean_bytes)
+    assert result.ceiling_tokens_per_s == pytest.approx(best.best_gbps * 1e9 / mean_bytes)
     for m in result.modes:
         assert m.achieved_gbps == pytest.approx(mean_bytes * m.tokens_per_s_median / 1e9)
-        assert m.fraction_of_bandwidth == pytest.approx(m.achieved_gbps / bw.best_gbps)
+        assert m.mbu == pytest.approx(m.achieved_gbps / best.best_gbps)
 
 
 def test_threads_are_set_for_the_run_and_restored(checkpoint):
@@ -174,8 +183,8 @@ def test_bandwidth_counts_the_read_and_the_write():
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("naive,bogus", "unknown mode 'bogus'; valid modes: naive, concat, static, hf"),
-        ("", "no modes given; valid modes: naive, concat, static, hf"),
+        ("naive,bogus", f"unknown mode 'bogus'; valid modes: {', '.join(bench.MODES)}"),
+        ("", f"no modes given; valid modes: {', '.join(bench.MODES)}"),
         ("static,static", "mode 'static' given twice"),
     ],
 )
@@ -206,22 +215,23 @@ def test_cli_json_has_every_key(checkpoint):
     data = json.loads(out.stdout)
     assert set(data) == {
         "model", "weights_note", "device", "device_name", "cpus", "others_cpu_share",
-        "dtype", "threads", "torch_version",
+        "dtype", "cpu_half_support", "threads", "torch_version",
         "transformers_version", "n_params", "prompt_len", "new_tokens", "repeats",
-        "warmup_tokens", "reference_mode", "tokens_agree", "weight_bytes", "kv_bytes_per_token",
-        "step_bytes_first", "step_bytes_last", "bandwidth", "ceiling_tokens_per_s",
-        "profile_lengths", "modes",
+        "warmup_tokens", "naive_samples", "reference_mode", "tokens_agree", "weight_bytes",
+        "kv_bytes_per_token", "step_bytes_first", "step_bytes_last", "probes", "limit_probe",
+        "limit_gbps", "ceiling_tokens_per_s", "profile_lengths", "modes",
     }
-    assert set(data["bandwidth"]) == {"copy_bytes", "bytes_moved", "seconds", "best_gbps",
-                                      "median_gbps"}
-    assert [m["mode"] for m in data["modes"]] == list(bench.MODES)
+    for probe in data["probes"]:
+        assert set(probe) == {"name", "what", "bytes_per_run", "seconds", "best_gbps",
+                              "median_gbps"}
+    assert [m["mode"] for m in data["modes"]] == list(bench.DEFAULT_MODES)
     for m in data["modes"]:
         assert set(m) == {
             "mode", "tokens", "tokens_generated", "same_tokens", "first_difference", "ttft_ms",
-            "step_ms",
+            "steps", "step_ms",
             "median_step_ms", "tokens_per_s", "tokens_per_s_median", "ms_per_token_median",
             "ttft_ms_median", "profile_ms", "speedup_over_naive", "ratio_to_hf",
-            "cache_bytes_held", "bytes_copied", "achieved_gbps", "fraction_of_bandwidth",
+            "cache_bytes_held", "bytes_copied", "achieved_gbps", "mbu", "compile_s",
         }
         assert len(m["median_step_ms"]) == NEW - 1
         assert all(math.isfinite(x) for x in m["median_step_ms"])
@@ -245,8 +255,7 @@ def test_cli_table_and_plot(checkpoint, tmp_path):
 def test_cli_bad_modes_is_one_line_and_exit_2():
     out = _cli("--modes", "naive,fast", "--device", "cpu")
     assert out.exit_code == 2, out.output
-    assert out.stderr == (
-        "error: unknown mode 'fast'; valid modes: naive, concat, static, hf\n")
+    assert out.stderr == f"error: unknown mode 'fast'; valid modes: {', '.join(bench.MODES)}\n"
 
 
 def test_cli_plot_into_a_missing_directory_is_refused_before_running(tmp_path):
