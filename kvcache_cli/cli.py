@@ -446,11 +446,13 @@ def _torch_device(device: str) -> str:
     return device
 
 
-def _load_gpt2(model: str, weights: str, device: str):
+def _load_gpt2(model: str, weights: str, device: str, dtype: str = "fp32"):
+    import torch
+
     from kvcache_cli.gpt2 import load_gpt2
 
     try:
-        loaded = load_gpt2(model, weights, device)
+        loaded = load_gpt2(model, weights, device, getattr(torch, _TORCH_DTYPES[dtype]))
     except ValueError as err:
         fail(str(err))
     except (RuntimeError, OSError) as err:
@@ -508,6 +510,7 @@ def generate(
     top_k: Annotated[int | None, typer.Option(
         min=1, help="Sample from the k likeliest tokens only.")] = None,
     seed: Annotated[int, typer.Option(help="Seed for sampling.")] = 0,
+    dtype: Annotated[DType, typer.Option(help="Weights and cache.")] = DType.fp32,
     as_json: Annotated[bool, typer.Option(
         "--json", help="Print the result as JSON instead of streaming.")] = False,
 ) -> None:
@@ -530,7 +533,7 @@ def generate(
         encoding, why = gen.gpt2_encoding()
         if encoding is None:
             fail(f"{why}: {use_ids}", code=1)
-    loaded = _load_gpt2(model, weights, device)
+    loaded = _load_gpt2(model, weights, device, dtype.value)
     gpt = loaded.model
     gpt2_vocab = gpt.config.vocab_size == GPT2_VOCAB_SIZE
     if prompt is not None:
@@ -549,7 +552,8 @@ def generate(
     console = Console()
     stream = None if as_json else TokenStream(console, encoding)
     if stream is not None:
-        console.print(header(loaded.source, gpt.num_params(), device, "float32", mode))
+        console.print(header(loaded.source, gpt.num_params(), device,
+                             str(gpt.dtype).removeprefix("torch."), mode))
         stream.prompt(prompt_ids)
     try:
         result = gen.generate(

@@ -340,3 +340,101 @@ def test_first_difference_is_the_first_differing_token():
     assert bench._first_difference([1, 2, 3], [1, 2, 3]) is None
     assert bench._first_difference([1, 9, 3], [1, 2, 3]) == 1
     assert bench._first_difference([1, 2], [1, 2, 3]) == 2  # a run that stopped early
+
+
+def test_naive_is_timed_at_sampled_steps_fed_the_reference_tokens(checkpoint):
+    result = _run(checkpoint, modes=("naive", "static"), naive_samples=4)
+    naive, static = result.mode("naive"), result.mode("static")
+    steps = bench.sampled_steps(NEW - 1, 4)
+    assert steps == [0, 3, 7, 10]
+    assert naive.steps == tuple(steps) and static.steps == tuple(range(NEW - 1))
+    assert all(len(ms) == len(steps) for ms in naive.step_ms)
+    assert result.reference_mode == "static" and result.naive_samples == 4
+    # The prefill's token, then each timed step's: the tokens naive chose at those places.
+    assert naive.tokens == (static.tokens[0], *(static.tokens[i + 1] for i in steps))
+    assert naive.same_tokens and result.tokens_agree
+    assert len(set(static.tokens)) > 2, static.tokens
+    # The first and last sampled steps are the run's first and last: @first and @last.
+    assert naive.profile_ms[0] == naive.median_step_ms[0]
+    assert naive.profile_ms[-1] == naive.median_step_ms[-1]
+
+
+def test_naive_samples_zero_or_alone_times_every_step(checkpoint):
+    every = _run(checkpoint, modes=("naive", "static"), naive_samples=0, repeats=1)
+    assert every.naive_samples is None and every.reference_mode == "naive"
+    assert len(every.mode("naive").steps) == NEW - 1
+    alone = _run(checkpoint, modes=("naive",), naive_samples=4, repeats=1)
+    assert alone.naive_samples is None and len(alone.mode("naive").steps) == NEW - 1
+
+
+def test_sampled_steps_spread_evenly_from_first_to_last():
+    steps = bench.sampled_steps(255, 16)
+    assert len(steps) == 16 and steps[0] == 0 and steps[-1] == 254
+    assert steps == sorted(steps)
+    assert bench.sampled_steps(10, 0) == list(range(10))
+    assert bench.sampled_steps(10, 20) == list(range(10))
+
+
+def test_a_sampled_run_names_the_position_of_its_first_different_token():
+    run = bench._Run(tokens=[5, 6, 0], ttft_ms=1.0, steps=[0, 4], step_ms=[2.0, 3.0],
+                     cache_bytes_held=None, bytes_copied=None)
+    reference = [5, 6, 1, 1, 1, 9]  # the token at position 5 (after step 4) is 9, not 0
+    result = bench._summarise("naive", [run], reference, [100] * 5, 1.0, None)
+    assert not result.same_tokens and result.first_difference == 5
+
+
+def test_every_timed_run_is_reported_as_it_ends(checkpoint):
+    heard = []
+    _run(checkpoint, modes=("naive", "static"), naive_samples=3,
+         finished=lambda label, tps: heard.append((label, tps > 0)))
+    assert heard == [("static 1/2", True), ("naive 1/2", True),
+                     ("static 2/2", True), ("naive 2/2", True)]
+
+
+def test_compiled_modes_compile_once_and_report_the_compile_apart(checkpoint, monkeypatch):
+    # torch.compile of even a tiny model takes many seconds on 2 cores; the wiring is
+    # what is checked: what gets compiled, how, and that its time lands in compile_s.
+    compiled = []
+
+    def fake_compile(fn, **options):
+        compiled.append((fn, options.get("mode")))
+        return fn
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    result = _run(checkpoint, modes=("static-compiled", "hf-static-compiled"), repeats=1)
+    ours = [fn for fn, _ in compiled if isinstance(fn, torch.nn.Module)]
+    assert len(ours) == 1 and ours[0].config.n_layer == 2  # our GPT, compiled once
+    assert all(mode == bench.COMPILE_MODE["cpu"] for _, mode in compiled)
+    assert len(compiled) >= 2, "transformers' generate() did not compile its forward"
+    for m in result.modes:
+        assert m.compile_s is not None and m.compile_s > 0, m.mode
+        assert m.same_tokens, m.mode
+    assert _run(checkpoint, modes=("static",), repeats=1).mode("static").compile_s is None
+
+
+def test_cli_compile_without_a_static_mode_is_one_line_and_exit_2():
+    out = _cli("--device", "cpu", "--modes", "naive,hf", "--compile")
+    assert out.exit_code == 2, out.output
+    assert out.stderr == "error: --compile needs mode static or hf-static in --modes\n"
+
+
+def test_cli_bfloat16_runs_and_states_the_cpu_half_precision_support(checkpoint):
+    out = _cli("--model", str(checkpoint), "--weights", "pretrained", "--device", "cpu",
+               "--prompt-len", str(PROMPT), "--new-tokens", str(NEW), "--repeats", "1",
+               "--modes", "static,hf", "--dtype", "bf16", "--json")
+    assert out.exit_code == 0, out.output
+    data = json.loads(out.stdout)
+    assert data["dtype"] == "bfloat16"
+    assert data["kv_bytes_per_token"] == 2 * 2 * 32 * 2  # 2 bytes an element
+    assert "avx512_bf16" in data["cpu_half_support"]
+    # Off a terminal, each finished run is one line on stderr.
+    assert "static 1/1: " in out.stderr and "hf 1/1: " in out.stderr
+
+
+def test_cpu_half_support_reads_the_flags(monkeypatch, tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse avx512f avx512_bf16 avx_vnni\n")
+    real_open = open
+    monkeypatch.setattr("builtins.open", lambda path, *a, **k: real_open(
+        cpuinfo if path == "/proc/cpuinfo" else path, *a, **k))
+    assert bench.cpu_half_support() == "has avx512_bf16; lacks amx_bf16, avx512_fp16, amx_fp16"
