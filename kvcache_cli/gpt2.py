@@ -197,10 +197,14 @@ class Linear(nn.Linear):
     """
 
     def forward(self, x: Tensor) -> Tensor:
-        n = torch.get_num_threads()
         w = self.weight  # (out, in); stored (in, out) when its first stride is 1
+        # Under torch.compile the compiler picks the kernels (and asking for the thread
+        # count would break its graph at every layer).
+        if torch.compiler.is_compiling() or x.device.type != "cpu":
+            return F.linear(x, w, self.bias)
+        n = torch.get_num_threads()
         N, K = w.shape
-        if x.device.type != "cpu" or n < 2 or x.numel() != K or N < n or w.stride(0) != 1:
+        if n < 2 or x.numel() != K or N < n or w.stride(0) != 1:
             return F.linear(x, w, self.bias)
         cols = N // n * n  # n equal blocks; the few columns left over go on their own
         blocks = w.t()[:, :cols].view(K, n, cols // n).transpose(0, 1)  # (n, K, N/n), a view

@@ -75,7 +75,7 @@ def _header(r: BenchResult) -> Table:
     compiled = [m for m in r.modes if m.compile_s is not None]
     if compiled:
         grid.add_row("compile", ", ".join(f"{m.mode} {m.compile_s:.1f} s" for m in compiled)
-                     + " (torch.compile, in the untimed warm-up)")
+                     + " to compile and warm up over a whole run, untimed")
     return grid
 
 
