@@ -81,7 +81,7 @@ def _header(r: BenchResult) -> Table:
 
 def _speed(r: BenchResult) -> Table:
     table = figures_table(
-        "mode", "tokens/s", "spread", "ms/token", "TTFT ms", "×naive", "×hf", "tokens",
+        "mode", "tok/s", "spread", "ms/tok", "TTFT ms", "×naive", "×hf", "tokens",
         title=f"decode, {r.new_tokens} tokens a run: the prefill's (TTFT), then "
         f"{r.new_tokens - 1} decode steps",
     )
