@@ -249,6 +249,7 @@ def test_cli_table_and_plot(checkpoint, tmp_path):
     for text in ("naive", "static", "tokens/s", "the limit", "GB/s", "1 threads", "float32",
                  f"per-step plot written to {png}"):
         assert text in shown, text
+    assert "×naive" in shown and "×hf" not in shown  # a ratio column only where its base ran
     assert png.read_bytes()[:8] == PNG_SIGNATURE
 
 
