@@ -9,9 +9,17 @@ patch of the machine lands on all of them; figures are medians over repeats with
 the min-max spread beside them.
 
 The limit: one decode step has to read every weight and the whole KV cache once,
-and on a batch of one it does little else, so measured memory bandwidth divided
-by those bytes is the tokens/s no implementation can beat on this device. The
-bandwidth is measured in the same run, by copying a large tensor before each repeat.
+and on a batch of one it does little else, so memory bandwidth divided by those
+bytes is the tokens/s no implementation can beat on this device. The bandwidth is
+probed in the same run, before each repeat, three ways: a reduction over a buffer
+far larger than any cache (a pure read), a copy (read + write counted), and one pass
+of one-row products over the model's own weights (what a decode step does). The
+best of the three is the limit; each mode's share of it is its MBU (model
+bandwidth utilisation).
+
+The naive loop reruns the whole sequence every step, so timing all its steps costs
+minutes; by default it is timed at a few decode steps spread over the run, each fed
+the reference mode's tokens so far, which shows the same rising line.
 
 Torch is imported by the functions that need it; this module is imported only by
 the `bench` command and the tests.
@@ -33,14 +41,26 @@ from kv_cache_from_scratch import kv_cache_bytes
 if TYPE_CHECKING:
     import torch
 
-MODES = ("naive", "concat", "static", "hf")
+# hf-static is transformers' generate() with its static cache; a "-compiled" mode is
+# the same under torch.compile (the compile is paid in the untimed warm-up).
+MODES = (
+    "naive", "concat", "static", "hf", "hf-static", "static-compiled", "hf-static-compiled",
+)  # fmt: skip
+DEFAULT_MODES = ("naive", "concat", "static", "hf", "hf-static")
+COMPILED = {"static": "static-compiled", "hf-static": "hf-static-compiled"}
+# torch.compile's mode per device: CUDA graphs remove the launch overhead on a GPU;
+# the CPU has none to remove.
+COMPILE_MODE = {"cpu": "default", "cuda": "reduce-overhead"}
+
+# The naive loop is timed at this many decode steps spread over the run (0: all).
+NAIVE_SAMPLES = 16
 
 # A few untimed tokens per mode pay the one-time costs (lazy initialisation,
 # kernel selection, the allocator's first blocks) that would otherwise land in
 # the first timed steps; more only makes the naive loop's warm-up slow.
 WARMUP_TOKENS = 16
 
-# Larger than any last-level cache on either device, so the copy streams DRAM/HBM.
+# Larger than any last-level cache on either device, so the probes stream DRAM/HBM.
 BANDWIDTH_MIB = {"cpu": 256, "cuda": 1024}
 BANDWIDTH_REPEATS = 7
 
@@ -50,6 +70,8 @@ PROFILE_POINTS = (0.0, 0.25, 0.5, 0.75, 1.0)
 
 # A progress callback: (what is running, tokens done so far, tokens in all).
 ProgressFn = Callable[[str, int, int], None]
+# Called as each timed run ends: (which run, its decode tokens/s).
+FinishedFn = Callable[[str, float], None]
 
 
 @dataclass(frozen=True)
@@ -59,6 +81,18 @@ class Bandwidth:
     copy_bytes: int  # size of the tensor copied
     bytes_moved: int  # per copy: the source read plus the destination written
     seconds: tuple[float, ...]  # each timed copy
+    best_gbps: float  # GB = 10^9 bytes
+    median_gbps: float
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One way of measuring the bandwidth: bytes it moves per run, and each run's time."""
+
+    name: str  # "read", "copy" or "product"
+    what: str  # what it does, in a few words
+    bytes_per_run: int  # bytes read plus bytes written by one run
+    seconds: tuple[float, ...]  # each timed run, over all repeats
     best_gbps: float  # GB = 10^9 bytes
     median_gbps: float
 
@@ -75,8 +109,9 @@ class ModeResult:
     # In float32 a long greedy run can flip a near-tie: kernels sum in different orders.
     first_difference: int | None
     ttft_ms: tuple[float, ...]  # per repeat: prefill and the first token
-    step_ms: tuple[tuple[float, ...], ...]  # per repeat, per decode step
-    median_step_ms: tuple[float, ...]  # per decode step, median over repeats
+    steps: tuple[int, ...]  # which decode steps were timed (0 is the first): all but naive's
+    step_ms: tuple[tuple[float, ...], ...]  # per repeat, per timed decode step
+    median_step_ms: tuple[float, ...]  # per timed decode step, median over repeats
     tokens_per_s: tuple[float, ...]  # per repeat: decode steps / decode seconds
     tokens_per_s_median: float
     ms_per_token_median: float  # median over steps of median_step_ms
@@ -87,7 +122,8 @@ class ModeResult:
     cache_bytes_held: int | None  # at the end of the run; None where not ours to count
     bytes_copied: int | None  # by cache appends over the whole run
     achieved_gbps: float  # bytes a decode step must read / its time
-    fraction_of_bandwidth: float  # achieved_gbps / measured best copy bandwidth
+    mbu: float  # achieved_gbps / the limit: model bandwidth utilisation
+    compile_s: float | None  # a compiled mode's warm-up, compiling included; else None
 
 
 @dataclass(frozen=True)
@@ -101,6 +137,9 @@ class BenchResult:
     # where /proc/stat is missing). Above a few percent, they competed for the cores.
     others_cpu_share: float | None
     dtype: str
+    # For half precision on the CPU: which of its instructions the CPU has (AVX-512-BF16,
+    # AMX, AVX-512-FP16); without them torch converts to float32 to multiply.
+    cpu_half_support: str | None
     threads: int
     torch_version: str
     transformers_version: str | None
@@ -109,14 +148,17 @@ class BenchResult:
     new_tokens: int
     repeats: int
     warmup_tokens: int
+    naive_samples: int | None  # decode steps naive was timed at; None: every step
     reference_mode: str  # the mode every other one's tokens are compared with
     tokens_agree: bool
     weight_bytes: int  # read once per decode step
     kv_bytes_per_token: int  # K and V, all layers, batch 1
     step_bytes_first: int  # weights + KV cache a decode step reads at the first length
     step_bytes_last: int  # ... and at the last
-    bandwidth: Bandwidth
-    ceiling_tokens_per_s: float  # measured bandwidth / mean bytes per decode step
+    probes: tuple[Probe, ...]
+    limit_probe: str  # the probe with the best bandwidth, which sets the limit
+    limit_gbps: float
+    ceiling_tokens_per_s: float  # the limit / mean bytes per decode step
     profile_lengths: tuple[int, ...]  # context lengths of ModeResult.profile_ms
     modes: tuple[ModeResult, ...]
 
@@ -264,17 +306,84 @@ def measure_bandwidth(
     )
 
 
-def _pooled(probes: Sequence[Bandwidth]) -> Bandwidth:
-    """One figure from several probes of the same size: every copy's time counts."""
-    seconds = tuple(t for probe in probes for t in probe.seconds)
-    moved = probes[0].bytes_moved
-    return Bandwidth(
-        copy_bytes=probes[0].copy_bytes,
-        bytes_moved=moved,
-        seconds=seconds,
-        best_gbps=moved / min(seconds) / 1e9,
-        median_gbps=moved / statistics.median(seconds) / 1e9,
+def _probe(name: str, what: str, bytes_per_run: int, seconds: Sequence[float]) -> Probe:
+    return Probe(
+        name=name,
+        what=what,
+        bytes_per_run=bytes_per_run,
+        seconds=tuple(seconds),
+        best_gbps=bytes_per_run / min(seconds) / 1e9,
+        median_gbps=bytes_per_run / statistics.median(seconds) / 1e9,
     )
+
+
+def _timed(device: torch.device, run: Callable[[], object], repeats: int) -> list[float]:
+    """Seconds of each of `repeats` calls, after one untimed call (first touch, caches)."""
+    run()
+    seconds = []
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        run()
+        synchronize(device)
+        seconds.append(time.perf_counter() - start)
+    return seconds
+
+
+def measure_read(
+    device: torch.device, mib: int | None = None, repeats: int = BANDWIDTH_REPEATS
+) -> Probe:
+    """Sum a `mib`-MiB float32 buffer: every byte read once, nothing written back."""
+    import torch
+
+    mib = BANDWIDTH_MIB[device.type] if mib is None else mib
+    buffer = torch.ones(mib * 2**20 // 4, dtype=torch.float32, device=device)
+    seconds = _timed(device, buffer.sum, repeats)
+    return _probe("read", f"sum over {mib} MiB", buffer.numel() * 4, seconds)
+
+
+def _linears(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Every matrix a decode step multiplies by, each once (the tied head is one of them)."""
+    import torch
+
+    return [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+
+
+def measure_products(model: torch.nn.Module, repeats: int = BANDWIDTH_REPEATS) -> Probe:
+    """One pass of one-row products over every weight matrix of `model`, as a decode step.
+
+    The same modules, layout and dtype the model runs with, so this is the speed its
+    products reach with nothing else in the step.
+    """
+    import torch
+
+    layers = _linears(model)
+    param = next(model.parameters())
+    # One row per matrix, (1, 1, in), the shape a decode step hands each of them.
+    rows = [torch.ones(1, 1, m.in_features, dtype=param.dtype, device=param.device)
+            for m in layers]  # fmt: skip
+
+    def one_pass() -> None:
+        for layer, x in zip(layers, rows, strict=True):
+            layer(x)
+
+    with torch.inference_mode():
+        seconds = _timed(param.device, one_pass, repeats)
+    nbytes = sum(p.numel() * p.element_size() for m in layers for p in m.parameters())
+    return _probe("product", f"one-row products over the model's {len(layers)} matrices",
+                  nbytes, seconds)  # fmt: skip
+
+
+def _copy_probe(bandwidth: Bandwidth) -> Probe:
+    return _probe("copy", f"copy of {bandwidth.copy_bytes // 2**20} MiB, read + write",
+                  bandwidth.bytes_moved, bandwidth.seconds)  # fmt: skip
+
+
+def _pooled(probes: Sequence[Probe]) -> Probe:
+    """One figure from several probes of one kind: every run's time counts."""
+    first = probes[0]
+    seconds = [t for probe in probes for t in probe.seconds]
+    return _probe(first.name, first.what, first.bytes_per_run, seconds)
 
 
 # ---------------------------------------------------------------------------
@@ -284,32 +393,80 @@ def _pooled(probes: Sequence[Bandwidth]) -> Bandwidth:
 @dataclass
 class _Run:
     tokens: list[int]
-    timeline: _Timeline
+    ttft_ms: float
+    steps: list[int]  # which decode steps were timed
+    step_ms: list[float]
     cache_bytes_held: int | None
     bytes_copied: int | None
 
 
+def _from_timeline(tokens, timeline: _Timeline, held=None, copied=None) -> _Run:
+    step_ms = timeline.step_ms()
+    return _Run(tokens, timeline.ttft_ms(), list(range(len(step_ms))), step_ms, held, copied)
+
+
 def _run_ours(
-    model, prompt_ids: list[int], new_tokens: int, mode: str, device, on_token
+    model, prompt_ids: list[int], new_tokens: int, mode: str, device, on_token, max_len: int
 ) -> _Run:
+    """`max_len` sizes a static cache: the run's own length, also for a shorter warm-up,
+    so a compiled model sees in the warm-up the cache shapes it is timed with."""
     from kvcache_cli.generate import stream_tokens
     from kvcache_cli.gpt2 import make_cache
 
     # The bench owns the cache so it can read what the appends copied afterwards.
     cache = None
     if mode != "naive":
-        cache = make_cache(mode, model, max_len=len(prompt_ids) + new_tokens, batch=1)
+        cache = make_cache(mode.removesuffix("-compiled"), model, max_len=max_len, batch=1)
     tokens: list[int] = []
     clock = _Clock(device, on_token)
-    for token in stream_tokens(model, prompt_ids, new_tokens, mode, cache=cache):
+    for token in stream_tokens(model, prompt_ids, new_tokens, mode.removesuffix("-compiled"),
+                               cache=cache):  # fmt: skip
         clock.tick()
         tokens.append(token)
-    return _Run(
-        tokens,
-        clock.timeline,
-        None if cache is None else cache.bytes_held,
-        None if cache is None else cache.bytes_copied,
-    )
+    if cache is None:
+        return _from_timeline(tokens, clock.timeline)
+    return _from_timeline(tokens, clock.timeline, cache.bytes_held, cache.bytes_copied)
+
+
+def _run_naive_sampled(
+    model, prompt_ids: list[int], reference: list[int], steps: Sequence[int], device, on_token
+) -> _Run:
+    """The naive loop timed at `steps` only: each a full forward over the prompt and the
+    reference's tokens before it, as the naive loop would have run it there."""
+    import torch
+
+    def next_token(ids: list[int]) -> int:
+        idx = torch.tensor([ids], dtype=torch.long, device=device)  # (1, T)
+        with torch.inference_mode():
+            logits = model(idx, 0, None, last_only=True)  # (1, 1, vocab)
+        return int(logits[0, -1].argmax().item())  # .item() waits for the device
+
+    def timed(ids: list[int]) -> tuple[int, float]:
+        synchronize(device)
+        start = time.perf_counter()
+        token = next_token(ids)
+        synchronize(device)
+        ms = (time.perf_counter() - start) * 1e3
+        on_token()
+        return token, ms
+
+    first, ttft = timed(prompt_ids)
+    tokens, step_ms = [first], []
+    for step in steps:
+        # Decode step `step` chooses token step + 1 after the prompt and tokens 0 .. step.
+        token, ms = timed(prompt_ids + reference[: step + 1])
+        tokens.append(token)
+        step_ms.append(ms)
+    return _Run(tokens, ttft, list(steps), step_ms, None, None)
+
+
+def sampled_steps(n_steps: int, samples: int) -> list[int]:
+    """`samples` decode steps spread evenly from the first to the last (all if fewer)."""
+    if samples <= 0 or samples >= n_steps:
+        return list(range(n_steps))
+    if samples == 1:
+        return [0]
+    return sorted({round(j * (n_steps - 1) / (samples - 1)) for j in range(samples)})
 
 
 @contextlib.contextmanager
@@ -325,37 +482,57 @@ def _quiet_transformers() -> Iterator[None]:
         logging.set_verbosity(level)
 
 
-def _run_hf(hf_model, prompt_ids: list[int], new_tokens: int, device, on_token) -> _Run:
+def _run_hf(
+    hf_model, prompt_ids: list[int], new_tokens: int, mode: str, device, on_token,
+    stop_after: int | None = None,
+) -> _Run:  # fmt: skip
     """transformers' `generate()`: greedy, its own KV cache on, the same lengths.
 
     A stopping criterion is called once per step right after the step's token is
     appended, the same moment `stream_tokens` yields one: it reads the clock there
-    and never stops anything.
+    and stops nothing, except a warm-up after `stop_after` tokens (the run is still
+    set up for `new_tokens`, so a static cache has the timed run's size).
     """
     import torch
-    from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
+    from transformers import (
+        CompileConfig,
+        GenerationConfig,
+        StoppingCriteria,
+        StoppingCriteriaList,
+    )
 
     class ClockCriterion(StoppingCriteria):
         def __init__(self, clock: _Clock):
             self.clock = clock
+            self.count = 0
 
         def __call__(self, input_ids, scores, **kwargs):
             self.clock.tick()
-            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+            self.count += 1
+            stop = stop_after is not None and self.count >= stop_after
+            return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=device)
 
     ids = torch.tensor([prompt_ids], device=device)
-    config = GenerationConfig(
-        max_new_tokens=new_tokens, do_sample=False, use_cache=True, pad_token_id=0
-    )
+    options: dict = dict(max_new_tokens=new_tokens, do_sample=False, use_cache=True,
+                         pad_token_id=0)  # fmt: skip
+    if mode.startswith("hf-static"):
+        options["cache_implementation"] = "static"
+    if mode.endswith("-compiled"):
+        compile_config = CompileConfig(mode=COMPILE_MODE[device.type])
+        # generate() compiles only on accelerators unless told to compile everywhere.
+        compile_config._compile_all_devices = True
+        options["compile_config"] = compile_config
+    else:
+        options["disable_compile"] = True  # eager, even where generate() would compile
     clock = _Clock(device, on_token)
     with _quiet_transformers():
         out = hf_model.generate(
             ids,
             attention_mask=torch.ones_like(ids),
-            generation_config=config,
+            generation_config=GenerationConfig(**options),
             stopping_criteria=StoppingCriteriaList([ClockCriterion(clock)]),
         )
-    return _Run(out[0, len(prompt_ids) :].tolist(), clock.timeline, None, None)
+    return _from_timeline(out[0, len(prompt_ids) :].tolist(), clock.timeline)
 
 
 def _hf_copy(model, device):
@@ -390,43 +567,64 @@ def _window_medians(steps: Sequence[float], points: Sequence[float]) -> tuple[fl
     return tuple(out)
 
 
+def _profile(steps: Sequence[int], ms: Sequence[float], n_steps: int) -> tuple[float, ...]:
+    """Latency at each of PROFILE_POINTS: windowed over every step, or the nearest
+    timed step where only some were timed (naive's are minutes apart in cost)."""
+    if len(steps) == n_steps:
+        return _window_medians(ms, PROFILE_POINTS)
+    nearest = [min(range(len(steps)), key=lambda i: abs(steps[i] - f * (n_steps - 1)))
+               for f in PROFILE_POINTS]  # fmt: skip
+    return tuple(ms[i] for i in nearest)
+
+
 def _summarise(
     mode: str,
     runs: list[_Run],
     reference: list[int],
     step_bytes: Sequence[int],
-    bandwidth: Bandwidth,
+    limit_gbps: float,
+    compile_s: float | None,
 ) -> ModeResult:
-    n_steps = min(len(run.timeline.marks) for run in runs) - 1
-    step_ms = tuple(tuple(run.timeline.step_ms()[:n_steps]) for run in runs)
+    n_timed = min(len(run.step_ms) for run in runs)
+    steps = tuple(runs[0].steps[:n_timed])
+    step_ms = tuple(tuple(run.step_ms[:n_timed]) for run in runs)
     median_steps = tuple(statistics.median(column) for column in zip(*step_ms, strict=True))
-    tokens_per_s = tuple(n_steps / (sum(steps) / 1e3) for steps in step_ms)
+    tokens_per_s = tuple(n_timed / (sum(ms) / 1e3) for ms in step_ms)
     tps = statistics.median(tokens_per_s)
-    mean_step_bytes = sum(step_bytes[:n_steps]) / n_steps
+    mean_step_bytes = sum(step_bytes[i] for i in steps) / n_timed
     achieved = mean_step_bytes * tps / 1e9
+    # A sampled run's tokens sit at the prefill and at each timed step's position.
+    positions = [0] + [i + 1 for i in steps] if n_timed < len(step_bytes) else None
+    expected = reference if positions is None else [reference[i] for i in positions]
+
+    def first_difference(tokens: list[int]) -> int | None:
+        d = _first_difference(tokens, expected)
+        return d if positions is None or d is None else positions[min(d, len(positions) - 1)]
+
     return ModeResult(
         mode=mode,
         tokens=tuple(runs[0].tokens),
         tokens_generated=min(len(run.tokens) for run in runs),
-        same_tokens=all(run.tokens == reference for run in runs),
+        same_tokens=all(run.tokens == expected for run in runs),
         first_difference=min(
-            (d for run in runs if (d := _first_difference(run.tokens, reference)) is not None),
-            default=None,
+            (d for run in runs if (d := first_difference(run.tokens)) is not None), default=None
         ),
-        ttft_ms=tuple(run.timeline.ttft_ms() for run in runs),
+        ttft_ms=tuple(run.ttft_ms for run in runs),
+        steps=steps,
         step_ms=step_ms,
         median_step_ms=median_steps,
         tokens_per_s=tokens_per_s,
         tokens_per_s_median=tps,
         ms_per_token_median=statistics.median(median_steps),
-        ttft_ms_median=statistics.median(run.timeline.ttft_ms() for run in runs),
-        profile_ms=_window_medians(median_steps, PROFILE_POINTS),
+        ttft_ms_median=statistics.median(run.ttft_ms for run in runs),
+        profile_ms=_profile(steps, median_steps, len(step_bytes)),
         speedup_over_naive=None,
         ratio_to_hf=None,
         cache_bytes_held=runs[0].cache_bytes_held,
         bytes_copied=runs[0].bytes_copied,
         achieved_gbps=achieved,
-        fraction_of_bandwidth=achieved / bandwidth.best_gbps,
+        mbu=achieved / limit_gbps,
+        compile_s=compile_s,
     )
 
 
@@ -461,6 +659,7 @@ def check_bench(
     new_tokens: int,
     repeats: int,
     threads: int | None,
+    naive_samples: int = NAIVE_SAMPLES,
 ) -> None:
     """Refuse, before any work, a benchmark that cannot run (`run_bench` calls it too)."""
     if prompt_len < 1:
@@ -477,40 +676,61 @@ def check_bench(
         raise ValueError(f"repeats {repeats} must be at least 1")
     if threads is not None and threads < 1:
         raise ValueError(f"threads {threads} must be at least 1")
-    if "hf" in modes and _transformers_version() is None:
-        raise RuntimeError("mode 'hf' needs transformers: pip install 'kvcache[torch]'")
+    if naive_samples < 0:
+        raise ValueError(f"naive samples {naive_samples} must be 0 (every step) or more")
+    hf_modes = [m for m in modes if m.startswith("hf")]
+    if hf_modes and _transformers_version() is None:
+        raise RuntimeError(f"mode {hf_modes[0]!r} needs transformers: pip install 'kvcache[torch]'")
 
 
 def run_bench(
     model,
     *,
-    modes: Sequence[str] = MODES,
+    modes: Sequence[str] = DEFAULT_MODES,
     prompt_len: int = 32,
-    new_tokens: int = 256,
+    new_tokens: int = 128,
     repeats: int = 3,
     threads: int | None = None,
+    naive_samples: int = NAIVE_SAMPLES,
     model_name: str = "gpt2",
     weights_note: str | None = None,
     warmup_tokens: int = WARMUP_TOKENS,
     bandwidth_mib: int | None = None,
     seed: int = 0,
     progress: ProgressFn | None = None,
+    finished: FinishedFn | None = None,
 ) -> BenchResult:
     """Time every mode on `model` (already on its device) and measure the limit.
 
     `threads` sets torch's intra-op threads for the run and restores them after.
+    `naive_samples` times the naive loop at that many decode steps (0: every step);
+    `finished` hears of each timed run as it ends.
     """
     import torch
 
     modes = parse_modes(",".join(modes))
-    check_bench(model, modes, prompt_len, new_tokens, repeats, threads)
+    check_bench(model, modes, prompt_len, new_tokens, repeats, threads, naive_samples)
     cfg = model.config
 
     param = next(model.parameters())
     device, dtype = param.device, param.dtype
     prompt = random_prompt(cfg.vocab_size, prompt_len, seed)
     warmup = min(warmup_tokens, new_tokens)
-    total = len(modes) * (warmup + repeats * new_tokens)
+    n_steps = new_tokens - 1
+    # Naive needs another mode's tokens to be sampled; alone, it runs every step.
+    sampled = "naive" in modes and len(modes) > 1 and 0 < naive_samples < n_steps
+    naive_steps = sampled_steps(n_steps, naive_samples if sampled else 0)
+    # Sampled naive runs last in each repeat: it follows the reference's tokens.
+    order = [m for m in modes if not (sampled and m == "naive")] + (["naive"] if sampled else [])
+    # The reference is the loop every other is checked against: naive when it runs every
+    # step, else our static cache (itself checked against naive by the tests).
+    reference_mode = "naive" if "naive" in modes and not sampled else (
+        "static" if "static" in modes else order[0])
+    per_run = {m: len(naive_steps) + 1 if m == "naive" else new_tokens for m in modes}
+    # A compiled mode warms up over the whole run: every shape it will see is compiled
+    # (and, with CUDA graphs, recorded) before the clock runs.
+    warmups = {m: new_tokens if m.endswith("-compiled") else warmup for m in modes}
+    total = sum(warmups.values()) + repeats * sum(per_run.values())
     done = 0
 
     def report(label: str) -> Callable[[], None]:
@@ -528,42 +748,64 @@ def run_bench(
         torch.set_num_threads(threads)
     try:
         with torch.inference_mode():
-            hf_model = _hf_copy(model, device) if "hf" in modes else None
-
-            def run(mode: str, n: int, label: str) -> _Run:
-                if mode == "hf":
-                    return _run_hf(hf_model, prompt, n, device, report(label))
-                return _run_ours(model, prompt, n, mode, device, report(label))
-
-            for mode in modes:
-                run(mode, warmup, f"warm-up {mode}")
+            hf_model = _hf_copy(model, device) if any(m.startswith("hf") for m in modes) else None
+            compiled = None
+            if any(m.endswith("-compiled") and not m.startswith("hf") for m in modes):
+                compiled = torch.compile(model, mode=COMPILE_MODE[device.type])
             runs: dict[str, list[_Run]] = {mode: [] for mode in modes}
-            probes = []
+
+            def run(mode: str, n: int, label: str, warm: bool = False) -> _Run:
+                if mode.startswith("hf"):
+                    stop = n if warm else None
+                    return _run_hf(hf_model, prompt, new_tokens, mode, device, report(label), stop)
+                if mode == "naive" and sampled and not warm:
+                    reference = runs[reference_mode][0].tokens
+                    return _run_naive_sampled(model, prompt, reference, naive_steps, device,
+                                              report(label))  # fmt: skip
+                forward = compiled if mode.endswith("-compiled") else model
+                return _run_ours(forward, prompt, n, mode, device, report(label),
+                                 max_len=prompt_len + new_tokens)  # fmt: skip
+
+            compile_s: dict[str, float] = {}
+            for mode in modes:
+                start = time.perf_counter()
+                run(mode, warmups[mode], f"warm-up {mode}", warm=True)
+                if mode.endswith("-compiled"):
+                    compile_s[mode] = time.perf_counter() - start
+            probes: dict[str, list[Probe]] = {"read": [], "copy": [], "product": []}
             # Interleaved, so drift on the machine reaches every mode alike, and the
             # bandwidth is probed once a repeat: on a shared host it drifts as well.
             for r in range(repeats):
                 if progress is not None:
                     progress(f"memory bandwidth {r + 1}/{repeats}", done, total)
-                probes.append(measure_bandwidth(device, bandwidth_mib))
-                for mode in modes:
-                    runs[mode].append(run(mode, new_tokens, f"{mode} {r + 1}/{repeats}"))
-            bandwidth = _pooled(probes)
+                probes["read"].append(measure_read(device, bandwidth_mib))
+                probes["copy"].append(_copy_probe(measure_bandwidth(device, bandwidth_mib)))
+                probes["product"].append(measure_products(model))
+                for mode in order:
+                    label = f"{mode} {r + 1}/{repeats}"
+                    result = run(mode, new_tokens, label)
+                    runs[mode].append(result)
+                    if finished is not None:
+                        finished(label, len(result.step_ms) / (sum(result.step_ms) / 1e3))
         used_threads = torch.get_num_threads()
     finally:
         torch.set_num_threads(previous_threads)
 
+    pooled = tuple(_pooled(p) for p in probes.values())
+    best = max(pooled, key=lambda p: p.best_gbps)
     element = param.element_size()
     w_bytes = weight_bytes(model)
     # The reference script's formula at seq 1; GPT-2 keeps a K and V head per query head.
     kv_token = kv_cache_bytes(cfg.n_layer, cfg.n_head, cfg.head_size, 1, element)
     # Decode step i attends over the prompt, the prefill's token and i more.
-    lengths = [prompt_len + 1 + i for i in range(new_tokens - 1)]
+    lengths = [prompt_len + 1 + i for i in range(n_steps)]
     step_bytes = [w_bytes + kv_token * length for length in lengths]
-    reference_mode = "naive" if "naive" in modes else modes[0]
     reference = runs[reference_mode][0].tokens
-    results = [_summarise(m, runs[m], reference, step_bytes, bandwidth) for m in modes]
+    results = [
+        _summarise(m, runs[m], reference, step_bytes, best.best_gbps, compile_s.get(m))
+        for m in modes
+    ]
     mean_bytes = sum(step_bytes) / len(step_bytes)
-    n_steps = len(results[0].median_step_ms)
     profile_lengths = tuple(
         lengths[min(max(0, round(f * (n_steps - 1))), n_steps - 1)] for f in PROFILE_POINTS
     )
@@ -575,6 +817,7 @@ def run_bench(
         cpus=os.cpu_count() or 1,
         others_cpu_share=others.share(),
         dtype=str(dtype).removeprefix("torch."),
+        cpu_half_support=cpu_half_support() if device.type == "cpu" and element == 2 else None,
         threads=used_threads,
         torch_version=torch.__version__,
         transformers_version=_transformers_version(),
@@ -583,17 +826,36 @@ def run_bench(
         new_tokens=new_tokens,
         repeats=repeats,
         warmup_tokens=warmup,
+        naive_samples=len(naive_steps) if sampled else None,
         reference_mode=reference_mode,
         tokens_agree=all(r.same_tokens for r in results),
         weight_bytes=w_bytes,
         kv_bytes_per_token=kv_token,
         step_bytes_first=step_bytes[0],
         step_bytes_last=step_bytes[-1],
-        bandwidth=bandwidth,
-        ceiling_tokens_per_s=bandwidth.best_gbps * 1e9 / mean_bytes,
+        probes=pooled,
+        limit_probe=best.name,
+        limit_gbps=best.best_gbps,
+        ceiling_tokens_per_s=best.best_gbps * 1e9 / mean_bytes,
         profile_lengths=profile_lengths,
         modes=_with_ratios(results),
     )
+
+
+def cpu_half_support() -> str:
+    """The CPU's half-precision instructions, from /proc/cpuinfo's flags (Linux)."""
+    flags: set[str] = set()
+    with contextlib.suppress(OSError):
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    wanted = ("avx512_bf16", "amx_bf16", "avx512_fp16", "amx_fp16")
+    has = [flag for flag in wanted if flag in flags]
+    lacks = [flag for flag in wanted if flag not in flags]
+    return (f"has {', '.join(has)}" if has else "has none of " + ", ".join(wanted)) + (
+        f"; lacks {', '.join(lacks)}" if has and lacks else "")
 
 
 class _OtherProcesses:

@@ -417,6 +417,15 @@ def models(
 _MAX_THREADS = 1024
 
 
+class DType(str, Enum):
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
+_TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
 @app.command()
 def bench(
     device: Annotated[str, typer.Option(help="cpu, cuda, or auto (cuda when there is one).")
@@ -426,12 +435,20 @@ def bench(
     weights: Annotated[str, typer.Option(
         help="auto (real if available, else random), pretrained, random. Speed depends "
         "on the shape only.")] = "auto",
+    dtype: Annotated[DType, typer.Option(help="Weights and cache.")] = DType.fp32,
     prompt_len: Annotated[int, typer.Option(help="Prompt length (seeded random token ids).")
     ] = 32,
-    new_tokens: Annotated[int, typer.Option(help="Tokens to generate per run.")] = 256,
+    new_tokens: Annotated[int, typer.Option(help="Tokens to generate per run.")] = 128,
     modes: Annotated[str, typer.Option(
-        help="Comma-separated, from: naive, concat, static, hf (transformers' generate).")
-    ] = "naive,concat,static,hf",
+        help="Comma-separated, from: naive, concat, static, hf (transformers' generate), "
+        "hf-static (its static cache), static-compiled, hf-static-compiled.")
+    ] = "naive,concat,static,hf,hf-static",
+    compile_: Annotated[bool, typer.Option(
+        "--compile", help="Also run static and hf-static under torch.compile (compile time "
+        "reported apart, never timed).")] = False,
+    naive_samples: Annotated[int, typer.Option(
+        help="Time naive at this many decode steps spread over the run; 0: every step "
+        "(minutes).")] = 16,
     repeats: Annotated[int, typer.Option(help="Timed runs per mode; medians are reported.")] = 3,
     threads: Annotated[int | None, typer.Option(
         help="torch intra-op threads (default: torch's own, one per core).")] = None,
@@ -442,12 +459,19 @@ def bench(
     """Time every decode step of every mode, against transformers and the memory limit.
 
     Warm-up excluded, the device synchronised around each timed step, medians over
-    repeats; the memory bandwidth is measured in the same run.
+    repeats; the memory bandwidth is probed in the same run. The defaults take about
+    a minute on 2 cores.
     """
     need_torch_extra("kvcache bench needs", *GPT2_MODULES, "transformers")
     import torch
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     from kvcache_cli import bench as bench_
     from kvcache_cli.gpt2 import load_gpt2
@@ -456,6 +480,11 @@ def bench(
     # Everything a user can get wrong is checked before minutes of benchmarking.
     try:
         mode_names = bench_.parse_modes(modes)
+        if compile_:
+            extra = [bench_.COMPILED[m] for m in mode_names if m in bench_.COMPILED]
+            if not extra:
+                raise ValueError("--compile needs mode static or hf-static in --modes")
+            mode_names = bench_.parse_modes(",".join((*mode_names, *extra)))
         dev = bench_.resolve_device(device)
     except ValueError as err:
         fail(str(err))
@@ -468,14 +497,16 @@ def bench(
         except PlotUnavailable as err:
             fail(str(err))
         _check_writable(plot)
+    torch_dtype = getattr(torch, _TORCH_DTYPES[dtype.value])
     try:
-        loaded = load_gpt2(model, weights=weights, device=dev, dtype=torch.float32)
+        loaded = load_gpt2(model, weights=weights, device=dev, dtype=torch_dtype)
     except ValueError as err:
         fail(str(err))
     except (RuntimeError, OSError) as err:
         fail(str(err), code=1)
     try:
-        bench_.check_bench(loaded.model, mode_names, prompt_len, new_tokens, repeats, threads)
+        bench_.check_bench(loaded.model, mode_names, prompt_len, new_tokens, repeats, threads,
+                           naive_samples)  # fmt: skip
     except ValueError as err:
         fail(str(err))
     except RuntimeError as err:
@@ -483,21 +514,29 @@ def bench(
 
     # On stderr and transient, so stdout holds only the result (and --json stays JSON).
     # Redrawn twice a second, not rich's ten: the redraw thread shares the CPUs being timed.
+    err_console = Console(stderr=True)
     progress = Progress(
-        "{task.description}", BarColumn(), MofNCompleteColumn(), "tokens", TimeElapsedColumn(),
-        console=Console(stderr=True), transient=True, refresh_per_second=2,
-    )
+        "{task.description}", BarColumn(), MofNCompleteColumn(), "steps", TimeElapsedColumn(),
+        "ETA", TimeRemainingColumn(), console=err_console, transient=True,
+        refresh_per_second=2,
+    )  # fmt: skip
     task = progress.add_task("loading", total=None)
 
     def on_progress(label: str, done: int, total: int) -> None:
         progress.update(task, description=label, completed=done, total=total)
 
+    def on_finished(label: str, tokens_per_s: float) -> None:
+        # Without a terminal there is no bar: one line per finished run says it is alive.
+        if not err_console.is_terminal:
+            typer.echo(f"{label}: {tokens_per_s:.1f} tokens/s", err=True)
+
     try:
         with progress:
             result = bench_.run_bench(
                 loaded.model, modes=mode_names, prompt_len=prompt_len, new_tokens=new_tokens,
-                repeats=repeats, threads=threads, model_name=loaded.source,
-                weights_note=loaded.note, progress=on_progress,
+                repeats=repeats, threads=threads, naive_samples=naive_samples,
+                model_name=loaded.source, weights_note=loaded.note, progress=on_progress,
+                finished=on_finished,
             )  # fmt: skip
     except (ValueError, IndexError) as err:
         fail(str(err))
@@ -551,11 +590,13 @@ def _torch_device(device: str) -> str:
     return device
 
 
-def _load_gpt2(model: str, weights: str, device: str):
+def _load_gpt2(model: str, weights: str, device: str, dtype: str = "fp32"):
+    import torch
+
     from kvcache_cli.gpt2 import load_gpt2
 
     try:
-        loaded = load_gpt2(model, weights, device)
+        loaded = load_gpt2(model, weights, device, getattr(torch, _TORCH_DTYPES[dtype]))
     except ValueError as err:
         fail(str(err))
     except (RuntimeError, OSError) as err:
@@ -622,6 +663,7 @@ def generate(
         min=1, help="Sample from the k likeliest tokens only.")] = None,
     seed: Annotated[int, typer.Option(
         min=0, max=2**64 - 1, help="Seed for sampling (torch takes 64 bits).")] = 0,
+    dtype: Annotated[DType, typer.Option(help="Weights and cache.")] = DType.fp32,
     as_json: Annotated[bool, typer.Option(
         "--json", help="Print the result as JSON instead of streaming.")] = False,
 ) -> None:
@@ -648,7 +690,7 @@ def generate(
         encoding, why = gen.gpt2_encoding()
         if encoding is None:
             fail(f"{why}: {use_ids}", code=1)
-    loaded = _load_gpt2(model, weights, device)
+    loaded = _load_gpt2(model, weights, device, dtype.value)
     gpt = loaded.model
     gpt2_vocab = gpt.config.vocab_size == GPT2_VOCAB_SIZE
     if prompt is not None:
@@ -667,7 +709,8 @@ def generate(
     console = Console()
     stream = None if as_json else TokenStream(console, encoding)
     if stream is not None:
-        console.print(header(loaded.source, gpt.num_params(), device, "float32", mode))
+        console.print(header(loaded.source, gpt.num_params(), device,
+                             str(gpt.dtype).removeprefix("torch."), mode))
         stream.prompt(prompt_ids)
     try:
         result = gen.generate(

@@ -15,7 +15,10 @@ from kvcache_cli.bench import BenchResult
 
 BARS = "▁▂▃▄▅▆▇█"
 # One colour per mode whatever subset ran, so plots from different runs compare.
-COLORS = {"naive": "tab:blue", "concat": "tab:orange", "static": "tab:green", "hf": "tab:red"}
+COLORS = {
+    "naive": "tab:blue", "concat": "tab:orange", "static": "tab:green", "hf": "tab:red",
+    "hf-static": "tab:purple", "static-compiled": "tab:olive", "hf-static-compiled": "tab:pink",
+}  # fmt: skip
 
 
 class PlotUnavailable(RuntimeError):
@@ -63,10 +66,13 @@ def save_plot(result: BenchResult, path: str | Path) -> Path:
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     for mode in result.modes:
-        steps = mode.median_step_ms
-        lengths = range(result.prompt_len + 1, result.prompt_len + 1 + len(steps))
-        ax.plot(lengths, steps, label=f"{mode.mode} ({mode.tokens_per_s_median:.1f} tok/s)",
-                lw=1.2, color=COLORS.get(mode.mode))
+        # Decode step i runs at context length prompt + 1 + i.
+        lengths = [result.prompt_len + 1 + i for i in mode.steps]
+        sampled = len(mode.steps) < result.new_tokens - 1  # naive, timed at a few steps
+        ax.plot(lengths, mode.median_step_ms,
+                label=f"{mode.mode} ({mode.tokens_per_s_median:.1f} tok/s"
+                + (f", {len(mode.steps)} steps timed)" if sampled else ")"),
+                lw=1.2, color=COLORS.get(mode.mode), marker="o" if sampled else None, ms=3)
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel("decode step latency (ms)")
     ax.set_ylim(bottom=0)

@@ -53,7 +53,7 @@ def _cli(*args: str):
 
 def test_every_mode_runs_and_generates_the_same_varied_tokens(checkpoint):
     result = _run(checkpoint)
-    assert [m.mode for m in result.modes] == list(bench.MODES)
+    assert [m.mode for m in result.modes] == list(bench.DEFAULT_MODES)
     naive = result.mode("naive").tokens
     assert len(set(naive)) > 2, f"a tiny model stuck on one token proves nothing: {naive}"
     for m in result.modes:
@@ -116,16 +116,25 @@ def test_the_limit_counts_weights_once_and_the_cache_at_each_length(checkpoint):
     assert result.step_bytes_first == result.weight_bytes + result.kv_bytes_per_token * (PROMPT + 1)
     assert result.step_bytes_last == result.weight_bytes + result.kv_bytes_per_token * (
         PROMPT + NEW - 1)
-    bw = result.bandwidth
-    assert bw.copy_bytes == 4 * 2**20 and bw.bytes_moved == 2 * bw.copy_bytes
-    assert len(bw.seconds) == REPEATS * bench.BANDWIDTH_REPEATS  # probed once a repeat
-    assert bw.best_gbps == pytest.approx(bw.bytes_moved / min(bw.seconds) / 1e9)
-    assert bw.best_gbps >= bw.median_gbps > 0
+    probes = {p.name: p for p in result.probes}
+    assert set(probes) == {"read", "copy", "product"}
+    assert probes["read"].bytes_per_run == 4 * 2**20  # read once
+    assert probes["copy"].bytes_per_run == 2 * 4 * 2**20  # read + write
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert len(linears) == 4 * L + 1  # the tied head once
+    assert probes["product"].bytes_per_run == 4 * sum(
+        p.numel() for m in linears for p in m.parameters())
+    for p in probes.values():
+        assert len(p.seconds) == REPEATS * bench.BANDWIDTH_REPEATS, p.name  # once a repeat
+        assert p.best_gbps == pytest.approx(p.bytes_per_run / min(p.seconds) / 1e9), p.name
+        assert p.best_gbps >= p.median_gbps > 0, p.name
+    best = max(result.probes, key=lambda p: p.best_gbps)
+    assert (result.limit_probe, result.limit_gbps) == (best.name, best.best_gbps)
     mean_bytes = (result.step_bytes_first + result.step_bytes_last) / 2  # linear in length
-    assert result.ceiling_tokens_per_s == pytest.approx(bw.best_gbps * 1e9 / mean_bytes)
+    assert result.ceiling_tokens_per_s == pytest.approx(best.best_gbps * 1e9 / mean_bytes)
     for m in result.modes:
         assert m.achieved_gbps == pytest.approx(mean_bytes * m.tokens_per_s_median / 1e9)
-        assert m.fraction_of_bandwidth == pytest.approx(m.achieved_gbps / bw.best_gbps)
+        assert m.mbu == pytest.approx(m.achieved_gbps / best.best_gbps)
 
 
 def test_threads_are_set_for_the_run_and_restored(checkpoint):
@@ -174,8 +183,8 @@ def test_bandwidth_counts_the_read_and_the_write():
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("naive,bogus", "unknown mode 'bogus'; valid modes: naive, concat, static, hf"),
-        ("", "no modes given; valid modes: naive, concat, static, hf"),
+        ("naive,bogus", f"unknown mode 'bogus'; valid modes: {', '.join(bench.MODES)}"),
+        ("", f"no modes given; valid modes: {', '.join(bench.MODES)}"),
         ("static,static", "mode 'static' given twice"),
     ],
 )
@@ -206,22 +215,23 @@ def test_cli_json_has_every_key(checkpoint):
     data = json.loads(out.stdout)
     assert set(data) == {
         "model", "weights_note", "device", "device_name", "cpus", "others_cpu_share",
-        "dtype", "threads", "torch_version",
+        "dtype", "cpu_half_support", "threads", "torch_version",
         "transformers_version", "n_params", "prompt_len", "new_tokens", "repeats",
-        "warmup_tokens", "reference_mode", "tokens_agree", "weight_bytes", "kv_bytes_per_token",
-        "step_bytes_first", "step_bytes_last", "bandwidth", "ceiling_tokens_per_s",
-        "profile_lengths", "modes",
+        "warmup_tokens", "naive_samples", "reference_mode", "tokens_agree", "weight_bytes",
+        "kv_bytes_per_token", "step_bytes_first", "step_bytes_last", "probes", "limit_probe",
+        "limit_gbps", "ceiling_tokens_per_s", "profile_lengths", "modes",
     }
-    assert set(data["bandwidth"]) == {"copy_bytes", "bytes_moved", "seconds", "best_gbps",
-                                      "median_gbps"}
-    assert [m["mode"] for m in data["modes"]] == list(bench.MODES)
+    for probe in data["probes"]:
+        assert set(probe) == {"name", "what", "bytes_per_run", "seconds", "best_gbps",
+                              "median_gbps"}
+    assert [m["mode"] for m in data["modes"]] == list(bench.DEFAULT_MODES)
     for m in data["modes"]:
         assert set(m) == {
             "mode", "tokens", "tokens_generated", "same_tokens", "first_difference", "ttft_ms",
-            "step_ms",
+            "steps", "step_ms",
             "median_step_ms", "tokens_per_s", "tokens_per_s_median", "ms_per_token_median",
             "ttft_ms_median", "profile_ms", "speedup_over_naive", "ratio_to_hf",
-            "cache_bytes_held", "bytes_copied", "achieved_gbps", "fraction_of_bandwidth",
+            "cache_bytes_held", "bytes_copied", "achieved_gbps", "mbu", "compile_s",
         }
         assert len(m["median_step_ms"]) == NEW - 1
         assert all(math.isfinite(x) for x in m["median_step_ms"])
@@ -239,14 +249,14 @@ def test_cli_table_and_plot(checkpoint, tmp_path):
     for text in ("naive", "static", "tokens/s", "the limit", "GB/s", "1 threads", "float32",
                  f"per-step plot written to {png}"):
         assert text in shown, text
+    assert "×naive" in shown and "×hf" not in shown  # a ratio column only where its base ran
     assert png.read_bytes()[:8] == PNG_SIGNATURE
 
 
 def test_cli_bad_modes_is_one_line_and_exit_2():
     out = _cli("--modes", "naive,fast", "--device", "cpu")
     assert out.exit_code == 2, out.output
-    assert out.stderr == (
-        "error: unknown mode 'fast'; valid modes: naive, concat, static, hf\n")
+    assert out.stderr == f"error: unknown mode 'fast'; valid modes: {', '.join(bench.MODES)}\n"
 
 
 def test_cli_plot_into_a_missing_directory_is_refused_before_running(tmp_path):
@@ -274,28 +284,49 @@ def test_other_processes_share_is_their_busy_time_over_all_cpus(monkeypatch):
     assert bench._OtherProcesses().share() == pytest.approx(5 / 20)
 
 
+@pytest.mark.parametrize("in_out", [True, False])
 @pytest.mark.parametrize(("out_features", "threads"), [(96, 2), (97, 2), (97, 3), (5, 8)])
-def test_blocked_one_row_linear_equals_nn_linear(out_features, threads):
-    # gpt2.Linear splits a one-row product into a block of rows per thread (the bench
-    # found MKL runs it on one core); rows that do not divide evenly go on their own.
+def test_one_row_linear_equals_nn_linear_in_either_layout(out_features, threads, in_out):
+    # gpt2.Linear stored (in, out) splits a one-row product into a block of columns per
+    # thread; columns that do not divide evenly go on their own. (out, in) is nn.Linear.
     from kvcache_cli.gpt2 import Linear
 
     torch.manual_seed(0)
     layer = Linear(32, out_features)
     plain = torch.nn.Linear(32, out_features)
     plain.load_state_dict(layer.state_dict())
+    if in_out:
+        layer.weight.data = layer.weight.data.t().contiguous().t()
+    assert layer.weight.shape == plain.weight.shape  # the layout changes strides only
     x = torch.randn(1, 1, 32)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        got = layer(x)
+        got, x2_got = layer(x), layer(x2 := torch.randn(1, 3, 32))
     finally:
         torch.set_num_threads(before)
     # float32: the blocks sum in a different order than one gemm, ~1e-6 apart.
     torch.testing.assert_close(got, plain(x), rtol=1e-5, atol=1e-5)
     assert got.shape == (1, 1, out_features)
-    x2 = torch.randn(1, 3, 32)  # prefill: several rows take nn.Linear's own path
-    torch.testing.assert_close(layer(x2), plain(x2), rtol=0, atol=0)
+    # prefill: several rows take F.linear's own path
+    torch.testing.assert_close(x2_got, plain(x2), rtol=1e-5, atol=1e-5)
+
+
+def test_float32_cpu_weights_are_stored_in_out_and_load_the_same_values(checkpoint):
+    from transformers import GPT2LMHeadModel
+
+    from kvcache_cli.gpt2 import Linear
+
+    model = load_gpt2(str(checkpoint), weights="pretrained").model
+    hf = GPT2LMHeadModel.from_pretrained(checkpoint)
+    for name, module in model.named_modules():
+        if isinstance(module, Linear):
+            assert module.weight.stride(0) == 1, name  # (in, out) in memory
+    attn = model.transformer.h[0].attn.c_attn.weight
+    torch.testing.assert_close(attn, hf.transformer.h[0].attn.c_attn.weight.t(), rtol=0, atol=0)
+    assert model.lm_head.weight is model.transformer.wte.weight  # still tied
+    half = load_gpt2(str(checkpoint), weights="pretrained", dtype=torch.bfloat16).model
+    assert half.lm_head.weight.is_contiguous()  # (out, in): nn.Linear's own order
 
 
 def test_cli_lengths_past_the_window_are_one_line_and_exit_2(checkpoint):
@@ -310,3 +341,101 @@ def test_first_difference_is_the_first_differing_token():
     assert bench._first_difference([1, 2, 3], [1, 2, 3]) is None
     assert bench._first_difference([1, 9, 3], [1, 2, 3]) == 1
     assert bench._first_difference([1, 2], [1, 2, 3]) == 2  # a run that stopped early
+
+
+def test_naive_is_timed_at_sampled_steps_fed_the_reference_tokens(checkpoint):
+    result = _run(checkpoint, modes=("naive", "static"), naive_samples=4)
+    naive, static = result.mode("naive"), result.mode("static")
+    steps = bench.sampled_steps(NEW - 1, 4)
+    assert steps == [0, 3, 7, 10]
+    assert naive.steps == tuple(steps) and static.steps == tuple(range(NEW - 1))
+    assert all(len(ms) == len(steps) for ms in naive.step_ms)
+    assert result.reference_mode == "static" and result.naive_samples == 4
+    # The prefill's token, then each timed step's: the tokens naive chose at those places.
+    assert naive.tokens == (static.tokens[0], *(static.tokens[i + 1] for i in steps))
+    assert naive.same_tokens and result.tokens_agree
+    assert len(set(static.tokens)) > 2, static.tokens
+    # The first and last sampled steps are the run's first and last: @first and @last.
+    assert naive.profile_ms[0] == naive.median_step_ms[0]
+    assert naive.profile_ms[-1] == naive.median_step_ms[-1]
+
+
+def test_naive_samples_zero_or_alone_times_every_step(checkpoint):
+    every = _run(checkpoint, modes=("naive", "static"), naive_samples=0, repeats=1)
+    assert every.naive_samples is None and every.reference_mode == "naive"
+    assert len(every.mode("naive").steps) == NEW - 1
+    alone = _run(checkpoint, modes=("naive",), naive_samples=4, repeats=1)
+    assert alone.naive_samples is None and len(alone.mode("naive").steps) == NEW - 1
+
+
+def test_sampled_steps_spread_evenly_from_first_to_last():
+    steps = bench.sampled_steps(255, 16)
+    assert len(steps) == 16 and steps[0] == 0 and steps[-1] == 254
+    assert steps == sorted(steps)
+    assert bench.sampled_steps(10, 0) == list(range(10))
+    assert bench.sampled_steps(10, 20) == list(range(10))
+
+
+def test_a_sampled_run_names_the_position_of_its_first_different_token():
+    run = bench._Run(tokens=[5, 6, 0], ttft_ms=1.0, steps=[0, 4], step_ms=[2.0, 3.0],
+                     cache_bytes_held=None, bytes_copied=None)
+    reference = [5, 6, 1, 1, 1, 9]  # the token at position 5 (after step 4) is 9, not 0
+    result = bench._summarise("naive", [run], reference, [100] * 5, 1.0, None)
+    assert not result.same_tokens and result.first_difference == 5
+
+
+def test_every_timed_run_is_reported_as_it_ends(checkpoint):
+    heard = []
+    _run(checkpoint, modes=("naive", "static"), naive_samples=3,
+         finished=lambda label, tps: heard.append((label, tps > 0)))
+    assert heard == [("static 1/2", True), ("naive 1/2", True),
+                     ("static 2/2", True), ("naive 2/2", True)]
+
+
+def test_compiled_modes_compile_once_and_report_the_compile_apart(checkpoint, monkeypatch):
+    # torch.compile of even a tiny model takes many seconds on 2 cores; the wiring is
+    # what is checked: what gets compiled, how, and that its time lands in compile_s.
+    compiled = []
+
+    def fake_compile(fn, **options):
+        compiled.append((fn, options.get("mode")))
+        return fn
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    result = _run(checkpoint, modes=("static-compiled", "hf-static-compiled"), repeats=1)
+    ours = [fn for fn, _ in compiled if isinstance(fn, torch.nn.Module)]
+    assert len(ours) == 1 and ours[0].config.n_layer == 2  # our GPT, compiled once
+    assert all(mode == bench.COMPILE_MODE["cpu"] for _, mode in compiled)
+    assert len(compiled) >= 2, "transformers' generate() did not compile its forward"
+    for m in result.modes:
+        assert m.compile_s is not None and m.compile_s > 0, m.mode
+        assert m.same_tokens, m.mode
+    assert _run(checkpoint, modes=("static",), repeats=1).mode("static").compile_s is None
+
+
+def test_cli_compile_without_a_static_mode_is_one_line_and_exit_2():
+    out = _cli("--device", "cpu", "--modes", "naive,hf", "--compile")
+    assert out.exit_code == 2, out.output
+    assert out.stderr == "error: --compile needs mode static or hf-static in --modes\n"
+
+
+def test_cli_bfloat16_runs_and_states_the_cpu_half_precision_support(checkpoint):
+    out = _cli("--model", str(checkpoint), "--weights", "pretrained", "--device", "cpu",
+               "--prompt-len", str(PROMPT), "--new-tokens", str(NEW), "--repeats", "1",
+               "--modes", "static,hf", "--dtype", "bf16", "--json")
+    assert out.exit_code == 0, out.output
+    data = json.loads(out.stdout)
+    assert data["dtype"] == "bfloat16"
+    assert data["kv_bytes_per_token"] == 2 * 2 * 32 * 2  # 2 bytes an element
+    assert "avx512_bf16" in data["cpu_half_support"]
+    # Off a terminal, each finished run is one line on stderr.
+    assert "static 1/1: " in out.stderr and "hf 1/1: " in out.stderr
+
+
+def test_cpu_half_support_reads_the_flags(monkeypatch, tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse avx512f avx512_bf16 avx_vnni\n")
+    real_open = open
+    monkeypatch.setattr("builtins.open", lambda path, *a, **k: real_open(
+        cpuinfo if path == "/proc/cpuinfo" else path, *a, **k))
+    assert bench.cpu_half_support() == "has avx512_bf16; lacks amx_bf16, avx512_fp16, amx_fp16"

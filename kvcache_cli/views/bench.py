@@ -39,6 +39,13 @@ def _ratio(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}x"
 
 
+def _mode_column(table: Table, r: BenchResult) -> Table:
+    """Mode names whole (hf-static-compiled is long): the figures give way instead."""
+    table.columns[0].no_wrap = True
+    table.columns[0].min_width = max(len(m.mode) for m in r.modes)
+    return table
+
+
 def _header(r: BenchResult) -> Table:
     grid = Table.grid(padding=(0, 2))
     grid.add_column(style="dim")
@@ -46,8 +53,11 @@ def _header(r: BenchResult) -> Table:
     grid.add_row("model", f"[bold]{r.model}[/], {r.n_params / 1e6:.1f}M parameters")
     if r.weights_note:
         grid.add_row("note", f"[yellow]{r.weights_note}[/]")
-    grid.add_row("device", f"[bold]{r.device}[/] ({r.device_name}, {r.cpus} CPUs), {r.dtype}, "
-                 f"[bold]{r.threads} threads[/]")
+    grid.add_row("device", f"[bold]{r.device}[/] ({r.device_name}, {r.cpus} CPUs), "
+                 f"[bold]{r.dtype}[/], [bold]{r.threads} threads[/]")
+    if r.cpu_half_support is not None:
+        grid.add_row("half", f"the CPU {r.cpu_half_support} (without them, torch converts "
+                     f"{r.dtype} to float32 to multiply)")
     if r.others_cpu_share is not None:
         load = f"other processes used {r.others_cpu_share:.0%} of the CPUs' time during the run"
         if r.others_cpu_share > BUSY_SHARE:
@@ -58,15 +68,26 @@ def _header(r: BenchResult) -> Table:
     grid.add_row("run", f"prompt {r.prompt_len} random token ids + {r.new_tokens} new tokens, "
                  f"greedy; median of {r.repeats} repeats, spread min-max; "
                  f"a {r.warmup_tokens}-token warm-up per mode, not timed")
+    if r.naive_samples is not None:
+        grid.add_row("naive", f"timed at {r.naive_samples} of {r.new_tokens - 1} decode steps, "
+                     f"spread evenly, each fed {r.reference_mode}'s tokens so far "
+                     "(--naive-samples 0 times every step)")
+    compiled = [m for m in r.modes if m.compile_s is not None]
+    if compiled:
+        grid.add_row("compile", ", ".join(f"{m.mode} {m.compile_s:.1f} s" for m in compiled)
+                     + " to compile and warm up over a whole run, untimed")
     return grid
 
 
 def _speed(r: BenchResult) -> Table:
-    m0 = r.modes[0]
+    # A ratio column only where its base ran: room for long mode names in 80 columns.
+    ratios = [(f"×{base}", attr) for base, attr in
+              (("naive", "speedup_over_naive"), ("hf", "ratio_to_hf"))
+              if any(m.mode == base for m in r.modes)]  # fmt: skip
     table = figures_table(
-        "mode", "tokens/s", "spread", "ms/token", "TTFT ms", "×naive", "×hf", "tokens",
-        title=f"decode, {m0.tokens_generated} tokens a run: the prefill's (TTFT), then "
-        f"{len(m0.median_step_ms)} timed steps",
+        "mode", "tok/s", "spread", "ms/tok", "TTFT ms", *(name for name, _ in ratios), "tokens",
+        title=f"decode, {r.new_tokens} tokens a run: the prefill's (TTFT), then "
+        f"{r.new_tokens - 1} decode steps",
     )
     for m in r.modes:
         same = OK if m.same_tokens else f"{BAD} @{m.first_difference}"
@@ -78,42 +99,44 @@ def _speed(r: BenchResult) -> Table:
             f"{_num(min(m.tokens_per_s))}-{_num(max(m.tokens_per_s))}",
             _num(m.ms_per_token_median),
             _num(m.ttft_ms_median),
-            _ratio(m.speedup_over_naive),
-            _ratio(m.ratio_to_hf),
+            *(_ratio(getattr(m, attr)) for _, attr in ratios),
             same,
         )
-    return table
+    return _mode_column(table, r)
 
 
 def _memory(r: BenchResult) -> Table:
-    table = figures_table("mode", "GB/s", "of bandwidth", "copied by appends", "cache held",
-                   title="memory: bytes a step must read / step time; what the cache moved")
+    table = figures_table("mode", "GB/s", "MBU", "copied by appends", "cache held",
+                   title="memory: bytes a step must read / step time (MBU: share of the "
+                   "limit); what the cache moved")
     for m in r.modes:
         table.add_row(
             m.mode,
             f"{m.achieved_gbps:.1f}",
-            f"{m.fraction_of_bandwidth:.0%}",
+            f"{m.mbu:.0%}",
             _bytes(m.bytes_copied),
             _bytes(m.cache_bytes_held),
         )
-    return table
+    return _mode_column(table, r)
 
 
 def _limit(r: BenchResult) -> Table:
-    bw = r.bandwidth
     grid = Table.grid(padding=(0, 2))
     grid.add_column(style="dim")
     grid.add_column()
     grid.add_row("[not dim bold]the limit[/]", "")
-    grid.add_row("memory bandwidth", f"[bold]{bw.best_gbps:.1f} GB/s[/] best, "
-                 f"{bw.median_gbps:.1f} median of {len(bw.seconds)} copies of "
-                 f"{bw.copy_bytes / 2**20:.0f} MiB in this run, read + write counted")
+    for p in r.probes:
+        best = f"[bold]{p.best_gbps:.1f} GB/s[/]" if p.name == r.limit_probe else (
+            f"{p.best_gbps:.1f} GB/s")
+        grid.add_row(f"{p.name} probe", f"{best} best, {p.median_gbps:.1f} median of "
+                     f"{len(p.seconds)} runs: {p.what}")
     grid.add_row("a decode step reads", f"{_bytes(r.weight_bytes)} of weights + "
                  f"{_bytes(r.kv_bytes_per_token)} of K and V per token: "
                  f"{_bytes(r.step_bytes_first)} @{r.profile_lengths[0]} to "
                  f"{_bytes(r.step_bytes_last)} @{r.profile_lengths[-1]}")
     grid.add_row("ceiling", f"[bold cyan]{r.ceiling_tokens_per_s:.1f} tokens/s[/] "
-                 "(best bandwidth / mean bytes a step)")
+                 f"({r.limit_probe} probe's best {r.limit_gbps:.1f} GB/s, the limit / mean "
+                 "bytes a step)")
     return grid
 
 
@@ -124,17 +147,19 @@ def _profile(r: BenchResult) -> Table:
     for m in r.modes:
         table.add_row(m.mode, *(_num(ms) for ms in m.profile_ms),
                       f"[cyan]{sparkline(m.median_step_ms, SPARK_WIDTH)}[/]")
-    return table
+    return _mode_column(table, r)
 
 
 def _verdict(r: BenchResult) -> Text:
     if r.tokens_agree:
-        return Text.from_markup(f"{OK} every mode generated the same {r.modes[0].tokens_generated} "
-                                f"tokens as {r.reference_mode}")
+        sampled = "" if r.naive_samples is None else (
+        f" (naive at its {r.naive_samples} timed steps and the first token)")
+    return Text.from_markup(f"{OK} every mode generated the same {r.new_tokens} tokens as "
+                            f"{r.reference_mode}{sampled}")
     differ = ", ".join(f"{m.mode} from token {m.first_difference}"
                        for m in r.modes if not m.same_tokens)
     return Text.from_markup(f"{BAD} tokens differ from {r.reference_mode}'s: {differ} "
-                            f"(of {r.modes[0].tokens_generated}). In {r.dtype}, kernels that sum "
+                            f"(of {r.new_tokens}). In {r.dtype}, kernels that sum "
                             "in another order can flip a near-tie, and greedy decoding then "
                             "follows another path.")
 

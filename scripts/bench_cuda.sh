@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Decode on a GPU, in one go: our static cache against transformers' generate() with
+# its dynamic and its static cache, eager and under torch.compile (CUDA graphs, mode
+# "reduce-overhead"), in bfloat16 and float16, for GPT-2 small and xl. Speed depends
+# on the shape only, so the weights are random (no download needed).
+#
+#   scripts/bench_cuda.sh [OUTDIR]      (default: bench-cuda/)
+#
+# Writes one JSON per model and dtype, one PNG per run, and summary.txt: tokens/s,
+# ms/token, MBU against the probed device bandwidth, and compile seconds.
+set -euo pipefail
+out=${1:-bench-cuda}
+mkdir -p "$out"
+python -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else "no CUDA device")'
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
+for model in gpt2 gpt2-xl; do
+  for dtype in bf16 fp16; do
+    echo "== $model $dtype" >&2
+    kvcache bench --device cuda --model "$model" --weights random --dtype "$dtype" \
+      --modes static,hf,hf-static --compile --new-tokens 256 --repeats 3 \
+      --plot "$out/$model-$dtype.png" --json > "$out/$model-$dtype.json"
+  done
+done
+python - "$out" <<'PY' | tee "$out/summary.txt"
+import json, pathlib, sys
+out = pathlib.Path(sys.argv[1])
+for path in sorted(out.glob("*.json")):
+    r = json.loads(path.read_text())
+    print(f"{r['device_name']}, torch {r['torch_version']}, transformers "
+          f"{r['transformers_version']}: {path.stem}, {r['new_tokens']} new tokens, "
+          f"median of {r['repeats']}; limit {r['limit_gbps']:.0f} GB/s "
+          f"({r['limit_probe']} probe), ceiling {r['ceiling_tokens_per_s']:.0f} tokens/s")
+    print(f"  {'mode':20s} {'tokens/s':>9s} {'ms/token':>9s} {'MBU':>5s} {'compile s':>9s} tokens")
+    for m in r["modes"]:
+        compile_s = "-" if m["compile_s"] is None else f"{m['compile_s']:.0f}"
+        same = "same" if m["same_tokens"] else f"differ @{m['first_difference']}"
+        print(f"  {m['mode']:20s} {m['tokens_per_s_median']:9.1f} "
+              f"{m['ms_per_token_median']:9.2f} {m['mbu']:5.0%} {compile_s:>9s} {same}")
+PY
