@@ -189,6 +189,7 @@ def run_blocks(blocks: list[Block], workdir: Path) -> dict[int, list[list[str]]]
     except that a block waits for every block above it that holds a recipe."""
     recipes: list[Future] = []
     futures = {}
+    environment(workdir)  # lays out the Hub cache once, before threads race to make it
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
         for block in blocks:
             if block.measured:
