@@ -1,0 +1,78 @@
+"""`PagedCache`: one pool of fixed-size blocks per layer, read through block tables.
+
+The third `gpt2.KVCache`, beside `ConcatCache` and `StaticCache`. Keys and values
+live in a pool allocated once (`n_blocks` blocks of `block_size` positions, every
+layer); a sequence's position p sits in block block_table[p // block_size], slot
+p % block_size. Which blocks a sequence owns is the `BlockManager`'s business; the
+model runner hands this cache the step's block tables (`bind`) before each forward.
+
+Attention reads a sequence's keys by gathering its blocks into one contiguous
+(B, nh, S, hs) tensor, key j at slot j, each row padded to the longest table; the
+per-row mask in `gpt2.CausalSelfAttention` hides the padding. A gather in plain
+torch runs on CPU and CUDA alike; it is not vLLM's fused kernel, which reads the
+blocks in place (the gather copies every key once more per step).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from kvcache_cli.gpt2 import GPTConfig, KVCache, _nbytes
+
+
+def block_bytes(config: GPTConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one block: K and V, every layer, block_size positions."""
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * config.n_layer * block_size * config.n_embd * element
+
+
+class PagedCache(KVCache):
+    def __init__(self, config: GPTConfig, n_blocks: int, block_size: int, device,
+                 dtype: torch.dtype):
+        self.block_size = block_size
+        shape = (config.n_layer, n_blocks, config.n_head, block_size, config.head_size)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)  # (L, n_blocks, nh, bs, hs)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.block_tables: Tensor | None = None  # (B, max blocks), set by bind
+        self.reset()
+
+    def reset(self) -> None:
+        # Nothing to clear: a slot is read only after its sequence wrote it.
+        self.length = 0
+        self.bytes_copied = 0
+
+    def bind(self, block_tables: Tensor) -> None:
+        """The block table of each row of the next forward, (B, max blocks), padded
+        with any valid block id (the mask hides what padding reads)."""
+        self.block_tables = block_tables
+
+    def update(self, layer: int, start_pos: int | Tensor, k: Tensor, v: Tensor
+               ) -> tuple[Tensor, Tensor]:
+        B, nh, T, hs = k.shape
+        table = self.block_tables
+        if table is None or table.size(0) != B:
+            raise ValueError(f"bind a block table per row first ({B} rows)")
+        start = start_pos if isinstance(start_pos, Tensor) else torch.full(
+            (B,), start_pos, device=k.device)  # (B,)
+        positions = start[:, None] + torch.arange(T, device=k.device)  # (B, T)
+        blocks = table.gather(1, positions // self.block_size)  # (B, T)
+        slots = positions % self.block_size  # (B, T)
+        # Advanced indices around a slice put their dims first: (B, T, nh, hs).
+        self.k[layer][blocks, :, slots] = k.transpose(1, 2)
+        self.v[layer][blocks, :, slots] = v.transpose(1, 2)
+        self.bytes_copied += _nbytes(k) + _nbytes(v)
+        n = table.size(1) * self.block_size
+        keys = self.k[layer][table].transpose(1, 2).reshape(B, nh, n, hs)  # (B, nh, S, hs)
+        values = self.v[layer][table].transpose(1, 2).reshape(B, nh, n, hs)
+        if isinstance(start_pos, Tensor):
+            # Rows of different lengths: `length` is the padded width (reading the
+            # longest row's length would wait for the device every layer).
+            self.length = n
+            return keys, values  # every row's own keys, padded; the mask hides the rest
+        self.length = start_pos + T
+        return keys[:, :, : self.length], values[:, :, : self.length]  # the filled prefix
+
+    @property
+    def bytes_held(self) -> int:
+        return _nbytes(self.k) + _nbytes(self.v)
