@@ -454,7 +454,7 @@ def serve(
         config = serving.model_config(model)
         if batch is not None:
             sizes = batching.parse_sizes(batch)
-            batching.check_sweep(config, sizes)
+            batching.check_sweep(config)
         else:
             spec = workload.WorkloadSpec(
                 requests, workload.parse_range(prompt_len, "--prompt-len"),

@@ -24,7 +24,7 @@ import torch
 
 from kvcache_cli.gpt2 import GPT, GPTConfig, StaticCache
 
-CONTEXT = 128  # tokens already cached per row when the timed steps start
+CONTEXT = 128  # tokens cached per row when the timed steps start (less in a shorter window)
 STEPS = 8  # timed decode steps per batch size
 WARMUP_STEPS = 2
 MATMUL_N = 2048  # square float32 matmul for the peak FLOP/s: large enough to be compute-bound
@@ -71,9 +71,13 @@ def parse_sizes(text: str) -> tuple[int, ...]:
     return tuple(sorted({1, *sizes}))  # batch 1 is what every other size is compared with
 
 
-def check_sweep(config: GPTConfig, sizes: Sequence[int]) -> None:
-    if CONTEXT + WARMUP_STEPS + STEPS > config.block_size:
-        raise ValueError(f"the sweep needs {CONTEXT + WARMUP_STEPS + STEPS} positions; the "
+def _context(config: GPTConfig) -> int:
+    return min(CONTEXT, config.block_size - WARMUP_STEPS - STEPS)
+
+
+def check_sweep(config: GPTConfig) -> None:
+    if _context(config) < 1:
+        raise ValueError(f"the sweep needs more than {WARMUP_STEPS + STEPS} positions; the "
                          f"model's window is {config.block_size}")
 
 
@@ -84,12 +88,12 @@ def _flops_per_row(config: GPTConfig, context: int) -> float:
     return 2 * matmul_weights + L * 4 * context * C
 
 
-def measure_peak_flops(device: torch.device) -> float:
+def measure_peak_flops(device: torch.device, n: int = MATMUL_N) -> float:
     """FLOP/s of the best of a few large float32 matmuls."""
     from kvcache_cli.bench import synchronize
 
-    a = torch.randn(MATMUL_N, MATMUL_N, device=device)
-    b = torch.randn(MATMUL_N, MATMUL_N, device=device)
+    a = torch.randn(n, n, device=device)
+    b = torch.randn(n, n, device=device)
     a @ b  # untimed: the library's first-call set-up
     best = float("inf")
     for _ in range(MATMUL_REPEATS):
@@ -98,14 +102,14 @@ def measure_peak_flops(device: torch.device) -> float:
         a @ b
         synchronize(device)
         best = min(best, time.perf_counter() - start)
-    return 2 * MATMUL_N**3 / best
+    return 2 * n**3 / best
 
 
-def _step_ms(model: GPT, batch: int) -> float:
+def _step_ms(model: GPT, batch: int, context: int) -> float:
     from kvcache_cli.bench import synchronize
 
     c, device = model.config, model.device
-    cache = StaticCache(c, CONTEXT + WARMUP_STEPS + STEPS, batch, device, model.dtype)
+    cache = StaticCache(c, context + WARMUP_STEPS + STEPS, batch, device, model.dtype)
     cache.k.normal_()
     cache.v.normal_()
     idx = torch.randint(0, c.vocab_size, (batch, 1), device=device)  # (B, 1)
@@ -114,7 +118,7 @@ def _step_ms(model: GPT, batch: int) -> float:
         for i in range(WARMUP_STEPS + STEPS):
             synchronize(device)
             start = time.perf_counter()
-            model(idx, CONTEXT + i, cache, last_only=True)
+            model(idx, context + i, cache, last_only=True)
             synchronize(device)
             times.append(time.perf_counter() - start)
     return statistics.median(times[WARMUP_STEPS:]) * 1e3
@@ -130,7 +134,8 @@ def _knee(batches: Sequence[float], times: Sequence[float]) -> float | None:
 
 
 def run_sweep(model: GPT, sizes: Sequence[int], threads: int | None = None,
-              model_name: str = "") -> SweepResult:
+              model_name: str = "", bandwidth_mib: int | None = None,
+              matmul_n: int = MATMUL_N) -> SweepResult:
     from kvcache_cli.bench import _device_name, measure_bandwidth, weight_bytes
     from kvcache_cli.serving.paged_cache import block_bytes
 
@@ -139,15 +144,16 @@ def run_sweep(model: GPT, sizes: Sequence[int], threads: int | None = None,
         torch.set_num_threads(threads)
     try:
         device = model.device
-        bandwidth = measure_bandwidth(device).best_gbps * 1e9
-        peak = measure_peak_flops(device)
-        measured = [_step_ms(model, b) for b in sizes]
+        context = _context(model.config)
+        bandwidth = measure_bandwidth(device, bandwidth_mib).best_gbps * 1e9
+        peak = measure_peak_flops(device, matmul_n)
+        measured = [_step_ms(model, b, context) for b in sizes]
         used_threads = torch.get_num_threads()
     finally:
         torch.set_num_threads(previous)
     weights = weight_bytes(model)
-    kv_row = CONTEXT * block_bytes(model.config, 1, model.dtype)
-    per_row = _flops_per_row(model.config, CONTEXT)
+    kv_row = context * block_bytes(model.config, 1, model.dtype)
+    per_row = _flops_per_row(model.config, context)
 
     def predicted_ms(b: float) -> float:
         return max((weights + b * kv_row) / bandwidth, b * per_row / peak) * 1e3
@@ -176,7 +182,7 @@ def run_sweep(model: GPT, sizes: Sequence[int], threads: int | None = None,
         agrees = 0.5 <= measured_knee / predicted_knee <= 2
     return SweepResult(
         model=model_name, device=device.type, device_name=_device_name(device),
-        threads=used_threads, dtype=str(model.dtype).removeprefix("torch."), context=CONTEXT,
+        threads=used_threads, dtype=str(model.dtype).removeprefix("torch."), context=context,
         steps=STEPS, bandwidth_gbps=bandwidth / 1e9, peak_gflops=peak / 1e9,
         ridge=peak / bandwidth, points=points, measured_knee=measured_knee,
         predicted_knee=predicted_knee, agrees=agrees)

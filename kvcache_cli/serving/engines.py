@@ -39,7 +39,6 @@ from kvcache_cli.serving.workload import WorkloadSpec, make_requests
 
 ENGINES = ("sequential", "padded", "paged", "hf")
 BLOCK_SIZE = 16  # vLLM's default block: a short sequence wastes at most 15 slots
-WARMUP_REQUEST = Request(-1, tuple(range(1, 9)), 4, 0.0)
 
 # A progress callback: (engine, requests done, requests in all, running, waiting,
 # KV bytes in use, KV bytes reserved).
@@ -366,7 +365,7 @@ def _hf_manager(model: GPT, plan: Plan, block_size: int, max_batch: int, spec: W
     manager = hf.init_continuous_batching(generation, batching)
     manager.warmup()
     manager.start()
-    _hf_collect(manager, [WARMUP_REQUEST], None)
+    _hf_collect(manager, [_warmup_request(spec)], None)
     return manager
 
 
@@ -465,11 +464,17 @@ def _summarise(engine: str, setup_s: float, rec: _Recorder, model: GPT,
     )
 
 
+def _warmup_request(spec: WorkloadSpec) -> Request:
+    """A short untimed request that fits wherever the workload's longest does."""
+    prompt = max(1, min(8, spec.longest - 1))
+    return Request(-1, (0,) * prompt, max(1, min(4, spec.longest - prompt)), 0.0)
+
+
 def _prepare(engine: str, model: GPT, spec: WorkloadSpec, plan: Plan, block_size: int,
              max_batch: int, prefix_sharing: bool, stack: contextlib.ExitStack
              ) -> Callable[[Sequence[Request], _Recorder], dict]:
     """The engine's one-time set-up, warm-up included; returns how to run it."""
-    device, warmup = model.device, [WARMUP_REQUEST]
+    device, warmup = model.device, [_warmup_request(spec)]
 
     def recorder() -> _Recorder:
         return _Recorder(engine, warmup, device, None)
