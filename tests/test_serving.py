@@ -158,13 +158,14 @@ def test_shared_blocks_are_never_written():
     blocks.allocate(first)
     runner.prefill(first)
     shared = first.block_table[:2]
-    before = cache.k[:, shared].clone(), cache.v[:, shared].clone()
+    before = cache.k[:, :, shared].clone(), cache.v[:, :, shared].clone()
     copied = cache.bytes_copied
     second = _seq(prefix + [3, 4, 5], rid=1)
     blocks.allocate(second)
     runner.prefill(second)
     assert second.block_table[:2] == shared
-    assert torch.equal(cache.k[:, shared], before[0]) and torch.equal(cache.v[:, shared], before[1])
+    assert torch.equal(cache.k[:, :, shared], before[0])
+    assert torch.equal(cache.v[:, :, shared], before[1])
     # Only the 3 tokens past the shared prefix were written.
     assert cache.bytes_copied - copied == 3 * block_bytes(CONFIG, 1, torch.float32)
 

@@ -31,8 +31,10 @@ class PagedCache(KVCache):
     def __init__(self, config: GPTConfig, n_blocks: int, block_size: int, device,
                  dtype: torch.dtype):
         self.block_size = block_size
-        shape = (config.n_layer, n_blocks, config.n_head, block_size, config.head_size)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)  # (L, n_blocks, nh, bs, hs)
+        # Heads before blocks: a gather of blocks then reads as (B, nh, S, hs) without a
+        # second copy, since one head's blocks lie back to back in the gathered tensor.
+        shape = (config.n_layer, config.n_head, n_blocks, block_size, config.head_size)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)  # (L, nh, n_blocks, bs, hs)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.block_tables: Tensor | None = None  # (B, max blocks), set by bind
         self.reset()
@@ -58,13 +60,14 @@ class PagedCache(KVCache):
         positions = start[:, None] + torch.arange(T, device=k.device)  # (B, T)
         blocks = table.gather(1, positions // self.block_size)  # (B, T)
         slots = positions % self.block_size  # (B, T)
-        # Advanced indices around a slice put their dims first: (B, T, nh, hs).
-        self.k[layer][blocks, :, slots] = k.transpose(1, 2)
-        self.v[layer][blocks, :, slots] = v.transpose(1, 2)
+        # Two adjacent advanced indices keep their place: the slots are (nh, B, T, hs).
+        self.k[layer][:, blocks, slots] = k.transpose(0, 1)
+        self.v[layer][:, blocks, slots] = v.transpose(0, 1)
         self.bytes_copied += _nbytes(k) + _nbytes(v)
         n = table.size(1) * self.block_size
-        keys = self.k[layer][table].transpose(1, 2).reshape(B, nh, n, hs)  # (B, nh, S, hs)
-        values = self.v[layer][table].transpose(1, 2).reshape(B, nh, n, hs)
+        # (nh, B, blocks, bs, hs) gathered once, then viewed as (B, nh, S, hs).
+        keys = self.k[layer][:, table].transpose(0, 1).reshape(B, nh, n, hs)
+        values = self.v[layer][:, table].transpose(0, 1).reshape(B, nh, n, hs)
         if isinstance(start_pos, Tensor):
             # Rows of different lengths: `length` is the padded width (reading the
             # longest row's length would wait for the device every layer).
