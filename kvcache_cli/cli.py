@@ -423,7 +423,7 @@ def serve(
     block_size: Annotated[int, typer.Option(help="Tokens per KV block (paged, hf).")] = 16,
     max_batch: Annotated[int, typer.Option(help="Most sequences decoded at once.")] = 256,
     prefix_sharing: Annotated[bool, typer.Option(
-        help="Share full blocks of equal prefixes (paged).")] = True,
+        help="Share full blocks of equal prefixes (paged, and hf's own).")] = True,
     threads: Annotated[int | None, typer.Option(
         help="torch intra-op threads (default: torch's own, one per core).")] = None,
     batch: Annotated[str | None, typer.Option(

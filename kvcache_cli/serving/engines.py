@@ -344,7 +344,8 @@ def _quiet_transformers() -> Iterator[None]:
         cb_logger.setLevel(cb_level)
 
 
-def _hf_manager(model: GPT, plan: Plan, block_size: int, max_batch: int, spec: WorkloadSpec):
+def _hf_manager(model: GPT, plan: Plan, block_size: int, max_batch: int, spec: WorkloadSpec,
+                prefix_sharing: bool):
     """transformers' continuous-batching manager on our weights, started and warmed up."""
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
@@ -359,6 +360,7 @@ def _hf_manager(model: GPT, plan: Plan, block_size: int, max_batch: int, spec: W
         page_size=block_size,
         num_blocks=plan.n_blocks,  # the same memory as our pool
         max_requests_per_batch=max_batch,
+        allow_block_sharing=prefix_sharing,  # its prefix caching, on or off as ours is
         # Tokens one forward may take: a whole prompt, as our prefill does.
         max_batch_tokens=max(spec.shared_prefix + spec.prompt_len[1], max_batch),
     )
@@ -497,7 +499,7 @@ def _prepare(engine: str, model: GPT, spec: WorkloadSpec, plan: Plan, block_size
 
         return run_paged
     stack.enter_context(_quiet_transformers())
-    manager = _hf_manager(model, plan, block_size, max_batch, spec)
+    manager = _hf_manager(model, plan, block_size, max_batch, spec, prefix_sharing)
     stack.callback(manager.stop, block=True, timeout=5)
     reserved = plan.n_blocks * block_bytes(model.config, block_size, model.dtype)
     return lambda requests, rec: _hf_collect(manager, requests, rec) or dict(reserved=reserved)
