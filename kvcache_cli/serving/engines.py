@@ -24,7 +24,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -112,12 +112,6 @@ class ServeResult:
     max_batch: int
     prefix_sharing: bool
     engines: tuple[EngineResult, ...]
-
-    def engine(self, name: str) -> EngineResult:
-        for result in self.engines:
-            if result.engine == name:
-                return result
-        raise KeyError(f"engine {name!r} was not run")
 
 
 # ---------------------------------------------------------------------------- inputs
@@ -284,8 +278,6 @@ def _run_padded(model: GPT, requests, rec: _Recorder, plan: Plan) -> None:
 class _PagedState:
     blocks: BlockManager
     scheduler: Scheduler
-    peak_running: int = 0
-    seqs: list[Seq] = field(default_factory=list)
 
 
 def _run_paged(model: GPT, requests, rec: _Recorder, plan: Plan, block_size: int,
@@ -299,9 +291,7 @@ def _run_paged(model: GPT, requests, rec: _Recorder, plan: Plan, block_size: int
     rec.reserved = cache.bytes_held
     while len(rec.finish) < len(requests):
         for r in rec.arrivals():
-            seq = Seq(r)
-            state.seqs.append(seq)
-            scheduler.add(seq)
+            scheduler.add(Seq(r))
         if scheduler.idle:
             rec.wait_for_arrival()
             continue
@@ -316,7 +306,6 @@ def _run_paged(model: GPT, requests, rec: _Recorder, plan: Plan, block_size: int
                 s.tokens.append(token)
                 if s.num_cached % block_size == 0:  # a block just filled
                     blocks.register_full_blocks(s, s.num_cached)
-        state.peak_running = max(state.peak_running, len(scheduler.running))
         rec.sample(len(scheduler.running), len(scheduler.waiting),
                    blocks.blocks_in_use * one_block,
                    blocks.tokens_stored(scheduler.running) * per_token)

@@ -37,8 +37,6 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_cached: int = 0
     status: Status = Status.WAITING
-    first_token_s: float | None = None  # clock readings, seconds
-    finish_s: float | None = None
 
     def __post_init__(self) -> None:
         if not self.tokens:
