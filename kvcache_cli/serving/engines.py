@@ -225,8 +225,9 @@ def _run_sequential(model: GPT, requests, rec: _Recorder) -> None:
 
     per_token = block_bytes(model.config, 1, model.dtype)
     for i, r in enumerate(requests):
-        while rec.arrived <= i:
-            list(rec.arrivals()) or rec.wait_for_arrival()
+        while rec.arrived <= i:  # one at a time, in arrival order
+            if not list(rec.arrivals()):
+                rec.wait_for_arrival()
         cache = StaticCache(model.config, len(r.prompt) + r.max_new_tokens, 1, model.device,
                             model.dtype)
         rec.reserved = max(rec.reserved, cache.bytes_held)  # the largest it ever held
