@@ -250,7 +250,12 @@ def test_a_differing_token_is_reported_with_its_step_and_the_solo_gap():
     changed[2][1] = (changed[2][1] + 1) % CONFIG.vocab_size
     (mismatch,) = E._mismatches(model, requests, changed, reference)
     assert (mismatch.request, mismatch.step) == (2, 1)
-    assert mismatch.top2_gap >= 0
+    assert mismatch.top2_gap >= 0 and mismatch.logit_scale > 0
+
+
+def test_a_near_tie_is_a_gap_within_float32_noise_of_the_logits_size():
+    assert E.Mismatch(0, 1, top2_gap=0.003, logit_scale=1000.0).near_tie
+    assert not E.Mismatch(0, 1, top2_gap=0.5, logit_scale=10.0).near_tie
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -39,6 +39,9 @@ from kvcache_cli.serving.workload import WorkloadSpec, make_requests
 
 ENGINES = ("sequential", "padded", "paged", "hf")
 BLOCK_SIZE = 16  # vLLM's default block: a short sequence wastes at most 15 slots
+# float32 keeps ~7 digits and a logit sums ~1000 products: a top-2 gap under 1e-4 of
+# the largest logit is within what another summation order can change.
+NEAR_TIE = 1e-4
 
 # A progress callback: (engine, requests done, requests in all, running, waiting,
 # KV bytes in use, KV bytes reserved).
@@ -51,7 +54,14 @@ class Mismatch:
 
     request: int
     step: int  # the first differing new token
-    top2_gap: float  # the solo run's top-1 minus top-2 logit there: a near-tie is small
+    top2_gap: float  # the solo run's top-1 minus top-2 logit there
+    logit_scale: float  # the largest |logit| there: float32 noise grows with it
+
+    @property
+    def near_tie(self) -> bool:
+        """A gap within float32 noise of the logits' size: batched matmuls sum in another
+        order than one row's, and a flipped near-tie sends greedy decoding elsewhere."""
+        return self.top2_gap <= NEAR_TIE * self.logit_scale
 
 
 @dataclass(frozen=True)
@@ -412,13 +422,14 @@ def _mismatches(model: GPT, requests, tokens: dict[int, list[int]],
             continue
         differ = (i for i, (a, b) in enumerate(zip(got, ref)) if a != b)
         step = next(differ, min(len(got), len(ref)))  # else one stopped early
-        gap = float("nan")
+        gap = scale = float("nan")
         if step < len(ref):
             idx = torch.tensor([list(r.prompt) + ref[:step]], device=model.device)  # (1, T)
             with torch.inference_mode():
-                top2 = model(idx, 0, None, last_only=True)[0, -1].topk(2).values
-            gap = float(top2[0] - top2[1])
-        out.append(Mismatch(r.id, step, gap))
+                logits = model(idx, 0, None, last_only=True)[0, -1]  # (vocab,)
+            top2 = logits.topk(2).values
+            gap, scale = float(top2[0] - top2[1]), float(logits.abs().max())
+        out.append(Mismatch(r.id, step, gap, scale))
     return tuple(out)
 
 

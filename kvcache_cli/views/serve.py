@@ -66,11 +66,11 @@ def _speed(r: ServeResult) -> Table:
     timed = r.workload.rate is not None
     table = figures_table(
         "engine", "tok/s", "run s", "setup s", "×seq", "×pad", "×hf",
-        "TTFT ms" + (" p50/99" if timed else ""), "ms/tok",
+        "TTFT s" + (" p50/99" if timed else ""), "ms/tok",
         title="throughput: output tokens over the run, set-up apart; medians per request")
     _named(table)
     for e in r.engines:
-        ttft = f"{e.ttft_ms_p50:,.0f}" + (f"/{e.ttft_ms_p99:,.0f}" if timed else "")
+        ttft = f"{e.ttft_ms_p50 / 1e3:.1f}" + (f"/{e.ttft_ms_p99 / 1e3:.1f}" if timed else "")
         table.add_row(f"[bold]{e.engine}[/]", f"[bold]{e.tokens_per_s:,.1f}[/]",
                       f"{e.total_s:,.1f}", f"{e.setup_s:,.1f}", _ratio(e.over_sequential),
                       _ratio(e.over_padded), _ratio(e.over_hf), ttft, f"{e.tpot_ms_p50:,.1f}")
@@ -79,9 +79,9 @@ def _speed(r: ServeResult) -> Table:
 
 def _memory(r: ServeResult) -> Table:
     table = figures_table(
-        "engine", "KV held", "peak used", "real", "running", "prefix hits", "preempted",
-        "= solo",
-        title="memory: what each engine held, and how much of it held real tokens")
+        "engine", "KV held", "peak", "real", "seqs", "hits", "preempt", "= solo",
+        title="KV memory: held, peak in use, the share holding real tokens; peak sequences "
+        "running, prefix blocks hit, preemptions")
     _named(table)
     for e in r.engines:
         exact = f"{OK} {e.requests_exact}/{r.workload.requests}" if not e.mismatches else \
@@ -98,9 +98,10 @@ def _verdict(r: ServeResult) -> RenderableType:
         for m in e.mismatches:
             lines.append(Text.from_markup(
                 f"{BAD} {e.engine}: request {m.request} left its solo tokens at new token "
-                f"{m.step} (solo top-2 logit gap {m.top2_gap:.3g}: "
-                + ("a near-tie that float32 summation order can flip)"
-                   if m.top2_gap < 1e-3 else "not a near-tie: a bug)")))
+                f"{m.step}: the solo top-2 logits are {m.top2_gap:.3g} apart, "
+                f"{m.top2_gap / m.logit_scale:.1e} of the largest; "
+                + ("a near-tie that float32 summation order can flip"
+                   if m.near_tie else "not a near-tie: look for a bug")))
     if not lines:
         lines.append(Text.from_markup(
             f"{OK} every engine gave every request exactly its solo (static cache) tokens"))
