@@ -39,9 +39,11 @@ from kvcache_cli.serving.workload import WorkloadSpec, make_requests
 
 ENGINES = ("sequential", "padded", "paged", "hf")
 BLOCK_SIZE = 16  # vLLM's default block: a short sequence wastes at most 15 slots
-# float32 keeps ~7 digits and a logit sums ~1000 products: a top-2 gap under 1e-4 of
-# the largest logit is within what another summation order can change.
-NEAR_TIE = 1e-4
+# One decode step of GPT-2 small in a batch of 4 against the same row alone (a GEMM
+# against the one-row product, summing in another order): logits differed by up to
+# 5e-5 of the largest, and the difference grows along a generation as the cached keys
+# drift apart too. A top-2 gap under 1e-3 of the largest logit is within that noise.
+NEAR_TIE = 1e-3
 
 # A progress callback: (engine, requests done, requests in all, running, waiting,
 # KV bytes in use, KV bytes reserved).
