@@ -561,6 +561,145 @@ def bench(
             Console().print(f"per-step plot written to {plot}")
 
 
+# --- serve: many sequences at once ------------------------------------------------------
+
+
+@app.command()
+def serve(
+    device: Annotated[str, typer.Option(help="cpu, cuda, or auto (cuda when there is one).")
+    ] = "auto",
+    model: Annotated[str, typer.Option(
+        help="gpt2, gpt2-medium, gpt2-large, gpt2-xl or a checkpoint dir.")] = "gpt2",
+    weights: Annotated[str, typer.Option(
+        help="auto (real if available, else random), pretrained, random.")] = "auto",
+    requests: Annotated[int, typer.Option(help="Requests in the workload.")] = 64,
+    prompt_len: Annotated[str, typer.Option(
+        help="Prompt lengths MIN:MAX (after the shared prefix), drawn per request.")
+    ] = "16:512",
+    output_len: Annotated[str, typer.Option(help="Output lengths MIN:MAX, drawn per request.")
+    ] = "16:256",
+    shared_prefix: Annotated[int, typer.Option(
+        help="Tokens every prompt starts with (a system prompt).")] = 0,
+    rate: Annotated[float | None, typer.Option(
+        help="Poisson arrivals, requests/s (default: all at once).")] = None,
+    seed: Annotated[int, typer.Option(help="Seed of the workload.")] = 0,
+    engines: Annotated[str, typer.Option(
+        help="Comma-separated, from: sequential, padded, paged, hf (transformers' "
+        "continuous batching).")] = "sequential,padded,paged,hf",
+    kv_mem: Annotated[str, typer.Option(
+        help="KV memory every engine may hold: 256MiB, 1GB or bytes.")] = "256MiB",
+    block_size: Annotated[int, typer.Option(help="Tokens per KV block (paged, hf).")] = 16,
+    max_batch: Annotated[int, typer.Option(help="Most sequences decoded at once.")] = 256,
+    prefix_sharing: Annotated[bool, typer.Option(
+        help="Share full blocks of equal prefixes (paged, and hf's own).")] = True,
+    threads: Annotated[int | None, typer.Option(
+        help="torch intra-op threads (default: torch's own, one per core).")] = None,
+    batch: Annotated[str | None, typer.Option(
+        help="Instead of the workload: decode-step time at these batch sizes, e.g. "
+        "1,4,16,64, against the roofline.")] = None,
+    plot: Annotated[Path | None, typer.Option(
+        help="Write KV in use and running sequences over time to this PNG.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the raw result as JSON.")] = False,
+) -> None:
+    """Serve a seeded workload through several engines: paged + continuous batching
+    against one-at-a-time, padded batches and transformers' generate_batch.
+
+    Each request's tokens are checked against its solo generation; set-up is timed
+    apart from the run.
+    """
+    import torch
+    from rich.console import Console
+
+    from kvcache_cli import bench as bench_
+    from kvcache_cli import sizing
+    from kvcache_cli.plot import PlotUnavailable, require_matplotlib
+    from kvcache_cli.serving import batching, workload
+    from kvcache_cli.serving import engines as serving
+
+    # Everything a user can get wrong is refused before a model loads.
+    try:
+        dev = bench_.resolve_device(device)
+        config = serving.model_config(model)
+        if batch is not None:
+            sizes = batching.parse_sizes(batch)
+            batching.check_sweep(config)
+        else:
+            spec = workload.WorkloadSpec(
+                requests, workload.parse_range(prompt_len, "--prompt-len"),
+                workload.parse_range(output_len, "--output-len"), shared_prefix, rate, seed)
+            workload.check_spec(spec, config.block_size)
+            engine_names = serving.parse_engines(engines)
+            memory = sizing.parse_bytes(kv_mem, "--kv-mem")
+            serving.plan_memory(config, torch.float32, spec, memory, block_size, max_batch)
+        if threads is not None and threads < 1:
+            raise ValueError(f"--threads {threads}: expected at least 1")
+    except ValueError as err:
+        fail(str(err))
+    if plot is not None:
+        try:
+            require_matplotlib()
+        except PlotUnavailable as err:
+            fail(str(err))
+        if not plot.parent.is_dir():
+            fail(f"--plot: no directory {str(plot.parent)!r} to write {plot.name!r} into")
+    loaded = _load_gpt2(model, weights, str(dev))
+    status = Console(stderr=True)
+    try:
+        if batch is not None:
+            with status.status("decode steps at each batch size"):
+                result = batching.run_sweep(loaded.model, sizes, threads=threads,
+                                            model_name=loaded.source)
+        else:
+            with _serve_progress(status) as on_step:
+                result = serving.run_serve(
+                    loaded.model, spec, engine_names, memory, block_size, max_batch,
+                    prefix_sharing, threads, loaded.source, loaded.note, on_step)
+    except (ValueError, IndexError) as err:
+        fail(str(err))
+    except RuntimeError as err:
+        fail(str(err), code=1)
+    if plot is not None:
+        from kvcache_cli.serving.plot import save_plot
+
+        save_plot(result, plot)
+    if as_json:
+        from kvcache_cli.views import to_json
+
+        typer.echo(to_json(result))
+        return
+    from kvcache_cli.views.serve import render
+
+    console = Console()
+    console.print(render(result))
+    if plot is not None:
+        console.print(f"plot written to {plot}")
+
+
+def _serve_progress(console):
+    """The live line on stderr: each engine's requests done, running, waiting, KV in use."""
+    import contextlib
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    # Redrawn twice a second: the redraw thread shares the CPUs being timed.
+    progress = Progress("{task.description}", BarColumn(), MofNCompleteColumn(), "requests",
+                        TimeElapsedColumn(), console=console, transient=True,
+                        refresh_per_second=2)
+    task = progress.add_task("set-up", total=None)
+
+    def on_step(engine, done, total, running, waiting, used, reserved) -> None:
+        kv = f" · KV {used / 2**20:,.0f}/{reserved / 2**20:,.0f} MiB" if reserved else ""
+        progress.update(task, completed=done, total=total,
+                        description=f"{engine}: {running} running · {waiting} waiting{kv}")
+
+    @contextlib.contextmanager
+    def live():
+        with progress:
+            yield on_step
+
+    return live()
+
+
 # --- generate and the GPT-2 breaks: the PyTorch model --------------------------------
 
 

@@ -221,7 +221,8 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = Linear(config.n_embd, config.n_embd)
 
     def forward(
-        self, x: Tensor, start_pos: int, cache: KVCache | None, force_is_causal: bool = False
+        self, x: Tensor, start_pos: int | Tensor, cache: KVCache | None,
+        force_is_causal: bool = False,
     ) -> Tensor:
         B, T, C = x.size()
         nh, hs = self.n_head, C // self.n_head
@@ -233,7 +234,14 @@ class CausalSelfAttention(nn.Module):
             k, v = cache.update(self.layer, start_pos, k, v)  # (B, nh, S, hs), ours last
         S = k.size(2)
         mask, is_causal = None, False
-        if T == S or force_is_causal:
+        if isinstance(start_pos, Tensor):
+            # Rows at different positions: the cache returns key j at slot j of every
+            # row, padded to the longest, and query i of row b sits at start_pos[b] + i,
+            # so it may see exactly the keys at slots 0 .. start_pos[b] + i.
+            positions = start_pos[:, None] + torch.arange(T, device=x.device)  # (B, T)
+            slots = torch.arange(S, device=x.device)  # (S,)
+            mask = (slots <= positions[:, :, None]).unsqueeze(1)  # (B, 1, T, S)
+        elif T == S or force_is_causal:
             # Square scores: the ordinary causal mask. SDPA aligns is_causal to the top
             # left, so forced onto a one-row query against S keys (the article's bug 2)
             # it lets the newest token see key 0 and nothing else.
@@ -268,7 +276,8 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def forward(
-        self, x: Tensor, start_pos: int, cache: KVCache | None, force_is_causal: bool = False
+        self, x: Tensor, start_pos: int | Tensor, cache: KVCache | None,
+        force_is_causal: bool = False,
     ) -> Tensor:
         x = x + self.attn(self.ln_1(x), start_pos, cache, force_is_causal)
         return x + self.mlp(self.ln_2(x))
@@ -312,7 +321,7 @@ class GPT(nn.Module):
     def forward(
         self,
         idx: Tensor,
-        start_pos: int,
+        start_pos: int | Tensor,
         cache: KVCache | None = None,
         *,
         last_only: bool = False,
@@ -321,17 +330,24 @@ class GPT(nn.Module):
         """Logits (B, T, vocab) for tokens idx (B, T) sitting at positions start_pos ...
 
         With a cache, attention also sees every position the cache already holds.
+        `start_pos` is one int for the whole batch, or a tensor (B,) of each row's own
+        first position: a batch of sequences at different lengths in one forward (the
+        cache must then return every row's keys at their positions, and a mask hides
+        each row's keys past its own position).
         `last_only` returns the last position's logits only, (B, 1, vocab): all that
         generation needs, and the LM head is the largest matmul (nanoGPT does the same).
         `force_is_causal` exists only to reproduce the article's bug 2 (`kvcache break
         causal-decode`): it hands SDPA is_causal=True whatever the shapes.
         """
         B, T = idx.size()
-        if start_pos < 0 or start_pos + T > self.config.block_size:
-            raise IndexError(
-                f"position {start_pos + T - 1} past context window {self.config.block_size}"
-            )
-        pos = torch.arange(start_pos, start_pos + T, device=idx.device)  # (T,)
+        if isinstance(start_pos, Tensor):
+            first, last = int(start_pos.min()), int(start_pos.max()) + T - 1
+            pos = start_pos[:, None] + torch.arange(T, device=idx.device)  # (B, T)
+        else:
+            first, last = start_pos, start_pos + T - 1
+            pos = torch.arange(start_pos, start_pos + T, device=idx.device)  # (T,)
+        if first < 0 or last >= self.config.block_size:
+            raise IndexError(f"position {last} past context window {self.config.block_size}")
         x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # (B, T, C)
         for block in self.transformer.h:
             x = block(x, start_pos, cache, force_is_causal)

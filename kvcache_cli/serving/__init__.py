@@ -1,0 +1,11 @@
+"""Many sequences at once: a paged KV cache and continuous batching for GPT-2.
+
+vLLM's engine in nano-vllm's split, one job a module: `sequence` (a request and its
+state), `block_manager` (the pool's free list, reference counts and prefix hashes;
+no tensors), `paged_cache` (the pool itself, one more `gpt2.KVCache`), `scheduler`
+(what runs each step: admit, decode, preempt; no tensors), `model_runner` (a step's
+batch as tensors through the model), `engines` (the loop, and the engines it is
+measured against), `workload` (the seeded requests) and `batching` (decode time
+against batch size, beside the roofline). The NumPy `paged` demo in
+`kv_cache_from_scratch.py` simulates the same allocator; the names follow it.
+"""

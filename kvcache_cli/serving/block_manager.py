@@ -1,0 +1,136 @@
+"""The pool's bookkeeping: a free list, reference counts, and prefix hashes.
+
+vLLM's block manager (nano-vllm's `block_manager.py`): blocks of `block_size`
+tokens handed out on demand, freed when their last holder lets go. With prefix
+sharing, every full block is entered under a hash chained over all tokens up to
+its end (the hash of the block before it and its own tokens), so a new sequence
+whose first blocks hold the same tokens at the same positions takes them by
+reference instead of computing them again. Only full blocks are shared and a full
+block is never written again, so sharing needs no copy on write. A freed block
+keeps its hash until the free list hands it out again: a later request can still
+hit it (vLLM's prefix cache). No tensors here: `PagedCache` holds the pool.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from kvcache_cli.serving.sequence import Sequence
+
+
+class BlockManager:
+    def __init__(self, n_blocks: int, block_size: int, prefix_sharing: bool = True):
+        if n_blocks < 1 or block_size < 1:
+            raise ValueError(f"need at least one block of at least one token, got "
+                             f"{n_blocks} blocks of {block_size}")
+        self.n_blocks, self.block_size, self.prefix_sharing = n_blocks, block_size, prefix_sharing
+        self.refcount = [0] * n_blocks
+        # Freed blocks go to the back, new ones come from the front: a block freed
+        # recently, whose prefix a next request may hit, is reused last.
+        self.free_blocks: deque[int] = deque(range(n_blocks))
+        self.block_hash: list[int | None] = [None] * n_blocks
+        self.hash_to_block: dict[int, int] = {}
+        self.prefix_hits = 0  # blocks taken by reference instead of computed
+
+    # -- queries
+
+    @property
+    def blocks_in_use(self) -> int:
+        return self.n_blocks - len(self.free_blocks)
+
+    def blocks_for(self, n_tokens: int) -> int:
+        return -(-n_tokens // self.block_size)
+
+    def _chain(self, tokens: list[int], n_blocks: int) -> list[int]:
+        """The chained hash of each of the first n_blocks full blocks of tokens."""
+        hashes, h, bs = [], 0, self.block_size
+        for i in range(n_blocks):
+            h = hash((h, tuple(tokens[i * bs : (i + 1) * bs])))
+            hashes.append(h)
+        return hashes
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """Blocks that already hold this sequence's first full blocks.
+
+        At most the full blocks before the last token: a prefill must compute at
+        least one token, the one whose logits choose the next.
+        """
+        if not self.prefix_sharing:
+            return []
+        hits = []
+        for h in self._chain(seq.tokens, (len(seq.tokens) - 1) // self.block_size):
+            block = self.hash_to_block.get(h)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        hits = self._cached_prefix(seq)
+        # A hit on a freed block still takes it off the free list.
+        needed = self.blocks_for(len(seq.tokens)) - len(hits)
+        needed += sum(1 for b in hits if self.refcount[b] == 0)
+        return needed <= len(self.free_blocks)
+
+    def can_append(self, seq: Sequence) -> bool:
+        """Whether the next token (at position num_cached) has a slot."""
+        return seq.num_cached < len(seq.block_table) * self.block_size or bool(self.free_blocks)
+
+    # -- changes
+
+    def _take(self) -> int:
+        if not self.free_blocks:
+            raise MemoryError(f"all {self.n_blocks} KV blocks are in use")
+        block = self.free_blocks.popleft()
+        if self.block_hash[block] is not None:  # its old contents are about to go
+            self.hash_to_block.pop(self.block_hash[block], None)
+            self.block_hash[block] = None
+        self.refcount[block] = 1
+        return block
+
+    def allocate(self, seq: Sequence) -> None:
+        """A block table for every token of seq: shared prefix blocks, then new ones."""
+        hits = self._cached_prefix(seq)
+        for block in hits:
+            if self.refcount[block] == 0:
+                self.free_blocks.remove(block)
+            self.refcount[block] += 1
+        self.prefix_hits += len(hits)
+        seq.block_table = hits + [self._take() for _ in
+                                  range(self.blocks_for(len(seq.tokens)) - len(hits))]
+        seq.num_cached = len(hits) * self.block_size
+        # Entered now, before the prefill computes them: prefills run one at a time in
+        # admission order, so a request admitted in the same step already finds them.
+        self.register_full_blocks(seq, len(seq.tokens))
+
+    def append_slot(self, seq: Sequence) -> None:
+        """Make room for the token at position num_cached (a new block when the last is full)."""
+        if seq.num_cached == len(seq.block_table) * self.block_size:
+            seq.block_table.append(self._take())
+
+    def register_full_blocks(self, seq: Sequence, n_tokens: int) -> None:
+        """Enter every full block of seq's first n_tokens under its hash."""
+        if not self.prefix_sharing:
+            return
+        n_full = n_tokens // self.block_size
+        for block, h in zip(seq.block_table[:n_full], self._chain(seq.tokens, n_full)):
+            if self.block_hash[block] is None and h not in self.hash_to_block:
+                self.block_hash[block] = h
+                self.hash_to_block[h] = block
+
+    def free(self, seq: Sequence) -> None:
+        for block in reversed(seq.block_table):  # the tail first: the prefix stays longest
+            self.refcount[block] -= 1
+            if self.refcount[block] == 0:
+                self.free_blocks.append(block)
+        seq.block_table, seq.num_cached = [], 0
+
+    def tokens_stored(self, running: list[Sequence]) -> int:
+        """Tokens whose K/V the blocks in use hold, a shared block counted once."""
+        full = set()
+        partial = 0
+        for seq in running:
+            n_full = seq.num_cached // self.block_size
+            full.update(seq.block_table[:n_full])
+            partial += seq.num_cached - n_full * self.block_size
+        return len(full) * self.block_size + partial

@@ -1,0 +1,594 @@
+"""One workload through several engines, each timed and checked against solo runs.
+
+- `sequential`: one request at a time with today's static cache (`generate`); its
+  tokens are every request's solo generation, the reference for the others;
+- `padded`: what a plain batched `generate()` does: fixed groups, every row decoded
+  until the group's longest request is done (finished rows keep computing), each
+  row in a contiguous slab long enough for the longest request;
+- `paged`: ours: `PagedCache` + continuous batching + prefix sharing;
+- `hf`: transformers' continuous batching (the manager behind
+  `model.generate_batch`, with its own paged cache), on the same weights.
+
+`kv_mem` bounds every engine's KV memory alike: the paged pool, the padded slabs
+(so it decides how many rows a group has), transformers' block count. One-time
+set-up (pools, transformers' manager, a short untimed warm-up request) is timed
+apart from the run. The clock starts when the first request may arrive; a request
+that has not arrived yet cannot be served.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvcache_cli.gpt2 import GPT, GPTConfig, StaticCache
+from kvcache_cli.serving.block_manager import BlockManager
+from kvcache_cli.serving.model_runner import ModelRunner
+from kvcache_cli.serving.paged_cache import PagedCache, block_bytes
+from kvcache_cli.serving.scheduler import Scheduler
+from kvcache_cli.serving.sequence import Request
+from kvcache_cli.serving.sequence import Sequence as Seq
+from kvcache_cli.serving.workload import WorkloadSpec, make_requests
+
+ENGINES = ("sequential", "padded", "paged", "hf")
+BLOCK_SIZE = 16  # vLLM's default block: a short sequence wastes at most 15 slots
+# One decode step of GPT-2 small in a batch of 4 against the same row alone (a GEMM
+# against the one-row product, summing in another order): logits differed by up to
+# 5e-5 of the largest, and the difference grows along a generation as the cached keys
+# drift apart too. A top-2 gap under 1e-3 of the largest logit is within that noise.
+NEAR_TIE = 1e-3
+
+# A progress callback: (engine, requests done, requests in all, running, waiting,
+# KV bytes in use, KV bytes reserved).
+ProgressFn = Callable[[str, int, int, int, int, int, int], None]
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """A request whose tokens left its solo generation's."""
+
+    request: int
+    step: int  # the first differing new token
+    top2_gap: float  # the solo run's top-1 minus top-2 logit there
+    logit_scale: float  # the largest |logit| there: float32 noise grows with it
+
+    @property
+    def near_tie(self) -> bool:
+        """A gap within float32 noise of the logits' size: batched matmuls sum in another
+        order than one row's, and a flipped near-tie sends greedy decoding elsewhere."""
+        return self.top2_gap <= NEAR_TIE * self.logit_scale
+
+
+@dataclass(frozen=True)
+class Sample:
+    t_s: float  # seconds since the run started
+    running: int
+    waiting: int  # arrived, not running
+    kv_used_bytes: int  # blocks (or slabs) in use
+    kv_real_bytes: int  # the part of them holding a real token's K and V
+
+
+@dataclass(frozen=True)
+class EngineResult:
+    engine: str
+    setup_s: float  # one-time: pools, transformers' manager, a warm-up request
+    total_s: float  # first arrival to last token
+    output_tokens: int
+    tokens_per_s: float  # output tokens / total_s
+    ttft_ms_p50: float  # arrival to first token
+    ttft_ms_p99: float
+    tpot_ms_p50: float  # per request: (last token - first token) / (tokens - 1)
+    tpot_ms_p99: float
+    kv_reserved_bytes: int | None  # what the engine holds for KV (pool, slabs)
+    kv_peak_used_bytes: int | None  # blocks or slabs in use at the peak
+    kv_utilisation: float | None  # real / in use, averaged over the run's time
+    peak_running: int | None
+    prefix_blocks_hit: int | None
+    preemptions: int | None
+    requests_exact: int  # requests whose tokens equal their solo generation's
+    mismatches: tuple[Mismatch, ...]
+    timeline: tuple[Sample, ...]
+    over_sequential: float | None = None  # tokens/s ratios, filled in by run_serve
+    over_padded: float | None = None
+    over_hf: float | None = None
+
+
+@dataclass(frozen=True)
+class ServeResult:
+    model: str
+    weights_note: str | None
+    device: str
+    device_name: str
+    cpus: int
+    threads: int
+    others_cpu_share: float | None  # other processes' share of CPU time during the run
+    dtype: str
+    torch_version: str
+    transformers_version: str | None
+    workload: WorkloadSpec
+    prompt_tokens: int
+    output_tokens: int
+    kv_mem_bytes: int
+    block_size: int
+    n_blocks: int
+    bytes_per_token: int  # K and V, every layer
+    padded_rows: int  # rows of a padded group under kv_mem
+    slab_len: int  # positions of one padded row
+    max_batch: int
+    prefix_sharing: bool
+    engines: tuple[EngineResult, ...]
+
+
+# ---------------------------------------------------------------------------- inputs
+
+
+def model_config(name_or_path: str) -> GPTConfig:
+    """The shape of a preset or checkpoint, read without loading any weights."""
+    from pathlib import Path
+
+    from kvcache_cli.gpt2 import PRESETS, _read_config
+
+    if name_or_path in PRESETS:
+        return PRESETS[name_or_path]
+    if not Path(name_or_path).is_dir():
+        raise ValueError(f"unknown model {name_or_path!r}: expected {', '.join(PRESETS)} "
+                         "or a checkpoint directory (save_pretrained)")
+    return _read_config(Path(name_or_path) / "config.json")
+
+
+def parse_engines(text: str) -> tuple[str, ...]:
+    names = tuple(part.strip() for part in text.split(",") if part.strip())
+    unknown = [n for n in names if n not in ENGINES]
+    if unknown or not names:
+        what = f"unknown engine {', '.join(map(repr, unknown))}" if unknown else "no engines"
+        raise ValueError(f"--engines: {what}; valid engines: {', '.join(ENGINES)}")
+    if len(set(names)) < len(names):
+        raise ValueError(f"--engines {text!r}: an engine given twice")
+    return names
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How kv_mem is shared out: paged blocks, padded rows."""
+
+    n_blocks: int
+    padded_rows: int
+    slab_len: int
+
+
+def plan_memory(config, dtype: torch.dtype, spec: WorkloadSpec, kv_mem: int, block_size: int,
+                max_batch: int) -> Plan:
+    """Refuse a budget that cannot hold even the longest request."""
+    if block_size < 1:
+        raise ValueError(f"--block-size {block_size}: expected at least 1 token")
+    if max_batch < 1:
+        raise ValueError(f"--max-batch {max_batch}: expected at least 1")
+    per_token = block_bytes(config, 1, dtype)
+    n_blocks = kv_mem // block_bytes(config, block_size, dtype)
+    need = -(-spec.longest // block_size)
+    if n_blocks < need:
+        raise ValueError(
+            f"--kv-mem {kv_mem:,} bytes holds {n_blocks} blocks of {block_size} tokens "
+            f"({per_token:,} bytes a token); the longest request ({spec.longest} tokens) "
+            f"needs {need}")
+    rows = min(max_batch, kv_mem // (spec.longest * per_token))
+    return Plan(n_blocks, rows, spec.longest)
+
+
+# ---------------------------------------------------------------------------- clocks
+
+
+class _Recorder:
+    """Arrivals, token times and memory samples of one engine's run."""
+
+    def __init__(self, engine: str, requests: Sequence[Request], device,
+                 progress: ProgressFn | None):
+        self.engine, self.requests, self.device, self.progress = engine, requests, device, progress
+        self.tokens: dict[int, list[int]] = {}
+        self.first: dict[int, float] = {}
+        self.finish: dict[int, float] = {}
+        self.samples: list[Sample] = []
+        self.next_arrival = 0  # index of the first request not yet handed in
+        self.reserved = 0  # KV bytes the engine holds, for the progress display
+        self.t0 = time.perf_counter()
+
+    def now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - self.t0
+
+    def arrivals(self) -> Iterator[Request]:
+        """Requests that have arrived since the last call, in arrival order."""
+        now = time.perf_counter() - self.t0
+        while (self.next_arrival < len(self.requests)
+               and self.requests[self.next_arrival].arrival_s <= now):
+            self.next_arrival += 1
+            yield self.requests[self.next_arrival - 1]
+
+    def wait_for_arrival(self) -> None:
+        """Sleep until the next request arrives (only when nothing else can run)."""
+        if self.next_arrival < len(self.requests):
+            ahead = self.requests[self.next_arrival].arrival_s - (time.perf_counter() - self.t0)
+            time.sleep(max(0.0, ahead))
+
+    @property
+    def arrived(self) -> int:
+        return self.next_arrival
+
+    def sample(self, running: int, waiting: int, used: int, real: int) -> None:
+        self.samples.append(Sample(self.now(), running, waiting, used, real))
+        if self.progress is not None:
+            self.progress(self.engine, len(self.finish), len(self.requests), running, waiting,
+                          used, self.reserved)
+
+
+# ---------------------------------------------------------------------------- engines
+
+
+def _run_sequential(model: GPT, requests, rec: _Recorder) -> None:
+    from kvcache_cli.generate import stream_tokens
+
+    per_token = block_bytes(model.config, 1, model.dtype)
+    for i, r in enumerate(requests):
+        while rec.arrived <= i:  # one at a time, in arrival order
+            if not list(rec.arrivals()):
+                rec.wait_for_arrival()
+        cache = StaticCache(model.config, len(r.prompt) + r.max_new_tokens, 1, model.device,
+                            model.dtype)
+        rec.reserved = max(rec.reserved, cache.bytes_held)  # the largest it ever held
+        tokens = rec.tokens[r.id] = []
+        for token in stream_tokens(model, list(r.prompt), r.max_new_tokens, "static",
+                                   cache=cache):
+            tokens.append(token)
+            t = rec.now()
+            rec.first.setdefault(r.id, t)
+            rec.sample(1, rec.arrived - len(rec.finish) - 1, cache.bytes_held,
+                       cache.length * per_token)
+        rec.finish[r.id] = rec.now()
+
+
+def _run_padded(model: GPT, requests, rec: _Recorder, plan: Plan) -> None:
+    cache = PagedCache(model.config, plan.padded_rows, plan.slab_len, model.device, model.dtype)
+    runner = ModelRunner(model, cache)  # one block per row: a contiguous slab
+    per_token = block_bytes(model.config, 1, model.dtype)
+    rec.reserved = cache.bytes_held
+    queue: list[Request] = []
+    while len(rec.finish) < len(requests):
+        queue += rec.arrivals()
+        if not queue:
+            rec.wait_for_arrival()
+            continue
+        group, queue = queue[: plan.padded_rows], queue[plan.padded_rows :]
+        seqs = [Seq(r, block_table=[row]) for row, r in enumerate(group)]
+        for s in seqs:
+            s.tokens.append(runner.prefill(s))
+            rec.first[s.request.id] = rec.now()
+            if s.done:
+                rec.finish[s.request.id] = rec.first[s.request.id]
+        for _ in range(max(r.max_new_tokens for r in group) - 1):
+            # Every row, done or not, as a padded batch does: the group's shape is fixed.
+            for s, token in zip(seqs, runner.decode(tuple(seqs)), strict=True):
+                s.tokens.append(token)
+                if len(s.generated) == s.request.max_new_tokens:
+                    rec.finish[s.request.id] = rec.now()
+            queue += rec.arrivals()
+            real = sum(min(s.num_cached, len(s.request.prompt) + s.request.max_new_tokens)
+                       for s in seqs)
+            rec.sample(len(seqs), len(queue), cache.bytes_held, real * per_token)
+        for s in seqs:
+            rec.tokens[s.request.id] = s.generated[: s.request.max_new_tokens]
+            rec.finish.setdefault(s.request.id, rec.now())
+
+
+@dataclass
+class _PagedState:
+    blocks: BlockManager
+    scheduler: Scheduler
+
+
+def _run_paged(model: GPT, requests, rec: _Recorder, plan: Plan, block_size: int,
+               max_batch: int, prefix_sharing: bool, cache: PagedCache) -> _PagedState:
+    blocks = BlockManager(plan.n_blocks, block_size, prefix_sharing)
+    scheduler = Scheduler(blocks, max_batch)
+    state = _PagedState(blocks, scheduler)
+    runner = ModelRunner(model, cache)
+    one_block = block_bytes(model.config, block_size, model.dtype)
+    per_token = block_bytes(model.config, 1, model.dtype)
+    rec.reserved = cache.bytes_held
+    while len(rec.finish) < len(requests):
+        for r in rec.arrivals():
+            scheduler.add(Seq(r))
+        if scheduler.idle:
+            rec.wait_for_arrival()
+            continue
+        step = scheduler.schedule()
+        if not step.prefill and not step.decode:
+            raise RuntimeError("the scheduler found nothing to run: the pool is too small")
+        for s in step.prefill:
+            s.tokens.append(runner.prefill(s))
+            rec.first.setdefault(s.request.id, rec.now())
+        if step.decode:
+            for s, token in zip(step.decode, runner.decode(step.decode), strict=True):
+                s.tokens.append(token)
+                if s.num_cached % block_size == 0:  # a block just filled
+                    blocks.register_full_blocks(s, s.num_cached)
+        rec.sample(len(scheduler.running), len(scheduler.waiting),
+                   blocks.blocks_in_use * one_block,
+                   blocks.tokens_stored(scheduler.running) * per_token)
+        for s in [s for s in scheduler.running if s.done]:
+            scheduler.finish(s)
+            rec.finish[s.request.id] = rec.now()
+            rec.tokens[s.request.id] = s.generated
+    return state
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """Library code prints nothing: transformers' advice and its batching logger."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    cb_logger = logging.getLogger("ContinuousBatchingLogger")
+    cb_level = cb_logger.level
+    hf_logging.set_verbosity_error()
+    cb_logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+        cb_logger.setLevel(cb_level)
+
+
+def _hf_manager(model: GPT, plan: Plan, block_size: int, max_batch: int, spec: WorkloadSpec,
+                prefix_sharing: bool):
+    """transformers' continuous-batching manager on our weights, started and warmed up."""
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    from kvcache_cli.gpt2 import to_hf
+
+    hf = to_hf(model)
+    hf.generation_config.eos_token_id = None  # ours never stop early; neither may it
+    generation = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0,
+                                  max_new_tokens=spec.output_len[1])
+    batching = ContinuousBatchingConfig(
+        page_size=block_size,
+        num_blocks=plan.n_blocks,  # the same memory as our pool
+        max_requests_per_batch=max_batch,
+        allow_block_sharing=prefix_sharing,  # its prefix caching, on or off as ours is
+        # Tokens one forward may take: a whole prompt, as our prefill does.
+        max_batch_tokens=max(spec.shared_prefix + spec.prompt_len[1], max_batch),
+    )
+    manager = hf.init_continuous_batching(generation, batching)
+    manager.warmup()
+    manager.start()
+    _hf_collect(manager, [_warmup_request(spec)], None)
+    return manager
+
+
+def _hf_collect(manager, requests, rec: _Recorder | None) -> None:
+    """Hand requests in at their arrival times; wait for every result."""
+    pending = {}
+    added = 0
+    while added < len(requests) or pending:
+        if rec is None:
+            due = requests[added:]
+        else:
+            due = list(rec.arrivals())
+        for r in due:
+            pending[manager.add_request(list(r.prompt), request_id=f"r{r.id}",
+                                        max_new_tokens=r.max_new_tokens,
+                                        record_timestamps=True, eos_token_id=-1)] = r
+        added += len(due)
+        result = manager.get_result(timeout=0.01 if added < len(requests) else 1.0)
+        if result is None:
+            if not manager.is_running():
+                raise RuntimeError("transformers' batching thread stopped before finishing")
+            continue
+        if not result.is_finished():
+            continue
+        if result.error:
+            raise RuntimeError(f"transformers' generate_batch failed: {result.error}")
+        r = pending.pop(result.request_id)
+        if rec is not None:
+            rec.tokens[r.id] = list(result.generated_tokens)
+            stamps = result.timestamps or [result.lifespan[1]]
+            rec.first[r.id] = stamps[0] - rec.t0
+            rec.finish[r.id] = stamps[-1] - rec.t0
+            if rec.progress is not None:
+                rec.progress(rec.engine, len(rec.finish), len(rec.requests), 0, 0, 0, 0)
+
+
+# ---------------------------------------------------------------------------- summary
+
+
+def _percentile(values: Sequence[float], p: float) -> float:
+    """Nearest rank: a value that occurred, not an interpolation."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(p * len(ordered)) - 1)] if ordered else float("nan")
+
+
+def _mismatches(model: GPT, requests, tokens: dict[int, list[int]],
+                reference: dict[int, list[int]]) -> tuple[Mismatch, ...]:
+    out = []
+    for r in requests:
+        got, ref = tokens[r.id], reference[r.id]
+        if got == ref:
+            continue
+        differ = (i for i, (a, b) in enumerate(zip(got, ref)) if a != b)
+        step = next(differ, min(len(got), len(ref)))  # else one stopped early
+        gap = scale = float("nan")
+        if step < len(ref):
+            idx = torch.tensor([list(r.prompt) + ref[:step]], device=model.device)  # (1, T)
+            with torch.inference_mode():
+                logits = model(idx, 0, None, last_only=True)[0, -1]  # (vocab,)
+            top2 = logits.topk(2).values
+            gap, scale = float(top2[0] - top2[1]), float(logits.abs().max())
+        out.append(Mismatch(r.id, step, gap, scale))
+    return tuple(out)
+
+
+def _summarise(engine: str, setup_s: float, rec: _Recorder, model: GPT,
+               reference: dict[int, list[int]], **memory) -> EngineResult:
+    total = max(rec.finish.values())
+    n_out = sum(len(t) for t in rec.tokens.values())
+    ttft = [(rec.first[r.id] - r.arrival_s) * 1e3 for r in rec.requests]
+    tpot = [(rec.finish[r.id] - rec.first[r.id]) * 1e3 / (len(rec.tokens[r.id]) - 1)
+            for r in rec.requests if len(rec.tokens[r.id]) > 1]
+    samples = rec.samples
+    utilisation = None
+    if samples:
+        # Weighted by how long each state lasted: a step's sample holds until the next.
+        ends = [s.t_s for s in samples[1:]] + [total]
+        spans = [max(0.0, e - s.t_s) for s, e in zip(samples, ends, strict=True)]
+        used = sum(s.kv_used_bytes * d for s, d in zip(samples, spans, strict=True))
+        real = sum(s.kv_real_bytes * d for s, d in zip(samples, spans, strict=True))
+        utilisation = real / used if used else None
+    mismatches = _mismatches(model, rec.requests, rec.tokens, reference)
+    return EngineResult(
+        engine=engine, setup_s=setup_s, total_s=total, output_tokens=n_out,
+        tokens_per_s=n_out / total,
+        ttft_ms_p50=_percentile(ttft, 0.5), ttft_ms_p99=_percentile(ttft, 0.99),
+        tpot_ms_p50=_percentile(tpot, 0.5), tpot_ms_p99=_percentile(tpot, 0.99),
+        kv_reserved_bytes=memory.get("reserved"),
+        kv_peak_used_bytes=max((s.kv_used_bytes for s in samples), default=None),
+        kv_utilisation=utilisation,
+        peak_running=max((s.running for s in samples), default=None),
+        prefix_blocks_hit=memory.get("prefix_hits"),
+        preemptions=memory.get("preemptions"),
+        requests_exact=len(rec.requests) - len(mismatches),
+        mismatches=mismatches,
+        timeline=tuple(samples),
+    )
+
+
+def _warmup_request(spec: WorkloadSpec) -> Request:
+    """A short untimed request that fits wherever the workload's longest does."""
+    prompt = max(1, min(8, spec.longest - 1))
+    return Request(-1, (0,) * prompt, max(1, min(4, spec.longest - prompt)), 0.0)
+
+
+def _prepare(engine: str, model: GPT, spec: WorkloadSpec, plan: Plan, block_size: int,
+             max_batch: int, prefix_sharing: bool, stack: contextlib.ExitStack
+             ) -> Callable[[Sequence[Request], _Recorder], dict]:
+    """The engine's one-time set-up, warm-up included; returns how to run it."""
+    device, warmup = model.device, [_warmup_request(spec)]
+
+    def recorder() -> _Recorder:
+        return _Recorder(engine, warmup, device, None)
+
+    if engine == "sequential":
+        _run_sequential(model, warmup, recorder())
+        return lambda requests, rec: _run_sequential(model, requests, rec) or {}
+    if engine == "padded":
+        _run_padded(model, warmup, recorder(), Plan(plan.n_blocks, 1, plan.slab_len))
+        return lambda requests, rec: _run_padded(model, requests, rec, plan) or {}
+    if engine == "paged":
+        cache = PagedCache(model.config, plan.n_blocks, block_size, device, model.dtype)
+        _run_paged(model, warmup, recorder(), plan, block_size, max_batch, False, cache)
+
+        def run_paged(requests, rec) -> dict:
+            state = _run_paged(model, requests, rec, plan, block_size, max_batch,
+                               prefix_sharing, cache)
+            return dict(prefix_hits=state.blocks.prefix_hits,
+                        preemptions=state.scheduler.preemptions)
+
+        return run_paged
+    stack.enter_context(_quiet_transformers())
+    manager = _hf_manager(model, plan, block_size, max_batch, spec, prefix_sharing)
+    stack.callback(manager.stop, block=True, timeout=5)
+    reserved = plan.n_blocks * block_bytes(model.config, block_size, model.dtype)
+    return lambda requests, rec: _hf_collect(manager, requests, rec) or dict(reserved=reserved)
+
+
+def run_engine(engine: str, model: GPT, requests: Sequence[Request], spec: WorkloadSpec,
+               plan: Plan, block_size: int, max_batch: int, prefix_sharing: bool,
+               reference: dict[int, list[int]] | None,
+               progress: ProgressFn | None = None) -> tuple[EngineResult, dict[int, list[int]]]:
+    """One engine over the workload: (its result, each request's tokens).
+
+    Without a `reference` (the sequential engine's own run), the tokens are the
+    reference: every request generated alone.
+    """
+    with contextlib.ExitStack() as stack:
+        start = time.perf_counter()
+        run = _prepare(engine, model, spec, plan, block_size, max_batch, prefix_sharing, stack)
+        setup_s = time.perf_counter() - start
+        rec = _Recorder(engine, requests, model.device, progress)
+        memory = run(requests, rec)
+    memory.setdefault("reserved", rec.reserved)
+    reference = rec.tokens if reference is None else reference
+    return _summarise(engine, setup_s, rec, model, reference, **memory), rec.tokens
+
+
+def solo_tokens(model: GPT, requests: Sequence[Request]) -> dict[int, list[int]]:
+    """Every request generated alone with the static cache: the reference, untimed."""
+    from kvcache_cli.generate import stream_tokens
+
+    return {r.id: list(stream_tokens(model, list(r.prompt), r.max_new_tokens, "static"))
+            for r in requests}
+
+
+def _ratio(a: EngineResult, results: dict[str, EngineResult], base: str) -> float | None:
+    return a.tokens_per_s / results[base].tokens_per_s if base in results else None
+
+
+def run_serve(model: GPT, spec: WorkloadSpec, engines: Sequence[str], kv_mem: int,
+              block_size: int = BLOCK_SIZE, max_batch: int = 256, prefix_sharing: bool = True,
+              threads: int | None = None, model_name: str = "", weights_note: str | None = None,
+              progress: ProgressFn | None = None) -> ServeResult:
+    """The workload through each engine in turn; one comparison."""
+    import dataclasses
+
+    from kvcache_cli.bench import _device_name, _OtherProcesses
+
+    plan = plan_memory(model.config, model.dtype, spec, kv_mem, block_size, max_batch)
+    requests = make_requests(spec, model.config.vocab_size)
+    others = _OtherProcesses()
+    previous_threads = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        results: dict[str, EngineResult] = {}
+        reference = None
+        # The sequential run is every request alone: run first, it is the reference.
+        for name in sorted(engines, key=lambda n: n != "sequential"):
+            if reference is None and name != "sequential":
+                reference = solo_tokens(model, requests)
+            results[name], tokens = run_engine(name, model, requests, spec, plan, block_size,
+                                               max_batch, prefix_sharing, reference, progress)
+            reference = tokens if reference is None else reference
+        used_threads = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(previous_threads)
+    ordered = tuple(dataclasses.replace(
+        results[n],
+        over_sequential=_ratio(results[n], results, "sequential"),
+        over_padded=_ratio(results[n], results, "padded"),
+        over_hf=_ratio(results[n], results, "hf")) for n in engines)
+    return ServeResult(
+        model=model_name, weights_note=weights_note, device=model.device.type,
+        device_name=_device_name(model.device), cpus=os.cpu_count() or 1,
+        threads=used_threads, others_cpu_share=others.share(),
+        dtype=str(model.dtype).removeprefix("torch."), torch_version=torch.__version__,
+        transformers_version=_transformers_version() if "hf" in engines else None,
+        workload=spec, prompt_tokens=sum(len(r.prompt) for r in requests),
+        output_tokens=sum(r.max_new_tokens for r in requests), kv_mem_bytes=kv_mem,
+        block_size=block_size, n_blocks=plan.n_blocks,
+        bytes_per_token=block_bytes(model.config, 1, model.dtype),
+        padded_rows=plan.padded_rows, slab_len=plan.slab_len, max_batch=max_batch,
+        prefix_sharing=prefix_sharing, engines=ordered,
+    )
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__

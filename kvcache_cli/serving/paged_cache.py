@@ -1,0 +1,99 @@
+"""`PagedCache`: one pool of fixed-size blocks per layer, read through block tables.
+
+The third `gpt2.KVCache`, beside `ConcatCache` and `StaticCache`. Keys and values
+live in a pool allocated once (`n_blocks` blocks of `block_size` positions, every
+layer); a sequence's position p sits in block block_table[p // block_size], slot
+p % block_size. Which blocks a sequence owns is the `BlockManager`'s business; the
+model runner hands this cache the step's block tables (`bind`) before each forward.
+
+Attention reads a sequence's keys by gathering its blocks into one contiguous
+(B, nh, S, hs) tensor, key j at slot j, each row padded to the longest table; the
+per-row mask in `gpt2.CausalSelfAttention` hides the padding. A gather in plain
+torch runs on CPU and CUDA alike; it is not vLLM's fused kernel, which reads the
+blocks in place (the gather copies every key once more per step).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from kvcache_cli.gpt2 import GPTConfig, KVCache, _nbytes
+
+
+def block_bytes(config: GPTConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one block: K and V, every layer, block_size positions."""
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * config.n_layer * block_size * config.n_embd * element
+
+
+class PagedCache(KVCache):
+    def __init__(self, config: GPTConfig, n_blocks: int, block_size: int, device,
+                 dtype: torch.dtype):
+        self.block_size = block_size
+        # Heads before blocks: a gather of blocks then reads as (B, nh, S, hs) without a
+        # second copy, since one head's blocks lie back to back in the gathered tensor.
+        shape = (config.n_layer, config.n_head, n_blocks, block_size, config.head_size)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)  # (L, nh, n_blocks, bs, hs)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.block_tables: Tensor | None = None  # (B, max blocks), set by bind
+        empty = torch.empty(0, device=device, dtype=dtype)
+        self._scratch = [empty, empty]  # the gathered K and V, grown as batches grow
+        self.reset()
+
+    def reset(self) -> None:
+        # Nothing to clear: a slot is read only after its sequence wrote it.
+        self.length = 0
+        self.bytes_copied = 0
+
+    def bind(self, block_tables: Tensor) -> None:
+        """The block table of each row of the next forward, (B, max blocks), padded
+        with any valid block id (the mask hides what padding reads)."""
+        self.block_tables = block_tables
+
+    def update(self, layer: int, start_pos: int | Tensor, k: Tensor, v: Tensor
+               ) -> tuple[Tensor, Tensor]:
+        B, nh, T, hs = k.shape
+        table = self.block_tables
+        if table is None or table.size(0) != B:
+            raise ValueError(f"bind a block table per row first ({B} rows)")
+        start = start_pos if isinstance(start_pos, Tensor) else torch.full(
+            (B,), start_pos, device=k.device)  # (B,)
+        positions = start[:, None] + torch.arange(T, device=k.device)  # (B, T)
+        blocks = table.gather(1, positions // self.block_size)  # (B, T)
+        slots = positions % self.block_size  # (B, T)
+        # Two adjacent advanced indices keep their place: the slots are (nh, B, T, hs).
+        self.k[layer][:, blocks, slots] = k.transpose(0, 1)
+        self.v[layer][:, blocks, slots] = v.transpose(0, 1)
+        self.bytes_copied += _nbytes(k) + _nbytes(v)
+        n = table.size(1) * self.block_size
+        keys, values = self._gather(self.k[layer], table, 0), self._gather(self.v[layer], table, 1)
+        if isinstance(start_pos, Tensor):
+            # Rows of different lengths: `length` is the padded width (reading the
+            # longest row's length would wait for the device every layer).
+            self.length = n
+            return keys, values  # every row's own keys, padded; the mask hides the rest
+        self.length = start_pos + T
+        return keys[:, :, : self.length], values[:, :, : self.length]  # the filled prefix
+
+    def _gather(self, pool: Tensor, table: Tensor, which: int) -> Tensor:
+        """Every row's blocks in table order, as (B, nh, S, hs) with key j at slot j.
+
+        Written into a scratch buffer kept across calls (one for K, one for V; a layer's
+        keys are done with before the next layer gathers): a fresh multi-MB tensor per
+        layer cost more in page faults than the copy itself.
+        """
+        nh, n_blocks, bs, hs = pool.shape
+        B, width = table.shape
+        need = nh * B * width * bs * hs
+        if self._scratch[which].numel() < need:
+            self._scratch[which] = torch.empty(need, device=pool.device, dtype=pool.dtype)
+        rows = self._scratch[which][:need].view(nh, B * width, bs * hs)
+        # index_select over whole blocks (bs * hs contiguous values) copies at memcpy
+        # speed; the same gather by advanced indexing ran 15x slower on the CPU.
+        torch.index_select(pool.view(nh, n_blocks, bs * hs), 1, table.flatten(), out=rows)
+        return rows.view(nh, B, width * bs, hs).transpose(0, 1)  # (B, nh, S, hs)
+
+    @property
+    def bytes_held(self) -> int:
+        return _nbytes(self.k) + _nbytes(self.v)

@@ -1,0 +1,60 @@
+"""`kvcache serve --plot`: KV in use and running sequences over time, one colour per
+engine; for `--batch`, tokens/s against batch size beside the roofline. matplotlib
+is imported only here, and only when a plot is asked for."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvcache_cli.serving.batching import SweepResult
+from kvcache_cli.serving.engines import ServeResult
+
+COLORS = {"sequential": "tab:blue", "padded": "tab:orange", "paged": "tab:green",
+          "hf": "tab:red"}
+
+
+def save_plot(result: ServeResult | SweepResult, path: str | Path) -> Path:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(9, 4.5), dpi=120)
+    FigureCanvasAgg(fig)
+    if isinstance(result, SweepResult):
+        ax = fig.add_subplot()
+        batches = [p.batch for p in result.points]
+        ax.plot(batches, [p.tokens_per_s for p in result.points], "o-", label="measured")
+        ax.plot(batches, [p.batch / p.predicted_ms * 1e3 for p in result.points], "--",
+                label="roofline")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("batch (sequences decoded at once)")
+        ax.set_ylabel("tokens/s")
+        ax.set_title(f"{result.model} · {result.device} ({result.threads} threads)", fontsize=9)
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    else:
+        kv, running = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+        for e in result.engines:
+            if not e.timeline:
+                continue  # transformers' run shows no internals
+            t = [s.t_s for s in e.timeline]
+            color = COLORS.get(e.engine)
+            kv.plot(t, [s.kv_used_bytes / 2**20 for s in e.timeline], color=color,
+                    label=f"{e.engine} in use", lw=1.2)
+            kv.plot(t, [s.kv_real_bytes / 2**20 for s in e.timeline], color=color, ls=":",
+                    lw=1, label=f"{e.engine} real tokens")
+            running.plot(t, [s.running for s in e.timeline], color=color, lw=1.2,
+                         label=f"{e.engine} ({e.tokens_per_s:.0f} tok/s)")
+        kv.set_xlabel("time (s)")
+        kv.set_ylabel("KV cache (MiB)")
+        kv.set_title(f"KV memory, {result.kv_mem_bytes / 2**20:.0f} MiB budget", fontsize=9)
+        running.set_xlabel("time (s)")
+        running.set_ylabel("sequences running")
+        running.set_title(f"{result.model} · {result.device}", fontsize=9)
+        for ax in (kv, running):
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, format="png")
+    return path

@@ -1,0 +1,69 @@
+"""The seeded workload every engine serves: prompts, output lengths, arrival times.
+
+Prompts are random token ids (speed and exactness do not depend on what they say),
+each a shared prefix (a system prompt, the same for every request) and a user part
+of a length drawn from a range; output lengths are drawn from another. Arrivals
+are all at once (the offline-throughput case) or a Poisson process at `rate`
+requests/s. Standard library only: a bad workload is refused before torch loads.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from kvcache_cli.serving.sequence import Request
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    requests: int
+    prompt_len: tuple[int, int]  # the user part, inclusive range, after the shared prefix
+    output_len: tuple[int, int]  # inclusive range
+    shared_prefix: int
+    rate: float | None  # requests/s; None: all arrive at once
+    seed: int
+
+    @property
+    def longest(self) -> int:
+        """Positions the longest possible request occupies: prompt + output."""
+        return self.shared_prefix + self.prompt_len[1] + self.output_len[1]
+
+
+def parse_range(text: str, option: str) -> tuple[int, int]:
+    """`"16:512"` -> (16, 512); `"64"` -> (64, 64)."""
+    lo, sep, hi = text.partition(":")
+    try:
+        bounds = (int(lo), int(hi) if sep else int(lo))
+    except ValueError:
+        raise ValueError(f"{option} {text!r}: expected MIN:MAX or N, e.g. 16:512") from None
+    if bounds[0] < 1 or bounds[0] > bounds[1]:
+        raise ValueError(f"{option} {text!r}: expected 1 <= MIN <= MAX")
+    return bounds
+
+
+def check_spec(spec: WorkloadSpec, window: int) -> None:
+    if spec.requests < 1:
+        raise ValueError(f"--requests {spec.requests}: expected at least 1")
+    if spec.shared_prefix < 0:
+        raise ValueError(f"--shared-prefix {spec.shared_prefix}: expected 0 or more tokens")
+    if spec.rate is not None and spec.rate <= 0:
+        raise ValueError(f"--rate {spec.rate}: expected requests/s > 0 (omit it: all at once)")
+    if spec.longest > window:
+        raise ValueError(
+            f"the longest request, shared prefix {spec.shared_prefix} + prompt "
+            f"{spec.prompt_len[1]} + output {spec.output_len[1]} = {spec.longest} positions, "
+            f"is past the context window {window}")
+
+
+def make_requests(spec: WorkloadSpec, vocab_size: int) -> tuple[Request, ...]:
+    rng = random.Random(spec.seed)
+    prefix = [rng.randrange(vocab_size) for _ in range(spec.shared_prefix)]
+    requests, t = [], 0.0
+    for i in range(spec.requests):
+        user = [rng.randrange(vocab_size) for _ in range(rng.randint(*spec.prompt_len))]
+        n_out = rng.randint(*spec.output_len)
+        if spec.rate is not None and i > 0:
+            t += rng.expovariate(spec.rate)
+        requests.append(Request(i, tuple(prefix + user), n_out, t))
+    return tuple(requests)
