@@ -169,7 +169,7 @@ class StaticCache(KVCache):
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose weight may be stored (in, out), splitting its one-row product by thread.
+    """nn.Linear whose weight may be stored (in, out), splitting its products by thread.
 
     A decode step multiplies one row by every weight matrix: it reads each weight once
     and does almost no arithmetic, so its speed is how fast the weights stream from
@@ -191,6 +191,11 @@ class Linear(nn.Linear):
     nn.Linear's (out, in) and its plain product, which already uses every thread and is
     there the faster order. Either way the parameter keeps its (out, in) shape and its
     name; only its strides differ, so state dicts and checkpoints are as before.
+
+    The split serves any number of rows, not only one: a batched decode step (`serve`)
+    is a few-row product, and F.linear on the (in, out) weight gave those rows far less
+    bandwidth. One 768x3072 weight x 40, ms, 2 threads: rows 1 / 8 / 64 / 512 took
+    15.2 / 37.0 / 84.9 / 118 with F.linear and 11.6 / 22.1 / 70.7 / 113 split.
     """
 
     def forward(self, x: Tensor) -> Tensor:
@@ -201,12 +206,13 @@ class Linear(nn.Linear):
             return F.linear(x, w, self.bias)
         n = torch.get_num_threads()
         N, K = w.shape
-        if n < 2 or x.numel() != K or N < n or w.stride(0) != 1:
+        if n < 2 or N < n or w.stride(0) != 1:
             return F.linear(x, w, self.bias)
         cols = N // n * n  # n equal blocks; the few columns left over go on their own
         blocks = w.t()[:, :cols].view(K, n, cols // n).transpose(0, 1)  # (n, K, N/n), a view
-        y = torch.bmm(x.reshape(1, 1, K).expand(n, 1, K), blocks)  # (n, 1, N/n)
-        y = y.reshape(*x.shape[:-1], cols)  # (..., cols): the blocks in order
+        rows = x.reshape(1, -1, K)  # (1, R, K): every row of the batch and sequence
+        y = torch.bmm(rows.expand(n, -1, K), blocks)  # (n, R, N/n)
+        y = y.transpose(0, 1).reshape(*x.shape[:-1], cols)  # (..., cols): the blocks in order
         if cols < N:
             y = torch.cat([y, F.linear(x, w[cols:])], dim=-1)  # (..., N)
         return y if self.bias is None else y + self.bias
