@@ -416,7 +416,9 @@ def _run_ours(
     # The bench owns the cache so it can read what the appends copied afterwards.
     cache = None
     if mode != "naive":
-        cache = make_cache(mode.removesuffix("-compiled"), model, max_len=max_len, batch=1)
+        # Compiled, the cache is read whole under a mask: one shape at every step.
+        cache = make_cache(mode.removesuffix("-compiled"), model, max_len=max_len, batch=1,
+                           whole=mode.endswith("-compiled"))
     tokens: list[int] = []
     clock = _Clock(device, on_token)
     for token in stream_tokens(model, prompt_ids, new_tokens, mode.removesuffix("-compiled"),

@@ -80,6 +80,9 @@ class KVCache:
 
     length: int
     bytes_copied: int
+    # True when update returns every slot the cache has, filled or not, and attention must
+    # mask the slots past each query's position (a fixed shape at every step).
+    whole: bool = False
 
     def update(self, layer: int, start_pos: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         raise NotImplementedError
@@ -133,13 +136,18 @@ class StaticCache(KVCache):
     """Two buffers allocated once for `max_len` positions, written in place (gpt-fast).
 
     A step copies only its own tokens' keys and values; attention reads the filled
-    prefix [0, start_pos + T), so whatever lies beyond it is never seen.
+    prefix [0, start_pos + T), so whatever lies beyond it is never seen. With
+    `whole=True` attention reads all max_len slots under a mask instead: more work per
+    step, but the same shapes at every step, which is what torch.compile needs to run
+    one static graph (and CUDA graphs to replay one), as in gpt-fast.
     """
 
-    def __init__(self, config: GPTConfig, max_len: int, batch: int, device, dtype: torch.dtype):
+    def __init__(self, config: GPTConfig, max_len: int, batch: int, device, dtype: torch.dtype,
+                 whole: bool = False):
         if not 0 < max_len <= config.block_size:
             raise ValueError(f"max_len {max_len} outside the context window 1..{config.block_size}")
         self.max_len = max_len
+        self.whole = whole
         shape = (config.n_layer, batch, config.n_head, max_len, config.head_size)
         self.k = torch.zeros(shape, device=device, dtype=dtype)  # (L, B, nh, max_len, hs)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
@@ -158,6 +166,8 @@ class StaticCache(KVCache):
         self.v[layer, :, :, start_pos:end] = v
         self.bytes_copied += _nbytes(k) + _nbytes(v)
         self.length = end
+        if self.whole:
+            return self.k[layer], self.v[layer]  # (B, nh, max_len, hs); attention masks
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]  # (B, nh, end, hs)
 
     @property
@@ -247,6 +257,11 @@ class CausalSelfAttention(nn.Module):
             positions = start_pos[:, None] + torch.arange(T, device=x.device)  # (B, T)
             slots = torch.arange(S, device=x.device)  # (S,)
             mask = (slots <= positions[:, :, None]).unsqueeze(1)  # (B, 1, T, S)
+        elif cache is not None and cache.whole:
+            # Every slot of the buffer: query i sits at start_pos + i and may see slots
+            # 0 .. start_pos + i; the rest are not written yet, or hold an older request.
+            positions = start_pos + torch.arange(T, device=x.device)  # (T,)
+            mask = torch.arange(S, device=x.device) <= positions[:, None]  # (T, S)
         elif T == S or force_is_causal:
             # Square scores: the ordinary causal mask. SDPA aligns is_causal to the top
             # left, so forced onto a one-row query against S keys (the article's bug 2)
@@ -374,14 +389,16 @@ class GPT(nn.Module):
         return sum(p.numel() for p in self.parameters())  # tied weights counted once
 
 
-def make_cache(mode: str, model: GPT, max_len: int, batch: int = 1) -> KVCache | None:
-    """A fresh cache for `mode`: None for naive (no cache), else concat or static."""
+def make_cache(mode: str, model: GPT, max_len: int, batch: int = 1, whole: bool = False
+               ) -> KVCache | None:
+    """A fresh cache for `mode`: None for naive (no cache), else concat or static
+    (`whole`: read all of it under a mask, for a compiled model; see StaticCache)."""
     if mode == "naive":
         return None
     if mode == "concat":
         return ConcatCache(model.config, batch, model.device, model.dtype)
     if mode == "static":
-        return StaticCache(model.config, max_len, batch, model.device, model.dtype)
+        return StaticCache(model.config, max_len, batch, model.device, model.dtype, whole)
     raise ValueError(f"unknown cache mode {mode!r}: expected naive, concat or static")
 
 

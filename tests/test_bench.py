@@ -402,7 +402,13 @@ def test_compiled_modes_compile_once_and_report_the_compile_apart(checkpoint, mo
         return fn
 
     monkeypatch.setattr(torch, "compile", fake_compile)
+    from kvcache_cli import gpt2
+
+    whole, make_cache = [], gpt2.make_cache  # a compiled model's cache keeps one shape
+    monkeypatch.setattr(gpt2, "make_cache",
+                        lambda *a, **k: whole.append(k.get("whole")) or make_cache(*a, **k))
     result = _run(checkpoint, modes=("static-compiled", "hf-static-compiled"), repeats=1)
+    assert whole and all(whole), whole
     ours = [fn for fn, _ in compiled if isinstance(fn, torch.nn.Module)]
     assert len(ours) == 1 and ours[0].config.n_layer == 2  # our GPT, compiled once
     assert all(mode == bench.COMPILE_MODE["cpu"] for _, mode in compiled)
@@ -410,7 +416,9 @@ def test_compiled_modes_compile_once_and_report_the_compile_apart(checkpoint, mo
     for m in result.modes:
         assert m.compile_s is not None and m.compile_s > 0, m.mode
         assert m.same_tokens, m.mode
+    whole.clear()
     assert _run(checkpoint, modes=("static",), repeats=1).mode("static").compile_s is None
+    assert whole and not any(whole), whole  # eager reads only the filled prefix
 
 
 def test_cli_compile_without_a_static_mode_is_one_line_and_exit_2():

@@ -97,6 +97,22 @@ def test_logits_equal_transformers_after_cached_steps(checkpoint, mode):
     torch.testing.assert_close(torch.cat(chunks, dim=1), full, **TOL)
 
 
+def test_a_whole_static_cache_masks_every_slot_past_each_query(checkpoint):
+    # Compiled, the model reads all max_len slots at every step (one shape); here the
+    # slots not yet written hold noise, and the mask must hide every one of them.
+    path, hf = checkpoint
+    model = load_gpt2(str(path)).model
+    idx = prompt(16, seed=1)
+    with torch.no_grad():
+        full = hf(idx).logits  # (1, 16, 256)
+        cache = make_cache("static", model, max_len=32, whole=True)
+        cache.k.normal_()
+        cache.v.normal_()
+        chunks = [model(idx[:, :8], 0, cache)]  # prefill
+        chunks += [model(idx[:, p : p + 1], p, cache) for p in range(8, 16)]
+    torch.testing.assert_close(torch.cat(chunks, dim=1), full, **TOL)
+
+
 @pytest.mark.parametrize("mode", ["concat", "static"])
 def test_cached_decode_is_exact_in_float64(checkpoint, mode):
     # In float64 the cache must agree with recomputation to rounding noise (1e-12):
