@@ -17,6 +17,16 @@ from kvcache_cli.views.style import BAD, OK, figures_table
 # Other processes' share of CPU time above which the view warns: a few percent is
 # the OS and daemons.
 BUSY_SHARE = 0.05
+
+
+def load_line(others_cpu_share: float) -> str:
+    """The header's load row: other processes' share of the CPUs, flagged when it skews."""
+    load = f"other processes used {others_cpu_share:.0%} of the CPUs' time during the run"
+    if others_cpu_share > BUSY_SHARE:
+        load = f"[yellow]{load}: they competed for the cores, and slowed these figures[/]"
+    return load
+
+
 SPARK_WIDTH = 24  # beside five latency columns, the table still fits 80 columns
 
 
@@ -59,10 +69,7 @@ def _header(r: BenchResult) -> Table:
         grid.add_row("half", f"the CPU {r.cpu_half_support} (without them, torch converts "
                      f"{r.dtype} to float32 to multiply)")
     if r.others_cpu_share is not None:
-        load = f"other processes used {r.others_cpu_share:.0%} of the CPUs' time during the run"
-        if r.others_cpu_share > BUSY_SHARE:
-            load = f"[yellow]{load}: they competed for the cores, and slowed these figures[/]"
-        grid.add_row("load", load)
+        grid.add_row("load", load_line(r.others_cpu_share))
     grid.add_row("software", f"torch {r.torch_version}"
                  + (f", transformers {r.transformers_version}" if r.transformers_version else ""))
     grid.add_row("run", f"prompt {r.prompt_len} random token ids + {r.new_tokens} new tokens, "

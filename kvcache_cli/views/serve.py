@@ -11,7 +11,7 @@ from rich.text import Text
 
 from kvcache_cli.serving.batching import SweepResult
 from kvcache_cli.serving.engines import ServeResult
-from kvcache_cli.views.bench import BUSY_SHARE, _bytes
+from kvcache_cli.views.bench import _bytes, load_line
 from kvcache_cli.views.style import BAD, OK, figures_table
 
 
@@ -39,10 +39,7 @@ def _header(r: ServeResult) -> Table:
     grid.add_row("device", f"[bold]{r.device}[/] ({r.device_name}, {r.cpus} CPUs), {r.dtype}, "
                  f"[bold]{r.threads} threads[/]")
     if r.others_cpu_share is not None:
-        load = f"other processes used {r.others_cpu_share:.0%} of the CPUs' time during the run"
-        if r.others_cpu_share > BUSY_SHARE:
-            load = f"[yellow]{load}: they competed for the cores, and slowed these figures[/]"
-        grid.add_row("load", load)
+        grid.add_row("load", load_line(r.others_cpu_share))
     arrivals = "all at once" if w.rate is None else f"Poisson, {w.rate:g} requests/s"
     prefix = f"a shared {w.shared_prefix}-token prefix + " if w.shared_prefix else ""
     grid.add_row("workload", f"{w.requests} requests, {prefix}prompts "
