@@ -552,13 +552,21 @@ def bench(
 
         Console().print(bench_view(result))
     if plot is not None:
-        try:
-            save_plot(result, plot)
-        except (OSError, ValueError) as err:
-            fail(f"--plot: the plot could not be written to {str(plot)!r} ({err}); the "
-                 "results are above", code=1)
-        if not as_json:
-            Console().print(f"per-step plot written to {plot}")
+        _save_plot_after_results(save_plot, result, plot, as_json, "per-step plot")
+
+
+def _save_plot_after_results(save, result, plot: Path, as_json: bool, what: str) -> None:
+    """Write the plot once the results are printed: a plot that fails to save after
+    minutes of measuring loses nothing."""
+    try:
+        save(result, plot)
+    except (OSError, ValueError) as err:
+        fail(f"--plot: the plot could not be written to {str(plot)!r} ({err}); the "
+             "results are above", code=1)
+    if not as_json:
+        from rich.console import Console
+
+        Console().print(f"{what} written to {plot}")
 
 
 # --- serve: many sequences at once ------------------------------------------------------
@@ -607,6 +615,7 @@ def serve(
     Each request's tokens are checked against its solo generation; set-up is timed
     apart from the run.
     """
+    need_torch_extra("kvcache serve needs", *GPT2_MODULES, "transformers")
     import torch
     from rich.console import Console
 
@@ -631,8 +640,9 @@ def serve(
             engine_names = serving.parse_engines(engines)
             memory = sizing.parse_bytes(kv_mem, "--kv-mem")
             serving.plan_memory(config, torch.float32, spec, memory, block_size, max_batch)
-        if threads is not None and threads < 1:
-            raise ValueError(f"--threads {threads}: expected at least 1")
+        if threads is not None and not 1 <= threads <= _MAX_THREADS:
+            raise ValueError(f"--threads {threads:,}: expected a whole number from 1 to "
+                             f"{_MAX_THREADS:,}")
     except ValueError as err:
         fail(str(err))
     if plot is not None:
@@ -640,8 +650,7 @@ def serve(
             require_matplotlib()
         except PlotUnavailable as err:
             fail(str(err))
-        if not plot.parent.is_dir():
-            fail(f"--plot: no directory {str(plot.parent)!r} to write {plot.name!r} into")
+        _check_writable(plot)
     loaded = _load_gpt2(model, weights, str(dev))
     status = Console(stderr=True)
     try:
@@ -658,21 +667,19 @@ def serve(
         fail(str(err))
     except RuntimeError as err:
         fail(str(err), code=1)
-    if plot is not None:
-        from kvcache_cli.serving.plot import save_plot
-
-        save_plot(result, plot)
+    # The results first: a plot that fails to save after minutes of serving loses nothing.
     if as_json:
         from kvcache_cli.views import to_json
 
         typer.echo(to_json(result))
-        return
-    from kvcache_cli.views.serve import render
+    else:
+        from kvcache_cli.views.serve import render
 
-    console = Console()
-    console.print(render(result))
+        Console().print(render(result))
     if plot is not None:
-        console.print(f"plot written to {plot}")
+        from kvcache_cli.serving.plot import save_plot
+
+        _save_plot_after_results(save_plot, result, plot, as_json, "plot")
 
 
 def _serve_progress(console):

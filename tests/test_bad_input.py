@@ -180,6 +180,15 @@ def test_bench_threads_out_of_range(threads, first_line):
     assert_one_line(["bench", "--threads", threads, "--model", "/nonexistent"], 2, first_line)
 
 
+@pytest.mark.parametrize("threads", ["0", "1000000000"])
+def test_serve_threads_out_of_range_before_a_model_loads(threads):
+    pytest.importorskip("torch")
+    import torch  # noqa: F401
+
+    assert_one_line(["serve", "--threads", threads, "--weights", "random"], 2,
+                    f"--threads {int(threads):,}: expected a whole number from 1 to 1,024")
+
+
 @pytest.mark.parametrize(("plot", "first_line"), [
     (".", "--plot: '.' is a directory: expected a file name"),
     ("/nonexistent/bench.png", "--plot: no directory '/nonexistent' to write 'bench.png' into"),
@@ -191,6 +200,8 @@ def test_plot_path_is_checked_before_the_benchmark_runs(plot, first_line):
 
     # --model names nothing: the plot check must come first.
     assert_one_line(["bench", "--plot", plot, "--model", "/nonexistent"], 2, first_line)
+    # serve reads its model's shape first (a preset, no weights), then the plot path.
+    assert_one_line(["serve", "--plot", plot, "--weights", "random"], 2, first_line)
 
 
 # --- checkpoints that are not GPT-2 checkpoints -----------------------------------------------

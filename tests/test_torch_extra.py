@@ -34,6 +34,7 @@ def invoke(*args: str):
     (["generate", "hello"], ["torch", "tiktoken"], "needs torch and tiktoken, which are"),
     (["bench", "--device", "cpu"], ["transformers"], "kvcache bench needs transformers"),
     (["bench"], ["torch", "safetensors"], "kvcache bench needs torch and safetensors"),
+    (["serve", "--device", "cpu"], ["torch"], "kvcache serve needs torch, which is"),
     (["break", "causal-decode"], ["torch"], "the GPT-2 break causal-decode needs torch"),
     (["size", "--model", "gpt2", "--verify"], ["transformers"], "--verify needs transformers"),
 ])
