@@ -333,3 +333,14 @@ def test_a_plot_that_fails_after_the_run_keeps_the_results(tmp_path, tiny_state)
     assert lines[-1].startswith(
         "error: --plot: the plot could not be written to '/dev/full'"), result.stderr
     assert [line for line in lines if line.startswith("error:")] == lines[-1:], result.stderr
+
+
+def test_serve_hf_engine_without_continuous_batching_is_refused_before_a_model_loads(
+        monkeypatch):
+    pytest.importorskip("torch")
+    import sys
+
+    # An older transformers, without generate_batch's configuration class.
+    monkeypatch.setitem(sys.modules, "transformers.generation.configuration_utils", None)
+    assert_one_line(["serve", "--weights", "random", "--engines", "paged,hf"], 2,
+                    "has no continuous batching (generate_batch): upgrade transformers")

@@ -151,7 +151,23 @@ def parse_engines(text: str) -> tuple[str, ...]:
         raise ValueError(f"--engines: {what}; valid engines: {', '.join(ENGINES)}")
     if len(set(names)) < len(names):
         raise ValueError(f"--engines {text!r}: an engine given twice")
+    if "hf" in names:
+        _check_hf_engine()
     return names
+
+
+def _check_hf_engine() -> None:
+    """The hf engine drives transformers' continuous batching, which older releases lack."""
+    try:
+        from transformers.generation.configuration_utils import (  # noqa: F401
+            ContinuousBatchingConfig,
+        )
+    except ImportError:
+        import transformers
+
+        raise ValueError(
+            f"--engines hf: transformers {transformers.__version__} has no continuous batching "
+            "(generate_batch): upgrade transformers, or leave hf out of --engines") from None
 
 
 @dataclass(frozen=True)
