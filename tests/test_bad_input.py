@@ -338,8 +338,6 @@ def test_a_plot_that_fails_after_the_run_keeps_the_results(tmp_path, tiny_state)
 def test_serve_hf_engine_without_continuous_batching_is_refused_before_a_model_loads(
         monkeypatch):
     pytest.importorskip("torch")
-    import sys
-
     # An older transformers, without generate_batch's configuration class.
     monkeypatch.setitem(sys.modules, "transformers.generation.configuration_utils", None)
     assert_one_line(["serve", "--weights", "random", "--engines", "paged,hf"], 2,
