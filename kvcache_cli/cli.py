@@ -542,30 +542,30 @@ def bench(
         fail(str(err))
     except RuntimeError as err:
         fail(str(err), code=1)
-    # The results first: a plot that fails to save after minutes of timing loses nothing.
+    from kvcache_cli.views.bench import bench as bench_view
+
+    _show_then_plot(result, bench_view, as_json, save_plot, plot, "per-step plot")
+
+
+def _show_then_plot(result, view, as_json: bool, save, plot: Path | None, what: str) -> None:
+    """Print a measured result (JSON, or VIEW's rendering), then write its plot: a plot
+    that fails to save after minutes of measuring loses nothing."""
+    from rich.console import Console
+
     if as_json:
         from kvcache_cli.views import to_json
 
         typer.echo(to_json(result))
     else:
-        from kvcache_cli.views.bench import bench as bench_view
-
-        Console().print(bench_view(result))
-    if plot is not None:
-        _save_plot_after_results(save_plot, result, plot, as_json, "per-step plot")
-
-
-def _save_plot_after_results(save, result, plot: Path, as_json: bool, what: str) -> None:
-    """Write the plot once the results are printed: a plot that fails to save after
-    minutes of measuring loses nothing."""
+        Console().print(view(result))
+    if plot is None:
+        return
     try:
         save(result, plot)
     except (OSError, ValueError) as err:
         fail(f"--plot: the plot could not be written to {str(plot)!r} ({err}); the "
              "results are above", code=1)
     if not as_json:
-        from rich.console import Console
-
         Console().print(f"{what} written to {plot}")
 
 
@@ -667,19 +667,10 @@ def serve(
         fail(str(err))
     except RuntimeError as err:
         fail(str(err), code=1)
-    # The results first: a plot that fails to save after minutes of serving loses nothing.
-    if as_json:
-        from kvcache_cli.views import to_json
+    from kvcache_cli.serving.plot import save_plot
+    from kvcache_cli.views.serve import render
 
-        typer.echo(to_json(result))
-    else:
-        from kvcache_cli.views.serve import render
-
-        Console().print(render(result))
-    if plot is not None:
-        from kvcache_cli.serving.plot import save_plot
-
-        _save_plot_after_results(save_plot, result, plot, as_json, "plot")
+    _show_then_plot(result, render, as_json, save_plot, plot, "plot")
 
 
 def _serve_progress(console):
