@@ -415,6 +415,10 @@ def models(
 
 
 _MAX_THREADS = 1024
+# The options bench and serve share: where to run, and which GPT-2.
+DeviceOption = Annotated[str, typer.Option(help="cpu, cuda, or auto (cuda when there is one).")]
+ModelOption = Annotated[str, typer.Option(
+    help="gpt2, gpt2-medium, gpt2-large, gpt2-xl or a checkpoint dir.")]
 
 
 class DType(str, Enum):
@@ -428,10 +432,8 @@ _TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 @app.command()
 def bench(
-    device: Annotated[str, typer.Option(help="cpu, cuda, or auto (cuda when there is one).")
-    ] = "auto",
-    model: Annotated[str, typer.Option(
-        help="gpt2, gpt2-medium, gpt2-large, gpt2-xl or a checkpoint dir.")] = "gpt2",
+    device: DeviceOption = "auto",
+    model: ModelOption = "gpt2",
     weights: Annotated[str, typer.Option(
         help="auto (real if available, else random), pretrained, random. Speed depends "
         "on the shape only.")] = "auto",
@@ -574,10 +576,8 @@ def _show_then_plot(result, view, as_json: bool, save, plot: Path | None, what: 
 
 @app.command()
 def serve(
-    device: Annotated[str, typer.Option(help="cpu, cuda, or auto (cuda when there is one).")
-    ] = "auto",
-    model: Annotated[str, typer.Option(
-        help="gpt2, gpt2-medium, gpt2-large, gpt2-xl or a checkpoint dir.")] = "gpt2",
+    device: DeviceOption = "auto",
+    model: ModelOption = "gpt2",
     weights: Annotated[str, typer.Option(
         help="auto (real if available, else random), pretrained, random.")] = "auto",
     requests: Annotated[int, typer.Option(help="Requests in the workload.")] = 64,
