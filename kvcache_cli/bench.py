@@ -473,15 +473,22 @@ def sampled_steps(n_steps: int, samples: int) -> list[int]:
 
 @contextlib.contextmanager
 def _quiet_transformers() -> Iterator[None]:
-    """Library code prints nothing: silence transformers' advice for the hf run."""
-    from transformers.utils import logging
+    """Library code prints nothing: silence transformers' advice for an hf run, and the
+    logger of its continuous batching (serve's hf engine)."""
+    import logging
 
-    level = logging.get_verbosity()
-    logging.set_verbosity_error()
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    batching = logging.getLogger("ContinuousBatchingLogger")
+    batching_level = batching.level
+    hf_logging.set_verbosity_error()
+    batching.setLevel(logging.CRITICAL)
     try:
         yield
     finally:
-        logging.set_verbosity(level)
+        hf_logging.set_verbosity(level)
+        batching.setLevel(batching_level)
 
 
 def _run_hf(

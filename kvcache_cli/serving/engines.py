@@ -19,7 +19,6 @@ that has not arrived yet cannot be served.
 from __future__ import annotations
 
 import contextlib
-import logging
 import math
 import os
 import time
@@ -345,23 +344,6 @@ def _run_paged(model: GPT, requests, rec: _Recorder, plan: Plan, block_size: int
     return state
 
 
-@contextlib.contextmanager
-def _quiet_transformers() -> Iterator[None]:
-    """Library code prints nothing: transformers' advice and its batching logger."""
-    from transformers.utils import logging as hf_logging
-
-    level = hf_logging.get_verbosity()
-    cb_logger = logging.getLogger("ContinuousBatchingLogger")
-    cb_level = cb_logger.level
-    hf_logging.set_verbosity_error()
-    cb_logger.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        hf_logging.set_verbosity(level)
-        cb_logger.setLevel(cb_level)
-
-
 def _hf_manager(model: GPT, plan: Plan, block_size: int, max_batch: int, spec: WorkloadSpec,
                 prefix_sharing: bool):
     """transformers' continuous-batching manager on our weights, started and warmed up."""
@@ -517,6 +499,8 @@ def _prepare(engine: str, model: GPT, spec: WorkloadSpec, plan: Plan, block_size
                         preemptions=state.scheduler.preemptions)
 
         return run_paged
+    from kvcache_cli.bench import _quiet_transformers
+
     stack.enter_context(_quiet_transformers())
     manager = _hf_manager(model, plan, block_size, max_batch, spec, prefix_sharing)
     stack.callback(manager.stop, block=True, timeout=5)
@@ -563,7 +547,7 @@ def run_serve(model: GPT, spec: WorkloadSpec, engines: Sequence[str], kv_mem: in
     """The workload through each engine in turn; one comparison."""
     import dataclasses
 
-    from kvcache_cli.bench import _device_name, _OtherProcesses
+    from kvcache_cli.bench import _device_name, _OtherProcesses, _transformers_version
 
     plan = plan_memory(model.config, model.dtype, spec, kv_mem, block_size, max_batch)
     requests = make_requests(spec, model.config.vocab_size)
@@ -602,9 +586,3 @@ def run_serve(model: GPT, spec: WorkloadSpec, engines: Sequence[str], kv_mem: in
         padded_rows=plan.padded_rows, slab_len=plan.slab_len, max_batch=max_batch,
         prefix_sharing=prefix_sharing, engines=ordered,
     )
-
-
-def _transformers_version() -> str:
-    import transformers
-
-    return transformers.__version__
