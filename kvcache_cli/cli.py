@@ -621,6 +621,7 @@ def serve(
 
     from kvcache_cli import bench as bench_
     from kvcache_cli import sizing
+    from kvcache_cli.gpt2 import model_config
     from kvcache_cli.plot import PlotUnavailable, require_matplotlib
     from kvcache_cli.serving import batching, workload
     from kvcache_cli.serving import engines as serving
@@ -628,7 +629,7 @@ def serve(
     # Everything a user can get wrong is refused before a model loads.
     try:
         dev = bench_.resolve_device(device)
-        config = serving.model_config(model)
+        config = model_config(model)
         if batch is not None:
             sizes = batching.parse_sizes(batch)
             batching.check_sweep(config)

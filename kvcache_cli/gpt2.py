@@ -452,8 +452,9 @@ def load_gpt2(
     """
     if weights not in ("auto", "pretrained", "random"):
         raise ValueError(f"unknown weights {weights!r}: expected auto, pretrained or random")
+    config = model_config(name_or_path)
     if name_or_path in PRESETS:
-        config, name = PRESETS[name_or_path], name_or_path
+        name = name_or_path
         if weights == "random":
             return _random(config, _random_source(name), device, dtype)
         path, how, why = _hub_weights(name)
@@ -465,16 +466,23 @@ def load_gpt2(
         state = _read_weights(Path(path))
         return LoadedModel(_from_state(config, state, device, dtype), f"pretrained {name} ({how})")
     directory = Path(name_or_path)
+    if weights == "random":
+        return _random(config, _random_source(str(directory)), device, dtype)
+    state = _read_weights(_weights_file(directory))
+    return LoadedModel(_from_state(config, state, device, dtype), f"checkpoint {directory}")
+
+
+def model_config(name_or_path: str) -> GPTConfig:
+    """The shape of a preset or a checkpoint directory, read without any weights."""
+    if name_or_path in PRESETS:
+        return PRESETS[name_or_path]
+    directory = Path(name_or_path)
     if not directory.is_dir():
         raise ValueError(
             f"unknown model {name_or_path!r}: expected {', '.join(PRESETS)} "
             "or a checkpoint directory (save_pretrained)"
         )
-    config = _read_config(directory / "config.json")
-    if weights == "random":
-        return _random(config, _random_source(str(directory)), device, dtype)
-    state = _read_weights(_weights_file(directory))
-    return LoadedModel(_from_state(config, state, device, dtype), f"checkpoint {directory}")
+    return _read_config(directory / "config.json")
 
 
 def _random_source(shape: str) -> str:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcache_cli.gpt2 import GPT, GPTConfig, StaticCache
+from kvcache_cli.gpt2 import GPT, StaticCache
 from kvcache_cli.serving.block_manager import BlockManager
 from kvcache_cli.serving.model_runner import ModelRunner
 from kvcache_cli.serving.paged_cache import PagedCache, block_bytes
@@ -126,20 +126,6 @@ class ServeResult:
 
 
 # ---------------------------------------------------------------------------- inputs
-
-
-def model_config(name_or_path: str) -> GPTConfig:
-    """The shape of a preset or checkpoint, read without loading any weights."""
-    from pathlib import Path
-
-    from kvcache_cli.gpt2 import PRESETS, _read_config
-
-    if name_or_path in PRESETS:
-        return PRESETS[name_or_path]
-    if not Path(name_or_path).is_dir():
-        raise ValueError(f"unknown model {name_or_path!r}: expected {', '.join(PRESETS)} "
-                         "or a checkpoint directory (save_pretrained)")
-    return _read_config(Path(name_or_path) / "config.json")
 
 
 def parse_engines(text: str) -> tuple[str, ...]:
