@@ -410,8 +410,8 @@ def _run_ours(
 ) -> _Run:
     """`max_len` sizes a static cache: the run's own length, also for a shorter warm-up,
     so a compiled model sees in the warm-up the cache shapes it is timed with."""
+    from kvcache_cli.caches import make_cache
     from kvcache_cli.generate import stream_tokens
-    from kvcache_cli.gpt2 import make_cache
 
     # The bench owns the cache so it can read what the appends copied afterwards.
     cache = None

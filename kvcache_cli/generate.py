@@ -2,7 +2,7 @@
 
 Modes: `naive` runs the full forward over the whole sequence for every token;
 `concat` and `static` prefill the prompt once and then decode one token per forward
-against a cache (`gpt2.ConcatCache`, `gpt2.StaticCache`). All three pick the same
+against a cache (`caches.ConcatCache`, `caches.StaticCache`). All three pick the same
 greedy tokens; the breaks are the article's three bugs, each a correct loop with one
 call changed, run side by side with the correct loop on the same model.
 Reference: the GPT-2 KV-cache article in `seeds/003_*`, section 5.
@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kvcache_cli.gpt2 import GPT, KVCache, make_cache
+from kvcache_cli.caches import KVCache, make_cache
+from kvcache_cli.gpt2 import GPT
 
 MODES = ("naive", "concat", "static")
 

@@ -1,15 +1,13 @@
-"""GPT-2 in PyTorch with a KV cache: the model, two caches, and loading.
+"""GPT-2 in PyTorch with a KV cache: the model, and loading.
 
 The model is nanoGPT's (Hugging Face parameter names, so a checkpoint loads key for
 key); the static cache and the explicit positions are gpt-fast's. `forward` takes the
 new tokens, the position of the first of them, and a cache; it never keeps a counter
 of its own, so the caller always says where the tokens sit.
 
-Two caches share one small interface (`KVCache`):
-- `ConcatCache` appends with `torch.cat`: simple, and it copies the whole history at
-  every step (quadratic bytes moved over a generation);
-- `StaticCache` allocates two buffers once for the longest sequence and writes each
-  step in place at its position; attention reads the filled prefix only.
+The caches live in `kvcache_cli.caches`; attention asks their interface (`KVCache`)
+for the keys and values to attend over and, where a cache does not keep key j at
+position j, for the position each key holds.
 
 Weights come from a local `save_pretrained` directory or the Hugging Face Hub, through
 safetensors (or `torch.load(weights_only=True)`); nothing is ever unpickled freely.
@@ -28,6 +26,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
+
+from kvcache_cli.caches.base import KVCache
 
 # ---------------------------------------------------------------------------- config
 
@@ -60,120 +60,6 @@ PRESETS = {
     "gpt2-large": GPTConfig(n_layer=36, n_head=20, n_embd=1280),  # 774M
     "gpt2-xl": GPTConfig(n_layer=48, n_head=25, n_embd=1600),  # 1558M
 }
-
-# ---------------------------------------------------------------------------- caches
-
-
-def _nbytes(t: Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-class KVCache:
-    """What attention needs from a cache: the keys and values of every position so far.
-
-    `update(layer, start_pos, k, v)` stores this call's k, v (B, nh, T, hs) for the
-    tokens at positions start_pos .. start_pos+T-1 and returns the keys and values to
-    attend over, (B, nh, S, hs), with this call's tokens last. `length` is how many
-    positions the cache holds, `bytes_held` what it occupies, `bytes_copied` how many
-    bytes its appends have moved since it was made or reset.
-    """
-
-    length: int
-    bytes_copied: int
-    # True when update returns every slot the cache has, filled or not, and attention must
-    # mask the slots past each query's position (a fixed shape at every step).
-    whole: bool = False
-
-    def update(self, layer: int, start_pos: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        raise NotImplementedError
-
-    @property
-    def bytes_held(self) -> int:
-        raise NotImplementedError
-
-    def reset(self) -> None:
-        raise NotImplementedError
-
-
-class ConcatCache(KVCache):
-    """Append with torch.cat, as the article's first cache does.
-
-    It can only append: new tokens go after whatever it holds, whatever `start_pos`
-    says, so keeping positions and contents in step is the caller's job (the
-    `position-offset` and `stale-cache` breaks are what happens when they drift).
-    """
-
-    def __init__(self, config: GPTConfig, batch: int, device, dtype: torch.dtype):
-        self.config, self.batch, self.device, self.dtype = config, batch, device, dtype
-        self.reset()
-
-    def reset(self) -> None:
-        c = self.config
-        empty = (self.batch, c.n_head, 0, c.head_size)  # (B, nh, 0, hs)
-        new = dict(device=self.device, dtype=self.dtype)
-        self.k = [torch.empty(empty, **new) for _ in range(c.n_layer)]
-        self.v = [torch.empty(empty, **new) for _ in range(c.n_layer)]
-        self.bytes_copied = 0
-
-    def update(self, layer: int, start_pos: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        # torch.cat allocates a new tensor and copies the whole history into it: step n
-        # moves n positions' worth of bytes, a generation of n tokens O(n^2).
-        self.k[layer] = torch.cat([self.k[layer], k], dim=2)  # (B, nh, S, hs)
-        self.v[layer] = torch.cat([self.v[layer], v], dim=2)
-        self.bytes_copied += _nbytes(self.k[layer]) + _nbytes(self.v[layer])
-        return self.k[layer], self.v[layer]
-
-    @property
-    def length(self) -> int:
-        return self.k[0].size(2)
-
-    @property
-    def bytes_held(self) -> int:
-        return sum(_nbytes(t) for t in self.k + self.v)
-
-
-class StaticCache(KVCache):
-    """Two buffers allocated once for `max_len` positions, written in place (gpt-fast).
-
-    A step copies only its own tokens' keys and values; attention reads the filled
-    prefix [0, start_pos + T), so whatever lies beyond it is never seen. With
-    `whole=True` attention reads all max_len slots under a mask instead: more work per
-    step, but the same shapes at every step, which is what torch.compile needs to run
-    one static graph (and CUDA graphs to replay one), as in gpt-fast.
-    """
-
-    def __init__(self, config: GPTConfig, max_len: int, batch: int, device, dtype: torch.dtype,
-                 whole: bool = False):
-        if not 0 < max_len <= config.block_size:
-            raise ValueError(f"max_len {max_len} outside the context window 1..{config.block_size}")
-        self.max_len = max_len
-        self.whole = whole
-        shape = (config.n_layer, batch, config.n_head, max_len, config.head_size)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)  # (L, B, nh, max_len, hs)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
-        self.reset()
-
-    def reset(self) -> None:
-        # No need to clear the buffers: nothing past the filled prefix is ever read.
-        self.length = 0
-        self.bytes_copied = 0
-
-    def update(self, layer: int, start_pos: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        end = start_pos + k.size(2)
-        if end > self.max_len:
-            raise IndexError(f"position {end - 1} past the static cache's {self.max_len} slots")
-        self.k[layer, :, :, start_pos:end] = k
-        self.v[layer, :, :, start_pos:end] = v
-        self.bytes_copied += _nbytes(k) + _nbytes(v)
-        self.length = end
-        if self.whole:
-            return self.k[layer], self.v[layer]  # (B, nh, max_len, hs); attention masks
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]  # (B, nh, end, hs)
-
-    @property
-    def bytes_held(self) -> int:
-        return _nbytes(self.k) + _nbytes(self.v)
-
 
 # ---------------------------------------------------------------------------- model
 
@@ -247,34 +133,64 @@ class CausalSelfAttention(nn.Module):
         k = k.view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
         if cache is not None:
-            k, v = cache.update(self.layer, start_pos, k, v)  # (B, nh, S, hs), ours last
-        S = k.size(2)
-        mask, is_causal = None, False
+            k, v = cache.update(self.layer, start_pos, k, v)  # (B, nh, S, hs), ours included
+        mask, is_causal = self._mask(start_pos, T, k.size(2), cache, x.device, force_is_causal)
+        if cache is not None and cache.wants_attention:
+            # SDPA never returns its weights: an eviction policy that ranks keys by the
+            # attention they draw pays for the scores written out and a softmax of its own.
+            scores = (q @ k.transpose(-2, -1)) / math.sqrt(hs)  # (B, nh, T, S)
+            if mask is not None:
+                scores = scores.masked_fill(~mask, float("-inf"))
+            weights = scores.softmax(dim=-1)  # (B, nh, T, S)
+            cache.observe(self.layer, weights)
+            y = weights @ v  # (B, nh, T, hs)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
+        return self.c_proj(y)
+
+    def _mask(self, start_pos: int | Tensor, T: int, S: int, cache: KVCache | None, device,
+              force_is_causal: bool) -> tuple[Tensor | None, bool]:
+        """(boolean mask, is_causal) for T queries from start_pos against S keys: True
+        where a query may attend. None with is_causal=False means every key is visible."""
+        held = cache.key_positions(self.layer) if cache is not None else None
+        if held is not None:
+            # Keys out of order (a ring, kept sinks, evictions): the query at position p
+            # sees exactly the keys holding positions 0..p; -1 marks an empty slot.
+            if isinstance(start_pos, Tensor):
+                positions = start_pos[:, None] + torch.arange(T, device=device)  # (B, T)
+            else:
+                positions = (start_pos + torch.arange(T, device=device))[None]  # (1, T)
+            if held.dim() == 1:  # (S,): the same for every row and head
+                held = held[None, None]
+            elif held.dim() == 2:  # (B, S): per row
+                held = held[:, None]
+            keys = held[:, :, None, :]  # (B|1, nh|1, 1, S)
+            return (keys >= 0) & (keys <= positions[:, None, :, None]), False  # (B, nh, T, S)
         if isinstance(start_pos, Tensor):
             # Rows at different positions: the cache returns key j at slot j of every
             # row, padded to the longest, and query i of row b sits at start_pos[b] + i,
             # so it may see exactly the keys at slots 0 .. start_pos[b] + i.
-            positions = start_pos[:, None] + torch.arange(T, device=x.device)  # (B, T)
-            slots = torch.arange(S, device=x.device)  # (S,)
-            mask = (slots <= positions[:, :, None]).unsqueeze(1)  # (B, 1, T, S)
-        elif cache is not None and cache.whole:
+            positions = start_pos[:, None] + torch.arange(T, device=device)  # (B, T)
+            slots = torch.arange(S, device=device)  # (S,)
+            return (slots <= positions[:, :, None]).unsqueeze(1), False  # (B, 1, T, S)
+        if cache is not None and cache.whole:
             # Every slot of the buffer: query i sits at start_pos + i and may see slots
             # 0 .. start_pos + i; the rest are not written yet, or hold an older request.
-            positions = start_pos + torch.arange(T, device=x.device)  # (T,)
-            mask = torch.arange(S, device=x.device) <= positions[:, None]  # (T, S)
-        elif T == S or force_is_causal:
+            positions = start_pos + torch.arange(T, device=device)  # (T,)
+            return torch.arange(S, device=device) <= positions[:, None], False  # (T, S)
+        if T == S or force_is_causal:
             # Square scores: the ordinary causal mask. SDPA aligns is_causal to the top
             # left, so forced onto a one-row query against S keys (the article's bug 2)
             # it lets the newest token see key 0 and nothing else.
-            is_causal = True
-        elif T > 1:
+            if cache is not None and cache.wants_attention:  # no SDPA to apply it
+                return torch.ones(T, S, dtype=torch.bool, device=device).tril(), False
+            return None, True
+        if T > 1:
             # T new tokens after S - T cached ones: query i sits at position S - T + i
             # and may see keys 0 .. S - T + i (the mask aligned bottom right).
-            mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(S - T)
-        # else one query, the newest token: every cached key is in its past, no mask.
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
-        return self.c_proj(y)
+            return torch.ones(T, S, dtype=torch.bool, device=device).tril(S - T), False
+        return None, False  # one query, the newest token: every cached key is in its past
 
 
 class MLP(nn.Module):
@@ -387,19 +303,6 @@ class GPT(nn.Module):
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())  # tied weights counted once
-
-
-def make_cache(mode: str, model: GPT, max_len: int, batch: int = 1, whole: bool = False
-               ) -> KVCache | None:
-    """A fresh cache for `mode`: None for naive (no cache), else concat or static
-    (`whole`: read all of it under a mask, for a compiled model; see StaticCache)."""
-    if mode == "naive":
-        return None
-    if mode == "concat":
-        return ConcatCache(model.config, batch, model.device, model.dtype)
-    if mode == "static":
-        return StaticCache(model.config, max_len, batch, model.device, model.dtype, whole)
-    raise ValueError(f"unknown cache mode {mode!r}: expected naive, concat or static")
 
 
 def arrange_weights(model: GPT) -> GPT:

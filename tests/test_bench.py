@@ -402,10 +402,10 @@ def test_compiled_modes_compile_once_and_report_the_compile_apart(checkpoint, mo
         return fn
 
     monkeypatch.setattr(torch, "compile", fake_compile)
-    from kvcache_cli import gpt2
+    from kvcache_cli import caches
 
-    whole, make_cache = [], gpt2.make_cache  # a compiled model's cache keeps one shape
-    monkeypatch.setattr(gpt2, "make_cache",
+    whole, make_cache = [], caches.make_cache  # a compiled model's cache keeps one shape
+    monkeypatch.setattr(caches, "make_cache",
                         lambda *a, **k: whole.append(k.get("whole")) or make_cache(*a, **k))
     result = _run(checkpoint, modes=("static-compiled", "hf-static-compiled"), repeats=1)
     assert whole and all(whole), whole

@@ -15,6 +15,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from kvcache_cli.caches import make_cache
 from kvcache_cli.cli import app
 from kvcache_cli.generate import (
     BREAKS,
@@ -23,7 +24,7 @@ from kvcache_cli.generate import (
     run_break,
     stream_tokens,
 )
-from kvcache_cli.gpt2 import load_gpt2, make_cache
+from kvcache_cli.gpt2 import load_gpt2
 
 PROMPT = [17, 200, 3, 91, 45]
 N_NEW = 24

@@ -17,15 +17,9 @@ import pytest
 import torch
 
 from kvcache_cli import gpt2
-from kvcache_cli.gpt2 import (
-    GPT,
-    ConcatCache,
-    GPTConfig,
-    StaticCache,
-    load_gpt2,
-    make_cache,
-    to_hf,
-)
+from kvcache_cli.caches import make_cache
+from kvcache_cli.caches.exact import ConcatCache, StaticCache
+from kvcache_cli.gpt2 import GPT, GPTConfig, load_gpt2, to_hf
 
 # float32 has a 1.2e-7 unit roundoff; ours and transformers sum the same products in a
 # different order (nn.Linear vs Conv1D, different SDPA kernels) through 2 layers, so
@@ -195,7 +189,7 @@ def test_forward_refuses_a_position_past_the_context_window():
 def test_make_cache_rejects_an_unknown_mode():
     model = GPT(GPTConfig(block_size=8, vocab_size=8, n_layer=1, n_head=1, n_embd=4))
     assert make_cache("naive", model, 8) is None
-    with pytest.raises(ValueError, match="unknown cache mode 'ring'"):
+    with pytest.raises(ValueError, match="unknown cache 'ring'"):
         make_cache("ring", model, 8)
 
 

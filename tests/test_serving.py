@@ -18,13 +18,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
+from kvcache_cli.caches.exact import StaticCache
+from kvcache_cli.caches.paged import PagedCache, block_bytes
 from kvcache_cli.cli import app
-from kvcache_cli.gpt2 import GPT, GPTConfig, StaticCache, to_hf
+from kvcache_cli.gpt2 import GPT, GPTConfig, to_hf
 from kvcache_cli.serving import batching
 from kvcache_cli.serving import engines as E
 from kvcache_cli.serving.block_manager import BlockManager
 from kvcache_cli.serving.model_runner import ModelRunner
-from kvcache_cli.serving.paged_cache import PagedCache, block_bytes
 from kvcache_cli.serving.scheduler import Scheduler
 from kvcache_cli.serving.sequence import Request, Sequence, Status
 from kvcache_cli.serving.workload import WorkloadSpec, check_spec, make_requests, parse_range

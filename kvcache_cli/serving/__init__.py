@@ -2,10 +2,11 @@
 
 vLLM's engine in nano-vllm's split, one job a module: `sequence` (a request and its
 state), `block_manager` (the pool's free list, reference counts and prefix hashes;
-no tensors), `paged_cache` (the pool itself, one more `gpt2.KVCache`), `scheduler`
+no tensors), `scheduler`
 (what runs each step: admit, decode, preempt; no tensors), `model_runner` (a step's
 batch as tensors through the model), `engines` (the loop, and the engines it is
 measured against), `workload` (the seeded requests) and `batching` (decode time
-against batch size, beside the roofline). The NumPy `paged` demo in
+against batch size, beside the roofline). The pool itself is
+`kvcache_cli.caches.paged.PagedCache`, one more cache kind. The NumPy `paged` demo in
 `kv_cache_from_scratch.py` simulates the same allocator; the names follow it.
 """

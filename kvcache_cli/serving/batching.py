@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcache_cli.gpt2 import GPT, GPTConfig, StaticCache
+from kvcache_cli.caches.exact import StaticCache
+from kvcache_cli.gpt2 import GPT, GPTConfig
 
 CONTEXT = 128  # tokens cached per row when the timed steps start (less in a shorter window)
 STEPS = 8  # timed decode steps per batch size
@@ -137,7 +138,7 @@ def run_sweep(model: GPT, sizes: Sequence[int], threads: int | None = None,
               model_name: str = "", bandwidth_mib: int | None = None,
               matmul_n: int = MATMUL_N) -> SweepResult:
     from kvcache_cli.bench import _device_name, measure_bandwidth, weight_bytes
-    from kvcache_cli.serving.paged_cache import block_bytes
+    from kvcache_cli.caches.paged import block_bytes
 
     previous = torch.get_num_threads()
     if threads is not None:

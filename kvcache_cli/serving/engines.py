@@ -27,10 +27,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcache_cli.gpt2 import GPT, StaticCache
+from kvcache_cli.caches.exact import StaticCache
+from kvcache_cli.caches.paged import PagedCache, block_bytes
+from kvcache_cli.gpt2 import GPT
 from kvcache_cli.serving.block_manager import BlockManager
 from kvcache_cli.serving.model_runner import ModelRunner
-from kvcache_cli.serving.paged_cache import PagedCache, block_bytes
 from kvcache_cli.serving.scheduler import Scheduler
 from kvcache_cli.serving.sequence import Request
 from kvcache_cli.serving.sequence import Sequence as Seq

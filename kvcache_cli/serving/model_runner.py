@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from kvcache_cli.caches.paged import PagedCache
 from kvcache_cli.gpt2 import GPT
-from kvcache_cli.serving.paged_cache import PagedCache
 from kvcache_cli.serving.sequence import Sequence
 
 

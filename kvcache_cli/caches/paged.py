@@ -1,6 +1,6 @@
 """`PagedCache`: one pool of fixed-size blocks per layer, read through block tables.
 
-The third `gpt2.KVCache`, beside `ConcatCache` and `StaticCache`. Keys and values
+One more `KVCache`, beside the exact `ConcatCache` and `StaticCache`. Keys and values
 live in a pool allocated once (`n_blocks` blocks of `block_size` positions, every
 layer); a sequence's position p sits in block block_table[p // block_size], slot
 p % block_size. Which blocks a sequence owns is the `BlockManager`'s business; the
@@ -8,8 +8,10 @@ model runner hands this cache the step's block tables (`bind`) before each forwa
 
 Attention reads a sequence's keys by gathering its blocks into one contiguous
 (B, nh, S, hs) tensor, key j at slot j, each row padded to the longest table; the
-per-row mask in `gpt2.CausalSelfAttention` hides the padding. A gather in plain
-torch runs on CPU and CUDA alike; it is not vLLM's fused kernel, which reads the
+per-row mask in `gpt2.CausalSelfAttention` hides the padding. Built from a spec
+(`paged:b16`, for generate, bench and eval) it owns its blocks alone: each row gets
+the blocks its longest sequence needs, in order, as a block manager would hand out.
+A gather in plain torch runs on CPU and CUDA alike; it is not vLLM's fused kernel, which reads the
 blocks in place (the gather copies every key once more per step).
 """
 
@@ -18,17 +20,17 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kvcache_cli.gpt2 import GPTConfig, KVCache, _nbytes
+from kvcache_cli.caches.base import KVCache, RollbackError, nbytes
 
 
-def block_bytes(config: GPTConfig, block_size: int, dtype: torch.dtype) -> int:
+def block_bytes(config, block_size: int, dtype: torch.dtype) -> int:
     """Bytes of one block: K and V, every layer, block_size positions."""
     element = torch.empty((), dtype=dtype).element_size()
     return 2 * config.n_layer * block_size * config.n_embd * element
 
 
 class PagedCache(KVCache):
-    def __init__(self, config: GPTConfig, n_blocks: int, block_size: int, device,
+    def __init__(self, config, n_blocks: int, block_size: int, device,
                  dtype: torch.dtype):
         self.block_size = block_size
         # Heads before blocks: a gather of blocks then reads as (B, nh, S, hs) without a
@@ -40,6 +42,15 @@ class PagedCache(KVCache):
         empty = torch.empty(0, device=device, dtype=dtype)
         self._scratch = [empty, empty]  # the gathered K and V, grown as batches grow
         self.reset()
+
+    @classmethod
+    def build(cls, spec, config, *, max_len: int, batch: int, device, dtype, whole: bool):
+        block_size = spec["block_size"]
+        per_row = -(-max_len // block_size)  # blocks for max_len positions, rounded up
+        cache = cls(config, batch * per_row, block_size, device, dtype)
+        rows = torch.arange(batch * per_row, device=device).view(batch, per_row)  # (B, blocks)
+        cache.bind(rows)
+        return cache
 
     def reset(self) -> None:
         # Nothing to clear: a slot is read only after its sequence wrote it.
@@ -65,7 +76,7 @@ class PagedCache(KVCache):
         # Two adjacent advanced indices keep their place: the slots are (nh, B, T, hs).
         self.k[layer][:, blocks, slots] = k.transpose(0, 1)
         self.v[layer][:, blocks, slots] = v.transpose(0, 1)
-        self.bytes_copied += _nbytes(k) + _nbytes(v)
+        self.bytes_copied += nbytes(k) + nbytes(v)
         n = table.size(1) * self.block_size
         keys, values = self._gather(self.k[layer], table, 0), self._gather(self.v[layer], table, 1)
         if isinstance(start_pos, Tensor):
@@ -75,6 +86,14 @@ class PagedCache(KVCache):
             return keys, values  # every row's own keys, padded; the mask hides the rest
         self.length = start_pos + T
         return keys[:, :, : self.length], values[:, :, : self.length]  # the filled prefix
+
+    def crop(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise RollbackError(f"cannot crop to {length} positions: the cache holds "
+                                f"{self.length}; expected 0..{self.length}")
+        # The blocks stay bound: the slots past `length` are overwritten before they are
+        # read again. Returning whole tail blocks to a pool is the block manager's job.
+        self.length = length
 
     def _gather(self, pool: Tensor, table: Tensor, which: int) -> Tensor:
         """Every row's blocks in table order, as (B, nh, S, hs) with key j at slot j.
@@ -96,4 +115,4 @@ class PagedCache(KVCache):
 
     @property
     def bytes_held(self) -> int:
-        return _nbytes(self.k) + _nbytes(self.v)
+        return nbytes(self.k) + nbytes(self.v)

@@ -1,0 +1,39 @@
+"""The KV cache family: one interface, one module per kind, one registry of specs.
+
+- `base`: the `KVCache` interface attention talks to (update, key_positions, crop, ...);
+- `exact`: `ConcatCache` and `StaticCache`, every position at the model's precision;
+- `paged`: `PagedCache`, blocks of a pool read through block tables (serve's pool);
+- `spec`: the torch-free registry of kinds and the parser of spec strings
+  (`static`, `paged:b16`, ...), shared by every command that names a cache.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+
+from kvcache_cli.caches.base import KVCache, RollbackError, nbytes
+from kvcache_cli.caches.spec import CacheSpec, CacheSpecError, parse_cache_spec
+
+__all__ = ["KVCache", "RollbackError", "nbytes", "CacheSpec", "CacheSpecError",
+           "parse_cache_spec", "make_cache", "cache_class"]
+
+
+def cache_class(spec: CacheSpec) -> type[KVCache]:
+    module, name = spec.info.factory.split(":")
+    return getattr(import_module(module), name)
+
+
+def make_cache(spec: str | CacheSpec, model, max_len: int, batch: int = 1,
+               whole: bool = False) -> KVCache | None:
+    """A fresh cache for `model` holding up to `max_len` positions of `batch` rows.
+
+    `spec` is a parsed spec or its text (`static`, `paged:b16`, ...); `naive` means no
+    cache at all (the loop that recomputes every position) and gives None. `whole`: a
+    static cache read whole under a mask, one shape every step (for a compiled model).
+    """
+    if isinstance(spec, str):
+        if spec == "naive":
+            return None
+        spec = parse_cache_spec(spec)
+    return cache_class(spec).build(spec, model.config, max_len=max_len, batch=batch,
+                                   device=model.device, dtype=model.dtype, whole=whole)

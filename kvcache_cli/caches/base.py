@@ -1,0 +1,78 @@
+"""The interface every KV cache kind implements, and what attention asks of it.
+
+A cache stores, for each layer, the keys and values of the positions it keeps, and
+hands attention what to attend over. The model asks this interface, never the class
+(transformers' per-layer `Cache` objects share the same few verbs: update, crop, reset).
+
+Torch-free at import, like `spec`: `kvcache size` and completion read the family's
+names without paying for torch. Shapes: `update` takes one call's k, v as (B, nh, T, hs) and returns (B, nh, S, hs).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the interface and the spec parser load without torch
+    from torch import Tensor
+
+
+def nbytes(t: Tensor) -> int:
+    """Bytes a tensor's elements occupy (its storage may be larger)."""
+    return t.numel() * t.element_size()
+
+
+class RollbackError(ValueError):
+    """A cache asked to forget tokens it cannot give back (one line, for the CLI)."""
+
+
+class KVCache:
+    """What attention needs from a cache: the keys and values of every position it keeps.
+
+    `update(layer, start_pos, k, v)` stores this call's k, v (B, nh, T, hs) for the
+    tokens at positions start_pos .. start_pos+T-1 and returns the keys and values to
+    attend over, (B, nh, S, hs), with this call's tokens included.
+
+    Where key j of what `update` returned is *not* the token at position j (a ring
+    buffer, kept sinks, an eviction policy), `key_positions(layer)` says which position
+    each returned key holds, -1 for an empty slot; attention then lets the query at
+    position p see exactly the keys whose position is in 0..p. None means the usual
+    layout: key j is position j, and the keys are the filled prefix.
+
+    `length` is the number of positions written so far (the next token's position when
+    one sequence is decoded), `bytes_held` what the cache occupies now (scales, zero
+    points and padding included), `bytes_copied` how many bytes its writes have moved
+    since it was made or reset.
+    """
+
+    length: int
+    bytes_copied: int
+    # True when update returns every slot the cache has, filled or not, and attention must
+    # mask the slots past each query's position (a fixed shape at every step).
+    whole: bool = False
+    # True for a cache that evicts by attention received (heavy hitters): attention then
+    # computes its weights explicitly and hands them to `observe` after each layer.
+    wants_attention: bool = False
+
+    def update(self, layer: int, start_pos: int | Tensor, k: Tensor, v: Tensor
+               ) -> tuple[Tensor, Tensor]:
+        raise NotImplementedError
+
+    def key_positions(self, layer: int) -> Tensor | None:
+        """The position of each key the last `update` of `layer` returned: (S,), (B, S)
+        or (B, nh, S), -1 for an empty slot; None when key j is position j."""
+        return None
+
+    def observe(self, layer: int, weights: Tensor) -> None:
+        """This step's attention probabilities (B, nh, T, S) over the keys `update`
+        returned; only called when `wants_attention` is True."""
+
+    def crop(self, length: int) -> None:
+        """Forget every position from `length` on (speculative decoding's rollback)."""
+        raise RollbackError(f"{type(self).__name__} cannot roll back")
+
+    @property
+    def bytes_held(self) -> int:
+        raise NotImplementedError
+
+    def reset(self) -> None:
+        raise NotImplementedError

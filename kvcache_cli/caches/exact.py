@@ -1,0 +1,120 @@
+"""The exact caches: every position kept at the model's precision.
+
+- `ConcatCache` appends with `torch.cat`: simple, and it copies the whole history at
+  every step (quadratic bytes moved over a generation);
+- `StaticCache` allocates two buffers once for the longest sequence and writes each
+  step in place at its position; attention reads the filled prefix only (gpt-fast).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from kvcache_cli.caches.base import KVCache, RollbackError, nbytes
+
+
+def _check_crop(cache: KVCache, length: int) -> None:
+    if not 0 <= length <= cache.length:
+        raise RollbackError(f"cannot crop to {length} positions: the cache holds "
+                            f"{cache.length}; expected 0..{cache.length}")
+
+
+class ConcatCache(KVCache):
+    """Append with torch.cat, as the article's first cache does.
+
+    It can only append: new tokens go after whatever it holds, whatever `start_pos`
+    says, so keeping positions and contents in step is the caller's job (the
+    `position-offset` and `stale-cache` breaks are what happens when they drift).
+    """
+
+    def __init__(self, config, batch: int, device, dtype: torch.dtype):
+        self.config, self.batch, self.device, self.dtype = config, batch, device, dtype
+        self.reset()
+
+    @classmethod
+    def build(cls, spec, config, *, max_len: int, batch: int, device, dtype, whole: bool):
+        return cls(config, batch, device, dtype)
+
+    def reset(self) -> None:
+        c = self.config
+        empty = (self.batch, c.n_head, 0, c.head_size)  # (B, nh, 0, hs)
+        new = dict(device=self.device, dtype=self.dtype)
+        self.k = [torch.empty(empty, **new) for _ in range(c.n_layer)]
+        self.v = [torch.empty(empty, **new) for _ in range(c.n_layer)]
+        self.bytes_copied = 0
+
+    def update(self, layer: int, start_pos: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        # torch.cat allocates a new tensor and copies the whole history into it: step n
+        # moves n positions' worth of bytes, a generation of n tokens O(n^2).
+        self.k[layer] = torch.cat([self.k[layer], k], dim=2)  # (B, nh, S, hs)
+        self.v[layer] = torch.cat([self.v[layer], v], dim=2)
+        self.bytes_copied += nbytes(self.k[layer]) + nbytes(self.v[layer])
+        return self.k[layer], self.v[layer]
+
+    def crop(self, length: int) -> None:
+        _check_crop(self, length)
+        # Views of the kept prefix: nothing is copied until the next append's cat.
+        self.k = [k[:, :, :length] for k in self.k]
+        self.v = [v[:, :, :length] for v in self.v]
+
+    @property
+    def length(self) -> int:
+        return self.k[0].size(2)
+
+    @property
+    def bytes_held(self) -> int:
+        return sum(nbytes(t) for t in self.k + self.v)
+
+
+class StaticCache(KVCache):
+    """Two buffers allocated once for `max_len` positions, written in place (gpt-fast).
+
+    A step copies only its own tokens' keys and values; attention reads the filled
+    prefix [0, start_pos + T), so whatever lies beyond it is never seen. With
+    `whole=True` attention reads all max_len slots under a mask instead: more work per
+    step, but the same shapes at every step, which is what torch.compile needs to run
+    one static graph (and CUDA graphs to replay one), as in gpt-fast.
+    """
+
+    def __init__(self, config, max_len: int, batch: int, device, dtype: torch.dtype,
+                 whole: bool = False):
+        if not 0 < max_len <= config.block_size:
+            raise ValueError(f"max_len {max_len} outside the context window 1..{config.block_size}")
+        self.max_len = max_len
+        self.whole = whole
+        shape = (config.n_layer, batch, config.n_head, max_len, config.head_size)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)  # (L, B, nh, max_len, hs)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.reset()
+
+    @classmethod
+    def build(cls, spec, config, *, max_len: int, batch: int, device, dtype, whole: bool):
+        return cls(config, max_len, batch, device, dtype, whole)
+
+    def reset(self) -> None:
+        # No need to clear the buffers: nothing past the filled prefix is ever read.
+        self.length = 0
+        self.bytes_copied = 0
+
+    def update(self, layer: int, start_pos: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        end = start_pos + k.size(2)
+        if end > self.max_len:
+            raise IndexError(f"position {end - 1} past the static cache's {self.max_len} slots")
+        self.k[layer, :, :, start_pos:end] = k
+        self.v[layer, :, :, start_pos:end] = v
+        self.bytes_copied += nbytes(k) + nbytes(v)
+        self.length = end
+        if self.whole:
+            return self.k[layer], self.v[layer]  # (B, nh, max_len, hs); attention masks
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]  # (B, nh, end, hs)
+
+    def crop(self, length: int) -> None:
+        _check_crop(self, length)
+        # Nothing moves: the slots past `length` are never read again before the next
+        # write covers them (gpt-fast's speculative decoding rolls back the same way).
+        self.length = length
+
+    @property
+    def bytes_held(self) -> int:
+        return nbytes(self.k) + nbytes(self.v)
