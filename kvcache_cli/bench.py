@@ -719,11 +719,46 @@ def run_bench(
 
     modes = parse_modes(",".join(modes))
     check_bench(model, modes, prompt_len, new_tokens, repeats, threads, naive_samples)
-    cfg = model.config
+    plan = _plan(modes, prompt_len, new_tokens, repeats, naive_samples, warmup_tokens,
+                 random_prompt(model.config.vocab_size, prompt_len, seed))
+    others = _OtherProcesses()
+    previous_threads = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        with torch.inference_mode():
+            measured = _measure(model, plan, bandwidth_mib, _Counter(plan.total, progress),
+                                finished)  # fmt: skip
+        used_threads = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(previous_threads)
+    return _result(model, plan, measured, used_threads, others.share(), model_name,
+                   weights_note)  # fmt: skip
 
-    param = next(model.parameters())
-    device, dtype = param.device, param.dtype
-    prompt = random_prompt(cfg.vocab_size, prompt_len, seed)
+
+@dataclass(frozen=True)
+class _Plan:
+    """What a benchmark runs, in which order, and how many tokens that makes."""
+
+    modes: tuple[str, ...]
+    prompt: list[int]
+    new_tokens: int
+    repeats: int
+    warmup: int
+    sampled: bool  # naive timed at `naive_steps` only, fed the reference's tokens
+    naive_steps: list[int]
+    order: list[str]  # the modes within one repeat
+    reference_mode: str
+    warmups: dict[str, int]  # untimed tokens per mode
+    total: int  # tokens in all, warm-ups included, for the progress display
+
+    @property
+    def n_steps(self) -> int:
+        return self.new_tokens - 1
+
+
+def _plan(modes: tuple[str, ...], prompt_len: int, new_tokens: int, repeats: int,
+          naive_samples: int, warmup_tokens: int, prompt: list[int]) -> _Plan:
     warmup = min(warmup_tokens, new_tokens)
     n_steps = new_tokens - 1
     # Naive needs another mode's tokens to be sampled; alone, it runs every step.
@@ -740,80 +775,107 @@ def run_bench(
     # (and, with CUDA graphs, recorded) before the clock runs.
     warmups = {m: new_tokens if m.endswith("-compiled") else warmup for m in modes}
     total = sum(warmups.values()) + repeats * sum(per_run.values())
-    done = 0
+    return _Plan(modes, prompt, new_tokens, repeats, warmup, sampled, naive_steps, order,
+                 reference_mode, warmups, total)  # fmt: skip
 
-    def report(label: str) -> Callable[[], None]:
-        def on_token() -> None:
-            nonlocal done
-            done += 1
-            if progress is not None:
-                progress(label, done, total)
 
-        return on_token
+class _Counter:
+    """Tokens made so far across every run, reported to the progress callback."""
 
-    others = _OtherProcesses()
-    previous_threads = torch.get_num_threads()
-    if threads is not None:
-        torch.set_num_threads(threads)
-    try:
-        with torch.inference_mode():
-            hf_model = _hf_copy(model, device) if any(m.startswith("hf") for m in modes) else None
-            compiled = None
-            if any(m.endswith("-compiled") and not m.startswith("hf") for m in modes):
-                compiled = torch.compile(model, mode=COMPILE_MODE[device.type])
-            runs: dict[str, list[_Run]] = {mode: [] for mode in modes}
+    def __init__(self, total: int, progress: ProgressFn | None):
+        self.total, self.progress, self.done = total, progress, 0
 
-            def run(mode: str, n: int, label: str, warm: bool = False) -> _Run:
-                if mode.startswith("hf"):
-                    stop = n if warm else None
-                    return _run_hf(hf_model, prompt, new_tokens, mode, device, report(label), stop)
-                if mode == "naive" and sampled and not warm:
-                    reference = runs[reference_mode][0].tokens
-                    return _run_naive_sampled(model, prompt, reference, naive_steps, device,
-                                              report(label))  # fmt: skip
-                forward = compiled if mode.endswith("-compiled") else model
-                return _run_ours(forward, prompt, n, mode, device, report(label),
-                                 max_len=prompt_len + new_tokens)  # fmt: skip
+    def show(self, label: str) -> None:
+        if self.progress is not None:
+            self.progress(label, self.done, self.total)
 
-            compile_s: dict[str, float] = {}
-            for mode in modes:
-                start = time.perf_counter()
-                run(mode, warmups[mode], f"warm-up {mode}", warm=True)
-                if mode.endswith("-compiled"):
-                    compile_s[mode] = time.perf_counter() - start
-            probes: dict[str, list[Probe]] = {"read": [], "copy": [], "product": []}
-            # Interleaved, so drift on the machine reaches every mode alike, and the
-            # bandwidth is probed once a repeat: on a shared host it drifts as well.
-            for r in range(repeats):
-                if progress is not None:
-                    progress(f"memory bandwidth {r + 1}/{repeats}", done, total)
-                probes["read"].append(measure_read(device, bandwidth_mib))
-                probes["copy"].append(_copy_probe(measure_bandwidth(device, bandwidth_mib)))
-                probes["product"].append(measure_products(model))
-                for mode in order:
-                    label = f"{mode} {r + 1}/{repeats}"
-                    result = run(mode, new_tokens, label)
-                    runs[mode].append(result)
-                    if finished is not None:
-                        finished(label, len(result.step_ms) / (sum(result.step_ms) / 1e3))
-        used_threads = torch.get_num_threads()
-    finally:
-        torch.set_num_threads(previous_threads)
+    def on_token(self, label: str) -> Callable[[], None]:
+        def tick() -> None:
+            self.done += 1
+            self.show(label)
 
-    pooled = tuple(_pooled(p) for p in probes.values())
+        return tick
+
+
+@dataclass
+class _Measured:
+    runs: dict[str, list[_Run]]  # per mode, one per repeat
+    probes: dict[str, list[Probe]]  # per probe kind, one per repeat
+    compile_s: dict[str, float]
+
+
+def _measure(model, plan: _Plan, bandwidth_mib: int | None, counter: _Counter,
+             finished: FinishedFn | None) -> _Measured:
+    """The untimed warm-ups, then the repeats: each probes the bandwidth and runs every mode."""
+    import torch
+
+    device = next(model.parameters()).device
+    modes = plan.modes
+    hf_model = _hf_copy(model, device) if any(m.startswith("hf") for m in modes) else None
+    compiled = None
+    if any(m.endswith("-compiled") and not m.startswith("hf") for m in modes):
+        compiled = torch.compile(model, mode=COMPILE_MODE[device.type])
+    measured = _Measured({mode: [] for mode in modes}, {"read": [], "copy": [], "product": []},
+                         {})  # fmt: skip
+    prompt, new_tokens = plan.prompt, plan.new_tokens
+
+    def run(mode: str, n: int, label: str, warm: bool = False) -> _Run:
+        on_token = counter.on_token(label)
+        if mode.startswith("hf"):
+            return _run_hf(hf_model, prompt, new_tokens, mode, device, on_token,
+                           n if warm else None)  # fmt: skip
+        if mode == "naive" and plan.sampled and not warm:
+            reference = measured.runs[plan.reference_mode][0].tokens
+            return _run_naive_sampled(model, prompt, reference, plan.naive_steps, device,
+                                      on_token)  # fmt: skip
+        forward = compiled if mode.endswith("-compiled") else model
+        return _run_ours(forward, prompt, n, mode, device, on_token,
+                         max_len=len(prompt) + new_tokens)  # fmt: skip
+
+    for mode in modes:
+        start = time.perf_counter()
+        run(mode, plan.warmups[mode], f"warm-up {mode}", warm=True)
+        if mode.endswith("-compiled"):
+            measured.compile_s[mode] = time.perf_counter() - start
+    # Interleaved, so drift on the machine reaches every mode alike, and the
+    # bandwidth is probed once a repeat: on a shared host it drifts as well.
+    for r in range(plan.repeats):
+        counter.show(f"memory bandwidth {r + 1}/{plan.repeats}")
+        measured.probes["read"].append(measure_read(device, bandwidth_mib))
+        measured.probes["copy"].append(_copy_probe(measure_bandwidth(device, bandwidth_mib)))
+        measured.probes["product"].append(measure_products(model))
+        for mode in plan.order:
+            label = f"{mode} {r + 1}/{plan.repeats}"
+            result = run(mode, new_tokens, label)
+            measured.runs[mode].append(result)
+            if finished is not None:
+                finished(label, len(result.step_ms) / (sum(result.step_ms) / 1e3))
+    return measured
+
+
+def _result(model, plan: _Plan, measured: _Measured, threads: int, others_share: float | None,
+            model_name: str, weights_note: str | None) -> BenchResult:
+    """Each mode summarised against the reference's tokens and the measured limit."""
+    import torch
+
+    cfg = model.config
+    param = next(model.parameters())
+    device, element = param.device, param.element_size()
+    prompt_len, n_steps = len(plan.prompt), plan.n_steps
+    pooled = tuple(_pooled(p) for p in measured.probes.values())
     best = max(pooled, key=lambda p: p.best_gbps)
-    element = param.element_size()
     w_bytes = weight_bytes(model)
     # The reference script's formula at seq 1; GPT-2 keeps a K and V head per query head.
     kv_token = kv_cache_bytes(cfg.n_layer, cfg.n_head, cfg.head_size, 1, element)
     # Decode step i attends over the prompt, the prefill's token and i more.
     lengths = [prompt_len + 1 + i for i in range(n_steps)]
     step_bytes = [w_bytes + kv_token * length for length in lengths]
-    reference = runs[reference_mode][0].tokens
+    reference = measured.runs[plan.reference_mode][0].tokens
     results = [
-        _summarise(m, runs[m], reference, step_bytes, best.best_gbps, compile_s.get(m))
-        for m in modes
-    ]
+        _summarise(m, measured.runs[m], reference, step_bytes, best.best_gbps,
+                   measured.compile_s.get(m))
+        for m in plan.modes
+    ]  # fmt: skip
     mean_bytes = sum(step_bytes) / len(step_bytes)
     profile_lengths = tuple(
         lengths[min(max(0, round(f * (n_steps - 1))), n_steps - 1)] for f in PROFILE_POINTS
@@ -824,19 +886,19 @@ def run_bench(
         device=device.type,
         device_name=_device_name(device),
         cpus=os.cpu_count() or 1,
-        others_cpu_share=others.share(),
-        dtype=str(dtype).removeprefix("torch."),
+        others_cpu_share=others_share,
+        dtype=str(param.dtype).removeprefix("torch."),
         cpu_half_support=cpu_half_support() if device.type == "cpu" and element == 2 else None,
-        threads=used_threads,
+        threads=threads,
         torch_version=torch.__version__,
         transformers_version=_transformers_version(),
         n_params=sum(p.numel() for p in {p.data_ptr(): p for p in model.parameters()}.values()),
         prompt_len=prompt_len,
-        new_tokens=new_tokens,
-        repeats=repeats,
-        warmup_tokens=warmup,
-        naive_samples=len(naive_steps) if sampled else None,
-        reference_mode=reference_mode,
+        new_tokens=plan.new_tokens,
+        repeats=plan.repeats,
+        warmup_tokens=plan.warmup,
+        naive_samples=len(plan.naive_steps) if plan.sampled else None,
+        reference_mode=plan.reference_mode,
         tokens_agree=all(r.same_tokens for r in results),
         weight_bytes=w_bytes,
         kv_bytes_per_token=kv_token,

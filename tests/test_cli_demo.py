@@ -8,7 +8,8 @@ import pytest
 from typer.testing import CliRunner
 
 import kv_cache_from_scratch as ref
-from kvcache_cli.cli import GPT2_BREAKS, app
+from kvcache_cli.cli import app
+from kvcache_cli.cli.breaks import GPT2_BREAKS
 
 runner = CliRunner()
 

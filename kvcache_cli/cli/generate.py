@@ -1,0 +1,152 @@
+"""`kvcache generate`: GPT-2 with its KV cache, streaming tokens as they are made."""
+
+from __future__ import annotations
+
+import math
+from enum import Enum
+from typing import Annotated
+
+import typer
+
+from kvcache_cli.cli.common import (
+    GPT2_MODULES,
+    Device,
+    DType,
+    Weights,
+    fail,
+    load_gpt2,
+    need_torch_extra,
+    torch_device,
+)
+
+
+class Mode(str, Enum):
+    naive = "naive"
+    concat = "concat"
+    static = "static"
+
+
+def generate(
+    prompt: Annotated[str | None, typer.Argument(
+        help="Text to continue, tokenized with tiktoken's gpt2 encoding.")] = None,
+    max_new_tokens: Annotated[int, typer.Option(
+        "--max-new-tokens", "-n", min=1, help="Tokens to generate.")] = 32,
+    device: Annotated[Device, typer.Option(help="Where to run.")] = Device.cpu,
+    mode: Annotated[Mode, typer.Option(
+        help="naive: the full forward every token; concat: a torch.cat cache; "
+        "static: a preallocated cache written in place.")] = Mode.static,
+    model: Annotated[str, typer.Option(
+        "--model", "-m",
+        help="gpt2, gpt2-medium, gpt2-large, gpt2-xl or a checkpoint dir (save_pretrained).")
+    ] = "gpt2",
+    weights: Annotated[Weights, typer.Option(
+        help="auto: pretrained when cached or downloadable, else random (one note).")
+    ] = Weights.auto,
+    ids: Annotated[str | None, typer.Option(
+        help="The prompt as token ids, e.g. 464,2068,7586: needs no tokenizer.")] = None,
+    temperature: Annotated[float, typer.Option(min=0.0, help="0 is greedy.")] = 0.0,
+    top_k: Annotated[int | None, typer.Option(
+        min=1, help="Sample from the k likeliest tokens only.")] = None,
+    seed: Annotated[int, typer.Option(
+        min=0, max=2**64 - 1, help="Seed for sampling (torch takes 64 bits).")] = 0,
+    dtype: Annotated[DType, typer.Option(help="Weights and cache.")] = DType.fp32,
+    as_json: Annotated[bool, typer.Option(
+        "--json", help="Print the result as JSON instead of streaming.")] = False,
+) -> None:
+    """Generate with GPT-2 and its KV cache, streaming tokens as they are made."""
+    device, mode, weights = device.value, mode.value, weights.value
+    if (prompt is None) == (ids is None):
+        fail("give a prompt or --ids (token ids), one of the two")
+    if not math.isfinite(temperature):
+        fail(f"--temperature {temperature}: expected a finite number, 0 or more (0 is greedy)")
+    prompt_ids = _parse_ids(ids) if ids is not None else []  # before the model loads
+    # A text prompt needs the tokenizer; token ids are shown as text only when it is there.
+    need_torch_extra("kvcache generate needs", *GPT2_MODULES, *(("tiktoken",) if prompt else ()))
+    torch_device(device)
+    import torch
+
+    from kvcache_cli import generate as gen
+
+    encoding = None
+    if prompt is not None:  # before loading a model: a text prompt needs the tokenizer
+        encoding, why = gen.gpt2_encoding()
+        if encoding is None:
+            fail(f"{why}: {_USE_IDS}", code=1)
+    loaded = load_gpt2(model, weights, device, dtype.value)
+    prompt_ids, encoding = _encode(loaded.model, prompt, prompt_ids, encoding)
+    try:
+        gen.check_request(loaded.model, prompt_ids, max_new_tokens)  # before anything is printed
+    except (ValueError, IndexError) as err:
+        fail(str(err))
+    generator = torch.Generator(device=device).manual_seed(seed)
+    _run(loaded, prompt_ids, encoding, as_json, device, mode, max_new_tokens,
+         temperature=temperature, top_k=top_k, generator=generator)
+
+
+_USE_IDS = "give the prompt as token ids, e.g. --ids 464,2068,7586"
+
+
+def _encode(gpt, prompt: str | None, prompt_ids: list[int], encoding):
+    """The prompt's token ids, and the encoding to show tokens as text (None: as ids)."""
+    from kvcache_cli.generate import gpt2_encoding
+    from kvcache_cli.gpt2 import GPT2_VOCAB_SIZE
+
+    gpt2_vocab = gpt.config.vocab_size == GPT2_VOCAB_SIZE
+    if prompt is not None:
+        if not gpt2_vocab:
+            fail(f"the model's vocabulary ({gpt.config.vocab_size}) is not GPT-2's: {_USE_IDS}")
+        return encoding.encode(prompt, disallowed_special=()), encoding
+    if gpt2_vocab:
+        encoding, why = gpt2_encoding()  # only to show the new tokens as text
+        if encoding is None:
+            typer.echo(f"note: {why}: showing token ids", err=True)
+    return prompt_ids, encoding
+
+
+def _run(loaded, prompt_ids: list[int], encoding, as_json: bool, device: str, mode: str,
+         max_new_tokens: int, **sampling) -> None:
+    """Generate, streaming the tokens to the terminal, or print the whole result as JSON."""
+    from rich.console import Console
+
+    from kvcache_cli import generate as gen
+    from kvcache_cli.views.generate import TokenStream, generation_view, header
+
+    gpt = loaded.model
+    console = Console()
+    stream = None if as_json else TokenStream(console, encoding)
+    if stream is not None:
+        console.print(header(loaded.source, gpt.num_params(), device,
+                             str(gpt.dtype).removeprefix("torch."), mode))
+        stream.prompt(prompt_ids)
+    try:
+        result = gen.generate(gpt, prompt_ids, max_new_tokens, mode, on_token=stream, **sampling)
+    except (ValueError, IndexError) as err:
+        fail(str(err))
+    except RuntimeError as err:
+        fail(str(err), code=1)
+    if as_json:
+        from dataclasses import asdict
+
+        from kvcache_cli.views import to_json
+
+        text = encoding.decode(list(result.tokens)) if encoding is not None else None
+        typer.echo(to_json({"model": loaded.source, "note": loaded.note, **asdict(result),
+                            "text": text}))
+        return
+    stream.end()
+    console.print(generation_view(result))
+
+
+def _parse_ids(text: str) -> list[int]:
+    """Token ids, checked for form and sign before a model is loaded (its vocabulary after)."""
+    expected = "expected comma-separated token ids like 464,2068,7586"
+    try:
+        ids = [int(part) for part in text.replace(" ", "").split(",") if part]
+    except ValueError:
+        fail(f"--ids: {expected}, got {text[:40]!r}")
+    if not ids:
+        fail(f"--ids: {expected}, at least one, got {text!r}")
+    bad = next((i for i in ids if not 0 <= i < 2**31), None)
+    if bad is not None:
+        fail(f"--ids: token id {bad} is not a vocabulary index; {expected}, each 0 or more")
+    return ids

@@ -1,0 +1,115 @@
+"""`kvcache size`: the KV cache of a real model, from a preset, a config or shape flags."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from kvcache_cli.cli.common import complete_preset, fail, need_torch_extra
+
+
+def size(
+    model: Annotated[str | None, typer.Option(
+        "--model", "-m", help="A preset (see 'kvcache models') or a Hub id ORG/NAME, whose "
+        "config.json is read through the local Hub cache.",
+        autocompletion=complete_preset)] = None,
+    revision: Annotated[str | None, typer.Option(
+        help="Branch, tag or commit of a Hub id (default main); reads even a preset's id "
+        "from the Hub.")] = None,
+    config: Annotated[str | None, typer.Option(
+        help="A Hugging Face config.json, or the folder holding it; read offline.")] = None,
+    layers: Annotated[int | None, typer.Option(help="Decoder layers.")] = None,
+    kv_heads: Annotated[int | None, typer.Option(
+        help="K/V heads per layer (1 = MQA; default: --heads).")] = None,
+    head_dim: Annotated[int | None, typer.Option(
+        help="Width of one head (default 128).")] = None,
+    heads: Annotated[int | None, typer.Option(
+        help="Query heads, for the multi-head baseline.")] = None,
+    seq: Annotated[int | None, typer.Option(
+        help="Tokens per sequence (default: the model's context window).")] = None,
+    batch: Annotated[int, typer.Option(help="Sequences cached at once.")] = 1,
+    dtype: Annotated[str, typer.Option(
+        help="Cache dtype: fp32, fp16, bf16, fp8, int8, int4.")] = "fp16",
+    tp: Annotated[int, typer.Option(help="Tensor-parallel GPUs sharing the KV heads.")] = 1,
+    gpu_mem: Annotated[str | None, typer.Option(
+        help="Memory of one GPU: 80GiB, 80GB or bytes. Reports what fits.")] = None,
+    weight_dtype: Annotated[str, typer.Option(
+        help="Dtype of the weights, for --gpu-mem.")] = "fp16",
+    params: Annotated[str | None, typer.Option(
+        help="Parameter count for --gpu-mem without --model: 6.74B, 6738415616.")] = None,
+    block_size: Annotated[int | None, typer.Option(
+        help="Paged-cache block size in tokens, for --gpu-mem.")] = None,
+    verify: Annotated[bool, typer.Option(
+        "--verify", help="Build the model small in transformers and measure its real cache.")
+    ] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the raw result as JSON.")] = False,
+) -> None:
+    """How big the KV cache is for a model, a sequence length and a batch, and what fits.
+
+    The shape comes from --model, --config, or the flags --layers/--kv-heads/--head-dim.
+    """
+    import dataclasses
+
+    from kvcache_cli import sizing
+    from kvcache_cli.hub import HubUnavailable
+
+    try:
+        count = None if params is None else sizing.parse_count(params)
+        memory = None if gpu_mem is None else sizing.parse_bytes(gpu_mem)
+        hub_config = _hub_config(model, revision, config, layers, kv_heads, head_dim, heads)
+        if hub_config is not None:
+            model, config = None, hub_config.path
+        shape, hf_config = sizing.resolve_shape(
+            model, config, layers, kv_heads, head_dim, heads, count
+        )
+        if hub_config is not None:
+            shape = dataclasses.replace(shape, name=hub_config.repo_id, source=(
+                f"{hub_config.repo_id} @ {hub_config.revision} ({hub_config.commit[:7]})"))
+        result = sizing.size_cache(shape, seq, batch, dtype, tp, memory, weight_dtype, block_size)
+    except ValueError as err:
+        fail(str(err))
+    except HubUnavailable as err:  # the Hub failed on its side
+        fail(str(err), code=1)
+    if verify:
+        need_torch_extra("--verify needs", "torch", "transformers")
+        try:
+            result = dataclasses.replace(result, verify=sizing.verify_cache(hf_config, dtype))
+        except sizing.VerifyError as err:
+            fail(str(err), code=1)
+    if as_json:
+        from kvcache_cli.views import to_json
+
+        typer.echo(to_json(result))
+        return
+    from rich.console import Console
+
+    from kvcache_cli.views.sizing import size_view
+
+    Console().print(size_view(result))
+
+
+def _hub_config(model, revision, config, *shape_flags):
+    """The Hub repository's config.json when --model names one, else None.
+
+    A preset's own name or Hub id stays the preset (offline, with its published parameter
+    count) unless --revision asks for the repository itself. With --config or shape flags,
+    nothing is fetched: resolve_shape reports the conflict. Raises ValueError for bad input
+    and HubUnavailable when the Hub fails on its side.
+    """
+    from kvcache_cli import hub, sizing
+
+    if model is None or not hub.is_hub_id(model):
+        if revision is not None:
+            raise ValueError(f"--revision {revision!r} applies to a Hub id: expected --model "
+                             "ORG/NAME")
+        return None
+    if config is not None or any(flag is not None for flag in shape_flags):
+        return None
+    if revision is None:
+        try:
+            sizing.preset(model)
+            return None
+        except ValueError:
+            pass
+    return hub.config_json(model, revision)
