@@ -526,9 +526,9 @@ BASE = {"num_hidden_layers": 8, "num_attention_heads": 8, "hidden_size": 512}
     # THUDM/chatglm3-6b: kv_channels and multi_query_group_num.
     ({**BASE, "model_type": "chatglm", "kv_channels": 128, "multi_query_group_num": 2},
      {"full": 8}, 2, 128),
-    # google/recurrentgemma-2b: block_types repeated over the layers.
+    # google/recurrentgemma-2b: block_types repeated over the layers; attention is local.
     ({**BASE, "model_type": "recurrent_gemma", "block_types": ["recurrent", "recurrent",
-      "attention"], "attention_window_size": 2048}, {"full": 2, "recurrent": 6}, 8, 64),
+      "attention"], "attention_window_size": 2048}, {"sliding": 2, "recurrent": 6}, 8, 64),
     # nvidia/Nemotron-H-8B-Base-8K: one character per layer.
     ({**BASE, "model_type": "nemotron_h", "hybrid_override_pattern": "M-M*-M-E",
       "mamba_num_heads": 16, "mamba_head_dim": 64, "n_groups": 8, "ssm_state_size": 128,

@@ -95,3 +95,39 @@ def test_size_equals_the_bytes_transformers_caches(model_type, one_torch_thread)
 @pytest.mark.parametrize("model_type", sorted(KNOWN_GAPS))
 def test_known_gaps_are_real_model_types(model_type):
     assert model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+
+def test_recurrent_gemma_past_its_window_holds_what_transformers_holds(one_torch_thread):
+    # Its attention blocks are local: past attention_window_size they hold the window, and
+    # its RG-LRU layers keep a state on their modules that --verify reads there.
+    cfg = _default_config("recurrent_gemma")
+    v = sizing.verify_cache(cfg, "fp32", max_layers=1)
+    assert v.window_convention_only, (v.layers, v.state_measured_bytes, v.explanation)
+    assert v.state_measured_bytes == v.state_formula_bytes > 0
+    assert [layer.kind for layer in v.layers] == ["recurrent", "recurrent", "sliding"]
+
+    shape = sizing.shape_from_config(cfg)
+    window = cfg["attention_window_size"]
+    result = sizing.size_cache(shape, seq=2 * window, dtype="fp16")
+    attention_layers = shape.layer_kinds.count("sliding")
+    assert result.total_bytes == attention_layers * 2 * cfg["num_key_value_heads"] * cfg[
+        "head_dim"] * window * 2
+    # conv1d_width − 1 inputs at fp16 and an fp32 RG-LRU state, lru_width wide, per layer.
+    recurrent = shape.layer_kinds.count("recurrent")
+    width = cfg["lru_width"]
+    assert result.state_bytes == recurrent * (width * (cfg["conv1d_width"] - 1) * 2 + width * 4)
+
+
+def test_deepseek_v32_without_layer_types_caches_the_indexer_keys(one_torch_thread):
+    # deepseek-ai/DeepSeek-V3.2's config.json carries index_head_dim but no layer_types: the
+    # indexer's key grows with every token, as transformers' cache holds it.
+    cfg = _default_config("deepseek_v32")
+    del cfg["layer_types"]
+    v = sizing.verify_cache(cfg, "fp32", max_layers=1)
+    assert v.matches, v.explanation
+    shape = sizing.shape_from_config(cfg)
+    result = sizing.size_cache(shape, seq=4096, dtype="fp16")
+    per_token = cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"] + cfg["index_head_dim"]
+    assert result.total_bytes == cfg["num_hidden_layers"] * per_token * 4096 * 2
+    assert result.state_bytes == 0
+    assert "index_head_dim" in result.formula[0], result.formula

@@ -157,11 +157,22 @@ def _kind_formula(shape: ModelShape, kind: str, n: int, seq: int, bits: int,
     tokens, held = "seq_len", f"{seq:,}"
     if kind in ("sliding", "chunked"):
         tokens, held = "min(seq_len, window)", f"min({seq:,}, {shape.window:,})"
+    # DeepSeek-V3.2's indexer key: one more single-head key per token, beside the K/V.
+    index, index_n = ("", "") if not shape.index_head_dim else (
+        " + index_head_dim", f" + {shape.index_head_dim}")
     if kind == "mla" or _windowed_latent(shape, kind):
         return (
-            f"layers × (kv_lora_rank + qk_rope_head_dim) × {tokens} × dtype_bytes × batch",
-            f"{n} × ({shape.kv_lora_rank} + {shape.qk_rope_head_dim}) × {held} × {size} "
-            f"× {batch:,}",
+            f"layers × (kv_lora_rank + qk_rope_head_dim{index}) × {tokens} × dtype_bytes × "
+            "batch",
+            f"{n} × ({shape.kv_lora_rank} + {shape.qk_rope_head_dim}{index_n}) × {held} × "
+            f"{size} × {batch:,}",
+        )
+    if index:
+        return (
+            f"layers × (kv_heads × (head_dim + v_head_dim){index}) × {tokens} × dtype_bytes × "
+            "batch",
+            f"{n} × ({shape.kv_heads} × ({shape.head_dim} + {shape.v_head_dim or shape.head_dim})"
+            f"{index_n}) × {held} × {size} × {batch:,}",
         )
     if shape.v_head_dim and shape.v_head_dim != shape.head_dim:
         return (

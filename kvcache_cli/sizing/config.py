@@ -130,6 +130,14 @@ def _explicit_layer_types(cfg: dict, layers: int, where: str) -> list[str] | Non
     return _names(cfg["layer_types"], "layer_types", layers, where)
 
 
+def _indexed_attention(cfg: dict, layers: int, where: str) -> list[str] | None:
+    # deepseek-ai/DeepSeek-V3.2: index_head_dim and no layer_types; DeepseekV32Config makes
+    # every layer indexed_attention, whose lightning indexer caches one more key per token.
+    if cfg.get("model_type") != "deepseek_v32" or cfg.get("index_head_dim") is None:
+        return None
+    return ["indexed_attention"] * layers
+
+
 def _layers_block_type(cfg: dict, layers: int, where: str) -> list[str] | None:
     # Zyphra/Zamba-7B-v1 and Zyphra/Zamba2-2.7B: "mamba" or "hybrid" (a Mamba block with the
     # shared attention block beside it) per layer.
@@ -160,6 +168,10 @@ def _block_types(cfg: dict, layers: int, where: str) -> list[str] | None:
         return None
     if not isinstance(types, list) or not types or not all(isinstance(t, str) for t in types):
         raise ConfigError(f"{where}: {key} is {types!r}; expected a non-empty list of names")
+    if cfg.get("model_type") == "recurrent_gemma":
+        # RecurrentGemmaConfig.layers_block_type: its attention blocks are always local,
+        # attention_window_size tokens wide.
+        types = ["local_attention" if t == "attention" else t for t in types]
     return [types[i % len(types)] for i in range(layers)]
 
 
@@ -256,6 +268,7 @@ def _sliding_window(cfg: dict, layers: int, where: str) -> list[str] | None:
 
 LAYER_RULES: tuple[Rule, ...] = (
     _explicit_layer_types,
+    _indexed_attention,
     _layers_block_type,
     _hybrid_override_pattern,
     _block_types,
@@ -367,6 +380,13 @@ def _cca_state(cfg: dict, where: str) -> tuple[int, int]:
     return (heads + kv_heads) * head_dim * steps, kv_heads * head_dim // 2
 
 
+def _rglru_state(cfg: dict, where: str) -> tuple[int, int]:
+    # google/recurrentgemma-2b: a convolution over the last conv1d_width − 1 inputs and one
+    # RG-LRU state, both lru_width wide (the state in fp32, see _state_bits).
+    width = _get(cfg, where, "lru_width", *HIDDEN_KEYS)
+    return width * (_get(cfg, where, "conv1d_width", default=4) - 1), width
+
+
 def _short_conv_state(cfg: dict, where: str) -> tuple[int, int]:
     # LiquidAI/LFM2-1.2B: a short convolution over the last conv_L_cache inputs, no SSM state.
     return _hidden(cfg, where) * _get(cfg, where, "conv_L_cache"), 0
@@ -391,6 +411,8 @@ def _state_rule(cfg: dict) -> Callable[[dict, str], tuple[int, int]] | None:
         return _lightning_state
     if model_type == "zaya":
         return _cca_state
+    if model_type == "recurrent_gemma":
+        return _rglru_state
     return None
 
 
@@ -549,7 +571,9 @@ def shape_from_config(cfg: Any, name: str = "config.json", params: int | None = 
         window = _int(cfg, "sliding_window_size", where, high=_MAX_WINDOW) + (
             cfg.get("model_type") == "mimo_v2_flash")
     elif "sliding" in kinds:
-        window = _first_int(cfg, ("sliding_window",), where, high=_MAX_WINDOW)
+        # google/recurrentgemma-2b: attention_window_size.
+        window = _first_int(cfg, ("sliding_window", "attention_window_size"), where,
+                            high=_MAX_WINDOW)
     elif "chunked" in kinds:
         window = _first_int(cfg, ("attention_chunk_size",), where, high=_MAX_WINDOW)
     extra: dict[str, int] = {}
@@ -587,6 +611,8 @@ def shape_from_config(cfg: Any, name: str = "config.json", params: int | None = 
         # nvidia/NVIDIA-Nemotron-Nano-9B-v2: "mamba_ssm_cache_dtype": "float32".
         ssm_bits = {"float32": 32, "float16": 16, "bfloat16": 16}.get(
             str(cfg.get("mamba_ssm_cache_dtype")), 0)
+        if cfg.get("model_type") == "recurrent_gemma":
+            ssm_bits = 32  # transformers' RG-LRU keeps its state in fp32 whatever the dtype
     elif state_layers:
         notes.append(f"{state_layers} recurrent layers keep a fixed-size state this reader does "
                      f"not know for model_type {str(cfg.get('model_type'))[:40]!r}; not counted")

@@ -136,7 +136,7 @@ def _verify_config(config: dict, max_layers: int) -> tuple[dict, list[str]]:
         if hidden_key and isinstance(cfg[hidden_key], int) and cfg[hidden_key] > small:
             changes.append(f"{hidden_key} {cfg[hidden_key]} → {small}")
             cfg[hidden_key] = small
-    for key in ("sliding_window", "attention_chunk_size"):
+    for key in ("sliding_window", "attention_window_size", "attention_chunk_size"):
         if cfg.get(key) and cfg[key] > _VERIFY_WINDOW and any(
             k in ("sliding", "chunked") for k in shape.layer_kinds
         ):
@@ -196,6 +196,13 @@ def verify_cache(config: dict, dtype: str = "fp16", max_layers: int = 2) -> Veri
             input_ids = torch.randint(0, hf_config.vocab_size, (1, _VERIFY_TOKENS))
             with torch.inference_mode():
                 out = model(input_ids=input_ids, use_cache=True)
+                on_modules = _cache_of(out) is None and _holds_module_state(model)
+                if on_modules:
+                    # RecurrentGemma returns no cache: its K/V go to a cache it makes and
+                    # drops, its recurrent states stay on its modules. Hand it one to keep.
+                    cache = transformers.DynamicCache(config=hf_config)
+                    out = model(input_ids=input_ids, use_cache=True, cache=cache)
+                    out.past_key_values = cache
     except Exception as error:  # transformers raises many types; all mean "cannot build/run it"
         first = str(error).strip().splitlines()[0] if str(error).strip() else ""
         raise VerifyError(
@@ -204,7 +211,7 @@ def verify_cache(config: dict, dtype: str = "fp16", max_layers: int = 2) -> Veri
         ) from None
     finally:
         transformers.logging.set_verbosity(verbosity)
-    cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+    cache = _cache_of(out)
     if cache is None or not hasattr(cache, "layers"):
         raise VerifyError(f"model_type {model_type!r} returned no layered cache to measure")
 
@@ -216,6 +223,8 @@ def verify_cache(config: dict, dtype: str = "fp16", max_layers: int = 2) -> Veri
     # MiniMax's cache grows its K/V list only up to the last attention layer it saw, and keeps
     # its linear-attention states in a list beside it.
     state_measured = nbytes(t for t in getattr(cache, "linear_cache", []) or [])
+    if on_modules:
+        state_measured += nbytes(_module_states(model))
     cache_layers = list(cache.layers)
     if hasattr(cache, "linear_cache"):
         cache_layers += [None] * (shape.layers - len(cache_layers))
@@ -263,6 +272,23 @@ def verify_cache(config: dict, dtype: str = "fp16", max_layers: int = 2) -> Veri
         changes=tuple(changes),
         explanation=tuple(explanation),
     )
+
+
+# Where a model that keeps its recurrent state on its modules (RecurrentGemma) holds it:
+# the convolution's last inputs and the RG-LRU state.
+_MODULE_STATES = ("conv1d_state", "recurrent_states")
+
+
+def _module_states(model) -> list:
+    return [getattr(module, name, None) for module in model.modules() for name in _MODULE_STATES]
+
+
+def _holds_module_state(model) -> bool:
+    return any(hasattr(module, name) for module in model.modules() for name in _MODULE_STATES)
+
+
+def _cache_of(out):
+    return getattr(out, "cache", None) or getattr(out, "past_key_values", None)
 
 
 def _window_minus_one(shape: ModelShape, layer: VerifyLayer, bits: int) -> int | None:
