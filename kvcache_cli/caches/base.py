@@ -5,7 +5,8 @@ hands attention what to attend over. The model asks this interface, never the cl
 (transformers' per-layer `Cache` objects share the same few verbs: update, crop, reset).
 
 Torch-free at import, like `spec`: `kvcache size` and completion read the family's
-names without paying for torch. Shapes: `update` takes one call's k, v as (B, nh, T, hs) and returns (B, nh, S, hs).
+names without paying for torch. Shapes: `update` takes one call's k, v as
+(B, nh, T, hs) and returns (B, nh, S, hs).
 """
 
 from __future__ import annotations
