@@ -152,9 +152,10 @@ def test_dev_zero_is_refused_without_reading_it():
     (["generate", "--ids", "1,2", "--temperature", "inf", "--model", "/nonexistent"],
      "--temperature inf: expected a finite number"),
     (["generate", "--ids", "1,2", "--seed", str(2**64), "--model", "/nonexistent"],
-     "18446744073709551616 is not in the range 0<=x<=18446744073709551615"),
+     "--seed 18446744073709551616: expected a whole number from 0 to "
+     "18,446,744,073,709,551,615"),
     (["generate", "--ids", "1,2", "--seed", "-1", "--model", "/nonexistent"],
-     "-1 is not in the range"),
+     "--seed -1: expected a whole number from 0 to"),
     (["generate", "--ids", "1,-5", "--model", "/nonexistent"], "--ids: token id -5 is not a "
                                                                "vocabulary index"),
     (["generate", "--ids", ",", "--model", "/nonexistent"], "at least one"),
