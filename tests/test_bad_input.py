@@ -264,6 +264,11 @@ def _index(tmp, shard):
      "holds a dict of other values, not a state dict"),
     (TINY, lambda tmp, state: (tmp / "pytorch_model.bin").write_bytes(b"PK\x03\x04junk"),
      "not a plain tensor file"),
+    # Plain text makes the weights-only unpickler raise a KeyError, other bytes other errors.
+    (TINY, lambda tmp, state: (tmp / "pytorch_model.bin").write_text("hello, weights\n"),
+     "not a plain tensor file (not a pickle: KeyError)"),
+    (TINY, lambda tmp, state: (tmp / "pytorch_model.bin").write_bytes(bytes(range(256))),
+     "not a plain tensor file"),
     (TINY, lambda tmp, state: _index(tmp, "../outside.safetensors"),
      "shard '../outside.safetensors' is outside the checkpoint directory"),
     (TINY, lambda tmp, state: _index(tmp, "/etc/passwd"), "shard '/etc/passwd' is outside"),
