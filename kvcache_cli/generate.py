@@ -36,6 +36,20 @@ Forward = Callable[..., Tensor]
 # ---------------------------------------------------------------------------- checks
 
 
+def check_mode(mode: str) -> None:
+    """A mode is `naive` (no cache: every position recomputed) or a cache spec (`static`,
+    `concat`, `paged:b16`, ...: see caches.spec); anything else is a ValueError."""
+    from kvcache_cli.caches.spec import CacheSpecError, parse_cache_spec
+
+    if mode == "naive":
+        return
+    try:
+        parse_cache_spec(str(mode))
+    except CacheSpecError as err:
+        raise ValueError(f"unknown mode {str(mode)!r}: expected {', '.join(MODES)} or a cache "
+                         f"spec ({err})") from None
+
+
 def check_request(model: GPT, prompt_ids: list[int], max_new_tokens: int) -> None:
     """Refuse, before any work, a request the model cannot serve."""
     if not prompt_ids:
@@ -128,8 +142,7 @@ def stream_tokens(
     `cache`, a fresh one is made for the request (sized prompt + new tokens for
     `static`); pass one to read its `bytes_copied` afterwards.
     """
-    if mode not in MODES:
-        raise ValueError(f"unknown mode {mode!r}: expected {', '.join(MODES)}")
+    check_mode(mode)
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     if top_k is not None and top_k < 1:
@@ -172,7 +185,9 @@ def generate(
     generator: torch.Generator | None = None,
     on_token: Callable[[int], None] | None = None,
 ) -> Generation:
-    """Run one request to the end; `on_token` sees each token as it is made."""
+    """Run one request to the end; `on_token` sees each token as it is made. `mode` is one
+    of MODES or any cache spec (`paged:b16`, ...)."""
+    check_mode(mode)
     check_request(model, prompt_ids, max_new_tokens)  # before sizing a cache for it
     cache = make_cache(mode, model, len(prompt_ids) + max_new_tokens)
     stream = stream_tokens(
@@ -193,7 +208,7 @@ def generate(
     decode_s = time.perf_counter() - first - outside
     n_decoded = len(tokens) - 1
     return Generation(
-        mode=mode,
+        mode=str(mode),
         device=str(model.device),
         dtype=str(model.dtype).removeprefix("torch."),
         prompt_ids=tuple(prompt_ids),

@@ -484,8 +484,13 @@ def _read_weights(path: Path) -> dict[str, Tensor]:
             # weights_only=True unpickles tensors and plain containers and refuses any other
             # object, so a .bin that would run code on load fails here instead.
             state = torch.load(path, map_location="cpu", weights_only=True)
-        except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as error:
-            first = (str(error).strip().splitlines() or [type(error).__name__])[0][:120]
+        except Exception as error:  # noqa: BLE001 - bytes that are no pickle make the
+            # unpickler raise whatever its first opcode hits: plain text is a KeyError
+            # (an unknown memo key), other bytes an IndexError, a struct.error, ...
+            first = (str(error).strip().splitlines() or [""])[0][:120]
+            if not isinstance(error, (pickle.UnpicklingError, RuntimeError, EOFError,
+                                      ValueError, OSError)):
+                first = f"not a pickle: {type(error).__name__}"
             raise ValueError(f"refusing {path}: not a plain tensor file ({first})") from None
     if not isinstance(state, dict) or not all(
             isinstance(k, str) and isinstance(t, Tensor) for k, t in state.items()):

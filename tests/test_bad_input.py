@@ -152,9 +152,10 @@ def test_dev_zero_is_refused_without_reading_it():
     (["generate", "--ids", "1,2", "--temperature", "inf", "--model", "/nonexistent"],
      "--temperature inf: expected a finite number"),
     (["generate", "--ids", "1,2", "--seed", str(2**64), "--model", "/nonexistent"],
-     "18446744073709551616 is not in the range 0<=x<=18446744073709551615"),
+     "--seed 18446744073709551616: expected a whole number from 0 to "
+     "18,446,744,073,709,551,615"),
     (["generate", "--ids", "1,2", "--seed", "-1", "--model", "/nonexistent"],
-     "-1 is not in the range"),
+     "--seed -1: expected a whole number from 0 to"),
     (["generate", "--ids", "1,-5", "--model", "/nonexistent"], "--ids: token id -5 is not a "
                                                                "vocabulary index"),
     (["generate", "--ids", ",", "--model", "/nonexistent"], "at least one"),
@@ -262,6 +263,11 @@ def _index(tmp, shard):
     (TINY, lambda tmp, state: _bin(tmp, {"wte.weight": "not a tensor"}),
      "holds a dict of other values, not a state dict"),
     (TINY, lambda tmp, state: (tmp / "pytorch_model.bin").write_bytes(b"PK\x03\x04junk"),
+     "not a plain tensor file"),
+    # Plain text makes the weights-only unpickler raise a KeyError, other bytes other errors.
+    (TINY, lambda tmp, state: (tmp / "pytorch_model.bin").write_text("hello, weights\n"),
+     "not a plain tensor file (not a pickle: KeyError)"),
+    (TINY, lambda tmp, state: (tmp / "pytorch_model.bin").write_bytes(bytes(range(256))),
      "not a plain tensor file"),
     (TINY, lambda tmp, state: _index(tmp, "../outside.safetensors"),
      "shard '../outside.safetensors' is outside the checkpoint directory"),

@@ -2,8 +2,8 @@
 
 Every command computes a result object (from the reference script, `sizing`,
 `generate` or `bench`) and hands it to a renderer: rich for people, `--json`
-for programs. One module per command (`demo`, `breaks`, `size`, `models`, `bench`,
-`serve`, `generate`), what they share in `common`. Torch and transformers are
+for programs. One module per command (`demo`, `breaks`, `size`, `models`, `caches`,
+`bench`, `serve`, `generate`), what they share in `common`. Torch and transformers are
 imported inside the commands that need them, so `kvcache --help`, `size` and `demo`
 start fast.
 """
@@ -19,7 +19,8 @@ import typer
 from typer.core import TyperGroup
 
 from kvcache_cli import __version__
-from kvcache_cli.cli import bench, breaks, demo, generate, models, serve, size
+from kvcache_cli.cli import bench, breaks, caches, demo, generate, models, serve, size
+from kvcache_cli.cli.common import usage_message
 
 # Typer re-exports click's BadParameter; its base is click's UsageError, whichever
 # click (vendored in typer >= 0.29, or the click package before) is in use.
@@ -44,7 +45,7 @@ class _OneLineErrors(TyperGroup):
                 error.show()
                 sys.exit(2)
             hint = f" (see '{error.ctx.command_path} --help')" if error.ctx else ""
-            typer.echo(f"error: {error.format_message()}{hint}", err=True)
+            typer.echo(f"error: {usage_message(error)}{hint}", err=True)
             sys.exit(2)
         except typer.Abort:
             typer.echo("aborted", err=True)
@@ -89,6 +90,7 @@ app.command()(demo.demo)
 app.command("break")(breaks.break_)
 app.command()(size.size)
 app.command()(models.models)
+app.command()(caches.caches)
 app.command()(bench.bench)
 app.command()(serve.serve)
 app.command()(generate.generate)

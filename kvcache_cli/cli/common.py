@@ -6,9 +6,10 @@ Nothing here imports torch at module level: `kvcache size` and `demo` import thi
 
 from __future__ import annotations
 
+import re
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import Annotated, Any, NoReturn
 
 import typer
 
@@ -21,6 +22,78 @@ def fail(message: str, code: int = 2) -> NoReturn:
     """
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(code)
+
+
+# Click's own messages for a value it refuses, and the project's line for each: the option,
+# the value as typed, what was expected. Matched by text, as click keeps no value on the error.
+_CLICK_MESSAGES = (
+    (re.compile(r"'(?P<v>.*)' is not one of (?P<c>.*)\.$"), "choice"),
+    (re.compile(r"'(?P<v>.*)' is not a valid (int|integer)( range)?\.$"), "a whole number"),
+    (re.compile(r"'(?P<v>.*)' is not a valid float( range)?\.$"), "a number"),
+    (re.compile(r"'(?P<v>.*)' is not a valid boolean\.$"), "true or false"),
+    (re.compile(r"(?P<v>.*) is not in the range (?P<r>.*)\.$"), "range"),
+)
+
+
+def _range_words(bounds: str) -> str:
+    """click's 'x>=1', '0<=x<=9', 'x>0' → '1 or more', 'from 0 to 9', 'more than 0'."""
+    m = re.fullmatch(r"(?:(?P<lo>[-\d.]+)(?P<lop><=?))?x(?:(?P<hip><=?)(?P<hi>[-\d.]+))?"
+                     r"|x(?P<gop>>=?)(?P<g>[-\d.]+)", bounds)
+    if m is None:
+        return bounds
+    if m["g"] is not None:
+        return f"{_figure(m['g'])} or more" if m["gop"] == ">=" else f"more than {_figure(m['g'])}"
+    if m["lo"] is not None and m["hi"] is not None:
+        return f"from {_figure(m['lo'])} to {_figure(m['hi'])}"
+    if m["hi"] is not None:
+        return f"{_figure(m['hi'])} or less" if m["hip"] == "<=" else f"less than {m['hi']}"
+    return bounds
+
+
+def _figure(text: str) -> str:
+    return f"{int(text):,}" if text.lstrip("-").isdigit() else text
+
+
+def usage_message(error) -> str:
+    """One line for a usage error click raised: `--dtype 'fp64': expected one of fp32, ...`,
+    `--seq '32k': expected a whole number`, `unknown option --promt (did you mean ...)`."""
+    import difflib
+
+    message = error.message.strip()
+    param = getattr(error, "param", None)
+    name = type(error).__name__
+    if name == "NoSuchOption":
+        close = sorted(getattr(error, "possibilities", None) or [])
+        hint = f" (did you mean {', '.join(close)}?)" if close else ""
+        return f"unknown option {error.option_name}{hint}"
+    if message.endswith("requires an argument.") and getattr(error, "option_name", None):
+        return f"{error.option_name}: expected a value after it"
+    extra = re.fullmatch(r"Got unexpected extra argument(?:s|\(s\))? \((?P<a>.*)\)", message)
+    if extra:
+        return (f"unexpected argument(s) {extra['a']!r}: expected no more arguments; "
+                "quote a value that holds spaces")
+    if param is None:
+        return message[:1].lower() + message[1:].rstrip(".")
+    opts = [o for o in getattr(param, "opts", []) if o.startswith("--")]
+    opt = opts[0] if opts else param.human_readable_name
+    if name == "MissingParameter":
+        return f"{opt}: expected a value"
+    for pattern, expected in _CLICK_MESSAGES:
+        m = pattern.match(message)
+        if m is None:
+            continue
+        value = m["v"]
+        if expected == "choice":
+            choices = [c.strip().strip("'") for c in m["c"].split(",")]
+            close = difflib.get_close_matches(value.lower(), choices, n=2, cutoff=0.6)
+            hint = f" (did you mean {', '.join(close)}?)" if close else ""
+            return f"{opt} {value!r}: expected one of {', '.join(choices)}{hint}"
+        if expected == "range":
+            kind = "a number" if "float" in getattr(param.type, "name", "") else "a whole number"
+            words = _range_words(m["r"])
+            return f"{opt} {value}: expected {kind}{'' if words[:4] == 'from' else ','} {words}"
+        return f"{opt} {value!r}: expected {expected}"
+    return f"{opt}: {message}"
 
 
 # --- the torch extra ----------------------------------------------------------------
@@ -97,6 +170,39 @@ def complete_preset(incomplete: str) -> list[str]:
     from kvcache_cli.sizing import PRESETS
 
     return [n for n in PRESETS if n.startswith(incomplete)]
+
+
+# --- cache specs --------------------------------------------------------------------------
+
+
+def parse_cache_option(value):
+    """--cache's text → a `CacheSpec`, parsed once by `caches.spec` as the option is read, so
+    every command refuses the same mistakes with the same line. The registry is imported
+    only when the option is given."""
+    from kvcache_cli.caches.spec import CacheSpec, CacheSpecError, parse_cache_spec
+
+    if isinstance(value, CacheSpec):
+        return value
+    try:
+        return parse_cache_spec(value)
+    except CacheSpecError as err:
+        raise typer.BadParameter(str(err)) from None
+
+
+def complete_cache(incomplete: str) -> list[tuple[str, str]]:
+    """Every kind whose name starts with INCOMPLETE, with its one-line summary."""
+    from kvcache_cli.caches.spec import KINDS
+
+    return [(kind.name, kind.summary) for kind in KINDS.values()
+            if kind.name.startswith(incomplete.lower())]
+
+
+# The option every command that builds a cache takes: a `CacheSpec`, or None when not given.
+# Typed Any: the spec's class is imported with the registry, after start-up.
+CacheOption = Annotated[Any, typer.Option(
+    "--cache", parser=parse_cache_option, metavar="SPEC", autocompletion=complete_cache,
+    help="The KV cache: a kind and its fields, e.g. static, concat, paged:b16 "
+    "(every kind: 'kvcache caches').")]
 
 
 # --- GPT-2 on torch -------------------------------------------------------------------

@@ -10,6 +10,7 @@ import typer
 
 from kvcache_cli.cli.common import (
     GPT2_MODULES,
+    CacheOption,
     Device,
     DType,
     Weights,
@@ -27,6 +28,7 @@ class Mode(str, Enum):
 
 
 def generate(
+    ctx: typer.Context,
     prompt: Annotated[str | None, typer.Argument(
         help="Text to continue, tokenized with tiktoken's gpt2 encoding.")] = None,
     max_new_tokens: Annotated[int, typer.Option(
@@ -35,6 +37,7 @@ def generate(
     mode: Annotated[Mode, typer.Option(
         help="naive: the full forward every token; concat: a torch.cat cache; "
         "static: a preallocated cache written in place.")] = Mode.static,
+    cache: CacheOption = None,
     model: Annotated[str, typer.Option(
         "--model", "-m",
         help="gpt2, gpt2-medium, gpt2-large, gpt2-xl or a checkpoint dir (save_pretrained).")
@@ -55,6 +58,11 @@ def generate(
 ) -> None:
     """Generate with GPT-2 and its KV cache, streaming tokens as they are made."""
     device, mode, weights = device.value, mode.value, weights.value
+    if cache is not None:
+        if getattr(ctx.get_parameter_source("mode"), "name", "") == "COMMANDLINE":
+            fail(f"--mode {mode} and --cache {cache} both choose the cache: expected one of "
+                 "the two (--cache static is --mode static)")
+        mode = str(cache)
     if (prompt is None) == (ids is None):
         fail("give a prompt or --ids (token ids), one of the two")
     if not math.isfinite(temperature):

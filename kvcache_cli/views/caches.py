@@ -1,0 +1,17 @@
+"""The cache kinds `--cache` accepts, as a table."""
+
+from rich import box
+from rich.table import Table
+
+
+def kinds_view(rows: list[dict]) -> Table:
+    """One row per kind: how to spell it, what it keeps, and what it supports."""
+    table = Table("spec", "what it keeps", "exact", "bounded", "pages", "compiles",
+                  box=box.SIMPLE_HEAD, title="cache kinds (--cache SPEC)", title_justify="left",
+                  title_style="bold")
+    for row in rows:
+        spell = row["spell"] + "".join(f" · {a}" for a in row["aliases"])
+        table.add_row(spell, row["summary"], *("yes" if row[k] else "no"
+                                               for k in ("exact", "bounded", "pages",
+                                                         "compiles")))
+    return table
