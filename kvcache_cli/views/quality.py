@@ -12,9 +12,11 @@ from kvcache_cli.quality import CacheQuality, QualityResult
 from kvcache_cli.views.bench import _bytes
 from kvcache_cli.views.style import figures_table
 
-COLUMNS = ("cache", "perplexity", "Δ ppl", "bits/tok", "KL mean", "KL max @pos", "top-1",
-           "bytes/tok", "× bytes", "held", "ms/tok")
-SPARK_WIDTH = 40
+# The rich view splits the row in two tables (quality; memory and time) so each fits
+# 100 columns beside a long spec such as int4:g32:kchan:r128; plain text keeps one.
+QUALITY = ("cache", "perplexity", "Δ ppl", "bits/tok", "KL mean", "KL max", "at", "top-1")
+COST = ("bytes/tok", "× exact", "held", "ms/tok")
+SPARK_WIDTH = 24
 
 
 def loss_line(r: QualityResult, c: CacheQuality, width: int = SPARK_WIDTH) -> str:
@@ -36,15 +38,17 @@ def _kl(x: float) -> str:
     return "0" if x == 0 else f"{x:.2e}"
 
 
-def cells(c: CacheQuality) -> tuple[str, ...]:
-    """One cache's row, in COLUMNS' order."""
+def quality_cells(c: CacheQuality) -> tuple[str, ...]:
+    """One cache's quality, in QUALITY's order."""
     change = "ref" if c.reference else f"{c.perplexity_change:+.3%}"
-    return (
-        c.cache, f"{c.perplexity:.4f}", change, f"{c.bits_per_token:.4f}", _kl(c.kl_mean),
-        f"{_kl(c.kl_max)} @{c.kl_max_position}", f"{c.top1_agreement:.2%}",
-        f"{c.bytes_per_token:,.0f}", f"{c.bytes_ratio:.3f}", _bytes(c.bytes_held),
-        f"{c.decode_ms_per_token:.2f}",
-    )
+    return (c.cache, f"{c.perplexity:.3f}", change, f"{c.bits_per_token:.3f}", _kl(c.kl_mean),
+            _kl(c.kl_max), f"@{c.kl_max_position}", f"{c.top1_agreement:.2%}")
+
+
+def cost_cells(c: CacheQuality) -> tuple[str, ...]:
+    """What one cache holds and how fast it decodes, in COST's order."""
+    return (f"{c.bytes_per_token:,.0f}", f"{c.bytes_ratio:.3f}", _bytes(c.bytes_held),
+            f"{c.decode_ms_per_token:.2f}")
 
 
 def _run_line(r: QualityResult) -> str:
@@ -73,33 +77,36 @@ def _header(r: QualityResult) -> Table:
     return grid
 
 
-def _table(r: QualityResult) -> Table:
-    table = figures_table(*COLUMNS, title="quality against the exact cache, and what each "
-                          "holds (KL in nats; ms/tok: median decode step)")
+def _quality(r: QualityResult) -> Table:
+    table = figures_table(*QUALITY, title="quality against the exact cache on the same "
+                          "tokens (KL in nats, at: the position of the max)")
     table.columns[0].no_wrap = True
     for c in r.caches:
-        row = cells(c)
+        row = quality_cells(c)
         table.add_row(f"[bold]{row[0]}[/]", f"[bold]{row[1]}[/]", *row[2:])
     return table
 
 
-def _losses(r: QualityResult) -> Table:
-    table = figures_table("cache", f"loss by position, {r.prompt_len} → {r.tokens - 1}, "
-                          "one scale from 0 nats", title="where the loss rises")
-    table.columns[1].justify = "left"
+def _cost(r: QualityResult) -> Table:
+    table = figures_table("cache", *COST, "loss by position",
+                          title=f"memory held after {r.tokens - 1:,} positions, median decode "
+                          f"step per token; loss at positions {r.prompt_len}→{r.tokens - 1}, "
+                          "one scale from 0")
+    table.columns[0].no_wrap = True
+    table.columns[-1].justify = "left"
     for c in r.caches:
-        table.add_row(c.cache, f"[cyan]{loss_line(r, c)}[/]")
+        table.add_row(c.cache, *cost_cells(c), f"[cyan]{loss_line(r, c)}[/]")
     return table
 
 
 def render(r: QualityResult) -> RenderableType:
-    return Group(_header(r), _table(r), _losses(r))
+    return Group(_header(r), _quality(r), _cost(r))
 
 
 def plain(r: QualityResult) -> str:
     """The same figures as text: aligned columns, no colour, no box."""
-    rows = [COLUMNS, *(cells(c) for c in r.caches)]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
+    rows = [QUALITY + COST, *(quality_cells(c) + cost_cells(c) for c in r.caches)]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     table = [
         "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w)
                   for i, (cell, w) in enumerate(zip(row, widths, strict=True))).rstrip()
@@ -111,8 +118,9 @@ def plain(r: QualityResult) -> str:
     lines += [f"device: {r.device} ({r.machine}), {r.dtype}, {r.threads} threads, torch "
               f"{r.torch_version}", f"run: {_run_line(r)}",
               f"sink: first token's share of attention, per layer: {_sink_line(r)}", "",
-              *table, "", "loss by position, one scale from 0 nats:"]
+              *table, "",
+              f"loss by position, {r.prompt_len}→{r.tokens - 1}, one scale from 0 nats:"]
     name = max(len(c.cache) for c in r.caches)
-    lines += [f"{c.cache.ljust(name)}  {loss_line(r, c)}"
+    lines += [f"{c.cache.ljust(name)}  {loss_line(r, c, 2 * SPARK_WIDTH)}"
               for c in r.caches]
     return "\n".join(lines)
