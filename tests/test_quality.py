@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from kvcache_cli.caches import KVCache
 from kvcache_cli.caches.exact import StaticCache
 from kvcache_cli.gpt2 import GPT, GPTConfig
 from kvcache_cli.quality import CacheMaker, check_eval, evaluate, first_token_share
@@ -83,6 +84,51 @@ def test_a_damaged_cache_shows_kl_above_zero_and_a_different_perplexity():
         damaged.perplexity / exact.perplexity - 1, rel=1e-9)
     assert PROMPT <= damaged.kl_max_position < N
     assert damaged.top1_agreement < 1.0
+
+
+class LastKeys(KVCache):
+    """Only the newest `keep` positions of each layer, their positions reported: a window
+    written for this test, so the harness is seen to score a cache whose key j is not
+    position j."""
+
+    def __init__(self, keep: int):
+        self.keep, self.k, self.v, self.pos = keep, {}, {}, {}
+        self.length, self.bytes_copied = 0, 0
+
+    def update(self, layer, start_pos, k, v):
+        self.length = start_pos + k.size(2)
+        new = torch.arange(start_pos, self.length)
+        if layer in self.k:
+            k = torch.cat([self.k[layer], k], dim=2)
+            v = torch.cat([self.v[layer], v], dim=2)
+            new = torch.cat([self.pos[layer], new])
+        # This step's queries see every key they saw before it was cut: return all of it,
+        # keep only the newest for the next step.
+        self.k[layer], self.v[layer] = k[:, :, -self.keep:], v[:, :, -self.keep:]
+        self.pos[layer] = new[-self.keep:]
+        self.returned = new
+        return k, v
+
+    def key_positions(self, layer):
+        return self.returned
+
+    @property
+    def bytes_held(self):
+        return sum(t.numel() * t.element_size() for t in [*self.k.values(), *self.v.values()])
+
+
+def test_loss_by_position_departs_from_exact_where_a_window_starts_dropping_keys():
+    keep = 32
+    result = evaluate(tiny_model(), text_ids(), [CacheMaker("last32", lambda m, n: LastKeys(
+        keep))], prompt_len=PROMPT)
+    exact, window = result.cache("static"), result.cache("last32")
+    # The query at position q sees the `keep` kept keys and its own: all of 0 .. q while
+    # q <= keep. It predicts token q + 1, so tokens up to keep + 1 score as exact.
+    same = [a == pytest.approx(b, rel=1e-5, abs=1e-6) for a, b in
+            zip(exact.loss_by_position, window.loss_by_position, strict=True)]
+    first_wrong = PROMPT + same.index(False)
+    assert first_wrong == keep + 2
+    assert window.bytes_per_token < exact.bytes_per_token and window.kl_mean > 0
 
 
 def test_the_reference_is_always_first_and_listed_once():
