@@ -58,9 +58,10 @@ def _run_line(r: QualityResult) -> str:
 
 
 def _sink_line(r: QualityResult) -> str:
-    shares = " · ".join(f"L{i} {s:.3f}" for i, s in enumerate(r.first_token_share))
-    return (f"{shares} (uniform attention would give {r.uniform_share:.3f}; averaged over "
-            "heads and the scored queries, exact cache)")
+    shares = " · ".join(f"L{i} {s:.3g} ({s / r.uniform_share:.1f}×)"
+                        for i, s in enumerate(r.first_token_share))
+    return (f"{shares}; × what uniform attention would give it ({r.uniform_share:.3g}); "
+            "mean over heads and the scored queries, exact cache")
 
 
 def _header(r: QualityResult) -> Table:
