@@ -4,6 +4,7 @@ three views and its plot, and every bad input refused in one line before a model
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 from typer.testing import CliRunner
@@ -164,3 +165,12 @@ def test_gpt2_without_tiktoken_s_files_says_so_and_offers_the_trained_checkpoint
     (line,) = result.stderr.strip().splitlines()
     assert line.startswith("error: tiktoken's gpt2 encoding is unavailable (offline)")
     assert "--model stdlib-bytes" in line
+
+
+def test_without_torch_eval_says_which_extra_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", None)  # import fails, find_spec answers None
+    result = invoke("--cache", "static")
+    assert result.exit_code == 2, result.output
+    (line,) = result.stderr.strip().splitlines()
+    assert "kvcache eval needs torch, which is not installed" in line
+    assert "pip install 'kvcache[torch]'" in line
