@@ -3,7 +3,7 @@
 Every command computes a result object (from the reference script, `sizing`,
 `generate` or `bench`) and hands it to a renderer: rich for people, `--json`
 for programs. One module per command (`demo`, `breaks`, `size`, `models`, `bench`,
-`serve`, `generate`), what they share in `common`. Torch and transformers are
+`serve`, `generate`, `eval`), what they share in `common`. Torch and transformers are
 imported inside the commands that need them, so `kvcache --help`, `size` and `demo`
 start fast.
 """
@@ -20,6 +20,7 @@ from typer.core import TyperGroup
 
 from kvcache_cli import __version__
 from kvcache_cli.cli import bench, breaks, demo, generate, models, serve, size
+from kvcache_cli.cli import eval as eval_command
 
 # Typer re-exports click's BadParameter; its base is click's UsageError, whichever
 # click (vendored in typer >= 0.29, or the click package before) is in use.
@@ -92,6 +93,7 @@ app.command()(models.models)
 app.command()(bench.bench)
 app.command()(serve.serve)
 app.command()(generate.generate)
+app.command("eval")(eval_command.eval_)
 
 
 _UNWRITABLE = (errno.EPIPE, errno.ENOSPC, errno.EIO, errno.EBADF)
