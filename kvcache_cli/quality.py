@@ -154,6 +154,19 @@ def default_caches() -> list[CacheSpec]:
     return specs
 
 
+def check_caches(specs: Sequence[CacheSpec], config, max_len: int) -> None:
+    """Build each cache for this model's shape on the meta device, which allocates nothing:
+    a kind that cannot hold the shape (a group size that does not divide the head width, a
+    window beyond the context) raises its ValueError before any weights load."""
+    import torch
+
+    from kvcache_cli.caches import cache_class
+
+    for spec in specs:
+        cache_class(spec).build(spec, config, max_len=max_len, batch=1,
+                                device=torch.device("meta"), dtype=torch.float32, whole=False)
+
+
 def _makers(caches: Sequence[str | CacheSpec | CacheMaker]) -> list[CacheMaker]:
     """The reference first, then every other cache in the order given (once each)."""
     from kvcache_cli.caches import make_cache

@@ -204,3 +204,12 @@ def test_a_token_outside_the_vocabulary_is_refused():
     ids[20] = CONFIG.vocab_size
     with pytest.raises(ValueError, match="token id 96 is outside the model's vocabulary"):
         evaluate(tiny_model(), ids, [], prompt_len=PROMPT)
+
+
+def test_caches_are_built_for_the_model_s_shape_without_allocating_before_it_loads():
+    from kvcache_cli.caches.spec import parse_cache_list
+    from kvcache_cli.quality import check_caches
+
+    check_caches(parse_cache_list("static,concat,paged:b16"), CONFIG, N - 1)  # meta: no bytes
+    with pytest.raises(ValueError, match="outside the context window 1..128"):
+        check_caches(parse_cache_list("static"), CONFIG, CONFIG.block_size + 1)

@@ -122,6 +122,7 @@ def _check_options(cache, model, text, tokens, prompt_len, chunk, device, thread
     ids = eval_text(read_text(path), str(path), config.vocab_size)
     n = quality.tokens_to_read(len(ids.ids), config.block_size, tokens, prompt_len,
                                f"--text {str(path)!r}")
+    quality.check_caches(specs, config, n - 1)
     return specs, path, ids, n, resolve_device(device)
 
 
