@@ -3,9 +3,9 @@
 Every command computes a result object (from the reference script, `sizing`,
 `generate` or `bench`) and hands it to a renderer: rich for people, `--json`
 for programs. One module per command (`demo`, `breaks`, `size`, `models`, `caches`,
-`bench`, `serve`, `generate`), what they share in `common`. Torch and transformers are
-imported inside the commands that need them, so `kvcache --help`, `size` and `demo`
-start fast.
+`bench`, `serve`, `generate`, `eval`), what they share in `common`. Torch and
+transformers are imported inside the commands that need them, so `kvcache --help`,
+`size` and `demo` start fast.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typer.core import TyperGroup
 
 from kvcache_cli import __version__
 from kvcache_cli.cli import bench, breaks, caches, demo, generate, models, serve, size
+from kvcache_cli.cli import eval as eval_command
 from kvcache_cli.cli.common import usage_message
 
 # Typer re-exports click's BadParameter; its base is click's UsageError, whichever
@@ -94,6 +95,7 @@ app.command()(caches.caches)
 app.command()(bench.bench)
 app.command()(serve.serve)
 app.command()(generate.generate)
+app.command("eval")(eval_command.eval_)
 
 
 _UNWRITABLE = (errno.EPIPE, errno.ENOSPC, errno.EIO, errno.EBADF)

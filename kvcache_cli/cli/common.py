@@ -268,8 +268,9 @@ def check_plot(plot: Path | None) -> None:
 
 
 def show_then_plot(result, view, as_json: bool, save, plot: Path | None, what: str) -> None:
-    """Print a measured result (JSON, or VIEW's rendering), then write its plot: a plot
-    that fails to save after minutes of measuring loses nothing."""
+    """Print a measured result (JSON, or VIEW's rendering: rich, or plain text as it is),
+    then write its plot: a plot that fails to save after minutes of measuring loses
+    nothing."""
     from rich.console import Console
 
     if as_json:
@@ -277,7 +278,11 @@ def show_then_plot(result, view, as_json: bool, save, plot: Path | None, what: s
 
         typer.echo(to_json(result))
     else:
-        Console().print(view(result))
+        shown = view(result)
+        if isinstance(shown, str):
+            typer.echo(shown)
+        else:
+            Console().print(shown)
     if plot is None:
         return
     try:

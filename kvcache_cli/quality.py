@@ -1,0 +1,391 @@
+"""What a cache costs in quality: teacher-forced evaluation against the exact cache.
+
+One text's token ids go through each cache as generation feeds them: a prompt
+prefilled, then one token a step (or `chunk` tokens), every cache in lockstep on the
+same tokens, the exact full-precision `static` cache first. What is measured is
+therefore the stored cache (what a quantised, bounded or evicting cache hands
+attention at each step), not full-sequence attention over the unstored keys.
+
+Per cache, from the next-token distributions computed in float64 from log-softmax:
+perplexity and bits per token on the text, KL divergence from the exact cache's
+distribution (mean and max over positions), top-1 agreement with it, the loss of every
+scored token (where a collapse starts), the bytes the cache holds at the end, and the
+median decode time per token. Per layer, the share of attention the first token draws
+under the exact cache ("is there a sink?"), from one explicit-attention pass.
+
+Scored: the predictions of tokens prompt_len .. n-1, the first from the prefill's last
+position, the rest from the decode steps; the last token is never fed.
+Everything returns frozen dataclasses; nothing here prints.
+"""
+
+from __future__ import annotations
+
+import math
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvcache_cli.caches.base import KVCache
+from kvcache_cli.caches.spec import CacheSpec, parse_cache_spec
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from kvcache_cli.gpt2 import GPT
+
+REFERENCE = "static"  # the exact full-precision cache every other one is compared with
+DEFAULT_PROMPT_LEN = 64
+DEFAULT_TOKENS = 2_000  # the issues' targets are stated at 2,000 tokens of held-out text
+
+
+@dataclass(frozen=True)
+class CacheMaker:
+    """A cache that no spec names (a test's damaged cache, a peer library's wrapper):
+    `build(model, max_len)` makes a fresh one."""
+
+    name: str
+    build: Callable[[GPT, int], KVCache]
+
+
+@dataclass(frozen=True)
+class CacheQuality:
+    cache: str  # the spec's canonical spelling, or a CacheMaker's name
+    reference: bool  # the exact cache the others are compared with
+    perplexity: float  # exp(mean NLL) over the scored tokens
+    bits_per_token: float  # mean NLL / ln 2 (bits per byte for a byte-level model)
+    perplexity_change: float  # perplexity / the reference's - 1 (0.01 = 1% worse)
+    kl_mean: float  # KL(exact || this) in nats, mean over scored positions
+    kl_max: float
+    kl_max_position: int  # the token position whose prediction diverged most
+    top1_agreement: float  # share of positions whose argmax equals the exact cache's
+    bytes_held: int  # cache.bytes_held after the last token: scales, zero points, residual
+    positions: int  # positions written into the cache by then (cache.length)
+    bytes_per_token: float  # bytes_held / positions: what a token of context costs
+    bytes_ratio: float  # bytes_per_token / the reference's
+    prefill_ms: float  # the prompt's forward through this cache
+    decode_ms_per_token: float  # median over decode steps of step time / tokens in the step
+    loss_by_position: tuple[float, ...] = field(repr=False)  # NLL (nats) of tokens prompt_len..
+
+
+@dataclass(frozen=True)
+class QualityResult:
+    model: str  # where the weights came from
+    weights_note: str | None  # one line when `auto` fell back to random weights
+    text: str  # what the tokens are (file, held-out text, ...)
+    tokens: int  # token ids read; tokens - prompt_len predictions scored
+    prompt_len: int
+    chunk: int  # tokens fed per decode step
+    device: str
+    dtype: str
+    threads: int
+    torch_version: str
+    machine: str
+    reference: str  # the exact cache's spec
+    caches: tuple[CacheQuality, ...]  # the reference first
+    # Per layer, the share of attention the first token draws from the scored queries
+    # (averaged over heads and queries), under the exact cache.
+    first_token_share: tuple[float, ...]
+    # What the first token would draw if attention were uniform over the past (the same
+    # queries): a share far above it is a sink.
+    uniform_share: float
+
+    @property
+    def scored(self) -> int:
+        return self.tokens - self.prompt_len
+
+    def cache(self, name: str) -> CacheQuality:
+        for row in self.caches:
+            if row.cache == name:
+                return row
+        raise KeyError(f"cache {name!r} was not evaluated "
+                       f"(evaluated {', '.join(c.cache for c in self.caches)})")
+
+
+# ---------------------------------------------------------------------------- inputs
+
+
+def check_eval(block_size: int, tokens: int, prompt_len: int, chunk: int) -> None:
+    """Raise ValueError naming the value when the run cannot be made (no model needed)."""
+    if prompt_len < 1:
+        raise ValueError(f"--prompt-len {prompt_len}: expected a whole number from 1 up")
+    if chunk < 1:
+        raise ValueError(f"--chunk {chunk}: expected a whole number from 1 up (1 feeds one "
+                         "token a step, as decoding does)")
+    if tokens > block_size:
+        raise ValueError(f"--tokens {tokens:,} is beyond the model's context window of "
+                         f"{block_size:,} positions: expected at most {block_size:,}")
+    if tokens <= prompt_len:
+        raise ValueError(f"{tokens:,} tokens leave nothing to score after a prompt of "
+                         f"{prompt_len:,}: expected more tokens than --prompt-len (or a "
+                         "shorter prompt)")
+
+
+def tokens_to_read(available: int, block_size: int, requested: int | None, prompt_len: int,
+                   text: str = "the text") -> int:
+    """How many of a text's `available` tokens to evaluate: `requested`, or by default as
+    many as the text, the context window and DEFAULT_TOKENS allow; ValueError when the
+    text is too short for the prompt or for the tokens asked."""
+    if available <= prompt_len:
+        raise ValueError(f"{text} has {available:,} tokens, too few for a prompt of "
+                         f"{prompt_len:,} and a token to predict: expected a longer text or "
+                         "a shorter --prompt-len")
+    if requested is None:
+        return min(available, block_size, DEFAULT_TOKENS)
+    if requested > available:
+        raise ValueError(f"--tokens {requested:,}: {text} has only {available:,} tokens; "
+                         f"expected at most {available:,} (or a longer text)")
+    return requested
+
+
+def default_caches() -> list[CacheSpec]:
+    """Every registered kind that its name alone spells (its defaults filled in); kinds
+    that need a field (a window's size) are named with it on the command line."""
+    from kvcache_cli.caches.spec import KINDS, CacheSpecError
+
+    specs = []
+    for name in KINDS:
+        try:
+            specs.append(parse_cache_spec(name))
+        except CacheSpecError:
+            continue
+    return specs
+
+
+def check_caches(specs: Sequence[CacheSpec], config, max_len: int) -> None:
+    """Build each cache for this model's shape on the meta device, which allocates nothing:
+    a kind that cannot hold the shape (a group size that does not divide the head width, a
+    window beyond the context) raises its ValueError before any weights load."""
+    import torch
+
+    from kvcache_cli.caches import cache_class
+
+    for spec in specs:
+        cache_class(spec).build(spec, config, max_len=max_len, batch=1,
+                                device=torch.device("meta"), dtype=torch.float32, whole=False)
+
+
+def _makers(caches: Sequence[str | CacheSpec | CacheMaker]) -> list[CacheMaker]:
+    """The reference first, then every other cache in the order given (once each)."""
+    from kvcache_cli.caches import make_cache
+
+    def from_spec(spec: CacheSpec) -> CacheMaker:
+        return CacheMaker(str(spec), lambda model, n: make_cache(spec, model, n))
+
+    makers = [from_spec(parse_cache_spec(REFERENCE))]
+    for item in caches:
+        if isinstance(item, str):
+            item = parse_cache_spec(item)
+        maker = from_spec(item) if isinstance(item, CacheSpec) else item
+        if maker.name not in {m.name for m in makers}:
+            makers.append(maker)
+    return makers
+
+
+# ---------------------------------------------------------------------------- the run
+
+
+@dataclass
+class _Tally:
+    """One cache's running figures, one entry per scored position."""
+
+    name: str
+    cache: KVCache
+    nll: list[float] = field(default_factory=list)
+    kl: list[float] = field(default_factory=list)
+    agree: list[bool] = field(default_factory=list)
+    step_ms: list[float] = field(default_factory=list)  # per token
+    prefill_ms: float = 0.0
+
+    def score(self, logp: Tensor, targets: Tensor, exact: Tensor) -> None:
+        """logp, exact: (T, vocab) float64 log-probabilities; targets (T,)."""
+        self.nll += (-logp.gather(1, targets[:, None])[:, 0]).tolist()
+        # KL(p || q) = sum p (log p - log q); exp of a log-softmax is p itself.
+        self.kl += (exact.exp() * (exact - logp)).sum(-1).clamp_min(0.0).tolist()
+        self.agree += (logp.argmax(-1) == exact.argmax(-1)).tolist()
+
+
+def evaluate(
+    model: GPT,
+    tokens: Sequence[int],
+    caches: Sequence[str | CacheSpec | CacheMaker],
+    *,
+    prompt_len: int = DEFAULT_PROMPT_LEN,
+    chunk: int = 1,
+    threads: int | None = None,
+    model_name: str = "",
+    weights_note: str | None = None,
+    text_name: str = "",
+    progress: Callable[[int, int], None] | None = None,
+) -> QualityResult:
+    """Every cache in `caches` (and the exact `static` reference, always, first) fed
+    `tokens` as generation feeds them, scored against the reference on the same tokens.
+
+    `progress(done, total)` is called after each step with the positions scored so far.
+    """
+    import torch
+
+    n = len(tokens)
+    check_eval(model.config.block_size, n, prompt_len, chunk)
+    if min(tokens) < 0 or max(tokens) >= model.config.vocab_size:
+        bad = next(t for t in tokens if not 0 <= t < model.config.vocab_size)
+        raise ValueError(f"token id {bad} is outside the model's vocabulary "
+                         f"0..{model.config.vocab_size - 1}")
+    makers = _makers(caches)
+    saved_threads = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        with torch.inference_mode():
+            tallies = _run(model, tokens, makers, prompt_len, chunk, progress)
+            share, uniform = first_token_share(model, tokens, prompt_len)
+        used_threads = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(saved_threads)
+    rows = _summarise(tallies, prompt_len)
+    return QualityResult(
+        model=model_name, weights_note=weights_note, text=text_name, tokens=n,
+        prompt_len=prompt_len, chunk=chunk, device=str(model.device),
+        dtype=str(model.dtype).removeprefix("torch."), threads=used_threads,
+        torch_version=torch.__version__, machine=platform.machine(), reference=REFERENCE,
+        caches=rows, first_token_share=share, uniform_share=uniform,
+    )  # fmt: skip
+
+
+def _run(model: GPT, tokens: Sequence[int], makers: list[CacheMaker], prompt_len: int,
+         chunk: int, progress: Callable[[int, int], None] | None) -> list[_Tally]:
+    """Prefill, then decode steps, every cache in turn on each step (the reference first,
+    so its log-probabilities are there to score the others against)."""
+    import torch
+
+    from kvcache_cli.bench import synchronize
+    from kvcache_cli.caches import make_cache
+
+    device = model.device
+    ids = torch.tensor(tokens, device=device)[None]  # (1, n)
+    fed = ids.size(1) - 1  # the last token is only ever a target
+    tallies = [_Tally(m.name, m.build(model, fed)) for m in makers]
+    total = fed - prompt_len + 1
+
+    def forward(tally: _Tally, start: int, end: int, last_only: bool) -> tuple[Tensor, float]:
+        synchronize(device)
+        began = time.perf_counter()
+        logits = model(ids[:, start:end], start, tally.cache, last_only=last_only)
+        synchronize(device)
+        ms = (time.perf_counter() - began) * 1e3
+        # float64 from here: KL of nearly equal distributions is a difference of nearly
+        # equal numbers, which float32 would round to noise around 1e-7.
+        return torch.log_softmax(logits[0].double(), dim=-1), ms  # (T, vocab)
+
+    # One untimed prefill and step first: the first forward pays one-time costs (kernel
+    # selection, the allocator's first blocks) that would land in the reference's time.
+    warm = make_cache(REFERENCE, model, prompt_len + 1)
+    model(ids[:, :prompt_len], 0, warm, last_only=True)
+    model(ids[:, prompt_len:prompt_len + 1], prompt_len, warm)
+
+    # The prefill scores one prediction: its last position's, of token prompt_len.
+    steps = [(0, prompt_len, True)] + [
+        (start, min(start + chunk, fed), False) for start in range(prompt_len, fed, chunk)]
+    done = 0
+    for start, end, prefill in steps:
+        first = end - 1 if prefill else start  # the first position this step scores
+        targets = ids[0, first + 1:end + 1]  # (T,)
+        exact = None
+        for tally in tallies:
+            logp, ms = forward(tally, start, end, last_only=prefill)
+            if exact is None:
+                exact = logp
+            tally.score(logp, targets, exact)
+            if prefill:
+                tally.prefill_ms = ms
+            else:
+                tally.step_ms.append(ms / (end - start))
+        done += end - first
+        if progress is not None:
+            progress(done, total)
+    return tallies
+
+
+def _summarise(tallies: list[_Tally], prompt_len: int) -> tuple[CacheQuality, ...]:
+    def per_token(t: _Tally) -> float:
+        return t.cache.bytes_held / t.cache.length
+
+    reference = tallies[0]
+    ref_nll = statistics.fmean(reference.nll)
+    rows = []
+    for t in tallies:
+        nll = statistics.fmean(t.nll)
+        worst = max(range(len(t.kl)), key=t.kl.__getitem__)
+        rows.append(CacheQuality(
+            cache=t.name, reference=t is reference, perplexity=math.exp(nll),
+            bits_per_token=nll / math.log(2), perplexity_change=math.expm1(nll - ref_nll),
+            kl_mean=statistics.fmean(t.kl), kl_max=t.kl[worst],
+            kl_max_position=prompt_len + worst,
+            top1_agreement=statistics.fmean(t.agree), bytes_held=t.cache.bytes_held,
+            positions=t.cache.length, bytes_per_token=per_token(t),
+            bytes_ratio=per_token(t) / per_token(reference), prefill_ms=t.prefill_ms,
+            decode_ms_per_token=statistics.median(t.step_ms) if t.step_ms else math.nan,
+            loss_by_position=tuple(t.nll),
+        ))  # fmt: skip
+    return tuple(rows)
+
+
+# ---------------------------------------------------------------------------- the sink
+
+
+class _FirstTokenWatch(KVCache):
+    """The exact cache, with attention asked to hand back its weights: it records, per
+    layer, the share the first key draws from the queries at positions `first_query` on."""
+
+    wants_attention = True
+
+    def __init__(self, inner: KVCache, n_layer: int, first_query: int):
+        self.inner, self.first_query = inner, first_query
+        self.share = [math.nan] * n_layer
+
+    def update(self, layer, start_pos, k, v):
+        return self.inner.update(layer, start_pos, k, v)
+
+    def key_positions(self, layer):
+        return self.inner.key_positions(layer)
+
+    def observe(self, layer: int, weights: Tensor) -> None:
+        # weights (B, nh, T, S): one pass from position 0, so query i is position i.
+        self.share[layer] = weights[0, :, self.first_query:, 0].double().mean().item()
+
+    @property
+    def length(self) -> int:
+        return self.inner.length
+
+    @property
+    def bytes_held(self) -> int:
+        return self.inner.bytes_held
+
+    def reset(self) -> None:
+        self.inner.reset()
+
+
+def first_token_share(model: GPT, tokens: Sequence[int], prompt_len: int
+                      ) -> tuple[tuple[float, ...], float]:
+    """(per layer, the mean attention share of the first token over heads and the scored
+    queries; the share uniform attention would give it), from one pass with explicit
+    attention through the exact cache.
+
+    One pass of every fed token equals the step-by-step run for an exact cache (every
+    query sees the same keys), and costs one forward instead of a second decode.
+    """
+    import torch
+
+    from kvcache_cli.caches import make_cache
+
+    fed = len(tokens) - 1
+    ids = torch.tensor(tokens[:fed], device=model.device)[None]  # (1, fed)
+    watch = _FirstTokenWatch(make_cache(REFERENCE, model, fed), model.config.n_layer,
+                             prompt_len - 1)
+    with torch.inference_mode():
+        model(ids, 0, watch, last_only=True)
+    # The query at position p spreads uniform attention over p + 1 keys.
+    uniform = statistics.fmean(1 / (p + 1) for p in range(prompt_len - 1, fed))
+    return tuple(watch.share), uniform

@@ -1,0 +1,68 @@
+"""`kvcache eval --plot`: the frontier (perplexity against bytes per token, one point per
+cache) beside the loss by position (one smoothed line per cache, so a collapse shows where
+it starts). matplotlib is imported only here, and only when a plot is asked for."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from kvcache_cli.plot import require_matplotlib
+from kvcache_cli.quality import QualityResult
+
+SMOOTH_POINTS = 60  # the loss curve is averaged over windows of about scored / this tokens
+
+
+def moving_average(values: Sequence[float], window: int) -> list[float]:
+    """The mean of each `window` consecutive values (fewer at the start)."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def save_plot(result: QualityResult, path: str | Path) -> Path:
+    require_matplotlib()
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(11, 4.5), dpi=120)
+    FigureCanvasAgg(fig)
+    frontier, by_position = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    colors = [f"C{i % 10}" for i in range(len(result.caches))]
+    for row, color in zip(result.caches, colors, strict=True):
+        frontier.scatter(row.bytes_per_token, row.perplexity, color=color, zorder=3)
+        frontier.annotate(row.cache, (row.bytes_per_token, row.perplexity), fontsize=8,
+                          xytext=(4, 4), textcoords="offset points")
+    frontier.set_xlabel("bytes held per token of context")
+    frontier.set_ylabel("perplexity (lower is better)")
+    reference = result.caches[0]
+    frontier.axhline(reference.perplexity, color="black", lw=0.8, ls="--", zorder=2,
+                     label=f"exact ({reference.cache})")
+    frontier.set_xlim(0, 1.2 * max(row.bytes_per_token for row in result.caches))
+    frontier.legend(fontsize=8)
+    frontier.set_title("the frontier: quality against memory", fontsize=9)
+    frontier.grid(alpha=0.3)
+
+    window = max(1, result.scored // SMOOTH_POINTS)
+    positions = range(result.prompt_len, result.tokens)
+    for row, color in zip(result.caches, colors, strict=True):
+        # The exact cache on top, dashed, so the caches that match it show as one line.
+        by_position.plot(positions, moving_average(row.loss_by_position, window),
+                         color="black" if row.reference else color, label=row.cache,
+                         lw=0.9 if row.reference else 1.2, ls="--" if row.reference else "-",
+                         zorder=3 if row.reference else 2)
+    by_position.set_xlabel("token position")
+    by_position.set_ylabel(f"loss, nats (mean of {window} tokens)")
+    by_position.set_title("loss by position: where a cache starts to fail", fontsize=9)
+    by_position.grid(alpha=0.3)
+    by_position.legend(fontsize=8)
+    fig.suptitle(f"{result.model} · {result.text} · {result.tokens:,} tokens, prompt "
+                 f"{result.prompt_len}, {result.device} {result.dtype}", fontsize=9)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, format="png")
+    return path

@@ -1,0 +1,127 @@
+"""Views of a `QualityResult` (`kvcache eval`): a rich table for a terminal, plain text
+for a pipe or a file; `--json` prints the same object. Both show the same cells, taken
+from the result untouched but for formatting."""
+
+from __future__ import annotations
+
+from rich.console import Group, RenderableType
+from rich.table import Table
+
+from kvcache_cli.plot import BARS
+from kvcache_cli.quality import CacheQuality, QualityResult
+from kvcache_cli.views.bench import _bytes
+from kvcache_cli.views.style import figures_table
+
+# The rich view splits the row in two tables (quality; memory and time) so each fits
+# 100 columns beside a long spec such as int4:g32:kchan:r128; plain text keeps one.
+QUALITY = ("cache", "perplexity", "Δ ppl", "bits/tok", "KL mean", "KL max", "at", "top-1")
+COST = ("bytes/tok", "× exact", "held", "ms/tok")
+SPARK_WIDTH = 24
+
+
+def loss_line(r: QualityResult, c: CacheQuality, width: int = SPARK_WIDTH) -> str:
+    """`c`'s loss by position as bars, each the mean of its share of the tokens, on one
+    scale for every cache (0 to the highest bar of any), so the lines compare."""
+    def bars(values):
+        n = min(width, len(values))
+        return [sum(b) / len(b) for b in
+                (values[i * len(values) // n:(i + 1) * len(values) // n] for i in range(n))]
+
+    top = max(max(bars(row.loss_by_position)) for row in r.caches)
+    if top <= 0:
+        return BARS[0] * min(width, len(c.loss_by_position))
+    return "".join(BARS[min(len(BARS) - 1, int(h / top * len(BARS)))]
+                   for h in bars(c.loss_by_position))
+
+
+def _kl(x: float) -> str:
+    return "0" if x == 0 else f"{x:.2e}"
+
+
+def quality_cells(c: CacheQuality) -> tuple[str, ...]:
+    """One cache's quality, in QUALITY's order."""
+    change = "ref" if c.reference else f"{c.perplexity_change:+.3%}"
+    return (c.cache, f"{c.perplexity:.3f}", change, f"{c.bits_per_token:.3f}", _kl(c.kl_mean),
+            _kl(c.kl_max), f"@{c.kl_max_position}", f"{c.top1_agreement:.2%}")
+
+
+def cost_cells(c: CacheQuality) -> tuple[str, ...]:
+    """What one cache holds and how fast it decodes, in COST's order."""
+    return (f"{c.bytes_per_token:,.0f}", f"{c.bytes_ratio:.3f}", _bytes(c.bytes_held),
+            f"{c.decode_ms_per_token:.2f}")
+
+
+def _run_line(r: QualityResult) -> str:
+    return (f"{r.tokens:,} tokens of {r.text}: a prompt of {r.prompt_len} prefilled, then "
+            f"{r.chunk} token{'s' if r.chunk > 1 else ''} a step; {r.scored:,} predictions "
+            f"scored against the exact {r.reference} cache, every cache fed the same tokens")
+
+
+def _sink_line(r: QualityResult) -> str:
+    shares = " · ".join(f"L{i} {s:.3g} ({s / r.uniform_share:.1f}×)"
+                        for i, s in enumerate(r.first_token_share))
+    return (f"{shares}; × what uniform attention would give it ({r.uniform_share:.3g}); "
+            "mean over heads and the scored queries, exact cache")
+
+
+def _header(r: QualityResult) -> Table:
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="dim")
+    grid.add_column()
+    grid.add_row("model", f"[bold]{r.model}[/]")
+    if r.weights_note:
+        grid.add_row("note", f"[yellow]{r.weights_note}[/]")
+    grid.add_row("device", f"[bold]{r.device}[/] ({r.machine}), [bold]{r.dtype}[/], "
+                 f"{r.threads} threads, torch {r.torch_version}")
+    grid.add_row("run", _run_line(r))
+    grid.add_row("sink", "first token's share of attention, per layer: " + _sink_line(r))
+    return grid
+
+
+def _quality(r: QualityResult) -> Table:
+    table = figures_table(*QUALITY, title="quality against the exact cache on the same "
+                          "tokens (KL in nats, at: the position of the max)")
+    table.columns[0].no_wrap = True
+    for c in r.caches:
+        row = quality_cells(c)
+        table.add_row(f"[bold]{row[0]}[/]", f"[bold]{row[1]}[/]", *row[2:])
+    return table
+
+
+def _cost(r: QualityResult) -> Table:
+    table = figures_table("cache", *COST, "loss by position",
+                          title=f"memory held after {r.tokens - 1:,} positions, median decode "
+                          f"step per token; loss at positions {r.prompt_len}→{r.tokens - 1}, "
+                          "one scale from 0")
+    table.columns[0].no_wrap = True
+    table.columns[-1].justify = "left"
+    for c in r.caches:
+        table.add_row(c.cache, *cost_cells(c), f"[cyan]{loss_line(r, c)}[/]")
+    return table
+
+
+def render(r: QualityResult) -> RenderableType:
+    return Group(_header(r), _quality(r), _cost(r))
+
+
+def plain(r: QualityResult) -> str:
+    """The same figures as text: aligned columns, no colour, no box."""
+    rows = [QUALITY + COST, *(quality_cells(c) + cost_cells(c) for c in r.caches)]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    table = [
+        "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w)
+                  for i, (cell, w) in enumerate(zip(row, widths, strict=True))).rstrip()
+        for row in rows
+    ]
+    lines = [f"model: {r.model}"]
+    if r.weights_note:
+        lines.append(f"note: {r.weights_note}")
+    lines += [f"device: {r.device} ({r.machine}), {r.dtype}, {r.threads} threads, torch "
+              f"{r.torch_version}", f"run: {_run_line(r)}",
+              f"sink: first token's share of attention, per layer: {_sink_line(r)}", "",
+              *table, "",
+              f"loss by position, {r.prompt_len}→{r.tokens - 1}, one scale from 0 nats:"]
+    name = max(len(c.cache) for c in r.caches)
+    lines += [f"{c.cache.ljust(name)}  {loss_line(r, c, 2 * SPARK_WIDTH)}"
+              for c in r.caches]
+    return "\n".join(lines)

@@ -1,0 +1,176 @@
+"""`kvcache eval` on the command line: a tiny byte-level checkpoint scored end to end, its
+three views and its plot, and every bad input refused in one line before a model loads."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from kvcache_cli.cli import app
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+runner = CliRunner()
+BLOCK = 128  # the tiny checkpoint's context window
+TEXT = "def add(a, b):\n    return a + b\n\n\nclass Point:\n    x: int = 0\n" * 4
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A byte-level GPT-2 (256 ids) saved as a Hugging Face checkpoint, its held-out text
+    beside it, as the trained checkpoint ships."""
+    from safetensors.torch import save_file
+
+    from kvcache_cli.gpt2 import _CONV1D, GPT, GPTConfig
+
+    directory = tmp_path_factory.mktemp("bytes-ckpt")
+    model = GPT(GPTConfig(block_size=BLOCK, vocab_size=256, n_layer=2, n_head=2, n_embd=32),
+                init_std=0.3, seed=0)
+    state = {k: (t.t() if k.endswith(_CONV1D) else t).contiguous()
+             for k, t in model.state_dict().items() if k != "lm_head.weight"}
+    save_file(state, str(directory / "model.safetensors"))
+    (directory / "config.json").write_text(json.dumps({
+        "model_type": "gpt2", "n_layer": 2, "n_head": 2, "n_embd": 32, "vocab_size": 256,
+        "n_positions": BLOCK}))
+    (directory / "heldout.txt").write_text(TEXT)
+    return directory
+
+
+@pytest.fixture
+def no_model_loads(monkeypatch):
+    """Fail the test if a model is loaded: bad input must be refused before."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded before the bad input was refused")
+
+    monkeypatch.setattr("kvcache_cli.gpt2.load_gpt2", refuse)
+
+
+def invoke(*args: str):
+    return runner.invoke(app, ["eval", *args], env={"COLUMNS": "100"})
+
+
+def test_eval_scores_every_default_kind_against_the_exact_cache(checkpoint):
+    result = invoke("--model", str(checkpoint), "--prompt-len", "16", "--json")
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    names = [c["cache"] for c in out["caches"]]
+    assert names[0] == "static" and {"concat", "paged:b16"} <= set(names)
+    assert out["tokens"] == BLOCK and out["text"] == "heldout.txt (bytes)"
+    for row in out["caches"]:
+        assert row["kl_max"] <= 1e-10 and row["top1_agreement"] == 1.0, row
+        assert len(row["loss_by_position"]) == BLOCK - 16
+    assert len(out["first_token_share"]) == 2
+
+
+def test_eval_reads_the_tokens_prompt_and_chunk_asked_for(checkpoint, tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT)
+    result = invoke("--model", str(checkpoint), "--text", str(text), "--cache", "full,concat",
+                    "--tokens", "100", "--prompt-len", "20", "--chunk", "8", "--json")
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    assert (out["tokens"], out["prompt_len"], out["chunk"]) == (100, 20, 8)
+    assert [c["cache"] for c in out["caches"]] == ["static", "concat"]
+
+
+def test_off_a_terminal_eval_prints_plain_text_and_nothing_on_stderr(checkpoint):
+    result = invoke("--model", str(checkpoint), "--cache", "concat", "--prompt-len", "16")
+    assert result.exit_code == 0, result.output
+    assert result.stderr == ""  # no progress bar, no note
+    lines = result.stdout.splitlines()
+    header = next(line for line in lines if line.startswith("cache"))
+    assert "perplexity" in header and "KL mean" in header and "bytes/tok" in header
+    assert any(line.startswith("concat ") for line in lines)
+    assert "─" not in result.stdout and "\x1b[" not in result.stdout  # no box, no colour
+
+
+def test_eval_writes_the_frontier_plot(checkpoint, tmp_path):
+    pytest.importorskip("matplotlib")
+    plot = tmp_path / "eval.png"
+    result = invoke("--model", str(checkpoint), "--cache", "paged:b16", "--prompt-len", "16",
+                    "--tokens", "64", "--plot", str(plot))
+    assert result.exit_code == 0, result.output
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _text(tmp_path, data: bytes):
+    path = tmp_path / "text.txt"
+    path.write_bytes(data)
+    return str(path)
+
+
+@pytest.mark.parametrize(("args", "first_line"), [
+    (["--cache", "int9"], "--cache: unknown cache 'int9'"),
+    (["--cache", "static,full"], "cache 'static' is listed twice"),
+    (["--cache", "paged:x16"], "unknown field 'x16'"),
+    (["--cache", ","], "no cache in ','"),
+    (["--tokens", "129"], "--tokens 129 is beyond the model's context window of 128"),
+    (["--tokens", "100", "--text", b"short text" * 9],
+     "has only 90 tokens; expected at most 90"),
+    (["--text", b"x" * 64], "has 64 tokens, too few for a prompt of 64"),
+    (["--text", b""], "is empty; expected a UTF-8 text file"),
+    (["--text", b"  \n\n"], "is empty"),
+    (["--text", b"PK\x03\x04\x00\x00binary"], "looks binary (a NUL byte at offset 4)"),
+    (["--text", b"caf\xe9 latin-1"], "is not UTF-8 text (byte 3"),
+    (["--text", None], "no such file"),
+    (["--prompt-len", "0"], "--prompt-len 0: expected a whole number from 1 up"),
+    (["--chunk", "0"], "--chunk 0: expected a whole number from 1 up"),
+    (["--threads", "0"], "--threads 0: expected a whole number from 1 to 1,024"),
+    (["--device", "tpu"], "unknown device 'tpu'"),
+])
+def test_bad_input_is_one_line_exit_2_before_a_model_loads(
+        checkpoint, tmp_path, no_model_loads, args, first_line):
+    args = list(args)
+    if "--text" in args:
+        i = args.index("--text") + 1
+        args[i] = str(tmp_path / "missing.txt") if args[i] is None else _text(tmp_path, args[i])
+    result = invoke("--model", str(checkpoint), *args)
+    assert result.exit_code == 2, result.output
+    assert result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert first_line in lines[0], lines[0]
+
+
+@pytest.mark.parametrize(("args", "first_line"), [
+    (["--model", "/nonexistent/ckpt"], "unknown model '/nonexistent/ckpt'"),
+    (["--model", "gpt2", "--weights", "random"], "--model gpt2 ships no heldout.txt: give"),
+])
+def test_a_missing_checkpoint_or_text_is_one_line(no_model_loads, args, first_line):
+    result = invoke(*args)
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()]
+    assert first_line in result.stderr
+
+
+def test_a_plot_path_that_is_a_directory_is_refused_before_a_model_loads(
+        checkpoint, tmp_path, no_model_loads):
+    pytest.importorskip("matplotlib")
+    result = invoke("--model", str(checkpoint), "--plot", str(tmp_path))
+    assert result.exit_code == 2, result.output
+    assert "is a directory" in result.stderr
+
+
+def test_gpt2_without_tiktoken_s_files_says_so_and_offers_the_trained_checkpoint(
+        tmp_path, no_model_loads, monkeypatch):
+    monkeypatch.setattr("kvcache_cli.generate.gpt2_encoding",
+                        lambda: (None, "tiktoken's gpt2 encoding is unavailable (offline)"))
+    result = invoke("--model", "gpt2", "--weights", "random", "--text",
+                    _text(tmp_path, TEXT.encode()))
+    assert result.exit_code == 1, result.output
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("error: tiktoken's gpt2 encoding is unavailable (offline)")
+    assert "--model stdlib-bytes" in line
+
+
+def test_without_torch_eval_says_which_extra_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", None)  # import fails, find_spec answers None
+    result = invoke("--cache", "static")
+    assert result.exit_code == 2, result.output
+    (line,) = result.stderr.strip().splitlines()
+    assert "kvcache eval needs torch, which is not installed" in line
+    assert "pip install 'kvcache[torch]'" in line
