@@ -70,7 +70,8 @@ def _tokens(tokens, first: int | None = None, piece: Callable[[int], str] | None
 def _diverges(first: int | None, n: int) -> str:
     if first is None:
         return f"the tokens never diverge in {n} steps"
-    return f"tokens leave plain greedy at step [bold red]{first}[/] (0 = the first new token) of {n}"
+    return (f"tokens leave plain greedy at step [bold red]{first}[/] "
+            f"(0 = the first new token) of {n}")
 
 
 def no_rollback_view(r, piece: Callable[[int], str] | None = None) -> RenderableType:
