@@ -107,6 +107,10 @@ def check_speculation(target: GPTConfig, draft: DraftSpec, draft_config: GPTConf
         raise ValueError(f"draft {draft_name or draft} has a vocabulary of "
                          f"{draft_config.vocab_size:,} tokens, the target {target.vocab_size:,}:"
                          " expected a draft with the target's tokenizer")
+    mine_tok, theirs_tok = (getattr(c, "tokenizer", "gpt2") for c in (draft_config, target))
+    if mine_tok != theirs_tok:
+        raise ValueError(f"draft {draft_name or draft} reads {mine_tok} tokens, the target "
+                         f"{theirs_tok}: expected a draft with the target's tokenizer")
     if draft_config.block_size < target.block_size:
         raise ValueError(f"draft {draft_name or draft} has a context window of "
                          f"{draft_config.block_size}, the target {target.block_size}: expected "

@@ -67,10 +67,10 @@ def _tokens(tokens, first: int | None = None, piece: Callable[[int], str] | None
     return text
 
 
-def _diverges(first: int | None, n: int) -> str:
+def _diverges(first: int | None, n: int, what: str = "plain greedy") -> str:
     if first is None:
         return f"the tokens never diverge in {n} steps"
-    return (f"tokens leave plain greedy at step [bold red]{first}[/] "
+    return (f"tokens leave {what} at step [bold red]{first}[/] "
             f"(0 = the first new token) of {n}")
 
 
@@ -107,7 +107,7 @@ def rollback_shared_view(r, piece: Callable[[int], str] | None = None) -> Render
         f"shared by A and B when B rolls back to {2 * r.block_size} positions\n"
         f"freed anyway, it goes to request C (admitted {mark(r.third_admitted_broken)}; with "
         f"the correct trim C waits {mark(not r.third_admitted_fixed)}), whose keys overwrite "
-        f"A's: {_diverges(r.first_divergence, len(r.reader_solo))}\n"
+        f"A's: {_diverges(r.first_divergence, len(r.reader_solo), 'its solo run')}\n"
         f"a rollback that would cut into a shared block is refused: [dim]{r.refused}[/]")
     return Panel(Group(Text(r.bug), tokens, lines), title=f"GPT-2 break: {r.name}",
                  title_align="left", padding=(0, 1))
