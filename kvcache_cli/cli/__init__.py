@@ -19,7 +19,7 @@ import typer
 from typer.core import TyperGroup
 
 from kvcache_cli import __version__
-from kvcache_cli.cli import bench, breaks, demo, generate, models, serve, size
+from kvcache_cli.cli import bench, breaks, caches, demo, generate, models, serve, size
 
 # Typer re-exports click's BadParameter; its base is click's UsageError, whichever
 # click (vendored in typer >= 0.29, or the click package before) is in use.
@@ -92,6 +92,7 @@ app.command()(models.models)
 app.command()(bench.bench)
 app.command()(serve.serve)
 app.command()(generate.generate)
+app.command()(caches.caches)
 
 
 _UNWRITABLE = (errno.EPIPE, errno.ENOSPC, errno.EIO, errno.EBADF)

@@ -19,12 +19,16 @@ from kvcache_cli.views.style import figures_table, mark
 
 def caches_view(rows) -> RenderableType:
     """`kvcache caches`: every kind, what it supports, and how it rolls back k tokens."""
-    t = Table("kind", "spelling", "exact", "bounded", "pages", "compiles", "rolls back",
-              "how", "bytes touched for k tokens", box=box.SIMPLE_HEAD,
-              title="cache kinds", title_justify="left", title_style="bold")
+    t = Table("kind", "spelling", "is", "rollback of k tokens: how; bytes touched",
+              box=box.SIMPLE_HEAD, title="cache kinds", title_justify="left",
+              title_style="bold")
     for r in rows:
-        t.add_row(r.name, r.grammar, mark(r.exact), mark(r.bounded), mark(r.pages),
-                  mark(r.compiles), mark(r.rolls_back), r.rollback, r.rollback_bytes)
+        traits = [name for name, on in (("exact", r.exact), ("bounded", r.bounded),
+                                        ("pools", r.pages), ("compiles", r.compiles)) if on]
+        how = Text.from_markup(f"{mark(r.rolls_back)} ")
+        how.append(r.rollback)
+        how.append(f"\nbytes: {r.rollback_bytes}", style="dim")
+        t.add_row(r.name, r.grammar, ", ".join(traits), how)
     return t
 
 

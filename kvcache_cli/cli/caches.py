@@ -1,0 +1,27 @@
+"""`kvcache caches`: every cache kind, what it supports, and how it rolls back."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+
+def caches(
+    as_json: Annotated[bool, typer.Option("--json", help="Print the raw rows as JSON.")] = False,
+) -> None:
+    """List the cache kinds: their spelling, whether they are exact, bounded, paged or
+    compiled, and whether and how each rolls back k tokens (speculative decoding)."""
+    from kvcache_cli.caches.spec import kinds_table
+
+    rows = kinds_table()
+    if as_json:
+        from kvcache_cli.views import to_json
+
+        typer.echo(to_json(rows))
+        return
+    from rich.console import Console
+
+    from kvcache_cli.views.speculative import caches_view
+
+    Console().print(caches_view(rows))
