@@ -41,8 +41,8 @@ def spec_run_view(run) -> RenderableType:
     mode = "greedy" if run.greedy else "sampled"
     t = figures_table("K", "accepted", "tokens a step (accepted: steps)", "target fwd/token",
                       "tokens/s", "× plain", "= plain greedy",
-                      title=f"speculative decoding, draft {run.draft}, cache {run.cache}, "
-                            f"{mode}")
+                      title=f"speculative decoding{', ' + run.target if run.target else ''}, "
+                            f"draft {run.draft}, cache {run.cache}, {mode}")
     for s, speedup, same in zip(run.runs, run.speedups, run.identical, strict=True):
         rate = "—" if s.acceptance_rate != s.acceptance_rate else f"{s.acceptance_rate:.0%}"
         best = "bold" if s.k == run.best_k else None
