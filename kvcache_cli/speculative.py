@@ -276,7 +276,7 @@ def _verify_sampled(logits: Tensor, drafted: list[int], q: Tensor | None, sampli
             qi[d] = 1.0
         else:
             qi = q[i].to(p.dtype)
-        r = torch.rand((), generator=generator, dtype=torch.float64)
+        r = torch.rand((), generator=generator, dtype=torch.float64, device=p.device)
         if r * qi[d] < p[i, d]:  # r < p / q, without dividing by a q of 0
             continue
         residual = (p[i] - qi).clamp(min=0.0)
@@ -406,7 +406,7 @@ class SpecRun:
     plain_tokens_per_s: float
     runs: tuple[Speculation, ...]  # one per K, the median run's figures
     speedups: tuple[float, ...]  # tokens/s over plain's, per K
-    identical: tuple[bool, ...]  # greedy: the tokens equal plain greedy's, per K
+    identical: tuple[bool, ...]  # greedy: the tokens equal plain greedy's, per K; () sampled
     best_k: int
     best_speedup: float
     note: str | None = None
@@ -431,11 +431,15 @@ def compare(
 
     A warm-up generation runs first and is dropped (first-call allocations and kernel
     selection); then each round times plain, then every K, so a busy machine slows all
-    alike. Greedy runs must give plain greedy's tokens exactly, which `identical` records.
+    alike. Greedy runs must give plain greedy's tokens exactly, which `identical` records
+    (sampled runs follow the target's distribution, not its greedy tokens).
     """
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}")
-    plain, _ = plain_greedy(model, prompt_ids, min(max_new_tokens, 4), cache)  # warm-up
+    warm = min(max_new_tokens, 8)  # dropped: first-call allocations, kernel selection
+    plain_greedy(model, prompt_ids, warm, cache)
+    speculate(model, prompt_ids, warm, draft, max(ks), cache=cache, sampling=sampling,
+              generator=torch.Generator(device=model.device).manual_seed(seed))
     plain_s: list[float] = []
     per_k: dict[int, list[Speculation]] = {k: [] for k in ks}
     for r in range(repeats):
@@ -444,7 +448,7 @@ def compare(
         for k in ks:
             if on_progress is not None:
                 on_progress(f"round {r + 1}/{repeats}: K={k}")
-            g = torch.Generator().manual_seed(seed)
+            g = torch.Generator(device=model.device).manual_seed(seed)
             per_k[k].append(speculate(model, prompt_ids, max_new_tokens, draft, k, cache=cache,
                                       sampling=sampling, generator=g))
     plain_rate = max_new_tokens / statistics.median(plain_s)
@@ -455,7 +459,7 @@ def compare(
         target=target, draft=draft.name, cache=cache, greedy=sampling.greedy,
         prompt_tokens=len(prompt_ids), new_tokens=max_new_tokens, repeats=repeats,
         plain_tokens_per_s=plain_rate, runs=runs, speedups=speedups,
-        identical=tuple(s.tokens == plain for s in runs),
+        identical=tuple(s.tokens == plain for s in runs) if sampling.greedy else (),
         best_k=runs[best].k, best_speedup=speedups[best], note=note,
     )
 

@@ -273,3 +273,16 @@ def test_example_specs_cover_every_registered_kind():
     assert {s.split(":")[0] for s in rollback_specs()} == {
         n for n, k in KINDS.items() if k.rollback}
     assert example_spec("paged") == "paged:b16"
+
+
+def test_a_sampled_sweep_claims_no_agreement_with_plain_greedy_and_renders():
+    from rich.console import Console
+
+    from kvcache_cli.views.speculative import spec_run_view
+
+    run = compare(MODEL, PROMPT, 16, LookupDraft(), [2, 3], sampling=Sampling(0.8))
+    assert run.identical == () and not run.greedy and len(run.runs) == 2
+    console = Console(width=100, record=True, file=None)
+    with console.capture() as captured:
+        console.print(spec_run_view(run))
+    assert "sampled" in captured.get() and "best K" in captured.get()

@@ -43,7 +43,8 @@ def spec_run_view(run) -> RenderableType:
                       "tokens/s", "× plain", "= plain greedy",
                       title=f"speculative decoding{', ' + run.target if run.target else ''}, "
                             f"draft {run.draft}, cache {run.cache}, {mode}")
-    for s, speedup, same in zip(run.runs, run.speedups, run.identical, strict=True):
+    same_as_plain = run.identical if run.greedy else (None,) * len(run.runs)
+    for s, speedup, same in zip(run.runs, run.speedups, same_as_plain, strict=True):
         rate = "—" if s.acceptance_rate != s.acceptance_rate else f"{s.acceptance_rate:.0%}"
         best = "bold" if s.k == run.best_k else None
         t.add_row(str(s.k), rate, _histogram(s.histogram), f"{s.forwards_per_token:.2f}",
