@@ -206,7 +206,8 @@ class ModelDraft(Draft):
 
 class LookupDraft(Draft):
     """Prompt lookup: the longest of the last n..1 tokens seen earlier in the context,
-    and the k tokens that followed its latest earlier occurrence. No model, no cache."""
+    and the (up to) k tokens that followed it there, from its latest occurrence with the
+    most of them. No model, no cache."""
 
     def __init__(self, max_ngram: int = DEFAULT_NGRAM):
         self.max_ngram = max_ngram
@@ -220,7 +221,10 @@ class LookupDraft(Draft):
             windows = np.lib.stride_tricks.sliding_window_view(a[: L - 1], n)  # (L - n, n)
             hits = np.flatnonzero((windows == a[L - n:]).all(axis=1))
             if hits.size:
-                start = int(hits[-1]) + n
+                # The latest match with the longest continuation: in a run ("    ") the
+                # latest match sits one token back and has a single token after it.
+                ahead = np.minimum(k, L - (hits + n))
+                start = int(hits[ahead == ahead.max()][-1]) + n
                 return a[start:start + k].tolist(), None
         return [], None
 

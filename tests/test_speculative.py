@@ -149,6 +149,8 @@ def test_lookup_proposes_what_followed_the_latest_earlier_match():
     assert draft.propose(tokens, 3, Sampling(), None)[0] == [5, 6, 7]
     assert draft.propose(tokens + [99], 3, Sampling(), None)[0] == []
     assert draft.propose([4, 4], 5, Sampling(), None)[0] == [4]
+    # In a run the latest match has one token after it; an earlier one has k.
+    assert draft.propose([7] * 10, 4, Sampling(), None)[0] == [7, 7, 7, 7]
 
 
 def test_a_self_draft_shares_the_targets_first_layers_and_head():
