@@ -67,6 +67,8 @@ class CacheKind:
     aliases: tuple[str, ...] = field(default=())
     # params -> the spelling that parses back to them; None: the kind's name alone.
     spell: Callable[[dict], str] | None = None
+    # What rolling back k tokens reads or writes (`kvcache caches`); '' when not stated.
+    rollback_bytes: str = ""
 
     def canonical(self, params: dict) -> str:
         return self.spell(params) if self.spell else self.name
@@ -125,6 +127,7 @@ KINDS: dict[str, CacheKind] = {
             layer_bytes=every_token,
             exact=True, bounded=False, pages=True, compiles=True,
             rollback="resets its length: the rejected slots are masked, later overwritten",
+            rollback_bytes="none: the next write overwrites the k slots in place",
             aliases=("full",),
         ),
         CacheKind(
@@ -137,6 +140,8 @@ KINDS: dict[str, CacheKind] = {
             layer_bytes=every_token,
             exact=True, bounded=False, pages=False, compiles=False,
             rollback="slices each layer to the kept length (a view; the next append copies)",
+            rollback_bytes="none at the crop; the next append copies the kept history, "
+                           "as every append does",
         ),
         CacheKind(
             name="paged",
@@ -149,6 +154,8 @@ KINDS: dict[str, CacheKind] = {
             exact=True, bounded=False, pages=True, compiles=False,
             rollback="resets its length; a pool frees the tail blocks no other "
                      "sequence shares",
+            rollback_bytes="none: whole blocks go back to the free list, the cut block's "
+                           "k slots are overwritten later",
             spell=lambda p: f"paged:b{p['block_size']}",
         ),
     )
@@ -189,6 +196,30 @@ def parse_cache_list(text: str) -> list[CacheSpec]:
             raise CacheSpecError(f"cache {str(spec)!r} is listed twice in {text!r}")
         seen.add(str(spec))
     return specs
+
+
+@dataclass(frozen=True)
+class KindRow:
+    """One kind as `kvcache caches` shows it: what it is and whether it can roll back."""
+
+    name: str
+    grammar: str
+    summary: str
+    exact: bool
+    bounded: bool
+    pages: bool
+    compiles: bool
+    rolls_back: bool
+    rollback: str  # how
+    rollback_bytes: str  # what it reads or writes to forget k tokens
+
+
+def kinds_table() -> tuple[KindRow, ...]:
+    """Every registered kind, in registry order (torch-free)."""
+    return tuple(
+        KindRow(k.name, k.grammar, k.summary, k.exact, k.bounded, k.pages, k.compiles,
+                bool(k.rollback), k.rollback or "cannot", k.rollback_bytes or "not stated")
+        for k in KINDS.values())
 
 
 def layer_bytes(spec: CacheSpec, tokens: int, kv_heads: int, head_dim: int,

@@ -9,6 +9,7 @@ from typing import Annotated
 
 import typer
 
+from kvcache_cli.cli import drafts
 from kvcache_cli.cli.common import (
     GPT2_MODULES,
     TORCH_DTYPES,
@@ -24,6 +25,7 @@ from kvcache_cli.cli.common import (
 
 
 def bench(
+    ctx: typer.Context,
     device: DeviceOption = "auto",
     model: ModelOption = "gpt2",
     weights: Annotated[str, typer.Option(
@@ -49,13 +51,34 @@ def bench(
     plot: Annotated[Path | None, typer.Option(
         help="Write the per-step latency plot to this PNG (needs matplotlib).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the raw result as JSON.")] = False,
+    draft: drafts.DraftOption = None,
+    speculate: Annotated[str, typer.Option(
+        help="With --draft: the K values to sweep (most draft tokens checked a forward).")
+    ] = "1,2,3,4,6,8",
+    cache: Annotated[str, typer.Option(
+        help="With --draft: the target's cache, any kind that rolls back (kvcache caches).")
+    ] = "static",
+    prompt_file: Annotated[Path | None, typer.Option(
+        help="With --draft: a text whose first --prompt-len tokens are the prompt (prompt "
+        "lookup needs text that repeats itself; the default is seeded random ids).")
+    ] = None,
 ) -> None:
     """Time every decode step of every mode, against transformers and the memory limit.
 
     Warm-up excluded, the device synchronised around each timed step, medians over
     repeats; the memory bandwidth is probed in the same run. The defaults take about
-    a minute on 2 cores.
+    a minute on 2 cores. With --draft: speculative decoding at each K of --speculate
+    against plain decoding with the same cache, interleaved, medians over --repeats.
     """
+    if draft is not None:
+        _speculative(ctx, draft, speculate, cache, prompt_file, device, model, weights,
+                     dtype, prompt_len, new_tokens, repeats, threads, as_json)
+        return
+    given = [p for p in ("speculate", "cache", "prompt_file")
+             if getattr(ctx.get_parameter_source(p), "name", "") == "COMMANDLINE"]
+    if given:
+        fail(f"--{given[0].replace('_', '-')} applies to speculative decoding only: expected "
+             "a --draft with it")
     need_torch_extra("kvcache bench needs", *GPT2_MODULES, "transformers")
     import torch
 
@@ -83,6 +106,85 @@ def bench(
     except (RuntimeError, OSError) as err:
         fail(str(err), code=1)
     show_then_plot(result, bench_view, as_json, save_plot, plot, "per-step plot")
+
+
+def _speculative(ctx, draft: str, speculate: str, cache: str, prompt_file: Path | None,
+                 device: str, model: str, weights: str, dtype: DType, prompt_len: int,
+                 new_tokens: int, repeats: int, threads: int | None, as_json: bool) -> None:
+    """`bench --draft`: plain and speculative decoding of one prompt, K swept."""
+    ignored = [p for p in ("modes", "compile_", "naive_samples", "plot")
+               if getattr(ctx.get_parameter_source(p), "name", "") == "COMMANDLINE"]
+    if ignored:
+        name = "--compile" if ignored[0] == "compile_" else f"--{ignored[0].replace('_', '-')}"
+        fail(f"{name} does not apply with --draft: speculative decoding is timed against "
+             "plain decoding with --cache")
+    need_torch_extra("kvcache bench needs", *GPT2_MODULES)
+    ks = drafts.parse_ks(speculate)
+    if threads_error(threads):
+        fail(threads_error(threads))
+    if repeats < 1:
+        fail(f"--repeats {repeats}: expected at least 1")
+    text = _read_prompt(prompt_file)
+    spec, note = drafts.check(model, draft, ks, cache)
+    import torch
+
+    from kvcache_cli import bench as bench_
+    from kvcache_cli import speculative as sp
+    from kvcache_cli.cli.common import load_gpt2
+    from kvcache_cli.generate import check_request
+    from kvcache_cli.views.speculative import spec_run_view
+
+    try:
+        dev = str(bench_.resolve_device(device))
+    except ValueError as err:
+        fail(str(err))
+    if threads is not None:
+        torch.set_num_threads(threads)
+    loaded = load_gpt2(model, weights, dev, dtype.value)
+    gpt = loaded.model
+    prompt = (_tokenize(gpt, text)[:prompt_len] if text is not None
+              else bench_.random_prompt(gpt.config.vocab_size, prompt_len))
+    try:
+        check_request(gpt, prompt, new_tokens)
+    except (ValueError, IndexError) as err:
+        fail(str(err))
+    built = drafts.build(spec, loaded, weights, dev, dtype.value, len(prompt) + new_tokens)
+    if text is None and spec.kind == "lookup":
+        note = "; ".join(filter(None, [note, "a random prompt: prompt lookup finds little to "
+                                              "copy (give --prompt-file)"]))
+    try:
+        run = sp.compare(gpt, prompt, new_tokens, built, ks, cache=cache, repeats=repeats,
+                         target=loaded.source, note=note or None)
+    except (ValueError, IndexError) as err:
+        fail(str(err))
+    show_then_plot(run, spec_run_view, as_json, None, None, "")  # no plot: save is unused
+
+
+def _read_prompt(path: Path | None) -> str | None:
+    if path is None:
+        return None
+    if not path.is_file():
+        fail(f"--prompt-file {str(path)!r}: no such file; expected a text file")
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        fail(f"--prompt-file {str(path)!r}: not readable as UTF-8 text ({type(err).__name__})")
+
+
+def _tokenize(gpt, text: str) -> list[int]:
+    """The text's token ids for the model: bytes for a byte-level model, else GPT-2's BPE."""
+    from kvcache_cli.generate import gpt2_encoding
+    from kvcache_cli.gpt2 import GPT2_VOCAB_SIZE
+
+    if getattr(gpt.config, "tokenizer", "gpt2") == "bytes":
+        return list(text.encode("utf-8"))
+    if gpt.config.vocab_size != GPT2_VOCAB_SIZE:
+        fail(f"--prompt-file: the model's vocabulary ({gpt.config.vocab_size}) is not GPT-2's "
+             "and it reads no bytes: no tokenizer for its text")
+    encoding, why = gpt2_encoding()
+    if encoding is None:
+        fail(f"--prompt-file: {why}", code=1)
+    return encoding.encode(text, disallowed_special=())
 
 
 def _check_options(modes: str, compile_: bool, device: str, threads: int | None,

@@ -15,6 +15,8 @@ GPT2_BREAKS = {
     "position-offset": "GPT-2: every decode token gets position 0",
     "causal-decode": "GPT-2: is_causal=True for a one-row query against the cache",
     "stale-cache": "GPT-2: a cache reused across requests without a reset",
+    "no-rollback": "GPT-2: speculative decoding keeps the rejected keys and values",
+    "rollback-shared": "GPT-2: a paged rollback frees a block another sequence still reads",
 }
 
 
@@ -44,7 +46,8 @@ def break_(
     """Break the cache on purpose and watch the symptom.
 
     Five on the NumPy toy (no-mask, no-append, cache-q, overflow, wrong-cache) and
-    three on GPT-2 in PyTorch (position-offset, causal-decode, stale-cache).
+    five on GPT-2 in PyTorch (position-offset, causal-decode, stale-cache, and
+    speculative decoding's no-rollback and rollback-shared).
     """
     import kv_cache_from_scratch as ref
 
@@ -94,14 +97,28 @@ def _gpt2_breaks(names: list[str], model: str, weights: str, device: str,
                  max_new_tokens: int):
     """Load the model once and run each named GPT-2 break (correct and broken loop)."""
     torch_device(device)
-    from kvcache_cli.generate import run_break
-
     loaded = load_gpt2(model, weights, device)
     try:
-        return loaded, {n: run_break(n, loaded.model, max_new_tokens=max_new_tokens)
-                        for n in names}
+        return loaded, {n: _run_gpt2_break(n, loaded.model, max_new_tokens) for n in names}
     except (ValueError, IndexError) as err:
         fail(str(err))
+
+
+def _run_gpt2_break(name: str, gpt, max_new_tokens: int):
+    from kvcache_cli import speculative as sp
+    from kvcache_cli.generate import DEFAULT_PROMPT_IDS, run_break
+
+    if name == "no-rollback":
+        # The target's first half drafts for it: every step proposes K tokens, and the
+        # rejected ones are what the broken loop keeps.
+        half = gpt.config.n_layer // 2
+        prompt = [t % gpt.config.vocab_size for t in DEFAULT_PROMPT_IDS]
+        draft = (sp.make_draft(sp.parse_draft(f"layers:{half}"), gpt,
+                               len(prompt) + max_new_tokens) if half else sp.LookupDraft())
+        return sp.run_no_rollback(gpt, prompt, max_new_tokens, draft)
+    if name == "rollback-shared":
+        return sp.run_rollback_shared(gpt, max_new_tokens)
+    return run_break(name, gpt, max_new_tokens=max_new_tokens)
 
 
 def _show_gpt2_breaks(loaded, device: str, results: dict) -> None:
@@ -116,8 +133,17 @@ def _show_gpt2_breaks(loaded, device: str, results: dict) -> None:
         encoding, _ = gpt2_encoding()
         if encoding is not None:
             piece = lambda t: encoding.decode([t])  # noqa: E731
+    from kvcache_cli.speculative import NoRollbackResult, SharedRollbackResult
+    from kvcache_cli.views.speculative import no_rollback_view, rollback_shared_view
+
     console = Console()
     first = next(iter(results.values()))
-    console.print(header(loaded.source, loaded.model.num_params(), device, "float32", first.mode))
+    mode = getattr(first, "mode", None) or getattr(first, "cache", "paged")
+    console.print(header(loaded.source, loaded.model.num_params(), device, "float32", mode))
     for result in results.values():
-        console.print(break_view(result, piece))
+        if isinstance(result, NoRollbackResult):
+            console.print(no_rollback_view(result, piece))
+        elif isinstance(result, SharedRollbackResult):
+            console.print(rollback_shared_view(result, piece))
+        else:
+            console.print(break_view(result, piece))

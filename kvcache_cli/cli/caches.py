@@ -1,5 +1,5 @@
-"""`kvcache caches`: the cache kinds `--cache` accepts, how to spell each, and what each
-supports; read from the registry in `caches.spec`, without torch."""
+"""`kvcache caches`: the cache kinds `--cache` accepts, how to spell each, what each
+supports and how it rolls back; read from the registry in `caches.spec`, without torch."""
 
 from __future__ import annotations
 
@@ -9,14 +9,13 @@ import typer
 
 
 def caches(
-    as_json: Annotated[bool, typer.Option("--json", help="Print the raw list as JSON.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the raw rows as JSON.")] = False,
 ) -> None:
-    """List the KV cache kinds that --cache accepts, and what each supports."""
-    from kvcache_cli.caches.spec import KINDS
+    """List the cache kinds: their spelling, whether they are exact, bounded, paged or
+    compiled, and whether and how each rolls back k tokens (speculative decoding)."""
+    from kvcache_cli.caches.spec import kinds_table
 
-    rows = [{"name": k.name, "spell": k.grammar, "aliases": list(k.aliases),
-             "summary": k.summary, "exact": k.exact, "bounded": k.bounded, "pages": k.pages,
-             "compiles": k.compiles, "rollback": k.rollback} for k in KINDS.values()]
+    rows = kinds_table()
     if as_json:
         from kvcache_cli.views import to_json
 

@@ -8,6 +8,7 @@ from typing import Annotated
 
 import typer
 
+from kvcache_cli.cli import drafts
 from kvcache_cli.cli.common import (
     GPT2_MODULES,
     CacheOption,
@@ -55,8 +56,16 @@ def generate(
     dtype: Annotated[DType, typer.Option(help="Weights and cache.")] = DType.fp32,
     as_json: Annotated[bool, typer.Option(
         "--json", help="Print the result as JSON instead of streaming.")] = False,
+    draft: drafts.DraftOption = None,
+    speculate: Annotated[int | None, typer.Option(
+        help="With --draft: the most draft tokens the target checks per forward (K).")
+    ] = None,
 ) -> None:
-    """Generate with GPT-2 and its KV cache, streaming tokens as they are made."""
+    """Generate with GPT-2 and its KV cache, streaming tokens as they are made.
+
+    With --draft, decode speculatively (the --mode cache rolls back what the target
+    rejects) and compare with plain decoding in the same run.
+    """
     device, mode, weights = device.value, mode.value, weights.value
     if cache is not None:
         if getattr(ctx.get_parameter_source("mode"), "name", "") == "COMMANDLINE":
@@ -68,6 +77,16 @@ def generate(
     if not math.isfinite(temperature):
         fail(f"--temperature {temperature}: expected a finite number, 0 or more (0 is greedy)")
     prompt_ids = _parse_ids(ids) if ids is not None else []  # before the model loads
+    draft_spec = None
+    if draft is None and speculate is not None:
+        fail(f"--speculate {speculate} needs a --draft: expected e.g. --draft lookup")
+    if draft is not None:
+        if mode == "naive":
+            fail("--draft needs a cache to roll back: expected --mode static or concat")
+        speculate = 4 if speculate is None else speculate
+        draft_spec, note = drafts.check(model, draft, [speculate], mode)
+        if note:
+            typer.echo(f"note: {note}", err=True)
     # A text prompt needs the tokenizer; token ids are shown as text only when it is there.
     need_torch_extra("kvcache generate needs", *GPT2_MODULES, *(("tiktoken",) if prompt else ()))
     torch_device(device)
@@ -87,6 +106,12 @@ def generate(
     except (ValueError, IndexError) as err:
         fail(str(err))
     generator = torch.Generator(device=device).manual_seed(seed)
+    if draft_spec is not None:
+        built = drafts.build(draft_spec, loaded, weights, device, dtype.value,
+                             len(prompt_ids) + max_new_tokens)
+        _speculate(loaded, prompt_ids, encoding, as_json, device, mode, max_new_tokens,
+                   built, speculate, temperature, top_k, seed)
+        return
     _run(loaded, prompt_ids, encoding, as_json, device, mode, max_new_tokens,
          temperature=temperature, top_k=top_k, generator=generator)
 
@@ -143,6 +168,42 @@ def _run(loaded, prompt_ids: list[int], encoding, as_json: bool, device: str, mo
         return
     stream.end()
     console.print(generation_view(result))
+
+
+def _speculate(loaded, prompt_ids: list[int], encoding, as_json: bool, device: str, mode: str,
+               max_new_tokens: int, draft, k: int, temperature: float, top_k: int | None,
+               seed: int) -> None:
+    """Speculative and plain decoding of the prompt in one run; the tokens, then the figures."""
+    from rich.console import Console
+
+    from kvcache_cli import speculative as sp
+    from kvcache_cli.views.generate import TokenStream, header
+    from kvcache_cli.views.speculative import spec_run_view
+
+    gpt = loaded.model
+    try:
+        run = sp.compare(gpt, prompt_ids, max_new_tokens, draft, [k], cache=mode,
+                         sampling=sp.Sampling(temperature, top_k), seed=seed,
+                         target=loaded.source)
+    except (ValueError, IndexError) as err:  # a RollbackError included
+        fail(str(err))
+    tokens = run.runs[0].tokens
+    if as_json:
+        from kvcache_cli.views import to_json
+
+        text = encoding.decode(list(tokens)) if encoding is not None else None
+        typer.echo(to_json({"model": loaded.source, "note": loaded.note, **vars(run),
+                            "text": text}))
+        return
+    console = Console()
+    console.print(header(loaded.source, gpt.num_params(), device,
+                         str(gpt.dtype).removeprefix("torch."), mode))
+    stream = TokenStream(console, encoding)
+    stream.prompt(prompt_ids)
+    for token in tokens:
+        stream(token)
+    stream.end()
+    console.print(spec_run_view(run))
 
 
 def _parse_ids(text: str) -> list[int]:

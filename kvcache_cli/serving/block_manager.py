@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections import deque
 
+from kvcache_cli.caches.base import RollbackError
 from kvcache_cli.serving.sequence import Sequence
 
 
@@ -107,6 +108,42 @@ class BlockManager:
         """Make room for the token at position num_cached (a new block when the last is full)."""
         if seq.num_cached == len(seq.block_table) * self.block_size:
             seq.block_table.append(self._take())
+
+    def reserve(self, seq: Sequence, n_tokens: int) -> None:
+        """Make room for positions 0 .. n_tokens-1 (a speculative step writes several)."""
+        while len(seq.block_table) * self.block_size < n_tokens:
+            seq.block_table.append(self._take())
+
+    def trim(self, seq: Sequence, n_tokens: int) -> None:
+        """Roll seq back to its first n_tokens positions: speculative decoding's rollback.
+
+        Every block past them goes back, the tail first: its reference is dropped, and it
+        returns to the free list only when no other sequence holds it. Nothing is copied.
+        The block the new end falls in is kept; the next token will overwrite its slots
+        from there on, so its prefix hash (which named the old contents) is dropped, and a
+        block another sequence shares is never cut into: that would overwrite keys it reads.
+        """
+        if not 0 <= n_tokens <= seq.num_cached:
+            raise RollbackError(f"cannot roll back to {n_tokens} positions: the sequence "
+                                f"holds {seq.num_cached}; expected 0..{seq.num_cached}")
+        keep = self.blocks_for(n_tokens)
+        cut = n_tokens % self.block_size != 0
+        if cut and n_tokens < seq.num_cached:
+            block = seq.block_table[keep - 1]
+            if self.refcount[block] > 1:
+                raise RollbackError(
+                    f"cannot roll back to {n_tokens} positions: block {block} is shared with "
+                    f"{self.refcount[block] - 1} other sequence(s), and the next token would "
+                    "overwrite keys they read")
+            if self.block_hash[block] is not None:
+                self.hash_to_block.pop(self.block_hash[block], None)
+                self.block_hash[block] = None
+        for block in reversed(seq.block_table[keep:]):
+            self.refcount[block] -= 1
+            if self.refcount[block] == 0:
+                self.free_blocks.append(block)
+        del seq.block_table[keep:]
+        seq.num_cached = n_tokens
 
     def register_full_blocks(self, seq: Sequence, n_tokens: int) -> None:
         """Enter every full block of seq's first n_tokens under its hash."""

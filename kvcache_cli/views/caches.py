@@ -1,17 +1,23 @@
-"""The cache kinds `--cache` accepts, as a table."""
+"""`kvcache caches`: the cache kinds `--cache` accepts, what each keeps and supports, and
+how each rolls back k tokens, from the torch-free rows of `caches.spec.kinds_table`."""
 
 from rich import box
 from rich.table import Table
+from rich.text import Text
+
+from kvcache_cli.views.style import mark
 
 
-def kinds_view(rows: list[dict]) -> Table:
-    """One row per kind: how to spell it, what it keeps, and what it supports."""
-    table = Table("spec", "what it keeps", "exact", "bounded", "pages", "compiles",
+def kinds_view(rows) -> Table:
+    """One row per kind: how to spell it, what it keeps, its traits and its rollback."""
+    table = Table("spec", "what it keeps", "is", "rollback of k tokens: how; bytes touched",
                   box=box.SIMPLE_HEAD, title="cache kinds (--cache SPEC)", title_justify="left",
                   title_style="bold")
-    for row in rows:
-        spell = row["spell"] + "".join(f" · {a}" for a in row["aliases"])
-        table.add_row(spell, row["summary"], *("yes" if row[k] else "no"
-                                               for k in ("exact", "bounded", "pages",
-                                                         "compiles")))
+    for r in rows:
+        traits = [name for name, on in (("exact", r.exact), ("bounded", r.bounded),
+                                        ("pools", r.pages), ("compiles", r.compiles)) if on]
+        how = Text.from_markup(f"{mark(r.rolls_back)} ")
+        how.append(r.rollback)
+        how.append(f"\nbytes: {r.rollback_bytes}", style="dim")
+        table.add_row(r.grammar, r.summary, ", ".join(traits), how)
     return table

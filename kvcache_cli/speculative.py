@@ -1,0 +1,634 @@
+"""Speculative decoding: a draft proposes k tokens, the target checks them in one forward.
+
+The target runs one forward over its pending token and the k drafted ones, which gives
+its own choice at each of the k + 1 positions. Greedy verification keeps the drafted
+tokens up to the first one the target would not have picked, then the target's own
+token there (or, when all k agree, its next one: the bonus token), so the output is
+exactly plain greedy decoding's. Sampling uses the standard rule (Leviathan et al. 2023,
+Chen et al. 2023): accept drafted token d with probability min(1, p(d) / q(d)); on a
+rejection draw from norm(max(0, p - q)); so the output follows the target's p exactly.
+
+Every rejected token's keys and values must then be forgotten: the target's cache
+rolls back with `KVCache.crop`, which every cache kind implements or refuses in one
+line (`caches.spec.KINDS[...].rollback` says how). The drafts:
+
+- a smaller GPT-2 with its own cache (`gpt2` drafting for `gpt2-medium`);
+- `layers:N`: the target's first N layers with its own final LayerNorm and head
+  (self-speculation, as in LayerSkip), sharing the target's weights;
+- `lookup[:n]`: prompt lookup decoding, no model: the last n-gram of the context
+  found earlier in it, and the tokens that followed it there (transformers'
+  `prompt_lookup_num_tokens`).
+
+Everything returns data (`Speculation`, `SpecRun`, the two breaks' results); the CLI prints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+from kvcache_cli.caches import KVCache, RollbackError, make_cache, parse_cache_spec
+from kvcache_cli.generate import _steps, check_request
+from kvcache_cli.gpt2 import GPT, GPTConfig
+
+# transformers' prompt lookup matches up to 3-grams by default (max_matching_ngram_size=2
+# in its docs' example; 3 catches more repeated code without many false starts).
+DEFAULT_NGRAM = 3
+MAX_NGRAM = 16
+DRAFT_GRAMMAR = ("a GPT-2 preset or checkpoint directory (e.g. gpt2), layers:N (the "
+                 "target's first N layers), or lookup[:n] (n-gram matches in the context)")
+
+
+# ---------------------------------------------------------------------------- draft specs
+
+
+@dataclass(frozen=True)
+class DraftSpec:
+    kind: str  # "model", "layers" or "lookup"
+    model: str = ""  # the preset or checkpoint directory of a model draft
+    n: int = 0  # layers: how many of the target's; lookup: the longest n-gram matched
+
+    def __str__(self) -> str:
+        if self.kind == "model":
+            return self.model
+        return f"{self.kind}:{self.n}"
+
+
+def parse_draft(text: str) -> DraftSpec:
+    """'lookup:3', 'layers:4', 'gpt2', a checkpoint dir -> DraftSpec, or a one-line ValueError."""
+    name, _, field = text.strip().partition(":")
+    if name in ("lookup", "layers"):
+        if name == "lookup" and not field:
+            return DraftSpec("lookup", n=DEFAULT_NGRAM)
+        high = MAX_NGRAM if name == "lookup" else 1000
+        if not field.isdigit() or not 1 <= int(field) <= high:
+            what = "the longest n-gram" if name == "lookup" else "the number of layers"
+            raise ValueError(f"draft {text!r}: {what} {field!r} is not a whole number from 1 "
+                             f"to {high}; expected {name}:N")
+        return DraftSpec(name, n=int(field))
+    if not text.strip():
+        raise ValueError(f"empty draft: expected {DRAFT_GRAMMAR}")
+    return DraftSpec("model", model=text.strip())
+
+
+def approx_params(c: GPTConfig) -> int:
+    """Parameters of a GPT-2 shape: 12 C^2 a layer (attention 4 C^2, MLP 8 C^2), embeddings."""
+    return 12 * c.n_layer * c.n_embd**2 + (c.vocab_size + c.block_size) * c.n_embd
+
+
+def check_speculation(target: GPTConfig, draft: DraftSpec, draft_config: GPTConfig | None,
+                      k: int | Sequence[int], cache: str, draft_name: str = "") -> str | None:
+    """Refuse, before any weights load, what cannot run; a one-line note for what can but
+    should not be expected to pay (a draft as large as its target). Raises ValueError."""
+    ks = [k] if isinstance(k, int) else list(k)
+    for kk in ks:
+        if not 1 <= kk < target.block_size:
+            raise ValueError(f"--speculate {kk}: expected K from 1 to {target.block_size - 1} "
+                             f"(draft tokens a step, within the context window "
+                             f"{target.block_size})")
+    spec = parse_cache_spec(cache)
+    if not spec.info.rollback:
+        raise RollbackError(f"cache {spec} cannot roll back, which speculative decoding needs: "
+                            f"expected one of {', '.join(rollback_kinds())}")
+    if draft.kind == "layers" and not draft.n < target.n_layer:
+        raise ValueError(f"draft {draft}: the target has {target.n_layer} layers; expected "
+                         f"layers:N with N from 1 to {target.n_layer - 1}")
+    if draft.kind != "model" or draft_config is None:
+        return None
+    if draft_config.vocab_size != target.vocab_size:
+        raise ValueError(f"draft {draft_name or draft} has a vocabulary of "
+                         f"{draft_config.vocab_size:,} tokens, the target {target.vocab_size:,}:"
+                         " expected a draft with the target's tokenizer")
+    mine_tok, theirs_tok = (getattr(c, "tokenizer", "gpt2") for c in (draft_config, target))
+    if mine_tok != theirs_tok:
+        raise ValueError(f"draft {draft_name or draft} reads {mine_tok} tokens, the target "
+                         f"{theirs_tok}: expected a draft with the target's tokenizer")
+    if draft_config.block_size < target.block_size:
+        raise ValueError(f"draft {draft_name or draft} has a context window of "
+                         f"{draft_config.block_size}, the target {target.block_size}: expected "
+                         "at least the target's")
+    mine, theirs = approx_params(draft_config), approx_params(target)
+    if mine >= theirs:
+        return (f"the draft (~{mine / 1e6:.0f}M parameters) is not smaller than the target "
+                f"(~{theirs / 1e6:.0f}M): expect it to be slower than plain decoding")
+    return None
+
+
+def rollback_kinds() -> list[str]:
+    from kvcache_cli.caches.spec import KINDS
+
+    return [name for name, kind in KINDS.items() if kind.rollback]
+
+
+# ---------------------------------------------------------------------------- sampling
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0  # 0: greedy
+    top_k: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def probs(self, logits: Tensor) -> Tensor:
+        """(n, vocab) logits -> (n, vocab) probabilities, in float64 so p / q stays exact."""
+        logits = logits.double() / self.temperature
+        if self.top_k is not None:
+            kth = torch.topk(logits, min(self.top_k, logits.size(-1))).values[:, -1:]  # (n, 1)
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        return torch.softmax(logits, dim=-1)
+
+
+# ---------------------------------------------------------------------------- drafts
+
+
+class Draft:
+    """Proposes up to k next tokens for a context; forgets what verification rejected."""
+
+    name: str
+
+    def propose(self, tokens: list[int], k: int, sampling: Sampling,
+                generator: torch.Generator | None) -> tuple[list[int], Tensor | None]:
+        """(up to k tokens, their draft probabilities (m, vocab) or None when the draft
+        is deterministic: a proposal with q = 1 for its own token)."""
+        raise NotImplementedError
+
+    def rollback(self, valid: int) -> None:
+        """Only the first `valid` tokens of the context stand."""
+
+    def reset(self) -> None:
+        """A new request."""
+
+
+class ModelDraft(Draft):
+    """A GPT (a smaller one, or the target's first layers) decoding k tokens ahead."""
+
+    def __init__(self, model: GPT, max_len: int, name: str):
+        self.model, self.name = model, name
+        self.cache = make_cache("static", model, max_len)
+
+    def reset(self) -> None:
+        self.cache.reset()
+
+    @torch.inference_mode()
+    def propose(self, tokens, k, sampling, generator):
+        fed = self.cache.length  # the draft has seen tokens[:fed]; catch up on the rest
+        idx = torch.tensor([tokens[fed:]], device=self.model.device)  # (1, T)
+        logits = self.model(idx, fed, self.cache, last_only=True)[:, -1]  # (1, vocab)
+        out, qs = [], []
+        for i in range(k):
+            if sampling.greedy:
+                nxt = logits.argmax(dim=-1)  # (1,)
+            else:
+                q = sampling.probs(logits)  # (1, vocab)
+                nxt = torch.multinomial(q, 1, generator=generator)[:, 0]  # (1,)
+                qs.append(q[0])
+            out.append(int(nxt))
+            if i + 1 < k:  # the last proposal is never fed: verification decides on it
+                logits = self.model(nxt.view(1, 1), len(tokens) + i, self.cache,
+                                    last_only=True)[:, -1]
+        return out, (torch.stack(qs) if qs else None)
+
+    def rollback(self, valid: int) -> None:
+        if self.cache.length > valid:
+            self.cache.crop(valid)
+
+
+class LookupDraft(Draft):
+    """Prompt lookup: the longest of the last n..1 tokens seen earlier in the context,
+    and the (up to) k tokens that followed it there, from its latest occurrence with the
+    most of them. No model, no cache."""
+
+    def __init__(self, max_ngram: int = DEFAULT_NGRAM):
+        self.max_ngram = max_ngram
+        self.name = f"lookup:{max_ngram}"
+
+    def propose(self, tokens, k, sampling, generator):
+        a = np.asarray(tokens)
+        L = len(a)
+        for n in range(min(self.max_ngram, L - 1), 0, -1):
+            # Every n-gram that ends before the last token (so a continuation follows it).
+            windows = np.lib.stride_tricks.sliding_window_view(a[: L - 1], n)  # (L - n, n)
+            hits = np.flatnonzero((windows == a[L - n:]).all(axis=1))
+            if hits.size:
+                # The latest match with the longest continuation: in a run ("    ") the
+                # latest match sits one token back and has a single token after it.
+                ahead = np.minimum(k, L - (hits + n))
+                start = int(hits[ahead == ahead.max()][-1]) + n
+                return a[start:start + k].tolist(), None
+        return [], None
+
+
+def layer_draft(model: GPT, n_layer: int) -> GPT:
+    """The target's first n_layer blocks, its final LayerNorm and its head: no copy."""
+    if not 1 <= n_layer < model.config.n_layer:
+        raise ValueError(f"layers:{n_layer}: expected 1 to {model.config.n_layer - 1}")
+    with torch.device("meta"):
+        draft = GPT(dataclasses.replace(model.config, n_layer=1))  # replaced below
+    t = model.transformer
+    draft.config = dataclasses.replace(model.config, n_layer=n_layer)
+    draft.transformer = nn.ModuleDict(dict(wte=t.wte, wpe=t.wpe, h=t.h[:n_layer], ln_f=t.ln_f))
+    draft.lm_head = model.lm_head
+    return draft.eval()
+
+
+def make_draft(spec: DraftSpec, target: GPT, max_len: int, draft_model: GPT | None = None
+               ) -> Draft:
+    """The draft a spec names; a model draft's weights are loaded by the caller."""
+    if spec.kind == "lookup":
+        return LookupDraft(spec.n)
+    if spec.kind == "layers":
+        return ModelDraft(layer_draft(target, spec.n), max_len, str(spec))
+    if draft_model is None:
+        raise ValueError(f"draft {spec}: load its model first")
+    if draft_model.config.vocab_size != target.config.vocab_size:
+        raise ValueError(f"draft {spec} has a vocabulary of {draft_model.config.vocab_size:,} "
+                         f"tokens, the target {target.config.vocab_size:,}")
+    return ModelDraft(draft_model, max_len, str(spec))
+
+
+# ---------------------------------------------------------------------------- verification
+
+
+def _verify_greedy(logits: Tensor, drafted: list[int]) -> tuple[int, int]:
+    """(drafted tokens accepted, the target's token after them) for logits (m + 1, vocab)."""
+    choice = logits.argmax(dim=-1).tolist()  # the target's greedy token at each position
+    n = 0
+    while n < len(drafted) and drafted[n] == choice[n]:
+        n += 1
+    return n, choice[n]
+
+
+def _verify_sampled(logits: Tensor, drafted: list[int], q: Tensor | None, sampling: Sampling,
+                    generator: torch.Generator | None) -> tuple[int, int]:
+    """The standard acceptance rule: accept d with probability min(1, p(d) / q(d)); at the
+    first rejection draw from norm(max(0, p - q)); after k acceptances the bonus from p."""
+    p = sampling.probs(logits)  # (m + 1, vocab)
+    for i, d in enumerate(drafted):
+        if q is None:  # a deterministic proposal: q is one-hot on d
+            qi = torch.zeros_like(p[i])
+            qi[d] = 1.0
+        else:
+            qi = q[i].to(p.dtype)
+        r = torch.rand((), generator=generator, dtype=torch.float64, device=p.device)
+        if r * qi[d] < p[i, d]:  # r < p / q, without dividing by a q of 0
+            continue
+        residual = (p[i] - qi).clamp(min=0.0)
+        total = residual.sum()
+        # p == q exactly leaves nothing to redraw from; p itself is then the right law.
+        residual = residual / total if total > 0 else p[i]
+        return i, int(torch.multinomial(residual, 1, generator=generator))
+    return len(drafted), int(torch.multinomial(p[len(drafted)], 1, generator=generator))
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """One speculative generation."""
+
+    draft: str
+    k: int  # the most draft tokens checked per step
+    cache: str
+    tokens: tuple[int, ...]  # the new tokens
+    proposed: int  # draft tokens the target checked
+    accepted: int
+    acceptance_rate: float  # accepted / proposed (nan when nothing was proposed)
+    histogram: tuple[int, ...]  # steps that accepted 0, 1, ..., k draft tokens
+    empty_steps: int  # steps where the draft had nothing to propose (lookup: no match)
+    target_forwards: int  # the prefill and one verification a step
+    forwards_per_token: float
+    seconds: float  # prefill to last token, the draft's work included
+    tokens_per_s: float
+    cache_bytes_copied: int  # by the target's cache
+
+
+def speculate(
+    model: GPT,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    draft: Draft,
+    k: int,
+    *,
+    cache: str | KVCache = "static",
+    sampling: Sampling = Sampling(),
+    generator: torch.Generator | None = None,
+    rollback: bool = True,
+) -> Speculation:
+    """Generate max_new_tokens with `draft` proposing up to k tokens a step.
+
+    `cache`: a spec (a fresh cache for the request) or a cache to use. `rollback=False`
+    is the `no-rollback` break: the target keeps its rejected keys and values.
+    """
+    check_request(model, prompt_ids, max_new_tokens)
+    if k < 1:
+        raise ValueError(f"k must be at least 1, got {k}")
+    P = len(prompt_ids)
+    name = cache if isinstance(cache, str) else type(cache).__name__
+    if isinstance(cache, str):
+        cache = make_cache(cache, model, P + max_new_tokens)
+    draft.reset()
+    tokens = list(prompt_ids)
+    histogram = [0] * (k + 1)
+    proposed = accepted = empty = 0
+    start = time.perf_counter()
+    with torch.inference_mode():
+        idx = torch.tensor([tokens], device=model.device)  # (1, P)
+        logits = model(idx, 0, cache, last_only=True)[0]  # (1, vocab): the prefill
+        forwards = 1
+        if sampling.greedy:
+            tokens.append(int(logits[-1].argmax()))
+        else:
+            tokens.append(int(torch.multinomial(sampling.probs(logits)[-1], 1,
+                                                generator=generator)))
+        while len(tokens) - P < max_new_tokens:
+            L = len(tokens)  # the cache holds tokens[:L - 1]; tokens[L - 1] is pending
+            # Never draft past the tokens asked for: the last step may check fewer.
+            room = min(k, max_new_tokens - (L - P) - 1)
+            drafted, q = draft.propose(tokens, room, sampling, generator) if room else ([], None)
+            idx = torch.tensor([[tokens[-1], *drafted]], device=model.device)  # (1, m + 1)
+            logits = model(idx, L - 1, cache)[0]  # (m + 1, vocab): one verification
+            forwards += 1
+            if sampling.greedy:
+                n, nxt = _verify_greedy(logits, drafted)
+            else:
+                n, nxt = _verify_sampled(logits, drafted, q, sampling, generator)
+            if rollback:
+                cache.crop(L + n)  # keep tokens[:L] and the n accepted; forget the rest
+            draft.rollback(L + n)
+            tokens += [*drafted[:n], nxt]
+            proposed += len(drafted)
+            accepted += n
+            empty += not drafted
+            histogram[n] += 1
+    seconds = time.perf_counter() - start
+    new = tuple(tokens[P:P + max_new_tokens])
+    return Speculation(
+        draft=draft.name, k=k, cache=name, tokens=new,
+        proposed=proposed, accepted=accepted,
+        acceptance_rate=accepted / proposed if proposed else float("nan"),
+        histogram=tuple(histogram), empty_steps=empty,
+        target_forwards=forwards, forwards_per_token=forwards / len(new),
+        seconds=seconds, tokens_per_s=len(new) / seconds,
+        cache_bytes_copied=cache.bytes_copied,
+    )
+
+
+def plain_greedy(model: GPT, prompt_ids: list[int], max_new_tokens: int,
+                 cache: str = "static") -> tuple[tuple[int, ...], float]:
+    """(plain greedy tokens, seconds): one forward a token, the reference for both."""
+    check_request(model, prompt_ids, max_new_tokens)
+    kv = make_cache(cache, model, len(prompt_ids) + max_new_tokens)
+    start = time.perf_counter()
+    tokens = tuple(t for t, _ in _steps(model, list(prompt_ids), max_new_tokens, cache, kv,
+                                        lambda logits: logits.argmax(dim=-1)))
+    return tokens, time.perf_counter() - start
+
+
+# ---------------------------------------------------------------------------- a run
+
+
+@dataclass(frozen=True)
+class SpecRun:
+    """Plain greedy and speculative decoding of one prompt, K swept, in one process."""
+
+    target: str
+    draft: str
+    cache: str
+    greedy: bool
+    prompt_tokens: int
+    new_tokens: int
+    repeats: int  # each figure is the median of this many runs
+    plain_tokens_per_s: float
+    runs: tuple[Speculation, ...]  # one per K, the median run's figures
+    speedups: tuple[float, ...]  # tokens/s over plain's, per K
+    identical: tuple[bool, ...]  # greedy: the tokens equal plain greedy's, per K; () sampled
+    best_k: int
+    best_speedup: float
+    note: str | None = None
+
+
+def compare(
+    model: GPT,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    draft: Draft,
+    ks: Sequence[int],
+    *,
+    cache: str = "static",
+    sampling: Sampling = Sampling(),
+    seed: int = 0,
+    repeats: int = 1,
+    target: str = "",
+    note: str | None = None,
+    on_progress: Callable[[str], None] | None = None,
+) -> SpecRun:
+    """Plain decoding and speculative decoding at each K, interleaved, `repeats` times.
+
+    A warm-up generation runs first and is dropped (first-call allocations and kernel
+    selection); then each round times plain, then every K, so a busy machine slows all
+    alike. Greedy runs must give plain greedy's tokens exactly, which `identical` records
+    (sampled runs follow the target's distribution, not its greedy tokens).
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1, got {repeats}")
+    warm = min(max_new_tokens, 8)  # dropped: first-call allocations, kernel selection
+    plain_greedy(model, prompt_ids, warm, cache)
+    speculate(model, prompt_ids, warm, draft, max(ks), cache=cache, sampling=sampling,
+              generator=torch.Generator(device=model.device).manual_seed(seed))
+    plain_s: list[float] = []
+    per_k: dict[int, list[Speculation]] = {k: [] for k in ks}
+    for r in range(repeats):
+        plain, seconds = plain_greedy(model, prompt_ids, max_new_tokens, cache)
+        plain_s.append(seconds)
+        for k in ks:
+            if on_progress is not None:
+                on_progress(f"round {r + 1}/{repeats}: K={k}")
+            g = torch.Generator(device=model.device).manual_seed(seed)
+            per_k[k].append(speculate(model, prompt_ids, max_new_tokens, draft, k, cache=cache,
+                                      sampling=sampling, generator=g))
+    plain_rate = max_new_tokens / statistics.median(plain_s)
+    runs = tuple(sorted(per_k[k], key=lambda s: s.seconds)[len(per_k[k]) // 2] for k in ks)
+    speedups = tuple(s.tokens_per_s / plain_rate for s in runs)
+    best = max(range(len(runs)), key=lambda i: speedups[i])
+    return SpecRun(
+        target=target, draft=draft.name, cache=cache, greedy=sampling.greedy,
+        prompt_tokens=len(prompt_ids), new_tokens=max_new_tokens, repeats=repeats,
+        plain_tokens_per_s=plain_rate, runs=runs, speedups=speedups,
+        identical=tuple(s.tokens == plain for s in runs) if sampling.greedy else (),
+        best_k=runs[best].k, best_speedup=speedups[best], note=note,
+    )
+
+
+# ---------------------------------------------------------------------------- breaks
+
+SPEC_BREAKS = {
+    "no-rollback": "speculative decoding that keeps the rejected keys and values",
+    "rollback-shared": "a paged rollback that frees a block another sequence still reads",
+}
+
+
+@dataclass(frozen=True)
+class NoRollbackResult:
+    name: str
+    bug: str
+    cache: str
+    draft: str
+    k: int
+    prompt_ids: tuple[int, ...]
+    correct: tuple[int, ...]  # plain greedy
+    fixed: tuple[int, ...]  # speculative, with the rollback
+    broken: tuple[int, ...]  # speculative, without it
+    first_divergence: int | None  # first step where broken leaves plain greedy
+    acceptance_fixed: float
+    acceptance_broken: float
+    immune: tuple[str, ...]  # kinds that write at explicit positions: see run_no_rollback
+
+
+def run_no_rollback(model: GPT, prompt_ids: list[int], max_new_tokens: int = 24,
+                    draft: Draft | None = None, k: int = 4, cache: str = "concat"
+                    ) -> NoRollbackResult:
+    """The target's cache keeps every rejected token: later keys sit at the wrong place.
+
+    On `concat` (the article's cache) the next verification appends after the rejected
+    keys, so every later query attends to tokens that were never part of the text. A
+    static or paged cache writes at explicit positions and reads only up to the newest
+    one: the next verification overwrites the rejected slots, so there resetting the
+    length is the whole rollback, and forgetting it breaks nothing (gpt-fast relies on it).
+    """
+    draft = draft if draft is not None else LookupDraft()
+    correct, _ = plain_greedy(model, prompt_ids, max_new_tokens, "static")
+    fixed = speculate(model, prompt_ids, max_new_tokens, draft, k, cache=cache)
+    broken = speculate(model, prompt_ids, max_new_tokens, draft, k, cache=cache, rollback=False)
+    first = next((i for i, (a, b) in enumerate(zip(correct, broken.tokens)) if a != b), None)
+    return NoRollbackResult(
+        name="no-rollback", bug=SPEC_BREAKS["no-rollback"], cache=cache, draft=draft.name,
+        k=k, prompt_ids=tuple(prompt_ids), correct=correct, fixed=fixed.tokens,
+        broken=broken.tokens, first_divergence=first,
+        acceptance_fixed=fixed.acceptance_rate, acceptance_broken=broken.acceptance_rate,
+        immune=("static", "paged"),
+    )
+
+
+@dataclass(frozen=True)
+class SharedRollbackResult:
+    name: str
+    bug: str
+    block_size: int
+    shared_block: int  # the block A and B both hold when B rolls back
+    reader_solo: tuple[int, ...]  # A's tokens decoded alone
+    reader_fixed: tuple[int, ...]  # A's tokens when B's rollback drops its reference
+    reader_broken: tuple[int, ...]  # ... when B's rollback frees the block
+    first_divergence: int | None  # first step where the broken run leaves A's solo tokens
+    third_admitted_fixed: bool  # whether C found blocks for its prompt
+    third_admitted_broken: bool
+    refused: str  # what the correct trim says to a rollback that cuts into a shared block
+
+
+def _free_ignoring_refcount(manager, seq, n_tokens: int) -> None:
+    """The broken trim: every block past n_tokens goes back to the free list, whoever
+    else still holds it."""
+    keep = manager.blocks_for(n_tokens)
+    for block in reversed(seq.block_table[keep:]):
+        manager.refcount[block] = 0
+        manager.free_blocks.append(block)
+    del seq.block_table[keep:]
+    seq.num_cached = n_tokens
+
+
+def run_rollback_shared(model: GPT, max_new_tokens: int = 12, block_size: int = 4,
+                        seed: int = 0) -> SharedRollbackResult:
+    """Two sequences share prefix blocks in one pool; B rolls back into them.
+
+    A's prompt fills three blocks and a bit (its whole generation reserved up front); B's
+    prompt is A's first three blocks plus two tokens of its own, so B takes those three
+    blocks by reference. B then rolls back to two blocks (a rewound turn, a rejected
+    branch), and a third request C asks for two blocks. The correct trim drops B's
+    reference to block 2, which A keeps: only B's own block comes back, and C waits. The
+    broken one frees block 2 as well: C is admitted into it and its prompt's keys
+    overwrite A's positions 8..11 while A still reads them: A leaves its solo tokens.
+    """
+    from kvcache_cli.caches.paged import PagedCache
+    from kvcache_cli.serving.block_manager import BlockManager
+    from kvcache_cli.serving.pooled import PooledSequence
+    from kvcache_cli.serving.sequence import Request
+    from kvcache_cli.serving.sequence import Sequence as Seq
+
+    V = model.config.vocab_size
+    g = torch.Generator().manual_seed(seed)
+    prompt_a = torch.randint(0, V, (3 * block_size + 1,), generator=g).tolist()
+    prompt_b = prompt_a[: 3 * block_size] + torch.randint(0, V, (2,), generator=g).tolist()
+    prompt_c = torch.randint(0, V, (2 * block_size,), generator=g).tolist()
+    check_request(model, prompt_a, max_new_tokens)
+    solo, _ = plain_greedy(model, prompt_a, max_new_tokens, "static")
+    a_blocks = -(-(len(prompt_a) + max_new_tokens) // block_size)
+
+    def run(trim) -> tuple[tuple[int, ...], int, bool]:
+        # A's blocks and B's one block of its own, none spare: whatever a rollback
+        # frees is all a newcomer can get.
+        manager = BlockManager(a_blocks + 1, block_size, prefix_sharing=True)
+        pool = PagedCache(model.config, a_blocks + 1, block_size, model.device, model.dtype)
+        seqs = [Seq(Request(i, tuple(p), max_new_tokens, 0.0))
+                for i, p in enumerate((prompt_a, prompt_b, prompt_c))]
+        a, b, c = seqs
+        cache_a, cache_b, cache_c = (PooledSequence(pool, manager, s, model.config) for s in seqs)
+
+        def prefill(seq, cache) -> Tensor:
+            idx = torch.tensor([seq.tokens[seq.num_cached:]], device=model.device)  # (1, T)
+            return model(idx, seq.num_cached, cache, last_only=True)[0, -1]  # (vocab,)
+
+        with torch.inference_mode():
+            manager.allocate(a)
+            manager.reserve(a, len(prompt_a) + max_new_tokens)
+            out = [int(prefill(a, cache_a).argmax())]
+            manager.allocate(b)  # a prefix hit: A's first three blocks, by reference
+            shared = b.block_table[2]
+            prefill(b, cache_b)
+            trim(manager, b, 2 * block_size)
+            admitted = manager.can_allocate(c)
+            if admitted:
+                manager.allocate(c)
+                prefill(c, cache_c)
+            while len(out) < max_new_tokens:
+                idx = torch.tensor([[out[-1]]], device=model.device)  # (1, 1)
+                logits = model(idx, len(prompt_a) + len(out) - 1, cache_a, last_only=True)
+                out.append(int(logits[0, -1].argmax()))
+        return tuple(out), shared, admitted
+
+    fixed, shared, admitted_fixed = run(lambda m, s, n: m.trim(s, n))
+    broken, _, admitted_broken = run(_free_ignoring_refcount)
+    first = next((i for i, (x, y) in enumerate(zip(solo, broken)) if x != y), None)
+    return SharedRollbackResult(
+        name="rollback-shared", bug=SPEC_BREAKS["rollback-shared"], block_size=block_size,
+        shared_block=shared, reader_solo=solo, reader_fixed=fixed, reader_broken=broken,
+        first_divergence=first, third_admitted_fixed=admitted_fixed,
+        third_admitted_broken=admitted_broken, refused=_refusal(block_size),
+    )
+
+
+def _refusal(block_size: int) -> str:
+    """What the correct trim answers when a rollback would cut into a shared block."""
+    from kvcache_cli.serving.block_manager import BlockManager
+    from kvcache_cli.serving.sequence import Request
+    from kvcache_cli.serving.sequence import Sequence as Seq
+
+    manager = BlockManager(4, block_size)
+    tokens = tuple(range(2 * block_size + 1))
+    a, b = Seq(Request(0, tokens, 1, 0.0)), Seq(Request(1, tokens, 1, 0.0))
+    manager.allocate(a)
+    manager.allocate(b)  # shares a's first two blocks
+    b.num_cached = len(tokens)
+    try:
+        manager.trim(b, block_size + 1)
+    except RollbackError as error:
+        return str(error)
+    return ""
+
