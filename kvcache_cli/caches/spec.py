@@ -141,7 +141,8 @@ def _int_parser(bits: int) -> Parse:
             elif f[:1] in ("g", "r", "s") and f[1:]:
                 what = {"g": "group", "r": "residual", "s": "sinks"}[f[0]]
                 low = 2 if what == "group" else 0
-                value = whole_number(spec, what, f[1:], low, 1 << 16)
+                label = {"group": "group size", "residual": "residual", "sinks": "sinks"}[what]
+                value = whole_number(spec, label, f[1:], low, 1 << 16)
             else:
                 raise CacheSpecError(
                     f"cache spec {spec!r}: unknown field {f!r}; expected gN (group size), "
