@@ -46,3 +46,46 @@ def test_the_cache_sizing_imports_no_torch():
     code = ("import sys; from kvcache_cli.sizing.cache_spec import size_spec; "
             "sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+# ---------------------------------------------------------------------------- the command
+
+
+def size(*args: str):
+    from typer.testing import CliRunner
+
+    from kvcache_cli.cli import app
+
+    return CliRunner().invoke(app, ["size", *args], env={"COLUMNS": "100"})
+
+
+def test_size_cache_spec_and_dtype_flags_count_the_same_bytes():
+    import json
+
+    spelled = size("-m", "llama-2-7b", "--seq", "2000", "--cache", "int4:g32:kchan:r128",
+                   "--json")
+    flags = size("-m", "llama-2-7b", "--seq", "2000", "--dtype", "int4", "--group-size", "32",
+                 "--residual", "128", "--json")
+    assert spelled.exit_code == flags.exit_code == 0, spelled.output + flags.output
+    a, b = json.loads(spelled.output), json.loads(flags.output)
+    assert a == b and a["spec"] == "int4:g32:kchan:r128" and a["full_tokens"] == 144
+
+
+def test_size_shows_the_parts_and_what_fits():
+    result = size("-m", "llama-2-7b", "--seq", "4096", "--cache", "int8", "--gpu-mem", "24GiB")
+    assert result.exit_code == 0, result.output
+    for text in ("scales + zero points", "sequences of 4,096 tokens", "int8:g32:ktok:r0"):
+        assert text in result.output
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--cache", "int4:g48"), "error: cache spec 'int4:g48:kchan:r128': group size 48 does "
+                              "not divide the head width 128"),
+    (("--cache", "int4:q8"), "unknown field 'q8'"),
+    (("--dtype", "fp16", "--residual", "64"), "expected --dtype int8 or int4, got 'fp16'"),
+    (("--cache", "int8", "--tp", "2"), "--tp is not counted for a cache spec"),
+])
+def test_size_refuses_a_bad_cache_in_one_line(args, message):
+    result = size("-m", "llama-2-7b", *args)
+    assert result.exit_code == 2, result.output
+    assert message in result.output and len(result.output.strip().splitlines()) == 1
