@@ -401,6 +401,7 @@ class QuantPagedCache(PagedCache):
         if fmt != "fp8":
             for name in ("k_scale", "k_zero", "v_scale", "v_zero"):
                 self.pools[name] = torch.zeros(*base, 1, device=device, dtype=SCALE_DTYPE)
+        self.k, self.v = self.pools["k"], self.pools["v"]  # (L, nh, n_blocks, bs, X), as PagedCache
         self.block_tables = None
         self._scratch = {name: torch.empty(0, device=device, dtype=p.dtype)
                          for name, p in self.pools.items()}
@@ -458,3 +459,30 @@ class QuantPagedCache(PagedCache):
     @property
     def bytes_held(self) -> int:
         return sum(nbytes(p) for p in self.pools.values())
+
+
+# The pools serve can hold, by engine name: the full-precision one and the quantised ones.
+POOLS = ("paged", "paged-int8", "paged-int4", "paged-fp8")
+
+
+def pool_block_bytes(kind: str, config, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one block of the pool `kind` (every layer, K and V, scales included),
+    from the spec registry's formula, which `bytes_held` is tested against."""
+    from kvcache_cli.caches.spec import layer_bytes, parse_cache_spec
+
+    element = torch.empty((), dtype=dtype).element_size()
+    spec = parse_cache_spec(f"{kind}:b{block_size}")
+    return config.n_layer * layer_bytes(spec, block_size, config.n_head, config.head_size,
+                                        element)
+
+
+def make_pool(kind: str, config, kv_mem: int, block_size: int, device,
+              dtype: torch.dtype) -> PagedCache:
+    """serve's pool of kind `kind` ('paged', 'paged-int8', ...): as many blocks as kv_mem
+    holds. The engines choose the kind; the block manager and scheduler are the same."""
+    n_blocks = kv_mem // pool_block_bytes(kind, config, block_size, dtype)
+    if kind == "paged":
+        return PagedCache(config, n_blocks, block_size, device, dtype)
+    check_head_dim(kind, {"bits": 4 if kind == "paged-int4" else 8}, config.head_size)
+    return QuantPagedCache(config, n_blocks, block_size, device, dtype,
+                           kind.removeprefix("paged-"))
