@@ -15,7 +15,15 @@ GPT2_BREAKS = {
     "position-offset": "GPT-2: every decode token gets position 0",
     "causal-decode": "GPT-2: is_causal=True for a one-row query against the cache",
     "stale-cache": "GPT-2: a cache reused across requests without a reset",
+    # The quantised caches' known failures, each beside its fix (kvcache_cli.quant_breaks).
+    "kv-outlier-keys": "GPT-2, int4 cache: outlier key channels under one scale per key "
+                       "vector, against per-channel scales",
+    "kv-sink-token": "GPT-2, int2 cache: the attention-sink token quantised, against kept",
+    "fp8-range": "GPT-2, fp8 cache: scale 1.0 on values beyond the range, against calibrated",
 }
+QUANT_BREAKS = ("kv-outlier-keys", "kv-sink-token", "fp8-range")
+# Positions a quantised-cache break scores at least: a prompt's continuation.
+QUANT_BREAK_TOKENS = 128
 
 
 # Shell completion of names: runs only when the shell asks, never at start-up.
@@ -39,12 +47,14 @@ def break_(
     ] = "auto",
     device: Annotated[str, typer.Option(help="GPT-2 breaks: cpu or cuda.")] = "cpu",
     max_new_tokens: Annotated[int, typer.Option(
-        help="GPT-2 breaks: tokens to generate per loop.")] = 16,
+        help="GPT-2 breaks: tokens to generate per loop (the quantised-cache breaks score "
+        f"at least {QUANT_BREAK_TOKENS}).")] = 16,
 ) -> None:
     """Break the cache on purpose and watch the symptom.
 
-    Five on the NumPy toy (no-mask, no-append, cache-q, overflow, wrong-cache) and
-    three on GPT-2 in PyTorch (position-offset, causal-decode, stale-cache).
+    Five on the NumPy toy (no-mask, no-append, cache-q, overflow, wrong-cache),
+    three on GPT-2 in PyTorch (position-offset, causal-decode, stale-cache), and three
+    quantised caches beside their fixes (kv-outlier-keys, kv-sink-token, fp8-range).
     """
     import kv_cache_from_scratch as ref
 
@@ -98,10 +108,24 @@ def _gpt2_breaks(names: list[str], model: str, weights: str, device: str,
 
     loaded = load_gpt2(model, weights, device)
     try:
-        return loaded, {n: run_break(n, loaded.model, max_new_tokens=max_new_tokens)
+        return loaded, {n: _quant_break(n, loaded.model, max_new_tokens) if n in QUANT_BREAKS
+                        else run_break(n, loaded.model, max_new_tokens=max_new_tokens)
                         for n in names}
     except (ValueError, IndexError) as err:
         fail(str(err))
+
+
+def _quant_break(name: str, model, max_new_tokens: int):
+    """A quantised-cache break, scored on the default prompt and the exact cache's greedy
+    continuation of it (a text every model has, offline)."""
+    from kvcache_cli.generate import DEFAULT_PROMPT_IDS, stream_tokens
+    from kvcache_cli.quant_breaks import run_quant_break
+
+    V = model.config.vocab_size
+    prompt = [t % V for t in DEFAULT_PROMPT_IDS]
+    n = min(max(max_new_tokens, QUANT_BREAK_TOKENS), model.config.block_size - len(prompt))
+    text = prompt + list(stream_tokens(model, prompt, n, "static"))
+    return run_quant_break(name, model, text, len(prompt))
 
 
 def _show_gpt2_breaks(loaded, device: str, results: dict) -> None:
@@ -116,8 +140,12 @@ def _show_gpt2_breaks(loaded, device: str, results: dict) -> None:
         encoding, _ = gpt2_encoding()
         if encoding is not None:
             piece = lambda t: encoding.decode([t])  # noqa: E731
+    from kvcache_cli.views.quant import quant_break_view
+
     console = Console()
     first = next(iter(results.values()))
-    console.print(header(loaded.source, loaded.model.num_params(), device, "float32", first.mode))
-    for result in results.values():
-        console.print(break_view(result, piece))
+    console.print(header(loaded.source, loaded.model.num_params(), device, "float32",
+                         getattr(first, "mode", "static")))
+    for name, result in results.items():
+        console.print(quant_break_view(result) if name in QUANT_BREAKS
+                      else break_view(result, piece))
