@@ -15,6 +15,8 @@ same mistakes the same way. A spec is a kind's name, then its fields, colon-sepa
     fp8-e4m3[:tensor|head][:one|calib]  float8 over a scale per tensor or per head, 1.0
     fp8-e5m2[...]                       or calibrated on the prompt (alias fp8 = e4m3)
     paged-int8[:bN], paged-int4[:bN], paged-fp8[:bN]   serve's pool, quantised blocks
+    quanto-int4[:gN][:rN], quanto-int2[...]   the peer: transformers' QuantizedCache
+                                        (quanto backend), default g64:r128
 
 Each kind declares what it is (help text, grammar), how many bytes a layer holds for a
 sequence of n tokens, and what it supports (a paged pool, rollback, a compiled step);
@@ -215,6 +217,30 @@ def _paged_quant_bytes(p: dict, tokens: int, kv_heads: int, head_dim: int, eleme
     return payload + (0 if p["fmt"] == "fp8" else 2 * 2 * SCALE_BYTES * slots * kv_heads)
 
 
+def _quanto_parser(bits: int) -> Parse:
+    def parse(spec: str, fields: tuple[str, ...]) -> dict:
+        params = {"bits": bits, "group": 64, "residual": 128}
+        seen: set[str] = set()
+        for f in fields:
+            what = {"g": "group", "r": "residual"}.get(f[:1]) if f[1:] else None
+            if what is None or what in seen:
+                why = f"{what} given twice" if what else f"unknown field {f!r}; expected gN " \
+                    f"(group size) or rN (residual tokens), e.g. quanto-int{bits}:g64:r128"
+                raise CacheSpecError(f"cache spec {spec!r}: {why}")
+            seen.add(what)
+            label = "group size" if what == "group" else "residual"
+            params[what] = whole_number(spec, label, f[1:], 2 if what == "group" else 1, 1 << 16)
+        return params
+    return parse
+
+
+def _quanto_bytes(p: dict, tokens: int, kv_heads: int, head_dim: int, element: int) -> int:
+    """Every token as codes, a scale and a shift (the model's dtype) per group: what it
+    holds after a prefill; the residual of decoded tokens adds up to R - 1 full tokens."""
+    groups = kv_heads * tokens * head_dim // p["group"]
+    return 2 * (kv_heads * tokens * head_dim * p["bits"] // 8 + 2 * element * groups)
+
+
 def check_head_dim(spec: str, params: dict, head_dim: int) -> None:
     """Refuse a quantised spec whose groups or packing do not fit heads `head_dim` wide."""
     group, bits = params.get("group"), params.get("bits")
@@ -324,6 +350,18 @@ KINDS: dict[str, CacheKind] = {
         _int_kind(8), _int_kind(4), _int_kind(2),
         _fp8_kind("fp8-e4m3", aliases=("fp8",)), _fp8_kind("fp8-e5m2"),
         _paged_quant_kind("int8"), _paged_quant_kind("int4"), _paged_quant_kind("fp8"),
+        *(CacheKind(
+            name=f"quanto-int{bits}",
+            summary=f"the peer: transformers' QuantizedCache, quanto backend, {bits} bits "
+                    "(needs optimum-quanto)",
+            grammar=f"quanto-int{bits}[:gN][:rN] (default quanto-int{bits}:g64:r128)",
+            factory="kvcache_cli.caches.peer:QuantoCache",
+            parse=_quanto_parser(bits),
+            layer_bytes=_quanto_bytes,
+            exact=False, bounded=False, pages=False, compiles=False,
+            rollback="",
+            spell=lambda p: f"quanto-int{p['bits']}:g{p['group']}:r{p['residual']}",
+        ) for bits in (4, 2)),
     )
 }
 
