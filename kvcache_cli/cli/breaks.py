@@ -17,7 +17,15 @@ GPT2_BREAKS = {
     "stale-cache": "GPT-2: a cache reused across requests without a reset",
     "no-rollback": "GPT-2: speculative decoding keeps the rejected keys and values",
     "rollback-shared": "GPT-2: a paged rollback frees a block another sequence still reads",
+    # The quantised caches' known failures, each beside its fix (kvcache_cli.quant_breaks).
+    "kv-outlier-keys": "GPT-2, int4 cache: outlier key channels under one scale per key "
+                       "vector, against per-channel scales",
+    "kv-sink-token": "GPT-2, int2 cache: the attention-sink token quantised, against kept",
+    "fp8-range": "GPT-2, fp8 cache: scale 1.0 on values beyond the range, against calibrated",
 }
+QUANT_BREAKS = ("kv-outlier-keys", "kv-sink-token", "fp8-range")
+# Positions a quantised-cache break scores at least: a prompt's continuation.
+QUANT_BREAK_TOKENS = 128
 
 
 # Shell completion of names: runs only when the shell asks, never at start-up.
@@ -41,13 +49,15 @@ def break_(
     ] = "auto",
     device: Annotated[str, typer.Option(help="GPT-2 breaks: cpu or cuda.")] = "cpu",
     max_new_tokens: Annotated[int, typer.Option(
-        help="GPT-2 breaks: tokens to generate per loop.")] = 16,
+        help="GPT-2 breaks: tokens to generate per loop (the quantised-cache breaks score "
+        f"at least {QUANT_BREAK_TOKENS}).")] = 16,
 ) -> None:
     """Break the cache on purpose and watch the symptom.
 
-    Five on the NumPy toy (no-mask, no-append, cache-q, overflow, wrong-cache) and
-    five on GPT-2 in PyTorch (position-offset, causal-decode, stale-cache, and
-    speculative decoding's no-rollback and rollback-shared).
+    Five on the NumPy toy (no-mask, no-append, cache-q, overflow, wrong-cache), and on
+    GPT-2 in PyTorch: the article's three (position-offset, causal-decode, stale-cache),
+    speculative decoding's no-rollback and rollback-shared, and three quantised caches
+    beside their fixes (kv-outlier-keys, kv-sink-token, fp8-range).
     """
     import kv_cache_from_scratch as ref
 
@@ -108,6 +118,8 @@ def _run_gpt2_break(name: str, gpt, max_new_tokens: int):
     from kvcache_cli import speculative as sp
     from kvcache_cli.generate import DEFAULT_PROMPT_IDS, run_break
 
+    if name in QUANT_BREAKS:
+        return _quant_break(name, gpt, max_new_tokens)
     if name == "no-rollback":
         # The target's first half drafts for it: every step proposes K tokens, and the
         # rejected ones are what the broken loop keeps.
@@ -119,6 +131,19 @@ def _run_gpt2_break(name: str, gpt, max_new_tokens: int):
     if name == "rollback-shared":
         return sp.run_rollback_shared(gpt, max_new_tokens)
     return run_break(name, gpt, max_new_tokens=max_new_tokens)
+
+
+def _quant_break(name: str, model, max_new_tokens: int):
+    """A quantised-cache break, scored on the default prompt and the exact cache's greedy
+    continuation of it (a text every model has, offline)."""
+    from kvcache_cli.generate import DEFAULT_PROMPT_IDS, stream_tokens
+    from kvcache_cli.quant_breaks import run_quant_break
+
+    V = model.config.vocab_size
+    prompt = [t % V for t in DEFAULT_PROMPT_IDS]
+    n = min(max(max_new_tokens, QUANT_BREAK_TOKENS), model.config.block_size - len(prompt))
+    text = prompt + list(stream_tokens(model, prompt, n, "static"))
+    return run_quant_break(name, model, text, len(prompt))
 
 
 def _show_gpt2_breaks(loaded, device: str, results: dict) -> None:
@@ -134,14 +159,17 @@ def _show_gpt2_breaks(loaded, device: str, results: dict) -> None:
         if encoding is not None:
             piece = lambda t: encoding.decode([t])  # noqa: E731
     from kvcache_cli.speculative import NoRollbackResult, SharedRollbackResult
+    from kvcache_cli.views.quant import quant_break_view
     from kvcache_cli.views.speculative import no_rollback_view, rollback_shared_view
 
     console = Console()
     first = next(iter(results.values()))
-    mode = getattr(first, "mode", None) or getattr(first, "cache", "paged")
+    mode = getattr(first, "mode", None) or getattr(first, "cache", "static")
     console.print(header(loaded.source, loaded.model.num_params(), device, "float32", mode))
-    for result in results.values():
-        if isinstance(result, NoRollbackResult):
+    for name, result in results.items():
+        if name in QUANT_BREAKS:
+            console.print(quant_break_view(result))
+        elif isinstance(result, NoRollbackResult):
             console.print(no_rollback_view(result, piece))
         elif isinstance(result, SharedRollbackResult):
             console.print(rollback_shared_view(result, piece))

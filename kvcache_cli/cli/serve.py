@@ -44,6 +44,9 @@ def serve(
     kv_mem: Annotated[str, typer.Option(
         help="KV memory every engine may hold: 256MiB, 1GB or bytes.")] = "256MiB",
     block_size: Annotated[int, typer.Option(help="Tokens per KV block (paged, hf).")] = 16,
+    kv_dtype: Annotated[str | None, typer.Option(
+        help="Also run the paged engine on quantised blocks in the same --kv-mem: int8, "
+        "int4, fp8 or a comma-separated list (engines paged-int8, ...).")] = None,
     max_batch: Annotated[int, typer.Option(help="Most sequences decoded at once.")] = 256,
     prefix_sharing: Annotated[bool, typer.Option(
         help="Share full blocks of equal prefixes (paged, and hf's own).")] = True,
@@ -72,6 +75,7 @@ def serve(
 
     # Everything a user can get wrong is refused before a model loads.
     try:
+        engines = _with_kv_dtypes(engines, kv_dtype, batch)
         dev, what = _check(device, model, requests, prompt_len, output_len, shared_prefix, rate,
                            seed, engines, kv_mem, block_size, max_batch, threads, batch)
     except ValueError as err:
@@ -125,6 +129,20 @@ def _check(device, model, requests, prompt_len, output_len, shared_prefix, rate,
     if threads_error(threads):
         raise ValueError(threads_error(threads))
     return dev, what
+
+
+def _with_kv_dtypes(engines: str, kv_dtype: str | None, batch: str | None) -> str:
+    """--engines with a quantised paged engine after the others for each --kv-dtype."""
+    if kv_dtype is None:
+        return engines
+    if batch is not None:
+        raise ValueError("--kv-dtype runs the workload's paged engine: not with --batch")
+    names = [part.strip().lower() for part in kv_dtype.split(",") if part.strip()]
+    bad = [n for n in names if n not in ("int8", "int4", "fp8")]
+    if bad or not names:
+        raise ValueError(f"--kv-dtype {kv_dtype!r}: expected int8, int4, fp8 or a "
+                         "comma-separated list of them")
+    return ",".join([engines, *(f"paged-{n}" for n in dict.fromkeys(names))])
 
 
 def _progress(console):

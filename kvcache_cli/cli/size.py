@@ -40,6 +40,16 @@ def size(
         help="Parameter count for --gpu-mem without --model: 6.74B, 6738415616.")] = None,
     block_size: Annotated[int | None, typer.Option(
         help="Paged-cache block size in tokens, for --gpu-mem.")] = None,
+    cache: Annotated[str | None, typer.Option(
+        "--cache", metavar="SPEC", help="A cache spec such as int4:g32:kchan:r128, fp8, "
+        "paged-int8: its codes, scales, zero points and full-precision tokens are counted "
+        "(--dtype is then the precision of what it keeps unquantised).")] = None,
+    group_size: Annotated[int | None, typer.Option(
+        help="With --dtype int8/int4: the quantisation group (one fp16 scale and zero "
+        "point per group), as --cache intN:gN.")] = None,
+    residual: Annotated[int | None, typer.Option(
+        help="With --dtype int8/int4: the newest tokens kept at fp16, as --cache intN:rN.")
+    ] = None,
     verify: Annotated[bool, typer.Option(
         "--verify", help="Build the model small in transformers and measure its real cache.")
     ] = False,
@@ -66,7 +76,19 @@ def size(
         if hub_config is not None:
             shape = dataclasses.replace(shape, name=hub_config.repo_id, source=(
                 f"{hub_config.repo_id} @ {hub_config.revision} ({hub_config.commit[:7]})"))
-        result = sizing.size_cache(shape, seq, batch, dtype, tp, memory, weight_dtype, block_size)
+        spec = _cache_spec(cache, dtype, group_size, residual, tp, block_size, verify)
+        if spec is not None:
+            from kvcache_cli.sizing.cache_spec import size_spec
+
+            full = "fp16" if cache is None else dtype  # --dtype int4 names the codes
+            seq = seq if seq is not None else shape.max_positions
+            if seq is None:
+                raise ValueError("no --seq given and the model declares no context window; "
+                                 "expected --seq N")
+            result = size_spec(shape, spec, seq, batch, full, memory, weight_dtype)
+        else:
+            result = sizing.size_cache(shape, seq, batch, dtype, tp, memory, weight_dtype,
+                                       block_size)
     except ValueError as err:
         fail(str(err))
     except HubUnavailable as err:  # the Hub failed on its side
@@ -84,9 +106,35 @@ def size(
         return
     from rich.console import Console
 
-    from kvcache_cli.views.sizing import size_view
+    from kvcache_cli.views.sizing import size_view, spec_size_view
 
-    Console().print(size_view(result))
+    Console().print(size_view(result) if spec is None else spec_size_view(result))
+
+
+def _cache_spec(cache, dtype, group_size, residual, tp, block_size, verify):
+    """The spec to count by (--cache, or --dtype intN with --group-size/--residual), or None
+    for the plain calculator. Raises ValueError (CacheSpecError) for bad input."""
+    from kvcache_cli.caches.spec import parse_cache_spec
+
+    grouped = group_size is not None or residual is not None
+    if cache is None and not grouped:
+        return None
+    if cache is not None and grouped:
+        raise ValueError("--group-size and --residual spell a spec with --dtype int8/int4; "
+                         f"with --cache put them in it (e.g. {cache.split(':')[0]}:g32:r128)")
+    for flag, given in (("--tp", tp > 1), ("--block-size", block_size is not None),
+                        ("--verify", verify)):
+        if given:
+            raise ValueError(f"{flag} is not counted for a cache spec: expected --cache "
+                             "(or --group-size/--residual) without it")
+    if cache is not None:
+        return parse_cache_spec(cache)
+    if dtype.lower() not in ("int8", "int4"):
+        raise ValueError(f"--group-size and --residual quantise in groups: expected --dtype "
+                         f"int8 or int4, got {dtype!r}")
+    fields = [f"g{group_size}" if group_size is not None else "",
+              f"r{residual}" if residual is not None else ""]
+    return parse_cache_spec(":".join([dtype.lower(), *filter(None, fields)]))
 
 
 def _hub_config(model, revision, config, *shape_flags):

@@ -6,6 +6,8 @@
   until the group's longest request is done (finished rows keep computing), each
   row in a contiguous slab long enough for the longest request;
 - `paged`: ours: `PagedCache` + continuous batching + prefix sharing;
+- `paged-int8`, `paged-int4`, `paged-fp8` (serve's --kv-dtype): the same engine on a pool
+  of quantised blocks (`caches.quantized`), as many as the same kv_mem holds;
 - `hf`: transformers' continuous batching (the manager behind
   `model.generate_batch`, with its own paged cache), on the same weights.
 
@@ -19,6 +21,7 @@ that has not arrived yet cannot be served.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import time
@@ -29,6 +32,7 @@ import torch
 
 from kvcache_cli.caches.exact import StaticCache
 from kvcache_cli.caches.paged import PagedCache, block_bytes
+from kvcache_cli.caches.quantized import POOLS, make_pool
 from kvcache_cli.gpt2 import GPT
 from kvcache_cli.serving.block_manager import BlockManager
 from kvcache_cli.serving.model_runner import ModelRunner
@@ -95,6 +99,7 @@ class EngineResult:
     requests_exact: int  # requests whose tokens equal their solo generation's
     mismatches: tuple[Mismatch, ...]
     timeline: tuple[Sample, ...]
+    pool_tokens: int | None = None  # tokens the paged pool holds at once (its blocks x size)
     over_sequential: float | None = None  # tokens/s ratios, filled in by run_serve
     over_padded: float | None = None
     over_hf: float | None = None
@@ -131,7 +136,7 @@ class ServeResult:
 
 def parse_engines(text: str) -> tuple[str, ...]:
     names = tuple(part.strip() for part in text.split(",") if part.strip())
-    unknown = [n for n in names if n not in ENGINES]
+    unknown = [n for n in names if n not in ENGINES and n not in POOLS]
     if unknown or not names:
         what = f"unknown engine {', '.join(map(repr, unknown))}" if unknown else "no engines"
         raise ValueError(f"--engines: {what}; valid engines: {', '.join(ENGINES)}")
@@ -163,6 +168,7 @@ class Plan:
     n_blocks: int
     padded_rows: int
     slab_len: int
+    kv_mem: int = 0  # what a quantised pool's blocks are counted from
 
 
 def plan_memory(config, dtype: torch.dtype, spec: WorkloadSpec, kv_mem: int, block_size: int,
@@ -181,7 +187,7 @@ def plan_memory(config, dtype: torch.dtype, spec: WorkloadSpec, kv_mem: int, blo
             f"({per_token:,} bytes a token); the longest request ({spec.longest} tokens) "
             f"needs {need}")
     rows = min(max_batch, kv_mem // (spec.longest * per_token))
-    return Plan(n_blocks, rows, spec.longest)
+    return Plan(n_blocks, rows, spec.longest, kv_mem)
 
 
 # ---------------------------------------------------------------------------- clocks
@@ -301,8 +307,8 @@ def _run_paged(model: GPT, requests, rec: _Recorder, plan: Plan, block_size: int
     scheduler = Scheduler(blocks, max_batch)
     state = _PagedState(blocks, scheduler)
     runner = ModelRunner(model, cache)
-    one_block = block_bytes(model.config, block_size, model.dtype)
-    per_token = block_bytes(model.config, 1, model.dtype)
+    one_block = cache.bytes_held // plan.n_blocks  # full-precision or quantised blocks
+    per_token = one_block // block_size
     rec.reserved = cache.bytes_held
     while len(rec.finish) < len(requests):
         for r in rec.arrivals():
@@ -448,6 +454,7 @@ def _summarise(engine: str, setup_s: float, rec: _Recorder, model: GPT,
         peak_running=max((s.running for s in samples), default=None),
         prefix_blocks_hit=memory.get("prefix_hits"),
         preemptions=memory.get("preemptions"),
+        pool_tokens=memory.get("pool_tokens"),
         requests_exact=len(rec.requests) - len(mismatches),
         mismatches=mismatches,
         timeline=tuple(samples),
@@ -475,15 +482,17 @@ def _prepare(engine: str, model: GPT, spec: WorkloadSpec, plan: Plan, block_size
     if engine == "padded":
         _run_padded(model, warmup, recorder(), Plan(plan.n_blocks, 1, plan.slab_len))
         return lambda requests, rec: _run_padded(model, requests, rec, plan) or {}
-    if engine == "paged":
-        cache = PagedCache(model.config, plan.n_blocks, block_size, device, model.dtype)
+    if engine in POOLS:
+        cache = make_pool(engine, model.config, plan.kv_mem, block_size, device, model.dtype)
+        plan = dataclasses.replace(plan, n_blocks=cache.k.size(2))
         _run_paged(model, warmup, recorder(), plan, block_size, max_batch, False, cache)
 
         def run_paged(requests, rec) -> dict:
             state = _run_paged(model, requests, rec, plan, block_size, max_batch,
                                prefix_sharing, cache)
             return dict(prefix_hits=state.blocks.prefix_hits,
-                        preemptions=state.scheduler.preemptions)
+                        preemptions=state.scheduler.preemptions,
+                        pool_tokens=plan.n_blocks * block_size)
 
         return run_paged
     from kvcache_cli.bench import _quiet_transformers

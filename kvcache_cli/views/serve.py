@@ -76,14 +76,15 @@ def _speed(r: ServeResult) -> Table:
 
 def _memory(r: ServeResult) -> Table:
     table = figures_table(
-        "engine", "KV held", "peak", "real", "seqs", "hits", "preempt", "= solo",
-        title="KV memory: held, peak in use, the share holding real tokens; peak sequences "
-        "running, prefix blocks hit, preemptions")
+        "engine", "KV held", "tokens", "peak", "real", "seqs", "hits", "preempt", "= solo",
+        title="KV memory: held, the tokens a pool holds, peak in use, the share holding real "
+        "tokens; peak sequences running, prefix blocks hit, preemptions")
     _named(table)
     for e in r.engines:
         exact = f"{OK} {e.requests_exact}/{r.workload.requests}" if not e.mismatches else \
             f"{BAD} {e.requests_exact}/{r.workload.requests}"
-        table.add_row(e.engine, _bytes(e.kv_reserved_bytes), _bytes(e.kv_peak_used_bytes),
+        table.add_row(e.engine, _bytes(e.kv_reserved_bytes), _opt(e.pool_tokens),
+                      _bytes(e.kv_peak_used_bytes),
                       _opt(e.kv_utilisation, "{:.1%}"), _opt(e.peak_running),
                       _opt(e.prefix_blocks_hit), _opt(e.preemptions), exact)
     return table

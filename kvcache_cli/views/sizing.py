@@ -20,6 +20,7 @@ from kvcache_cli.sizing import (
 )
 
 if TYPE_CHECKING:
+    from kvcache_cli.sizing.cache_spec import SpecSize
     from kvcache_cli.sizing.verify import Verification
 
 _KIND_LABEL = {
@@ -216,3 +217,43 @@ def models_view(rows: tuple[ModelRow, ...]) -> RenderableType:
     table.caption = "use with: kvcache size --model NAME (Hub ids work too)"
     table.caption_justify = "left"
     return table
+
+
+def spec_size_view(r: SpecSize) -> RenderableType:
+    """`kvcache size --cache SPEC`: where the bytes go, beside the same tokens at fp16."""
+    table = Table(title=f"{r.model}: --cache {r.spec}, {r.seq:,} tokens × {r.batch:,}, "
+                  f"{r.layers} layers", box=box.SIMPLE_HEAD, title_justify="left")
+    table.add_column("part")
+    table.add_column("tokens", justify="right")
+    table.add_column("bytes / sequence", justify="right", no_wrap=True)
+    table.add_column("share", justify="right", no_wrap=True)
+    total = r.bytes_per_sequence or 1
+    codes = r.quantised_tokens if r.payload_bytes else 0
+    for part, tokens, n in (("codes (payload)", f"{codes:,}", r.payload_bytes),
+                            ("scales + zero points", "", r.scale_bytes),
+                            (f"full precision ({r.full_dtype})", f"{r.full_tokens:,}",
+                             r.full_bytes)):
+        table.add_row(part, tokens, format_bytes(n), f"{n / total:.1%}")
+    table.add_row("total", f"{r.seq:,}", format_bytes(r.bytes_per_sequence), "",
+                  style="bold")
+    table.add_row("the same at fp16", f"{r.seq:,}", format_bytes(r.fp16_bytes_per_sequence),
+                  f"total = {r.ratio_to_fp16:.3f}×")
+    lines: list[RenderableType] = [
+        table,
+        Text(f"{r.bytes_per_token:,.1f} bytes per token of context; "
+             f"{format_bytes(r.total_bytes)} for the batch"),
+    ]
+    if r.fit is not None:
+        f = r.fit
+        fit = Table(title=f"fit on one GPU of {format_bytes(f.gpu_mem_bytes)} "
+                    f"(weights {format_bytes(f.weights_bytes)})", box=box.SIMPLE_HEAD,
+                    title_justify="left")
+        fit.add_column("")
+        fit.add_column(r.spec, justify="right")
+        fit.add_column("fp16", justify="right")
+        fit.add_row(f"sequences of {r.seq:,} tokens", f"{f.max_sequences:,}",
+                    f"{f.fp16_max_sequences:,}")
+        fit.add_row("longest single sequence", _count(f.max_tokens, " tokens"), "")
+        lines.append(fit)
+    lines += [Text(f"note: {n}", style="dim") for n in r.notes]
+    return Group(*lines)

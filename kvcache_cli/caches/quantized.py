@@ -1,0 +1,493 @@
+"""Quantised KV caches: integer (int8, int4, int2) and floating point (fp8), and a paged pool.
+
+Integer kinds store affine codes, x ~ q * scale + zero, with q in 0 .. 2^bits - 1, one
+scale and one zero point per group of G numbers, both in float16 (2 bytes each; KIVI's
+and transformers' choice). The zero point is the group's minimum (rounded down to
+float16) and the scale its range / (2^bits - 1) (rounded up), so every number of the
+group lies inside the grid and dequantises within scale / 2 of itself.
+
+- values are quantised per token: groups of G channels of one token (G divides hs);
+- keys per token (`ktok`, the same) or per channel (`kchan`, KIVI): a group is one
+  channel across G consecutive tokens, so keys are quantised G tokens at a time once a
+  group is complete; outlier channels then get scales of their own;
+- the newest R tokens (`rN`, the residual) stay at the model's precision (KIVI,
+  transformers' QuantizedCache), and so do the first S (`sN`, the attention sinks);
+  with kchan the residual holds R .. R + G - 1 tokens (a group leaves it once complete);
+- codes are bit-packed along the head dimension, 8 / bits per byte, so `bytes_held` is
+  what memory holds: payload + scales + zero points + the full-precision tokens.
+
+Spec grammar (fields in any order, each at most once):
+
+    int8[:gN][:kchan|ktok][:rN][:sN]   default int8:g32:ktok:r0
+    int4[:gN][:kchan|ktok][:rN][:sN]   default int4:g32:kchan:r128
+    int2[:gN][:kchan|ktok][:rN][:sN]   default int2:g32:kchan:r128
+    fp8-e4m3[:tensor|head][:one|calib] default fp8-e4m3:tensor:one (alias fp8)
+    fp8-e5m2[:tensor|head][:one|calib] default fp8-e5m2:tensor:one
+    paged-int8[:bN], paged-int4[:bN], paged-fp8[:bN]: serve's block pool, quantised
+
+Bytes one layer holds for one sequence of n tokens, kv heads, head width hs, model
+element size e (`layer_bytes`, equal to `bytes_held` per layer and row):
+
+    s = min(n, S); Tq = floor(max(0, n - s - R) / c) * c, c = G for kchan else 1
+    t = n - s - Tq                                        (the full-precision tail)
+    2 * kv * Tq * hs * bits / 8                           payload, K and V
+    + kv * Tq * (hs / G) * 4                              V scales + zeros (fp16)
+    + kv * Tq * (hs / G) * 4   (ktok) | kv * (Tq / G) * hs * 4 (kchan)  K scales + zeros
+    + 2 * kv * (s + t) * hs * e                           sinks, residual, tail
+
+fp8 kinds store `x / scale` as torch's float8 (e4m3: 3 mantissa bits, range 448; e5m2:
+2 bits, range 57344), one float32 scale per tensor (a layer's K, and its V, of one
+sequence) or per head: 1.0 (`one`, vLLM's default) or calibrated on the prompt, the
+first write (`calib`: amax / the format's max). Numbers beyond the range saturate at
+it (vLLM clamps too) and are counted in `saturated`. Bytes: 2 * kv * n * hs + 8 per
+tensor or 8 * kv per head.
+
+`update` returns what attention reads: the sinks, the dequantised codes and the tail,
+at the model's dtype, made afresh every step (a fused kernel would dequantise inside
+attention instead; this copy is transient and not counted in `bytes_held`).
+
+`crop(n)` (speculative decoding's rollback): exact when the forgotten tokens are all
+full-precision; it may also cut into the quantised part where a cut leaves every kept
+group whole (per-token groups always; per-channel key groups at a group boundary), and
+the kept tokens read exactly as before. A cut inside a per-channel key group raises
+RollbackError: those keys were quantised with scales that saw the forgotten tokens.
+
+The paged pool (`QuantPagedCache`, serve's `--kv-dtype`) quantises every token as it
+is written (keys and values per token, one group per head: one scale and zero point
+per head and token), since a block's tokens arrive one step at a time; fp8 blocks use
+scale 1.0. Its block bytes come from the same `layer_bytes`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from kvcache_cli.caches.base import KVCache, RollbackError, nbytes
+from kvcache_cli.caches.paged import PagedCache
+from kvcache_cli.caches.spec import check_head_dim
+
+FP8_DTYPES = {"fp8-e4m3": torch.float8_e4m3fn, "fp8-e5m2": torch.float8_e5m2}
+# Scales and zero points of the integer kinds.
+SCALE_DTYPE = torch.float16
+
+# ---------------------------------------------------------------------------- packing
+
+
+def pack(codes: Tensor, bits: int) -> Tensor:
+    """uint8 codes < 2^bits (..., D) -> (..., D * bits / 8): 8 / bits codes per byte,
+    the first in the lowest bits."""
+    per = 8 // bits
+    if per == 1:
+        return codes
+    grouped = codes.view(*codes.shape[:-1], -1, per)  # (..., D / per, per)
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)  # (per,)
+    return (grouped << shifts).sum(-1, dtype=torch.uint8)  # disjoint bits: sum == or
+
+
+def unpack(packed: Tensor, bits: int) -> Tensor:
+    """The inverse of `pack`: (..., D * bits / 8) -> uint8 codes (..., D)."""
+    per = 8 // bits
+    if per == 1:
+        return packed
+    mask = (1 << bits) - 1
+    # One shift by a scalar per position in the byte: 3x faster on the CPU than one
+    # shift by a broadcast tensor of shifts (timed on 1,000 tokens x 3 heads of 64).
+    codes = torch.stack([(packed >> shift) & mask for shift in range(0, 8, bits)], dim=-1)
+    return codes.flatten(-2)  # (..., D)
+
+
+# ---------------------------------------------------------------------------- affine
+
+
+def quantise(x: Tensor, bits: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Affine codes over the last dimension, one group: x (..., G) -> codes (..., G)
+    uint8, scale (..., 1) and zero (..., 1) in float16, with |x - deq| <= scale / 2."""
+    x = x.float()
+    levels = (1 << bits) - 1
+    lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)  # (..., 1)
+    # float16 rounds to nearest: nudge the zero down and the scale up where rounding
+    # went the other way, so the grid zero .. zero + levels * scale covers [lo, hi].
+    zero = lo.to(SCALE_DTYPE)
+    zero = torch.where(zero.float() > lo, torch.nextafter(zero, zero.new_tensor(-65504)), zero)
+    span = ((hi - zero.float()) / levels).clamp_min(2.0**-24)  # float16's smallest step
+    scale = span.to(SCALE_DTYPE)
+    scale = torch.where(scale.float() < span, torch.nextafter(scale, scale.new_tensor(65504)),
+                        scale)
+    q = ((x - zero.float()) / scale.float()).round_().clamp_(0, levels)
+    return q.to(torch.uint8), scale, zero
+
+
+def dequantise(codes: Tensor, scale: Tensor, zero: Tensor, dtype: torch.dtype) -> Tensor:
+    return (codes.float() * scale.float() + zero.float()).to(dtype)
+
+
+class _Tokens:
+    """Per-token groups: codes (B, nh, T, hs * bits / 8), scale and zero (B, nh, T, hs / G)."""
+
+    @staticmethod
+    def encode(x: Tensor, bits: int, G: int) -> tuple[Tensor, Tensor, Tensor]:
+        B, nh, T, hs = x.shape
+        q, scale, zero = quantise(x.reshape(B, nh, T, hs // G, G), bits)  # (B, nh, T, hs/G, G)
+        return pack(q.view(B, nh, T, hs), bits), scale[..., 0], zero[..., 0]
+
+    @staticmethod
+    def decode(codes, scale, zero, bits: int, G: int, dtype) -> Tensor:
+        B, nh, T, _ = codes.shape
+        q = unpack(codes, bits).view(B, nh, T, -1, G)  # (B, nh, T, hs/G, G)
+        return dequantise(q, scale[..., None], zero[..., None], dtype).view(B, nh, T, -1)
+
+
+class _Channels:
+    """Per-channel groups of G tokens (KIVI's keys): codes (B, nh, T, hs * bits / 8),
+    scale and zero (B, nh, T / G, hs)."""
+
+    @staticmethod
+    def encode(x: Tensor, bits: int, G: int) -> tuple[Tensor, Tensor, Tensor]:
+        B, nh, T, hs = x.shape  # T a multiple of G
+        groups = x.reshape(B, nh, T // G, G, hs).transpose(-1, -2)  # (B, nh, T/G, hs, G)
+        q, scale, zero = quantise(groups, bits)
+        q = q.transpose(-1, -2).reshape(B, nh, T, hs)
+        return pack(q, bits), scale[..., 0], zero[..., 0]  # scales (B, nh, T/G, hs)
+
+    @staticmethod
+    def decode(codes, scale, zero, bits: int, G: int, dtype) -> Tensor:
+        B, nh, T, _ = codes.shape
+        q = unpack(codes, bits).view(B, nh, T // G, G, -1)  # (B, nh, T/G, G, hs)
+        deq = dequantise(q, scale[:, :, :, None], zero[:, :, :, None], dtype)
+        return deq.view(B, nh, T, -1)
+
+
+def _cat(a: Tensor, b: Tensor) -> Tensor:
+    return b if a.size(2) == 0 else torch.cat([a, b], dim=2)
+
+
+# ---------------------------------------------------------------------------- integer
+
+
+class _IntLayer:
+    """One layer's store: sinks, quantised keys and values, the full-precision tail."""
+
+    def __init__(self, B: int, nh: int, hs: int, bits: int, G: int, device, dtype):
+        fp = dict(device=device, dtype=dtype)
+        sc = dict(device=device, dtype=SCALE_DTYPE)
+        width = hs * bits // 8
+        self.sink_k = torch.empty(B, nh, 0, hs, **fp)  # (B, nh, s, hs)
+        self.sink_v = torch.empty(B, nh, 0, hs, **fp)
+        self.tail_k = torch.empty(B, nh, 0, hs, **fp)  # (B, nh, t, hs)
+        self.tail_v = torch.empty(B, nh, 0, hs, **fp)
+        self.k_codes = torch.empty(B, nh, 0, width, device=device, dtype=torch.uint8)
+        self.v_codes = torch.empty(B, nh, 0, width, device=device, dtype=torch.uint8)
+        self.k_scale = torch.empty(B, nh, 0, hs, **sc)  # per channel: (B, nh, Tq/G, hs) ...
+        self.k_zero = torch.empty(B, nh, 0, hs, **sc)
+        self.v_scale = torch.empty(B, nh, 0, hs // G, **sc)  # per token: (B, nh, Tq, hs/G)
+        self.v_zero = torch.empty(B, nh, 0, hs // G, **sc)
+
+    def tensors(self) -> list[Tensor]:
+        return [self.sink_k, self.sink_v, self.tail_k, self.tail_v, self.k_codes,
+                self.v_codes, self.k_scale, self.k_zero, self.v_scale, self.v_zero]
+
+    @property
+    def quantised(self) -> int:
+        return self.k_codes.size(2)
+
+
+class QuantizedCache(KVCache):
+    """Integer keys and values (int8, int4, int2), affine per group, KIVI's layout."""
+
+    def __init__(self, config, batch: int, device, dtype: torch.dtype, *, bits: int,
+                 group: int, key_axis: str, residual: int, sinks: int, name: str = ""):
+        check_head_dim(name or f"int{bits}", {"bits": bits, "group": group}, config.head_size)
+        self.config, self.batch, self.device, self.dtype = config, batch, device, dtype
+        self.bits, self.group, self.residual, self.sinks = bits, group, residual, sinks
+        self.per_channel = key_axis == "kchan"
+        # Tokens leave the tail in chunks: a per-channel key group is G tokens.
+        self.chunk = group if self.per_channel else 1
+        self.keys = _Channels if self.per_channel else _Tokens
+        self.reset()
+
+    @classmethod
+    def build(cls, spec, config, *, max_len: int, batch: int, device, dtype, whole: bool):
+        return cls(config, batch, device, dtype, bits=spec["bits"], group=spec["group"],
+                   key_axis=spec["keys"], residual=spec["residual"], sinks=spec["sinks"],
+                   name=str(spec))
+
+    def reset(self) -> None:
+        c = self.config
+        self.layers = [_IntLayer(self.batch, c.n_head, c.head_size, self.bits, self.group,
+                                 self.device, self.dtype) for _ in range(c.n_layer)]
+        self.lengths = [0] * c.n_layer
+        self.length = 0
+        self.bytes_copied = 0
+
+    def update(self, layer: int, start_pos: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        if isinstance(start_pos, Tensor) or start_pos != self.lengths[layer]:
+            raise ValueError(f"a quantised cache appends: layer {layer} holds "
+                             f"{self.lengths[layer]} positions, asked to write at {start_pos}")
+        L = self.layers[layer]
+        T = k.size(2)
+        room = max(0, self.sinks - L.sink_k.size(2))
+        if room:  # the first S positions stay at full precision, never quantised
+            L.sink_k, L.sink_v = _cat(L.sink_k, k[:, :, :room]), _cat(L.sink_v, v[:, :, :room])
+            k, v = k[:, :, room:], v[:, :, room:]
+        L.tail_k, L.tail_v = _cat(L.tail_k, k), _cat(L.tail_v, v)  # (B, nh, t, hs)
+        self.bytes_copied += nbytes(L.tail_k) + nbytes(L.tail_v)
+        self._flush(L)
+        self.lengths[layer] = start_pos + T
+        self.length = self.lengths[layer]
+        return self._read(L)
+
+    def _flush(self, L: _IntLayer) -> None:
+        """Quantise the oldest tail tokens beyond the residual, whole chunks only."""
+        out = (L.tail_k.size(2) - self.residual) // self.chunk * self.chunk
+        if out <= 0:
+            return
+        bits, G = self.bits, self.group
+        kc, ks, kz = self.keys.encode(L.tail_k[:, :, :out], bits, G)
+        vc, vs, vz = _Tokens.encode(L.tail_v[:, :, :out], bits, G)
+        L.k_codes, L.k_scale, L.k_zero = (_cat(a, b) for a, b in
+                                          zip((L.k_codes, L.k_scale, L.k_zero), (kc, ks, kz)))
+        L.v_codes, L.v_scale, L.v_zero = (_cat(a, b) for a, b in
+                                          zip((L.v_codes, L.v_scale, L.v_zero), (vc, vs, vz)))
+        # clone: a slice would keep the whole old tail alive behind it.
+        L.tail_k, L.tail_v = L.tail_k[:, :, out:].clone(), L.tail_v[:, :, out:].clone()
+        self.bytes_copied += sum(nbytes(t) for t in L.tensors()[2:])
+
+    def _read(self, L: _IntLayer) -> tuple[Tensor, Tensor]:
+        """What attention reads: sinks, dequantised codes, tail, (B, nh, n, hs)."""
+        if L.quantised == 0:
+            return _cat(L.sink_k, L.tail_k), _cat(L.sink_v, L.tail_v)
+        bits, G, dtype = self.bits, self.group, self.dtype
+        keys = self.keys.decode(L.k_codes, L.k_scale, L.k_zero, bits, G, dtype)
+        values = _Tokens.decode(L.v_codes, L.v_scale, L.v_zero, bits, G, dtype)
+        return (torch.cat([L.sink_k, keys, L.tail_k], dim=2),
+                torch.cat([L.sink_v, values, L.tail_v], dim=2))
+
+    def crop(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise RollbackError(f"cannot crop to {length} positions: the cache holds "
+                                f"{self.length}; expected 0..{self.length}")
+        for L in self.layers:  # check every layer before changing any
+            s, q = L.sink_k.size(2), L.quantised
+            if self.per_channel and s < length < s + q and (length - s) % self.group:
+                first = s + (length - s) // self.group * self.group
+                raise RollbackError(
+                    f"cannot crop to {length} positions: keys {first}..{first + self.group - 1} "
+                    f"were quantised per channel as one group of {self.group} tokens; crop "
+                    f"to a group boundary ({first}) or to {s + q} or more (full precision)")
+        for i, L in enumerate(self.layers):
+            self._crop_layer(L, length)
+            self.lengths[i] = length
+        self.length = length
+
+    def _crop_layer(self, L: _IntLayer, length: int) -> None:
+        s, q = L.sink_k.size(2), L.quantised
+        keep_s = min(s, length)
+        keep_q = min(q, max(0, length - s))
+        keep_t = max(0, length - s - q)
+        L.sink_k, L.sink_v = L.sink_k[:, :, :keep_s], L.sink_v[:, :, :keep_s]
+        L.tail_k, L.tail_v = L.tail_k[:, :, :keep_t], L.tail_v[:, :, :keep_t]
+        if keep_q < q:  # whole groups only (checked): slicing keeps them bit for bit
+            kg = keep_q // self.group if self.per_channel else keep_q
+            L.k_codes, L.v_codes = L.k_codes[:, :, :keep_q], L.v_codes[:, :, :keep_q]
+            L.k_scale, L.k_zero = L.k_scale[:, :, :kg], L.k_zero[:, :, :kg]
+            L.v_scale, L.v_zero = L.v_scale[:, :, :keep_q], L.v_zero[:, :, :keep_q]
+        # Slices share the old storage: copy what is kept so the rest is freed.
+        (L.sink_k, L.sink_v, L.tail_k, L.tail_v, L.k_codes, L.v_codes, L.k_scale, L.k_zero,
+         L.v_scale, L.v_zero) = (t.clone() for t in L.tensors())
+
+    @property
+    def bytes_held(self) -> int:
+        return sum(nbytes(t) for L in self.layers for t in L.tensors())
+
+
+# ---------------------------------------------------------------------------- fp8
+
+
+def fp8_range(dtype: torch.dtype) -> float:
+    return float(torch.finfo(dtype).max)
+
+
+class Fp8Cache(KVCache):
+    """Keys and values stored as float8 (e4m3 or e5m2) over a float32 scale."""
+
+    def __init__(self, config, batch: int, device, dtype: torch.dtype, *, fmt: str,
+                 per_head: bool, calibrate: bool):
+        self.config, self.batch, self.device, self.dtype = config, batch, device, dtype
+        self.store = FP8_DTYPES[fmt]
+        self.max = fp8_range(self.store)
+        # Every float8 value by its bits: a lookup reads them twice as fast as a cast.
+        self.table = torch.arange(256, dtype=torch.uint8).view(self.store).float().to(device)
+        self.per_head, self.calibrate = per_head, calibrate
+        self.reset()
+
+    @classmethod
+    def build(cls, spec, config, *, max_len: int, batch: int, device, dtype, whole: bool):
+        return cls(config, batch, device, dtype, fmt=spec.kind, per_head=spec["scale"] == "head",
+                   calibrate=spec["init"] == "calib")
+
+    def reset(self) -> None:
+        c = self.config
+        empty = (self.batch, c.n_head, 0, c.head_size)  # (B, nh, 0, hs)
+        new = dict(device=self.device, dtype=self.store)
+        self.k = [torch.empty(empty, **new) for _ in range(c.n_layer)]
+        self.v = [torch.empty(empty, **new) for _ in range(c.n_layer)]
+        heads = c.n_head if self.per_head else 1
+        # One scale per row (and head): (L, 2, B, heads), K's then V's; 1.0 until calibrated.
+        self.scales = torch.ones(c.n_layer, 2, self.batch, heads, device=self.device)
+        self.saturated = 0  # numbers beyond the range, clamped to it, since the last reset
+        self.length = 0
+        self.bytes_copied = 0
+
+    def _calibrate(self, layer: int, which: int, x: Tensor) -> None:
+        dims = (2, 3) if self.per_head else (1, 2, 3)
+        amax = x.float().abs().amax(dim=dims).view(self.batch, -1)  # (B, heads)
+        self.scales[layer, which] = (amax / self.max).clamp_min(torch.finfo(torch.float32).tiny)
+
+    def _encode(self, layer: int, which: int, x: Tensor) -> Tensor:
+        scale = self.scales[layer, which][:, :, None, None]  # (B, heads, 1, 1)
+        y = x.float() / scale
+        self.saturated += int((y.abs() > self.max).sum())
+        return y.clamp_(-self.max, self.max).to(self.store)
+
+    def update(self, layer: int, start_pos: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        if isinstance(start_pos, Tensor) or start_pos != self.k[layer].size(2):
+            raise ValueError(f"a quantised cache appends: layer {layer} holds "
+                             f"{self.k[layer].size(2)} positions, asked to write at {start_pos}")
+        if self.calibrate and start_pos == 0:  # the prompt sets the scales
+            self._calibrate(layer, 0, k)
+            self._calibrate(layer, 1, v)
+        self.k[layer] = _cat(self.k[layer], self._encode(layer, 0, k))  # (B, nh, S, hs)
+        self.v[layer] = _cat(self.v[layer], self._encode(layer, 1, v))
+        self.bytes_copied += nbytes(self.k[layer]) + nbytes(self.v[layer])
+        self.length = start_pos + k.size(2)
+        return self._decode(layer, 0, self.k[layer]), self._decode(layer, 1, self.v[layer])
+
+    def _decode(self, layer: int, which: int, x: Tensor) -> Tensor:
+        values = self.table.take(x.view(torch.uint8).long())  # (B, nh, S, hs) float32
+        return (values * self.scales[layer, which][:, :, None, None]).to(self.dtype)
+
+    def crop(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise RollbackError(f"cannot crop to {length} positions: the cache holds "
+                                f"{self.length}; expected 0..{self.length}")
+        # Every token is stored alone: dropping the newest is exact (scales stay).
+        self.k = [k[:, :, :length].clone() for k in self.k]
+        self.v = [v[:, :, :length].clone() for v in self.v]
+        self.length = length
+
+    @property
+    def bytes_held(self) -> int:
+        return sum(nbytes(t) for t in self.k + self.v) + nbytes(self.scales)
+
+
+# ---------------------------------------------------------------------------- paged
+
+
+class QuantPagedCache(PagedCache):
+    """serve's block pool holding int8/int4 codes (one scale and zero point per head and
+    token, float16) or fp8 e4m3 (scale 1.0): the same bind/update/crop as `PagedCache`."""
+
+    def __init__(self, config, n_blocks: int, block_size: int, device, dtype: torch.dtype,
+                 fmt: str):
+        self.block_size, self.fmt, self.dtype = block_size, fmt, dtype
+        nh, hs = config.n_head, config.head_size
+        base = (config.n_layer, nh, n_blocks, block_size)
+        # Every pool is (L, nh, n_blocks, bs, X), so PagedCache's gather reads each alike.
+        if fmt == "fp8":
+            self.bits = 8
+            store, width = torch.float8_e4m3fn, hs
+            self.max = fp8_range(store)
+        else:
+            self.bits = int(fmt.removeprefix("int"))
+            store, width = torch.uint8, hs * self.bits // 8
+        self.pools = {"k": torch.zeros(*base, width, device=device, dtype=store),
+                      "v": torch.zeros(*base, width, device=device, dtype=store)}
+        if fmt != "fp8":
+            for name in ("k_scale", "k_zero", "v_scale", "v_zero"):
+                self.pools[name] = torch.zeros(*base, 1, device=device, dtype=SCALE_DTYPE)
+        self.k, self.v = self.pools["k"], self.pools["v"]  # (L, nh, n_blocks, bs, X), as PagedCache
+        self.block_tables = None
+        self._scratch = {name: torch.empty(0, device=device, dtype=p.dtype)
+                         for name, p in self.pools.items()}
+        self.saturated = 0
+        self.reset()
+
+    @classmethod
+    def build(cls, spec, config, *, max_len: int, batch: int, device, dtype, whole: bool):
+        block_size = spec["block_size"]
+        per_row = -(-max_len // block_size)  # blocks for max_len positions, rounded up
+        cache = cls(config, batch * per_row, block_size, device, dtype,
+                    spec.kind.removeprefix("paged-"))
+        cache.bind(torch.arange(batch * per_row, device=device).view(batch, per_row))
+        return cache
+
+    def _encode(self, x: Tensor, which: str) -> dict[str, Tensor]:
+        """x (B, nh, T, hs) -> the parts each pool stores, (B, nh, T, X)."""
+        if self.fmt == "fp8":
+            self.saturated += int((x.abs() > self.max).sum())
+            return {which: x.float().clamp(-self.max, self.max).to(self.pools[which].dtype)}
+        codes, scale, zero = _Tokens.encode(x, self.bits, x.size(-1))  # one group per head
+        return {which: codes, f"{which}_scale": scale, f"{which}_zero": zero}
+
+    def _read(self, layer: int, table: Tensor, which: str) -> Tensor:
+        got = {name: self._gather(self.pools[name][layer], table, name)
+               for name in self.pools if name.startswith(which)}  # each (B, nh, S, X)
+        if self.fmt == "fp8":
+            return got[which].to(self.dtype)
+        hs = got[which].size(-1) * 8 // self.bits
+        return _Tokens.decode(got[which], got[f"{which}_scale"], got[f"{which}_zero"],
+                              self.bits, hs, self.dtype)
+
+    def update(self, layer: int, start_pos: int | Tensor, k: Tensor, v: Tensor
+               ) -> tuple[Tensor, Tensor]:
+        B, nh, T, hs = k.shape
+        table = self.block_tables
+        if table is None or table.size(0) != B:
+            raise ValueError(f"bind a block table per row first ({B} rows)")
+        start = start_pos if isinstance(start_pos, Tensor) else torch.full(
+            (B,), start_pos, device=k.device)  # (B,)
+        positions = start[:, None] + torch.arange(T, device=k.device)  # (B, T)
+        blocks = table.gather(1, positions // self.block_size)  # (B, T)
+        slots = positions % self.block_size  # (B, T)
+        for name, part in (self._encode(k, "k") | self._encode(v, "v")).items():
+            # Two adjacent advanced indices keep their place: the slots are (nh, B, T, X).
+            self.pools[name][layer][:, blocks, slots] = part.transpose(0, 1)
+            self.bytes_copied += nbytes(part)
+        keys, values = self._read(layer, table, "k"), self._read(layer, table, "v")
+        if isinstance(start_pos, Tensor):
+            self.length = table.size(1) * self.block_size  # the padded width, as PagedCache
+            return keys, values
+        self.length = start_pos + T
+        return keys[:, :, : self.length], values[:, :, : self.length]
+
+    @property
+    def bytes_held(self) -> int:
+        return sum(nbytes(p) for p in self.pools.values())
+
+
+# The pools serve can hold, by engine name: the full-precision one and the quantised ones.
+POOLS = ("paged", "paged-int8", "paged-int4", "paged-fp8")
+
+
+def pool_block_bytes(kind: str, config, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one block of the pool `kind` (every layer, K and V, scales included),
+    from the spec registry's formula, which `bytes_held` is tested against."""
+    from kvcache_cli.caches.spec import layer_bytes, parse_cache_spec
+
+    element = torch.empty((), dtype=dtype).element_size()
+    spec = parse_cache_spec(f"{kind}:b{block_size}")
+    return config.n_layer * layer_bytes(spec, block_size, config.n_head, config.head_size,
+                                        element)
+
+
+def make_pool(kind: str, config, kv_mem: int, block_size: int, device,
+              dtype: torch.dtype) -> PagedCache:
+    """serve's pool of kind `kind` ('paged', 'paged-int8', ...): as many blocks as kv_mem
+    holds. The engines choose the kind; the block manager and scheduler are the same."""
+    n_blocks = kv_mem // pool_block_bytes(kind, config, block_size, dtype)
+    if kind == "paged":
+        return PagedCache(config, n_blocks, block_size, device, dtype)
+    check_head_dim(kind, {"bits": 4 if kind == "paged-int4" else 8}, config.head_size)
+    return QuantPagedCache(config, n_blocks, block_size, device, dtype,
+                           kind.removeprefix("paged-"))

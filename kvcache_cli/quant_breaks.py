@@ -1,0 +1,164 @@
+"""The known failures of quantised KV caches, made visible on GPT-2, each beside its fix.
+
+- `kv-outlier-keys`: a few key channels carry outliers (as in LLaMA-family models); one
+  scale for a whole key vector (per token, the head's channels in one group) spends its
+  levels on them and crushes the rest, where per-channel scales (KIVI) give each channel
+  its own range;
+- `kv-sink-token`: quantising the first token, the attention sink most heads park their
+  weight on, against keeping it at full precision (sinks:1);
+- `fp8-range`: fp8 with scale 1.0 on values beyond its range (they saturate at 448)
+  against a scale calibrated on the prompt (amax / 448).
+
+The outliers are put there without changing what the model computes: key channel c is
+scaled up by s and the query channel c down by s (q.k is unchanged), value channel c up
+by s and the output projection's row c down by s (the attention output is unchanged).
+The exact cache's logits stay those of the original model, so the damage is the cache's
+alone. Each break runs the same tokens teacher-forced (a prompt, then one token a step)
+through the exact cache, the broken spec and the fixed one, and reports KL divergence
+and top-1 agreement of the next-token distributions against the exact cache.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from kvcache_cli.caches import make_cache
+from kvcache_cli.gpt2 import GPT
+
+
+@dataclass(frozen=True)
+class QuantBreak:
+    title: str
+    broken: str  # what the broken cache does, one line
+    fixed: str  # what the fix does
+    outliers: str  # what is done to the model first ('' when nothing)
+
+
+QUANT_BREAKS = {
+    "kv-outlier-keys": QuantBreak(
+        "quantised cache: outlier key channels under one scale per key vector",
+        "int4, keys per token in one group of the head's channels",
+        "int4, keys per channel in groups of 32 tokens (KIVI)",
+        "4 key channels per head scaled x30 (queries /30: same model)"),
+    "kv-sink-token": QuantBreak(
+        "quantised cache: the attention-sink token quantised",
+        "int2, per-channel keys, no residual, the first token quantised with the rest",
+        "the same, the first token kept at full precision (s1)",
+        ""),
+    "fp8-range": QuantBreak(
+        "quantised cache: fp8 with scale 1.0 on values beyond its range",
+        "fp8-e4m3, one scale per tensor, 1.0",
+        "fp8-e4m3, one scale per tensor calibrated on the prompt (amax / 448)",
+        "4 value channels per head scaled x2000 (output projection /2000: same model)"),
+}
+
+OUTLIER_CHANNELS = 4
+
+
+@dataclass(frozen=True)
+class Damage:
+    spec: str
+    mean_kl: float  # nats, next-token distribution against the exact cache's
+    max_kl: float
+    top1_agreement: float  # share of positions whose argmax equals the exact cache's
+    max_logit_diff: float
+    bytes_per_token: float
+    saturated: int | None  # fp8 numbers clamped to the range; None for other kinds
+
+
+@dataclass(frozen=True)
+class QuantBreakResult:
+    name: str
+    title: str
+    outliers: str
+    broken_what: str
+    fixed_what: str
+    tokens: int  # positions scored
+    prompt_len: int
+    broken: Damage
+    fixed: Damage
+
+    @property
+    def damage_ratio(self) -> float:
+        """How many times the broken spec's mean KL exceeds the fix's."""
+        return self.broken.mean_kl / max(self.fixed.mean_kl, 1e-12)
+
+
+def _specs(name: str, head_size: int) -> tuple[str, str]:
+    if name == "kv-outlier-keys":
+        return f"int4:g{head_size}:ktok:r0", "int4:g32:kchan:r0"
+    if name == "kv-sink-token":
+        return "int2:g32:kchan:r0", "int2:g32:kchan:r0:s1"
+    return "fp8-e4m3:tensor:one", "fp8-e4m3:tensor:calib"
+
+
+def with_outliers(model: GPT, which: str, scale: float) -> GPT:
+    """A copy of `model` computing the same function, whose cached keys ('k') or values
+    ('v') carry OUTLIER_CHANNELS channels per head `scale` times larger."""
+    out = copy.deepcopy(model)
+    C, nh = model.config.n_embd, model.config.n_head
+    hs = C // nh
+    channels = torch.tensor([h * hs + c for h in range(nh)
+                             for c in range(1, hs, hs // OUTLIER_CHANNELS)])  # (nh * 4,)
+    with torch.no_grad():
+        for block in out.transformer.h:
+            attn = block.attn
+            w, b = attn.c_attn.weight, attn.c_attn.bias  # (3C, C), (3C,): q, k, v rows
+            if which == "k":  # k up, q down: every score q.k is unchanged
+                w[C + channels] *= scale
+                b[C + channels] *= scale
+                w[channels] /= scale
+                b[channels] /= scale
+            else:  # v up, and the output projection's input channels down
+                w[2 * C + channels] *= scale
+                b[2 * C + channels] *= scale
+                attn.c_proj.weight[:, channels] /= scale
+    return out
+
+
+def _logits(model: GPT, spec: str, idx: Tensor, prompt_len: int):
+    """Next-token logits at every position from the prompt's last on, and the cache."""
+    cache = make_cache(spec, model, idx.size(1))
+    with torch.no_grad():
+        steps = [model(idx[:, :prompt_len], 0, cache)[:, -1:]]
+        steps += [model(idx[:, p:p + 1], p, cache) for p in range(prompt_len, idx.size(1))]
+    return torch.cat(steps, dim=1)[0].float(), cache  # (N, vocab)
+
+
+def _damage(spec: str, logits: Tensor, cache, exact: Tensor) -> Damage:
+    logp, ref = logits.log_softmax(-1), exact.log_softmax(-1)  # (N, vocab)
+    kl = (ref.exp() * (ref - logp)).sum(-1).clamp_min(0)  # (N,)
+    return Damage(
+        spec=spec, mean_kl=kl.mean().item(), max_kl=kl.max().item(),
+        top1_agreement=(logits.argmax(-1) == exact.argmax(-1)).float().mean().item(),
+        max_logit_diff=(logits - exact).abs().max().item(),
+        bytes_per_token=cache.bytes_held / cache.length,
+        saturated=getattr(cache, "saturated", None))
+
+
+def run_quant_break(name: str, model: GPT, tokens: list[int], prompt_len: int
+                    ) -> QuantBreakResult:
+    """The broken and the fixed spec of break `name` against the exact cache, teacher-forced
+    on `tokens` (the first `prompt_len` prefilled)."""
+    if name not in QUANT_BREAKS:
+        raise ValueError(f"unknown break {name!r}: expected {', '.join(QUANT_BREAKS)}")
+    if not 0 < prompt_len < len(tokens) <= model.config.block_size:
+        raise ValueError(f"{len(tokens)} tokens with a {prompt_len}-token prompt: expected "
+                         f"1 <= prompt < tokens <= {model.config.block_size}")
+    info = QUANT_BREAKS[name]
+    if name == "kv-outlier-keys":
+        model = with_outliers(model, "k", 30.0)
+    elif name == "fp8-range":
+        model = with_outliers(model, "v", 2000.0)
+    idx = torch.tensor([tokens], device=model.device)  # (1, T)
+    exact, _ = _logits(model, "static", idx, prompt_len)
+    broken_spec, fixed_spec = _specs(name, model.config.head_size)
+    broken = _damage(broken_spec, *_logits(model, broken_spec, idx, prompt_len), exact)
+    fixed = _damage(fixed_spec, *_logits(model, fixed_spec, idx, prompt_len), exact)
+    return QuantBreakResult(name, info.title, info.outliers, info.broken, info.fixed,
+                            exact.size(0), prompt_len, broken, fixed)
+

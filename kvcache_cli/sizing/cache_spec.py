@@ -1,0 +1,161 @@
+"""The bytes of a cache named by a spec (`int4:g32:kchan:r128`, `fp8`, `paged:b16`, ...) for a
+real model: payload, scales and zero points, and the tokens kept at full precision, beside
+the same cache in fp16, and what fits in a GPU's memory.
+
+The bytes come from the cache family's own formulas (`kvcache_cli.caches.spec.layer_bytes`,
+which the caches' `bytes_held` is tested against), so `size` and a running cache agree.
+Torch-free, like the rest of `sizing`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvcache_cli.caches.spec import (
+    CacheSpec,
+    CacheSpecError,
+    check_spec,
+    every_token,
+    layer_bytes,
+    quantised_split,
+)
+from kvcache_cli.sizing.arithmetic import _max_tokens, tokens_held
+from kvcache_cli.sizing.shape import ModelShape
+from kvcache_cli.sizing.units import (
+    DTYPE_BITS,
+    SizingError,
+    bytes_for_values,
+    canonical_dtype,
+    check_range,
+)
+
+
+@dataclass(frozen=True)
+class SpecFit:
+    gpu_mem_bytes: int
+    weights_bytes: int
+    room_bytes: int  # left for the cache
+    max_tokens: int | None  # longest single sequence that fits
+    max_sequences: int  # sequences of --seq tokens that fit at once
+    fp16_max_sequences: int  # the same with the fp16 cache
+
+
+@dataclass(frozen=True)
+class SpecSize:
+    """One cache spec's bytes for one model at `seq` tokens x `batch`."""
+
+    model: str
+    spec: str
+    full_dtype: str  # the dtype of whatever the spec keeps at full precision
+    seq: int
+    batch: int
+    layers: int  # attention layers counted
+    quantised_tokens: int  # per layer and sequence, held as codes (0 for non-integer kinds)
+    full_tokens: int  # per layer and sequence, held at full precision
+    payload_bytes: int  # one sequence, every layer: the codes
+    scale_bytes: int  # ... scales and zero points
+    full_bytes: int  # ... residual, sinks and the incomplete tail at full precision
+    bytes_per_sequence: int  # the three together
+    total_bytes: int  # x batch
+    bytes_per_token: float  # bytes_per_sequence / seq
+    fp16_bytes_per_sequence: int
+    ratio_to_fp16: float
+    fit: SpecFit | None
+    notes: tuple[str, ...]
+
+
+def _parts(spec: CacheSpec, n: int, kv_heads: int, head_dim: int, element: int
+           ) -> tuple[int, int, int, int, int]:
+    """(quantised tokens, full tokens, payload, scales, full-precision bytes), one layer."""
+    total = layer_bytes(spec, n, kv_heads, head_dim, element)
+    params = dict(spec.params)
+    if "residual" in params:  # integer kinds
+        q, full = quantised_split(params, n)
+        payload = 2 * kv_heads * q * head_dim * params["bits"] // 8
+        full_bytes = every_token(params, full, kv_heads, head_dim, element)
+        return q, full, payload, total - payload - full_bytes, full_bytes
+    if spec.kind.startswith("fp8"):
+        payload = every_token(params, n, kv_heads, head_dim, 1)
+        return n, 0, payload, total - payload, 0
+    if spec.kind.startswith("paged-"):
+        slots = -(-n // params["block_size"]) * params["block_size"]
+        payload = 2 * kv_heads * slots * head_dim * params["bits"] // 8
+        return n, 0, payload, total - payload, 0
+    return 0, n, 0, 0, total
+
+
+def size_spec(shape: ModelShape, spec: CacheSpec, seq: int, batch: int = 1,
+              dtype: str = "fp16", gpu_mem: int | None = None,
+              weight_dtype: str = "fp16") -> SpecSize:
+    """What `spec` holds for `shape` at `seq` tokens x `batch`; `dtype` is the precision of
+    the tokens it keeps unquantised (the model's)."""
+    check_range("--seq", seq)
+    check_range("--batch", batch)
+    dtype = canonical_dtype(dtype)
+    if DTYPE_BITS[dtype] < 16:
+        raise SizingError(f"--dtype {dtype} with --cache: expected the model's precision "
+                          "(fp32, fp16, bf16) for the tokens the cache keeps unquantised")
+    element = DTYPE_BITS[dtype] // 8
+    groups = [g for g in shape.layer_groups() if g.kind in ("full", "sliding", "chunked")]
+    if "mla" in shape.layer_kinds:
+        raise SizingError(f"--cache {spec}: {shape.name} caches an MLA latent, not K and V "
+                          "heads; expected a model with multi-head or grouped-query attention")
+    if not groups:
+        raise SizingError(f"--cache {spec}: {shape.name} has no attention layers to cache")
+    try:
+        for g in groups:
+            check_spec(spec, g.shape.head_dim)
+    except CacheSpecError as error:
+        raise SizingError(str(error)) from None
+
+    def sums(n: int, elem: int, as_spec: CacheSpec | None) -> tuple[int, ...]:
+        out = [0, 0, 0, 0, 0]
+        for g in groups:
+            held = tokens_held(shape, g.kind, n)
+            if as_spec is None:  # the plain cache at `elem` bytes a number
+                parts = (0, held, 0, 0, every_token({}, held, g.shape.kv_heads,
+                                                    g.shape.head_dim, elem))
+            else:
+                parts = _parts(as_spec, held, g.shape.kv_heads, g.shape.head_dim, elem)
+            out = [a + g.layers * b if i >= 2 else b for i, (a, b) in enumerate(zip(out, parts))]
+        return tuple(out)
+
+    q, full, payload, scales, full_bytes = sums(seq, element, spec)
+    per_sequence = payload + scales + full_bytes
+    fp16 = sums(seq, 2, None)[4]
+    layers = sum(g.layers for g in groups)
+    notes = []
+    if len({g.kind for g in groups}) > 1 or groups[0].kind != "full":
+        notes.append("sliding and chunked layers hold at most their window; the spec "
+                     "applies to the tokens they hold")
+    fit = None
+    if gpu_mem is not None:
+        if shape.params is None:
+            raise SizingError("--gpu-mem needs the weights' size: expected --model NAME or "
+                              "--params N (e.g. --params 6.74B)")
+        weights = bytes_for_values(shape.params, DTYPE_BITS[canonical_dtype(weight_dtype)])
+        if weights >= gpu_mem:
+            raise SizingError(f"--gpu-mem {gpu_mem:,} bytes is not more than the weights "
+                              f"({weights:,} bytes); expected more memory")
+        room = gpu_mem - weights
+
+        def cost(n: int) -> int:
+            return sum(sums(n, element, spec)[2:])
+
+        # A lower bound of the bytes each token adds (its codes alone) bounds the search.
+        bits = dict(spec.params).get("bits", 8 if spec.kind.startswith("fp8") else 8 * element)
+        growing = sum(g.layers * 2 * g.shape.kv_heads * g.shape.head_dim * bits
+                      for g in groups if g.kind == "full") // 8
+        longest = _max_tokens(cost, room, growing, max(shape.window or 0, 1))
+        fit = SpecFit(gpu_mem, weights, room, longest, room // per_sequence, room // fp16)
+        if spec.kind.startswith("int"):
+            notes.append("a group leaving the residual shrinks the cache, so the longest "
+                         "sequence is exact only to within one group of tokens")
+    return SpecSize(
+        model=shape.name, spec=str(spec), full_dtype=dtype, seq=seq, batch=batch,
+        layers=layers, quantised_tokens=q, full_tokens=full, payload_bytes=payload,
+        scale_bytes=scales, full_bytes=full_bytes, bytes_per_sequence=per_sequence,
+        total_bytes=per_sequence * batch, bytes_per_token=per_sequence / seq,
+        fp16_bytes_per_sequence=fp16, ratio_to_fp16=per_sequence / fp16, fit=fit,
+        notes=tuple(notes),
+    )

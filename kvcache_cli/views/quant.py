@@ -1,0 +1,30 @@
+"""Rich views of the quantised caches' breaks: the damage of the broken spec beside the fix."""
+
+from __future__ import annotations
+
+from rich.console import Group, RenderableType
+from rich.panel import Panel
+from rich.text import Text
+
+from kvcache_cli.quant_breaks import QuantBreakResult
+from kvcache_cli.views.style import figures_table
+
+
+def quant_break_view(r: QuantBreakResult) -> RenderableType:
+    table = figures_table("", "cache", "mean KL", "max KL", "top-1 = exact", "max |Δ logit|",
+                          "bytes/token", "saturated")
+    for label, d in (("broken", r.broken), ("fixed", r.fixed)):
+        saturated = "" if d.saturated is None else f"{d.saturated:,}"
+        table.add_row(label, d.spec, f"{d.mean_kl:.2e}", f"{d.max_kl:.2e}",
+                      f"{d.top1_agreement:.1%}", f"{d.max_logit_diff:.3g}",
+                      f"{d.bytes_per_token:,.0f}", saturated)
+    lines: list[RenderableType] = [Text(f"broken: {r.broken_what}"),
+                                   Text(f"fixed:  {r.fixed_what}")]
+    if r.outliers:
+        lines.append(Text(f"model: {r.outliers}; the exact cache's logits are unchanged"))
+    lines += [table, Text.from_markup(
+        f"against the exact cache, teacher-forced over {r.tokens} positions after a "
+        f"{r.prompt_len}-token prompt: the broken spec's mean KL is "
+        f"[bold]{r.damage_ratio:,.1f}×[/] the fix's")]
+    return Panel(Group(*lines), title=f"break: {r.name} ({r.title})", title_align="left",
+                 padding=(0, 1))
