@@ -303,3 +303,38 @@ def test_sdpa_and_explicit_weights_agree_for_the_mask_a_ring_reports():
     a = F.scaled_dot_product_attention(q, k, k, attn_mask=mask)
     b = (q @ k.transpose(-2, -1) / 2).masked_fill(~mask, float("-inf")).softmax(-1) @ k
     assert (a - b).abs().max().item() <= EXACT
+
+
+# ---------------------------------------------------------------------------- breaks
+
+
+@pytest.mark.parametrize("name, wrong", [
+    # budget 12 (half of 9 + 16 positions): position 12 is the first the window evicts
+    # for, position 11 the first whose late slot held a live key. Step i reads position
+    # 8 + i (step 0: the prompt's last).
+    ("evict-sink", 4), ("ring-mask", 4), ("ring-off-by-one", 3)])
+def test_each_bounded_break_goes_wrong_where_the_ring_first_loses_a_key(name, wrong):
+    from kvcache_cli.generate import run_break
+
+    m = model(torch.float32)
+    r = run_break(name, m, max_new_tokens=16)
+    assert r.budget == 12 and r.naive_agrees  # the fix equals its band, recomputed
+    assert r.naive_logit_diff <= FLOAT32 * r.max_abs_logit
+    assert r.first_wrong_step == wrong
+    assert max(r.step_logit_diff[:wrong]) <= FLOAT32 * r.max_abs_logit
+    assert r.step_logit_diff[wrong] > 0.1
+    assert r.first_divergence is not None and r.first_divergence >= wrong
+    assert r.kl_broken > r.kl_fix  # worse than the fix against the full cache
+
+
+def test_bounded_breaks_render_their_budget_and_kl():
+    from rich.console import Console
+
+    from kvcache_cli.generate import run_break
+    from kvcache_cli.views.generate import break_view
+
+    console = Console(width=120, record=True)
+    console.print(break_view(run_break("ring-mask", model(torch.float32), max_new_tokens=16)))
+    text = console.export_text()
+    assert "budget 12 positions; logits first move past rounding at step 4" in text
+    assert "every position under the band mask" in text
