@@ -15,6 +15,9 @@ GPT2_BREAKS = {
     "position-offset": "GPT-2: every decode token gets position 0",
     "causal-decode": "GPT-2: is_causal=True for a one-row query against the cache",
     "stale-cache": "GPT-2: a cache reused across requests without a reset",
+    "evict-sink": "GPT-2: a window that evicts the first tokens, against sinks + window",
+    "ring-mask": "GPT-2: a ring buffer masked by slot index instead of position",
+    "ring-off-by-one": "GPT-2: the newest token written one slot late, over a live key",
 }
 
 
@@ -44,7 +47,9 @@ def break_(
     """Break the cache on purpose and watch the symptom.
 
     Five on the NumPy toy (no-mask, no-append, cache-q, overflow, wrong-cache) and
-    three on GPT-2 in PyTorch (position-offset, causal-decode, stale-cache).
+    six on GPT-2 in PyTorch: position-offset, causal-decode, stale-cache, and three of
+    the bounded caches (evict-sink, ring-mask, ring-off-by-one), whose budget is half the
+    positions the run writes, so the window wraps halfway.
     """
     import kv_cache_from_scratch as ref
 
