@@ -35,7 +35,8 @@ def bench(
     new_tokens: Annotated[int, typer.Option(help="Tokens to generate per run.")] = 128,
     modes: Annotated[str, typer.Option(
         help="Comma-separated, from: naive, concat, static, hf (transformers' generate), "
-        "hf-static (its static cache), static-compiled, hf-static-compiled.")
+        "hf-static (its static cache), static-compiled, hf-static-compiled, or any cache "
+        "spec: window:128, sink:4+124, h2o:64+64 (a bounded cache's step stays flat).")
     ] = "naive,concat,static,hf,hf-static",
     compile_: Annotated[bool, typer.Option(
         "--compile", help="Also run static and hf-static under torch.compile (compile time "
