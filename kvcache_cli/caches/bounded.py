@@ -49,7 +49,9 @@ class RingCache(KVCache):
 
     Two buffers allocated once, min(max_len, S + W) slots per layer, written in place:
     bytes held are the same at every step. Which position a slot holds follows from the
-    length alone, so none is stored.
+    length alone (`positions`); one vector of them, shared by every layer, is kept up to
+    date as slots are written, so a decode step reads it without recomputing it (8 bytes
+    a slot for the whole cache: bookkeeping, like `length`, outside `bytes_held`).
     """
 
     def __init__(self, config, sinks: int, window: int, max_len: int, batch: int, device,
@@ -74,6 +76,7 @@ class RingCache(KVCache):
         # Nothing to clear: a slot's position says whether it is filled (-1: empty).
         self.length = 0
         self.bytes_copied = 0
+        self._pos = torch.full((self.slots,), -1, device=self.device)  # (slots,)
         self._held: Tensor | None = None  # the returned keys' positions, per step
 
     def slot(self, pos: int) -> int:
@@ -107,10 +110,12 @@ class RingCache(KVCache):
         if layer == 0:
             self.length = end
             if T == 1:  # the newest token's slot holds it now: exactly its band
-                self._held = self.positions()[: min(end, self.slots)]
+                self._pos[self.slot(start)] = start
+                self._held = self._pos[: min(end, self.slots)]
             else:  # what the chunk's queries find, then the chunk itself
-                before = self.positions(start)[:filled]
-                self._held = torch.cat([before, torch.arange(start, end, device=self.device)])
+                chunk = torch.arange(start, end, device=self.device)
+                self._held = torch.cat([self._pos[:filled], chunk])
+                self._pos = self.positions()
         if T == 1:
             # Decode: the newest token goes into its slot first (evicting p - W), then the
             # query reads the filled slots: exactly the band it may see.
@@ -149,6 +154,7 @@ class RingCache(KVCache):
                 f"which the token at {length} attends, was overwritten when position "
                 f"{lost + self.window} was written (a wrapped ring rolls back one position)")
         self.length = length
+        self._pos = self.positions()
         self._held = None
 
     @property
