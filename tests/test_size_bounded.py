@@ -65,3 +65,33 @@ def test_a_sliding_layer_keeps_its_own_smaller_window():
 def test_a_bound_that_cannot_be_meant_is_refused(kw, message):
     with pytest.raises(sizing.SizingError, match=message):
         sizing.size_cache(gpt2(), 1024, 1, "fp32", **kw)
+
+
+def _cli(*args):
+    from typer.testing import CliRunner
+
+    from kvcache_cli.cli import app
+
+    return CliRunner().invoke(app, ["size", *args])
+
+
+def test_size_window_and_sinks_on_the_command_line():
+    result = _cli("-m", "gpt2", "--window", "252", "--sinks", "4", "--dtype", "fp32", "--json")
+    assert result.exit_code == 0, result.output
+    import json
+
+    data = json.loads(result.stdout)
+    assert data["total_bytes"] == 18_874_368 and (data["window"], data["sinks"]) == (252, 4)
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--window", "2000"), "error: --window 2,000 is beyond the context window of 1,024"),
+    (("--window", "0"), "error: --window 0: expected a whole number from 1"),
+    (("--sinks", "4"), "error: --sinks 4 given without --window"),
+    (("--window", "4", "--sinks", "8"), "error: --sinks 8 is more than --window 4"),
+    (("--window", "8", "--verify"), "error: --verify measures transformers' exact cache"),
+])
+def test_size_refuses_a_bad_bound_in_one_line(args, message):
+    result = _cli("-m", "gpt2", *args)
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith(message) and result.stderr.count("\n") == 1, result.stderr

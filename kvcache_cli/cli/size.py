@@ -40,6 +40,12 @@ def size(
         help="Parameter count for --gpu-mem without --model: 6.74B, 6738415616.")] = None,
     block_size: Annotated[int | None, typer.Option(
         help="Paged-cache block size in tokens, for --gpu-mem.")] = None,
+    window: Annotated[int | None, typer.Option(
+        help="A bounded cache: every attention layer keeps only the W newest positions "
+        "(window:W; with --sinks, sink:S+W), so the bytes stop growing there.")] = None,
+    sinks: Annotated[int, typer.Option(
+        help="With --window: the first S positions kept for good besides the window "
+        "(StreamingLLM's attention sinks; it keeps 4).")] = 0,
     verify: Annotated[bool, typer.Option(
         "--verify", help="Build the model small in transformers and measure its real cache.")
     ] = False,
@@ -48,6 +54,7 @@ def size(
     """How big the KV cache is for a model, a sequence length and a batch, and what fits.
 
     The shape comes from --model, --config, or the flags --layers/--kv-heads/--head-dim.
+    --window (and --sinks) size a bounded cache instead of the exact one.
     """
     import dataclasses
 
@@ -66,7 +73,11 @@ def size(
         if hub_config is not None:
             shape = dataclasses.replace(shape, name=hub_config.repo_id, source=(
                 f"{hub_config.repo_id} @ {hub_config.revision} ({hub_config.commit[:7]})"))
-        result = sizing.size_cache(shape, seq, batch, dtype, tp, memory, weight_dtype, block_size)
+        if verify and window is not None:
+            raise ValueError("--verify measures transformers' exact cache: expected no "
+                             "--window with it")
+        result = sizing.size_cache(shape, seq, batch, dtype, tp, memory, weight_dtype, block_size,
+                                   window, sinks)
     except ValueError as err:
         fail(str(err))
     except HubUnavailable as err:  # the Hub failed on its side
