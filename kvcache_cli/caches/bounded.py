@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from kvcache_cli.caches.base import KVCache, RollbackError, nbytes
+from kvcache_cli.caches.spec import check_context
 
 
 def _check_sequential(cache, layer: int, start_pos, length: int) -> int:
@@ -68,6 +69,7 @@ class RingCache(KVCache):
 
     @classmethod
     def build(cls, spec, config, *, max_len: int, batch: int, device, dtype, whole: bool):
+        check_context(spec, config.block_size)  # a budget it could never fill: refused
         params = dict(spec.params)
         return cls(config, params.get("sinks", 0), params["window"], max_len, batch, device,
                    dtype, str(spec))
@@ -191,6 +193,7 @@ class HeavyHitterCache(KVCache):
 
     @classmethod
     def build(cls, spec, config, *, max_len: int, batch: int, device, dtype, whole: bool):
+        check_context(spec, config.block_size)
         return cls(config, spec["heavy"], spec["recent"], max_len, batch, device, dtype,
                    str(spec))
 

@@ -15,6 +15,7 @@ from kvcache_cli.cli.common import (
     DeviceOption,
     DType,
     ModelOption,
+    check_cache_for,
     check_plot,
     fail,
     need_torch_extra,
@@ -24,6 +25,7 @@ from kvcache_cli.cli.common import (
 
 
 def bench(
+    ctx: typer.Context,
     device: DeviceOption = "auto",
     model: ModelOption = "gpt2",
     weights: Annotated[str, typer.Option(
@@ -38,6 +40,10 @@ def bench(
         "hf-static (its static cache), static-compiled, hf-static-compiled, or any cache "
         "spec: window:128, sink:4+124, h2o:64+64 (a bounded cache's step stays flat).")
     ] = "naive,concat,static,hf,hf-static",
+    cache: Annotated[str | None, typer.Option(
+        metavar="SPECS", help="Comma-separated cache specs to time as modes, e.g. "
+        "window:128,sink:4+124: beside static alone, or beside --modes when it is given.")
+    ] = None,
     compile_: Annotated[bool, typer.Option(
         "--compile", help="Also run static and hf-static under torch.compile (compile time "
         "reported apart, never timed).")] = False,
@@ -66,7 +72,13 @@ def bench(
     from kvcache_cli.views.bench import bench as bench_view
 
     # Everything a user can get wrong is checked before minutes of benchmarking.
+    if cache is not None:
+        given = getattr(ctx.get_parameter_source("modes"), "name", "") == "COMMANDLINE"
+        modes = _with_caches(modes if given else "static", cache)
     mode_names, dev = _check_options(modes, compile_, device, threads, plot)
+    for name in mode_names:
+        if (spec := bench_.bounded_spec(name)) is not None:
+            check_cache_for(spec, model)  # a window past the context, before the weights
     try:
         loaded = load_gpt2(model, weights=weights, device=dev,
                            dtype=getattr(torch, TORCH_DTYPES[dtype.value]))
@@ -84,6 +96,18 @@ def bench(
     except (RuntimeError, OSError) as err:
         fail(str(err), code=1)
     show_then_plot(result, bench_view, as_json, save_plot, plot, "per-step plot")
+
+
+def _with_caches(modes: str, caches: str) -> str:
+    """--modes with --cache's specs after it, each once (a spec already there stays put)."""
+    from kvcache_cli.caches.spec import CacheSpecError, parse_cache_list
+
+    try:
+        specs = [str(spec) for spec in parse_cache_list(caches)]
+    except CacheSpecError as err:
+        fail(f"--cache: {err}")
+    names = [m.strip() for m in modes.split(",") if m.strip()]
+    return ",".join([*names, *(s for s in specs if s not in names)])
 
 
 def _check_options(modes: str, compile_: bool, device: str, threads: int | None,
