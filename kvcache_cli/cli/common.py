@@ -217,8 +217,9 @@ def check_cache_for(spec, model: str) -> None:
 # Typed Any: the spec's class is imported with the registry, after start-up.
 CacheOption = Annotated[Any, typer.Option(
     "--cache", parser=parse_cache_option, metavar="SPEC", autocompletion=complete_cache,
-    help="The KV cache: a kind and its fields, e.g. static, concat, paged:b16 "
-    "(every kind: 'kvcache caches').")]
+    help="The KV cache: a kind and its fields, e.g. static, concat, paged:b16, window:256, "
+    "sink:4+252, h2o:128+128 (every kind: 'kvcache caches'). The bounded ones keep each "
+    "key's absolute position, so they run within the model's context window.")]
 
 
 # --- GPT-2 on torch -------------------------------------------------------------------
