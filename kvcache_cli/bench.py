@@ -174,16 +174,41 @@ class BenchResult:
 
 
 def parse_modes(text: str) -> tuple[str, ...]:
-    """`"naive,static"` -> `("naive", "static")`, in the order given."""
-    names = tuple(part.strip() for part in text.split(",") if part.strip())
-    unknown = [name for name in names if name not in MODES]
+    """`"naive,static,window:128"` -> `("naive", "static", "window:128")`, in the order
+    given: the modes above, or any other cache spec (`caches.spec`), spelled canonically."""
+    given = [part.strip() for part in text.split(",") if part.strip()]
+    names = tuple(_mode_name(part) for part in given)
+    unknown = [part for part, name in zip(given, names, strict=True) if name is None]
     if unknown or not names:
         what = f"unknown mode {', '.join(map(repr, unknown))}" if unknown else "no modes given"
-        raise ValueError(f"{what}; valid modes: {', '.join(MODES)}")
+        raise ValueError(f"{what}; valid modes: {', '.join(MODES)}, or a cache spec such as "
+                         "window:128, sink:4+124, h2o:64+64")
     repeated = sorted({name for name in names if names.count(name) > 1})
     if repeated:
         raise ValueError(f"mode {', '.join(map(repr, repeated))} given twice")
     return names
+
+
+def _mode_name(text: str) -> str | None:
+    """A mode's name, a cache spec's canonical spelling, or None for neither."""
+    from kvcache_cli.caches.spec import CacheSpecError, parse_cache_spec
+
+    if text in MODES:
+        return text
+    try:
+        return str(parse_cache_spec(text))
+    except CacheSpecError:
+        return None
+
+
+def bounded_spec(mode: str):
+    """The cache spec of a bounded mode (window, sink, h2o), else None."""
+    from kvcache_cli.caches.spec import KINDS, parse_cache_spec
+
+    if mode in MODES or mode.split(":", 1)[0] not in KINDS:
+        return None
+    spec = parse_cache_spec(mode)
+    return spec if spec.info.bounded else None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -681,6 +706,11 @@ def check_bench(
             f"prompt {prompt_len} + new tokens {new_tokens} = {prompt_len + new_tokens} "
             f"past context window {window}"
         )
+    from kvcache_cli.caches.spec import check_context
+
+    for mode in modes:
+        if (spec := bounded_spec(mode)) is not None:
+            check_context(spec, window)
     if repeats < 1:
         raise ValueError(f"repeats {repeats} must be at least 1")
     if threads is not None and threads < 1:
@@ -872,8 +902,9 @@ def _result(model, plan: _Plan, measured: _Measured, threads: int, others_share:
     step_bytes = [w_bytes + kv_token * length for length in lengths]
     reference = measured.runs[plan.reference_mode][0].tokens
     results = [
-        _summarise(m, measured.runs[m], reference, step_bytes, best.best_gbps,
-                   measured.compile_s.get(m))
+        _summarise(m, measured.runs[m], reference,
+                   _mode_step_bytes(m, model, w_bytes, lengths, element, step_bytes),
+                   best.best_gbps, measured.compile_s.get(m))
         for m in plan.modes
     ]  # fmt: skip
     mean_bytes = sum(step_bytes) / len(step_bytes)
@@ -899,7 +930,8 @@ def _result(model, plan: _Plan, measured: _Measured, threads: int, others_share:
         warmup_tokens=plan.warmup,
         naive_samples=len(plan.naive_steps) if plan.sampled else None,
         reference_mode=plan.reference_mode,
-        tokens_agree=all(r.same_tokens for r in results),
+        # A bounded cache evicts, so its tokens may part from the exact ones: not a failure.
+        tokens_agree=all(r.same_tokens for r in results if bounded_spec(r.mode) is None),
         weight_bytes=w_bytes,
         kv_bytes_per_token=kv_token,
         step_bytes_first=step_bytes[0],
@@ -911,6 +943,20 @@ def _result(model, plan: _Plan, measured: _Measured, threads: int, others_share:
         profile_lengths=profile_lengths,
         modes=_with_ratios(results),
     )
+
+
+def _mode_step_bytes(mode: str, model, w_bytes: int, lengths: Sequence[int], element: int,
+                     exact: list[int]) -> list[int]:
+    """Bytes decode step i reads: the weights and what the cache holds then, which a
+    bounded cache caps at its budget (with H2O's scores and positions)."""
+    from kvcache_cli.caches.spec import layer_bytes
+
+    spec = bounded_spec(mode)
+    if spec is None:
+        return exact
+    c = model.config
+    return [w_bytes + c.n_layer * layer_bytes(spec, n, c.n_head, c.head_size, element)
+            for n in lengths]
 
 
 def cpu_half_support() -> str:

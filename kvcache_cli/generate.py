@@ -285,10 +285,15 @@ def run_break(
 
     The default cache is `concat`, the article's. (With `static`, `stale-cache` does
     not break: explicit positions overwrite the old request and reads stop at the
-    filled prefix.)
+    filled prefix.) The bounded caches' breaks (`bounded_breaks`) bring their own.
     """
+    from kvcache_cli.bounded_breaks import BOUNDED_BREAKS, run_bounded_break
+
+    if name in BOUNDED_BREAKS:  # their own caches, a fix and a break
+        return run_bounded_break(name, model, prompt_ids, max_new_tokens)
     if name not in BREAKS:
-        raise ValueError(f"unknown break {name!r}: expected {', '.join(BREAKS)}")
+        raise ValueError(f"unknown break {name!r}: expected "
+                         f"{', '.join([*BREAKS, *BOUNDED_BREAKS])}")
     if mode not in ("concat", "static"):
         raise ValueError(f"breaks need a cache: mode concat or static, got {mode!r}")
     V = model.config.vocab_size

@@ -166,7 +166,11 @@ class CausalSelfAttention(nn.Module):
             elif held.dim() == 2:  # (B, S): per row
                 held = held[:, None]
             keys = held[:, :, None, :]  # (B|1, nh|1, 1, S)
-            return (keys >= 0) & (keys <= positions[:, None, :, None]), False  # (B, nh, T, S)
+            query = positions[:, None, :, None]  # (B|1, 1, T, 1)
+            visible = (keys >= 0) & (keys <= query)  # (B, nh, T, S)
+            if cache.window is not None:  # a band: the window, and the sinks before it
+                visible &= (keys > query - cache.window) | (keys < cache.sinks)
+            return visible, False
         if isinstance(start_pos, Tensor):
             # Rows at different positions: the cache returns key j at slot j of every
             # row, padded to the longest, and query i of row b sits at start_pos[b] + i,

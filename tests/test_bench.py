@@ -183,8 +183,10 @@ def test_bandwidth_counts_the_read_and_the_write():
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("naive,bogus", f"unknown mode 'bogus'; valid modes: {', '.join(bench.MODES)}"),
-        ("", f"no modes given; valid modes: {', '.join(bench.MODES)}"),
+        ("naive,bogus", f"unknown mode 'bogus'; valid modes: {', '.join(bench.MODES)}, "
+                        "or a cache spec such as window:128, sink:4+124, h2o:64+64"),
+        ("", f"no modes given; valid modes: {', '.join(bench.MODES)}, or a cache spec such "
+             "as window:128, sink:4+124, h2o:64+64"),
         ("static,static", "mode 'static' given twice"),
     ],
 )
@@ -447,3 +449,16 @@ def test_cpu_half_support_reads_the_flags(monkeypatch, tmp_path):
     monkeypatch.setattr("builtins.open", lambda path, *a, **k: real_open(
         cpuinfo if path == "/proc/cpuinfo" else path, *a, **k))
     assert bench.cpu_half_support() == "has avx512_bf16; lacks amx_bf16, avx512_fp16, amx_fp16"
+
+
+def test_bounded_caches_bench_beside_the_exact_ones_with_their_own_bytes(checkpoint):
+    r = _run(checkpoint, modes=("static", "window:8", "h2o:4+4"), new_tokens=24, repeats=1)
+    window, static = r.mode("window:8"), r.mode("static")
+    assert bench.parse_modes("static, WINDOW:8") == ("static", "window:8")
+    # 2 layers x K and V x 8 slots x 32 wide x 4 bytes, whatever the length
+    assert window.cache_bytes_held == 2 * 2 * 8 * 32 * 4 < static.cache_bytes_held
+    assert len(window.median_step_ms) == 23
+    # Evicting, the window may part from the exact tokens: not a failed run.
+    assert r.tokens_agree and static.same_tokens
+    with pytest.raises(ValueError, match="beyond the model's context window of 64"):
+        _run(checkpoint, modes=("window:65",))

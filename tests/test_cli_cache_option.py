@@ -38,8 +38,10 @@ def test_caches_lists_every_registered_kind():
 
 
 @pytest.mark.parametrize(("spec", "words"), [
-    ("statc", "--cache: unknown cache 'statc': expected one of static, concat, paged "
-              "(did you mean static?)"),
+    ("statc", "--cache: unknown cache 'statc': expected one of static, concat, paged, "
+              "window, sink, h2o (did you mean static?)"),
+    ("window:0", "--cache: cache spec 'window:0': window '0' is not a whole number from 1"),
+    ("sink:8+4", "more sinks (8) than window slots (4)"),
     ("paged:x", "--cache: cache spec 'paged:x': unknown field 'x'"),
     ("static:3", "static takes no fields"),
 ])

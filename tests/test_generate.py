@@ -340,13 +340,15 @@ def test_cli_gpt2_break_on_a_checkpoint(checkpoint, model):
     assert f"tokens diverge at step {expected.first_divergence}" in shown.stdout
 
 
-def test_cli_break_all_json_is_one_document_of_all_eight(checkpoint):
+def test_cli_break_all_json_is_one_document_of_all_eleven(checkpoint):
     result = invoke("break", "all", "--model", str(checkpoint[0]), "--max-new-tokens", "8",
                     "--json")
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert list(data) == ["no-mask", "no-append", "cache-q", "overflow", "wrong-cache",
-                          "position-offset", "causal-decode", "stale-cache"]
+                          "position-offset", "causal-decode", "stale-cache", "evict-sink",
+                          "ring-mask", "ring-off-by-one"]
+    assert data["ring-mask"]["budget"] == 8 and data["ring-mask"]["kl_broken"] > 0
     assert data["overflow"]["position"] == 128
     assert all(data[name]["first_divergence"] is not None for name in BREAKS)
 

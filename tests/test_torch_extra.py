@@ -63,7 +63,8 @@ def test_break_all_without_torch_runs_the_numpy_breaks_then_says_what_was_skippe
         assert scenario.title in result.stdout
     assert result.stderr.count("\n") == 1, result.stderr
     assert result.stderr.startswith(
-        "note: the GPT-2 breaks (position-offset, causal-decode, stale-cache) need torch")
+        "note: the GPT-2 breaks (position-offset, causal-decode, stale-cache, evict-sink, "
+        "ring-mask, ring-off-by-one) need torch")
     assert INSTALL in result.stderr
 
 

@@ -53,6 +53,12 @@ class KVCache:
     # True for a cache that evicts by attention received (heavy hitters): attention then
     # computes its weights explicitly and hands them to `observe` after each layer.
     wants_attention: bool = False
+    # A sliding window (Mistral, StreamingLLM): with `key_positions`, the query at
+    # position p sees only the keys at positions p - window + 1 .. p, and the first
+    # `sinks` positions whatever their age. It matters for a chunk of several tokens,
+    # whose early queries must not see what the window has moved past for the later ones.
+    window: int | None = None
+    sinks: int = 0
 
     def update(self, layer: int, start_pos: int | Tensor, k: Tensor, v: Tensor
                ) -> tuple[Tensor, Tensor]:

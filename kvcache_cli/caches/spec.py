@@ -17,6 +17,9 @@ same mistakes the same way. A spec is a kind's name, then its fields, colon-sepa
     paged-int8[:bN], paged-int4[:bN], paged-fp8[:bN]   serve's pool, quantised blocks
     quanto-int4[:gN][:rN], quanto-int2[...]   the peer: transformers' QuantizedCache
                                         (quanto backend), default g64:r128
+    window:W                the W newest positions, in a ring of W slots
+    sink:S+W                the first S positions for good, then a ring of W (StreamingLLM)
+    h2o:H+W                 per head, the H most-attended positions and the W newest (H2O)
 
 Each kind declares what it is (help text, grammar), how many bytes a layer holds for a
 sequence of n tokens, and what it supports (a paged pool, rollback, a compiled step);
@@ -80,6 +83,8 @@ class CacheKind:
     spell: Callable[[dict], str] | None = None
     # What rolling back k tokens reads or writes (`kvcache caches`); '' when not stated.
     rollback_bytes: str = ""
+    # params -> the most positions it holds (a bounded kind); None: every position.
+    budget: Callable[[dict], int] | None = None
 
     def canonical(self, params: dict) -> str:
         return self.spell(params) if self.spell else self.name
@@ -311,6 +316,72 @@ def _paged_quant_kind(fmt: str) -> CacheKind:
     )
 
 
+# ---------------------------------------------------------------------------- bounded
+# (the caches themselves: `kvcache_cli.caches.bounded`)
+
+def _parse_window(spec: str, fields: tuple[str, ...]) -> dict:
+    if len(fields) != 1:
+        raise CacheSpecError(f"cache spec {spec!r}: expected window:W, the positions kept "
+                             "(e.g. window:256)")
+    return {"window": whole_number(spec, "window", fields[0])}
+
+
+def _two_counts(spec: str, fields: tuple[str, ...], first: str, example: str
+                ) -> tuple[int, int]:
+    """'A+B' -> (A, B): A at least 1, B (the recent window) at least 1."""
+    name = spec.split(":", 1)[0].lower()
+    parts = fields[0].split("+") if len(fields) == 1 else []
+    if len(parts) != 2:
+        raise CacheSpecError(f"cache spec {spec!r}: expected {name}:{first[0].upper()}+W, "
+                             f"{first} then the recent window (e.g. {example})")
+    a = whole_number(spec, first, parts[0], low=0)
+    w = whole_number(spec, "window", parts[1])
+    if a == 0:
+        raise CacheSpecError(f"cache spec {spec!r}: no {first}; expected at least 1, or "
+                             f"window:{w} for a window alone")
+    return a, w
+
+
+def _parse_sink(spec: str, fields: tuple[str, ...]) -> dict:
+    sinks, window = _two_counts(spec, fields, "sinks", "sink:4+252")
+    if sinks > window:
+        raise CacheSpecError(
+            f"cache spec {spec!r}: more sinks ({sinks:,}) than window slots ({window:,}); "
+            f"expected a few sinks before a larger window (StreamingLLM keeps 4: "
+            f"sink:4+{sinks + window - 4})")
+    return {"sinks": sinks, "window": window}
+
+
+def _parse_h2o(spec: str, fields: tuple[str, ...]) -> dict:
+    heavy, recent = _two_counts(spec, fields, "heavy hitters", "h2o:128+128")
+    return {"heavy": heavy, "recent": recent}
+
+
+def _held(params: dict) -> int:
+    """The most positions a bounded kind holds."""
+    return sum(params.values())
+
+
+def _bounded_bytes(params: dict, tokens: int, kv_heads: int, head_dim: int, element: int
+                   ) -> int:
+    """K and V of min(tokens, the budget) positions: allocated once, then constant."""
+    return every_token(params, min(tokens, _held(params)), kv_heads, head_dim, element)
+
+
+# H2O keeps, per slot and head, its float32 score and its int64 position besides K and V.
+H2O_SLOT_EXTRA = 4 + 8
+
+
+def _h2o_bytes(params: dict, tokens: int, kv_heads: int, head_dim: int, element: int) -> int:
+    slots = min(tokens, _held(params))
+    return (every_token(params, slots, kv_heads, head_dim, element)
+            + slots * kv_heads * H2O_SLOT_EXTRA)
+
+
+_RING_ROLLBACK = ("resets its length while the next token's band is intact: any crop "
+                  "before the ring wraps, one position after; else RollbackError")
+
+
 KINDS: dict[str, CacheKind] = {
     kind.name: kind
     for kind in (
@@ -369,6 +440,46 @@ KINDS: dict[str, CacheKind] = {
             rollback="",
             spell=lambda p: f"quanto-int{p['bits']}:g{p['group']}:r{p['residual']}",
         ) for bits in (4, 2)),
+        CacheKind(
+            name="window",
+            summary="the W newest positions in a ring of W slots (Mistral's rolling "
+                    "buffer); keys keep their absolute positions",
+            grammar="window:W",
+            factory="kvcache_cli.caches.bounded:RingCache",
+            parse=_parse_window,
+            layer_bytes=_bounded_bytes,
+            exact=False, bounded=True, pages=False, compiles=False,
+            rollback=_RING_ROLLBACK,
+            spell=lambda p: f"window:{p['window']}",
+            budget=_held,
+        ),
+        CacheKind(
+            name="sink",
+            summary="the first S positions for good, then the W newest in a ring "
+                    "(StreamingLLM's attention sinks)",
+            grammar="sink:S+W",
+            factory="kvcache_cli.caches.bounded:RingCache",
+            parse=_parse_sink,
+            layer_bytes=_bounded_bytes,
+            exact=False, bounded=True, pages=False, compiles=False,
+            rollback=_RING_ROLLBACK,
+            spell=lambda p: f"sink:{p['sinks']}+{p['window']}",
+            budget=_held,
+        ),
+        CacheKind(
+            name="h2o",
+            summary="per layer and head, the H positions with the most attention so far "
+                    "plus the W newest (H2O); attention computes explicit weights",
+            grammar="h2o:H+W",
+            factory="kvcache_cli.caches.bounded:HeavyHitterCache",
+            parse=_parse_h2o,
+            layer_bytes=_h2o_bytes,
+            exact=False, bounded=True, pages=False, compiles=False,
+            rollback="only to its own length: attention already summed into the scores "
+                     "and the evictions it decided cannot be taken back",
+            spell=lambda p: f"h2o:{p['heavy']}+{p['recent']}",
+            budget=_held,
+        ),
     )
 }
 
@@ -431,6 +542,18 @@ def kinds_table() -> tuple[KindRow, ...]:
         KindRow(k.name, k.grammar, k.summary, k.exact, k.bounded, k.pages, k.compiles,
                 bool(k.rollback), k.rollback or "cannot", k.rollback_bytes or "not stated")
         for k in KINDS.values())
+
+
+def check_context(spec: CacheSpec, context: int, model: str = "the model") -> None:
+    """Refuse a bounded cache whose budget reaches past the model's context window: it
+    could never evict, so it would be the exact cache under another name."""
+    budget = spec.info.budget
+    if budget is not None and budget(dict(spec.params)) > context:
+        held = budget(dict(spec.params))
+        raise CacheSpecError(
+            f"cache {str(spec)!r} holds {held:,} positions, beyond {model}'s context window "
+            f"of {context:,}; expected at most {context:,} (GPT-2's learned positions end "
+            "there), or static for every position")
 
 
 def layer_bytes(spec: CacheSpec, tokens: int, kv_heads: int, head_dim: int,

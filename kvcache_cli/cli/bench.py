@@ -16,6 +16,7 @@ from kvcache_cli.cli.common import (
     DeviceOption,
     DType,
     ModelOption,
+    check_cache_for,
     check_plot,
     fail,
     need_torch_extra,
@@ -37,8 +38,14 @@ def bench(
     new_tokens: Annotated[int, typer.Option(help="Tokens to generate per run.")] = 128,
     modes: Annotated[str, typer.Option(
         help="Comma-separated, from: naive, concat, static, hf (transformers' generate), "
-        "hf-static (its static cache), static-compiled, hf-static-compiled.")
+        "hf-static (its static cache), static-compiled, hf-static-compiled, or any cache "
+        "spec: window:128, sink:4+124, h2o:64+64 (a bounded cache's step stays flat).")
     ] = "naive,concat,static,hf,hf-static",
+    cache: Annotated[str | None, typer.Option(
+        metavar="SPECS", help="Comma-separated cache specs to time as modes, e.g. "
+        "window:128,int4: beside static alone, or beside --modes when it is given. With "
+        "--draft: the target's one cache, any kind that rolls back (default static).")
+    ] = None,
     compile_: Annotated[bool, typer.Option(
         "--compile", help="Also run static and hf-static under torch.compile (compile time "
         "reported apart, never timed).")] = False,
@@ -55,9 +62,6 @@ def bench(
     speculate: Annotated[str, typer.Option(
         help="With --draft: the K values to sweep (most draft tokens checked a forward).")
     ] = "1,2,3,4,6,8",
-    cache: Annotated[str, typer.Option(
-        help="With --draft: the target's cache, any kind that rolls back (kvcache caches).")
-    ] = "static",
     prompt_file: Annotated[Path | None, typer.Option(
         help="With --draft: a text whose first --prompt-len tokens are the prompt (prompt "
         "lookup needs text that repeats itself; the default is seeded random ids).")
@@ -71,10 +75,10 @@ def bench(
     against plain decoding with the same cache, interleaved, medians over --repeats.
     """
     if draft is not None:
-        _speculative(ctx, draft, speculate, cache, prompt_file, device, model, weights,
+        _speculative(ctx, draft, speculate, cache or "static", prompt_file, device, model, weights,
                      dtype, prompt_len, new_tokens, repeats, threads, as_json)
         return
-    given = [p for p in ("speculate", "cache", "prompt_file")
+    given = [p for p in ("speculate", "prompt_file")
              if getattr(ctx.get_parameter_source(p), "name", "") == "COMMANDLINE"]
     if given:
         fail(f"--{given[0].replace('_', '-')} applies to speculative decoding only: expected "
@@ -88,7 +92,13 @@ def bench(
     from kvcache_cli.views.bench import bench as bench_view
 
     # Everything a user can get wrong is checked before minutes of benchmarking.
+    if cache is not None:
+        given = getattr(ctx.get_parameter_source("modes"), "name", "") == "COMMANDLINE"
+        modes = _with_caches(modes if given else "static", cache)
     mode_names, dev = _check_options(modes, compile_, device, threads, plot)
+    for name in mode_names:
+        if (spec := bench_.bounded_spec(name)) is not None:
+            check_cache_for(spec, model)  # a window past the context, before the weights
     try:
         loaded = load_gpt2(model, weights=weights, device=dev,
                            dtype=getattr(torch, TORCH_DTYPES[dtype.value]))
@@ -185,6 +195,18 @@ def _tokenize(gpt, text: str) -> list[int]:
     if encoding is None:
         fail(f"--prompt-file: {why}", code=1)
     return encoding.encode(text, disallowed_special=())
+
+
+def _with_caches(modes: str, caches: str) -> str:
+    """--modes with --cache's specs after it, each once (a spec already there stays put)."""
+    from kvcache_cli.caches.spec import CacheSpecError, parse_cache_list
+
+    try:
+        specs = [str(spec) for spec in parse_cache_list(caches)]
+    except CacheSpecError as err:
+        fail(f"--cache: {err}")
+    names = [m.strip() for m in modes.split(",") if m.strip()]
+    return ",".join([*names, *(s for s in specs if s not in names)])
 
 
 def _check_options(modes: str, compile_: bool, device: str, threads: int | None,

@@ -22,6 +22,9 @@ GPT2_BREAKS = {
                        "vector, against per-channel scales",
     "kv-sink-token": "GPT-2, int2 cache: the attention-sink token quantised, against kept",
     "fp8-range": "GPT-2, fp8 cache: scale 1.0 on values beyond the range, against calibrated",
+    "evict-sink": "GPT-2: a window that evicts the first tokens, against sinks + window",
+    "ring-mask": "GPT-2: a ring buffer masked by slot index instead of position",
+    "ring-off-by-one": "GPT-2: the newest token written one slot late, over a live key",
 }
 QUANT_BREAKS = ("kv-outlier-keys", "kv-sink-token", "fp8-range")
 # Positions a quantised-cache break scores at least: a prompt's continuation.
@@ -56,8 +59,10 @@ def break_(
 
     Five on the NumPy toy (no-mask, no-append, cache-q, overflow, wrong-cache), and on
     GPT-2 in PyTorch: the article's three (position-offset, causal-decode, stale-cache),
-    speculative decoding's no-rollback and rollback-shared, and three quantised caches
-    beside their fixes (kv-outlier-keys, kv-sink-token, fp8-range).
+    speculative decoding's no-rollback and rollback-shared, three quantised caches beside
+    their fixes (kv-outlier-keys, kv-sink-token, fp8-range), and three bounded caches
+    (evict-sink, ring-mask, ring-off-by-one), whose budget is half the positions the run
+    writes, so the window wraps halfway.
     """
     import kv_cache_from_scratch as ref
 

@@ -197,12 +197,29 @@ def complete_cache(incomplete: str) -> list[tuple[str, str]]:
             if kind.name.startswith(incomplete.lower())]
 
 
+def check_cache_for(spec, model: str) -> None:
+    """Refuse, before the weights load, a bounded cache whose budget passes the model's
+    context window (read from its preset or config.json alone)."""
+    from kvcache_cli.caches.spec import CacheSpecError, check_context
+    from kvcache_cli.gpt2 import model_config
+
+    try:
+        config = model_config(model)
+    except ValueError:
+        return  # not a model: the loader says so in its own words
+    try:
+        check_context(spec, config.block_size, model)
+    except CacheSpecError as err:
+        fail(str(err))
+
+
 # The option every command that builds a cache takes: a `CacheSpec`, or None when not given.
 # Typed Any: the spec's class is imported with the registry, after start-up.
 CacheOption = Annotated[Any, typer.Option(
     "--cache", parser=parse_cache_option, metavar="SPEC", autocompletion=complete_cache,
-    help="The KV cache: a kind and its fields, e.g. static, concat, paged:b16 "
-    "(every kind: 'kvcache caches').")]
+    help="The KV cache: a kind and its fields, e.g. static, concat, paged:b16, window:256, "
+    "sink:4+252, h2o:128+128 (every kind: 'kvcache caches'). The bounded ones keep each "
+    "key's absolute position, so they run within the model's context window.")]
 
 
 # --- GPT-2 on torch -------------------------------------------------------------------

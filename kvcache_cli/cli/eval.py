@@ -30,7 +30,8 @@ HELDOUT = "heldout.txt"  # the text a checkpoint was not trained on, in its dire
 
 def eval_(
     cache: Annotated[str | None, typer.Option(
-        help="Comma-separated cache specs, e.g. static,paged:b16 (see the README's grammar); "
+        help="Comma-separated cache specs, e.g. static,paged:b16 or "
+        "full,window:256,sink:4+252,h2o:128+128 (see the README's grammar); "
         "the exact 'static' (alias full) is always run as the reference. Default: every "
         "kind its name alone spells.")] = None,
     model: Annotated[str, typer.Option(

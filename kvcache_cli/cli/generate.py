@@ -15,6 +15,7 @@ from kvcache_cli.cli.common import (
     Device,
     DType,
     Weights,
+    check_cache_for,
     fail,
     load_gpt2,
     need_torch_extra,
@@ -90,6 +91,8 @@ def generate(
     # A text prompt needs the tokenizer; token ids are shown as text only when it is there.
     need_torch_extra("kvcache generate needs", *GPT2_MODULES, *(("tiktoken",) if prompt else ()))
     torch_device(device)
+    if cache is not None:
+        check_cache_for(cache, model)
     import torch
 
     from kvcache_cli import generate as gen

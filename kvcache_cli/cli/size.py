@@ -50,6 +50,12 @@ def size(
     residual: Annotated[int | None, typer.Option(
         help="With --dtype int8/int4: the newest tokens kept at fp16, as --cache intN:rN.")
     ] = None,
+    window: Annotated[int | None, typer.Option(
+        help="A bounded cache: every attention layer keeps only the W newest positions "
+        "(window:W; with --sinks, sink:S+W), so the bytes stop growing there.")] = None,
+    sinks: Annotated[int, typer.Option(
+        help="With --window: the first S positions kept for good besides the window "
+        "(StreamingLLM's attention sinks; it keeps 4).")] = 0,
     verify: Annotated[bool, typer.Option(
         "--verify", help="Build the model small in transformers and measure its real cache.")
     ] = False,
@@ -58,6 +64,7 @@ def size(
     """How big the KV cache is for a model, a sequence length and a batch, and what fits.
 
     The shape comes from --model, --config, or the flags --layers/--kv-heads/--head-dim.
+    --window (and --sinks) size a bounded cache instead of the exact one.
     """
     import dataclasses
 
@@ -76,10 +83,16 @@ def size(
         if hub_config is not None:
             shape = dataclasses.replace(shape, name=hub_config.repo_id, source=(
                 f"{hub_config.repo_id} @ {hub_config.revision} ({hub_config.commit[:7]})"))
+        if verify and window is not None:
+            raise ValueError("--verify measures transformers' exact cache: expected no "
+                             "--window with it")
         spec = _cache_spec(cache, dtype, group_size, residual, tp, block_size, verify)
         if spec is not None:
             from kvcache_cli.sizing.cache_spec import size_spec
 
+            if window is not None:
+                raise ValueError("--window and --cache (or --group-size/--residual) both "
+                                 "choose the cache: expected one of them")
             full = "fp16" if cache is None else dtype  # --dtype int4 names the codes
             seq = seq if seq is not None else shape.max_positions
             if seq is None:
@@ -88,7 +101,7 @@ def size(
             result = size_spec(shape, spec, seq, batch, full, memory, weight_dtype)
         else:
             result = sizing.size_cache(shape, seq, batch, dtype, tp, memory, weight_dtype,
-                                       block_size)
+                                       block_size, window, sinks)
     except ValueError as err:
         fail(str(err))
     except HubUnavailable as err:  # the Hub failed on its side

@@ -54,13 +54,34 @@ def mha_values_per_token(shape: ModelShape, kind: str) -> int:
     return shape.heads * (shape.head_dim + (shape.v_head_dim or shape.head_dim))
 
 
-def tokens_held(shape: ModelShape, kind: str, seq: int) -> int:
-    """Tokens a layer of `kind` holds once a sequence is `seq` tokens long."""
+def tokens_held(shape: ModelShape, kind: str, seq: int, bound: int | None = None) -> int:
+    """Tokens a layer of `kind` holds once a sequence is `seq` tokens long; `bound` caps
+    every attention layer (a bounded cache: `--window W --sinks S` holds S + W)."""
     if kind in ("recurrent", "none"):
         return 0
-    if kind in ("sliding", "chunked"):
-        return min(seq, shape.window)
-    return seq
+    held = min(seq, shape.window) if kind in ("sliding", "chunked") else seq
+    return held if bound is None else min(held, bound)
+
+
+def check_bound(window: int | None, sinks: int, max_positions: int | None) -> int | None:
+    """The positions a bounded cache keeps (sinks + window), or None for an exact cache;
+    a SizingError for a bound that cannot be meant."""
+    if window is None:
+        if sinks:
+            raise SizingError(f"--sinks {sinks:,} given without --window: expected both, the "
+                              "sinks are kept before a window (e.g. --window 1020 --sinks 4)")
+        return None
+    check_range("--window", window)
+    check_range("--sinks", sinks, low=0)
+    if sinks > window:
+        raise SizingError(f"--sinks {sinks:,} is more than --window {window:,}: expected a few "
+                          "sinks before a larger window (StreamingLLM keeps 4)")
+    if max_positions is not None and sinks + window > max_positions:
+        asked = f"--window {window:,}" + (
+            f" + --sinks {sinks:,} = {sinks + window:,} positions" if sinks else "")
+        raise SizingError(f"{asked} is beyond the context window of {max_positions:,}; "
+                          f"expected at most {max_positions:,} positions in all")
+    return sinks + window
 
 
 def state_bytes_per_sequence(shape: ModelShape, bits: int) -> int:
@@ -148,15 +169,23 @@ class SizeResult:
     fit: Fit | None
     notes: tuple[str, ...]
     verify: Verification | None = None
+    window: int | None = None  # a bounded cache (--window): the recent positions it keeps
+    sinks: int = 0  # ... and the first positions it keeps for good (--sinks)
 
 
 def _kind_formula(shape: ModelShape, kind: str, n: int, seq: int, bits: int,
-                  batch: int) -> tuple[str, str]:
+                  batch: int, bound: int | None = None) -> tuple[str, str]:
     """The formula for one kind of layer, in symbols and with this model's numbers."""
     size = f"{bits // 8}" if bits >= 8 else f"{bits / 8:g}"
-    tokens, held = "seq_len", f"{seq:,}"
+    caps, values = ["seq_len"], [f"{seq:,}"]
     if kind in ("sliding", "chunked"):
-        tokens, held = "min(seq_len, window)", f"min({seq:,}, {shape.window:,})"
+        caps.append("window")
+        values.append(f"{shape.window:,}")
+    if bound is not None:  # a bounded cache's budget caps every layer
+        caps.append("sinks + cache_window")
+        values.append(f"{bound:,}")
+    tokens = f"min({', '.join(caps)})" if len(caps) > 1 else caps[0]
+    held = f"min({', '.join(values)})" if len(values) > 1 else values[0]
     # DeepSeek-V3.2's indexer key: one more single-head key per token, beside the K/V.
     index, index_n = ("", "") if not shape.index_head_dim else (
         " + index_head_dim", f" + {shape.index_head_dim}")
@@ -217,12 +246,17 @@ def size_cache(
     gpu_mem: int | None = None,
     weight_dtype: str = "fp16",
     block_size: int | None = None,
+    window: int | None = None,
+    sinks: int = 0,
 ) -> SizeResult:
     """The KV cache of `shape` at `seq` tokens × `batch`, per GPU under `tp`, and what fits.
 
-    seq defaults to the model's context window when the config declares one.
+    seq defaults to the model's context window when the config declares one. `window`
+    (and `sinks`) size a bounded cache instead: every attention layer keeps at most the
+    `sinks` first and `window` newest positions (kvcache's `window:W`, `sink:S+W`).
     """
     notes: list[str] = []
+    bound = check_bound(window, sinks, shape.max_positions)
     if seq is None:
         if shape.max_positions is None:
             raise SizingError("no --seq given and the model declares no context window; "
@@ -251,10 +285,10 @@ def size_cache(
     for g in groups:
         values = values_per_token(g.shape, g.kind)
         per_layer = bytes_for_values(values, bits)
-        held = tokens_held(shape, g.kind, seq)
+        held = tokens_held(shape, g.kind, seq, bound)
         total = g.layers * per_layer * held * batch
         symbols, numbers = ("", "") if not values else _kind_formula(
-            g.shape, g.kind, g.layers, seq, bits, batch)
+            g.shape, g.kind, g.layers, seq, bits, batch, bound)
         kinds.append(KindRow(g.kind, g.layers, values, per_layer, held, total, symbols, numbers))
     total_bytes = sum(row.total_bytes for row in kinds)
     bytes_per_token = sum(row.layers * row.bytes_per_token_per_layer for row in kinds)
@@ -272,6 +306,12 @@ def size_cache(
         formula.append(f"total = {' + '.join(f'{r.total_bytes:,}' for r in with_kv)} "
                        f"= {total_bytes:,} bytes")
     notes.extend(shape.notes)
+    if bound is not None:
+        kept = f"the first {sinks:,} and the newest {window:,}" if sinks else (
+            f"the newest {window:,}")
+        notes.append(f"a bounded cache: every attention layer keeps {kept} positions, so its "
+                     f"bytes stop growing at {bound:,} tokens; the positions past it are "
+                     "evicted, not free (quality depends on what attention needed)")
     state_per_sequence = state_bytes_per_sequence(shape, bits)
     if not shape.has_kv:
         notes.append("the model has no attention layers: its KV cache is 0 bytes at any length")
@@ -293,7 +333,7 @@ def size_cache(
         mha_per_layer = [bytes_for_values(mha_values_per_token(g.shape, g.kind), bits)
                          for g in groups]
         mha_per_token = sum(g.layers * b for g, b in zip(groups, mha_per_layer, strict=True))
-        mha_total = sum(g.layers * b * tokens_held(shape, g.kind, seq) * batch
+        mha_total = sum(g.layers * b * tokens_held(shape, g.kind, seq, bound) * batch
                         for g, b in zip(groups, mha_per_layer, strict=True))
         if total_bytes:
             reduction = mha_total / total_bytes
@@ -304,14 +344,15 @@ def size_cache(
                 f"+ {shape.v_head_dim} value) per token per layer"
             )
 
-    tp_result = _tensor_parallel(shape, groups, bits, seq, batch, tp) if tp > 1 else None
+    tp_result = (_tensor_parallel(shape, groups, bits, seq, batch, tp, bound) if tp > 1
+                 else None)
     state_per_gpu = -(-state_per_sequence // tp)
     per_gpu = _per_gpu_bytes_per_token(groups, bits, tp)
 
     fit = None
     if gpu_mem is not None:
         fit = _fit(shape, groups, per_gpu, state_per_gpu, seq, batch, tp, gpu_mem, weight_dtype,
-                   block_size)
+                   block_size, bound)
 
     return SizeResult(
         model=shape.name,
@@ -334,6 +375,8 @@ def size_cache(
         tp=tp_result,
         fit=fit,
         notes=tuple(notes),
+        window=window,
+        sinks=sinks if window is not None else 0,
     )
 
 
@@ -377,11 +420,11 @@ def _per_gpu_bytes_per_token(groups: tuple[LayerGroup, ...], bits: int, tp: int)
 
 
 def _tensor_parallel(shape: ModelShape, groups: tuple[LayerGroup, ...], bits: int, seq: int,
-                     batch: int, tp: int) -> TensorParallel:
+                     batch: int, tp: int, bound: int | None = None) -> TensorParallel:
     heads = _kv_heads_per_gpu(shape, tp)
     per_layer = _per_gpu_bytes_per_token(groups, bits, tp)
     per_token = sum(g.layers * b for g, b in zip(groups, per_layer, strict=True))
-    per_gpu = sum(g.layers * b * tokens_held(shape, g.kind, seq) * batch
+    per_gpu = sum(g.layers * b * tokens_held(shape, g.kind, seq, bound) * batch
                   for g, b in zip(groups, per_layer, strict=True))
     if shape.is_mla:
         replicas = tp
@@ -399,7 +442,7 @@ def _tensor_parallel(shape: ModelShape, groups: tuple[LayerGroup, ...], bits: in
 
 def _fit(shape: ModelShape, groups: tuple[LayerGroup, ...], per_layer: list[int], state: int,
          seq: int, batch: int, tp: int, gpu_mem: int, weight_dtype: str,
-         block_size: int | None) -> Fit:
+         block_size: int | None, bound: int | None = None) -> Fit:
     if shape.params is None:
         raise SizingError(
             "--gpu-mem needs the weights' size: expected --model NAME or --params N "
@@ -421,12 +464,13 @@ def _fit(shape: ModelShape, groups: tuple[LayerGroup, ...], per_layer: list[int]
     def cost(n: int, block: int | None = None) -> int:
         # A sequence's recurrent state is allocated whole as soon as it starts.
         return (state if n else 0) + sum(
-            g.layers * b * _round_up(tokens_held(shape, g.kind, n), block)
+            g.layers * b * _round_up(tokens_held(shape, g.kind, n, bound), block)
             for g, b in zip(groups, per_layer, strict=True))
 
-    growing = sum(g.layers * b for g, b in zip(groups, per_layer, strict=True)
-                  if g.kind in ("full", "mla"))
-    bounded_at = max((shape.window or 0) + (block_size or 0), 1)
+    # Bytes one more token adds for ever: none once every layer is bounded.
+    growing = 0 if bound is not None else sum(
+        g.layers * b for g, b in zip(groups, per_layer, strict=True) if g.kind in ("full", "mla"))
+    bounded_at = max(max(shape.window or 0, bound or 0) + (block_size or 0), 1)
     per_sequence = cost(seq)
     max_sequences = room // per_sequence if per_sequence else None
     paged = waste = paged_sequences = paged_tokens = None

@@ -176,6 +176,8 @@ LIMITS: dict[str, int] = {
     "--batch": 10**9,
     "--tp": 65_536,
     "--block-size": 10**6,
+    "--window": 10**12,  # a bounded cache's recent positions, like --seq
+    "--sinks": 10**12,
     "--params": 10**15,  # a quadrillion parameters, 1,500× DeepSeek-V3
     "--gpu-mem": 2**60,  # 1 EiB on one GPU
 }

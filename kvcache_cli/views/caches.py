@@ -12,7 +12,9 @@ def kinds_view(rows) -> Table:
     """One row per kind: how to spell it, what it keeps, its traits and its rollback."""
     table = Table("spec", "what it keeps", "is", "rollback of k tokens: how; bytes touched",
                   box=box.SIMPLE_HEAD, title="cache kinds (--cache SPEC)", title_justify="left",
-                  title_style="bold")
+                  title_style="bold", caption_justify="left",
+                  caption="bounded kinds keep each key's absolute position (GPT-2 learns "
+                  "them), so they run within the model's context window")
     for r in rows:
         traits = [name for name, on in (("exact", r.exact), ("bounded", r.bounded),
                                         ("pools", r.pages), ("compiles", r.compiles)) if on]

@@ -1,4 +1,4 @@
-"""Rich views of GPT-2 generation and the three torch breaks.
+"""Rich views of GPT-2 generation and the torch breaks.
 
 `TokenStream` writes tokens to the terminal as they are made; `generation_view` and
 `break_view` render the frozen results of `kvcache_cli.generate` (the same objects
@@ -16,6 +16,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from kvcache_cli.bounded_breaks import BoundedBreakResult
 from kvcache_cli.generate import BreakResult, Generation
 from kvcache_cli.views.style import BAD, OK
 
@@ -112,14 +113,23 @@ def break_view(r: BreakResult, piece: Callable[[int], str] | None = None) -> Ren
             f"tokens diverge at step [bold red]{r.first_divergence}[/] "
             f"(0 = the first new token) of {len(r.correct)}"
         )
+    against = ("every position under the band mask" if isinstance(r, BoundedBreakResult)
+               else "full recompute")
     lines = Text.from_markup(
         f"{verdict}\n"
         f"largest |correct - broken| logit up to there: [bold]{r.max_logit_diff:.3g}[/] "
         f"(per step: {gaps})\n"
-        f"control, correct {r.mode} loop vs full recompute: max |Δ logit| "
+        f"control, correct {r.mode} loop vs {against}: max |Δ logit| "
         f"{r.naive_logit_diff:.1e} (rounding, on logits up to {r.max_abs_logit:.3g}), "
         f"same tokens {OK if r.naive_agrees else BAD}"
     )
+    if isinstance(r, BoundedBreakResult):  # a bounded cache's break: where, how much worse
+        wrong = ("never" if r.first_wrong_step is None
+                 else f"at step [bold red]{r.first_wrong_step}[/]")
+        lines.append_text(Text.from_markup(
+            f"\nbudget {r.budget} positions; logits first move past rounding {wrong}\n"
+            f"mean KL from the full cache past the budget (teacher-forced on the correct "
+            f"text): fix {r.kl_fix:.3g} nats, broken [bold]{r.kl_broken:.3g}[/] nats"))
     return Panel(
         Group(Text(r.bug), tokens, lines),
         title=f"GPT-2 break: {r.name}",

@@ -1,0 +1,175 @@
+"""The bounded caches' three breaks, each a correct loop and a loop with one thing wrong.
+
+- `evict-sink`: a window of W that evicts the first tokens, against StreamingLLM's fix,
+  4 sinks + a window of W - 4 (the same budget);
+- `ring-mask`: the ring masked by slot index, as a buffer that never wraps would be:
+  once it wraps, the query in slot p mod W hides every later slot, which holds the
+  older half of its window;
+- `ring-off-by-one`: decode writes the newest token one slot late, into the slot of the
+  oldest key the query still needs.
+
+Both loops decode greedily on the same model (`generate._steps`); the control is the
+correct loop against a recompute that holds every position and hides the ones out of the
+band by mask alone (no ring). The damage is measured twice: the first step whose logits
+move (and whose token changes), and, teacher-forced on the correct loop's text, the mean
+KL divergence from the full cache over the positions past the budget, fix against break
+(the prompt in one forward, then a token a step, as the loops ran).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from kvcache_cli.caches import make_cache
+from kvcache_cli.caches.bounded import RingCache
+from kvcache_cli.caches.exact import ConcatCache
+from kvcache_cli.generate import (
+    DEFAULT_PROMPT_IDS,
+    BreakResult,
+    _Diff,
+    _steps,
+    check_request,
+)
+from kvcache_cli.gpt2 import GPT
+
+BOUNDED_BREAKS = {
+    "evict-sink": "a window that evicts the first tokens, against 4 sinks + a window at "
+                  "the same budget (StreamingLLM's fix)",
+    "ring-mask": "the ring masked by slot index: once it wraps, the query hides the slots "
+                 "after its own, the older half of its window",
+    "ring-off-by-one": "decode writes the newest token one slot late, over the oldest key "
+                       "the query still needs",
+}
+SINKS = 4  # StreamingLLM's
+
+
+@dataclass(frozen=True)
+class BoundedBreakResult(BreakResult):
+    budget: int  # positions each loop's cache holds
+    first_wrong_step: int | None  # first step whose logits moved past rounding noise
+    kl_fix: float  # mean KL(full || fix) per position past the budget, teacher-forced
+    kl_broken: float  # the same for the broken loop
+
+
+class SlotMaskedRing(RingCache):
+    """`ring-mask`: reports slot s as position (p - p mod W) + s, the slot's index
+    counted from the start of the newest token's lap. Before the ring wraps that is
+    the truth; after, every slot past the newest looks like a future position."""
+
+    def key_positions(self, layer: int) -> Tensor | None:
+        held = super().key_positions(layer)
+        newest = self.length - 1
+        lap = newest - newest % self.window
+        return lap + torch.arange(held.numel(), device=held.device)
+
+
+class LateRing(RingCache):
+    """`ring-off-by-one`: a decode step writes position p into slot (p + 1) mod W. It
+    records which position each slot holds, so its mask is right for what it holds;
+    what it loses is the key that slot held, still in the query's window."""
+
+    def reset(self) -> None:
+        super().reset()
+        self.slot_pos = torch.full((self.slots,), -1, device=self.device)  # (slots,)
+
+    def update(self, layer: int, start_pos: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        if k.size(2) > 1:  # the prompt goes in right: the bug is in the decode step
+            keys, values = super().update(layer, start_pos, k, v)
+            self.slot_pos = self.positions()
+            return keys, values
+        i = (start_pos + 1) % self.window  # one slot late
+        self.k[layer, :, :, i] = k[:, :, 0]
+        self.v[layer, :, :, i] = v[:, :, 0]
+        if layer == 0:
+            self.length = start_pos + 1
+            self.slot_pos[i] = start_pos
+            self._held = self.slot_pos.clone()
+        return self.k[layer], self.v[layer]  # every slot; -1 marks an empty one
+
+
+class BandedFull(ConcatCache):
+    """The control: every position kept, the band applied by the mask alone."""
+
+    def __init__(self, model: GPT, window: int, sinks: int):
+        super().__init__(model.config, 1, model.device, model.dtype)
+        self.window, self.sinks = window, sinks
+
+    def key_positions(self, layer: int) -> Tensor | None:
+        return torch.arange(self.k[layer].size(2), device=self.device)
+
+
+def run_bounded_break(name: str, model: GPT, prompt_ids: list[int] | None = None,
+                      max_new_tokens: int = 24) -> BoundedBreakResult:
+    """The correct and the broken loop of one bounded break, greedily, on one model.
+
+    The budget is half the positions the run writes (at least 8), so the window fills
+    and wraps in the middle of the generation.
+    """
+    if name not in BOUNDED_BREAKS:
+        raise ValueError(f"unknown break {name!r}: expected {', '.join(BOUNDED_BREAKS)}")
+    V = model.config.vocab_size
+    prompt = list(prompt_ids) if prompt_ids is not None else [t % V for t in DEFAULT_PROMPT_IDS]
+    check_request(model, prompt, max_new_tokens)
+    n = len(prompt) + max_new_tokens
+    W = max(2 * SINKS, n // 2)
+    if name == "evict-sink":
+        fix_spec, window, sinks = f"sink:{SINKS}+{W - SINKS}", W - SINKS, SINKS
+        fix, broken = make_cache(fix_spec, model, n), make_cache(f"window:{W}", model, n)
+    else:
+        fix_spec, window, sinks = f"window:{W}", W, 0
+        bug = SlotMaskedRing if name == "ring-mask" else LateRing
+        fix = make_cache(fix_spec, model, n)
+        broken = bug(model.config, 0, W, n, 1, model.device, model.dtype, f"window:{W}")
+
+    def greedy(logits: Tensor) -> Tensor:
+        return logits.argmax(dim=-1)
+
+    def run(cache):
+        return _steps(model, prompt, max_new_tokens, "bounded", cache, greedy)
+
+    control, diff = _Diff(), _Diff()
+    both = zip(run(BandedFull(model, window, sinks)), run(fix), run(broken), strict=True)
+    for (tn, ln), (tc, lc), (tb, lb) in both:
+        control.add(tc, lc, tn, ln)
+        diff.add(tc, lc, tb, lb)
+    # A logit moves by more than the control's rounding: the first wrong step.
+    noise = max(10 * max(control.gaps), 1e-4 * control.scale)
+    wrong = next((i for i, g in enumerate(diff.gaps) if g > noise), None)
+    text = torch.tensor([prompt + list(diff.a)], device=model.device)  # (1, n)
+    full = _forced(model, None, text, len(prompt))
+    fixed = _forced(model, make_cache(fix_spec, model, n), text, len(prompt))
+    if name == "evict-sink":
+        again = make_cache(f"window:{W}", model, n)
+    else:
+        again = type(broken)(model.config, 0, W, n, 1, model.device, model.dtype, f"window:{W}")
+    spoiled = _forced(model, again, text, len(prompt))
+    return BoundedBreakResult(
+        name=name, bug=BOUNDED_BREAKS[name], mode=fix_spec, prompt_ids=tuple(prompt),
+        earlier_ids=(), correct=tuple(diff.a), broken=tuple(diff.b),
+        first_divergence=diff.first, max_logit_diff=max(diff.gaps),
+        step_logit_diff=tuple(diff.gaps), naive_logit_diff=max(control.gaps),
+        max_abs_logit=control.scale, naive_agrees=control.first is None,
+        budget=W, first_wrong_step=wrong,
+        kl_fix=_mean_kl(full, fixed, W), kl_broken=_mean_kl(full, spoiled, W),
+    )
+
+
+@torch.inference_mode()
+def _forced(model: GPT, cache, text: Tensor, prompt: int) -> Tensor:
+    """Logits (n, vocab) of every position of `text` as the loops ran it: the prompt
+    in one forward, then one token a step (all at once without a cache)."""
+    if cache is None:
+        return model(text, 0)[0].float()
+    steps = [model(text[:, :prompt], 0, cache)[0]]
+    steps += [model(text[:, p:p + 1], p, cache)[0] for p in range(prompt, text.size(1))]
+    return torch.cat(steps).float()  # (n, vocab)
+
+
+def _mean_kl(full: Tensor, other: Tensor, budget: int) -> float:
+    """Mean KL(full || other) over the positions past the budget, in nats."""
+    p = full[budget:].log_softmax(-1)  # (n - budget, vocab)
+    q = other[budget:].log_softmax(-1)
+    return float((p.exp() * (p - q)).sum(-1).mean())

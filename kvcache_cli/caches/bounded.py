@@ -1,0 +1,293 @@
+"""Caches with a bound: a sliding window, attention sinks, heavy hitters.
+
+Memory stops growing once the cache is full; what it forgets, attention never sees.
+
+- `RingCache` is `window:W` (Mistral's rolling buffer: position p in slot p mod W) and
+  `sink:S+W` (StreamingLLM: the first S positions kept for good, then a ring of W);
+- `HeavyHitterCache` is `h2o:H+W` (H2O: per layer and head, the H positions that have
+  drawn the most attention so far, plus the W most recent).
+
+Positions are GPT-2's: learned absolute embeddings added to the input, so a key keeps the
+position it was computed at, and a bounded cache runs within the model's context window
+(StreamingLLM re-numbers the cached positions of a RoPE model so it can run past it; a
+learned embedding cannot be re-applied to a key already computed).
+
+What a query sees. The query at position p attends to what the cache holds after p is
+written: `window:W` sees positions p-W+1 .. p, `sink:S+W` also positions 0 .. S-1. A chunk
+of several tokens (a prompt) gets the same band through the mask (`KVCache.window`,
+`KVCache.sinks`): the keys the cache held before the chunk, with the chunk's own, are
+returned together (a transient (B, nh, held + T, hs) copy) and each query sees its own
+band, so a prompt in one forward gives the logits of the same prompt fed one token at a
+time. Then only what the bound keeps is written. H2O ranks by attention, which a chunk
+computes all at once: a chunk's queries see everything the cache held plus the chunk
+causally, and the eviction to H+W follows (H2O's own prefill does the same); one token
+per forward reproduces its step-by-step policy exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from kvcache_cli.caches.base import KVCache, RollbackError, nbytes
+from kvcache_cli.caches.spec import check_context
+
+
+def _check_sequential(cache, layer: int, start_pos, length: int) -> int:
+    """The step's first position: bounded caches write positions in order, one row."""
+    if isinstance(start_pos, Tensor):
+        raise ValueError(f"{cache.name} keeps one position per slot for every row: rows at "
+                         "different positions (serve's batches) need a paged or static cache")
+    if layer == 0 and start_pos != length:
+        raise ValueError(f"{cache.name} writes positions in order: expected position {length}, "
+                         f"got {start_pos} (crop first to rewrite)")
+    return start_pos
+
+
+class RingCache(KVCache):
+    """The first `sinks` positions in slots 0..S-1 for good, later ones in a ring of
+    `window` slots: position p >= S in slot S + (p - S) mod W. `window:W` has no sinks.
+
+    Two buffers allocated once, min(max_len, S + W) slots per layer, written in place:
+    bytes held are the same at every step. Which position a slot holds follows from the
+    length alone (`positions`); one vector of them, shared by every layer, is kept up to
+    date as slots are written, so a decode step reads it without recomputing it (8 bytes
+    a slot for the whole cache: bookkeeping, like `length`, outside `bytes_held`).
+    """
+
+    def __init__(self, config, sinks: int, window: int, max_len: int, batch: int, device,
+                 dtype: torch.dtype, name: str):
+        if not 0 < max_len <= config.block_size:
+            raise ValueError(f"max_len {max_len} outside the context window 1..{config.block_size}")
+        self.name, self.sinks, self.window, self.max_len = name, sinks, window, max_len
+        self.slots = min(max_len, sinks + window)  # never more than the sequence needs
+        shape = (config.n_layer, batch, config.n_head, self.slots, config.head_size)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)  # (L, B, nh, slots, hs)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.device = device
+        self.reset()
+
+    @classmethod
+    def build(cls, spec, config, *, max_len: int, batch: int, device, dtype, whole: bool):
+        check_context(spec, config.block_size)  # a budget it could never fill: refused
+        params = dict(spec.params)
+        return cls(config, params.get("sinks", 0), params["window"], max_len, batch, device,
+                   dtype, str(spec))
+
+    def reset(self) -> None:
+        # Nothing to clear: a slot's position says whether it is filled (-1: empty).
+        self.length = 0
+        self.bytes_copied = 0
+        self._pos = torch.full((self.slots,), -1, device=self.device)  # (slots,)
+        self._held: Tensor | None = None  # the returned keys' positions, per step
+
+    def slot(self, pos: int) -> int:
+        S = self.sinks
+        return pos if pos < S else S + (pos - S) % self.window
+
+    def positions(self, length: int | None = None) -> Tensor:
+        """The position each slot holds once `length` positions are written, -1: empty."""
+        n = self.length if length is None else length
+        S, W = self.sinks, self.window
+        s = torch.arange(self.slots, device=self.device)  # (slots,)
+        # Sink slot s holds s; ring slot S + r the latest q = p - S < n - S with q ≡ r mod W.
+        last = n - 1 - S
+        ring = S + last - torch.remainder(last - (s - S), W)  # (slots,)
+        held = torch.where(s < S, s, ring)
+        return torch.where((held >= 0) & (held < n) & ((s < S) | (held >= S)), held, -1)
+
+    @property
+    def evicted(self) -> int:
+        """Positions written and no longer held (per layer, row and head)."""
+        return max(0, self.length - self.sinks - self.window)
+
+    def update(self, layer: int, start_pos: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        start = _check_sequential(self, layer, start_pos, self.length)
+        T = k.size(2)
+        end = start + T
+        if end > self.max_len:
+            raise IndexError(f"position {end - 1} past the {self.name} cache's max_len "
+                             f"{self.max_len}")
+        filled = min(start, self.slots)  # slots in use before this step
+        if layer == 0:
+            self.length = end
+            if T == 1:  # the newest token's slot holds it now: exactly its band
+                self._pos[self.slot(start)] = start
+                self._held = self._pos[: min(end, self.slots)]
+            else:  # what the chunk's queries find, then the chunk itself
+                chunk = torch.arange(start, end, device=self.device)
+                self._held = torch.cat([self._pos[:filled], chunk])
+                self._pos = self.positions()
+        if T == 1:
+            # Decode: the newest token goes into its slot first (evicting p - W), then the
+            # query reads the filled slots: exactly the band it may see.
+            i = self.slot(start)
+            self.k[layer, :, :, i] = k[:, :, 0]
+            self.v[layer, :, :, i] = v[:, :, 0]
+            self.bytes_copied += nbytes(k) + nbytes(v)
+            n = min(end, self.slots)
+            return self.k[layer, :, :, :n], self.v[layer, :, :, :n]  # (B, nh, n, hs)
+        # A chunk: its queries need keys its own later tokens would overwrite, so what the
+        # cache held and the chunk are returned together and the band is the mask's job.
+        keys = torch.cat([self.k[layer, :, :, :filled], k], dim=2)  # (B, nh, filled + T, hs)
+        values = torch.cat([self.v[layer, :, :, :filled], v], dim=2)
+        keep = [p for p in range(start, end) if p < self.sinks or p >= end - self.window]
+        slots = torch.tensor([self.slot(p) for p in keep], device=k.device)
+        rows = torch.tensor([p - start for p in keep], device=k.device)
+        self.k[layer].index_copy_(2, slots, k.index_select(2, rows))
+        self.v[layer].index_copy_(2, slots, v.index_select(2, rows))
+        self.bytes_copied += nbytes(keys) + nbytes(values) + 2 * len(keep) * nbytes(k[:, :, :1])
+        return keys, values
+
+    def key_positions(self, layer: int) -> Tensor | None:
+        return self._held
+
+    def crop(self, length: int) -> None:
+        n = self.length
+        if not 0 <= length <= n:
+            raise RollbackError(f"cannot crop to {length} positions: the cache holds "
+                                f"{n}; expected 0..{n}")
+        # Exact while every position the next token (at `length`) attends is still held:
+        # always before the ring wraps, and one position back once it has.
+        if n > self.sinks + self.window and length < n - 1:
+            lost = max(self.sinks, length - self.window + 1)
+            raise RollbackError(
+                f"{self.name} cannot crop from {n} to {length} positions: position {lost}, "
+                f"which the token at {length} attends, was overwritten when position "
+                f"{lost + self.window} was written (a wrapped ring rolls back one position)")
+        self.length = length
+        self._pos = self.positions()
+        self._held = None
+
+    @property
+    def bytes_held(self) -> int:
+        return nbytes(self.k) + nbytes(self.v)
+
+
+class HeavyHitterCache(KVCache):
+    """H2O: per layer, row and head, the `heavy` positions with the largest accumulated
+    attention plus the `recent` newest, in heavy + recent slots allocated once.
+
+    Every key's score is the sum of the attention probabilities it has drawn from every
+    query since it was written. When the cache is full, a new token takes the slot of the
+    lowest-scoring key outside the recent window; the heads choose independently, so each
+    holds its own positions (`key_positions` is (B, nh, S)). Scores (float32) and
+    positions (int64) are held per slot and counted in `bytes_held`.
+    """
+
+    wants_attention = True
+
+    def __init__(self, config, heavy: int, recent: int, max_len: int, batch: int, device,
+                 dtype: torch.dtype, name: str):
+        if not 0 < max_len <= config.block_size:
+            raise ValueError(f"max_len {max_len} outside the context window 1..{config.block_size}")
+        self.name, self.heavy, self.recent, self.max_len = name, heavy, recent, max_len
+        self.slots = min(max_len, heavy + recent)
+        L, B, nh = config.n_layer, batch, config.n_head
+        shape = (L, B, nh, self.slots, config.head_size)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)  # (L, B, nh, slots, hs)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.score = torch.zeros((L, B, nh, self.slots), device=device)  # (L, B, nh, slots)
+        self.pos = torch.full((L, B, nh, self.slots), -1, device=device)  # (L, B, nh, slots)
+        self.reset()
+
+    @classmethod
+    def build(cls, spec, config, *, max_len: int, batch: int, device, dtype, whole: bool):
+        check_context(spec, config.block_size)
+        return cls(config, spec["heavy"], spec["recent"], max_len, batch, device, dtype,
+                   str(spec))
+
+    def reset(self) -> None:
+        self.length = 0
+        self.bytes_copied = 0
+        self.score.zero_()
+        self.pos.fill_(-1)
+        self.filled = 0  # slots in use, the same in every layer and head
+        self._chunk: dict[int, tuple[Tensor, Tensor, Tensor]] = {}  # layer -> keys, values, pos
+
+    @property
+    def evicted(self) -> int:
+        return max(0, self.length - self.slots)
+
+    def update(self, layer: int, start_pos: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        start = _check_sequential(self, layer, start_pos, self.length)
+        B, nh, T, hs = k.shape
+        end = start + T
+        if end > self.max_len:
+            raise IndexError(f"position {end - 1} past the {self.name} cache's max_len "
+                             f"{self.max_len}")
+        filled = self.filled if layer == 0 else self._filled_before
+        if layer == 0:
+            self._filled_before = filled
+            self.length = end
+            self.filled = min(filled + T, self.slots)
+        self.bytes_copied += nbytes(k) + nbytes(v)
+        if T == 1 and filled < self.slots:  # room left: the next free slot
+            self.k[layer, :, :, filled] = k[:, :, 0]
+            self.v[layer, :, :, filled] = v[:, :, 0]
+            self.pos[layer, :, :, filled] = start
+            self.score[layer, :, :, filled] = 0.0
+            n = filled + 1
+            return self.k[layer, :, :, :n], self.v[layer, :, :, :n]
+        if T == 1:
+            # Full: each head's new token replaces its lowest-scoring key outside the
+            # recent window (start - W + 1 .. start), i.e. the H + 1 oldest candidates.
+            pos, score = self.pos[layer], self.score[layer]  # (B, nh, slots)
+            candidate = pos <= start - self.recent
+            out = score.masked_fill(~candidate, float("inf")).argmin(dim=-1, keepdim=True)
+            self.pos[layer].scatter_(2, out, start)
+            self.score[layer].scatter_(2, out, 0.0)
+            at = out[..., None].expand(B, nh, 1, hs)  # (B, nh, 1, hs)
+            self.k[layer].scatter_(2, at, k)
+            self.v[layer].scatter_(2, at, v)
+            return self.k[layer], self.v[layer]  # (B, nh, slots, hs)
+        # A chunk: attend over everything held plus the chunk; `observe` then keeps H + W.
+        new = torch.arange(start, end, device=k.device).expand(B, nh, T)  # (B, nh, T)
+        keys = torch.cat([self.k[layer, :, :, :filled], k], dim=2)  # (B, nh, filled + T, hs)
+        values = torch.cat([self.v[layer, :, :, :filled], v], dim=2)
+        pos = torch.cat([self.pos[layer, :, :, :filled], new], dim=2)  # (B, nh, filled + T)
+        self._chunk[layer] = keys, values, pos
+        return keys, values
+
+    def key_positions(self, layer: int) -> Tensor | None:
+        if layer in self._chunk:
+            return self._chunk[layer][2]  # (B, nh, filled + T)
+        n = self.filled
+        return self.pos[layer, :, :, :n]  # (B, nh, n)
+
+    def observe(self, layer: int, weights: Tensor) -> None:
+        # weights (B, nh, T, S): what each query drew from each returned key.
+        drawn = weights.float().sum(dim=2)  # (B, nh, S)
+        if layer not in self._chunk:
+            self.score[layer, :, :, : drawn.size(-1)] += drawn
+            return
+        keys, values, pos = self._chunk.pop(layer)
+        score = torch.cat([self.score[layer, :, :, : self._filled_before],
+                           torch.zeros_like(pos[..., self._filled_before:], dtype=torch.float)],
+                          dim=-1) + drawn  # (B, nh, filled + T)
+        if pos.size(-1) <= self.slots:
+            keep = torch.arange(pos.size(-1), device=pos.device).expand_as(pos)  # all of it
+        else:
+            # The W newest positions, then the H best scores among the rest (a recent key
+            # ranks above any score, so top-k picks both at once).
+            recent = pos > self.length - 1 - self.recent
+            keep = score.masked_fill(recent, float("inf")).topk(self.slots, dim=-1).indices
+        n = keep.size(-1)  # (B, nh, n)
+        hs = keys.size(-1)
+        at = keep[..., None].expand(*keep.shape, hs)  # (B, nh, n, hs)
+        self.k[layer, :, :, :n] = keys.gather(2, at)
+        self.v[layer, :, :, :n] = values.gather(2, at)
+        self.pos[layer, :, :, :n] = pos.gather(2, keep)
+        self.score[layer, :, :, :n] = score.gather(2, keep)
+
+    def crop(self, length: int) -> None:
+        if length == self.length:
+            return
+        raise RollbackError(
+            f"{self.name} cannot crop from {self.length} to {length} positions: the attention "
+            "the later tokens drew is summed into every key's score and decided what was "
+            "evicted; neither can be taken back")
+
+    @property
+    def bytes_held(self) -> int:
+        return nbytes(self.k) + nbytes(self.v) + nbytes(self.score) + nbytes(self.pos)
