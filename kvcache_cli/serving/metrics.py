@@ -133,7 +133,8 @@ def parse_goodput(text: str) -> dict[str, float]:
 
 
 def parse_rates(text: str) -> tuple[float | None, ...]:
-    """`"1,2,4,inf"` -> (1.0, 2.0, 4.0, None): requests/s, None for all at once."""
+    """`"4,1,inf,2"` -> (1.0, 2.0, 4.0, None): requests/s, slowest first, None (all at
+    once) last: the curve's order."""
     rates: list[float | None] = []
     for part in (p.strip() for p in text.split(",")):
         try:
@@ -147,4 +148,4 @@ def parse_rates(text: str) -> tuple[float | None, ...]:
         if value in rates:
             raise ValueError(f"--rate {text!r}: the rate {part} given twice")
         rates.append(value)
-    return tuple(rates)
+    return tuple(sorted(rates, key=lambda x: math.inf if x is None else x))
