@@ -89,10 +89,13 @@ class Variant:
 
     @property
     def name(self) -> str:
+        """`paged pf` (prefill-first), `paged df 256` (decode-first, 256 tokens a forward):
+        short enough for a table's first column beside seven figures."""
         if self.policy is None:
             return self.engine
-        budget = f" {self.token_budget}" if self.token_budget is not None else ""
-        return f"{self.engine} {self.policy}{budget}"
+        if self.policy == "prefill-first":
+            return f"{self.engine} pf"
+        return f"{self.engine} df {self.token_budget}"
 
 
 def variants(engines: Sequence[str], policies: Sequence[str] = ("prefill-first",),
@@ -125,7 +128,7 @@ class StepStats:
 
 @dataclass(frozen=True)
 class EngineResult:
-    engine: str  # the variant's name: "paged decode-first 256"
+    engine: str  # the variant's name: "paged df 256" (`Variant.name`)
     setup_s: float  # one-time: pools, transformers' manager, a warm-up request
     total_s: float  # first arrival to last token
     output_tokens: int
@@ -194,6 +197,22 @@ def parse_engines(text: str) -> tuple[str, ...]:
     if "hf" in names:
         _check_hf_engine()
     return names
+
+
+def parse_budgets(text: str, block_size: int) -> tuple[int, ...]:
+    """`"64,256,1024"` -> (64, 256, 1024): decode-first's token budgets, each at least a block."""
+    from kvcache_cli.serving.scheduler import check_budget
+
+    try:
+        budgets = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise ValueError(f"--token-budget {text!r}: expected tokens per forward, "
+                         "comma-separated, e.g. 64,256,1024") from None
+    for b in budgets:
+        check_budget(b, block_size)
+    if len(set(budgets)) < len(budgets):
+        raise ValueError(f"--token-budget {text!r}: a budget given twice")
+    return budgets
 
 
 def _check_hf_engine() -> None:

@@ -69,15 +69,15 @@ def check_spec(spec: WorkloadSpec, window: int) -> None:
 
 def make_requests(spec: WorkloadSpec, vocab_size: int) -> tuple[Request, ...]:
     rng = random.Random(spec.seed)
+    # The gaps come from a stream of their own: every rate serves the same requests.
+    gaps = random.Random(f"{spec.seed}:arrivals")
     prefix = [rng.randrange(vocab_size) for _ in range(spec.shared_prefix)]
     requests, t = [], 0.0
     for i in range(spec.requests):
         user = [rng.randrange(vocab_size) for _ in range(rng.randint(*spec.prompt_len))]
         n_out = rng.randint(*spec.output_len)
         if spec.rate is not None and i > 0:
-            if spec.burstiness == 1:
-                t += rng.expovariate(spec.rate)
-            else:  # mean 1 / rate whatever the shape
-                t += rng.gammavariate(spec.burstiness, 1 / (spec.rate * spec.burstiness))
+            # Mean 1 / rate whatever the shape; shape 1 is the exponential (Poisson).
+            t += gaps.gammavariate(spec.burstiness, 1 / (spec.rate * spec.burstiness))
         requests.append(Request(i, tuple(prefix + user), n_out, t))
     return tuple(requests)

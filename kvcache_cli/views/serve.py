@@ -41,7 +41,8 @@ def _header(r: ServeResult) -> Table:
                  f"[bold]{r.threads} threads[/]")
     if r.others_cpu_share is not None:
         grid.add_row("load", load_line(r.others_cpu_share))
-    arrivals = ", ".join(_rate(x) for x in r.rates) if len(r.rates) > 1 else _rate(w.rate)
+    arrivals = (f"at each of {', '.join(_rate(x) for x in r.rates)}" if len(r.rates) > 1
+                else _rate(w.rate))
     if any(x is not None for x in r.rates) and w.burstiness != 1:
         arrivals += f" (gamma arrivals, burstiness {w.burstiness:g})"
     elif any(x is not None for x in r.rates):
@@ -58,6 +59,10 @@ def _header(r: ServeResult) -> Table:
                  f"({_bytes(r.bytes_per_token)} a token): paged {r.n_blocks:,} blocks of "
                  f"{r.block_size} tokens, {sharing}; padded {r.padded_rows} rows of "
                  f"{r.slab_len} positions; at most {r.max_batch} sequences at once")
+    if any(e.policy for e in r.engines):
+        grid.add_row("policies", "paged pf: prefill-first (each prompt whole, alone; decodes "
+                     "wait); paged df N: decode-first (decodes, then prompt chunks, N tokens "
+                     "a forward)")
     if r.goodput:
         targets = ", ".join(f"{k.upper()} ≤ {ms:g} ms" for k, ms in r.goodput.items())
         grid.add_row("targets", f"{targets}: goodput counts the requests meeting every one; "
@@ -83,26 +88,38 @@ def _named(table: Table) -> Table:
     return table
 
 
+def _at(r: ServeResult, rate: float | None) -> str:
+    return "" if len(r.rates) == 1 else f" · arrivals {_rate(rate)}"
+
+
 def _speed(r: ServeResult, engines: tuple[EngineResult, ...]) -> Table:
-    rate = engines[0].rate
-    title = ("throughput: output tokens/s over the run, set-up apart; latency per request "
-             "as vLLM measures it, ms")
     table = figures_table(
         "engine", "tok/s", "req/s", "run s", "setup s", "×seq", "×hf",
-        "TTFT p50/99", "TPOT p50/99", "ITL p99/max", "E2E p99",
-        *(["goodput"] if r.goodput else []),
-        title=title if len(r.rates) == 1 else f"{title} · arrivals {_rate(rate)}")
+        *(["good/s", "met"] if r.goodput else []),
+        title="throughput: output tokens and requests a second over the run, set-up apart"
+        + _at(r, engines[0].rate))
     _named(table)
     for e in engines:
         lat = e.latency
         good = [] if not r.goodput else [
-            f"{lat.goodput:.2f}/s {OK if lat.meets_targets else BAD}"]
+            f"{lat.goodput:.2f}", OK if lat.meets_targets else BAD]
         table.add_row(
             f"[bold]{e.engine}[/]", f"[bold]{e.tokens_per_s:,.1f}[/]",
             f"{lat.request_throughput:.2f}", f"{e.total_s:,.1f}", f"{e.setup_s:,.1f}",
-            _ratio(e.over_sequential), _ratio(e.over_hf),
-            f"{_ms(lat.ttft.p50)}/{_ms(lat.ttft.p99)}", f"{_ms(lat.tpot.p50)}/{_ms(lat.tpot.p99)}",
-            f"{_ms(lat.itl.p99)}/{_ms(lat.itl.max)}", _ms(lat.e2e.p99), *good)
+            _ratio(e.over_sequential), _ratio(e.over_hf), *good)
+    return table
+
+
+def _latency(r: ServeResult, engines: tuple[EngineResult, ...]) -> Table:
+    table = figures_table(
+        "engine", "TTFT p50", "p99", "TPOT p50", "p99", "ITL p99", "max", "E2E p99",
+        title="latency per request as vLLM measures it, ms" + _at(r, engines[0].rate))
+    _named(table)
+    for e in engines:
+        lat = e.latency
+        table.add_row(e.engine, _ms(lat.ttft.p50), _ms(lat.ttft.p99), _ms(lat.tpot.p50),
+                      f"[bold]{_ms(lat.tpot.p99)}[/]", f"[bold]{_ms(lat.itl.p99)}[/]",
+                      _ms(lat.itl.max), _ms(lat.e2e.p99))
     return table
 
 
@@ -112,11 +129,11 @@ def _steps(r: ServeResult) -> Table | None:
     if not rows:
         return None
     table = figures_table(
-        "engine", "forwards", "tokens/fwd", "budget fill", "prompt tok", "decode tok",
+        "engine", "forwards", "tok/fwd", "budget fill", "prompt tok", "decode tok",
         "stalled",
         title="forwards: tokens each carried, budget filled; prompt tokens (recomputed "
         "included); decodes that waited while prompts ran" + (
-            f" · arrivals {_rate(r.rates[0])}" if len(r.rates) > 1 else ""))
+            _at(r, r.rates[0])))
     _named(table)
     for e in rows:
         st = e.steps
@@ -131,7 +148,7 @@ def _curve(r: ServeResult) -> RenderableType | None:
     if len(r.rates) < 2:
         return None
     table = figures_table("engine", "rate", "tok/s", "req/s", "TTFT p99", "TPOT p99",
-                          *(["goodput", "met"] if r.goodput else []),
+                          *(["good/s", "met"] if r.goodput else []), "= solo",
                           title="the curve: throughput against p99 latency at each rate, ms")
     _named(table)
     names = list(dict.fromkeys(e.engine for e in r.engines))
@@ -140,10 +157,11 @@ def _curve(r: ServeResult) -> RenderableType | None:
         runs = [e for e in r.engines if e.engine == name]
         for e in runs:
             good = [] if not r.goodput else [
-                f"{e.latency.goodput:.2f}/s", OK if e.latency.meets_targets else BAD]
+                f"{e.latency.goodput:.2f}", OK if e.latency.meets_targets else BAD]
             table.add_row(name, "inf" if e.rate is None else f"{e.rate:g}",
                           f"{e.tokens_per_s:,.1f}", f"{e.latency.request_throughput:.2f}",
-                          _ms(e.latency.ttft.p99), _ms(e.latency.tpot.p99), *good)
+                          _ms(e.latency.ttft.p99), _ms(e.latency.tpot.p99), *good,
+                          _exact(r, e))
         if r.goodput:
             # The rates run slowest first, all at once last.
             failed = next((e for e in runs if not e.latency.meets_targets), None)
@@ -161,16 +179,17 @@ def _memory(r: ServeResult) -> Table:
     table = figures_table(
         "engine", "KV held", "peak", "real", "seqs", "hits", "preempt", "= solo",
         title="KV memory: held, peak in use, the share holding real tokens; peak sequences "
-        "running, prefix blocks hit, preemptions")
+        "running, prefix blocks hit, preemptions" + _at(r, r.rates[0]))
     _named(table)
-    several = len(r.rates) > 1
-    for e in r.engines:
-        exact = f"{OK} {e.requests_exact}/{r.workload.requests}" if not e.mismatches else \
-            f"{BAD} {e.requests_exact}/{r.workload.requests}"
-        table.add_row(_label(e, several), _bytes(e.kv_reserved_bytes), _bytes(e.kv_peak_used_bytes),
+    for e in r.at(r.rates[0]):
+        table.add_row(e.engine, _bytes(e.kv_reserved_bytes), _bytes(e.kv_peak_used_bytes),
                       _opt(e.kv_utilisation, "{:.1%}"), _opt(e.peak_running),
-                      _opt(e.prefix_blocks_hit), _opt(e.preemptions), exact)
+                      _opt(e.prefix_blocks_hit), _opt(e.preemptions), _exact(r, e))
     return table
+
+
+def _exact(r: ServeResult, e: EngineResult) -> str:
+    return f"{BAD if e.mismatches else OK} {e.requests_exact}/{r.workload.requests}"
 
 
 def _verdict(r: ServeResult) -> RenderableType:
@@ -217,6 +236,6 @@ def _sweep(r: SweepResult) -> RenderableType:
 def render(r: ServeResult | SweepResult) -> RenderableType:
     if isinstance(r, SweepResult):
         return _sweep(r)
-    parts = [_header(r), *(_speed(r, r.at(rate)) for rate in r.rates), _steps(r), _curve(r),
-             _memory(r), _verdict(r)]
+    per_rate = [t for rate in r.rates for t in (_speed(r, r.at(rate)), _latency(r, r.at(rate)))]
+    parts = [_header(r), *per_rate, _steps(r), _curve(r), _memory(r), _verdict(r)]
     return Group(*(p for p in parts if p is not None))
