@@ -124,6 +124,11 @@ class StepStats:
     stalled: int  # sequence-steps a sequence ready to decode waited while prompts ran
     tokens_per_forward: float  # mean
     budget_fill: float | None  # mean tokens / budget; None without a budget
+    # Where the run's time went: scheduling (block tables, admission, preemption), forwards
+    # that computed prompt tokens (mixed ones under decode-first), decode-only forwards.
+    schedule_s: float = 0.0
+    prompt_forward_s: float = 0.0
+    decode_forward_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -395,9 +400,11 @@ class _PagedState:
     blocks: BlockManager
     scheduler: Scheduler
     steps: list[Step]
+    times: list[tuple[float, float]]  # per step: (scheduling s, forwards s)
 
 
-def _step_stats(steps: Sequence[Step], budget: int | None) -> StepStats:
+def _step_stats(steps: Sequence[Step], times: Sequence[tuple[float, float]],
+                budget: int | None) -> StepStats:
     tokens = sum(st.tokens for st in steps)
     # A prefill-first prefill runs each admitted prompt in a forward of its own.
     forwards = sum(len(st.prefill) + bool(st.decode) + bool(st.chunks) for st in steps)
@@ -405,7 +412,10 @@ def _step_stats(steps: Sequence[Step], budget: int | None) -> StepStats:
         forwards=forwards, prompt_tokens=sum(st.prompt_tokens for st in steps),
         decode_tokens=sum(st.decode_tokens for st in steps),
         stalled=sum(st.stalled for st in steps), tokens_per_forward=tokens / max(1, forwards),
-        budget_fill=None if budget is None or not steps else tokens / (len(steps) * budget))
+        budget_fill=None if budget is None or not steps else tokens / (len(steps) * budget),
+        schedule_s=sum(t for t, _ in times),
+        prompt_forward_s=sum(f for st, (_, f) in zip(steps, times) if st.prompt_tokens),
+        decode_forward_s=sum(f for st, (_, f) in zip(steps, times) if not st.prompt_tokens))
 
 
 def _run_paged(model: GPT, requests, rec: _Recorder, plan: Plan, block_size: int,
@@ -414,7 +424,7 @@ def _run_paged(model: GPT, requests, rec: _Recorder, plan: Plan, block_size: int
                layout: str = "packed") -> _PagedState:
     blocks = BlockManager(plan.n_blocks, block_size, prefix_sharing)
     scheduler = Scheduler(blocks, max_batch, policy, token_budget)
-    state = _PagedState(blocks, scheduler, [])
+    state = _PagedState(blocks, scheduler, [], [])
     runner = ModelRunner(model, cache, layout)
     one_block = block_bytes(model.config, block_size, model.dtype)
     per_token = block_bytes(model.config, 1, model.dtype)
@@ -425,9 +435,11 @@ def _run_paged(model: GPT, requests, rec: _Recorder, plan: Plan, block_size: int
         if scheduler.idle:
             rec.wait_for_arrival()
             continue
+        started = rec.now()
         step = scheduler.schedule()
         if step.empty:
             raise RuntimeError("the scheduler found nothing to run: the pool is too small")
+        scheduled = rec.now()
         state.steps.append(step)
         sampled: list[Seq] = []  # sequences that got a token this step
         for s in step.prefill:
@@ -443,6 +455,7 @@ def _run_paged(model: GPT, requests, rec: _Recorder, plan: Plan, block_size: int
                     c.seq.tokens.append(token)
                     sampled.append(c.seq)
         t = rec.now()
+        state.times.append((scheduled - started, t - scheduled))
         for s in sampled:
             rec.token(s.request.id, t)
             if s.num_cached % block_size == 0:  # a block just filled
@@ -609,7 +622,7 @@ def _prepare(variant: Variant, model: GPT, spec: WorkloadSpec, plan: Plan, block
                                prefix_sharing, cache, **policy)
             return dict(prefix_hits=state.blocks.prefix_hits,
                         preemptions=state.scheduler.preemptions,
-                        steps=_step_stats(state.steps, variant.token_budget))
+                        steps=_step_stats(state.steps, state.times, variant.token_budget))
 
         return run_paged
     from kvcache_cli.bench import _quiet_transformers

@@ -129,17 +129,19 @@ def _steps(r: ServeResult) -> Table | None:
     if not rows:
         return None
     table = figures_table(
-        "engine", "forwards", "tok/fwd", "budget fill", "prompt tok", "decode tok",
-        "stalled",
+        "engine", "forwards", "tok/fwd", "fill", "prompt", "decode", "stalled",
+        "sched s", "prompt s", "decode s",
         title="forwards: tokens each carried, budget filled; prompt tokens (recomputed "
-        "included); decodes that waited while prompts ran" + (
+        "included), decode tokens; decodes that waited while prompts ran; time scheduling, "
+        "in forwards with prompt tokens, in decode-only ones" + (
             _at(r, r.rates[0])))
     _named(table)
     for e in rows:
         st = e.steps
         table.add_row(e.engine, f"{st.forwards:,}", f"{st.tokens_per_forward:,.1f}",
                       _opt(st.budget_fill, "{:.0%}"), f"{st.prompt_tokens:,}",
-                      f"{st.decode_tokens:,}", f"{st.stalled:,}")
+                      f"{st.decode_tokens:,}", f"{st.stalled:,}", f"{st.schedule_s:.2f}",
+                      f"{st.prompt_forward_s:,.1f}", f"{st.decode_forward_s:,.1f}")
     return table
 
 
