@@ -73,7 +73,8 @@ def serve(
         help="Instead of the workload: decode-step time at these batch sizes, e.g. "
         "1,4,16,64, against the roofline.")] = None,
     plot: Annotated[Path | None, typer.Option(
-        help="Write KV in use and running sequences over time to this PNG.")] = None,
+        help="Write KV in use and running sequences over time to this PNG; with several "
+        "--rate, the curve: tokens/s against p99 TTFT and TPOT.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the raw result as JSON.")] = False,
 ) -> None:
     """Serve a seeded workload through several engines: paged + continuous batching
