@@ -344,7 +344,8 @@ def test_serve_compares_the_engines_in_json_and_draws_the_plot(checkpoint, tmp_p
                "--engines", "paged,sequential,padded", "--plot", str(png), "--json")
     assert out.exit_code == 0, out.output
     data = json.loads(out.stdout)
-    assert [e["engine"] for e in data["engines"]] == ["paged", "sequential", "padded"]
+    assert [e["engine"] for e in data["engines"]] == [
+        "paged pf", "paged df 256", "sequential", "padded"]  # paged under both policies
     assert all(e["requests_exact"] == 4 for e in data["engines"])
     assert data["engines"][0]["prefix_blocks_hit"] == 6  # 2 blocks, 3 later requests
     assert png.read_bytes()[:8] == PNG_SIGNATURE

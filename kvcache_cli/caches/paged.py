@@ -73,12 +73,9 @@ class PagedCache(KVCache):
         positions = start[:, None] + torch.arange(T, device=k.device)  # (B, T)
         blocks = table.gather(1, positions // self.block_size)  # (B, T)
         slots = positions % self.block_size  # (B, T)
-        # Two adjacent advanced indices keep their place: the slots are (nh, B, T, hs).
-        self.k[layer][:, blocks, slots] = k.transpose(0, 1)
-        self.v[layer][:, blocks, slots] = v.transpose(0, 1)
-        self.bytes_copied += nbytes(k) + nbytes(v)
+        self.write(layer, blocks, slots, k.transpose(0, 1), v.transpose(0, 1))
         n = table.size(1) * self.block_size
-        keys, values = self._gather(self.k[layer], table, 0), self._gather(self.v[layer], table, 1)
+        keys, values = self.gather(layer)
         if isinstance(start_pos, Tensor):
             # Rows of different lengths: `length` is the padded width (reading the
             # longest row's length would wait for the device every layer).
@@ -86,6 +83,20 @@ class PagedCache(KVCache):
             return keys, values  # every row's own keys, padded; the mask hides the rest
         self.length = start_pos + T
         return keys[:, :, : self.length], values[:, :, : self.length]  # the filled prefix
+
+    def write(self, layer: int, blocks: Tensor, slots: Tensor, k: Tensor, v: Tensor) -> None:
+        """Store k, v (nh, *idx, hs) at pool blocks `blocks` and slots `slots` (both *idx):
+        one layer's keys and values of any set of tokens, each at its own slot (a
+        serving step writes only its real tokens, never a padding row's)."""
+        # Two adjacent advanced indices keep their place: the slots are (nh, *idx, hs).
+        self.k[layer][:, blocks, slots] = k
+        self.v[layer][:, blocks, slots] = v
+        self.bytes_copied += nbytes(k) + nbytes(v)
+
+    def gather(self, layer: int) -> tuple[Tensor, Tensor]:
+        """Every bound row's keys and values, (B, nh, S, hs) with key j at slot j."""
+        table = self.block_tables
+        return self._gather(self.k[layer], table, 0), self._gather(self.v[layer], table, 1)
 
     def crop(self, length: int) -> None:
         if not 0 <= length <= self.length:

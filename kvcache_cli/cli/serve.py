@@ -27,20 +27,40 @@ def serve(
     model: ModelOption = "gpt2",
     weights: Annotated[str, typer.Option(
         help="auto (real if available, else random), pretrained, random.")] = "auto",
-    requests: Annotated[int, typer.Option(help="Requests in the workload.")] = 64,
+    requests: Annotated[int, typer.Option(help="Requests in the workload.")] = 24,
     prompt_len: Annotated[str, typer.Option(
         help="Prompt lengths MIN:MAX (after the shared prefix), drawn per request.")
-    ] = "16:512",
-    output_len: Annotated[str, typer.Option(help="Output lengths MIN:MAX, drawn per request.")
     ] = "16:256",
+    output_len: Annotated[str, typer.Option(help="Output lengths MIN:MAX, drawn per request.")
+    ] = "16:128",
     shared_prefix: Annotated[int, typer.Option(
-        help="Tokens every prompt starts with (a system prompt).")] = 0,
-    rate: Annotated[float | None, typer.Option(
-        help="Poisson arrivals, requests/s (default: all at once).")] = None,
+        help="Tokens every prompt starts with (a system prompt).")] = 64,
+    rate: Annotated[str | None, typer.Option(
+        help="Arrivals, requests/s; several, e.g. 1,2,4,8,inf, run the workload at each "
+        "and draw the curve (default: all at once, inf).")] = None,
+    burstiness: Annotated[float, typer.Option(
+        help="Gamma shape of the gaps between arrivals at a --rate: 1 Poisson, < 1 "
+        "burstier.")] = 1.0,
+    max_concurrency: Annotated[int | None, typer.Option(
+        help="Requests in flight at most; a request is sent when a slot frees "
+        "(default: no cap).")] = None,
+    goodput: Annotated[str | None, typer.Option(
+        help="Latency targets in ms, e.g. ttft:2000,tpot:100 (keys ttft, tpot, e2el): "
+        "goodput counts the requests meeting every one.")] = None,
     seed: Annotated[int, typer.Option(help="Seed of the workload.")] = 0,
     engines: Annotated[str, typer.Option(
         help="Comma-separated, from: sequential, padded, paged, hf (transformers' "
-        "continuous batching).")] = "sequential,padded,paged,hf",
+        "continuous batching).")] = "sequential,paged,hf",
+    policy: Annotated[str, typer.Option(
+        help="paged's scheduler, comma-separated for each: prefill-first (a whole prompt "
+        "alone, decodes wait) or decode-first (decodes, then prompt chunks, under "
+        "--token-budget).")] = "prefill-first,decode-first",
+    token_budget: Annotated[str, typer.Option(
+        help="decode-first's tokens per forward, comma-separated for each, e.g. "
+        "64,256,1024; at least one block.")] = "256",
+    layout: Annotated[str, typer.Option(
+        help="decode-first's forward: packed (rows back to back) or padded (a batch "
+        "padded to the longest chunk).")] = "packed",
     kv_mem: Annotated[str, typer.Option(
         help="KV memory every engine may hold: 256MiB, 1GB or bytes.")] = "256MiB",
     block_size: Annotated[int, typer.Option(help="Tokens per KV block (paged, hf).")] = 16,
@@ -56,14 +76,17 @@ def serve(
         help="Instead of the workload: decode-step time at these batch sizes, e.g. "
         "1,4,16,64, against the roofline.")] = None,
     plot: Annotated[Path | None, typer.Option(
-        help="Write KV in use and running sequences over time to this PNG.")] = None,
+        help="Write KV in use and running sequences over time to this PNG; with several "
+        "--rate, the curve: tokens/s against p99 TTFT and TPOT.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the raw result as JSON.")] = False,
 ) -> None:
     """Serve a seeded workload through several engines: paged + continuous batching
-    against one-at-a-time, padded batches and transformers' generate_batch.
+    (prefill-first and decode-first) against one-at-a-time, padded batches and
+    transformers' generate_batch.
 
-    Each request's tokens are checked against its solo generation; set-up is timed
-    apart from the run.
+    Latency as vLLM measures it (TTFT, TPOT, ITL, E2E; p50/p90/p99). Each request's
+    tokens are checked against its solo generation; set-up is timed apart from the
+    run. The default (24 requests, 4 runs) takes about 2 minutes on 2 quiet cores.
     """
     need_torch_extra("kvcache serve needs", *GPT2_MODULES, "transformers")
     from rich.console import Console
@@ -77,7 +100,8 @@ def serve(
     try:
         engines = _with_kv_dtypes(engines, kv_dtype, batch)
         dev, what = _check(device, model, requests, prompt_len, output_len, shared_prefix, rate,
-                           seed, engines, kv_mem, block_size, max_batch, threads, batch)
+                           seed, engines, kv_mem, block_size, max_batch, threads, batch,
+                           burstiness, max_concurrency, goodput, policy, token_budget, layout)
     except ValueError as err:
         fail(str(err))
     check_plot(plot)
@@ -89,11 +113,13 @@ def serve(
                 result = batching.run_sweep(loaded.model, what, threads=threads,
                                             model_name=loaded.source)
         else:
-            spec, engine_names, memory = what
-            with _progress(status) as on_step:
+            spec, variants, memory, rates, targets = what
+            runs = len(variants) * len(rates) * spec.requests
+            with _progress(status, runs, len(rates) > 1) as (on_step, on_done):
                 result = serving.run_serve(
-                    loaded.model, spec, engine_names, memory, block_size, max_batch,
-                    prefix_sharing, threads, loaded.source, loaded.note, on_step)
+                    loaded.model, spec, variants, memory, block_size, max_batch,
+                    prefix_sharing, threads, loaded.source, loaded.note, on_step, rates=rates,
+                    targets=targets, layout=layout, done=on_done)
     except (ValueError, IndexError) as err:
         fail(str(err))
     except RuntimeError as err:
@@ -102,14 +128,15 @@ def serve(
 
 
 def _check(device, model, requests, prompt_len, output_len, shared_prefix, rate, seed, engines,
-           kv_mem, block_size, max_batch, threads, batch):
-    """The device, and the batch sizes to sweep or (workload, engines, KV bytes); raises
-    ValueError for anything a user can get wrong."""
+           kv_mem, block_size, max_batch, threads, batch, burstiness, max_concurrency, goodput,
+           policy, token_budget, layout):
+    """The device, and the batch sizes to sweep or (workload, engine variants, KV bytes,
+    rates, goodput targets); raises ValueError for anything a user can get wrong."""
     import torch
 
     from kvcache_cli import bench, sizing
     from kvcache_cli.gpt2 import model_config
-    from kvcache_cli.serving import batching, workload
+    from kvcache_cli.serving import batching, metrics, model_runner, scheduler, workload
     from kvcache_cli.serving import engines as serving
 
     dev = str(bench.resolve_device(device))
@@ -118,14 +145,23 @@ def _check(device, model, requests, prompt_len, output_len, shared_prefix, rate,
         what = batching.parse_sizes(batch)
         batching.check_sweep(config)
     else:
+        rates = metrics.parse_rates(rate) if rate is not None else (None,)
         spec = workload.WorkloadSpec(
             requests, workload.parse_range(prompt_len, "--prompt-len"),
-            workload.parse_range(output_len, "--output-len"), shared_prefix, rate, seed)
+            workload.parse_range(output_len, "--output-len"), shared_prefix, rates[0], seed,
+            burstiness, max_concurrency)
         workload.check_spec(spec, config.block_size)
         engine_names = serving.parse_engines(engines)
+        policies = scheduler.parse_policy(policy)
+        budgets = serving.parse_budgets(token_budget, block_size)
+        if layout not in model_runner.LAYOUTS:
+            raise ValueError(f"--layout {layout!r}: expected one of "
+                             f"{', '.join(model_runner.LAYOUTS)}")
+        targets = metrics.parse_goodput(goodput) if goodput is not None else None
         memory = sizing.parse_bytes(kv_mem, "--kv-mem")
         serving.plan_memory(config, torch.float32, spec, memory, block_size, max_batch)
-        what = spec, engine_names, memory
+        what = (spec, serving.variants(engine_names, policies, budgets), memory, rates,
+                targets)
     if threads_error(threads):
         raise ValueError(threads_error(threads))
     return dev, what
@@ -145,24 +181,52 @@ def _with_kv_dtypes(engines: str, kv_dtype: str | None, batch: str | None) -> st
     return ",".join([engines, *(f"paged-{n}" for n in dict.fromkeys(names))])
 
 
-def _progress(console):
-    """The live line on stderr: each engine's requests done, running, waiting, KV in use."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+def _progress(console, total: int, several: bool):
+    """On a terminal, the live line on stderr: the engine's requests done, running,
+    waiting, KV in use, and the whole run's time left. Either way, one line per engine
+    (and rate) as it finishes."""
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     # Redrawn twice a second: the redraw thread shares the CPUs being timed.
     progress = Progress("{task.description}", BarColumn(), MofNCompleteColumn(), "requests",
                         TimeElapsedColumn(), console=console, transient=True,
                         refresh_per_second=2)
     task = progress.add_task("set-up", total=None)
+    overall = Progress("the whole run", BarColumn(), TimeRemainingColumn(), "left",
+                       console=console, transient=True, refresh_per_second=2)
+    whole = overall.add_task("run", total=total)
+    finished = [0]  # requests of the engines (and rates) already done
 
     def on_step(engine, done, total, running, waiting, used, reserved) -> None:
         kv = f" · KV {used / 2**20:,.0f}/{reserved / 2**20:,.0f} MiB" if reserved else ""
         progress.update(task, completed=done, total=total,
                         description=f"{engine}: {running} running · {waiting} waiting{kv}")
+        overall.update(whole, completed=finished[0] + done)
+
+    def on_done(e) -> None:
+        finished[0] += e.latency.requests
+        rate = "" if not several else (
+            ", all at once" if e.rate is None else f" at {e.rate:g} req/s")
+        console.print(f"{e.engine}{rate}: {e.tokens_per_s:,.1f} tok/s, {e.total_s:,.1f} s, "
+                      f"p99 TTFT {e.latency.ttft.p99:,.0f} ms, p99 ITL "
+                      f"{e.latency.itl.p99:,.0f} ms", highlight=False)
 
     @contextlib.contextmanager
     def live():
-        with progress:
-            yield on_step
+        if not console.is_terminal:
+            yield on_step, on_done
+            return
+        from rich.console import Group
+        from rich.live import Live
+
+        with Live(Group(progress, overall), console=console, transient=True,
+                  refresh_per_second=2):
+            yield on_step, on_done
 
     return live()

@@ -89,8 +89,12 @@ class BlockManager:
         self.refcount[block] = 1
         return block
 
-    def allocate(self, seq: Sequence) -> None:
-        """A block table for every token of seq: shared prefix blocks, then new ones."""
+    def allocate(self, seq: Sequence, whole: bool = True) -> None:
+        """A block table for every token of seq: shared prefix blocks, then new ones.
+
+        `whole`: this step computes every token (a prefill-first prefill), so its full
+        blocks are entered now; a chunked prefill enters them chunk by chunk.
+        """
         hits = self._cached_prefix(seq)
         for block in hits:
             if self.refcount[block] == 0:
@@ -100,9 +104,8 @@ class BlockManager:
         seq.block_table = hits + [self._take() for _ in
                                   range(self.blocks_for(len(seq.tokens)) - len(hits))]
         seq.num_cached = len(hits) * self.block_size
-        # Entered now, before the prefill computes them: prefills run one at a time in
-        # admission order, so a request admitted in the same step already finds them.
-        self.register_full_blocks(seq, len(seq.tokens))
+        if whole:
+            self.register_full_blocks(seq, len(seq.tokens))
 
     def append_slot(self, seq: Sequence) -> None:
         """Make room for the token at position num_cached (a new block when the last is full)."""
@@ -146,7 +149,13 @@ class BlockManager:
         seq.num_cached = n_tokens
 
     def register_full_blocks(self, seq: Sequence, n_tokens: int) -> None:
-        """Enter every full block of seq's first n_tokens under its hash."""
+        """Enter every full block of seq's first n_tokens under its hash.
+
+        The scheduler enters a block as soon as a step is to compute it, before the
+        forward runs: a request that hits it later in the same step is computed in a
+        later forward (prefill-first) or in the same one, where every layer writes all
+        rows' keys before any row reads them (decode-first).
+        """
         if not self.prefix_sharing:
             return
         n_full = n_tokens // self.block_size

@@ -5,7 +5,9 @@
 - `padded`: what a plain batched `generate()` does: fixed groups, every row decoded
   until the group's longest request is done (finished rows keep computing), each
   row in a contiguous slab long enough for the longest request;
-- `paged`: ours: `PagedCache` + continuous batching + prefix sharing;
+- `paged`: ours: `PagedCache` + continuous batching + prefix sharing, under each
+  scheduler policy asked for (prefill-first; decode-first at each token budget), each
+  a row of its own (`Variant`);
 - `paged-int8`, `paged-int4`, `paged-fp8` (serve's --kv-dtype): the same engine on a pool
   of quantised blocks (`caches.quantized`), as many as the same kv_mem holds;
 - `hf`: transformers' continuous batching (the manager behind
@@ -15,14 +17,15 @@
 (so it decides how many rows a group has), transformers' block count. One-time
 set-up (pools, transformers' manager, a short untimed warm-up request) is timed
 apart from the run. The clock starts when the first request may arrive; a request
-that has not arrived yet cannot be served.
+that has not arrived yet cannot be served. Every output token's time is kept, and
+`metrics` turns the timelines into vLLM's latency figures; with several `rates`
+the whole comparison runs once per rate (the curve).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -35,8 +38,9 @@ from kvcache_cli.caches.paged import PagedCache, block_bytes
 from kvcache_cli.caches.quantized import POOLS, make_pool
 from kvcache_cli.gpt2 import GPT
 from kvcache_cli.serving.block_manager import BlockManager
+from kvcache_cli.serving.metrics import Latency, RequestTimes, summarise
 from kvcache_cli.serving.model_runner import ModelRunner
-from kvcache_cli.serving.scheduler import Scheduler
+from kvcache_cli.serving.scheduler import Scheduler, Step
 from kvcache_cli.serving.sequence import Request
 from kvcache_cli.serving.sequence import Sequence as Seq
 from kvcache_cli.serving.workload import WorkloadSpec, make_requests
@@ -80,16 +84,65 @@ class Sample:
 
 
 @dataclass(frozen=True)
-class EngineResult:
+class Variant:
+    """An engine, and for paged its scheduler policy and token budget."""
+
     engine: str
+    policy: str | None = None  # paged only
+    token_budget: int | None = None  # decode-first only
+
+    @property
+    def name(self) -> str:
+        """`paged pf` (prefill-first), `paged df 256` (decode-first, 256 tokens a forward):
+        short enough for a table's first column beside seven figures."""
+        if self.policy is None:
+            return self.engine
+        if self.policy == "prefill-first":
+            return f"{self.engine} pf"
+        return f"{self.engine} df {self.token_budget}"
+
+
+def variants(engines: Sequence[str], policies: Sequence[str] = ("prefill-first",),
+             budgets: Sequence[int] = ()) -> tuple[Variant, ...]:
+    """Every engine once; paged once per policy, decode-first once per budget."""
+    out = []
+    for engine in engines:
+        if engine not in POOLS:  # the paged engine on any pool runs each policy
+            out.append(Variant(engine))
+            continue
+        for policy in policies:
+            if policy == "decode-first":
+                out += [Variant(engine, policy, b) for b in budgets]
+            else:
+                out.append(Variant(engine, policy))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What the paged engine's forwards carried."""
+
+    forwards: int
+    prompt_tokens: int  # computed, recomputations included
+    decode_tokens: int
+    stalled: int  # sequence-steps a sequence ready to decode waited while prompts ran
+    tokens_per_forward: float  # mean
+    budget_fill: float | None  # mean tokens / budget; None without a budget
+    # Where the run's time went: scheduling (block tables, admission, preemption), forwards
+    # that computed prompt tokens (mixed ones under decode-first), decode-only forwards.
+    schedule_s: float = 0.0
+    prompt_forward_s: float = 0.0
+    decode_forward_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class EngineResult:
+    engine: str  # the variant's name: "paged df 256" (`Variant.name`)
     setup_s: float  # one-time: pools, transformers' manager, a warm-up request
     total_s: float  # first arrival to last token
     output_tokens: int
     tokens_per_s: float  # output tokens / total_s
-    ttft_ms_p50: float  # arrival to first token
-    ttft_ms_p99: float
-    tpot_ms_p50: float  # per request: (last token - first token) / (tokens - 1)
-    tpot_ms_p99: float
+    latency: Latency  # vLLM's figures: TTFT, TPOT, ITL, E2E, throughputs, goodput
     kv_reserved_bytes: int | None  # what the engine holds for KV (pool, slabs)
     kv_peak_used_bytes: int | None  # blocks or slabs in use at the peak
     kv_utilisation: float | None  # real / in use, averaged over the run's time
@@ -100,6 +153,10 @@ class EngineResult:
     mismatches: tuple[Mismatch, ...]
     timeline: tuple[Sample, ...]
     pool_tokens: int | None = None  # tokens the paged pool holds at once (its blocks x size)
+    rate: float | None = None  # requests/s this run's arrivals came at; None: all at once
+    policy: str | None = None
+    token_budget: int | None = None
+    steps: StepStats | None = None  # paged only
     over_sequential: float | None = None  # tokens/s ratios, filled in by run_serve
     over_padded: float | None = None
     over_hf: float | None = None
@@ -128,7 +185,12 @@ class ServeResult:
     slab_len: int  # positions of one padded row
     max_batch: int
     prefix_sharing: bool
-    engines: tuple[EngineResult, ...]
+    engines: tuple[EngineResult, ...]  # every variant at every rate, rate by rate
+    rates: tuple[float | None, ...] = (None,)
+    goodput: dict[str, float] | None = None  # targets, ms
+
+    def at(self, rate: float | None) -> tuple[EngineResult, ...]:
+        return tuple(e for e in self.engines if e.rate == rate)
 
 
 # ---------------------------------------------------------------------------- inputs
@@ -145,6 +207,22 @@ def parse_engines(text: str) -> tuple[str, ...]:
     if "hf" in names:
         _check_hf_engine()
     return names
+
+
+def parse_budgets(text: str, block_size: int) -> tuple[int, ...]:
+    """`"64,256,1024"` -> (64, 256, 1024): decode-first's token budgets, each at least a block."""
+    from kvcache_cli.serving.scheduler import check_budget
+
+    try:
+        budgets = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise ValueError(f"--token-budget {text!r}: expected tokens per forward, "
+                         "comma-separated, e.g. 64,256,1024") from None
+    for b in budgets:
+        check_budget(b, block_size)
+    if len(set(budgets)) < len(budgets):
+        raise ValueError(f"--token-budget {text!r}: a budget given twice")
+    return budgets
 
 
 def _check_hf_engine() -> None:
@@ -194,14 +272,22 @@ def plan_memory(config, dtype: torch.dtype, spec: WorkloadSpec, kv_mem: int, blo
 
 
 class _Recorder:
-    """Arrivals, token times and memory samples of one engine's run."""
+    """Arrivals, token times and memory samples of one engine's run.
+
+    A request is sent when it has arrived and, under a concurrency cap, a slot is
+    free: request i waits for the (i - cap + 1)-th finish, and counts its latency
+    from then (vLLM's client waits on a semaphore before it sends).
+    """
 
     def __init__(self, engine: str, requests: Sequence[Request], device,
-                 progress: ProgressFn | None):
+                 progress: ProgressFn | None, max_concurrency: int | None = None):
         self.engine, self.requests, self.device, self.progress = engine, requests, device, progress
+        self.max_concurrency = max_concurrency
         self.tokens: dict[int, list[int]] = {}
-        self.first: dict[int, float] = {}
+        self.times: dict[int, list[float]] = {}  # when each output token appeared
+        self.sent: dict[int, float] = {}
         self.finish: dict[int, float] = {}
+        self.finished_at: list[float] = []  # finish times in the order requests finished
         self.samples: list[Sample] = []
         self.next_arrival = 0  # index of the first request not yet handed in
         self.reserved = 0  # KV bytes the engine holds, for the progress display
@@ -212,19 +298,37 @@ class _Recorder:
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - self.t0
 
+    def _slot_free_at(self, i: int) -> float | None:
+        """When request i may be sent under the cap; None: not yet."""
+        if self.max_concurrency is None or i < self.max_concurrency:
+            return 0.0
+        k = i - self.max_concurrency  # the (k + 1)-th finish frees its slot
+        return self.finished_at[k] if k < len(self.finished_at) else None
+
     def arrivals(self) -> Iterator[Request]:
-        """Requests that have arrived since the last call, in arrival order."""
+        """Requests sent since the last call, in arrival order."""
         now = time.perf_counter() - self.t0
-        while (self.next_arrival < len(self.requests)
-               and self.requests[self.next_arrival].arrival_s <= now):
+        while self.next_arrival < len(self.requests):
+            r = self.requests[self.next_arrival]
+            free = self._slot_free_at(self.next_arrival)
+            if r.arrival_s > now or free is None:
+                break
+            self.sent[r.id] = max(r.arrival_s, free)
             self.next_arrival += 1
-            yield self.requests[self.next_arrival - 1]
+            yield r
 
     def wait_for_arrival(self) -> None:
         """Sleep until the next request arrives (only when nothing else can run)."""
         if self.next_arrival < len(self.requests):
             ahead = self.requests[self.next_arrival].arrival_s - (time.perf_counter() - self.t0)
             time.sleep(max(0.0, ahead))
+
+    def token(self, rid: int, t: float) -> None:
+        self.times.setdefault(rid, []).append(t)
+
+    def done(self, rid: int, t: float) -> None:
+        self.finish[rid] = t
+        self.finished_at.append(t)
 
     @property
     def arrived(self) -> int:
@@ -255,11 +359,10 @@ def _run_sequential(model: GPT, requests, rec: _Recorder) -> None:
         for token in stream_tokens(model, list(r.prompt), r.max_new_tokens, "static",
                                    cache=cache):
             tokens.append(token)
-            t = rec.now()
-            rec.first.setdefault(r.id, t)
+            rec.token(r.id, rec.now())
             rec.sample(1, rec.arrived - len(rec.finish) - 1, cache.bytes_held,
                        cache.length * per_token)
-        rec.finish[r.id] = rec.now()
+        rec.done(r.id, rec.now())
 
 
 def _run_padded(model: GPT, requests, rec: _Recorder, plan: Plan) -> None:
@@ -277,36 +380,58 @@ def _run_padded(model: GPT, requests, rec: _Recorder, plan: Plan) -> None:
         seqs = [Seq(r, block_table=[row]) for row, r in enumerate(group)]
         for s in seqs:
             s.tokens.append(runner.prefill(s))
-            rec.first[s.request.id] = rec.now()
+            rec.token(s.request.id, rec.now())
             if s.done:
-                rec.finish[s.request.id] = rec.first[s.request.id]
+                rec.done(s.request.id, rec.times[s.request.id][0])
         for _ in range(max(r.max_new_tokens for r in group) - 1):
             # Every row, done or not, as a padded batch does: the group's shape is fixed.
-            for s, token in zip(seqs, runner.decode(tuple(seqs)), strict=True):
+            tokens = runner.decode(tuple(seqs))
+            t = rec.now()
+            for s, token in zip(seqs, tokens, strict=True):
                 s.tokens.append(token)
+                if len(s.generated) <= s.request.max_new_tokens:
+                    rec.token(s.request.id, t)
                 if len(s.generated) == s.request.max_new_tokens:
-                    rec.finish[s.request.id] = rec.now()
+                    rec.done(s.request.id, t)
             queue += rec.arrivals()
             real = sum(min(s.num_cached, len(s.request.prompt) + s.request.max_new_tokens)
                        for s in seqs)
             rec.sample(len(seqs), len(queue), cache.bytes_held, real * per_token)
         for s in seqs:
             rec.tokens[s.request.id] = s.generated[: s.request.max_new_tokens]
-            rec.finish.setdefault(s.request.id, rec.now())
 
 
 @dataclass
 class _PagedState:
     blocks: BlockManager
     scheduler: Scheduler
+    steps: list[Step]
+    times: list[tuple[float, float]]  # per step: (scheduling s, forwards s)
+
+
+def _step_stats(steps: Sequence[Step], times: Sequence[tuple[float, float]],
+                budget: int | None) -> StepStats:
+    tokens = sum(st.tokens for st in steps)
+    # A prefill-first prefill runs each admitted prompt in a forward of its own.
+    forwards = sum(len(st.prefill) + bool(st.decode) + bool(st.chunks) for st in steps)
+    return StepStats(
+        forwards=forwards, prompt_tokens=sum(st.prompt_tokens for st in steps),
+        decode_tokens=sum(st.decode_tokens for st in steps),
+        stalled=sum(st.stalled for st in steps), tokens_per_forward=tokens / max(1, forwards),
+        budget_fill=None if budget is None or not steps else tokens / (len(steps) * budget),
+        schedule_s=sum(t for t, _ in times),
+        prompt_forward_s=sum(f for st, (_, f) in zip(steps, times) if st.prompt_tokens),
+        decode_forward_s=sum(f for st, (_, f) in zip(steps, times) if not st.prompt_tokens))
 
 
 def _run_paged(model: GPT, requests, rec: _Recorder, plan: Plan, block_size: int,
-               max_batch: int, prefix_sharing: bool, cache: PagedCache) -> _PagedState:
+               max_batch: int, prefix_sharing: bool, cache: PagedCache,
+               policy: str = "prefill-first", token_budget: int | None = None,
+               layout: str = "packed") -> _PagedState:
     blocks = BlockManager(plan.n_blocks, block_size, prefix_sharing)
-    scheduler = Scheduler(blocks, max_batch)
-    state = _PagedState(blocks, scheduler)
-    runner = ModelRunner(model, cache)
+    scheduler = Scheduler(blocks, max_batch, policy, token_budget)
+    state = _PagedState(blocks, scheduler, [], [])
+    runner = ModelRunner(model, cache, layout)
     one_block = cache.bytes_held // plan.n_blocks  # full-precision or quantised blocks
     per_token = one_block // block_size
     rec.reserved = cache.bytes_held
@@ -316,23 +441,37 @@ def _run_paged(model: GPT, requests, rec: _Recorder, plan: Plan, block_size: int
         if scheduler.idle:
             rec.wait_for_arrival()
             continue
+        started = rec.now()
         step = scheduler.schedule()
-        if not step.prefill and not step.decode:
+        if step.empty:
             raise RuntimeError("the scheduler found nothing to run: the pool is too small")
+        scheduled = rec.now()
+        state.steps.append(step)
+        sampled: list[Seq] = []  # sequences that got a token this step
         for s in step.prefill:
             s.tokens.append(runner.prefill(s))
-            rec.first.setdefault(s.request.id, rec.now())
+            rec.token(s.request.id, rec.now())
         if step.decode:
             for s, token in zip(step.decode, runner.decode(step.decode), strict=True):
                 s.tokens.append(token)
-                if s.num_cached % block_size == 0:  # a block just filled
-                    blocks.register_full_blocks(s, s.num_cached)
+                sampled.append(s)
+        if step.chunks:
+            for c, token in zip(step.chunks, runner.step(step.chunks), strict=True):
+                if token is not None:
+                    c.seq.tokens.append(token)
+                    sampled.append(c.seq)
+        t = rec.now()
+        state.times.append((scheduled - started, t - scheduled))
+        for s in sampled:
+            rec.token(s.request.id, t)
+            if s.num_cached % block_size == 0:  # a block just filled
+                blocks.register_full_blocks(s, s.num_cached)
         rec.sample(len(scheduler.running), len(scheduler.waiting),
                    blocks.blocks_in_use * one_block,
                    blocks.tokens_stored(scheduler.running) * per_token)
         for s in [s for s in scheduler.running if s.done]:
             scheduler.finish(s)
-            rec.finish[s.request.id] = rec.now()
+            rec.done(s.request.id, rec.times[s.request.id][-1])
             rec.tokens[s.request.id] = s.generated
     return state
 
@@ -390,20 +529,17 @@ def _hf_collect(manager, requests, rec: _Recorder | None) -> None:
         r = pending.pop(result.request_id)
         if rec is not None:
             rec.tokens[r.id] = list(result.generated_tokens)
-            stamps = result.timestamps or [result.lifespan[1]]
-            rec.first[r.id] = stamps[0] - rec.t0
-            rec.finish[r.id] = stamps[-1] - rec.t0
+            # One time per token when it keeps them; else the finish for every token.
+            stamps = list(result.timestamps or [])
+            if len(stamps) != len(result.generated_tokens):
+                stamps = [result.lifespan[1]] * len(result.generated_tokens)
+            rec.times[r.id] = [t - rec.t0 for t in stamps]
+            rec.done(r.id, stamps[-1] - rec.t0)
             if rec.progress is not None:
                 rec.progress(rec.engine, len(rec.finish), len(rec.requests), 0, 0, 0, 0)
 
 
 # ---------------------------------------------------------------------------- summary
-
-
-def _percentile(values: Sequence[float], p: float) -> float:
-    """Nearest rank: a value that occurred, not an interpolation."""
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(p * len(ordered)) - 1)] if ordered else float("nan")
 
 
 def _mismatches(model: GPT, requests, tokens: dict[int, list[int]],
@@ -427,12 +563,12 @@ def _mismatches(model: GPT, requests, tokens: dict[int, list[int]],
 
 
 def _summarise(engine: str, setup_s: float, rec: _Recorder, model: GPT,
-               reference: dict[int, list[int]], **memory) -> EngineResult:
+               reference: dict[int, list[int]], targets: dict[str, float] | None,
+               **memory) -> EngineResult:
     total = max(rec.finish.values())
     n_out = sum(len(t) for t in rec.tokens.values())
-    ttft = [(rec.first[r.id] - r.arrival_s) * 1e3 for r in rec.requests]
-    tpot = [(rec.finish[r.id] - rec.first[r.id]) * 1e3 / (len(rec.tokens[r.id]) - 1)
-            for r in rec.requests if len(rec.tokens[r.id]) > 1]
+    times = [RequestTimes(rec.sent[r.id], tuple(rec.times[r.id]), len(r.prompt))
+             for r in rec.requests]
     samples = rec.samples
     utilisation = None
     if samples:
@@ -445,9 +581,7 @@ def _summarise(engine: str, setup_s: float, rec: _Recorder, model: GPT,
     mismatches = _mismatches(model, rec.requests, rec.tokens, reference)
     return EngineResult(
         engine=engine, setup_s=setup_s, total_s=total, output_tokens=n_out,
-        tokens_per_s=n_out / total,
-        ttft_ms_p50=_percentile(ttft, 0.5), ttft_ms_p99=_percentile(ttft, 0.99),
-        tpot_ms_p50=_percentile(tpot, 0.5), tpot_ms_p99=_percentile(tpot, 0.99),
+        tokens_per_s=n_out / total, latency=summarise(times, total, targets),
         kv_reserved_bytes=memory.get("reserved"),
         kv_peak_used_bytes=max((s.kv_used_bytes for s in samples), default=None),
         kv_utilisation=utilisation,
@@ -458,6 +592,7 @@ def _summarise(engine: str, setup_s: float, rec: _Recorder, model: GPT,
         requests_exact=len(rec.requests) - len(mismatches),
         mismatches=mismatches,
         timeline=tuple(samples),
+        steps=memory.get("steps"),
     )
 
 
@@ -467,11 +602,11 @@ def _warmup_request(spec: WorkloadSpec) -> Request:
     return Request(-1, (0,) * prompt, max(1, min(4, spec.longest - prompt)), 0.0)
 
 
-def _prepare(engine: str, model: GPT, spec: WorkloadSpec, plan: Plan, block_size: int,
-             max_batch: int, prefix_sharing: bool, stack: contextlib.ExitStack
-             ) -> Callable[[Sequence[Request], _Recorder], dict]:
+def _prepare(variant: Variant, model: GPT, spec: WorkloadSpec, plan: Plan, block_size: int,
+             max_batch: int, prefix_sharing: bool, stack: contextlib.ExitStack,
+             layout: str = "packed") -> Callable[[Sequence[Request], _Recorder], dict]:
     """The engine's one-time set-up, warm-up included; returns how to run it."""
-    device, warmup = model.device, [_warmup_request(spec)]
+    device, warmup, engine = model.device, [_warmup_request(spec)], variant.engine
 
     def recorder() -> _Recorder:
         return _Recorder(engine, warmup, device, None)
@@ -485,14 +620,18 @@ def _prepare(engine: str, model: GPT, spec: WorkloadSpec, plan: Plan, block_size
     if engine in POOLS:
         cache = make_pool(engine, model.config, plan.kv_mem, block_size, device, model.dtype)
         plan = dataclasses.replace(plan, n_blocks=cache.k.size(2))
-        _run_paged(model, warmup, recorder(), plan, block_size, max_batch, False, cache)
+        policy = dict(policy=variant.policy or "prefill-first",
+                      token_budget=variant.token_budget, layout=layout)
+        _run_paged(model, warmup, recorder(), plan, block_size, max_batch, False, cache,
+                   **policy)
 
         def run_paged(requests, rec) -> dict:
             state = _run_paged(model, requests, rec, plan, block_size, max_batch,
-                               prefix_sharing, cache)
+                               prefix_sharing, cache, **policy)
             return dict(prefix_hits=state.blocks.prefix_hits,
                         preemptions=state.scheduler.preemptions,
-                        pool_tokens=plan.n_blocks * block_size)
+                        pool_tokens=plan.n_blocks * block_size,
+                        steps=_step_stats(state.steps, state.times, variant.token_budget))
 
         return run_paged
     from kvcache_cli.bench import _quiet_transformers
@@ -504,24 +643,50 @@ def _prepare(engine: str, model: GPT, spec: WorkloadSpec, plan: Plan, block_size
     return lambda requests, rec: _hf_collect(manager, requests, rec) or dict(reserved=reserved)
 
 
-def run_engine(engine: str, model: GPT, requests: Sequence[Request], spec: WorkloadSpec,
-               plan: Plan, block_size: int, max_batch: int, prefix_sharing: bool,
-               reference: dict[int, list[int]] | None,
-               progress: ProgressFn | None = None) -> tuple[EngineResult, dict[int, list[int]]]:
-    """One engine over the workload: (its result, each request's tokens).
+def run_variant(variant: Variant | str, model: GPT,
+                workloads: Sequence[tuple[float | None, Sequence[Request]]], spec: WorkloadSpec,
+                plan: Plan, block_size: int, max_batch: int, prefix_sharing: bool,
+                reference: dict[int, list[int]] | None, progress: ProgressFn | None = None,
+                targets: dict[str, float] | None = None, layout: str = "packed",
+                done: Callable[[EngineResult], None] | None = None,
+                ) -> list[tuple[EngineResult, dict[int, list[int]]]]:
+    """One engine, set up once, over each (rate, requests): its results and tokens.
 
-    Without a `reference` (the sequential engine's own run), the tokens are the
-    reference: every request generated alone.
+    Without a `reference` (the sequential engine's own run), the tokens of its first
+    run are the reference: every request generated alone.
     """
+    import dataclasses
+
+    variant = variant if isinstance(variant, Variant) else Variant(variant)
+    out = []
     with contextlib.ExitStack() as stack:
         start = time.perf_counter()
-        run = _prepare(engine, model, spec, plan, block_size, max_batch, prefix_sharing, stack)
+        run = _prepare(variant, model, spec, plan, block_size, max_batch, prefix_sharing,
+                       stack, layout)
         setup_s = time.perf_counter() - start
-        rec = _Recorder(engine, requests, model.device, progress)
-        memory = run(requests, rec)
-    memory.setdefault("reserved", rec.reserved)
-    reference = rec.tokens if reference is None else reference
-    return _summarise(engine, setup_s, rec, model, reference, **memory), rec.tokens
+        for rate, requests in workloads:
+            rec = _Recorder(variant.name, requests, model.device, progress,
+                            spec.max_concurrency)
+            memory = run(requests, rec)
+            memory.setdefault("reserved", rec.reserved)
+            reference = rec.tokens if reference is None else reference
+            result = dataclasses.replace(
+                _summarise(variant.name, setup_s, rec, model, reference, targets, **memory),
+                rate=rate, policy=variant.policy, token_budget=variant.token_budget)
+            if done is not None:
+                done(result)
+            out.append((result, rec.tokens))
+    return out
+
+
+def run_engine(engine: Variant | str, model: GPT, requests: Sequence[Request],
+               spec: WorkloadSpec, plan: Plan, block_size: int, max_batch: int,
+               prefix_sharing: bool, reference: dict[int, list[int]] | None,
+               progress: ProgressFn | None = None, targets: dict[str, float] | None = None,
+               layout: str = "packed") -> tuple[EngineResult, dict[int, list[int]]]:
+    """One engine over one workload: (its result, each request's tokens)."""
+    return run_variant(engine, model, [(spec.rate, requests)], spec, plan, block_size,
+                       max_batch, prefix_sharing, reference, progress, targets, layout)[0]
 
 
 def solo_tokens(model: GPT, requests: Sequence[Request]) -> dict[int, list[int]]:
@@ -532,53 +697,70 @@ def solo_tokens(model: GPT, requests: Sequence[Request]) -> dict[int, list[int]]
             for r in requests}
 
 
-def _ratio(a: EngineResult, results: dict[str, EngineResult], base: str) -> float | None:
-    return a.tokens_per_s / results[base].tokens_per_s if base in results else None
-
-
-def run_serve(model: GPT, spec: WorkloadSpec, engines: Sequence[str], kv_mem: int,
+def run_serve(model: GPT, spec: WorkloadSpec, engines: Sequence[str | Variant], kv_mem: int,
               block_size: int = BLOCK_SIZE, max_batch: int = 256, prefix_sharing: bool = True,
               threads: int | None = None, model_name: str = "", weights_note: str | None = None,
-              progress: ProgressFn | None = None) -> ServeResult:
-    """The workload through each engine in turn; one comparison."""
+              progress: ProgressFn | None = None, rates: Sequence[float | None] | None = None,
+              targets: dict[str, float] | None = None, layout: str = "packed",
+              done: Callable[[EngineResult], None] | None = None) -> ServeResult:
+    """The workload through each engine in turn, at each rate; one comparison.
+
+    `rates` (requests/s, None for all at once) replace the spec's own rate; the
+    workload is otherwise the same seeded one at every rate. `done` hears of each
+    engine's result at each rate as it finishes.
+    """
     import dataclasses
 
     from kvcache_cli.bench import _device_name, _OtherProcesses, _transformers_version
 
+    rates = tuple(rates) if rates else (spec.rate,)
     plan = plan_memory(model.config, model.dtype, spec, kv_mem, block_size, max_batch)
-    requests = make_requests(spec, model.config.vocab_size)
+    workloads = [(rate, make_requests(dataclasses.replace(spec, rate=rate),
+                                      model.config.vocab_size)) for rate in rates]
+    requests = workloads[0][1]
+    chosen = [v if isinstance(v, Variant) else Variant(v) for v in engines]
     others = _OtherProcesses()
     previous_threads = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        results: dict[str, EngineResult] = {}
+        results: dict[str, list[EngineResult]] = {}
         reference = None
         # The sequential run is every request alone: run first, it is the reference.
-        for name in sorted(engines, key=lambda n: n != "sequential"):
-            if reference is None and name != "sequential":
+        for v in sorted(chosen, key=lambda v: v.engine != "sequential"):
+            if reference is None and v.engine != "sequential":
                 reference = solo_tokens(model, requests)
-            results[name], tokens = run_engine(name, model, requests, spec, plan, block_size,
-                                               max_batch, prefix_sharing, reference, progress)
-            reference = tokens if reference is None else reference
+            runs = run_variant(v, model, workloads, spec, plan, block_size, max_batch,
+                               prefix_sharing, reference, progress, targets, layout, done)
+            results[v.name] = [r for r, _ in runs]
+            reference = runs[0][1] if reference is None else reference
         used_threads = torch.get_num_threads()
     finally:
         torch.set_num_threads(previous_threads)
+
+    def ratio(e: EngineResult, base: str) -> float | None:
+        if base not in results:
+            return None
+        other = next(b for b in results[base] if b.rate == e.rate)
+        return e.tokens_per_s / other.tokens_per_s
+
     ordered = tuple(dataclasses.replace(
-        results[n],
-        over_sequential=_ratio(results[n], results, "sequential"),
-        over_padded=_ratio(results[n], results, "padded"),
-        over_hf=_ratio(results[n], results, "hf")) for n in engines)
+        e, over_sequential=ratio(e, "sequential"), over_padded=ratio(e, "padded"),
+        over_hf=ratio(e, "hf"))
+        for rate in rates for v in chosen for e in results[v.name] if e.rate == rate)
     return ServeResult(
         model=model_name, weights_note=weights_note, device=model.device.type,
         device_name=_device_name(model.device), cpus=os.cpu_count() or 1,
         threads=used_threads, others_cpu_share=others.share(),
         dtype=str(model.dtype).removeprefix("torch."), torch_version=torch.__version__,
-        transformers_version=_transformers_version() if "hf" in engines else None,
-        workload=spec, prompt_tokens=sum(len(r.prompt) for r in requests),
+        transformers_version=(_transformers_version()
+                              if any(v.engine == "hf" for v in chosen) else None),
+        workload=dataclasses.replace(spec, rate=rates[0]),
+        prompt_tokens=sum(len(r.prompt) for r in requests),
         output_tokens=sum(r.max_new_tokens for r in requests), kv_mem_bytes=kv_mem,
         block_size=block_size, n_blocks=plan.n_blocks,
         bytes_per_token=block_bytes(model.config, 1, model.dtype),
         padded_rows=plan.padded_rows, slab_len=plan.slab_len, max_batch=max_batch,
-        prefix_sharing=prefix_sharing, engines=ordered,
+        prefix_sharing=prefix_sharing, engines=ordered, rates=rates,
+        goodput=dict(targets) if targets else None,
     )

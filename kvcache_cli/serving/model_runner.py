@@ -3,24 +3,48 @@
 The model never sees the scheduler: it gets token ids, the position of each row and
 a `PagedCache` bound to the rows' block tables. Greedy choice, as the bench's solo
 runs make, so every request can be checked against its solo generation.
+
+`prefill` and `decode` serve the prefill-first policy through `GPT.forward`. `step`
+serves decode-first, whose one forward mixes one-token decodes with prompt chunks of
+hundreds: rows at different positions with different numbers of new tokens. Two
+layouts, measured against each other (`scripts/serve_layouts.py`):
+- `packed` (vLLM's varlen layout): every row's tokens one after another as a single
+  sequence of N tokens, so the matmuls (most of a step) do exactly N rows; attention
+  alone is per row: the one-token rows in one batched call, each chunk in its own;
+- `padded`: a (B, T) batch, every row padded to the longest, through one attention
+  call under a per-row mask; the matmuls do B x T rows, padding included.
+Both walk the model's own modules (`GPT.forward` takes rows of one length); only
+real tokens write the cache, so padding never lands on a live slot.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from collections.abc import Sequence as Seqs
+
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from kvcache_cli.caches.paged import PagedCache
-from kvcache_cli.gpt2 import GPT
+from kvcache_cli.gpt2 import GPT, CausalSelfAttention
+from kvcache_cli.serving.scheduler import Chunk
 from kvcache_cli.serving.sequence import Sequence
+
+LAYOUTS = ("packed", "padded")
+
+# How one layer's attention runs: (layer, its module, its input x) -> its output.
+AttendFn = Callable[[int, CausalSelfAttention, Tensor], Tensor]
 
 
 class ModelRunner:
-    def __init__(self, model: GPT, cache: PagedCache):
-        self.model, self.cache = model, cache
+    def __init__(self, model: GPT, cache: PagedCache, layout: str = "packed"):
+        if layout not in LAYOUTS:
+            raise ValueError(f"unknown layout {layout!r}; valid layouts: {', '.join(LAYOUTS)}")
+        self.model, self.cache, self.layout = model, cache, layout
         self.device = model.device
 
-    def _tables(self, seqs: tuple[Sequence, ...] | list[Sequence]) -> Tensor:
+    def _tables(self, seqs: Seqs[Sequence]) -> Tensor:
         width = max(len(s.block_table) for s in seqs)
         # Padding with block 0 is safe: the mask hides whatever it holds.
         rows = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
@@ -45,3 +69,115 @@ class ModelRunner:
         for s in seqs:
             s.num_cached += 1
         return logits[:, -1].argmax(dim=-1).tolist()
+
+    @torch.inference_mode()
+    def step(self, chunks: Seqs[Chunk]) -> list[int | None]:
+        """Every chunk in one forward; per chunk the next token's id where the chunk
+        reaches its sequence's last token (a decode, a prompt's last chunk), else None."""
+        if not chunks:
+            return []
+        self.cache.bind(self._tables([c.seq for c in chunks]))
+        forward = self._packed if self.layout == "packed" else self._padded
+        logits = forward(chunks)  # (B, vocab): each row's last token
+        for c in chunks:
+            c.seq.num_cached = c.start + c.length
+        ids = logits.argmax(dim=-1).tolist()
+        return [i if c.samples else None for c, i in zip(chunks, ids, strict=True)]
+
+    def _run(self, idx: Tensor, pos: Tensor, attend: AttendFn, last: Tensor) -> Tensor:
+        """GPT-2's forward over idx at positions pos, attention by `attend`; the logits
+        (B, vocab) of the flat token indices `last`."""
+        t = self.model.transformer
+        x = t.wte(idx) + t.wpe(pos)  # (R, T, C)
+        for layer, block in enumerate(t.h):
+            x = x + attend(layer, block.attn, block.ln_1(x))
+            x = x + block.mlp(block.ln_2(x))
+        x = x.flatten(0, 1)[last]  # (B, C)
+        return self.model.lm_head(t.ln_f(x))  # (B, vocab)
+
+    def _packed(self, chunks: Seqs[Chunk]) -> Tensor:
+        dev, bs = self.device, self.cache.block_size
+        tokens = [t for c in chunks for t in c.seq.tokens[c.start : c.start + c.length]]
+        positions = [p for c in chunks for p in range(c.start, c.start + c.length)]
+        idx = torch.tensor([tokens], device=dev)  # (1, N)
+        pos = torch.tensor([positions], device=dev)  # (1, N)
+        lengths = torch.tensor([c.length for c in chunks], device=dev)  # (B,)
+        row = torch.repeat_interleave(torch.arange(len(chunks), device=dev), lengths)  # (N,)
+        blocks = self.cache.block_tables[row, pos[0] // bs]  # (N,)
+        slots = pos[0] % bs  # (N,)
+        offsets, n = [], 0  # where each row's tokens start in the packed sequence
+        for c in chunks:
+            offsets.append(n)
+            n += c.length
+        singles = [b for b, c in enumerate(chunks) if c.length == 1]
+        single_at = torch.tensor([offsets[b] for b in singles], device=dev)  # (B1,)
+        single_rows = torch.tensor(singles, device=dev)  # (B1,)
+        single_pos = torch.tensor([chunks[b].start for b in singles], device=dev)  # (B1,)
+
+        def attend(layer: int, attn: CausalSelfAttention, x: Tensor) -> Tensor:
+            _, N, C = x.shape
+            nh = attn.n_head
+            hs = C // nh
+            q, k, v = attn.c_attn(x)[0].split(C, dim=1)  # each (N, C)
+            q = q.view(N, nh, hs).transpose(0, 1)  # (nh, N, hs)
+            k = k.view(N, nh, hs).transpose(0, 1)  # (nh, N, hs)
+            v = v.view(N, nh, hs).transpose(0, 1)  # (nh, N, hs)
+            self.cache.write(layer, blocks, slots, k, v)
+            keys, values = self.cache.gather(layer)  # (B, nh, S, hs), every row's own
+            y = torch.empty_like(q)  # (nh, N, hs)
+            if singles:
+                # One query a row, at position start: it may see slots 0 .. start.
+                qs = q[:, single_at].transpose(0, 1)[:, :, None]  # (B1, nh, 1, hs)
+                S = keys.size(2)
+                mask = torch.arange(S, device=dev) <= single_pos[:, None]  # (B1, S)
+                ys = F.scaled_dot_product_attention(
+                    qs, keys[single_rows], values[single_rows], attn_mask=mask[:, None, None])
+                y[:, single_at] = ys[:, :, 0].transpose(0, 1)  # (nh, B1, hs)
+            for b, c in enumerate(chunks):
+                if c.length == 1:
+                    continue
+                end = c.start + c.length  # the chunk's queries see keys 0 .. end - 1
+                qc = q[None, :, offsets[b] : offsets[b] + c.length]  # (1, nh, T, hs)
+                kc, vc = keys[b : b + 1, :, :end], values[b : b + 1, :, :end]  # (1, nh, end, hs)
+                # Query i sits at start + i: the causal mask aligned bottom right.
+                mask = torch.ones(c.length, end, dtype=torch.bool, device=dev).tril(c.start)
+                y[:, offsets[b] : offsets[b] + c.length] = F.scaled_dot_product_attention(
+                    qc, kc, vc, attn_mask=mask)[0]
+            return attn.c_proj(y.transpose(0, 1).reshape(1, N, C))  # (1, N, C)
+
+        last = torch.tensor([o + c.length - 1 for o, c in zip(offsets, chunks)], device=dev)
+        return self._run(idx, pos, attend, last)
+
+    def _padded(self, chunks: Seqs[Chunk]) -> Tensor:
+        dev, bs = self.device, self.cache.block_size
+        B, T = len(chunks), max(c.length for c in chunks)
+        # Padding repeats a row's last token at its last position: a valid embedding
+        # whose output is dropped and whose keys are never written.
+        idx = torch.tensor([c.seq.tokens[c.start : c.start + c.length]
+                            + [c.seq.tokens[c.start + c.length - 1]] * (T - c.length)
+                            for c in chunks], device=dev)  # (B, T)
+        start = torch.tensor([c.start for c in chunks], device=dev)  # (B,)
+        lengths = torch.tensor([c.length for c in chunks], device=dev)  # (B,)
+        steps = torch.arange(T, device=dev)  # (T,)
+        real = steps < lengths[:, None]  # (B, T)
+        pos = start[:, None] + torch.minimum(steps, lengths[:, None] - 1)  # (B, T)
+        blocks = self.cache.block_tables.gather(1, pos // bs)[real]  # (N,)
+        slots = (pos % bs)[real]  # (N,)
+
+        def attend(layer: int, attn: CausalSelfAttention, x: Tensor) -> Tensor:
+            C = x.size(2)
+            nh = attn.n_head
+            hs = C // nh
+            q, k, v = attn.c_attn(x).split(C, dim=2)  # each (B, T, C)
+            q = q.view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
+            k = k.view(B, T, nh, hs).permute(2, 0, 1, 3)[:, real]  # (nh, N, hs): real only
+            v = v.view(B, T, nh, hs).permute(2, 0, 1, 3)[:, real]  # (nh, N, hs)
+            self.cache.write(layer, blocks, slots, k, v)
+            keys, values = self.cache.gather(layer)  # (B, nh, S, hs)
+            S = keys.size(2)
+            mask = torch.arange(S, device=dev) <= pos[:, :, None]  # (B, T, S)
+            y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None])
+            return attn.c_proj(y.transpose(1, 2).reshape(B, T, C))  # (B, T, C)
+
+        last = torch.arange(B, device=dev) * T + lengths - 1  # (B,) flat indices
+        return self._run(idx, pos, attend, last)

@@ -1,6 +1,8 @@
 """`kvcache serve --plot`: KV in use and running sequences over time, one colour per
-engine; for `--batch`, tokens/s against batch size beside the roofline. matplotlib
-is imported only here, and only when a plot is asked for."""
+engine; with several `--rate`s, the curve instead: output tokens/s against p99 TTFT
+and p99 TPOT, a point per rate, a line per engine and policy; for `--batch`,
+tokens/s against batch size beside the roofline. matplotlib is imported only here,
+and only when a plot is asked for."""
 
 from __future__ import annotations
 
@@ -32,6 +34,8 @@ def save_plot(result: ServeResult | SweepResult, path: str | Path) -> Path:
         ax.set_title(f"{result.model} · {result.device} ({result.threads} threads)", fontsize=9)
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
+    elif len(result.rates) > 1:
+        _curve(fig, result)
     else:
         kv, running = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
         for e in result.engines:
@@ -58,3 +62,29 @@ def save_plot(result: ServeResult | SweepResult, path: str | Path) -> Path:
     path = Path(path)
     fig.savefig(path, format="png")
     return path
+
+
+def _curve(fig, result: ServeResult) -> None:
+    ttft, tpot = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    names = list(dict.fromkeys(e.engine for e in result.engines))
+    styles = ["o-", "s--", "^-.", "v:", "D-", "P--"]
+    for i, name in enumerate(names):
+        runs = [e for e in result.engines if e.engine == name]
+        color = COLORS.get(runs[0].engine.split()[0])
+        style = styles[i % len(styles)]
+        tok_s = [e.tokens_per_s for e in runs]
+        ttft.plot(tok_s, [e.latency.ttft.p99 for e in runs], style, color=color, label=name,
+                  lw=1.2, ms=4)
+        tpot.plot(tok_s, [e.latency.tpot.p99 for e in runs], style, color=color, label=name,
+                  lw=1.2, ms=4)
+    rates = ", ".join("inf" if r is None else f"{r:g}" for r in result.rates)
+    for ax, what, key in ((ttft, "p99 TTFT", "ttft"), (tpot, "p99 TPOT", "tpot")):
+        ax.set_xlabel("output tokens/s")
+        ax.set_ylabel(f"{what} (ms)")
+        ax.set_yscale("log")
+        target = (result.goodput or {}).get(key)
+        if target is not None:
+            ax.axhline(target, color="grey", ls=":", lw=1, label=f"target {target:g} ms")
+        ax.set_title(f"{what} against throughput · rates {rates} requests/s", fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)

@@ -47,5 +47,15 @@ class Sequence:
         return self.tokens[len(self.request.prompt) :]
 
     @property
+    def to_compute(self) -> int:
+        """Tokens whose keys and values the cache does not hold yet."""
+        return len(self.tokens) - self.num_cached
+
+    @property
+    def decoding(self) -> bool:
+        """Past its prompt: one token to compute, the one it generated last."""
+        return self.to_compute == 1 and len(self.tokens) > len(self.request.prompt)
+
+    @property
     def done(self) -> bool:
         return len(self.generated) >= self.request.max_new_tokens

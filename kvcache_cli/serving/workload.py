@@ -3,8 +3,11 @@
 Prompts are random token ids (speed and exactness do not depend on what they say),
 each a shared prefix (a system prompt, the same for every request) and a user part
 of a length drawn from a range; output lengths are drawn from another. Arrivals
-are all at once (the offline-throughput case) or a Poisson process at `rate`
-requests/s. Standard library only: a bad workload is refused before torch loads.
+are all at once (the offline-throughput case) or, as vLLM's benchmark draws them, a
+gamma process at `rate` requests/s whose shape is `burstiness` (1: Poisson; below 1
+burstier, above 1 more even). `max_concurrency` caps the requests in flight: a
+request is sent when it has arrived and a slot is free (the engines' clocks).
+Standard library only: a bad workload is refused before torch loads.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ class WorkloadSpec:
     shared_prefix: int
     rate: float | None  # requests/s; None: all arrive at once
     seed: int
+    burstiness: float = 1.0  # the gamma shape of the gaps between arrivals
+    max_concurrency: int | None = None  # requests in flight at most; None: no cap
 
     @property
     def longest(self) -> int:
@@ -49,6 +54,12 @@ def check_spec(spec: WorkloadSpec, window: int) -> None:
         raise ValueError(f"--shared-prefix {spec.shared_prefix}: expected 0 or more tokens")
     if spec.rate is not None and spec.rate <= 0:
         raise ValueError(f"--rate {spec.rate}: expected requests/s > 0 (omit it: all at once)")
+    if not spec.burstiness > 0 or spec.burstiness == float("inf"):
+        raise ValueError(f"--burstiness {spec.burstiness}: expected a gamma shape > 0 "
+                         "(1: Poisson)")
+    if spec.max_concurrency is not None and spec.max_concurrency < 1:
+        raise ValueError(f"--max-concurrency {spec.max_concurrency}: expected at least 1 "
+                         "request in flight (omit it: no cap)")
     if spec.longest > window:
         raise ValueError(
             f"the longest request, shared prefix {spec.shared_prefix} + prompt "
@@ -58,12 +69,15 @@ def check_spec(spec: WorkloadSpec, window: int) -> None:
 
 def make_requests(spec: WorkloadSpec, vocab_size: int) -> tuple[Request, ...]:
     rng = random.Random(spec.seed)
+    # The gaps come from a stream of their own: every rate serves the same requests.
+    gaps = random.Random(f"{spec.seed}:arrivals")
     prefix = [rng.randrange(vocab_size) for _ in range(spec.shared_prefix)]
     requests, t = [], 0.0
     for i in range(spec.requests):
         user = [rng.randrange(vocab_size) for _ in range(rng.randint(*spec.prompt_len))]
         n_out = rng.randint(*spec.output_len)
         if spec.rate is not None and i > 0:
-            t += rng.expovariate(spec.rate)
+            # Mean 1 / rate whatever the shape; shape 1 is the exponential (Poisson).
+            t += gaps.gammavariate(spec.burstiness, 1 / (spec.rate * spec.burstiness))
         requests.append(Request(i, tuple(prefix + user), n_out, t))
     return tuple(requests)

@@ -10,7 +10,8 @@ from rich.table import Table
 from rich.text import Text
 
 from kvcache_cli.serving.batching import SweepResult
-from kvcache_cli.serving.engines import ServeResult
+from kvcache_cli.serving.engines import EngineResult, ServeResult
+from kvcache_cli.serving.metrics import ATTAINMENT
 from kvcache_cli.views.bench import _bytes, load_line
 from kvcache_cli.views.style import BAD, OK, figures_table
 
@@ -40,7 +41,14 @@ def _header(r: ServeResult) -> Table:
                  f"[bold]{r.threads} threads[/]")
     if r.others_cpu_share is not None:
         grid.add_row("load", load_line(r.others_cpu_share))
-    arrivals = "all at once" if w.rate is None else f"Poisson, {w.rate:g} requests/s"
+    arrivals = (f"at each of {', '.join(_rate(x) for x in r.rates)}" if len(r.rates) > 1
+                else _rate(w.rate))
+    if any(x is not None for x in r.rates) and w.burstiness != 1:
+        arrivals += f" (gamma arrivals, burstiness {w.burstiness:g})"
+    elif any(x is not None for x in r.rates):
+        arrivals += " (Poisson arrivals)"
+    if w.max_concurrency is not None:
+        arrivals += f", at most {w.max_concurrency} in flight"
     prefix = f"a shared {w.shared_prefix}-token prefix + " if w.shared_prefix else ""
     grid.add_row("workload", f"{w.requests} requests, {prefix}prompts "
                  f"{w.prompt_len[0]}:{w.prompt_len[1]} and outputs "
@@ -51,7 +59,28 @@ def _header(r: ServeResult) -> Table:
                  f"({_bytes(r.bytes_per_token)} a token): paged {r.n_blocks:,} blocks of "
                  f"{r.block_size} tokens, {sharing}; padded {r.padded_rows} rows of "
                  f"{r.slab_len} positions; at most {r.max_batch} sequences at once")
+    if any(e.policy for e in r.engines):
+        grid.add_row("policies", "paged pf: prefill-first (each prompt whole, alone; decodes "
+                     "wait); paged df N: decode-first (decodes, then prompt chunks, N tokens "
+                     "a forward)")
+    if r.goodput:
+        targets = ", ".join(f"{k.upper()} ≤ {ms:g} ms" for k, ms in r.goodput.items())
+        grid.add_row("targets", f"{targets}: goodput counts the requests meeting every one; "
+                     f"a run meets them when {ATTAINMENT:.0%} of its requests do")
     return grid
+
+
+def _rate(rate: float | None) -> str:
+    return "all at once" if rate is None else f"{rate:g} requests/s"
+
+
+def _label(e: EngineResult, several_rates: bool) -> str:
+    return f"{e.engine} @ {'inf' if e.rate is None else f'{e.rate:g}'}" if several_rates \
+        else e.engine
+
+
+def _ms(x: float) -> str:
+    return "-" if x != x else f"{x:,.0f}"  # nan: no such gap (one-token outputs)
 
 
 def _named(table: Table) -> Table:
@@ -59,35 +88,111 @@ def _named(table: Table) -> Table:
     return table
 
 
-def _speed(r: ServeResult) -> Table:
-    timed = r.workload.rate is not None
+def _at(r: ServeResult, rate: float | None) -> str:
+    return "" if len(r.rates) == 1 else f" · arrivals {_rate(rate)}"
+
+
+def _speed(r: ServeResult, engines: tuple[EngineResult, ...]) -> Table:
     table = figures_table(
-        "engine", "tok/s", "run s", "setup s", "×seq", "×pad", "×hf",
-        "TTFT s" + (" p50/99" if timed else ""), "ms/tok",
-        title="throughput: output tokens over the run, set-up apart; medians per request")
+        "engine", "tok/s", "req/s", "run s", "setup s", "×seq", "×hf",
+        *(["good/s", "met"] if r.goodput else []),
+        title="throughput: output tokens and requests a second over the run, set-up apart"
+        + _at(r, engines[0].rate))
     _named(table)
-    for e in r.engines:
-        ttft = f"{e.ttft_ms_p50 / 1e3:.1f}" + (f"/{e.ttft_ms_p99 / 1e3:.1f}" if timed else "")
-        table.add_row(f"[bold]{e.engine}[/]", f"[bold]{e.tokens_per_s:,.1f}[/]",
-                      f"{e.total_s:,.1f}", f"{e.setup_s:,.1f}", _ratio(e.over_sequential),
-                      _ratio(e.over_padded), _ratio(e.over_hf), ttft, f"{e.tpot_ms_p50:,.1f}")
+    for e in engines:
+        lat = e.latency
+        good = [] if not r.goodput else [
+            f"{lat.goodput:.2f}", OK if lat.meets_targets else BAD]
+        table.add_row(
+            f"[bold]{e.engine}[/]", f"[bold]{e.tokens_per_s:,.1f}[/]",
+            f"{lat.request_throughput:.2f}", f"{e.total_s:,.1f}", f"{e.setup_s:,.1f}",
+            _ratio(e.over_sequential), _ratio(e.over_hf), *good)
     return table
+
+
+def _latency(r: ServeResult, engines: tuple[EngineResult, ...]) -> Table:
+    table = figures_table(
+        "engine", "TTFT p50", "p99", "TPOT p50", "p99", "ITL p99", "max", "E2E p99",
+        title="latency per request as vLLM measures it, ms" + _at(r, engines[0].rate))
+    _named(table)
+    for e in engines:
+        lat = e.latency
+        table.add_row(e.engine, _ms(lat.ttft.p50), _ms(lat.ttft.p99), _ms(lat.tpot.p50),
+                      f"[bold]{_ms(lat.tpot.p99)}[/]", f"[bold]{_ms(lat.itl.p99)}[/]",
+                      _ms(lat.itl.max), _ms(lat.e2e.p99))
+    return table
+
+
+def _steps(r: ServeResult) -> Table | None:
+    """The ablation's step columns: what each paged policy's forwards carried."""
+    rows = [e for e in r.engines if e.steps is not None and e.rate == r.rates[0]]
+    if not rows:
+        return None
+    table = figures_table(
+        "engine", "forwards", "tok/fwd", "fill", "prompt", "decode", "stalled",
+        "sched s", "prompt s", "decode s",
+        title="forwards: tokens each carried, budget filled; prompt tokens (recomputed "
+        "included), decode tokens; decodes that waited while prompts ran; time scheduling, "
+        "in forwards with prompt tokens, in decode-only ones" + (
+            _at(r, r.rates[0])))
+    _named(table)
+    for e in rows:
+        st = e.steps
+        table.add_row(e.engine, f"{st.forwards:,}", f"{st.tokens_per_forward:,.1f}",
+                      _opt(st.budget_fill, "{:.0%}"), f"{st.prompt_tokens:,}",
+                      f"{st.decode_tokens:,}", f"{st.stalled:,}", f"{st.schedule_s:.2f}",
+                      f"{st.prompt_forward_s:,.1f}", f"{st.decode_forward_s:,.1f}")
+    return table
+
+
+def _curve(r: ServeResult) -> RenderableType | None:
+    """Across rates: throughput against p99 latency, and where the targets stop holding."""
+    if len(r.rates) < 2:
+        return None
+    table = figures_table("engine", "rate", "tok/s", "req/s", "TTFT p99", "TPOT p99",
+                          *(["good/s", "met"] if r.goodput else []), "= solo",
+                          title="the curve: throughput against p99 latency at each rate, ms")
+    _named(table)
+    names = list(dict.fromkeys(e.engine for e in r.engines))
+    lines = []
+    for name in names:
+        runs = [e for e in r.engines if e.engine == name]
+        for e in runs:
+            good = [] if not r.goodput else [
+                f"{e.latency.goodput:.2f}", OK if e.latency.meets_targets else BAD]
+            table.add_row(name, "inf" if e.rate is None else f"{e.rate:g}",
+                          f"{e.tokens_per_s:,.1f}", f"{e.latency.request_throughput:.2f}",
+                          _ms(e.latency.ttft.p99), _ms(e.latency.tpot.p99), *good,
+                          _exact(r, e))
+        if r.goodput:
+            # The rates run slowest first, all at once last.
+            failed = next((e for e in runs if not e.latency.meets_targets), None)
+            if failed is None:
+                lines.append(f"{OK} {name} meets the targets at every rate tried")
+            else:
+                lines.append(f"{BAD} {name} stops meeting the targets at {_rate(failed.rate)}")
+    if not r.goodput:
+        lines.append("give --goodput ttft:MS,tpot:MS to see where each engine stops meeting "
+                     "its targets")
+    return Group(table, *(Text.from_markup(x) for x in lines))
 
 
 def _memory(r: ServeResult) -> Table:
     table = figures_table(
         "engine", "KV held", "tokens", "peak", "real", "seqs", "hits", "preempt", "= solo",
         title="KV memory: held, the tokens a pool holds, peak in use, the share holding real "
-        "tokens; peak sequences running, prefix blocks hit, preemptions")
+        "tokens; peak sequences running, prefix blocks hit, preemptions" + _at(r, r.rates[0]))
     _named(table)
-    for e in r.engines:
-        exact = f"{OK} {e.requests_exact}/{r.workload.requests}" if not e.mismatches else \
-            f"{BAD} {e.requests_exact}/{r.workload.requests}"
+    for e in r.at(r.rates[0]):
         table.add_row(e.engine, _bytes(e.kv_reserved_bytes), _opt(e.pool_tokens),
                       _bytes(e.kv_peak_used_bytes),
                       _opt(e.kv_utilisation, "{:.1%}"), _opt(e.peak_running),
-                      _opt(e.prefix_blocks_hit), _opt(e.preemptions), exact)
+                      _opt(e.prefix_blocks_hit), _opt(e.preemptions), _exact(r, e))
     return table
+
+
+def _exact(r: ServeResult, e: EngineResult) -> str:
+    return f"{BAD if e.mismatches else OK} {e.requests_exact}/{r.workload.requests}"
 
 
 def _verdict(r: ServeResult) -> RenderableType:
@@ -95,8 +200,8 @@ def _verdict(r: ServeResult) -> RenderableType:
     for e in r.engines:
         for m in e.mismatches:
             lines.append(Text.from_markup(
-                f"{BAD} {e.engine}: request {m.request} left its solo tokens at new token "
-                f"{m.step}: the solo top-2 logits are {m.top2_gap:.3g} apart, "
+                f"{BAD} {_label(e, len(r.rates) > 1)}: request {m.request} left its solo "
+                f"tokens at new token {m.step}: the solo top-2 logits are {m.top2_gap:.3g} apart, "
                 f"{m.top2_gap / m.logit_scale:.1e} of the largest; "
                 + ("a near-tie that float32 summation order can flip"
                    if m.near_tie else "not a near-tie: look for a bug")))
@@ -134,4 +239,6 @@ def _sweep(r: SweepResult) -> RenderableType:
 def render(r: ServeResult | SweepResult) -> RenderableType:
     if isinstance(r, SweepResult):
         return _sweep(r)
-    return Group(_header(r), _speed(r), _memory(r), _verdict(r))
+    per_rate = [t for rate in r.rates for t in (_speed(r, r.at(rate)), _latency(r, r.at(rate)))]
+    parts = [_header(r), *per_rate, _steps(r), _curve(r), _memory(r), _verdict(r)]
+    return Group(*(p for p in parts if p is not None))
