@@ -56,10 +56,11 @@ def test_serve_kv_dtype_runs_quantised_pools_in_the_same_memory(tmp_path):
     out = CliRunner().invoke(app, [
         "serve", "--model", str(tmp_path / "tiny"), "--weights", "pretrained", "--device",
         "cpu", "--requests", "6", "--prompt-len", "8:24", "--output-len", "4:12",
-        "--kv-mem", "96KiB", "--block-size", "4", "--engines", "paged",
-        "--kv-dtype", "int8,int4,fp8", "--json"])
+        "--shared-prefix", "0", "--kv-mem", "96KiB", "--block-size", "4", "--engines", "paged",
+        "--kv-dtype", "int8,int4,fp8", "--policy", "prefill-first", "--json"])
     assert out.exit_code == 0, out.output
-    engines = {e["engine"]: e for e in json.loads(out.stdout)["engines"]}
+    # One policy: each pool is one row, named for its engine and policy.
+    engines = {e["engine"].removesuffix(" pf"): e for e in json.loads(out.stdout)["engines"]}
     assert list(engines) == ["paged", "paged-int8", "paged-int4", "paged-fp8"]
     held = {name: e["pool_tokens"] for name, e in engines.items()}
     assert held["paged-int8"] >= 3.6 * held["paged"] and held["paged-int4"] > held["paged-int8"]

@@ -386,7 +386,8 @@ class Fp8Cache(KVCache):
 
 class QuantPagedCache(PagedCache):
     """serve's block pool holding int8/int4 codes (one scale and zero point per head and
-    token, float16) or fp8 e4m3 (scale 1.0): the same bind/update/crop as `PagedCache`."""
+    token, float16) or fp8 e4m3 (scale 1.0): `PagedCache` with its write and gather in
+    codes, so bind, update, crop and the serving step's writes are the same."""
 
     def __init__(self, config, n_blocks: int, block_size: int, device, dtype: torch.dtype,
                  fmt: str):
@@ -439,27 +440,21 @@ class QuantPagedCache(PagedCache):
         return _Tokens.decode(got[which], got[f"{which}_scale"], got[f"{which}_zero"],
                               self.bits, hs, self.dtype)
 
-    def update(self, layer: int, start_pos: int | Tensor, k: Tensor, v: Tensor
-               ) -> tuple[Tensor, Tensor]:
-        B, nh, T, hs = k.shape
-        table = self.block_tables
-        if table is None or table.size(0) != B:
-            raise ValueError(f"bind a block table per row first ({B} rows)")
-        start = start_pos if isinstance(start_pos, Tensor) else torch.full(
-            (B,), start_pos, device=k.device)  # (B,)
-        positions = start[:, None] + torch.arange(T, device=k.device)  # (B, T)
-        blocks = table.gather(1, positions // self.block_size)  # (B, T)
-        slots = positions % self.block_size  # (B, T)
-        for name, part in (self._encode(k, "k") | self._encode(v, "v")).items():
-            # Two adjacent advanced indices keep their place: the slots are (nh, B, T, X).
-            self.pools[name][layer][:, blocks, slots] = part.transpose(0, 1)
+    def write(self, layer: int, blocks: Tensor, slots: Tensor, k: Tensor, v: Tensor) -> None:
+        """`PagedCache.write` in codes: each token quantised as it is stored, k and v
+        (nh, *idx, hs) at pool blocks `blocks` and slots `slots` (both *idx)."""
+        nh, hs, idx = k.size(0), k.size(-1), blocks.shape
+        parts = self._encode(k.reshape(1, nh, -1, hs), "k") | self._encode(
+            v.reshape(1, nh, -1, hs), "v")  # each (1, nh, N, X)
+        for name, part in parts.items():
+            part = part.reshape(nh, *idx, part.size(-1))  # (nh, *idx, X)
+            self.pools[name][layer][:, blocks, slots] = part
             self.bytes_copied += nbytes(part)
-        keys, values = self._read(layer, table, "k"), self._read(layer, table, "v")
-        if isinstance(start_pos, Tensor):
-            self.length = table.size(1) * self.block_size  # the padded width, as PagedCache
-            return keys, values
-        self.length = start_pos + T
-        return keys[:, :, : self.length], values[:, :, : self.length]
+
+    def gather(self, layer: int) -> tuple[Tensor, Tensor]:
+        """Every bound row's keys and values decoded, (B, nh, S, hs), key j at slot j."""
+        table = self.block_tables
+        return self._read(layer, table, "k"), self._read(layer, table, "v")
 
     @property
     def bytes_held(self) -> int:
