@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import time
 from typing import Annotated
 
 import typer
@@ -32,6 +34,7 @@ def break_(
     list_: Annotated[bool, typer.Option("--list", help="List the breaks and exit.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the raw result as JSON.")] = False,
     model: Annotated[str, typer.Option(
+        "--model", "-m",
         help="GPT-2 breaks: gpt2, gpt2-medium, gpt2-large, gpt2-xl or a checkpoint dir.")
     ] = "gpt2",
     weights: Annotated[str, typer.Option(
@@ -97,11 +100,48 @@ def _gpt2_breaks(names: list[str], model: str, weights: str, device: str,
     from kvcache_cli.generate import run_break
 
     loaded = load_gpt2(model, weights, device)
+    results = {}
     try:
-        return loaded, {n: run_break(n, loaded.model, max_new_tokens=max_new_tokens)
-                        for n in names}
+        for n in names:
+            with _progress(n) as progress:
+                results[n] = run_break(n, loaded.model, max_new_tokens=max_new_tokens,
+                                       progress=progress)
     except (ValueError, IndexError) as err:
         fail(str(err))
+    return loaded, results
+
+
+@contextlib.contextmanager
+def _progress(name: str):
+    """A bar on stderr while a break runs; off a terminal, a line as each of its runs ends,
+    so a long break (--max-new-tokens 1000) shows it is alive in a log too."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    console = Console(stderr=True)
+    bar = Progress(f"{name}: {{task.description}}", BarColumn(), MofNCompleteColumn(),
+                   "tokens", TimeElapsedColumn(), console=console, transient=True,
+                   refresh_per_second=2)
+    task = bar.add_task("", total=None)
+    state = {"label": None, "start": time.perf_counter(), "tokens": 0}
+
+    def ended() -> None:
+        if state["label"] is not None and not console.is_terminal:
+            typer.echo(f"{name}: {state['label']}, {state['tokens']:,} tokens in "
+                       f"{time.perf_counter() - state['start']:.1f} s", err=True)
+
+    def on_token(label: str, done: int, total: int) -> None:
+        if label != state["label"]:
+            ended()
+            state.update(label=label, start=time.perf_counter(), tokens=0)
+        state["tokens"] += 1
+        bar.update(task, description=label, completed=done, total=total)
+        if not console.is_terminal and done * 10 // total > (done - 1) * 10 // total:
+            typer.echo(f"{name}: {done:,}/{total:,} tokens", err=True)  # every tenth
+
+    with bar:
+        yield on_token
+    ended()
 
 
 def _show_gpt2_breaks(loaded, device: str, results: dict) -> None:
