@@ -8,7 +8,14 @@ from typing import Annotated
 
 import typer
 
-from kvcache_cli.cli.common import GPT2_MODULES, fail, load_gpt2, torch_device, torch_extra_missing
+from kvcache_cli.cli.common import (
+    GPT2_MODULES,
+    fail,
+    load_gpt2,
+    print_view,
+    torch_device,
+    torch_extra_missing,
+)
 from kvcache_cli.cli.demo import pick, show, show_list
 
 # The GPT-2 breaks run on the PyTorch model; their names live here so that
@@ -145,8 +152,6 @@ def _progress(name: str):
 
 
 def _show_gpt2_breaks(loaded, device: str, results: dict) -> None:
-    from rich.console import Console
-
     from kvcache_cli.generate import gpt2_encoding
     from kvcache_cli.gpt2 import GPT2_VOCAB_SIZE
     from kvcache_cli.views.generate import break_view, header
@@ -156,8 +161,7 @@ def _show_gpt2_breaks(loaded, device: str, results: dict) -> None:
         encoding, _ = gpt2_encoding()
         if encoding is not None:
             piece = lambda t: encoding.decode([t])  # noqa: E731
-    console = Console()
     first = next(iter(results.values()))
-    console.print(header(loaded.source, loaded.model.num_params(), device, "float32", first.mode))
+    print_view(header(loaded.source, loaded.model.num_params(), device, "float32", first.mode))
     for result in results.values():
-        console.print(break_view(result, piece))
+        print_view(break_view(result, piece))

@@ -11,7 +11,7 @@ import typer
 def caches(
     as_json: Annotated[bool, typer.Option("--json", help="Print the raw list as JSON.")] = False,
 ) -> None:
-    """List the KV cache kinds that --cache accepts, and what each supports."""
+    """List the cache kinds --cache accepts, and what each supports."""
     from kvcache_cli.caches.spec import KINDS
 
     rows = [{"name": k.name, "spell": k.grammar, "aliases": list(k.aliases),
@@ -22,8 +22,7 @@ def caches(
 
         typer.echo(to_json(rows))
         return
-    from rich.console import Console
-
+    from kvcache_cli.cli.common import print_view
     from kvcache_cli.views.caches import kinds_view
 
-    Console().print(kinds_view(rows))
+    print_view(kinds_view(rows))

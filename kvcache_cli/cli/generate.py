@@ -17,6 +17,7 @@ from kvcache_cli.cli.common import (
     fail,
     load_gpt2,
     need_torch_extra,
+    print_view,
     torch_device,
 )
 
@@ -151,7 +152,7 @@ def _run(loaded, prompt_ids: list[int], encoding, as_json: bool, device: str, mo
                             "text": text}))
         return
     stream.end()
-    console.print(generation_view(result))
+    print_view(generation_view(result))
 
 
 def _parse_ids(text: str) -> list[int]:
