@@ -63,7 +63,9 @@ def usage_message(error) -> str:
     param = getattr(error, "param", None)
     name = type(error).__name__
     if name == "NoSuchOption":
-        close = sorted(getattr(error, "possibilities", None) or [])
+        # click's near misses, closest first.
+        close = difflib.get_close_matches(error.option_name,
+                                          getattr(error, "possibilities", None) or [], cutoff=0)
         hint = f" (did you mean {', '.join(close)}?)" if close else ""
         return f"unknown option {error.option_name}{hint}"
     if message.endswith("requires an argument.") and getattr(error, "option_name", None):
