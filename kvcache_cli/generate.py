@@ -272,6 +272,10 @@ class _Diff:
         self.b.append(tb)
 
 
+# A break's progress: (which run, tokens done in all, tokens in all).
+BreakProgress = Callable[[str, int, int], None]
+
+
 def run_break(
     name: str,
     model: GPT,
@@ -280,12 +284,14 @@ def run_break(
     *,
     mode: str = "concat",
     earlier_ids: list[int] | None = None,
+    progress: BreakProgress | None = None,
 ) -> BreakResult:
     """Run the correct and the broken loop of one break on the same model, greedily.
 
     The default cache is `concat`, the article's. (With `static`, `stale-cache` does
     not break: explicit positions overwrite the old request and reads stop at the
     filled prefix.) The bounded caches' breaks (`bounded_breaks`) bring their own.
+    `progress` hears of every token made, with the run it belongs to.
     """
     from kvcache_cli.bounded_breaks import BOUNDED_BREAKS, run_bounded_break
 
@@ -301,36 +307,41 @@ def run_break(
     prompt = list(prompt_ids) if prompt_ids is not None else [t % V for t in DEFAULT_PROMPT_IDS]
     earlier = list(earlier_ids) if earlier_ids is not None else [t % V for t in OTHER_PROMPT_IDS]
     check_request(model, prompt, max_new_tokens)
+    if name == "stale-cache":
+        check_request(model, earlier, max_new_tokens)
+    counter = _BreakCounter(progress, (3 if name == "stale-cache" else 2) * max_new_tokens)
+    both = "correct and broken loops"  # side by side, a token of each in turn
 
-    def greedy(logits: Tensor) -> Tensor:
-        return logits.argmax(dim=-1)
-
-    def run(forward: Forward | None = None, cache: KVCache | None = None, ids=prompt):
+    def run(label: str, forward: Forward | None = None, cache: KVCache | None = None,
+            ids=prompt):
         cache = cache if cache is not None else make_cache(mode, model, len(ids) + max_new_tokens)
-        return _steps(model, ids, max_new_tokens, mode, cache, greedy, forward)
+        return counter.count(label, _steps(model, ids, max_new_tokens, mode, cache,
+                                           _greedy, forward))
 
     used: tuple[int, ...] = ()
     if name == "position-offset":
         # The one change: start_pos is 0 on every call instead of the token's position.
-        broken = run(lambda idx, pos, cache, **kw: model(idx, 0, cache, **kw))
+        broken = run(both, lambda idx, pos, cache, **kw: model(idx, 0, cache, **kw))
     elif name == "causal-decode":
         # The one change: SDPA's is_causal=True on every call, the decode steps included.
-        broken = run(
-            lambda idx, pos, cache, **kw: model(idx, pos, cache, **kw, force_is_causal=True)
-        )
+        broken = run(both, lambda idx, pos, cache, **kw: model(idx, pos, cache, **kw,
+                                                               force_is_causal=True))
     else:  # stale-cache
-        check_request(model, earlier, max_new_tokens)
         window = len(earlier) + len(prompt) + 2 * max_new_tokens
         cache = make_cache(mode, model, min(window, model.config.block_size))
-        for _ in run(cache=cache, ids=earlier):  # request 1 fills the cache
+        for _ in run("request 1, filling the cache", cache=cache, ids=earlier):
             pass
-        broken = run(cache=cache)  # request 2 on the same cache, no reset
+        broken = run(both, cache=cache)  # request 2 on the same cache, no reset
         used = tuple(earlier)
-    naive = _steps(model, prompt, max_new_tokens, "naive", None, greedy)
     control, bug = _Diff(), _Diff()
-    for (tn, ln), (tc, lc), (tb, lb) in zip(naive, run(), broken, strict=True):
-        control.add(tc, lc, tn, ln)
+    correct_logits = []  # each (1, vocab): compared with the full recompute below
+    for (tc, lc), (tb, lb) in zip(run(both), broken, strict=True):
         bug.add(tc, lc, tb, lb)
+        correct_logits.append(lc)
+    recomputed = _full_recompute(model, prompt, bug.a)  # (max_new_tokens, vocab)
+    for i, (tc, lc) in enumerate(zip(bug.a, correct_logits)):
+        ln = recomputed[i : i + 1]  # (1, vocab)
+        control.add(tc, lc, int(ln.argmax()), ln)
     return BreakResult(
         name=name,
         bug=BREAKS[name],
@@ -346,6 +357,34 @@ def run_break(
         max_abs_logit=control.scale,
         naive_agrees=control.first is None,
     )
+
+
+def _greedy(logits: Tensor) -> Tensor:
+    return logits.argmax(dim=-1)
+
+
+@torch.inference_mode()
+def _full_recompute(model: GPT, prompt: list[int], tokens: list[int]) -> Tensor:
+    """The logits a full recompute (the naive loop) chooses each token from, all in one
+    forward: causal attention makes row t of a forward over the whole sequence exactly the
+    last row of a fresh forward over its first t + 1 tokens. One forward, not one per token:
+    the naive loop's cost grows with the square of the length (minutes at 1,000 tokens)."""
+    ids = torch.tensor([prompt + tokens[:-1]], dtype=torch.long, device=model.device)  # (1, T)
+    return model(ids, 0, None)[0, len(prompt) - 1 :]  # (len(tokens), vocab)
+
+
+class _BreakCounter:
+    """Counts the tokens of a break's runs for `progress` (which may be None)."""
+
+    def __init__(self, progress: BreakProgress | None, total: int):
+        self.progress, self.total, self.done = progress, total, 0
+
+    def count(self, label: str, steps: Iterator[tuple[int, Tensor]]):
+        for step in steps:
+            self.done += 1
+            if self.progress is not None:
+                self.progress(label, self.done, self.total)
+            yield step
 
 
 # ---------------------------------------------------------------------------- tokenizer

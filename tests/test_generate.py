@@ -229,7 +229,9 @@ def test_cli_device_cuda_without_cuda_is_one_line_exit_2(checkpoint):
         (["--ids", "1,2,3", "-n", "70"], 2, "error: position 72 past context window 64"),
         (["--ids", "1,x"], 2, "error: --ids: expected comma-separated token ids"),
         (["--ids", "1,999"], 2, "error: token id 999 outside the vocabulary 0..255"),
-        ([], 2, "error: give a prompt or --ids"),
+        ([], 2, 'error: no prompt: expected one, e.g. kvcache generate "The KV cache"'),
+        (["a", "--prompt", "b"], 2, "error: two prompts, 'a' and --prompt 'b'"),
+        (["a", "--ids", "1"], 2, "error: a prompt and --ids: expected one of the two"),
     ],
 )
 def test_cli_generate_bad_input_is_one_line(checkpoint, args, code, message):
@@ -340,14 +342,53 @@ def test_cli_gpt2_break_on_a_checkpoint(checkpoint, model):
     assert f"tokens diverge at step {expected.first_divergence}" in shown.stdout
 
 
-def test_cli_break_all_json_is_one_document_of_all_eleven(checkpoint):
+def test_a_break_recomputes_the_control_in_one_forward_and_reports_every_token(model):
+    # The control used to rerun the whole sequence for every token (minutes at 1,000
+    # tokens); now the cached loops feed one token per call and the recompute is one call.
+    fed: list[int] = []
+    forward = model.forward
+
+    def counting(idx, *args, **kwargs):
+        fed.append(idx.size(1))
+        return forward(idx, *args, **kwargs)
+
+    model.forward = counting
+    seen: list[tuple[str, int, int]] = []
+    n = 20
+    r = run_break("stale-cache", model, PROMPT, n, progress=lambda *a: seen.append(a))
+    earlier = len(r.earlier_ids)
+    # request 1, then the broken and the correct loop: a prefill and n - 1 single tokens
+    # each; then the full recompute over the prompt and n - 1 tokens, once.
+    assert fed == ([earlier] + [1] * (n - 1) + [len(PROMPT)] * 2 + [1, 1] * (n - 1)
+                   + [len(PROMPT) + n - 1])
+    assert [done for _, done, _ in seen] == list(range(1, 3 * n + 1))
+    assert {total for _, _, total in seen} == {3 * n}
+    assert [label for label, _, _ in seen][:: n] == ["request 1, filling the cache",
+                                                     "correct and broken loops",
+                                                     "correct and broken loops"]
+    assert r.naive_agrees and r.naive_logit_diff < 1e-4
+
+
+def test_cli_long_break_off_a_terminal_prints_progress_lines(checkpoint):
+    result = invoke("break", "stale-cache", "-m", str(checkpoint[0]), "--max-new-tokens", "20")
+    assert result.exit_code == 0, result.output
+    lines = result.stderr.splitlines()
+    assert "stale-cache: 6/60 tokens" in lines and "stale-cache: 60/60 tokens" in lines
+    assert any(line.startswith("stale-cache: request 1, filling the cache, 20 tokens in ")
+               for line in lines), lines
+    assert "GPT-2 break: stale-cache" in result.stdout and "full recompute" in result.stdout
+
+
+def test_cli_break_all_json_is_one_document_of_every_break(checkpoint):
     result = invoke("break", "all", "--model", str(checkpoint[0]), "--max-new-tokens", "8",
                     "--json")
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
+    from kvcache_cli.cli.breaks import GPT2_BREAKS
+
     assert list(data) == ["no-mask", "no-append", "cache-q", "overflow", "wrong-cache",
-                          "position-offset", "causal-decode", "stale-cache", "evict-sink",
-                          "ring-mask", "ring-off-by-one"]
+                          *GPT2_BREAKS]
+    assert {"no-rollback", "kv-sink-token", "ring-mask"} <= set(GPT2_BREAKS)
     assert data["ring-mask"]["budget"] == 8 and data["ring-mask"]["kl_broken"] > 0
     assert data["overflow"]["position"] == 128
     assert all(data[name]["first_divergence"] is not None for name in BREAKS)

@@ -87,15 +87,20 @@ def _root(
 
 
 # In the order `kvcache --help` lists them: the NumPy reference first, then real models.
-app.command()(demo.demo)
+# A short_help where the docstring's first sentence would not fit `kvcache --help`'s line:
+# click would cut it with "...".
+app.command(short_help="Run the reference script's demos on the NumPy toy.")(demo.demo)
 app.command("break")(breaks.break_)
-app.command()(size.size)
+app.command(short_help="How big the KV cache is for a model, and what fits.")(size.size)
 app.command()(models.models)
 app.command()(caches.caches)
-app.command()(bench.bench)
-app.command()(serve.serve)
-app.command()(generate.generate)
-app.command("eval")(eval_command.eval_)
+app.command(short_help="Time every decode step of every mode against the limit.")(bench.bench)
+app.command(short_help="Serve a workload: paged + continuous batching, and others.")(
+    serve.serve)
+app.command(short_help="Generate with GPT-2 and its KV cache, streaming tokens.")(
+    generate.generate)
+app.command(short_help="Score caches against the exact one: perplexity, KL, bytes.")(
+    eval_command.eval_)
 
 
 _UNWRITABLE = (errno.EPIPE, errno.ENOSPC, errno.EIO, errno.EBADF)

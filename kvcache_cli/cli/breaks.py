@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
+import time
 from typing import Annotated
 
 import typer
 
-from kvcache_cli.cli.common import GPT2_MODULES, fail, load_gpt2, torch_device, torch_extra_missing
+from kvcache_cli.cli.common import (
+    GPT2_MODULES,
+    fail,
+    load_gpt2,
+    print_view,
+    torch_device,
+    torch_extra_missing,
+)
 from kvcache_cli.cli.demo import pick, show, show_list
 
 # The GPT-2 breaks run on the PyTorch model; their names live here so that
@@ -45,6 +54,7 @@ def break_(
     list_: Annotated[bool, typer.Option("--list", help="List the breaks and exit.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the raw result as JSON.")] = False,
     model: Annotated[str, typer.Option(
+        "--model", "-m",
         help="GPT-2 breaks: gpt2, gpt2-medium, gpt2-large, gpt2-xl or a checkpoint dir.")
     ] = "gpt2",
     weights: Annotated[str, typer.Option(
@@ -113,13 +123,50 @@ def _gpt2_breaks(names: list[str], model: str, weights: str, device: str,
     """Load the model once and run each named GPT-2 break (correct and broken loop)."""
     torch_device(device)
     loaded = load_gpt2(model, weights, device)
+    results = {}
     try:
-        return loaded, {n: _run_gpt2_break(n, loaded.model, max_new_tokens) for n in names}
+        for n in names:
+            with _progress(n) as progress:
+                results[n] = _run_gpt2_break(n, loaded.model, max_new_tokens, progress)
     except (ValueError, IndexError) as err:
         fail(str(err))
+    return loaded, results
 
 
-def _run_gpt2_break(name: str, gpt, max_new_tokens: int):
+@contextlib.contextmanager
+def _progress(name: str):
+    """A bar on stderr while a break runs; off a terminal, a line as each of its runs ends,
+    so a long break (--max-new-tokens 1000) shows it is alive in a log too."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    console = Console(stderr=True)
+    bar = Progress(f"{name}: {{task.description}}", BarColumn(), MofNCompleteColumn(),
+                   "tokens", TimeElapsedColumn(), console=console, transient=True,
+                   refresh_per_second=2)
+    task = bar.add_task("", total=None)
+    state = {"label": None, "start": time.perf_counter(), "tokens": 0}
+
+    def ended() -> None:
+        if state["label"] is not None and not console.is_terminal:
+            typer.echo(f"{name}: {state['label']}, {state['tokens']:,} tokens in "
+                       f"{time.perf_counter() - state['start']:.1f} s", err=True)
+
+    def on_token(label: str, done: int, total: int) -> None:
+        if label != state["label"]:
+            ended()
+            state.update(label=label, start=time.perf_counter(), tokens=0)
+        state["tokens"] += 1
+        bar.update(task, description=label, completed=done, total=total)
+        if not console.is_terminal and done * 10 // total > (done - 1) * 10 // total:
+            typer.echo(f"{name}: {done:,}/{total:,} tokens", err=True)  # every tenth
+
+    with bar:
+        yield on_token
+    ended()
+
+
+def _run_gpt2_break(name: str, gpt, max_new_tokens: int, progress):
     from kvcache_cli import speculative as sp
     from kvcache_cli.generate import DEFAULT_PROMPT_IDS, run_break
 
@@ -135,7 +182,7 @@ def _run_gpt2_break(name: str, gpt, max_new_tokens: int):
         return sp.run_no_rollback(gpt, prompt, max_new_tokens, draft)
     if name == "rollback-shared":
         return sp.run_rollback_shared(gpt, max_new_tokens)
-    return run_break(name, gpt, max_new_tokens=max_new_tokens)
+    return run_break(name, gpt, max_new_tokens=max_new_tokens, progress=progress)
 
 
 def _quant_break(name: str, model, max_new_tokens: int):
@@ -152,8 +199,6 @@ def _quant_break(name: str, model, max_new_tokens: int):
 
 
 def _show_gpt2_breaks(loaded, device: str, results: dict) -> None:
-    from rich.console import Console
-
     from kvcache_cli.generate import gpt2_encoding
     from kvcache_cli.gpt2 import GPT2_VOCAB_SIZE
     from kvcache_cli.views.generate import break_view, header
@@ -167,16 +212,15 @@ def _show_gpt2_breaks(loaded, device: str, results: dict) -> None:
     from kvcache_cli.views.quant import quant_break_view
     from kvcache_cli.views.speculative import no_rollback_view, rollback_shared_view
 
-    console = Console()
     first = next(iter(results.values()))
     mode = getattr(first, "mode", None) or getattr(first, "cache", "static")
-    console.print(header(loaded.source, loaded.model.num_params(), device, "float32", mode))
+    print_view(header(loaded.source, loaded.model.num_params(), device, "float32", mode))
     for name, result in results.items():
         if name in QUANT_BREAKS:
-            console.print(quant_break_view(result))
+            print_view(quant_break_view(result))
         elif isinstance(result, NoRollbackResult):
-            console.print(no_rollback_view(result, piece))
+            print_view(no_rollback_view(result, piece))
         elif isinstance(result, SharedRollbackResult):
-            console.print(rollback_shared_view(result, piece))
+            print_view(rollback_shared_view(result, piece))
         else:
-            console.print(break_view(result, piece))
+            print_view(break_view(result, piece))

@@ -21,8 +21,7 @@ def caches(
 
         typer.echo(to_json(rows))
         return
-    from rich.console import Console
-
+    from kvcache_cli.cli.common import print_view
     from kvcache_cli.views.caches import kinds_view
 
-    Console().print(kinds_view(rows))
+    print_view(kinds_view(rows))

@@ -63,7 +63,9 @@ def usage_message(error) -> str:
     param = getattr(error, "param", None)
     name = type(error).__name__
     if name == "NoSuchOption":
-        close = sorted(getattr(error, "possibilities", None) or [])
+        # click's near misses, closest first.
+        close = difflib.get_close_matches(error.option_name,
+                                          getattr(error, "possibilities", None) or [], cutoff=0)
         hint = f" (did you mean {', '.join(close)}?)" if close else ""
         return f"unknown option {error.option_name}{hint}"
     if message.endswith("requires an argument.") and getattr(error, "option_name", None):
@@ -131,7 +133,7 @@ def need_torch_extra(who_needs: str, *modules: str) -> None:
 # The options bench and serve share: where to run, and which GPT-2.
 DeviceOption = Annotated[str, typer.Option(help="cpu, cuda, or auto (cuda when there is one).")]
 ModelOption = Annotated[str, typer.Option(
-    help="gpt2, gpt2-medium, gpt2-large, gpt2-xl or a checkpoint dir.")]
+    "--model", "-m", help="gpt2, gpt2-medium, gpt2-large, gpt2-xl or a checkpoint dir.")]
 
 
 # Choices as str Enums: the one way every typer version (>= 0.12) lists and checks them.
@@ -253,6 +255,51 @@ def load_gpt2(model: str, weights: str, device: str, dtype: str = "fp32"):
     return loaded
 
 
+# --- printing ----------------------------------------------------------------------------
+
+# Off a terminal (a file, a pipe, CI) there is no edge to fit: lay out at the README's
+# width, wider where a table or an unbreakable line (a formula) needs it, never wrapping them.
+OFF_TERMINAL_COLUMNS = 100
+
+
+def print_view(renderable) -> None:
+    """Print a view on stdout: as rich lays it out on a terminal; off one, at least
+    OFF_TERMINAL_COLUMNS wide (COLUMNS, when set, decides), tables and formulas whole, and
+    no line ending in spaces, so what a user saves matches what the README shows."""
+    import os
+    import sys
+
+    from rich.console import Console
+
+    console = Console()
+    if console.is_terminal:
+        console.print(renderable)
+        return
+    if "COLUMNS" not in os.environ:
+        console = Console(width=max(OFF_TERMINAL_COLUMNS, _widest(console, renderable)))
+    with console.capture() as captured:
+        console.print(renderable)
+    sys.stdout.write("\n".join(line.rstrip() for line in captured.get().split("\n")))
+
+
+def _widest(console, renderable) -> int:
+    """Columns the tables and unbreakable texts inside RENDERABLE need, laid out whole."""
+    from rich.console import Group
+    from rich.measure import Measurement
+    from rich.panel import Panel
+    from rich.table import Table
+    from rich.text import Text
+
+    if isinstance(renderable, Group):
+        return max((_widest(console, r) for r in renderable.renderables), default=0)
+    if isinstance(renderable, Panel):
+        return _widest(console, renderable.renderable) + 4  # borders and padding
+    if isinstance(renderable, Table) or (isinstance(renderable, Text) and renderable.no_wrap):
+        options = console.options.update(max_width=10_000)
+        return Measurement.get(console, options, renderable).maximum
+    return 0
+
+
 # --- results and plots ------------------------------------------------------------------
 
 
@@ -296,10 +343,10 @@ def show_then_plot(result, view, as_json: bool, save, plot: Path | None, what: s
         typer.echo(to_json(result))
     else:
         shown = view(result)
-        if isinstance(shown, str):
+        if isinstance(shown, str):  # a plain-text view, already laid out
             typer.echo(shown)
         else:
-            Console().print(shown)
+            print_view(shown)
     if plot is None:
         return
     try:

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from kvcache_cli.cli.common import fail
+from kvcache_cli.cli.common import fail, print_view
 
 
 # Shell completion of names: runs only when the shell asks, never at start-up.
@@ -41,7 +41,10 @@ def pick(name: str, table: dict, kind: str, extra: dict | None = None) -> list[s
     if name == "all":
         return valid
     if name not in valid:
-        fail(f"unknown {kind} {name!r}; choose one of: all, {', '.join(valid)}")
+        from kvcache_cli.sizing.units import nearest
+
+        fail(f"unknown {kind} {name!r}: expected all or one of {', '.join(valid)}"
+             + nearest(name, valid))
     return [name]
 
 
@@ -53,13 +56,10 @@ def show(results: dict[str, tuple[str, object]], as_json: bool) -> None:
         by_name = {name: result for name, (_, result) in results.items()}
         typer.echo(to_json(next(iter(by_name.values())) if len(by_name) == 1 else by_name))
         return
-    from rich.console import Console
-
     from kvcache_cli.views.demos import render
 
-    console = Console()
     for title, result in results.values():
-        console.print(render(title, result))
+        print_view(render(title, result))
 
 
 def show_list(titles: dict[str, str], heading: str, as_json: bool) -> None:
@@ -69,8 +69,6 @@ def show_list(titles: dict[str, str], heading: str, as_json: bool) -> None:
 
         typer.echo(to_json(titles))
         return
-    from rich.console import Console
-
     from kvcache_cli.views.demos import listing
 
-    Console().print(listing(titles, heading))
+    print_view(listing(titles, heading))

@@ -19,6 +19,7 @@ from kvcache_cli.cli.common import (
     fail,
     load_gpt2,
     need_torch_extra,
+    print_view,
     torch_device,
 )
 
@@ -32,7 +33,10 @@ class Mode(str, Enum):
 def generate(
     ctx: typer.Context,
     prompt: Annotated[str | None, typer.Argument(
-        help="Text to continue, tokenized with tiktoken's gpt2 encoding.")] = None,
+        help="Text to continue, tokenized with tiktoken's gpt2 encoding; quoted when it "
+        "holds spaces.")] = None,
+    prompt_option: Annotated[str | None, typer.Option(
+        "--prompt", "-p", help="The prompt, given as an option instead.")] = None,
     max_new_tokens: Annotated[int, typer.Option(
         "--max-new-tokens", "-n", min=1, help="Tokens to generate.")] = 32,
     device: Annotated[Device, typer.Option(help="Where to run.")] = Device.cpu,
@@ -73,8 +77,14 @@ def generate(
             fail(f"--mode {mode} and --cache {cache} both choose the cache: expected one of "
                  "the two (--cache static is --mode static)")
         mode = str(cache)
-    if (prompt is None) == (ids is None):
-        fail("give a prompt or --ids (token ids), one of the two")
+    if prompt is not None and prompt_option is not None:
+        fail(f"two prompts, {prompt[:20]!r} and --prompt {prompt_option[:20]!r}: expected one")
+    prompt = prompt if prompt is not None else prompt_option
+    if prompt is None and ids is None:
+        fail("no prompt: expected one, e.g. kvcache generate \"The KV cache\" (or --prompt "
+             "TEXT, or --ids 464,2068,7586 for token ids)")
+    if prompt is not None and ids is not None:
+        fail("a prompt and --ids: expected one of the two")
     if not math.isfinite(temperature):
         fail(f"--temperature {temperature}: expected a finite number, 0 or more (0 is greedy)")
     prompt_ids = _parse_ids(ids) if ids is not None else []  # before the model loads
@@ -170,7 +180,7 @@ def _run(loaded, prompt_ids: list[int], encoding, as_json: bool, device: str, mo
                             "text": text}))
         return
     stream.end()
-    console.print(generation_view(result))
+    print_view(generation_view(result))
 
 
 def _speculate(loaded, prompt_ids: list[int], encoding, as_json: bool, device: str, mode: str,

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from kvcache_cli.cli.common import fail
+from kvcache_cli.cli.common import fail, print_view
 
 
 def models(
@@ -25,8 +25,6 @@ def models(
 
         typer.echo(to_json(rows))
         return
-    from rich.console import Console
-
     from kvcache_cli.views.sizing import models_view
 
-    Console().print(models_view(rows))
+    print_view(models_view(rows))

@@ -6,13 +6,13 @@ from typing import Annotated
 
 import typer
 
-from kvcache_cli.cli.common import complete_preset, fail, need_torch_extra
+from kvcache_cli.cli.common import complete_preset, fail, need_torch_extra, print_view
 
 
 def size(
     model: Annotated[str | None, typer.Option(
-        "--model", "-m", help="A preset (see 'kvcache models') or a Hub id ORG/NAME, whose "
-        "config.json is read through the local Hub cache.",
+        "--model", "-m", help="A preset (see 'kvcache models'), a Hub id ORG/NAME, whose "
+        "config.json is read through the local Hub cache, or a local folder or config.json.",
         autocompletion=complete_preset)] = None,
     revision: Annotated[str | None, typer.Option(
         help="Branch, tag or commit of a Hub id (default main); reads even a preset's id "
@@ -26,8 +26,9 @@ def size(
         help="Width of one head (default 128).")] = None,
     heads: Annotated[int | None, typer.Option(
         help="Query heads, for the multi-head baseline.")] = None,
-    seq: Annotated[int | None, typer.Option(
-        help="Tokens per sequence (default: the model's context window).")] = None,
+    seq: Annotated[str | None, typer.Option(
+        help="Tokens per sequence: 4096, 32k (32,768) or 1M (default: the model's context "
+        "window).")] = None,
     batch: Annotated[int, typer.Option(help="Sequences cached at once.")] = 1,
     dtype: Annotated[str, typer.Option(
         help="Cache dtype: fp32, fp16, bf16, fp8, int8, int4.")] = "fp16",
@@ -72,8 +73,14 @@ def size(
     from kvcache_cli.hub import HubUnavailable
 
     try:
+        tokens = None if seq is None else sizing.parse_tokens(seq)
         count = None if params is None else sizing.parse_count(params)
         memory = None if gpu_mem is None else sizing.parse_bytes(gpu_mem)
+        if model is not None and _is_local_path(model):
+            if config is not None:
+                raise ValueError(f"--model {model!r} is a local config and --config is given: "
+                                 "expected one of the two")
+            model, config = None, model  # a folder or file: read as --config reads it
         hub_config = _hub_config(model, revision, config, layers, kv_heads, head_dim, heads)
         if hub_config is not None:
             model, config = None, hub_config.path
@@ -94,13 +101,13 @@ def size(
                 raise ValueError("--window and --cache (or --group-size/--residual) both "
                                  "choose the cache: expected one of them")
             full = "fp16" if cache is None else dtype  # --dtype int4 names the codes
-            seq = seq if seq is not None else shape.max_positions
-            if seq is None:
+            tokens = tokens if tokens is not None else shape.max_positions
+            if tokens is None:
                 raise ValueError("no --seq given and the model declares no context window; "
                                  "expected --seq N")
-            result = size_spec(shape, spec, seq, batch, full, memory, weight_dtype)
+            result = size_spec(shape, spec, tokens, batch, full, memory, weight_dtype)
         else:
-            result = sizing.size_cache(shape, seq, batch, dtype, tp, memory, weight_dtype,
+            result = sizing.size_cache(shape, tokens, batch, dtype, tp, memory, weight_dtype,
                                        block_size, window, sinks)
     except ValueError as err:
         fail(str(err))
@@ -117,11 +124,9 @@ def size(
 
         typer.echo(to_json(result))
         return
-    from rich.console import Console
-
     from kvcache_cli.views.sizing import size_view, spec_size_view
 
-    Console().print(size_view(result) if spec is None else spec_size_view(result))
+    print_view(size_view(result) if spec is None else spec_size_view(result))
 
 
 def _cache_spec(cache, dtype, group_size, residual, tp, block_size, verify):
@@ -148,6 +153,14 @@ def _cache_spec(cache, dtype, group_size, residual, tp, block_size, verify):
     fields = [f"g{group_size}" if group_size is not None else "",
               f"r{residual}" if residual is not None else ""]
     return parse_cache_spec(":".join([dtype.lower(), *filter(None, fields)]))
+
+
+def _is_local_path(model: str) -> bool:
+    """A --model that names a file or folder here (as transformers' from_pretrained looks
+    for a local folder first), or is spelled as a path (./dir, ../dir, /dir, ~/dir)."""
+    from pathlib import Path
+
+    return model.startswith((".", "/", "~")) or Path(model).expanduser().exists()
 
 
 def _hub_config(model, revision, config, *shape_flags):

@@ -50,6 +50,7 @@ from kvcache_cli.sizing.units import (
     nearest,
     parse_bytes,
     parse_count,
+    parse_tokens,
 )
 
 # --verify's module is imported on first use: `kvcache size` without it never pays for it.
@@ -70,7 +71,7 @@ __all__ = [
     "TensorParallel", "Verification", "VerifyError", "VerifyLayer", "_verify_config",
     "bytes_for_values", "canonical_dtype", "check_range", "dtype_bits", "format_bytes",
     "format_gb", "format_gib", "list_models", "load_config", "mha_values_per_token", "nearest",
-    "parse_bytes", "parse_count", "preset", "resolve_shape", "shape_from_config",
+    "parse_bytes", "parse_count", "parse_tokens", "preset", "resolve_shape", "shape_from_config",
     "shape_from_flags", "size_cache", "state_bytes_per_sequence", "tokens_held",
     "values_per_token", "verify_cache",
 ]

@@ -165,6 +165,24 @@ def parse_count(text: str, what: str = "--params") -> int:
     return int(value)
 
 
+# Context lengths are powers of two: a "32k" model holds 32,768 tokens, "128k" 131,072.
+_TOKEN_SUFFIX = {"": 1, "k": 2**10, "m": 2**20}
+
+
+def parse_tokens(text: str, what: str = "--seq") -> int:
+    """A token count: '32768', '32k' (32,768), '1M' (1,048,576), '32_768'."""
+    cleaned = text.strip().replace("_", "").replace(",", "")
+    suffix = cleaned[-1:].lower() if cleaned[-1:].isalpha() else ""
+    digits = cleaned[: len(cleaned) - len(suffix)]
+    if suffix not in _TOKEN_SUFFIX or not digits.isdigit():
+        raise SizingError(f"{what} {text!r}: expected a whole number of tokens such as 4096, "
+                          "32k (32,768) or 1M (1,048,576)")
+    if len(digits) > 20:  # int() of thousands of digits is slow, or refused outright
+        raise SizingError(f"{what} {text!r}: expected a whole number from 1 to "
+                          f"{LIMITS[what]:,}")
+    return check_range(what, int(digits) * _TOKEN_SUFFIX[suffix])
+
+
 # Upper bounds on what a user (or a config.json) may ask for. Each is far past any real model
 # or machine, and low enough that every figure stays short and every loop over layers is quick.
 LIMITS: dict[str, int] = {

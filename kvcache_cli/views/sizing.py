@@ -169,7 +169,8 @@ def size_view(r: SizeResult) -> RenderableType:
     """Everything `kvcache size` shows, in reading order."""
     parts: list[RenderableType] = [_headline(r)]
     if r.formula:
-        formula = Text("formula\n", style="bold")
+        # Never wrapped: a formula broken mid-expression reads as two wrong ones.
+        formula = Text("formula\n", style="bold", no_wrap=True)
         for line in r.formula:
             formula.append(f"  {line}\n", style="cyan")
         parts.append(formula)
