@@ -214,17 +214,23 @@ def random_prompt(vocab_size: int, length: int, seed: int = 0) -> list[int]:
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of weights one decode step reads.
 
-    Each tensor once, so the tied `wte`/`lm_head` counts once (the head reads all
-    of it); the position table counts one row, the only one a step looks up.
+    Every tensor of every product whole (an int8 one's scales included), each once, so
+    the tied `wte`/`lm_head` counts once (the head reads all of it); an embedding not
+    tied to a product counts one row, the only one a step looks up; norms whole.
     """
+    import torch
+
     seen: set[int] = set()
     total = 0
-    for name, param in model.named_parameters(remove_duplicate=False):
-        if param.data_ptr() in seen:
-            continue
-        seen.add(param.data_ptr())
-        rows = 1 if name.endswith("wpe.weight") else param.shape[0]
-        total += rows * param[0].numel() * param.element_size()
+    products = _linears(model)
+    for module in (*products, *model.modules()):
+        embedding = isinstance(module, torch.nn.Embedding)
+        for tensor in (*module.parameters(recurse=False), *module.buffers(recurse=False)):
+            if tensor.data_ptr() in seen:
+                continue
+            seen.add(tensor.data_ptr())
+            rows = 1 if embedding else tensor.shape[0]
+            total += rows * tensor[0].numel() * tensor.element_size()
     return total
 
 
@@ -346,7 +352,9 @@ def _linears(model: torch.nn.Module) -> list[torch.nn.Module]:
     """Every matrix a decode step multiplies by, each once (the tied head is one of them)."""
     import torch
 
-    return [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    from kvcache_cli.gpt2 import Int8Linear
+
+    return [m for m in model.modules() if isinstance(m, torch.nn.Linear | Int8Linear)]
 
 
 def measure_products(model: torch.nn.Module, repeats: int = BANDWIDTH_REPEATS) -> Probe:
@@ -369,7 +377,8 @@ def measure_products(model: torch.nn.Module, repeats: int = BANDWIDTH_REPEATS) -
 
     with torch.inference_mode():
         seconds = _timed(param.device, one_pass, repeats)
-    nbytes = sum(p.numel() * p.element_size() for m in layers for p in m.parameters())
+    nbytes = sum(t.numel() * t.element_size() for m in layers
+                 for t in (*m.parameters(), *m.buffers()))  # fmt: skip
     return _probe("product", f"one-row products over the model's {len(layers)} matrices",
                   nbytes, seconds)  # fmt: skip
 
