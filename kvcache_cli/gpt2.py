@@ -689,9 +689,10 @@ def to_hf(gpt: GPT):
         eos_token_id=eos,
     )
     hf = GPT2LMHeadModel(hf_config)
+    # float_state: an int8 model's matrices dequantised, so transformers runs its function.
     state = {
         k: (t.t() if k.endswith(_CONV1D) else t).detach().cpu().float()
-        for k, t in gpt.state_dict().items()
+        for k, t in float_state(gpt).items()
     }
     hf.load_state_dict(state, strict=False)  # strict=False: HF may add mask buffers
     missing = set(hf.state_dict()) - set(state)
