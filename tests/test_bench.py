@@ -219,7 +219,8 @@ def test_cli_json_has_every_key(checkpoint):
         "transformers_version", "n_params", "prompt_len", "new_tokens", "repeats",
         "warmup_tokens", "naive_samples", "reference_mode", "tokens_agree", "weight_bytes",
         "kv_bytes_per_token", "step_bytes_first", "step_bytes_last", "probes", "limit_probe",
-        "limit_gbps", "ceiling_tokens_per_s", "profile_lengths", "modes",
+        "limit_gbps", "ceiling_tokens_per_s", "profile_lengths", "modes", "weights_format",
+        "weights_check", "llama_cpp_version",
     }
     for probe in data["probes"]:
         assert set(probe) == {"name", "what", "bytes_per_run", "seconds", "best_gbps",
@@ -232,6 +233,7 @@ def test_cli_json_has_every_key(checkpoint):
             "median_step_ms", "tokens_per_s", "tokens_per_s_median", "ms_per_token_median",
             "ttft_ms_median", "profile_ms", "speedup_over_naive", "ratio_to_hf",
             "cache_bytes_held", "bytes_copied", "achieved_gbps", "mbu", "compile_s",
+            "weight_bytes", "difference_margin",
         }
         assert len(m["median_step_ms"]) == NEW - 1
         assert all(math.isfinite(x) for x in m["median_step_ms"])

@@ -120,3 +120,29 @@ def test_int8_is_refused_off_the_cpu_and_for_widths_its_kernel_cannot_run():
     with pytest.raises(ValueError, match="n_embd a multiple of 16.*72"):
         gpt2.check_weights_dtype("int8", odd, "cpu")
     gpt2.check_weights_dtype("int8", CONFIG, "cpu")  # 64 is fine
+
+
+def test_float32_checked_against_itself_has_no_error_and_the_same_tokens():
+    from kvcache_cli.weight_check import check_weights
+
+    model = tiny()
+    check = check_weights(model, copy.deepcopy(model), prompt()[0].tolist(), 12)
+    assert check.weights == "fp32" and check.logits_max_error == 0.0
+    assert check.same_tokens and check.first_difference is None
+
+
+def test_a_flip_is_a_near_tie_only_within_the_measured_logit_error():
+    from kvcache_cli.weight_check import token_margin
+
+    model = tiny()
+    ids = prompt()[0].tolist()
+    with torch.inference_mode():
+        tokens = list(stream_tokens(model, ids, 6, "static"))
+        logits = model(torch.tensor([ids + tokens[:3]]), 0, None)[0, -1]  # step 3's
+    second = int(logits.topk(2).indices[1])
+    other = tokens[:3] + [second] + tokens[4:]
+    gap = float(logits.topk(2).values[0] - logits.topk(2).values[1])
+    flip = token_margin(model, ids, tokens, other, logit_error=gap)
+    assert flip.step == 3 and flip.margin == pytest.approx(gap, rel=1e-4) and flip.near_tie
+    assert not token_margin(model, ids, tokens, other, logit_error=gap / 4).near_tie
+    assert token_margin(model, ids, tokens, tokens) is None
