@@ -107,13 +107,28 @@ class Linear(nn.Linear):
         if n < 2 or N < n or w.stride(0) != 1:
             return F.linear(x, w, self.bias)
         cols = N // n * n  # n equal blocks; the few columns left over go on their own
-        blocks = w.t()[:, :cols].view(K, n, cols // n).transpose(0, 1)  # (n, K, N/n), a view
-        rows = x.reshape(1, -1, K)  # (1, R, K): every row of the batch and sequence
-        y = torch.bmm(rows.expand(n, -1, K), blocks)  # (n, R, N/n)
+        blocks, bias = self._blocks(n, cols)  # (n, K, N/n) and (n, 1, N/n): views
+        rows = x.reshape(1, -1, K).expand(n, -1, K)  # (n, R, K): every row, once per block
+        # The bias added by the product itself (baddbmm): one op fewer a layer.
+        y = torch.bmm(rows, blocks) if bias is None else torch.baddbmm(bias, rows, blocks)
         y = y.transpose(0, 1).reshape(*x.shape[:-1], cols)  # (..., cols): the blocks in order
         if cols < N:
-            y = torch.cat([y, F.linear(x, w[cols:])], dim=-1)  # (..., N)
-        return y if self.bias is None else y + self.bias
+            rest = F.linear(x, w[cols:], None if self.bias is None else self.bias[cols:])
+            y = torch.cat([y, rest], dim=-1)  # (..., N)
+        return y
+
+    def _blocks(self, n: int, cols: int) -> tuple[Tensor, Tensor | None]:
+        """The weight and bias cut into n column blocks, as views made once per thread
+        count and storage: a decode step calls 49 products, and four view ops each
+        cost more dispatch than they are worth."""
+        w = self.weight
+        key = (n, w.data_ptr(), None if self.bias is None else self.bias.data_ptr())
+        if getattr(self, "_block_key", None) != key:
+            K = w.shape[1]
+            blocks = w.t()[:, :cols].view(K, n, cols // n).transpose(0, 1)  # (n, K, N/n)
+            bias = None if self.bias is None else self.bias[:cols].view(n, 1, cols // n)
+            self._block_key, self._block_views = key, (blocks, bias)
+        return self._block_views
 
 
 class Int8Linear(nn.Module):
