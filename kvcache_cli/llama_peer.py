@@ -94,12 +94,20 @@ class LlamaRunner:
 
     def stream(self, prompt_ids: Sequence[int], new_tokens: int) -> Iterator[int]:
         """Yield `new_tokens` greedy tokens after the prompt: the prefill's, then one a step."""
+        import llama_cpp
+        import numpy as np
+
         llm = self.llm
+        n_vocab = llm.n_vocab()
         llm.reset()  # forget the last run: the next eval drops the cache past position 0
         ids = list(prompt_ids)
         for _ in range(new_tokens):
             llm.eval(ids)
-            token = int(llm.scores[llm.n_tokens - 1].argmax())  # this step's logits
+            # The batch's last token's logits, read in place (Llama keeps no copy of them
+            # unless every position's are asked for).
+            logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1),
+                                           shape=(n_vocab,))  # fmt: skip
+            token = int(logits.argmax())
             yield token
             ids = [token]
 
