@@ -202,6 +202,8 @@ _FTYPES = {"f16": 1, "q8_0": 7}
 
 def quantize_gguf(src: Path, dst: Path, fmt: str, threads: int | None = None) -> Path:
     """Quantise a float32 GGUF with llama.cpp's own quantiser (`llama_model_quantize`)."""
+    import ctypes
+
     import llama_cpp
 
     if fmt not in _FTYPES:
@@ -211,7 +213,8 @@ def quantize_gguf(src: Path, dst: Path, fmt: str, threads: int | None = None) ->
     params.nthread = threads or 0  # 0: llama.cpp's own choice
     tmp = Path(dst).with_name(Path(dst).name + ".partial")
     with _silenced_stderr():  # llama.cpp logs every tensor it quantises to stderr
-        status = llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), params)
+        status = llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(),
+                                                ctypes.byref(params))  # fmt: skip
     if status != 0:
         tmp.unlink(missing_ok=True)
         raise RuntimeError(f"llama.cpp could not quantise {src} to {fmt} (status {status})")
