@@ -382,7 +382,7 @@ def test_a_sampled_run_names_the_position_of_its_first_different_token():
     run = bench._Run(tokens=[5, 6, 0], ttft_ms=1.0, steps=[0, 4], step_ms=[2.0, 3.0],
                      cache_bytes_held=None, bytes_copied=None)
     reference = [5, 6, 1, 1, 1, 9]  # the token at position 5 (after step 4) is 9, not 0
-    result = bench._summarise("naive", [run], reference, [100] * 5, 1.0, None)
+    result = bench._summarise("naive", [run], reference, [100] * 5, 1.0, None, 100)
     assert not result.same_tokens and result.first_difference == 5
 
 
