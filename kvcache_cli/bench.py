@@ -37,15 +37,24 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kv_cache_from_scratch import kv_cache_bytes
+from kvcache_cli.llama_peer import LLAMA_MODES, check_llama_modes, llama_version
 
 if TYPE_CHECKING:
     import torch
 
+    from kvcache_cli.llama_peer import LlamaFile, LlamaRunner
+    from kvcache_cli.weight_check import TokenMargin, WeightCheck
+
 # hf-static is transformers' generate() with its static cache; a "-compiled" mode is
 # the same under torch.compile (the compile is paid in the untimed warm-up).
+# llama.cpp, llama.cpp-f16, llama.cpp-q8_0 run llama.cpp (the `llama` extra) on the
+# same weights written to GGUF: the engine a CPU user would pick, as a peer.
 MODES = (
     "naive", "concat", "static", "hf", "hf-static", "static-compiled", "hf-static-compiled",
+    *LLAMA_MODES,
 )  # fmt: skip
+# The project's own loops; every other mode is a peer it is measured against.
+OURS = ("naive", "concat", "static", "static-compiled")
 DEFAULT_MODES = ("naive", "concat", "static", "hf", "hf-static")
 COMPILED = {"static": "static-compiled", "hf-static": "hf-static-compiled"}
 # torch.compile's mode per device: CUDA graphs remove the launch overhead on a GPU;
@@ -124,6 +133,9 @@ class ModeResult:
     achieved_gbps: float  # bytes a decode step must read / its time
     mbu: float  # achieved_gbps / the limit: model bandwidth utilisation
     compile_s: float | None  # a compiled mode's warm-up, compiling included; else None
+    weight_bytes: int  # a decode step's weights as this mode stores them
+    # At first_difference, how close the reference model's own choice was (None if none).
+    difference_margin: TokenMargin | None
 
 
 @dataclass(frozen=True)
@@ -151,6 +163,10 @@ class BenchResult:
     naive_samples: int | None  # decode steps naive was timed at; None: every step
     reference_mode: str  # the mode every other one's tokens are compared with
     tokens_agree: bool
+    weights_format: str  # how the products' matrices are stored: fp32, bf16, fp16, int8
+    # The model's static loop against the same weights in float32 (None when it is float32).
+    weights_check: WeightCheck | None
+    llama_cpp_version: str | None  # llama-cpp-python's, where a llama.cpp mode ran
     weight_bytes: int  # read once per decode step
     kv_bytes_per_token: int  # K and V, all layers, batch 1
     step_bytes_first: int  # weights + KV cache a decode step reads at the first length
@@ -239,17 +255,23 @@ def random_prompt(vocab_size: int, length: int, seed: int = 0) -> list[int]:
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of weights one decode step reads.
 
-    Each tensor once, so the tied `wte`/`lm_head` counts once (the head reads all
-    of it); the position table counts one row, the only one a step looks up.
+    Every tensor of every product whole (an int8 one's scales included), each once, so
+    the tied `wte`/`lm_head` counts once (the head reads all of it); an embedding not
+    tied to a product counts one row, the only one a step looks up; norms whole.
     """
+    import torch
+
     seen: set[int] = set()
     total = 0
-    for name, param in model.named_parameters(remove_duplicate=False):
-        if param.data_ptr() in seen:
-            continue
-        seen.add(param.data_ptr())
-        rows = 1 if name.endswith("wpe.weight") else param.shape[0]
-        total += rows * param[0].numel() * param.element_size()
+    products = _linears(model)
+    for module in (*products, *model.modules()):
+        embedding = isinstance(module, torch.nn.Embedding)
+        for tensor in (*module.parameters(recurse=False), *module.buffers(recurse=False)):
+            if tensor.data_ptr() in seen:
+                continue
+            seen.add(tensor.data_ptr())
+            rows = 1 if embedding else tensor.shape[0]
+            total += rows * tensor[0].numel() * tensor.element_size()
     return total
 
 
@@ -371,7 +393,9 @@ def _linears(model: torch.nn.Module) -> list[torch.nn.Module]:
     """Every matrix a decode step multiplies by, each once (the tied head is one of them)."""
     import torch
 
-    return [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    from kvcache_cli.gpt2 import Int8Linear
+
+    return [m for m in model.modules() if isinstance(m, torch.nn.Linear | Int8Linear)]
 
 
 def measure_products(model: torch.nn.Module, repeats: int = BANDWIDTH_REPEATS) -> Probe:
@@ -394,7 +418,8 @@ def measure_products(model: torch.nn.Module, repeats: int = BANDWIDTH_REPEATS) -
 
     with torch.inference_mode():
         seconds = _timed(param.device, one_pass, repeats)
-    nbytes = sum(p.numel() * p.element_size() for m in layers for p in m.parameters())
+    nbytes = sum(t.numel() * t.element_size() for m in layers
+                 for t in (*m.parameters(), *m.buffers()))  # fmt: skip
     return _probe("product", f"one-row products over the model's {len(layers)} matrices",
                   nbytes, seconds)  # fmt: skip
 
@@ -453,6 +478,17 @@ def _run_ours(
     if cache is None:
         return _from_timeline(tokens, clock.timeline)
     return _from_timeline(tokens, clock.timeline, cache.bytes_held, cache.bytes_copied)
+
+
+def _run_llama(runner: LlamaRunner, prompt_ids: list[int], new_tokens: int, device,
+               on_token) -> _Run:  # fmt: skip
+    """llama.cpp under the same clock: a tick as each token is known on the host."""
+    tokens: list[int] = []
+    clock = _Clock(device, on_token)
+    for token in runner.stream(prompt_ids, new_tokens):
+        clock.tick()
+        tokens.append(token)
+    return _from_timeline(tokens, clock.timeline)
 
 
 def _run_naive_sampled(
@@ -618,6 +654,7 @@ def _summarise(
     step_bytes: Sequence[int],
     limit_gbps: float,
     compile_s: float | None,
+    weights: int,
 ) -> ModeResult:
     n_timed = min(len(run.step_ms) for run in runs)
     steps = tuple(runs[0].steps[:n_timed])
@@ -659,7 +696,26 @@ def _summarise(
         achieved_gbps=achieved,
         mbu=achieved / limit_gbps,
         compile_s=compile_s,
+        weight_bytes=weights,
+        difference_margin=None,
     )
+
+
+def _with_margins(model, prompt: list[int], reference: list[int],
+                  results: list[ModeResult]) -> list[ModeResult]:  # fmt: skip
+    """Each mode that left the reference's tokens, with how close the reference model's
+    own choice was where it left: a near-tie, or a real difference."""
+    from dataclasses import replace
+
+    from kvcache_cli.weight_check import token_margin
+
+    out = []
+    for r in results:
+        d = r.first_difference
+        if d is not None and d < len(r.tokens) and len(r.tokens) == len(reference):
+            r = replace(r, difference_margin=token_margin(model, prompt, reference, r.tokens))
+        out.append(r)
+    return out
 
 
 def _first_difference(tokens: Sequence[int], reference: Sequence[int]) -> int | None:
@@ -717,6 +773,7 @@ def check_bench(
         raise ValueError(f"threads {threads} must be at least 1")
     if naive_samples < 0:
         raise ValueError(f"naive samples {naive_samples} must be 0 (every step) or more")
+    check_llama_modes(modes, next(model.parameters()).device.type)
     hf_modes = [m for m in modes if m.startswith("hf")]
     if hf_modes and _transformers_version() is None:
         raise RuntimeError(f"mode {hf_modes[0]!r} needs transformers: pip install 'kvcache[torch]'")
@@ -738,12 +795,16 @@ def run_bench(
     seed: int = 0,
     progress: ProgressFn | None = None,
     finished: FinishedFn | None = None,
+    reference=None,
+    gguf_dir=None,
 ) -> BenchResult:
     """Time every mode on `model` (already on its device) and measure the limit.
 
     `threads` sets torch's intra-op threads for the run and restores them after.
     `naive_samples` times the naive loop at that many decode steps (0: every step);
-    `finished` hears of each timed run as it ends.
+    `finished` hears of each timed run as it ends. `reference`, the same weights in
+    float32, is what a model in another weight format is checked against (logits and
+    greedy tokens); `gguf_dir` holds the llama.cpp modes' files (default: the cache).
     """
     import torch
 
@@ -756,14 +817,20 @@ def run_bench(
     if threads is not None:
         torch.set_num_threads(threads)
     try:
+        counter = _Counter(plan.total, progress)
+        check = None
+        if reference is not None:
+            from kvcache_cli.weight_check import check_weights
+
+            counter.show("checking the weights against float32")
+            check = check_weights(reference, model, plan.prompt, new_tokens)
         with torch.inference_mode():
-            measured = _measure(model, plan, bandwidth_mib, _Counter(plan.total, progress),
-                                finished)  # fmt: skip
+            measured = _measure(model, plan, bandwidth_mib, counter, finished, gguf_dir)
         used_threads = torch.get_num_threads()
     finally:
         torch.set_num_threads(previous_threads)
     return _result(model, plan, measured, used_threads, others.share(), model_name,
-                   weights_note)  # fmt: skip
+                   weights_note, check)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -832,11 +899,38 @@ class _Measured:
     runs: dict[str, list[_Run]]  # per mode, one per repeat
     probes: dict[str, list[Probe]]  # per probe kind, one per repeat
     compile_s: dict[str, float]
+    llama_files: dict[str, LlamaFile]  # per llama.cpp mode, what it ran
 
 
 def _measure(model, plan: _Plan, bandwidth_mib: int | None, counter: _Counter,
-             finished: FinishedFn | None) -> _Measured:
+             finished: FinishedFn | None, gguf_dir=None) -> _Measured:
     """The untimed warm-ups, then the repeats: each probes the bandwidth and runs every mode."""
+    with contextlib.ExitStack() as stack:
+        llama = _llama_runners(model, plan, counter, gguf_dir, stack)
+        return _measure_with(model, plan, bandwidth_mib, counter, finished, llama)
+
+
+def _llama_runners(model, plan: _Plan, counter: _Counter, gguf_dir,
+                   stack: contextlib.ExitStack) -> dict[str, LlamaRunner]:  # fmt: skip
+    """A llama.cpp model per llama.cpp mode, its GGUF written (or found) first, each
+    closed when the stack unwinds; on torch's thread count, as our modes run."""
+    import torch
+
+    from kvcache_cli import llama_peer
+
+    runners = {}
+    for mode in (m for m in plan.modes if m in LLAMA_MODES):
+        counter.show(f"GGUF for {mode} ({LLAMA_MODES[mode]})")
+        file = llama_peer.prepare(model, mode, gguf_dir)
+        runner = llama_peer.LlamaRunner(file, len(plan.prompt) + plan.new_tokens,
+                                        torch.get_num_threads())  # fmt: skip
+        stack.callback(runner.close)
+        runners[mode] = runner
+    return runners
+
+
+def _measure_with(model, plan: _Plan, bandwidth_mib: int | None, counter: _Counter,
+                  finished: FinishedFn | None, llama: dict[str, LlamaRunner]) -> _Measured:
     import torch
 
     device = next(model.parameters()).device
@@ -846,11 +940,13 @@ def _measure(model, plan: _Plan, bandwidth_mib: int | None, counter: _Counter,
     if any(m.endswith("-compiled") and not m.startswith("hf") for m in modes):
         compiled = torch.compile(model, mode=COMPILE_MODE[device.type])
     measured = _Measured({mode: [] for mode in modes}, {"read": [], "copy": [], "product": []},
-                         {})  # fmt: skip
+                         {}, {mode: runner.file for mode, runner in llama.items()})  # fmt: skip
     prompt, new_tokens = plan.prompt, plan.new_tokens
 
     def run(mode: str, n: int, label: str, warm: bool = False) -> _Run:
         on_token = counter.on_token(label)
+        if mode in llama:
+            return _run_llama(llama[mode], prompt, n, device, on_token)
         if mode.startswith("hf"):
             return _run_hf(hf_model, prompt, new_tokens, mode, device, on_token,
                            n if warm else None)  # fmt: skip
@@ -884,9 +980,11 @@ def _measure(model, plan: _Plan, bandwidth_mib: int | None, counter: _Counter,
 
 
 def _result(model, plan: _Plan, measured: _Measured, threads: int, others_share: float | None,
-            model_name: str, weights_note: str | None) -> BenchResult:
+            model_name: str, weights_note: str | None, check: WeightCheck | None) -> BenchResult:
     """Each mode summarised against the reference's tokens and the measured limit."""
     import torch
+
+    from kvcache_cli.gpt2 import weights_format
 
     cfg = model.config
     param = next(model.parameters())
@@ -901,12 +999,18 @@ def _result(model, plan: _Plan, measured: _Measured, threads: int, others_share:
     lengths = [prompt_len + 1 + i for i in range(n_steps)]
     step_bytes = [w_bytes + kv_token * length for length in lengths]
     reference = measured.runs[plan.reference_mode][0].tokens
-    results = [
-        _summarise(m, measured.runs[m], reference,
-                   _mode_step_bytes(m, model, w_bytes, lengths, element, step_bytes),
-                   best.best_gbps, measured.compile_s.get(m))
-        for m in plan.modes
-    ]  # fmt: skip
+    results = []
+    for m in plan.modes:
+        file = measured.llama_files.get(m)
+        # A llama.cpp mode reads its own file's weights and a float16 KV cache.
+        mode_bytes = (_mode_step_bytes(m, model, w_bytes, lengths, element, step_bytes)
+                      if file is None else
+                      [file.weight_bytes + file.kv_bytes_per_token * length
+                       for length in lengths])
+        results.append(_summarise(m, measured.runs[m], reference, mode_bytes, best.best_gbps,
+                                  measured.compile_s.get(m),
+                                  w_bytes if file is None else file.weight_bytes))
+    results = _with_margins(model, plan.prompt, reference, results)
     mean_bytes = sum(step_bytes) / len(step_bytes)
     profile_lengths = tuple(
         lengths[min(max(0, round(f * (n_steps - 1))), n_steps - 1)] for f in PROFILE_POINTS
@@ -919,7 +1023,9 @@ def _result(model, plan: _Plan, measured: _Measured, threads: int, others_share:
         cpus=os.cpu_count() or 1,
         others_cpu_share=others_share,
         dtype=str(param.dtype).removeprefix("torch."),
-        cpu_half_support=cpu_half_support() if device.type == "cpu" and element == 2 else None,
+        # The int8 products multiply bfloat16 rows, so they too depend on these.
+        cpu_half_support=cpu_half_support() if device.type == "cpu" and (
+            element == 2 or weights_format(model) != "fp32") else None,
         threads=threads,
         torch_version=torch.__version__,
         transformers_version=_transformers_version(),
@@ -932,6 +1038,9 @@ def _result(model, plan: _Plan, measured: _Measured, threads: int, others_share:
         reference_mode=plan.reference_mode,
         # A bounded cache evicts, so its tokens may part from the exact ones: not a failure.
         tokens_agree=all(r.same_tokens for r in results if bounded_spec(r.mode) is None),
+        weights_format=weights_format(model),
+        weights_check=check,
+        llama_cpp_version=llama_version() if measured.llama_files else None,
         weight_bytes=w_bytes,
         kv_bytes_per_token=kv_token,
         step_bytes_first=step_bytes[0],

@@ -221,7 +221,8 @@ def test_cli_json_has_every_key(checkpoint):
         "transformers_version", "n_params", "prompt_len", "new_tokens", "repeats",
         "warmup_tokens", "naive_samples", "reference_mode", "tokens_agree", "weight_bytes",
         "kv_bytes_per_token", "step_bytes_first", "step_bytes_last", "probes", "limit_probe",
-        "limit_gbps", "ceiling_tokens_per_s", "profile_lengths", "modes",
+        "limit_gbps", "ceiling_tokens_per_s", "profile_lengths", "modes", "weights_format",
+        "weights_check", "llama_cpp_version",
     }
     for probe in data["probes"]:
         assert set(probe) == {"name", "what", "bytes_per_run", "seconds", "best_gbps",
@@ -234,6 +235,7 @@ def test_cli_json_has_every_key(checkpoint):
             "median_step_ms", "tokens_per_s", "tokens_per_s_median", "ms_per_token_median",
             "ttft_ms_median", "profile_ms", "speedup_over_naive", "ratio_to_hf",
             "cache_bytes_held", "bytes_copied", "achieved_gbps", "mbu", "compile_s",
+            "weight_bytes", "difference_margin",
         }
         assert len(m["median_step_ms"]) == NEW - 1
         assert all(math.isfinite(x) for x in m["median_step_ms"])
@@ -382,7 +384,7 @@ def test_a_sampled_run_names_the_position_of_its_first_different_token():
     run = bench._Run(tokens=[5, 6, 0], ttft_ms=1.0, steps=[0, 4], step_ms=[2.0, 3.0],
                      cache_bytes_held=None, bytes_copied=None)
     reference = [5, 6, 1, 1, 1, 9]  # the token at position 5 (after step 4) is 9, not 0
-    result = bench._summarise("naive", [run], reference, [100] * 5, 1.0, None)
+    result = bench._summarise("naive", [run], reference, [100] * 5, 1.0, None, 100)
     assert not result.same_tokens and result.first_difference == 5
 
 

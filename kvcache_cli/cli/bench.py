@@ -16,12 +16,15 @@ from kvcache_cli.cli.common import (
     DeviceOption,
     DType,
     ModelOption,
+    WeightsDTypeOption,
     check_cache_for,
     check_plot,
+    check_weights_dtype,
     fail,
     need_torch_extra,
     show_then_plot,
     threads_error,
+    with_weights_dtype,
 )
 
 
@@ -32,14 +35,17 @@ def bench(
     weights: Annotated[str, typer.Option(
         help="auto (real if available, else random), pretrained, random. Speed depends "
         "on the shape only.")] = "auto",
-    dtype: Annotated[DType, typer.Option(help="Weights and cache.")] = DType.fp32,
+    dtype: Annotated[DType, typer.Option(help="Weights, activations and cache.")] = DType.fp32,
+    weights_dtype: WeightsDTypeOption = None,
     prompt_len: Annotated[int, typer.Option(help="Prompt length (seeded random token ids).")
     ] = 32,
     new_tokens: Annotated[int, typer.Option(help="Tokens to generate per run.")] = 128,
     modes: Annotated[str, typer.Option(
         help="Comma-separated, from: naive, concat, static, hf (transformers' generate), "
-        "hf-static (its static cache), static-compiled, hf-static-compiled, or any cache "
-        "spec: window:128, sink:4+124, h2o:64+64 (a bounded cache's step stays flat).")
+        "hf-static (its static cache), static-compiled, hf-static-compiled, llama.cpp, "
+        "llama.cpp-f16, llama.cpp-q8_0 (llama.cpp on the same weights written to GGUF; "
+        "needs the llama extra, pip install 'kvcache[llama]', which builds llama.cpp "
+        "from source: minutes), or any cache spec: window:128, int8 (kvcache caches).")
     ] = "naive,concat,static,hf,hf-static",
     cache: Annotated[str | None, typer.Option(
         metavar="SPECS", help="Comma-separated cache specs to time as modes, e.g. "
@@ -99,9 +105,11 @@ def bench(
     for name in mode_names:
         if (spec := bench_.bounded_spec(name)) is not None:
             check_cache_for(spec, model)  # a window past the context, before the weights
+    check_weights_dtype(weights_dtype, model, str(dev))
     try:
         loaded = load_gpt2(model, weights=weights, device=dev,
                            dtype=getattr(torch, TORCH_DTYPES[dtype.value]))
+        loaded, reference = with_weights_dtype(loaded, weights_dtype)
         bench_.check_bench(loaded.model, mode_names, prompt_len, new_tokens, repeats, threads,
                            naive_samples)  # fmt: skip
         with _progress() as (on_progress, on_finished):
@@ -109,7 +117,7 @@ def bench(
                 loaded.model, modes=mode_names, prompt_len=prompt_len, new_tokens=new_tokens,
                 repeats=repeats, threads=threads, naive_samples=naive_samples,
                 model_name=loaded.source, weights_note=loaded.note, progress=on_progress,
-                finished=on_finished,
+                finished=on_finished, reference=reference,
             )  # fmt: skip
     except (ValueError, IndexError) as err:
         fail(str(err))
@@ -214,6 +222,7 @@ def _check_options(modes: str, compile_: bool, device: str, threads: int | None,
     """The mode names (with their compiled twins under --compile) and the device; bad input
     fails here, before the model loads."""
     from kvcache_cli import bench as bench_
+    from kvcache_cli.llama_peer import check_llama_modes
 
     try:
         mode_names = bench_.parse_modes(modes)
@@ -223,6 +232,7 @@ def _check_options(modes: str, compile_: bool, device: str, threads: int | None,
                 raise ValueError("--compile needs mode static or hf-static in --modes")
             mode_names = bench_.parse_modes(",".join((*mode_names, *extra)))
         dev = bench_.resolve_device(device)
+        check_llama_modes(mode_names, dev.type)
     except ValueError as err:
         fail(str(err))
     if threads_error(threads):

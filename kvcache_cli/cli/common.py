@@ -156,6 +156,13 @@ class DType(str, Enum):
 
 TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
+# A str, not an Enum, so an unknown value gets the project's one line (with the choices).
+WeightsDTypeOption = Annotated[str | None, typer.Option(
+    "--weights-dtype",
+    help="How the products' matrices are stored: fp32, bf16, fp16, or int8 (weight-only, "
+    "one scale per output channel, gpt-fast's; CPU only). Default: --dtype's. Another "
+    "format than float32 is checked against float32: logits' error, greedy tokens.")]
+
 # OpenMP allocates per thread up front: a billion threads aborts the process.
 MAX_THREADS = 1024
 
@@ -253,6 +260,41 @@ def load_gpt2(model: str, weights: str, device: str, dtype: str = "fp32"):
     if loaded.note:
         typer.echo(f"note: {loaded.note}", err=True)
     return loaded
+
+
+def check_weights_dtype(weights_dtype: str | None, model: str, device: str) -> None:
+    """Refuse an unknown or unrunnable --weights-dtype before any weights load."""
+    if weights_dtype is None:
+        return
+    from kvcache_cli import gpt2
+
+    try:
+        gpt2.check_weights_dtype(weights_dtype, gpt2.model_config(model), device)
+    except ValueError as err:
+        fail(f"--weights-dtype: {err}")
+
+
+def with_weights_dtype(loaded, weights_dtype: str | None):
+    """(the loaded model in --weights-dtype, the float32 model to check it against, or None).
+
+    The float32 reference exists only where the format differs from it; it is the
+    weights as loaded, so both hold the same function up to the format's rounding.
+    """
+    import copy
+
+    import torch
+
+    from kvcache_cli import gpt2
+
+    model = loaded.model
+    fmt = weights_dtype or gpt2.weights_format(model)
+    if fmt == "fp32" and model.dtype == torch.float32:
+        return loaded, None
+    reference = copy.deepcopy(model).float()  # the float32 original the format rounds
+    reference = gpt2.arrange_weights(reference)
+    if weights_dtype is not None:
+        gpt2.set_weights_dtype(model, weights_dtype)
+    return loaded, reference
 
 
 # --- printing ----------------------------------------------------------------------------

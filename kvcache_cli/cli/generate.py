@@ -15,7 +15,9 @@ from kvcache_cli.cli.common import (
     Device,
     DType,
     Weights,
+    WeightsDTypeOption,
     check_cache_for,
+    check_weights_dtype,
     fail,
     load_gpt2,
     need_torch_extra,
@@ -58,7 +60,8 @@ def generate(
         min=1, help="Sample from the k likeliest tokens only.")] = None,
     seed: Annotated[int, typer.Option(
         min=0, max=2**64 - 1, help="Seed for sampling (torch takes 64 bits).")] = 0,
-    dtype: Annotated[DType, typer.Option(help="Weights and cache.")] = DType.fp32,
+    dtype: Annotated[DType, typer.Option(help="Weights, activations and cache.")] = DType.fp32,
+    weights_dtype: WeightsDTypeOption = None,
     as_json: Annotated[bool, typer.Option(
         "--json", help="Print the result as JSON instead of streaming.")] = False,
     draft: drafts.DraftOption = None,
@@ -103,6 +106,7 @@ def generate(
     torch_device(device)
     if cache is not None:
         check_cache_for(cache, model)
+    check_weights_dtype(weights_dtype, model, device)
     import torch
 
     from kvcache_cli import generate as gen
@@ -113,6 +117,10 @@ def generate(
         if encoding is None:
             fail(f"{why}: {_USE_IDS}", code=1)
     loaded = load_gpt2(model, weights, device, dtype.value)
+    if weights_dtype is not None:
+        from kvcache_cli.gpt2 import set_weights_dtype
+
+        set_weights_dtype(loaded.model, weights_dtype)
     prompt_ids, encoding = _encode(loaded.model, prompt, prompt_ids, encoding)
     try:
         gen.check_request(loaded.model, prompt_ids, max_new_tokens)  # before anything is printed
@@ -155,14 +163,18 @@ def _run(loaded, prompt_ids: list[int], encoding, as_json: bool, device: str, mo
     from rich.console import Console
 
     from kvcache_cli import generate as gen
+    from kvcache_cli.gpt2 import weights_format
     from kvcache_cli.views.generate import TokenStream, generation_view, header
 
     gpt = loaded.model
     console = Console()
     stream = None if as_json else TokenStream(console, encoding)
     if stream is not None:
-        console.print(header(loaded.source, gpt.num_params(), device,
-                             str(gpt.dtype).removeprefix("torch."), mode))
+        dtype = str(gpt.dtype).removeprefix("torch.")
+        fmt = weights_format(gpt)
+        if fmt != {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(dtype):
+            dtype += f", {fmt} weights"
+        console.print(header(loaded.source, gpt.num_params(), device, dtype, mode))
         stream.prompt(prompt_ids)
     try:
         result = gen.generate(gpt, prompt_ids, max_new_tokens, mode, on_token=stream, **sampling)

@@ -13,7 +13,9 @@ from kvcache_cli.cli.common import (
     GPT2_MODULES,
     DeviceOption,
     ModelOption,
+    WeightsDTypeOption,
     check_plot,
+    check_weights_dtype,
     fail,
     load_gpt2,
     need_torch_extra,
@@ -27,6 +29,7 @@ def serve(
     model: ModelOption = "gpt2",
     weights: Annotated[str, typer.Option(
         help="auto (real if available, else random), pretrained, random.")] = "auto",
+    weights_dtype: WeightsDTypeOption = None,
     requests: Annotated[int, typer.Option(help="Requests in the workload.")] = 24,
     prompt_len: Annotated[str, typer.Option(
         help="Prompt lengths MIN:MAX (after the shared prefix), drawn per request.")
@@ -105,7 +108,12 @@ def serve(
     except ValueError as err:
         fail(str(err))
     check_plot(plot)
+    check_weights_dtype(weights_dtype, model, dev)
     loaded = load_gpt2(model, weights, dev)
+    if weights_dtype is not None:
+        from kvcache_cli.gpt2 import set_weights_dtype
+
+        set_weights_dtype(loaded.model, weights_dtype)
     status = Console(stderr=True)
     try:
         if batch is not None:

@@ -10,7 +10,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from kvcache_cli.bench import BenchResult
+from kvcache_cli.bench import BenchResult, ModeResult
 from kvcache_cli.plot import sparkline
 from kvcache_cli.views.style import BAD, OK, figures_table
 
@@ -65,13 +65,16 @@ def _header(r: BenchResult) -> Table:
         grid.add_row("note", f"[yellow]{r.weights_note}[/]")
     grid.add_row("device", f"[bold]{r.device}[/] ({r.device_name}, {r.cpus} CPUs), "
                  f"[bold]{r.dtype}[/], [bold]{r.threads} threads[/]")
+    if r.weights_format != "fp32" or r.weights_check is not None:
+        grid.add_row("weights", _weights_line(r))
     if r.cpu_half_support is not None:
         grid.add_row("half", f"the CPU {r.cpu_half_support} (without them, torch converts "
-                     f"{r.dtype} to float32 to multiply)")
+                     "half precision to float32 to multiply)")
     if r.others_cpu_share is not None:
         grid.add_row("load", load_line(r.others_cpu_share))
     grid.add_row("software", f"torch {r.torch_version}"
-                 + (f", transformers {r.transformers_version}" if r.transformers_version else ""))
+                 + (f", transformers {r.transformers_version}" if r.transformers_version else "")
+                 + (f", llama-cpp-python {r.llama_cpp_version}" if r.llama_cpp_version else ""))
     grid.add_row("run", f"prompt {r.prompt_len} random token ids + {r.new_tokens} new tokens, "
                  f"greedy; median of {r.repeats} repeats, spread min-max; "
                  f"a {r.warmup_tokens}-token warm-up per mode, not timed")
@@ -84,6 +87,28 @@ def _header(r: BenchResult) -> Table:
         grid.add_row("compile", ", ".join(f"{m.mode} {m.compile_s:.1f} s" for m in compiled)
                      + " to compile and warm up over a whole run, untimed")
     return grid
+
+
+def _weights_line(r: BenchResult) -> str:
+    """The products' format and, against float32, the logits' error and the tokens."""
+    what = {"int8": "int8, one scale per output channel (products on bfloat16 rows)",
+            "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[r.weights_format]
+    line = f"[bold]{what}[/]; activations and cache {r.dtype}"
+    c = r.weights_check
+    if c is None:
+        return line
+    line += (f"; against float32: logits off by at most {c.logits_max_error:.3g} "
+             f"({c.logits_rel_error:.2%} of the largest)")
+    if c.same_tokens:
+        return line + f", the same {c.new_tokens} greedy tokens"
+    return line + f", greedy tokens differ from token {_margin(c.first_difference)}"
+
+
+def _margin(m) -> str:
+    """`12 (a near-tie: float32's margin 0.02, 0.1% of the logits' range)`."""
+    kind = "a near-tie" if m.near_tie else "[red]not a near-tie[/]"
+    return f"{m.step} ({kind}: the reference's margin {m.margin:.3g}, {m.share:.1%} of " \
+        "the logits' range)"
 
 
 def _speed(r: BenchResult) -> Table:
@@ -166,7 +191,15 @@ def _bounded(mode: str) -> bool:
     return bounded_spec(mode) is not None
 
 
-def _verdict(r: BenchResult) -> Text:
+def _verdict(r: BenchResult) -> Group:
+    lines = [_tokens_verdict(r)]
+    fastest = fastest_line(r)
+    if fastest is not None:
+        lines.append(Text.from_markup(fastest))
+    return Group(*lines)
+
+
+def _tokens_verdict(r: BenchResult) -> Text:
     if r.tokens_agree:
         sampled = "" if r.naive_samples is None else (
             f" (naive at its {r.naive_samples} timed steps and the first token)")
@@ -178,12 +211,34 @@ def _verdict(r: BenchResult) -> Text:
         every = "every exact mode" if bounded else "every mode"
         return Text.from_markup(f"{OK} {every} generated the same {r.new_tokens} tokens as "
                                 f"{r.reference_mode}{sampled}{aside}")
-    differ = ", ".join(f"{m.mode} from token {m.first_difference}"
-                       for m in r.modes if not m.same_tokens and not _bounded(m.mode))
+
+    def where(m: ModeResult) -> str:
+        if m.difference_margin is not None:
+            return f"{m.mode} from token {_margin(m.difference_margin)}"
+        return f"{m.mode} from token {m.first_difference}"
+
+    differ = ", ".join(where(m) for m in r.modes if not m.same_tokens and not _bounded(m.mode))
     return Text.from_markup(f"{BAD} tokens differ from {r.reference_mode}'s: {differ} "
-                            f"(of {r.new_tokens}). In {r.dtype}, kernels that sum "
-                            "in another order can flip a near-tie, and greedy decoding then "
-                            "follows another path.")
+                            f"(of {r.new_tokens}). Kernels that sum in another order, or "
+                            "weights in another format, can flip a near-tie, and greedy "
+                            "decoding then follows another path.")
+
+
+def fastest_line(r: BenchResult) -> str | None:
+    """The fastest peer against our fastest mode: tokens/s, the ratio, and the share of
+    the limit each reaches (for the bytes its own step reads). None without both."""
+    # Peers: transformers (hf*, its quanto cache) and llama.cpp; every other mode is ours.
+    peers = [m for m in r.modes if m.mode.startswith(("hf", "llama.cpp", "quanto"))]
+    ours = [m for m in r.modes if m not in peers]
+    if not ours or not peers:
+        return None
+    mine = max(ours, key=lambda m: m.tokens_per_s_median)
+    peer = max(peers, key=lambda m: m.tokens_per_s_median)
+    ratio = mine.tokens_per_s_median / peer.tokens_per_s_median
+    return (f"fastest peer [bold]{peer.mode}[/] {_num(peer.tokens_per_s_median)} tok/s at "
+            f"{peer.mbu:.0%} of the limit ({_bytes(peer.weight_bytes)} of weights a step); "
+            f"ours [bold]{mine.mode}[/] {_num(mine.tokens_per_s_median)} tok/s at "
+            f"{mine.mbu:.0%} ({_bytes(mine.weight_bytes)}): [bold]{ratio:.2f}x[/] the peer")
 
 
 def bench(r: BenchResult) -> RenderableType:

@@ -1,0 +1,115 @@
+"""llama.cpp as a `bench` peer: the engine a CPU user would pick, on the very same weights.
+
+The model is written to GGUF by `gguf_export` (cached by content, quantised to F16 or
+Q8_0 by llama.cpp's own quantiser) and run through llama-cpp-python, the optional
+`llama` extra, which builds llama.cpp from source when installed (minutes). The loop
+is the bench's own: the same prompt ids, fed directly (the file's tokenizer is
+synthetic), one token a step, greedy by argmax of the step's logits, so the bench's
+clock and warm-up apply unchanged.
+
+llama.cpp keeps its own KV cache, in float16 by default; a step's bytes count it so.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+# Bench mode -> the GGUF format it runs.
+LLAMA_MODES = {"llama.cpp": "f32", "llama.cpp-f16": "f16", "llama.cpp-q8_0": "q8_0"}
+INSTALL = "pip install 'kvcache[llama]' (it builds llama.cpp from source: minutes)"
+# llama.cpp's default K and V cache type (GGML_TYPE_F16): two bytes an element.
+KV_ELEMENT_BYTES = 2
+
+
+def llama_available() -> bool:
+    return all(importlib.util.find_spec(m) is not None for m in ("llama_cpp", "gguf"))
+
+
+def check_llama_modes(modes: Sequence[str], device_type: str) -> None:
+    """Refuse a llama.cpp mode that cannot run, before any model loads."""
+    wanted = [m for m in modes if m in LLAMA_MODES]
+    if not wanted:
+        return
+    if not llama_available():
+        raise ValueError(f"mode {wanted[0]!r} needs the llama extra: {INSTALL}")
+    if device_type != "cpu":
+        raise ValueError(f"mode {wanted[0]!r} runs llama.cpp on the CPU, where the extra "
+                         f"builds it; got device {device_type}: use --device cpu")
+
+
+def llama_version() -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("llama-cpp-python")
+    except PackageNotFoundError:
+        return None
+
+
+@dataclass(frozen=True)
+class LlamaFile:
+    """What one llama.cpp mode runs, and the bytes its decode step reads."""
+
+    mode: str
+    format: str  # GGUF format: f32, f16, q8_0
+    path: Path
+    file_bytes: int
+    cached: bool
+    weight_bytes: int  # a step's weights: every matrix whole, one position row
+    kv_bytes_per_token: int
+
+
+def prepare(model, mode: str, directory: Path | None = None) -> LlamaFile:
+    """Write (or find in the cache) `model`'s GGUF for `mode`, and count its bytes."""
+    from gguf import GGUFReader
+
+    from kvcache_cli.gguf_export import export_gguf
+    from kvcache_cli.gpt2 import float_state
+
+    cfg = model.config
+    gguf = export_gguf(float_state(model), cfg, LLAMA_MODES[mode], directory)
+    total = 0
+    for tensor in GGUFReader(gguf.path).tensors:
+        nbytes = int(tensor.n_bytes)
+        # The position table is looked up, one row a step; the token table is the LM
+        # head too (tied), so every byte of it is read.
+        total += nbytes // cfg.block_size if tensor.name == "position_embd.weight" else nbytes
+    kv = 2 * cfg.n_layer * cfg.n_embd * KV_ELEMENT_BYTES  # K and V, every layer, one token
+    return LlamaFile(mode, gguf.format, gguf.path, gguf.file_bytes, gguf.cached, total, kv)
+
+
+class LlamaRunner:
+    """One llama.cpp model and context, decoding greedily from token ids."""
+
+    def __init__(self, file: LlamaFile, max_len: int, threads: int):
+        from llama_cpp import Llama
+
+        self.file = file
+        # One context as long as the run; the prompt goes in as one batch, as ours does.
+        self.llm = Llama(model_path=str(file.path), n_ctx=max_len, n_batch=max_len,
+                         n_threads=threads, n_threads_batch=threads, verbose=False)  # fmt: skip
+
+    def stream(self, prompt_ids: Sequence[int], new_tokens: int) -> Iterator[int]:
+        """Yield `new_tokens` greedy tokens after the prompt: the prefill's, then one a step."""
+        import llama_cpp
+        import numpy as np
+
+        llm = self.llm
+        n_vocab = llm.n_vocab()
+        llm.reset()  # forget the last run: the next eval drops the cache past position 0
+        ids = list(prompt_ids)
+        for _ in range(new_tokens):
+            llm.eval(ids)
+            # The batch's last token's logits, read in place (Llama keeps no copy of them
+            # unless every position's are asked for).
+            logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1),
+                                           shape=(n_vocab,))  # fmt: skip
+            token = int(logits.argmax())
+            yield token
+            ids = [token]
+
+    def close(self) -> None:
+        self.llm.close()
