@@ -331,6 +331,40 @@ def run_break(
 # ---------------------------------------------------------------------------- tokenizer
 
 
+class ByteEncoding:
+    """UTF-8 bytes as token ids 0..255, with the part of tiktoken's Encoding we use.
+
+    The tokenizer of byte-level checkpoints (`tokenizer: bytes` in config.json, as the
+    shipped stdlib-bytes has): nothing to download, every text encodes, and decoding
+    replaces a byte sequence that is not UTF-8 (a character cut in two) with U+FFFD.
+    """
+
+    name = "bytes"
+    n_vocab = 256
+
+    def encode(self, text: str, disallowed_special=()) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode_bytes(self, ids) -> bytes:
+        bad = next((t for t in ids if not 0 <= t < 256), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is not a byte (0..255)")
+        return bytes(ids)
+
+    def decode(self, ids) -> str:
+        return self.decode_bytes(ids).decode("utf-8", errors="replace")
+
+    def decode_single_token_bytes(self, token: int) -> bytes:
+        return self.decode_bytes([token])
+
+
+def encoding_for(tokenizer: str):
+    """(the encoding a model's config names, None), or (None, one line saying why not)."""
+    if tokenizer == "bytes":
+        return ByteEncoding(), None
+    return gpt2_encoding()
+
+
 @functools.cache  # one try per process: a failed download would fail again
 def gpt2_encoding(timeout_s: float = 10.0):
     """(tiktoken's gpt2 Encoding, None), or (None, one line saying why not).
