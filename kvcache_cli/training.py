@@ -46,7 +46,7 @@ class Recipe:
     n_head: int = 3  # head size 64, as every GPT-2 size has
     n_embd: int = 192
     block_size: int = 2048  # eval reads 2,000 cached tokens, so every position must be trained
-    steps: int = 1800
+    steps: int = 1000
     short_len: int = 256  # short windows, at a random first position
     short_batch: int = 8
     # Full block_size windows from position 0, every long_every-th step: on the CPU their
