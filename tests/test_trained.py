@@ -120,3 +120,30 @@ def test_the_recipe_trains_a_tiny_model_that_loads_as_a_checkpoint(tmp_path):
         torch.testing.assert_close(loaded(ids, 0), model(ids, 0), rtol=1e-5, atol=1e-5)
     assert saved["heldout_bytes"] == len(corpus.heldout) == len(
         (tmp_path / "heldout.txt").read_bytes())
+
+
+def test_cli_generate_encodes_a_text_prompt_as_bytes_and_decodes_the_reply():
+    from typer.testing import CliRunner
+
+    from kvcache_cli.cli import app
+
+    result = CliRunner().invoke(app, ["generate", "def main(", "--model", TRAINED, "-n", "16",
+                                      "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["prompt_ids"] == list(b"def main(")
+    assert data["text"] == ByteEncoding().decode(data["tokens"])
+    assert data["model"] == f"checkpoint {TRAINED} (shipped)"
+
+
+def test_cli_bench_runs_the_shipped_checkpoint():
+    from typer.testing import CliRunner
+
+    from kvcache_cli.cli import app
+
+    result = CliRunner().invoke(app, [
+        "bench", "--model", TRAINED, "--device", "cpu", "--modes", "naive,static",
+        "--prompt-len", "16", "--new-tokens", "8", "--repeats", "2", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["tokens_agree"], data

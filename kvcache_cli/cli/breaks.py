@@ -107,13 +107,14 @@ def _gpt2_breaks(names: list[str], model: str, weights: str, device: str,
 def _show_gpt2_breaks(loaded, device: str, results: dict) -> None:
     from rich.console import Console
 
-    from kvcache_cli.generate import gpt2_encoding
+    from kvcache_cli.generate import encoding_for
     from kvcache_cli.gpt2 import GPT2_VOCAB_SIZE
     from kvcache_cli.views.generate import break_view, header
 
     piece = None
-    if loaded.model.config.vocab_size == GPT2_VOCAB_SIZE:
-        encoding, _ = gpt2_encoding()
+    config = loaded.model.config
+    if config.tokenizer == "bytes" or config.vocab_size == GPT2_VOCAB_SIZE:
+        encoding, _ = encoding_for(config.tokenizer)
         if encoding is not None:
             piece = lambda t: encoding.decode([t])  # noqa: E731
     console = Console()

@@ -58,7 +58,7 @@ def need_torch_extra(who_needs: str, *modules: str) -> None:
 # The options bench and serve share: where to run, and which GPT-2.
 DeviceOption = Annotated[str, typer.Option(help="cpu, cuda, or auto (cuda when there is one).")]
 ModelOption = Annotated[str, typer.Option(
-    help="gpt2, gpt2-medium, gpt2-large, gpt2-xl or a checkpoint dir.")]
+    help="gpt2, gpt2-medium, gpt2-large, gpt2-xl, stdlib-bytes (shipped) or a checkpoint dir.")]
 
 
 # Choices as str Enums: the one way every typer version (>= 0.12) lists and checks them.
