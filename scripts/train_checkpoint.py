@@ -43,7 +43,8 @@ def plot_curve(checkpoint: Path, png: Path) -> None:
     r = record["recipe"]
     ax.set_title(f"stdlib-bytes: {r['n_layer']} layers x {r['n_embd']}, "
                  f"{record['parameters'] / 1e6:.1f}M params, {record['seconds'] / 60:.0f} min "
-                 f"on {r['threads']} threads; held-out {record['heldout_bits']:.2f} bits/byte",
+                 f"on {r['threads']} thread{'s' * (r['threads'] > 1)}; "
+                 f"held-out {record['heldout_bits']:.2f} bits/byte",
                  fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend()

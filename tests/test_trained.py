@@ -147,3 +147,14 @@ def test_cli_bench_runs_the_shipped_checkpoint():
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert data["tokens_agree"], data
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(tokenizer="sentencepiece"), "tokenizer 'sentencepiece'; expected gpt2 or bytes"),
+    (dict(tokenizer="bytes", vocab_size=300), "tokenizer bytes needs vocab_size 256, not 300"),
+])
+def test_a_config_naming_a_tokenizer_it_cannot_have_is_refused(tmp_path, fields, message):
+    config = json.loads((shipped_dir(TRAINED) / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, **fields}))
+    with pytest.raises(ValueError, match=message):
+        model_config(str(tmp_path))
