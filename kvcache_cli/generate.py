@@ -28,6 +28,7 @@ MODES = ("naive", "concat", "static")
 # so the breaks have prompts even where tiktoken's files cannot be fetched.
 DEFAULT_PROMPT_IDS = (464, 2068, 7586, 21831, 18045, 625, 262, 16931, 3290)
 OTHER_PROMPT_IDS = (7454, 2402, 257, 640)
+DEFAULT_PROMPT_TEXTS = ("The quick brown fox jumps over the lazy dog", "Once upon a time")
 
 # A step's forward: (tokens (B, T), start_pos, cache, **options) -> logits (B, T', vocab),
 # GPT.forward itself or a broken stand-in for it.
@@ -277,9 +278,14 @@ def run_break(
     if mode not in ("concat", "static"):
         raise ValueError(f"breaks need a cache: mode concat or static, got {mode!r}")
     V = model.config.vocab_size
-    # The default prompts are GPT-2 ids; a smaller test vocabulary wraps them.
-    prompt = list(prompt_ids) if prompt_ids is not None else [t % V for t in DEFAULT_PROMPT_IDS]
-    earlier = list(earlier_ids) if earlier_ids is not None else [t % V for t in OTHER_PROMPT_IDS]
+    # The default prompts are GPT-2 ids; a byte-level model reads the same two texts as
+    # bytes, and any other vocabulary (a test's) wraps the ids.
+    if model.config.tokenizer == "bytes":
+        prompts = [list(text.encode()) for text in DEFAULT_PROMPT_TEXTS]
+    else:
+        prompts = [[t % V for t in ids] for ids in (DEFAULT_PROMPT_IDS, OTHER_PROMPT_IDS)]
+    prompt = list(prompt_ids) if prompt_ids is not None else prompts[0]
+    earlier = list(earlier_ids) if earlier_ids is not None else prompts[1]
     check_request(model, prompt, max_new_tokens)
 
     def greedy(logits: Tensor) -> Tensor:
