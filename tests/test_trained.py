@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kvcache_cli.checkpoints import TRAINED, heldout_bytes, heldout_text, shipped_dir
-from kvcache_cli.generate import ByteEncoding, encoding_for, generate
+from kvcache_cli.generate import ByteEncoding, encoding_for, generate, run_break
 from kvcache_cli.gpt2 import load_gpt2, model_config
 from kvcache_cli.training import Recipe, bits_per_byte, save_checkpoint, stdlib_corpus, train
 
@@ -76,6 +76,13 @@ def test_cached_decoding_picks_the_same_greedy_bytes_as_uncached(model):
     runs = {mode: generate(model, prompt, 24, mode).tokens for mode in ("naive", "static")}
     assert runs["naive"] == runs["static"]
     assert len(set(runs["static"])) > 3, "greedy bytes repeat: nothing could differ"
+
+
+def test_a_break_prompts_the_byte_model_with_text_and_diverges(model):
+    result = run_break("causal-decode", model, max_new_tokens=8)
+    assert result.prompt_ids == tuple(b"The quick brown fox jumps over the lazy dog")
+    assert result.earlier_ids == tuple(b"Once upon a time")
+    assert result.first_divergence is not None and result.naive_agrees
 
 
 def test_heldout_text_is_the_heldout_files_listed_in_recipe_json(record):
