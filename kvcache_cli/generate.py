@@ -28,6 +28,7 @@ MODES = ("naive", "concat", "static")
 # so the breaks have prompts even where tiktoken's files cannot be fetched.
 DEFAULT_PROMPT_IDS = (464, 2068, 7586, 21831, 18045, 625, 262, 16931, 3290)
 OTHER_PROMPT_IDS = (7454, 2402, 257, 640)
+DEFAULT_PROMPT_TEXTS = ("The quick brown fox jumps over the lazy dog", "Once upon a time")
 
 # A step's forward: (tokens (B, T), start_pos, cache, **options) -> logits (B, T', vocab),
 # GPT.forward itself or a broken stand-in for it.
@@ -303,9 +304,14 @@ def run_break(
     if mode not in ("concat", "static"):
         raise ValueError(f"breaks need a cache: mode concat or static, got {mode!r}")
     V = model.config.vocab_size
-    # The default prompts are GPT-2 ids; a smaller test vocabulary wraps them.
-    prompt = list(prompt_ids) if prompt_ids is not None else [t % V for t in DEFAULT_PROMPT_IDS]
-    earlier = list(earlier_ids) if earlier_ids is not None else [t % V for t in OTHER_PROMPT_IDS]
+    # The default prompts are GPT-2 ids; a byte-level model reads the same two texts as
+    # bytes, and any other vocabulary (a test's) wraps the ids.
+    if model.config.tokenizer == "bytes":
+        prompts = [list(text.encode()) for text in DEFAULT_PROMPT_TEXTS]
+    else:
+        prompts = [[t % V for t in ids] for ids in (DEFAULT_PROMPT_IDS, OTHER_PROMPT_IDS)]
+    prompt = list(prompt_ids) if prompt_ids is not None else prompts[0]
+    earlier = list(earlier_ids) if earlier_ids is not None else prompts[1]
     check_request(model, prompt, max_new_tokens)
     if name == "stale-cache":
         check_request(model, earlier, max_new_tokens)
@@ -388,6 +394,40 @@ class _BreakCounter:
 
 
 # ---------------------------------------------------------------------------- tokenizer
+
+
+class ByteEncoding:
+    """UTF-8 bytes as token ids 0..255, with the part of tiktoken's Encoding we use.
+
+    The tokenizer of byte-level checkpoints (`tokenizer: bytes` in config.json, as the
+    shipped stdlib-bytes has): nothing to download, every text encodes, and decoding
+    replaces a byte sequence that is not UTF-8 (a character cut in two) with U+FFFD.
+    """
+
+    name = "bytes"
+    n_vocab = 256
+
+    def encode(self, text: str, disallowed_special=()) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode_bytes(self, ids) -> bytes:
+        bad = next((t for t in ids if not 0 <= t < 256), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is not a byte (0..255)")
+        return bytes(ids)
+
+    def decode(self, ids) -> str:
+        return self.decode_bytes(ids).decode("utf-8", errors="replace")
+
+    def decode_single_token_bytes(self, token: int) -> bytes:
+        return self.decode_bytes([token])
+
+
+def encoding_for(tokenizer: str):
+    """(the encoding a model's config names, None), or (None, one line saying why not)."""
+    if tokenizer == "bytes":
+        return ByteEncoding(), None
+    return gpt2_encoding()
 
 
 @functools.cache  # one try per process: a failed download would fail again

@@ -34,6 +34,8 @@ from kvcache_cli.caches.base import KVCache
 # 50,000 BPE merges + 256 byte tokens + <|endoftext|>: tiktoken's gpt2 encoding, and
 # the only vocabulary it can tokenize for.
 GPT2_VOCAB_SIZE = 50257
+BYTE_VOCAB_SIZE = 256  # a byte-level model: one id per byte value
+TOKENIZERS = ("gpt2", "bytes")
 
 
 @dataclass(frozen=True)
@@ -43,10 +45,18 @@ class GPTConfig:
     n_layer: int = 12  # the defaults are GPT-2 small (124M parameters)
     n_head: int = 12
     n_embd: int = 768  # every GPT-2 size keeps the head size n_embd / n_head = 64
+    # How text becomes ids: "gpt2" is tiktoken's BPE; "bytes" takes a text's UTF-8 bytes
+    # as the ids 0..255 (the shipped stdlib-bytes checkpoint), needing nothing downloaded.
+    tokenizer: str = "gpt2"
 
     def __post_init__(self) -> None:
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd {self.n_embd} is not a multiple of n_head {self.n_head}")
+        if self.tokenizer not in TOKENIZERS:
+            raise ValueError(f"tokenizer {self.tokenizer!r}: expected {' or '.join(TOKENIZERS)}")
+        if self.tokenizer == "bytes" and self.vocab_size != BYTE_VOCAB_SIZE:
+            raise ValueError(f"tokenizer bytes needs vocab_size {BYTE_VOCAB_SIZE}, "
+                             f"not {self.vocab_size}")
 
     @property
     def head_size(self) -> int:
@@ -474,7 +484,8 @@ def load_gpt2(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
 ) -> LoadedModel:
-    """GPT-2 by preset name (gpt2, gpt2-medium, gpt2-large, gpt2-xl) or checkpoint directory.
+    """GPT-2 by preset name (gpt2, gpt2-medium, gpt2-large, gpt2-xl), a shipped checkpoint's
+    name (stdlib-bytes) or a checkpoint directory.
 
     weights: "pretrained" (a checkpoint's own weights, or the Hub's: cached or
     downloaded), "random" (the config only, nothing read or downloaded), or "auto"
@@ -495,21 +506,32 @@ def load_gpt2(
             return _random(config, _random_source(name), device, dtype, note)
         state = _read_weights(Path(path))
         return LoadedModel(_from_state(config, state, device, dtype), f"pretrained {name} ({how})")
-    directory = Path(name_or_path)
+    directory = checkpoint_dir(name_or_path)
     if weights == "random":
-        return _random(config, _random_source(str(directory)), device, dtype)
+        return _random(config, _random_source(name_or_path), device, dtype)
     state = _read_weights(_weights_file(directory))
-    return LoadedModel(_from_state(config, state, device, dtype), f"checkpoint {directory}")
+    source = (f"checkpoint {name_or_path} (shipped)" if directory != Path(name_or_path)
+              else f"checkpoint {directory}")
+    return LoadedModel(_from_state(config, state, device, dtype), source)
+
+
+def checkpoint_dir(name_or_path: str) -> Path:
+    """The directory a shipped checkpoint's name stands for, or the path itself."""
+    from kvcache_cli.checkpoints import shipped_dir
+
+    return shipped_dir(name_or_path) or Path(name_or_path)
 
 
 def model_config(name_or_path: str) -> GPTConfig:
     """The shape of a preset or a checkpoint directory, read without any weights."""
     if name_or_path in PRESETS:
         return PRESETS[name_or_path]
-    directory = Path(name_or_path)
+    directory = checkpoint_dir(name_or_path)
     if not directory.is_dir():
+        from kvcache_cli.checkpoints import SHIPPED
+
         raise ValueError(
-            f"unknown model {name_or_path!r}: expected {', '.join(PRESETS)} "
+            f"unknown model {name_or_path!r}: expected {', '.join((*PRESETS, *SHIPPED))} "
             "or a checkpoint directory (save_pretrained)"
         )
     return _read_config(directory / "config.json")
@@ -569,12 +591,19 @@ def _read_config(path: Path) -> GPTConfig:
             raise ValueError(f"{path}: {key} is {value!r}; expected a whole number from 1 to "
                              f"{high:,}")
         values[key] = value
+    tokenizer = raw.get("tokenizer", "gpt2")
+    if tokenizer not in TOKENIZERS:
+        raise ValueError(f"{path}: tokenizer {tokenizer!r}; expected {' or '.join(TOKENIZERS)}")
+    if tokenizer == "bytes" and values["vocab_size"] != BYTE_VOCAB_SIZE:
+        raise ValueError(f"{path}: tokenizer bytes needs vocab_size {BYTE_VOCAB_SIZE}, "
+                         f"not {values['vocab_size']}")
     return GPTConfig(
         block_size=values["n_positions"],
         vocab_size=values["vocab_size"],
         n_layer=values["n_layer"],
         n_head=values["n_head"],
         n_embd=values["n_embd"],
+        tokenizer=tokenizer,
     )
 
 

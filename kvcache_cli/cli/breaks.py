@@ -199,13 +199,14 @@ def _quant_break(name: str, model, max_new_tokens: int):
 
 
 def _show_gpt2_breaks(loaded, device: str, results: dict) -> None:
-    from kvcache_cli.generate import gpt2_encoding
+    from kvcache_cli.generate import encoding_for
     from kvcache_cli.gpt2 import GPT2_VOCAB_SIZE
     from kvcache_cli.views.generate import break_view, header
 
     piece = None
-    if loaded.model.config.vocab_size == GPT2_VOCAB_SIZE:
-        encoding, _ = gpt2_encoding()
+    config = loaded.model.config
+    if config.tokenizer == "bytes" or config.vocab_size == GPT2_VOCAB_SIZE:
+        encoding, _ = encoding_for(config.tokenizer)
         if encoding is not None:
             piece = lambda t: encoding.decode([t])  # noqa: E731
     from kvcache_cli.speculative import NoRollbackResult, SharedRollbackResult

@@ -133,7 +133,8 @@ def need_torch_extra(who_needs: str, *modules: str) -> None:
 # The options bench and serve share: where to run, and which GPT-2.
 DeviceOption = Annotated[str, typer.Option(help="cpu, cuda, or auto (cuda when there is one).")]
 ModelOption = Annotated[str, typer.Option(
-    "--model", "-m", help="gpt2, gpt2-medium, gpt2-large, gpt2-xl or a checkpoint dir.")]
+    "--model", "-m", help="gpt2, gpt2-medium, gpt2-large, gpt2-xl, stdlib-bytes (shipped) or a "
+    "checkpoint dir.")]
 
 
 # Choices as str Enums: the one way every typer version (>= 0.12) lists and checks them.

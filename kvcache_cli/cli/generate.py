@@ -35,8 +35,8 @@ class Mode(str, Enum):
 def generate(
     ctx: typer.Context,
     prompt: Annotated[str | None, typer.Argument(
-        help="Text to continue, tokenized with tiktoken's gpt2 encoding; quoted when it "
-        "holds spaces.")] = None,
+        help="Text to continue, tokenized as the model was: tiktoken's gpt2 encoding, or "
+        "UTF-8 bytes for stdlib-bytes; quoted when it holds spaces.")] = None,
     prompt_option: Annotated[str | None, typer.Option(
         "--prompt", "-p", help="The prompt, given as an option instead.")] = None,
     max_new_tokens: Annotated[int, typer.Option(
@@ -48,7 +48,8 @@ def generate(
     cache: CacheOption = None,
     model: Annotated[str, typer.Option(
         "--model", "-m",
-        help="gpt2, gpt2-medium, gpt2-large, gpt2-xl or a checkpoint dir (save_pretrained).")
+        help="gpt2, gpt2-medium, gpt2-large, gpt2-xl, stdlib-bytes (shipped, trained on "
+        "Python's sources) or a checkpoint dir (save_pretrained).")
     ] = "gpt2",
     weights: Annotated[Weights, typer.Option(
         help="auto: pretrained when cached or downloadable, else random (one note).")
@@ -102,7 +103,12 @@ def generate(
         if note:
             typer.echo(f"note: {note}", err=True)
     # A text prompt needs the tokenizer; token ids are shown as text only when it is there.
-    need_torch_extra("kvcache generate needs", *GPT2_MODULES, *(("tiktoken",) if prompt else ()))
+    # A byte-level model's tokenizer is UTF-8 itself: only GPT-2's BPE needs tiktoken.
+    from kvcache_cli.checkpoints import tokenizer_name
+
+    tokenizer = tokenizer_name(model)
+    bpe = prompt is not None and tokenizer == "gpt2"
+    need_torch_extra("kvcache generate needs", *GPT2_MODULES, *(("tiktoken",) if bpe else ()))
     torch_device(device)
     if cache is not None:
         check_cache_for(cache, model)
@@ -113,7 +119,7 @@ def generate(
 
     encoding = None
     if prompt is not None:  # before loading a model: a text prompt needs the tokenizer
-        encoding, why = gen.gpt2_encoding()
+        encoding, why = gen.encoding_for(tokenizer)
         if encoding is None:
             fail(f"{why}: {_USE_IDS}", code=1)
     loaded = load_gpt2(model, weights, device, dtype.value)
@@ -142,16 +148,19 @@ _USE_IDS = "give the prompt as token ids, e.g. --ids 464,2068,7586"
 
 def _encode(gpt, prompt: str | None, prompt_ids: list[int], encoding):
     """The prompt's token ids, and the encoding to show tokens as text (None: as ids)."""
-    from kvcache_cli.generate import gpt2_encoding
+    from kvcache_cli.generate import encoding_for
     from kvcache_cli.gpt2 import GPT2_VOCAB_SIZE
 
-    gpt2_vocab = gpt.config.vocab_size == GPT2_VOCAB_SIZE
+    config = gpt.config
+    # A checkpoint that names no tokenizer is read with GPT-2's BPE only if it has GPT-2's
+    # vocabulary.
+    readable = config.tokenizer == "bytes" or config.vocab_size == GPT2_VOCAB_SIZE
     if prompt is not None:
-        if not gpt2_vocab:
-            fail(f"the model's vocabulary ({gpt.config.vocab_size}) is not GPT-2's: {_USE_IDS}")
+        if not readable:
+            fail(f"the model's vocabulary ({config.vocab_size}) is not GPT-2's: {_USE_IDS}")
         return encoding.encode(prompt, disallowed_special=()), encoding
-    if gpt2_vocab:
-        encoding, why = gpt2_encoding()  # only to show the new tokens as text
+    if readable:
+        encoding, why = encoding_for(config.tokenizer)  # only to show the new tokens as text
         if encoding is None:
             typer.echo(f"note: {why}: showing token ids", err=True)
     return prompt_ids, encoding
