@@ -35,7 +35,7 @@ def test_every_model_option_is_also_spelled_m():
                 assert "-m" in param.opts, f"kvcache {name} --model has no -m"
     assert {n for n, sub in command.commands.items()
             if any("--model" in getattr(p, "opts", []) for p in sub.params)} == {
-        "break", "size", "bench", "serve", "generate"}
+        "break", "size", "bench", "serve", "generate", "eval"}
 
 
 @pytest.mark.parametrize(("args", "line"), [
@@ -78,7 +78,7 @@ def test_seq_refuses_what_is_no_token_count(seq, line):
 
 @pytest.mark.parametrize(("args", "line"), [
     (["demo", "MASK"], "error: unknown demo 'MASK': expected all or one of macs, exact, mask, "),
-    (["break", "no_mask"], "(did you mean no-mask?)"),
+    (["break", "no_mask"], "(did you mean no-mask"),
 ])
 def test_demo_and_break_names_suggest_the_close_ones(args, line):
     message = one_line_error(args)

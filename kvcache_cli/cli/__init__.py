@@ -93,7 +93,8 @@ app.command(short_help="Run the reference script's demos on the NumPy toy.")(dem
 app.command("break")(breaks.break_)
 app.command(short_help="How big the KV cache is for a model, and what fits.")(size.size)
 app.command()(models.models)
-app.command()(caches.caches)
+app.command(short_help="List the cache kinds --cache accepts, and how each rolls back.")(
+    caches.caches)
 app.command(short_help="Time every decode step of every mode against the limit.")(bench.bench)
 app.command(short_help="Serve a workload: paged + continuous batching, and others.")(
     serve.serve)
