@@ -140,17 +140,23 @@ def tokens_to_read(available: int, block_size: int, requested: int | None, promp
     return requested
 
 
-def default_caches() -> list[CacheSpec]:
-    """Every registered kind that its name alone spells (its defaults filled in); kinds
-    that need a field (a window's size) are named with it on the command line."""
+def default_caches(config, max_len: int) -> list[CacheSpec]:
+    """Every registered kind that its name alone spells (its defaults filled in) and that
+    fits this model's shape; kinds that need a field (a window's size), or whose defaults
+    do not fit (a group wider than the heads), are named with their fields on the command
+    line. Peers that need a package of their own (quanto-*) are run only when named."""
     from kvcache_cli.caches.spec import KINDS, CacheSpecError
 
     specs = []
     for name in KINDS:
-        try:
-            specs.append(parse_cache_spec(name))
-        except CacheSpecError:
+        if name.startswith("quanto-"):
             continue
+        try:
+            spec = parse_cache_spec(name)
+            check_caches([spec], config, max_len)
+        except (CacheSpecError, ValueError):
+            continue
+        specs.append(spec)
     return specs
 
 

@@ -109,7 +109,7 @@ def _check_options(cache, model, text, tokens, prompt_len, chunk, device, thread
     from kvcache_cli.gpt2 import model_config
 
     try:
-        specs = quality.default_caches() if cache is None else parse_cache_list(cache)
+        specs = None if cache is None else parse_cache_list(cache)
     except CacheSpecError as err:
         raise ValueError(f"--cache: {err}") from None
     problem = threads_error(threads)
@@ -123,6 +123,8 @@ def _check_options(cache, model, text, tokens, prompt_len, chunk, device, thread
     ids = eval_text(read_text(path), str(path), config.vocab_size)
     n = quality.tokens_to_read(len(ids.ids), config.block_size, tokens, prompt_len,
                                f"--text {str(path)!r}")
+    if specs is None:
+        specs = quality.default_caches(config, n - 1)
     quality.check_caches(specs, config, n - 1)
     return specs, path, ids, n, resolve_device(device)
 
