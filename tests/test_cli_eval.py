@@ -60,8 +60,13 @@ def test_eval_scores_every_default_kind_against_the_exact_cache(checkpoint):
     names = [c["cache"] for c in out["caches"]]
     assert names[0] == "static" and {"concat", "paged:b16"} <= set(names)
     assert out["tokens"] == BLOCK and out["text"] == "heldout.txt (bytes)"
-    for row in out["caches"]:
-        assert row["kl_max"] <= 1e-10 and row["top1_agreement"] == 1.0, row
+    from kvcache_cli.caches.spec import parse_cache_spec
+
+    for row in out["caches"]:  # the exact kinds score nothing lost; the others are scored
+        if parse_cache_spec(row["cache"]).info.exact:
+            assert row["kl_max"] <= 1e-10 and row["top1_agreement"] == 1.0, row
+        else:
+            assert row["kl_mean"] >= 0 and 0 <= row["top1_agreement"] <= 1, row
         assert len(row["loss_by_position"]) == BLOCK - 16
     assert len(out["first_token_share"]) == 2
 
