@@ -154,15 +154,19 @@ def default_caches() -> list[CacheSpec]:
     return specs
 
 
-def check_caches(specs: Sequence[CacheSpec], config, max_len: int) -> None:
-    """Build each cache for this model's shape on the meta device, which allocates nothing:
-    a kind that cannot hold the shape (a group size that does not divide the head width, a
-    window beyond the context) raises its ValueError before any weights load."""
+def check_caches(specs: Sequence[CacheSpec], config, max_len: int,
+                 model: str = "the model") -> None:
+    """Refuse a bounded cache whose budget passes the context window (it would never
+    evict), then build each cache for this model's shape on the meta device, which
+    allocates nothing: a kind that cannot hold the shape (a group size that does not divide
+    the head width) raises its ValueError before any weights load."""
     import torch
 
     from kvcache_cli.caches import cache_class
+    from kvcache_cli.caches.spec import check_context
 
     for spec in specs:
+        check_context(spec, config.block_size, model)
         cache_class(spec).build(spec, config, max_len=max_len, batch=1,
                                 device=torch.device("meta"), dtype=torch.float32, whole=False)
 

@@ -108,6 +108,8 @@ def _text(tmp_path, data: bytes):
     (["--cache", "static,full"], "cache 'static' is listed twice"),
     (["--cache", "paged:x16"], "unknown field 'x16'"),
     (["--cache", ","], "no cache in ','"),
+    (["--cache", "window:200"], "holds 200 positions, beyond"),
+    (["--cache", "int4:g64"], "group size 64 does not divide the head width 16"),
     (["--tokens", "129"], "--tokens 129 is beyond the model's context window of 128"),
     (["--tokens", "100", "--text", b"short text" * 9],
      "has only 90 tokens; expected at most 90"),
@@ -174,3 +176,10 @@ def test_without_torch_eval_says_which_extra_to_install(monkeypatch):
     (line,) = result.stderr.strip().splitlines()
     assert "kvcache eval needs torch, which is not installed" in line
     assert "pip install 'kvcache[torch]'" in line
+
+
+def test_the_cache_list_completes_the_kind_after_the_last_comma():
+    from kvcache_cli.cli.common import complete_cache_list
+
+    assert [name for name, _ in complete_cache_list("static,pa")] == ["static,paged"]
+    assert "concat" in [name for name, _ in complete_cache_list("")]
