@@ -36,8 +36,8 @@ def eval_(
         autocompletion=complete_cache_list,
         help="Comma-separated cache specs, e.g. static,paged:b16 or "
         "full,window:256,sink:4+252,h2o:128+128 (every kind: 'kvcache caches'); the exact "
-        "'static' (alias full) is always run as the reference. Default: every kind its name "
-        "alone spells.")] = None,
+        "'static' (alias full) is always run as the reference. Default: "
+        "static,int8,int4,int2,fp8-e4m3, each format at its default layout.")] = None,
     model: Annotated[str, typer.Option(
         "--model", "-m", help=f"{EVAL_MODEL} (the trained checkpoint), gpt2, gpt2-medium, "
         "gpt2-large, gpt2-xl or a checkpoint dir.")] = EVAL_MODEL,
