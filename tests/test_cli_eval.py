@@ -37,7 +37,7 @@ def checkpoint(tmp_path_factory):
     save_file(state, str(directory / "model.safetensors"))
     (directory / "config.json").write_text(json.dumps({
         "model_type": "gpt2", "n_layer": 2, "n_head": 2, "n_embd": 128, "vocab_size": 256,
-        "n_positions": BLOCK}))
+        "n_positions": BLOCK, "tokenizer": "bytes"}))
     (directory / "heldout.txt").write_text(TEXT)
     return directory
 
@@ -211,3 +211,16 @@ def test_the_cache_list_completes_the_kind_after_the_last_comma():
     assert [name for name, _ in complete_cache_list("static,paged-i")] == [
         "static,paged-int8", "static,paged-int4"]
     assert "concat" in [name for name, _ in complete_cache_list("")]
+
+
+def test_a_checkpoint_naming_no_tokenizer_outside_gpt2_s_vocabulary_is_one_line(
+        checkpoint, tmp_path, no_model_loads):
+    config = json.loads((checkpoint / "config.json").read_text())
+    del config["tokenizer"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "model.safetensors").write_bytes((checkpoint / "model.safetensors").read_bytes())
+    result = invoke("--model", str(tmp_path), "--text", str(checkpoint / "heldout.txt"))
+    assert result.exit_code == 2, result.output
+    (line,) = result.stderr.strip().splitlines()
+    assert "no tokenizer for a vocabulary of 256 ids" in line
+

@@ -99,7 +99,7 @@ app.command(short_help="Serve a workload: paged + continuous batching, and other
     serve.serve)
 app.command(short_help="Generate with GPT-2 and its KV cache, streaming tokens.")(
     generate.generate)
-app.command(short_help="Score caches against the exact one: perplexity, KL, bytes.")(
+app.command("eval", short_help="Score caches against the exact one: perplexity, KL, bytes.")(
     eval_command.eval_)
 
 

@@ -10,6 +10,7 @@ from typing import Annotated, Any
 
 import typer
 
+from kvcache_cli.checkpoints import TRAINED
 from kvcache_cli.cli.common import (
     GPT2_MODULES,
     DeviceOption,
@@ -24,9 +25,9 @@ from kvcache_cli.cli.common import (
     threads_error,
 )
 
-# The trained byte-level checkpoint (kvcache_cli.checkpoints.TRAINED, branch train): a model
-# whose predictions mean something offline, with its held-out text beside it.
-EVAL_MODEL = "stdlib-bytes"
+# The trained byte-level checkpoint: a model whose predictions mean something offline,
+# with its held-out text beside it.
+EVAL_MODEL = TRAINED
 HELDOUT = "heldout.txt"  # the text a checkpoint was not trained on, in its directory
 
 
@@ -120,7 +121,7 @@ def _check_options(cache, model, text, tokens, prompt_len, chunk, device, thread
     quality.check_eval(config.block_size, prompt_len + 1 if tokens is None else tokens,
                        prompt_len, chunk)
     path = text if text is not None else _heldout(model)
-    ids = eval_text(read_text(path), str(path), config.vocab_size)
+    ids = eval_text(read_text(path), str(path), config)
     n = quality.tokens_to_read(len(ids.ids), config.block_size, tokens, prompt_len,
                                f"--text {str(path)!r}")
     quality.check_caches(specs, config, n - 1, model)
@@ -129,9 +130,9 @@ def _check_options(cache, model, text, tokens, prompt_len, chunk, device, thread
 
 def _heldout(model: str) -> Path:
     """The held-out text shipped beside a checkpoint, or a ValueError saying to give one."""
-    from kvcache_cli.gpt2 import PRESETS
+    from kvcache_cli.gpt2 import PRESETS, checkpoint_dir
 
-    path = Path(model) / HELDOUT
+    path = checkpoint_dir(model) / HELDOUT
     if model in PRESETS or not path.is_file():
         raise ValueError(f"--model {model} ships no {HELDOUT}: give the text to evaluate on "
                          "with --text FILE")
