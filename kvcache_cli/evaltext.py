@@ -46,10 +46,11 @@ def read_text(path: Path) -> str:
         raise ValueError(f"{what} looks binary (a NUL byte at offset {nul:,}); expected a "
                          "UTF-8 text file")
     try:
-        # A cut at MAX_TEXT_BYTES may split the last character: drop that tail only.
-        return data.decode("utf-8") if len(data) < MAX_TEXT_BYTES else data.decode(
-            "utf-8", errors="ignore")
+        return data.decode("utf-8")
     except UnicodeDecodeError as error:
+        # A read cut at MAX_TEXT_BYTES may split the last character: that tail alone goes.
+        if len(data) == MAX_TEXT_BYTES and error.start >= len(data) - 3:
+            return data[:error.start].decode("utf-8")
         raise ValueError(f"{what} is not UTF-8 text (byte {error.start:,} is not valid "
                          "UTF-8); expected a UTF-8 text file") from None
 
