@@ -2,9 +2,9 @@
 
 A text is a UTF-8 file: an empty file, a binary one (a NUL byte, or bytes that are not
 UTF-8) or something that is not a regular file is refused in one line. Which tokenizer
-turns it into ids follows from the model's vocabulary: 256 ids are bytes (the trained
-byte-level checkpoint: the UTF-8 bytes are the ids, nothing to download), 50,257 are
-GPT-2's BPE through tiktoken (whose files must be cached or downloadable).
+turns it into ids is the one the model's config names: `bytes` for the trained byte-level
+checkpoint (the UTF-8 bytes are the ids, nothing to download), else GPT-2's BPE through
+tiktoken (whose files must be cached or downloadable) for GPT-2's vocabulary.
 Torch-free at import: the checks run before torch is.
 """
 
@@ -46,22 +46,26 @@ def read_text(path: Path) -> str:
         raise ValueError(f"{what} looks binary (a NUL byte at offset {nul:,}); expected a "
                          "UTF-8 text file")
     try:
-        # A cut at MAX_TEXT_BYTES may split the last character: drop that tail only.
-        return data.decode("utf-8") if len(data) < MAX_TEXT_BYTES else data.decode(
-            "utf-8", errors="ignore")
+        return data.decode("utf-8")
     except UnicodeDecodeError as error:
+        # A read cut at MAX_TEXT_BYTES may split the last character: that tail alone goes.
+        if len(data) == MAX_TEXT_BYTES and error.start >= len(data) - 3:
+            return data[:error.start].decode("utf-8")
         raise ValueError(f"{what} is not UTF-8 text (byte {error.start:,} is not valid "
                          "UTF-8); expected a UTF-8 text file") from None
 
 
-def tokenizer_for(vocab_size: int) -> str:
-    """The tokenizer a vocabulary implies, or a ValueError when there is none here."""
-    if vocab_size == BYTE_VOCAB:
+def tokenizer_for(config) -> str:
+    """The tokenizer a model's config names (`tokenizer: bytes` in config.json, as the
+    trained checkpoint has), else GPT-2's BPE for GPT-2's vocabulary; a ValueError when a
+    checkpoint names none and has another vocabulary (generate reads it the same way)."""
+    if config.tokenizer == "bytes":
         return "bytes"
-    if vocab_size == GPT2_VOCAB:
+    if config.vocab_size == GPT2_VOCAB:
         return "gpt2"
-    raise ValueError(f"no tokenizer for a vocabulary of {vocab_size:,} ids: expected "
-                     f"{BYTE_VOCAB} (bytes) or {GPT2_VOCAB:,} (GPT-2's BPE)")
+    raise ValueError(f"no tokenizer for a vocabulary of {config.vocab_size:,} ids: expected "
+                     f"'tokenizer': 'bytes' in its config.json ({BYTE_VOCAB} ids) or GPT-2's "
+                     f"{GPT2_VOCAB:,}")
 
 
 def encode(text: str, tokenizer: str) -> tuple[int, ...]:
@@ -76,7 +80,7 @@ def encode(text: str, tokenizer: str) -> tuple[int, ...]:
     return tuple(encoding.encode(text, disallowed_special=()))
 
 
-def eval_text(text: str, name: str, vocab_size: int) -> EvalText:
+def eval_text(text: str, name: str, config) -> EvalText:
     """`text` as the ids of the model's tokenizer."""
-    tokenizer = tokenizer_for(vocab_size)
+    tokenizer = tokenizer_for(config)
     return EvalText(name, encode(text, tokenizer), tokenizer)

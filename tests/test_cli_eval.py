@@ -15,8 +15,8 @@ torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 runner = CliRunner()
-BLOCK = 128  # the tiny checkpoint's context window
-TEXT = "def add(a, b):\n    return a + b\n\n\nclass Point:\n    x: int = 0\n" * 4
+BLOCK = 256  # the tiny checkpoint's context window
+TEXT = "def add(a, b):\n    return a + b\n\n\nclass Point:\n    x: int = 0\n" * 8
 
 
 @pytest.fixture(scope="module")
@@ -28,14 +28,16 @@ def checkpoint(tmp_path_factory):
     from kvcache_cli.gpt2 import _CONV1D, GPT, GPTConfig
 
     directory = tmp_path_factory.mktemp("bytes-ckpt")
-    model = GPT(GPTConfig(block_size=BLOCK, vocab_size=256, n_layer=2, n_head=2, n_embd=32),
+    # Heads 64 wide, as every GPT-2 size and the trained checkpoint have: every quantised
+    # format's default group size divides them.
+    model = GPT(GPTConfig(block_size=BLOCK, vocab_size=256, n_layer=2, n_head=2, n_embd=128),
                 init_std=0.3, seed=0)
     state = {k: (t.t() if k.endswith(_CONV1D) else t).contiguous()
              for k, t in model.state_dict().items() if k != "lm_head.weight"}
     save_file(state, str(directory / "model.safetensors"))
     (directory / "config.json").write_text(json.dumps({
-        "model_type": "gpt2", "n_layer": 2, "n_head": 2, "n_embd": 32, "vocab_size": 256,
-        "n_positions": BLOCK}))
+        "model_type": "gpt2", "n_layer": 2, "n_head": 2, "n_embd": 128, "vocab_size": 256,
+        "n_positions": BLOCK, "tokenizer": "bytes"}))
     (directory / "heldout.txt").write_text(TEXT)
     return directory
 
@@ -53,22 +55,42 @@ def invoke(*args: str):
     return runner.invoke(app, ["eval", *args], env={"COLUMNS": "100"})
 
 
-def test_eval_scores_every_default_kind_against_the_exact_cache(checkpoint):
-    result = invoke("--model", str(checkpoint), "--prompt-len", "16", "--json")
+def test_eval_scores_the_default_caches_against_the_exact_cache(checkpoint):
+    from kvcache_cli.caches.spec import parse_cache_spec
+    from kvcache_cli.quality import DEFAULT_CACHES
+
+    # Past int4's and int2's default residual of 128 full-precision tokens.
+    result = invoke("--model", str(checkpoint), "--prompt-len", "16", "--tokens", "200",
+                    "--json")
     assert result.exit_code == 0, result.output
     out = json.loads(result.stdout)
-    names = [c["cache"] for c in out["caches"]]
-    assert names[0] == "static" and {"concat", "paged:b16"} <= set(names)
-    assert out["tokens"] == BLOCK and out["text"] == "heldout.txt (bytes)"
-    from kvcache_cli.caches.spec import parse_cache_spec
-
-    for row in out["caches"]:  # the exact kinds score nothing lost; the others are scored
-        if parse_cache_spec(row["cache"]).info.exact:
-            assert row["kl_max"] <= 1e-10 and row["top1_agreement"] == 1.0, row
-        else:
-            assert row["kl_mean"] >= 0 and 0 <= row["top1_agreement"] <= 1, row
-        assert len(row["loss_by_position"]) == BLOCK - 16
+    assert [c["cache"] for c in out["caches"]] == [
+        str(parse_cache_spec(name)) for name in DEFAULT_CACHES]
+    exact, *compressed = out["caches"]
+    assert exact["kl_max"] == 0 and exact["top1_agreement"] == 1.0
+    for row in compressed:
+        assert row["kl_mean"] > 0 and row["bytes_per_token"] < exact["bytes_per_token"], row
+        assert len(row["loss_by_position"]) == 200 - 16
+    assert out["tokens"] == 200 and out["text"] == "heldout.txt (bytes)"
     assert len(out["first_token_share"]) == 2
+
+
+def test_eval_s_help_names_the_default_caches():
+    from kvcache_cli.quality import DEFAULT_CACHES
+
+    result = runner.invoke(app, ["eval", "--help"], env={"COLUMNS": "200"})
+    assert f"Default: {','.join(DEFAULT_CACHES)}," in " ".join(result.stdout.split())
+
+
+def test_exact_kinds_score_kl_zero_through_the_command(checkpoint):
+    result = invoke("--model", str(checkpoint), "--cache", "full,concat,paged:b16",
+                    "--prompt-len", "16", "--json")
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    assert [c["cache"] for c in out["caches"]] == ["static", "concat", "paged:b16"]
+    assert out["tokens"] == BLOCK
+    for row in out["caches"]:
+        assert row["kl_max"] <= 1e-10 and row["top1_agreement"] == 1.0, row
 
 
 def test_eval_reads_the_tokens_prompt_and_chunk_asked_for(checkpoint, tmp_path):
@@ -113,7 +135,9 @@ def _text(tmp_path, data: bytes):
     (["--cache", "static,full"], "cache 'static' is listed twice"),
     (["--cache", "paged:x16"], "unknown field 'x16'"),
     (["--cache", ","], "no cache in ','"),
-    (["--tokens", "129"], "--tokens 129 is beyond the model's context window of 128"),
+    (["--cache", "window:300"], "holds 300 positions, beyond"),
+    (["--cache", "int4:g128"], "group size 128 does not divide the head width 64"),
+    (["--tokens", "257"], "--tokens 257 is beyond the model's context window of 256"),
     (["--tokens", "100", "--text", b"short text" * 9],
      "has only 90 tokens; expected at most 90"),
     (["--text", b"x" * 64], "has 64 tokens, too few for a prompt of 64"),
@@ -179,3 +203,24 @@ def test_without_torch_eval_says_which_extra_to_install(monkeypatch):
     (line,) = result.stderr.strip().splitlines()
     assert "kvcache eval needs torch, which is not installed" in line
     assert "pip install 'kvcache[torch]'" in line
+
+
+def test_the_cache_list_completes_the_kind_after_the_last_comma():
+    from kvcache_cli.cli.common import complete_cache_list
+
+    assert [name for name, _ in complete_cache_list("static,paged-i")] == [
+        "static,paged-int8", "static,paged-int4"]
+    assert "concat" in [name for name, _ in complete_cache_list("")]
+
+
+def test_a_checkpoint_naming_no_tokenizer_outside_gpt2_s_vocabulary_is_one_line(
+        checkpoint, tmp_path, no_model_loads):
+    config = json.loads((checkpoint / "config.json").read_text())
+    del config["tokenizer"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "model.safetensors").write_bytes((checkpoint / "model.safetensors").read_bytes())
+    result = invoke("--model", str(tmp_path), "--text", str(checkpoint / "heldout.txt"))
+    assert result.exit_code == 2, result.output
+    (line,) = result.stderr.strip().splitlines()
+    assert "no tokenizer for a vocabulary of 256 ids" in line
+

@@ -213,3 +213,15 @@ def test_caches_are_built_for_the_model_s_shape_without_allocating_before_it_loa
     check_caches(parse_cache_list("static,concat,paged:b16"), CONFIG, N - 1)  # meta: no bytes
     with pytest.raises(ValueError, match="outside the context window 1..128"):
         check_caches(parse_cache_list("static"), CONFIG, CONFIG.block_size + 1)
+
+
+def test_a_text_cut_at_the_read_limit_loses_only_its_split_last_character(tmp_path, monkeypatch):
+    from kvcache_cli import evaltext
+
+    monkeypatch.setattr(evaltext, "MAX_TEXT_BYTES", 8)
+    path = tmp_path / "t.txt"
+    path.write_text("abcdefgé and more")  # é is 2 bytes: the 8-byte read splits it
+    assert evaltext.read_text(path) == "abcdefg"
+    path.write_bytes(b"ab\xffdefgh and more")  # not UTF-8 before the cut: refused
+    with pytest.raises(ValueError, match="is not UTF-8 text \\(byte 2"):
+        evaltext.read_text(path)

@@ -223,6 +223,25 @@ def check_cache_for(spec, model: str) -> None:
         fail(str(err))
 
 
+def parse_cache_list_option(value):
+    """A comma list of specs (`eval` compares several caches in one run) → `CacheSpec`s,
+    parsed by `caches.spec` as the option is read, refused in the same words as --cache."""
+    from kvcache_cli.caches.spec import CacheSpecError, parse_cache_list
+
+    if isinstance(value, list):
+        return value
+    try:
+        return parse_cache_list(value)
+    except CacheSpecError as err:
+        raise typer.BadParameter(str(err)) from None
+
+
+def complete_cache_list(incomplete: str) -> list[tuple[str, str]]:
+    """The kinds that may follow the last comma of INCOMPLETE, the list so far kept."""
+    done, comma, last = incomplete.rpartition(",")
+    return [(done + comma + name, summary) for name, summary in complete_cache(last)]
+
+
 # The option every command that builds a cache takes: a `CacheSpec`, or None when not given.
 # Typed Any: the spec's class is imported with the registry, after start-up.
 CacheOption = Annotated[Any, typer.Option(

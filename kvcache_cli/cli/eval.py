@@ -6,34 +6,39 @@ from __future__ import annotations
 import contextlib
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
+from kvcache_cli.checkpoints import TRAINED
 from kvcache_cli.cli.common import (
     GPT2_MODULES,
     DeviceOption,
     Weights,
     check_plot,
+    complete_cache_list,
     fail,
     load_gpt2,
     need_torch_extra,
+    parse_cache_list_option,
     show_then_plot,
     threads_error,
 )
 
-# The trained byte-level checkpoint (kvcache_cli.checkpoints.TRAINED, branch train): a model
-# whose predictions mean something offline, with its held-out text beside it.
-EVAL_MODEL = "stdlib-bytes"
+# The trained byte-level checkpoint: a model whose predictions mean something offline,
+# with its held-out text beside it.
+EVAL_MODEL = TRAINED
 HELDOUT = "heldout.txt"  # the text a checkpoint was not trained on, in its directory
 
 
 def eval_(
-    cache: Annotated[str | None, typer.Option(
+    cache: Annotated[Any, typer.Option(
+        "--cache", parser=parse_cache_list_option, metavar="SPECS",
+        autocompletion=complete_cache_list,
         help="Comma-separated cache specs, e.g. static,paged:b16 or "
-        "full,window:256,sink:4+252,h2o:128+128 (see the README's grammar); "
-        "the exact 'static' (alias full) is always run as the reference. Default: every "
-        "kind its name alone spells.")] = None,
+        "full,window:256,sink:4+252,h2o:128+128 (every kind: 'kvcache caches'); the exact "
+        "'static' (alias full) is always run as the reference. Default: "
+        "static,int8,int4,int2,fp8-e4m3, each format at its default layout.")] = None,
     model: Annotated[str, typer.Option(
         "--model", "-m", help=f"{EVAL_MODEL} (the trained checkpoint), gpt2, gpt2-medium, "
         "gpt2-large, gpt2-xl or a checkpoint dir.")] = EVAL_MODEL,
@@ -101,17 +106,13 @@ def eval_(
 
 def _check_options(cache, model, text, tokens, prompt_len, chunk, device, threads):
     """(specs, text path, its ids, tokens to read, device), or a ValueError naming the
-    value (a CacheSpecError is one), or TokenizerUnavailable."""
+    value, or TokenizerUnavailable."""
     from kvcache_cli import quality
     from kvcache_cli.bench import resolve_device
-    from kvcache_cli.caches.spec import CacheSpecError, parse_cache_list
     from kvcache_cli.evaltext import eval_text, read_text
     from kvcache_cli.gpt2 import model_config
 
-    try:
-        specs = None if cache is None else parse_cache_list(cache)
-    except CacheSpecError as err:
-        raise ValueError(f"--cache: {err}") from None
+    specs = quality.default_caches() if cache is None else cache
     problem = threads_error(threads)
     if problem is not None:
         raise ValueError(problem)
@@ -120,20 +121,18 @@ def _check_options(cache, model, text, tokens, prompt_len, chunk, device, thread
     quality.check_eval(config.block_size, prompt_len + 1 if tokens is None else tokens,
                        prompt_len, chunk)
     path = text if text is not None else _heldout(model)
-    ids = eval_text(read_text(path), str(path), config.vocab_size)
+    ids = eval_text(read_text(path), str(path), config)
     n = quality.tokens_to_read(len(ids.ids), config.block_size, tokens, prompt_len,
                                f"--text {str(path)!r}")
-    if specs is None:
-        specs = quality.default_caches(config, n - 1)
-    quality.check_caches(specs, config, n - 1)
+    quality.check_caches(specs, config, n - 1, model)
     return specs, path, ids, n, resolve_device(device)
 
 
 def _heldout(model: str) -> Path:
     """The held-out text shipped beside a checkpoint, or a ValueError saying to give one."""
-    from kvcache_cli.gpt2 import PRESETS
+    from kvcache_cli.gpt2 import PRESETS, checkpoint_dir
 
-    path = Path(model) / HELDOUT
+    path = checkpoint_dir(model) / HELDOUT
     if model in PRESETS or not path.is_file():
         raise ValueError(f"--model {model} ships no {HELDOUT}: give the text to evaluate on "
                          "with --text FILE")
