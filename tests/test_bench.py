@@ -260,7 +260,8 @@ def test_cli_table_and_plot(checkpoint, tmp_path):
 def test_cli_bad_modes_is_one_line_and_exit_2():
     out = _cli("--modes", "naive,fast", "--device", "cpu")
     assert out.exit_code == 2, out.output
-    assert out.stderr == f"error: unknown mode 'fast'; valid modes: {', '.join(bench.MODES)}\n"
+    assert out.stderr == (f"error: unknown mode 'fast'; valid modes: {', '.join(bench.MODES)}, "
+                          "or a cache spec such as window:128, sink:4+124, h2o:64+64\n")
 
 
 def test_cli_plot_into_a_missing_directory_is_refused_before_running(tmp_path):
