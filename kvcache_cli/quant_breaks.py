@@ -68,6 +68,7 @@ class Damage:
     max_logit_diff: float
     bytes_per_token: float
     saturated: int | None  # fp8 numbers clamped to the range; None for other kinds
+    first_token_error: float  # largest |key or value read - exact| of position 0, any layer
 
 
 @dataclass(frozen=True)
@@ -120,16 +121,31 @@ def with_outliers(model: GPT, which: str, scale: float) -> GPT:
     return out
 
 
+class _FirstToken:
+    """Wraps a cache and keeps what attention read of position 0 on the last step."""
+
+    def __init__(self, inner):
+        self.inner, self.first = inner, {}
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def update(self, layer, start_pos, k, v):
+        keys, values = self.inner.update(layer, start_pos, k, v)  # (B, nh, S, hs)
+        self.first[layer] = torch.cat([keys[:, :, 0], values[:, :, 0]], dim=-1)  # (B, nh, 2hs)
+        return keys, values
+
+
 def _logits(model: GPT, spec: str, idx: Tensor, prompt_len: int):
     """Next-token logits at every position from the prompt's last on, and the cache."""
-    cache = make_cache(spec, model, idx.size(1))
+    cache = _FirstToken(make_cache(spec, model, idx.size(1)))
     with torch.no_grad():
         steps = [model(idx[:, :prompt_len], 0, cache)[:, -1:]]
         steps += [model(idx[:, p:p + 1], p, cache) for p in range(prompt_len, idx.size(1))]
     return torch.cat(steps, dim=1)[0].float(), cache  # (N, vocab)
 
 
-def _damage(spec: str, logits: Tensor, cache, exact: Tensor) -> Damage:
+def _damage(spec: str, logits: Tensor, cache, exact: Tensor, exact_cache) -> Damage:
     logp, ref = logits.log_softmax(-1), exact.log_softmax(-1)  # (N, vocab)
     kl = (ref.exp() * (ref - logp)).sum(-1).clamp_min(0)  # (N,)
     return Damage(
@@ -137,7 +153,9 @@ def _damage(spec: str, logits: Tensor, cache, exact: Tensor) -> Damage:
         top1_agreement=(logits.argmax(-1) == exact.argmax(-1)).float().mean().item(),
         max_logit_diff=(logits - exact).abs().max().item(),
         bytes_per_token=cache.bytes_held / cache.length,
-        saturated=getattr(cache, "saturated", None))
+        saturated=getattr(cache.inner, "saturated", None),
+        first_token_error=max((cache.first[i] - exact_cache.first[i]).abs().max().item()
+                              for i in cache.first))
 
 
 def run_quant_break(name: str, model: GPT, tokens: list[int], prompt_len: int
@@ -155,10 +173,10 @@ def run_quant_break(name: str, model: GPT, tokens: list[int], prompt_len: int
     elif name == "fp8-range":
         model = with_outliers(model, "v", 2000.0)
     idx = torch.tensor([tokens], device=model.device)  # (1, T)
-    exact, _ = _logits(model, "static", idx, prompt_len)
+    exact, reference = _logits(model, "static", idx, prompt_len)
     broken_spec, fixed_spec = _specs(name, model.config.head_size)
-    broken = _damage(broken_spec, *_logits(model, broken_spec, idx, prompt_len), exact)
-    fixed = _damage(fixed_spec, *_logits(model, fixed_spec, idx, prompt_len), exact)
+    broken = _damage(broken_spec, *_logits(model, broken_spec, idx, prompt_len), exact, reference)
+    fixed = _damage(fixed_spec, *_logits(model, fixed_spec, idx, prompt_len), exact, reference)
     return QuantBreakResult(name, info.title, info.outliers, info.broken, info.fixed,
                             exact.size(0), prompt_len, broken, fixed)
 

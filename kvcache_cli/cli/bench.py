@@ -106,6 +106,7 @@ def bench(
         if (spec := bench_.bounded_spec(name)) is not None:
             check_cache_for(spec, model)  # a window past the context, before the weights
     check_weights_dtype(weights_dtype, model, str(dev))
+    _check_heads(mode_names, model)
     try:
         loaded = load_gpt2(model, weights=weights, device=dev,
                            dtype=getattr(torch, TORCH_DTYPES[dtype.value]))
@@ -239,6 +240,25 @@ def _check_options(modes: str, compile_: bool, device: str, threads: int | None,
         fail(threads_error(threads))
     check_plot(plot)
     return mode_names, dev
+
+
+def _check_heads(mode_names: list[str], model: str) -> None:
+    """Quantised specs whose groups or packing do not fit the model's heads, refused before
+    the weights load."""
+    from kvcache_cli import bench as bench_
+    from kvcache_cli.caches.spec import CacheSpecError, check_spec, parse_cache_spec
+    from kvcache_cli.gpt2 import model_config
+
+    specs = [parse_cache_spec(m) for m in mode_names if m not in bench_.MODES]
+    try:
+        head_size = model_config(model).head_size if specs else 0
+    except ValueError:
+        return  # not a model: the loader says so in its own words
+    try:
+        for spec in specs:
+            check_spec(spec, head_size)
+    except CacheSpecError as err:
+        fail(str(err))
 
 
 @contextlib.contextmanager

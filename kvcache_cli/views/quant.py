@@ -12,11 +12,12 @@ from kvcache_cli.views.style import figures_table
 
 def quant_break_view(r: QuantBreakResult) -> RenderableType:
     table = figures_table("", "cache", "mean KL", "max KL", "top-1 = exact", "max |Δ logit|",
-                          "bytes/token", "saturated")
+                          "token 0 |Δ|", "bytes/token", "saturated")
     for label, d in (("broken", r.broken), ("fixed", r.fixed)):
         saturated = "" if d.saturated is None else f"{d.saturated:,}"
         table.add_row(label, d.spec, f"{d.mean_kl:.2e}", f"{d.max_kl:.2e}",
                       f"{d.top1_agreement:.1%}", f"{d.max_logit_diff:.3g}",
+                      f"{d.first_token_error:.2g}",
                       f"{d.bytes_per_token:,.0f}", saturated)
     lines: list[RenderableType] = [Text(f"broken: {r.broken_what}"),
                                    Text(f"fixed:  {r.fixed_what}")]

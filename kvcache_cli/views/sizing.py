@@ -246,9 +246,9 @@ def spec_size_view(r: SpecSize) -> RenderableType:
     ]
     if r.fit is not None:
         f = r.fit
-        fit = Table(title=f"fit on one GPU of {format_bytes(f.gpu_mem_bytes)} "
-                    f"(weights {format_bytes(f.weights_bytes)})", box=box.SIMPLE_HEAD,
-                    title_justify="left")
+        lines.append(Text(f"fit on one GPU of {format_bytes(f.gpu_mem_bytes)}, beside "
+                          f"{format_bytes(f.weights_bytes)} of weights:"))
+        fit = Table(box=box.SIMPLE_HEAD)
         fit.add_column("")
         fit.add_column(r.spec, justify="right")
         fit.add_column("fp16", justify="right")
