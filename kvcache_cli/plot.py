@@ -19,6 +19,12 @@ COLORS = {
     "naive": "tab:blue", "concat": "tab:orange", "static": "tab:green", "hf": "tab:red",
     "hf-static": "tab:purple", "static-compiled": "tab:olive", "hf-static-compiled": "tab:pink",
 }  # fmt: skip
+# Any other cache spec is coloured by its kind, whatever its fields (window:128, window:256).
+KIND_COLORS = {"paged": "tab:gray", "window": "tab:cyan", "sink": "tab:brown", "h2o": "black"}
+
+
+def color(mode: str) -> str | None:
+    return COLORS.get(mode) or KIND_COLORS.get(mode.split(":", 1)[0])
 
 
 class PlotUnavailable(RuntimeError):
@@ -72,7 +78,7 @@ def save_plot(result: BenchResult, path: str | Path) -> Path:
         ax.plot(lengths, mode.median_step_ms,
                 label=f"{mode.mode} ({mode.tokens_per_s_median:.1f} tok/s"
                 + (f", {len(mode.steps)} steps timed)" if sampled else ")"),
-                lw=1.2, color=COLORS.get(mode.mode), marker="o" if sampled else None, ms=3)
+                lw=1.2, color=color(mode.mode), marker="o" if sampled else None, ms=3)
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel("decode step latency (ms)")
     ax.set_ylim(bottom=0)

@@ -24,8 +24,10 @@ def test_cache_option_parses_through_the_registry():
 
 def test_completion_offers_every_kind_with_its_summary():
     assert [name for name, _ in complete_cache("")] == list(KINDS)
-    assert complete_cache("pa") == [(name, kind.summary) for name, kind in KINDS.items()
-                                    if name.startswith("pa")]
+    offered = complete_cache("pa")
+    assert offered[0] == ("paged", KINDS["paged"].summary)
+    assert [name for name, _ in offered] == [name for name in KINDS if name.startswith("pa")]
+    assert complete_cache("wi") == [("window", KINDS["window"].summary)]
 
 
 def test_caches_lists_every_registered_kind():

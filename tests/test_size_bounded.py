@@ -95,3 +95,25 @@ def test_size_refuses_a_bad_bound_in_one_line(args, message):
     result = _cli("-m", "gpt2", *args)
     assert result.exit_code == 2, result.output
     assert result.stderr.startswith(message) and result.stderr.count("\n") == 1, result.stderr
+
+
+def test_size_cache_spec_counts_a_bounded_kind_as_the_window_flags_do():
+    from kvcache_cli.sizing.cache_spec import size_spec
+
+    mem = sizing.parse_bytes("1GiB")
+    spec = size_spec(gpt2(), parse_cache_spec("sink:4+252"), 1024, 1, "fp32", mem, "fp32")
+    flags = sizing.size_cache(gpt2(), 1024, 1, "fp32", window=252, sinks=4)
+    assert spec.bytes_per_sequence == flags.total_bytes == 18_874_368
+    assert (spec.full_tokens, spec.quantised_tokens) == (256, 0)
+    assert spec.fit.max_tokens is None  # it stops growing at 256 tokens
+    h2o = size_spec(gpt2(), parse_cache_spec("h2o:128+128"), 1024, 1, "fp32")
+    # its float32 score and int64 position per slot and head, every layer
+    assert h2o.bytes_per_sequence == 18_874_368 + 12 * 256 * 12 * (4 + 8)
+
+
+def test_size_cache_refuses_a_bounded_spec_past_the_context_window():
+    result = _cli("-m", "gpt2", "--cache", "window:2000")
+    assert result.exit_code == 2, result.output
+    assert "beyond gpt2's context window of 1,024" in result.stderr
+    shown = _cli("-m", "gpt2", "--cache", "sink:4+252")
+    assert shown.exit_code == 0 and "every token at fp16" in shown.stdout, shown.output

@@ -132,8 +132,8 @@ class RingCache(KVCache):
         keys = torch.cat([self.k[layer, :, :, :filled], k], dim=2)  # (B, nh, filled + T, hs)
         values = torch.cat([self.v[layer, :, :, :filled], v], dim=2)
         keep = [p for p in range(start, end) if p < self.sinks or p >= end - self.window]
-        slots = torch.tensor([self.slot(p) for p in keep], device=k.device)
-        rows = torch.tensor([p - start for p in keep], device=k.device)
+        slots = torch.tensor([self.slot(p) for p in keep], dtype=torch.long, device=k.device)
+        rows = torch.tensor([p - start for p in keep], dtype=torch.long, device=k.device)
         self.k[layer].index_copy_(2, slots, k.index_select(2, rows))
         self.v[layer].index_copy_(2, slots, v.index_select(2, rows))
         self.bytes_copied += nbytes(keys) + nbytes(values) + 2 * len(keep) * nbytes(k[:, :, :1])

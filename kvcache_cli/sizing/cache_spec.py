@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from kvcache_cli.caches.spec import (
     CacheSpec,
     CacheSpecError,
+    check_context,
     check_spec,
     every_token,
     layer_bytes,
@@ -81,6 +82,8 @@ def _parts(spec: CacheSpec, n: int, kv_heads: int, head_dim: int, element: int
         slots = -(-n // params["block_size"]) * params["block_size"]
         payload = 2 * kv_heads * slots * head_dim * params["bits"] // 8
         return n, 0, payload, total - payload, 0
+    if spec.info.budget is not None:  # a bounded kind holds at most its budget
+        return 0, min(n, spec.info.budget(params)), 0, 0, total
     return 0, n, 0, 0, total
 
 
@@ -105,6 +108,8 @@ def size_spec(shape: ModelShape, spec: CacheSpec, seq: int, batch: int = 1,
     try:
         for g in groups:
             check_spec(spec, g.shape.head_dim)
+        if shape.max_positions is not None:  # a window past the context is refused
+            check_context(spec, shape.max_positions, shape.name)
     except CacheSpecError as error:
         raise SizingError(str(error)) from None
 
@@ -146,7 +151,10 @@ def size_spec(shape: ModelShape, spec: CacheSpec, seq: int, batch: int = 1,
         bits = dict(spec.params).get("bits", 8 if spec.kind.startswith("fp8") else 8 * element)
         growing = sum(g.layers * 2 * g.shape.kv_heads * g.shape.head_dim * bits
                       for g in groups if g.kind == "full") // 8
-        longest = _max_tokens(cost, room, growing, max(shape.window or 0, 1))
+        budget = spec.info.budget(dict(spec.params)) if spec.info.budget else 0
+        if budget:  # a bounded kind stops growing at its budget: no token adds for ever
+            growing = 0
+        longest = _max_tokens(cost, room, growing, max(shape.window or 0, budget, 1))
         fit = SpecFit(gpu_mem, weights, room, longest, room // per_sequence, room // fp16)
         if spec.kind.startswith("int"):
             notes.append("a group leaving the residual shrinks the cache, so the longest "
