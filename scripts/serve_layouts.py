@@ -10,6 +10,7 @@ weights (speed does not depend on the values). Layouts are interleaved repeat by
 repeat, so a slow patch of a shared machine lands on both; each figure is the median.
 
     python scripts/serve_layouts.py [--decodes 16] [--context 128] [--chunks 1,16,64,256]
+                                    [--threads N]
 
 The choice made from these figures is `ModelRunner`'s default layout.
 """
@@ -53,7 +54,10 @@ def main() -> None:
     parser.add_argument("--chunks", default="1,16,64,256")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--model", default="gpt2", choices=sorted(PRESETS))
+    parser.add_argument("--threads", type=int, default=None, help="default: torch's own")
     args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     model = arrange_weights(GPT(PRESETS[args.model]).eval())
     print(f"{args.model}, {torch.get_num_threads()} threads, {args.decodes} decodes at "
           f"context {args.context}; ms per step, median of {args.repeats}")

@@ -125,7 +125,7 @@ class StepStats:
     forwards: int
     prompt_tokens: int  # computed, recomputations included
     decode_tokens: int
-    stalled: int  # sequence-steps a sequence ready to decode waited while prompts ran
+    stalled: int  # sequence-forwards a sequence ready to decode waited while prompts ran
     tokens_per_forward: float  # mean
     budget_fill: float | None  # mean tokens / budget; None without a budget
     # Where the run's time went: scheduling (block tables, admission, preemption), forwards

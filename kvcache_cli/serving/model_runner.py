@@ -110,8 +110,13 @@ class ModelRunner:
             offsets.append(n)
             n += c.length
         singles = [b for b, c in enumerate(chunks) if c.length == 1]
-        single_at = torch.tensor([offsets[b] for b in singles], device=dev)  # (B1,)
-        single_rows = torch.tensor(singles, device=dev)  # (B1,)
+        # The scheduler puts decodes first: rows 0 .. B1-1 are tokens 0 .. B1-1, and their
+        # queries and keys are slices, not copies.
+        if singles == list(range(len(singles))):
+            single_at = single_rows = slice(len(singles))
+        else:
+            single_at = torch.tensor([offsets[b] for b in singles], device=dev)  # (B1,)
+            single_rows = torch.tensor(singles, device=dev)  # (B1,)
         single_pos = torch.tensor([chunks[b].start for b in singles], device=dev)  # (B1,)
 
         def attend(layer: int, attn: CausalSelfAttention, x: Tensor) -> Tensor:

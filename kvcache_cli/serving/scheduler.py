@@ -51,7 +51,9 @@ class Step:
     # Counted when scheduled (the sequences move on as the step runs):
     prompt_tokens: int = 0  # prompt tokens computed, recomputations included
     decode_tokens: int = 0  # one per sequence past its prompt
-    stalled: int = 0  # sequences ready to decode that wait while prompt tokens run
+    # Sequence-forwards: per forward computing prompt tokens, the sequences ready to
+    # decode that it keeps waiting (decode-first: none, decodes ride in every forward).
+    stalled: int = 0
 
     @property
     def tokens(self) -> int:
@@ -114,8 +116,10 @@ class Scheduler:
         while self._admissible():
             admitted.append(self._admit(whole=True))
         if admitted:
-            ready = sum(1 for s in self.running if s.decoding)
-            return Step(prefill=tuple(admitted), stalled=ready,
+            # Prompt k of n runs while the sequences that were decoding, and the k
+            # prompts before it (each now ready for its second token), wait.
+            ready, n = sum(1 for s in self.running if s.decoding), len(admitted)
+            return Step(prefill=tuple(admitted), stalled=n * ready + n * (n - 1) // 2,
                         prompt_tokens=sum(s.to_compute for s in admitted))
         decode = []
         for seq in list(self.running):

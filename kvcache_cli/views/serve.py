@@ -83,6 +83,11 @@ def _ms(x: float) -> str:
     return "-" if x != x else f"{x:,.0f}"  # nan: no such gap (one-token outputs)
 
 
+def _s(ms: float) -> str:
+    """Seconds for TTFT and E2E: whole prefills and requests, where ms would run to 6 digits."""
+    return "-" if ms != ms else f"{ms / 1e3:,.2f}"
+
+
 def _named(table: Table) -> Table:
     table.columns[0].no_wrap = True  # "sequential" whole: the figures wrap instead
     return table
@@ -95,14 +100,14 @@ def _at(r: ServeResult, rate: float | None) -> str:
 def _speed(r: ServeResult, engines: tuple[EngineResult, ...]) -> Table:
     table = figures_table(
         "engine", "tok/s", "req/s", "run s", "setup s", "×seq", "×hf",
-        *(["good/s", "met"] if r.goodput else []),
+        *(["good/s"] if r.goodput else []),
         title="throughput: output tokens and requests a second over the run, set-up apart"
         + _at(r, engines[0].rate))
     _named(table)
     for e in engines:
         lat = e.latency
         good = [] if not r.goodput else [
-            f"{lat.goodput:.2f}", OK if lat.meets_targets else BAD]
+            f"{lat.goodput:.2f} {OK if lat.meets_targets else BAD}"]
         table.add_row(
             f"[bold]{e.engine}[/]", f"[bold]{e.tokens_per_s:,.1f}[/]",
             f"{lat.request_throughput:.2f}", f"{e.total_s:,.1f}", f"{e.setup_s:,.1f}",
@@ -112,14 +117,14 @@ def _speed(r: ServeResult, engines: tuple[EngineResult, ...]) -> Table:
 
 def _latency(r: ServeResult, engines: tuple[EngineResult, ...]) -> Table:
     table = figures_table(
-        "engine", "TTFT p50", "p99", "TPOT p50", "p99", "ITL p99", "max", "E2E p99",
-        title="latency per request as vLLM measures it, ms" + _at(r, engines[0].rate))
+        "engine", "TTFT s p50", "p99", "TPOT ms p50", "p99", "ITL ms p99", "max", "E2E s p99",
+        title="latency per request as vLLM measures it" + _at(r, engines[0].rate))
     _named(table)
     for e in engines:
         lat = e.latency
-        table.add_row(e.engine, _ms(lat.ttft.p50), _ms(lat.ttft.p99), _ms(lat.tpot.p50),
+        table.add_row(e.engine, _s(lat.ttft.p50), _s(lat.ttft.p99), _ms(lat.tpot.p50),
                       f"[bold]{_ms(lat.tpot.p99)}[/]", f"[bold]{_ms(lat.itl.p99)}[/]",
-                      _ms(lat.itl.max), _ms(lat.e2e.p99))
+                      _ms(lat.itl.max), _s(lat.e2e.p99))
     return table
 
 
@@ -129,19 +134,18 @@ def _steps(r: ServeResult) -> Table | None:
     if not rows:
         return None
     table = figures_table(
-        "engine", "forwards", "tok/fwd", "fill", "prompt", "decode", "stalled",
-        "sched s", "prompt s", "decode s",
+        "engine", "forwards", "tok/fwd", "fill", "prompt tok", "stalled", "s sched/prompt/decode",
         title="forwards: tokens each carried, budget filled; prompt tokens (recomputed "
-        "included), decode tokens; decodes that waited while prompts ran; time scheduling, "
-        "in forwards with prompt tokens, in decode-only ones" + (
+        "included); decodes kept waiting by prompt forwards; seconds scheduling, in forwards "
+        "with prompt tokens, in decode-only ones" + (
             _at(r, r.rates[0])))
     _named(table)
     for e in rows:
         st = e.steps
         table.add_row(e.engine, f"{st.forwards:,}", f"{st.tokens_per_forward:,.1f}",
                       _opt(st.budget_fill, "{:.0%}"), f"{st.prompt_tokens:,}",
-                      f"{st.decode_tokens:,}", f"{st.stalled:,}", f"{st.schedule_s:.2f}",
-                      f"{st.prompt_forward_s:,.1f}", f"{st.decode_forward_s:,.1f}")
+                      f"[bold]{st.stalled:,}[/]", f"{st.schedule_s:.1f}/"
+                      f"{st.prompt_forward_s:,.1f}/{st.decode_forward_s:,.1f}")
     return table
 
 
