@@ -50,6 +50,15 @@ def test_generate_with_a_draft_gives_plain_greedy_tokens(checkpoint):
         assert run["identical"] == [True] and run["runs"][0]["k"] == 3
 
 
+def test_generate_with_a_draft_rolls_back_the_cache_given_by_cache(checkpoint):
+    args = ["generate", "--model", str(checkpoint), "--ids", IDS, "-n", "16", "--json"]
+    plain = json.loads(invoke(args).stdout)["tokens"]
+    got = invoke([*args, "--cache", "paged:b4", "--draft", "layers:1", "--speculate", "5"])
+    assert got.exit_code == 0, got.output
+    run = json.loads(got.stdout)
+    assert run["cache"] == "paged:b4" and run["runs"][0]["tokens"] == plain
+
+
 def test_generate_with_a_draft_shows_the_tokens_and_the_acceptance(checkpoint):
     got = invoke(["generate", "--model", str(checkpoint), "--ids", IDS, "-n", "12",
                   "--draft", "lookup"])

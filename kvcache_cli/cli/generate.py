@@ -72,8 +72,8 @@ def generate(
 ) -> None:
     """Generate with GPT-2 and its KV cache, streaming tokens as they are made.
 
-    With --draft, decode speculatively (the --mode cache rolls back what the target
-    rejects) and compare with plain decoding in the same run.
+    With --draft, decode speculatively (the cache rolls back what the target rejects)
+    and compare with plain decoding in the same run.
     """
     device, mode, weights = device.value, mode.value, weights.value
     if cache is not None:
@@ -97,7 +97,8 @@ def generate(
         fail(f"--speculate {speculate} needs a --draft: expected e.g. --draft lookup")
     if draft is not None:
         if mode == "naive":
-            fail("--draft needs a cache to roll back: expected --mode static or concat")
+            fail("--draft needs a cache to roll back: expected --mode static or concat, or "
+                 "--cache SPEC (any kind in 'kvcache caches' that rolls back)")
         speculate = 4 if speculate is None else speculate
         draft_spec, note = drafts.check(model, draft, [speculate], mode)
         if note:
