@@ -104,6 +104,17 @@ def test_generate_runs_int8_weights_and_says_so(checkpoint):
     assert "int8 weights" in " ".join(out.stdout.split())
 
 
+def test_serve_runs_int8_weights_and_every_request_keeps_its_solo_tokens(checkpoint):
+    out = CliRunner().invoke(app, [
+        "serve", "--device", "cpu", "--model", str(checkpoint), "--weights", "pretrained",
+        "--weights-dtype", "int8", "--requests", "3", "--prompt-len", "4:6",
+        "--output-len", "3:5", "--engines", "sequential,paged", "--kv-mem", "1MiB",
+        "--threads", "1", "--json"])  # fmt: skip
+    assert out.exit_code == 0, out.output
+    data = json.loads(out.stdout)
+    assert all(e["requests_exact"] == 3 and not e["mismatches"] for e in data["engines"])
+
+
 # ---------------------------------------------------------------------------- llama.cpp
 
 
