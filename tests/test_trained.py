@@ -173,3 +173,13 @@ def test_a_config_naming_a_tokenizer_it_cannot_have_is_refused(tmp_path, fields,
     (tmp_path / "config.json").write_text(json.dumps({**config, **fields}))
     with pytest.raises(ValueError, match=message):
         model_config(str(tmp_path))
+
+
+def test_transformers_reads_the_shipped_checkpoint_to_the_same_logits(model):
+    from transformers import GPT2LMHeadModel
+
+    hf = GPT2LMHeadModel.from_pretrained(shipped_dir(TRAINED)).eval()
+    ids = torch.tensor([list(b"def main(argv):\n    return 0\n")])
+    with torch.no_grad():
+        # float32, the same weights: only the order of the sums differs.
+        torch.testing.assert_close(hf(ids).logits, model(ids, 0), rtol=1e-4, atol=1e-4)
