@@ -153,15 +153,22 @@ def train(
     recipe: Recipe,
     corpus: Corpus,
     on_point: Callable[[CurvePoint], None] = lambda point: None,
+    init: GPT | None = None,
 ) -> tuple[GPT, tuple[CurvePoint, ...]]:
-    """Train from the recipe's seed; returns the model and its curve.
+    """Train from the recipe's seed (or on from `init`'s weights); returns the model and
+    its curve.
 
     Runs on torch's current thread count (the script sets `recipe.threads`).
     """
     config = recipe.config()
-    if recipe.short_len > config.block_size:
+    if recipe.short_batch and recipe.short_len > config.block_size:
         raise ValueError(f"short_len {recipe.short_len} past block_size {config.block_size}")
-    model = GPT(config, init_std=0.02, seed=recipe.seed).train()
+    model = GPT(config, init_std=0.02, seed=recipe.seed)
+    if init is not None:
+        if init.config != config:
+            raise ValueError(f"init's shape {init.config} is not the recipe's {config}")
+        model.load_state_dict(init.state_dict())  # copied into (out, in) storage
+    model.train()
     g = torch.Generator().manual_seed(recipe.seed)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -232,6 +239,7 @@ def save_checkpoint(
     curve: tuple[CurvePoint, ...],
     seconds: float,
     dtype: torch.dtype = torch.float32,
+    init: dict | None = None,
 ) -> dict:
     """Write config.json, model.safetensors, recipe.json, curve.json and heldout.txt.
 
@@ -272,6 +280,8 @@ def save_checkpoint(
         heldout_bits_first_512=bits_per_byte_prefix(saved, heldout, 512),
         files=list(corpus.files),
     )
+    if init is not None:  # the record of the checkpoint this one trained on from
+        record["init"] = {k: v for k, v in init.items() if k != "files"}
     (out / "recipe.json").write_text(json.dumps(record, indent=1) + "\n")
     return record
 

@@ -59,6 +59,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=SHIPPED)
     parser.add_argument("--plot", type=Path, help="also draw the curve as a PNG here")
     parser.add_argument("--replot", type=Path, help="only draw --out's curve as a PNG here")
+    parser.add_argument("--init", type=Path, help="train on from this checkpoint's weights")
     for field in dataclasses.fields(Recipe):
         parser.add_argument("--" + field.name.replace("_", "-"), type=type(field.default),
                             default=field.default)
@@ -76,8 +77,15 @@ def main() -> None:
         print(f"step {p.step:5d}  tokens {p.tokens:>10,}  {p.seconds:7.1f} s  lr {p.lr:.2e}  "
               f"train {p.train_bits:.3f}  held-out {p.heldout_bits:.3f} bits/byte", flush=True)
 
-    model, curve = train(recipe, corpus, show)
-    record = save_checkpoint(model, args.out, recipe, corpus, curve, time.perf_counter() - t0)
+    init = parent = None
+    if args.init:
+        from kvcache_cli.gpt2 import load_gpt2
+
+        init = load_gpt2(str(args.init), weights="pretrained").model
+        parent = json.loads((args.init / "recipe.json").read_text())
+    model, curve = train(recipe, corpus, show, init)
+    record = save_checkpoint(model, args.out, recipe, corpus, curve, time.perf_counter() - t0,
+                             init=parent)
     print(f"saved {args.out}: held-out {record['heldout_bits']:.3f} bits/byte over "
           f"{record['heldout_bytes']:,} bytes", flush=True)
     if args.plot:

@@ -56,7 +56,10 @@ def test_heldout_loss_on_the_first_512_bytes_is_what_recipe_json_recorded(model,
     bits = bits_per_byte(model, ids[:513])
     # Loose: another torch or thread count sums in another order, far below 0.1 bit.
     assert bits < record["heldout_bits_first_512"] + 0.1, (bits, record)
-    assert bits < 4.0, "no better than a unigram model of the bytes"
+    counts = torch.bincount(ids.long(), minlength=256).double()
+    p = counts[counts > 0] / counts.sum()
+    unigram = float(-(p * p.log2()).sum())  # 4.45 bits: knowing only how often each byte comes
+    assert bits < unigram - 0.2, (bits, unigram)
 
 
 def test_the_model_predicts_long_context_better_than_short(model):
@@ -71,18 +74,23 @@ def test_the_model_predicts_long_context_better_than_short(model):
     assert loss(full, target) < loss(cut, target)
 
 
-def test_cached_decoding_picks_the_same_greedy_bytes_as_uncached(model):
+def test_cached_decoding_samples_the_same_bytes_as_uncached(model):
+    # Sampled, not greedy: this small model's greedy continuation of code is mostly spaces,
+    # and bytes that never vary could not show a difference. The same seed draws the same
+    # bytes only if both loops hand the sampler the same distributions.
     prompt = ByteEncoding().encode("def main(")
-    runs = {mode: generate(model, prompt, 24, mode).tokens for mode in ("naive", "static")}
+    runs = {mode: generate(model, prompt, 32, mode, temperature=0.8,
+                           generator=torch.Generator().manual_seed(0)).tokens
+            for mode in ("naive", "static")}
     assert runs["naive"] == runs["static"]
-    assert len(set(runs["static"])) > 3, "greedy bytes repeat: nothing could differ"
+    assert len(set(runs["static"])) > 5, "the bytes repeat: nothing could differ"
 
 
-def test_a_break_prompts_the_byte_model_with_text_and_diverges(model):
-    result = run_break("causal-decode", model, max_new_tokens=8)
+def test_a_break_prompts_the_byte_model_with_text(model):
+    result = run_break("stale-cache", model, max_new_tokens=4)
     assert result.prompt_ids == tuple(b"The quick brown fox jumps over the lazy dog")
     assert result.earlier_ids == tuple(b"Once upon a time")
-    assert result.first_divergence is not None and result.naive_agrees
+    assert result.max_logit_diff > 0 and result.naive_agrees
 
 
 def test_heldout_text_is_the_heldout_files_listed_in_recipe_json(record):
@@ -165,3 +173,13 @@ def test_a_config_naming_a_tokenizer_it_cannot_have_is_refused(tmp_path, fields,
     (tmp_path / "config.json").write_text(json.dumps({**config, **fields}))
     with pytest.raises(ValueError, match=message):
         model_config(str(tmp_path))
+
+
+def test_transformers_reads_the_shipped_checkpoint_to_the_same_logits(model):
+    from transformers import GPT2LMHeadModel
+
+    hf = GPT2LMHeadModel.from_pretrained(shipped_dir(TRAINED)).eval()
+    ids = torch.tensor([list(b"def main(argv):\n    return 0\n")])
+    with torch.no_grad():
+        # float32, the same weights: only the order of the sums differs.
+        torch.testing.assert_close(hf(ids).logits, model(ids, 0), rtol=1e-4, atol=1e-4)
