@@ -21,6 +21,7 @@ and top-1 agreement of the next-token distributions against the exact cache.
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass
 
 import torch
@@ -90,10 +91,13 @@ class QuantBreakResult:
 
 
 def _specs(name: str, head_size: int) -> tuple[str, str]:
+    # Groups of 32, or of the largest power of two that divides a narrower head's width
+    # (values are grouped along the head's channels, so the group must divide it).
+    g = math.gcd(32, head_size)
     if name == "kv-outlier-keys":
-        return f"int4:g{head_size}:ktok:r0", "int4:g32:kchan:r0"
+        return f"int4:g{head_size}:ktok:r0", f"int4:g{g}:kchan:r0"
     if name == "kv-sink-token":
-        return "int2:g32:kchan:r0", "int2:g32:kchan:r0:s1"
+        return f"int2:g{g}:kchan:r0", f"int2:g{g}:kchan:r0:s1"
     return "fp8-e4m3:tensor:one", "fp8-e4m3:tensor:calib"
 
 

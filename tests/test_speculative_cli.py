@@ -147,7 +147,8 @@ def test_generate_refuses_bad_speculation_in_one_line(checkpoint, args, message)
     (["--draft", "lookup", "--cache", "ring"], "cache ring cannot roll back, which "
                                                "speculative decoding needs"),
     (["--draft", "lookup", "--modes", "static"], "--modes does not apply with --draft"),
-    (["--cache", "paged"], "--cache applies to speculative decoding only"),
+    (["--speculate", "2"], "--speculate applies to speculative decoding only"),
+    (["--draft", "lookup", "--cache", "static,paged"], "one cache"),
     (["--draft", "lookup", "--prompt-file", "/nonexistent"], "no such file"),
 ])
 def test_bench_refuses_bad_speculation_in_one_line(checkpoint, args, message, monkeypatch):

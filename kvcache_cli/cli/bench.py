@@ -137,6 +137,9 @@ def _speculative(ctx, draft: str, speculate: str, cache: str, prompt_file: Path 
         name = "--compile" if ignored[0] == "compile_" else f"--{ignored[0].replace('_', '-')}"
         fail(f"{name} does not apply with --draft: speculative decoding is timed against "
              "plain decoding with --cache")
+    if "," in cache:
+        fail(f"--cache {cache!r} with --draft: expected one cache, the target's (a kind that "
+             "rolls back)")
     need_torch_extra("kvcache bench needs", *GPT2_MODULES)
     ks = drafts.parse_ks(speculate)
     if threads_error(threads):
