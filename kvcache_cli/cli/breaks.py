@@ -133,10 +133,15 @@ def _gpt2_breaks(names: list[str], model: str, weights: str, device: str,
     return loaded, results
 
 
+# Tokens a break makes, all its runs together, from which it logs progress off a terminal.
+LOG_TOKENS = 300
+
+
 @contextlib.contextmanager
 def _progress(name: str):
-    """A bar on stderr while a break runs; off a terminal, a line as each of its runs ends,
-    so a long break (--max-new-tokens 1000) shows it is alive in a log too."""
+    """A bar on stderr while a break runs; off a terminal, for a long break (LOG_TOKENS
+    tokens or more: --max-new-tokens 100 and up), a line every tenth of the tokens and as
+    each of its runs ends, so it shows it is alive in a log too. A short one stays quiet."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
@@ -145,10 +150,10 @@ def _progress(name: str):
                    "tokens", TimeElapsedColumn(), console=console, transient=True,
                    refresh_per_second=2)
     task = bar.add_task("", total=None)
-    state = {"label": None, "start": time.perf_counter(), "tokens": 0}
+    state = {"label": None, "start": time.perf_counter(), "tokens": 0, "log": False}
 
     def ended() -> None:
-        if state["label"] is not None and not console.is_terminal:
+        if state["label"] is not None and state["log"]:
             typer.echo(f"{name}: {state['label']}, {state['tokens']:,} tokens in "
                        f"{time.perf_counter() - state['start']:.1f} s", err=True)
 
@@ -157,8 +162,9 @@ def _progress(name: str):
             ended()
             state.update(label=label, start=time.perf_counter(), tokens=0)
         state["tokens"] += 1
+        state["log"] = not console.is_terminal and total >= LOG_TOKENS
         bar.update(task, description=label, completed=done, total=total)
-        if not console.is_terminal and done * 10 // total > (done - 1) * 10 // total:
+        if state["log"] and done * 10 // total > (done - 1) * 10 // total:
             typer.echo(f"{name}: {done:,}/{total:,} tokens", err=True)  # every tenth
 
     with bar:
