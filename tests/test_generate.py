@@ -370,11 +370,11 @@ def test_a_break_recomputes_the_control_in_one_forward_and_reports_every_token(m
 
 
 def test_cli_long_break_off_a_terminal_prints_progress_lines(checkpoint):
-    result = invoke("break", "stale-cache", "-m", str(checkpoint[0]), "--max-new-tokens", "100")
+    result = invoke("break", "stale-cache", "-m", str(checkpoint[0]), "--max-new-tokens", "50")
     assert result.exit_code == 0, result.output
     lines = result.stderr.splitlines()
-    assert "stale-cache: 30/300 tokens" in lines and "stale-cache: 300/300 tokens" in lines
-    assert any(line.startswith("stale-cache: request 1, filling the cache, 100 tokens in ")
+    assert "stale-cache: 15/150 tokens" in lines and "stale-cache: 150/150 tokens" in lines
+    assert any(line.startswith("stale-cache: request 1, filling the cache, 50 tokens in ")
                for line in lines), lines
     short = invoke("break", "stale-cache", "-m", str(checkpoint[0]), "--max-new-tokens", "20")
     assert short.exit_code == 0 and short.stderr == "", short.output  # a short break is quiet

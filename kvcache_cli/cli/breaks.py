@@ -134,13 +134,13 @@ def _gpt2_breaks(names: list[str], model: str, weights: str, device: str,
 
 
 # Tokens a break makes, all its runs together, from which it logs progress off a terminal.
-LOG_TOKENS = 300
+LOG_TOKENS = 120
 
 
 @contextlib.contextmanager
 def _progress(name: str):
     """A bar on stderr while a break runs; off a terminal, for a long break (LOG_TOKENS
-    tokens or more: --max-new-tokens 100 and up), a line every tenth of the tokens and as
+    tokens or more: --max-new-tokens 40 and up), a line every tenth of the tokens and as
     each of its runs ends, so it shows it is alive in a log too. A short one stays quiet."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
