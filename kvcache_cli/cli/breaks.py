@@ -146,10 +146,13 @@ def _progress(name: str):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
     console = Console(stderr=True)
-    bar = Progress(f"{name}: {{task.description}}", BarColumn(), MofNCompleteColumn(),
-                   "tokens", TimeElapsedColumn(), console=console, transient=True,
-                   refresh_per_second=2)
-    task = bar.add_task("", total=None)
+    # The bar on a terminal only: off one, rich would still end it with a blank line.
+    bar = task = None
+    if console.is_terminal:
+        bar = Progress(f"{name}: {{task.description}}", BarColumn(), MofNCompleteColumn(),
+                       "tokens", TimeElapsedColumn(), console=console, transient=True,
+                       refresh_per_second=2)
+        task = bar.add_task("", total=None)
     state = {"label": None, "start": time.perf_counter(), "tokens": 0, "log": False}
 
     def ended() -> None:
@@ -163,11 +166,12 @@ def _progress(name: str):
             state.update(label=label, start=time.perf_counter(), tokens=0)
         state["tokens"] += 1
         state["log"] = not console.is_terminal and total >= LOG_TOKENS
-        bar.update(task, description=label, completed=done, total=total)
+        if bar is not None:
+            bar.update(task, description=label, completed=done, total=total)
         if state["log"] and done * 10 // total > (done - 1) * 10 // total:
             typer.echo(f"{name}: {done:,}/{total:,} tokens", err=True)  # every tenth
 
-    with bar:
+    with bar if bar is not None else contextlib.nullcontext():
         yield on_token
     ended()
 
