@@ -255,6 +255,9 @@ def test_cli_table_and_plot(checkpoint, tmp_path):
         assert text in shown, text
     assert "×naive" in shown and "×hf" not in shown  # a ratio column only where its base ran
     assert png.read_bytes()[:8] == PNG_SIGNATURE
+    # One repeat reads as one run, not "median of 1 repeats"; no heading reads "@n".
+    assert "one run per mode, so no spread" in shown and "of 1 repeats" not in shown
+    assert "@n" not in shown and f"(@{PROMPT + 1}: {PROMPT + 1} tokens attended)" in shown
 
 
 def test_cli_bad_modes_is_one_line_and_exit_2():

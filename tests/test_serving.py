@@ -236,6 +236,26 @@ def test_padded_and_sequential_give_solo_tokens_and_padded_wastes_its_slabs():
     assert padded.kv_utilisation < paged.kv_utilisation
 
 
+def test_the_padded_engine_is_sized_to_the_workload_not_the_whole_budget():
+    # 4 requests under a budget of hundreds of rows: a batched generate() pads 4 rows, each
+    # as long as its longest prompt and output, not as long as the ranges allow.
+    model = _model()
+    spec = WorkloadSpec(4, (2, 40), (2, 30), 0, None, 0)
+    requests = make_requests(spec, model.config.vocab_size)
+    plan = E.plan_memory(model.config, model.dtype, spec, ROOMY * 64, 4, 256)
+    assert plan.padded_rows > 4 and plan.slab_len == spec.longest
+    fitted = E.fit_padded(plan, requests, model.config, model.dtype, ROOMY * 64, 256)
+    # Every row decodes until its group's longest output is done.
+    longest = max(len(r.prompt) for r in requests) + max(r.max_new_tokens for r in requests)
+    assert (fitted.padded_rows, fitted.slab_len) == (4, longest) and longest < spec.longest
+    assert fitted.n_blocks == plan.n_blocks
+    result = E.run_serve(model, spec, ["padded"], ROOMY * 64, 4, 256)
+    assert (result.padded_rows, result.slab_len) == (4, longest)
+    padded = result.engines[0]
+    assert padded.mismatches == ()
+    assert padded.kv_reserved_bytes == 4 * longest * result.bytes_per_token
+
+
 def test_hf_continuous_batching_runs_the_same_weights_to_the_same_tokens():
     result, _ = _serve(_model(), SPEC, "hf", ROOMY)
     assert result.mismatches == ()
@@ -321,6 +341,35 @@ def test_the_sweep_times_every_batch_against_the_roofline():
     assert result.points[0].over_batch1 == 1.0
     assert result.points[1].intensity > result.points[0].intensity
     assert result.peak_gflops > 0 and result.bandwidth_gbps > 0
+
+
+def test_the_sweep_plot_ticks_are_the_batch_sizes_as_plain_numbers():
+    pytest.importorskip("matplotlib")
+    from kvcache_cli.serving.plot import figure
+
+    result = batching.run_sweep(_model(), (1, 4, 16), bandwidth_mib=4, matmul_n=256)
+    fig = figure(result)
+    ax = fig.axes[0]
+    labels = [ax.xaxis.get_major_formatter()(v, i) for i, v in enumerate(ax.get_xticks())]
+    assert list(ax.get_xticks()) == [1, 4, 16] and labels == ["1", "4", "16"]
+    assert ax.yaxis.get_major_formatter()(1000.0, 0) == "1,000"  # not 10³
+
+
+def test_the_serve_plot_draws_steps_and_notes_the_engine_it_cannot_draw():
+    pytest.importorskip("matplotlib")
+    import dataclasses
+
+    from kvcache_cli.serving.plot import figure
+
+    result = E.run_serve(_model(), SPEC, ["sequential", "paged"], ROOMY, 4, 64)
+    # transformers' engine reports no timeline: stand it in with the paged result emptied.
+    hf = dataclasses.replace(result.engines[1], engine="hf", timeline=())
+    fig = figure(dataclasses.replace(result, engines=(*result.engines, hf)))
+    kv, running = fig.axes
+    assert {line.get_drawstyle() for line in kv.lines + running.lines} == {"steps-post"}
+    assert len(running.lines) == 2  # sequential and paged; hf has nothing to draw
+    notes = [t.get_text() for t in fig.texts]
+    assert len(notes) == 1 and notes[0].startswith("not drawn: hf (")
 
 
 # ---------------------------------------------------------------------------- CLI

@@ -570,3 +570,28 @@ def test_mamba2_state_is_conv_over_x_b_c_and_heads_by_head_dim_by_state():
     assert shape.state_layers == 64
     assert shape.conv_state_values == (128 * 64 + 2 * 8 * 128) * 4
     assert shape.ssm_state_values == 128 * 64 * 128
+
+
+def test_params_counted_from_a_config_match_every_dense_presets_published_count():
+    # The presets' counts are the published checkpoints' (and transformers' builds, above).
+    counted = {name: sizing.params_from_config(dict(p.config)) for name, p in PRESETS.items()}
+    for name, p in PRESETS.items():
+        if p.config["model_type"] in ("mamba", "jamba", "deepseek_v3"):
+            assert counted[name] is None, name  # experts, state spaces, MLA: --params
+        else:
+            assert counted[name] == p.params, name
+
+
+def test_size_config_with_gpu_mem_counts_the_params_itself(tmp_path):
+    from typer.testing import CliRunner
+
+    from kvcache_cli.cli import app
+
+    path = write_config(tmp_path, dict(PRESETS["llama-2-7b"].config))
+    by_config = CliRunner().invoke(app, ["size", "--config", str(path), "--seq", "4096",
+                                         "--gpu-mem", "80GiB", "--json"])
+    assert by_config.exit_code == 0, by_config.output
+    by_preset = CliRunner().invoke(app, ["size", "-m", "llama-2-7b", "--seq", "4096",
+                                         "--gpu-mem", "80GiB", "--json"])
+    fit, preset_fit = json.loads(by_config.stdout)["fit"], json.loads(by_preset.stdout)["fit"]
+    assert fit["params"] == 6_738_415_616 and fit == preset_fit

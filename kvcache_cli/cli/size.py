@@ -87,6 +87,10 @@ def size(
         shape, hf_config = sizing.resolve_shape(
             model, config, layers, kv_heads, head_dim, heads, count
         )
+        if memory is not None and shape.params is None and hf_config:
+            # --gpu-mem needs the weights: count them from the config where its family is
+            # one the reader counts (else the fit asks for --params).
+            shape = dataclasses.replace(shape, params=sizing.params_from_config(hf_config))
         if hub_config is not None:
             shape = dataclasses.replace(shape, name=hub_config.repo_id, source=(
                 f"{hub_config.repo_id} @ {hub_config.revision} ({hub_config.commit[:7]})"))

@@ -268,6 +268,18 @@ def plan_memory(config, dtype: torch.dtype, spec: WorkloadSpec, kv_mem: int, blo
     return Plan(n_blocks, rows, spec.longest, kv_mem)
 
 
+def fit_padded(plan: Plan, requests: Sequence[Request], config, dtype: torch.dtype,
+               kv_mem: int, max_batch: int) -> Plan:
+    """The padded engine sized to the workload, as a batched generate() is sized to its batch:
+    rows for no more requests than there are, each as long as the longest prompt there is
+    plus the longest output (every row decodes until the group's longest is done), not as
+    long as the ranges allow, within kv_mem. Reserving rows for the whole budget would
+    charge it for memory no request asked for."""
+    longest = max(len(r.prompt) for r in requests) + max(r.max_new_tokens for r in requests)
+    rows = min(max_batch, len(requests), kv_mem // (longest * block_bytes(config, 1, dtype)))
+    return dataclasses.replace(plan, padded_rows=rows, slab_len=longest)
+
+
 # ---------------------------------------------------------------------------- clocks
 
 
@@ -499,7 +511,7 @@ def _hf_manager(model: GPT, plan: Plan, block_size: int, max_batch: int, spec: W
     manager = hf.init_continuous_batching(generation, batching)
     manager.warmup()
     manager.start()
-    _hf_collect(manager, [_warmup_request(spec)], None)
+    _hf_collect(manager, [_warmup_request(plan.slab_len)], None)
     return manager
 
 
@@ -596,17 +608,17 @@ def _summarise(engine: str, setup_s: float, rec: _Recorder, model: GPT,
     )
 
 
-def _warmup_request(spec: WorkloadSpec) -> Request:
+def _warmup_request(longest: int) -> Request:
     """A short untimed request that fits wherever the workload's longest does."""
-    prompt = max(1, min(8, spec.longest - 1))
-    return Request(-1, (0,) * prompt, max(1, min(4, spec.longest - prompt)), 0.0)
+    prompt = max(1, min(8, longest - 1))
+    return Request(-1, (0,) * prompt, max(1, min(4, longest - prompt)), 0.0)
 
 
 def _prepare(variant: Variant, model: GPT, spec: WorkloadSpec, plan: Plan, block_size: int,
              max_batch: int, prefix_sharing: bool, stack: contextlib.ExitStack,
              layout: str = "packed") -> Callable[[Sequence[Request], _Recorder], dict]:
     """The engine's one-time set-up, warm-up included; returns how to run it."""
-    device, warmup, engine = model.device, [_warmup_request(spec)], variant.engine
+    device, warmup, engine = model.device, [_warmup_request(plan.slab_len)], variant.engine
 
     def recorder() -> _Recorder:
         return _Recorder(engine, warmup, device, None)
@@ -719,6 +731,7 @@ def run_serve(model: GPT, spec: WorkloadSpec, engines: Sequence[str | Variant], 
                                       model.config.vocab_size)) for rate in rates]
     requests = workloads[0][1]
     chosen = [v if isinstance(v, Variant) else Variant(v) for v in engines]
+    plan = fit_padded(plan, requests, model.config, model.dtype, kv_mem, max_batch)
     others = _OtherProcesses()
     previous_threads = torch.get_num_threads()
     if threads is not None:

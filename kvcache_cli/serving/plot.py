@@ -17,51 +17,82 @@ COLORS = {"sequential": "tab:blue", "padded": "tab:orange", "paged": "tab:green"
 
 def save_plot(result: ServeResult | SweepResult, path: str | Path) -> Path:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(9, 4.5), dpi=120)
+    fig = figure(result)
     FigureCanvasAgg(fig)
-    if isinstance(result, SweepResult):
-        ax = fig.add_subplot()
-        batches = [p.batch for p in result.points]
-        ax.plot(batches, [p.tokens_per_s for p in result.points], "o-", label="measured")
-        ax.plot(batches, [p.batch / p.predicted_ms * 1e3 for p in result.points], "--",
-                label="roofline")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("batch (sequences decoded at once)")
-        ax.set_ylabel("tokens/s")
-        ax.set_title(f"{result.model} · {result.device} ({result.threads} threads)", fontsize=9)
-        ax.legend(fontsize=8)
-        ax.grid(alpha=0.3)
-    elif len(result.rates) > 1:
-        _curve(fig, result)
-    else:
-        kv, running = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
-        for e in result.engines:
-            if not e.timeline:
-                continue  # transformers' run shows no internals
-            t = [s.t_s for s in e.timeline]
-            color = COLORS.get(e.engine)
-            kv.plot(t, [s.kv_used_bytes / 2**20 for s in e.timeline], color=color,
-                    label=f"{e.engine} in use", lw=1.2)
-            kv.plot(t, [s.kv_real_bytes / 2**20 for s in e.timeline], color=color, ls=":",
-                    lw=1, label=f"{e.engine} real tokens")
-            running.plot(t, [s.running for s in e.timeline], color=color, lw=1.2,
-                         label=f"{e.engine} ({e.tokens_per_s:.0f} tok/s)")
-        kv.set_xlabel("time (s)")
-        kv.set_ylabel("KV cache (MiB)")
-        kv.set_title(f"KV memory, {result.kv_mem_bytes / 2**20:.0f} MiB budget", fontsize=9)
-        running.set_xlabel("time (s)")
-        running.set_ylabel("sequences running")
-        running.set_title(f"{result.model} · {result.device}", fontsize=9)
-        for ax in (kv, running):
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=7)
-    fig.tight_layout()
     path = Path(path)
     fig.savefig(path, format="png")
     return path
+
+
+def figure(result: ServeResult | SweepResult):
+    """The matplotlib Figure `save_plot` writes."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(9, 4.5), dpi=120)
+    if isinstance(result, SweepResult):
+        _sweep(fig, result)
+    elif len(result.rates) > 1:
+        _curve(fig, result)
+    else:
+        _timelines(fig, result)
+    fig.tight_layout(rect=(0, 0.04 if fig.texts else 0, 1, 1))  # room for a note below
+    return fig
+
+
+def _sweep(fig, result: SweepResult) -> None:
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    ax = fig.add_subplot()
+    batches = [p.batch for p in result.points]
+    ax.plot(batches, [p.tokens_per_s for p in result.points], "o-", label="measured")
+    ax.plot(batches, [p.batch / p.predicted_ms * 1e3 for p in result.points], "--",
+            label="roofline")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    # Plain numbers on the log axes (1, 4, 16 and 100, 1000), not 2⁰, 2² or 10²: the
+    # batch sizes measured are the ticks.
+    ax.set_xticks(batches)
+    plain = FuncFormatter(lambda v, _: f"{v:,.0f}" if v >= 1 else f"{v:g}")
+    ax.xaxis.set_major_formatter(plain)
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.yaxis.set_major_formatter(plain)
+    ax.set_xlabel("batch (sequences decoded at once)")
+    ax.set_ylabel("tokens/s")
+    ax.set_title(f"{result.model} · {result.device} ({result.threads} threads)", fontsize=9)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+
+
+def _timelines(fig, result: ServeResult) -> None:
+    kv, running = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    for e in result.engines:
+        if not e.timeline:
+            continue  # transformers' run shows no internals: noted below
+        t = [s.t_s for s in e.timeline]
+        color = COLORS.get(e.engine)
+        # Steps, not slopes: a count or a reservation holds its value until the next step
+        # changes it (where="post": each sample holds until the next one).
+        kv.step(t, [s.kv_used_bytes / 2**20 for s in e.timeline], where="post", color=color,
+                label=f"{e.engine} in use", lw=1.2)
+        kv.step(t, [s.kv_real_bytes / 2**20 for s in e.timeline], where="post", color=color,
+                ls=":", lw=1, label=f"{e.engine} real tokens")
+        running.step(t, [s.running for s in e.timeline], where="post", color=color, lw=1.2,
+                     label=f"{e.engine} ({e.tokens_per_s:.0f} tok/s)")
+    kv.set_xlabel("time (s)")
+    kv.set_ylabel("KV cache (MiB)")
+    kv.set_title(f"KV memory, {result.kv_mem_bytes / 2**20:.0f} MiB budget", fontsize=9)
+    running.set_xlabel("time (s)")
+    running.set_ylabel("sequences running")
+    running.set_title(f"{result.model} · {result.device}", fontsize=9)
+    for ax in (kv, running):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    hidden = [e for e in result.engines if not e.timeline]
+    if hidden:
+        names = ", ".join(f"{e.engine} ({e.tokens_per_s:.0f} tok/s)" for e in hidden)
+        fig.text(0.01, 0.01, f"not drawn: {names}: transformers reports no KV use or running "
+                 "sequences over time", fontsize=7, color="dimgray")
 
 
 def _curve(fig, result: ServeResult) -> None:

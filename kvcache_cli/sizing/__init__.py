@@ -32,7 +32,13 @@ from kvcache_cli.sizing.arithmetic import (
     tokens_held,
     values_per_token,
 )
-from kvcache_cli.sizing.config import LAYER_RULES, LAYER_TYPE_KIND, load_config, shape_from_config
+from kvcache_cli.sizing.config import (
+    LAYER_RULES,
+    LAYER_TYPE_KIND,
+    load_config,
+    params_from_config,
+    shape_from_config,
+)
 from kvcache_cli.sizing.presets import PRESETS, ModelRow, Preset, list_models, preset, resolve_shape
 from kvcache_cli.sizing.shape import KINDS, ModelShape, shape_from_flags
 from kvcache_cli.sizing.units import (
@@ -71,7 +77,8 @@ __all__ = [
     "TensorParallel", "Verification", "VerifyError", "VerifyLayer", "_verify_config",
     "bytes_for_values", "canonical_dtype", "check_range", "dtype_bits", "format_bytes",
     "format_gb", "format_gib", "list_models", "load_config", "mha_values_per_token", "nearest",
-    "parse_bytes", "parse_count", "parse_tokens", "preset", "resolve_shape", "shape_from_config",
+    "params_from_config", "parse_bytes", "parse_count", "parse_tokens", "preset",
+    "resolve_shape", "shape_from_config",
     "shape_from_flags", "size_cache", "state_bytes_per_sequence", "tokens_held",
     "values_per_token", "verify_cache",
 ]

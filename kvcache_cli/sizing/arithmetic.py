@@ -446,7 +446,8 @@ def _fit(shape: ModelShape, groups: tuple[LayerGroup, ...], per_layer: list[int]
     if shape.params is None:
         raise SizingError(
             "--gpu-mem needs the weights' size: expected --model NAME or --params N "
-            "(e.g. --params 6.74B)"
+            "(e.g. --params 6.74B); a --config's are counted for gpt2, llama, mistral, "
+            "qwen2, gemma and gemma2 only"
         )
     weights = bytes_for_values(shape.params, DTYPE_BITS[weight_dtype])
     # Tensor parallel splits every weight matrix; the norms it replicates are negligible.

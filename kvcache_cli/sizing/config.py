@@ -693,3 +693,53 @@ def load_config(path: str | Path) -> dict:
         raise ConfigError(f"config file {shown}: expected a JSON object, got {type(cfg).__name__}")
     return cfg
 
+
+# --- the parameter count, for --gpu-mem ------------------------------------------------------
+
+# Decoder families whose weights are counted from their config alone: every layer one
+# attention block and one gated MLP (gate, up, down), RMSNorm weights, and the embedding
+# tied to the LM head or not, as each family's configuration class defaults it.
+_GATED_FAMILIES = {
+    # model_type: (norms per layer, q/k/v biases, tied embeddings by default)
+    "llama": (2, False, False),
+    "mistral": (2, False, False),
+    "qwen2": (2, True, False),  # Qwen2Attention: q, k and v have biases, o has none
+    "gemma": (2, False, True),
+    "gemma2": (4, False, True),  # pre- and post-norms around attention and the MLP
+}
+
+
+def params_from_config(cfg: dict, where: str = "config.json") -> int | None:
+    """The parameters transformers builds for `cfg`, or None for a family not counted here
+    (mixtures of experts, state spaces, MLA: pass --params for those)."""
+    model_type = cfg.get("model_type")
+    if model_type == "gpt2":
+        return _gpt2_params(cfg, where)
+    if model_type not in _GATED_FAMILIES:
+        return None
+    norms, qkv_bias, tied = _GATED_FAMILIES[model_type]
+    hidden = _first_int(cfg, HIDDEN_KEYS, where)
+    heads = _first_int(cfg, _HEAD_KEYS, where)
+    kv_heads = _kv_heads(cfg, heads, where)
+    head_dim = (_first_int(cfg, _HEAD_DIM_KEYS, where, required=False) or hidden // heads)
+    inner = _first_int(cfg, ("intermediate_size",), where)
+    vocab = _first_int(cfg, ("vocab_size",), where)
+    layers = _first_int(cfg, LAYER_KEYS, where)
+    q, kv = heads * head_dim, kv_heads * head_dim
+    bias = (q + 2 * kv) * (qkv_bias or bool(cfg.get("attention_bias")))
+    attention = hidden * (q + 2 * kv) + q * hidden + bias
+    layer = attention + 3 * hidden * inner + norms * hidden
+    tie = cfg.get("tie_word_embeddings", tied)
+    return vocab * hidden * (1 if tie else 2) + layers * layer + hidden
+
+
+def _gpt2_params(cfg: dict, where: str) -> int:
+    # openai-community/gpt2: learned positions, LayerNorms with biases, Conv1D weights with
+    # biases, a 4 × n_embd MLP unless n_inner says otherwise; the LM head is the embedding.
+    hidden = _first_int(cfg, ("n_embd",), where)
+    inner = _first_int(cfg, ("n_inner",), where, required=False) or 4 * hidden
+    layer = (2 * hidden + hidden * 3 * hidden + 3 * hidden + hidden * hidden + hidden
+             + 2 * hidden + hidden * inner + inner + inner * hidden + hidden)
+    return (_first_int(cfg, ("vocab_size",), where) * hidden
+            + _first_int(cfg, ("n_positions",), where) * hidden
+            + _first_int(cfg, ("n_layer",), where) * layer + 2 * hidden)

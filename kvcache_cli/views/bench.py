@@ -76,7 +76,7 @@ def _header(r: BenchResult) -> Table:
                  + (f", transformers {r.transformers_version}" if r.transformers_version else "")
                  + (f", llama-cpp-python {r.llama_cpp_version}" if r.llama_cpp_version else ""))
     grid.add_row("run", f"prompt {r.prompt_len} random token ids + {r.new_tokens} new tokens, "
-                 f"greedy; median of {r.repeats} repeats, spread min-max; "
+                 f"greedy; {_repeats(r.repeats)}; "
                  f"a {r.warmup_tokens}-token warm-up per mode, not timed")
     if r.naive_samples is not None:
         grid.add_row("naive", f"timed at {r.naive_samples} of {r.new_tokens - 1} decode steps, "
@@ -174,9 +174,15 @@ def _limit(r: BenchResult) -> Table:
     return grid
 
 
+def _repeats(n: int) -> str:
+    return "one run per mode, so no spread" if n == 1 else (
+        f"median of {n} repeats, spread min-max")
+
+
 def _profile(r: BenchResult) -> Table:
     table = figures_table("mode", *(f"@{n}" for n in r.profile_lengths), "every step, from 0 ms",
-                   title="decode step latency (ms) at context length @n")
+                   title="decode step latency (ms) at each context length "
+                         f"(@{r.profile_lengths[0]}: {r.profile_lengths[0]} tokens attended)")
     table.columns[-1].justify = "left"
     for m in r.modes:
         table.add_row(m.mode, *(_num(ms) for ms in m.profile_ms),

@@ -1,0 +1,25 @@
+"""The README's code map names every module of the package, one line each, and nothing that
+is gone: a reader finds any command's or cache kind's code by its name."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _code_map() -> list[str]:
+    text = (REPO / "README.md").read_text()
+    section = text.split("## Code map\n", 1)[1]
+    block = section.split("```text\n", 1)[1].split("```", 1)[0]
+    return block.splitlines()
+
+
+def test_every_module_has_one_line_in_the_code_map():
+    package = REPO / "kvcache_cli"
+    modules = sorted(str(p.relative_to(package)) for p in package.rglob("*.py"))
+    named = [m.group(1) for line in _code_map()
+             if (m := re.match(r"^  (\S+\.py)\s", line))]
+    assert sorted(named) == modules
+    assert len(named) == len(set(named))
