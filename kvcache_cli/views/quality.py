@@ -19,19 +19,24 @@ COST = ("bytes/tok", "× exact", "held", "ms/tok")
 SPARK_WIDTH = 24
 
 
-def loss_line(r: QualityResult, c: CacheQuality, width: int = SPARK_WIDTH) -> str:
-    """`c`'s loss by position as bars, each the mean of its share of the tokens, on one
-    scale for every cache (0 to the highest bar of any), so the lines compare."""
-    def bars(values):
+def excess_lines(r: QualityResult, width: int = SPARK_WIDTH) -> tuple[dict[str, str], float]:
+    """Each cache's loss above the exact cache's, by position, as bars (each the mean of its
+    share of the tokens) on one scale from 0 to the highest bar of any; and that highest,
+    in nats. The exact row is all lowest bars; a cache that collapses rises where it does."""
+    reference = r.caches[0].loss_by_position
+
+    def bars(values: list[float]) -> list[float]:
         n = min(width, len(values))
         return [sum(b) / len(b) for b in
                 (values[i * len(values) // n:(i + 1) * len(values) // n] for i in range(n))]
 
-    top = max(max(bars(row.loss_by_position)) for row in r.caches)
-    if top <= 0:
-        return BARS[0] * min(width, len(c.loss_by_position))
-    return "".join(BARS[min(len(BARS) - 1, int(h / top * len(BARS)))]
-                   for h in bars(c.loss_by_position))
+    means = {c.cache: bars([a - b for a, b in zip(c.loss_by_position, reference, strict=True)])
+             for c in r.caches}
+    top = max(max(m) for m in means.values())
+    scale = len(BARS) / top if top > 0 else 0.0
+    lines = {name: "".join(BARS[min(len(BARS) - 1, max(0, int(h * scale)))] for h in m)
+             for name, m in means.items()}
+    return lines, top
 
 
 def _kl(x: float) -> str:
@@ -89,14 +94,14 @@ def _quality(r: QualityResult) -> Table:
 
 
 def _cost(r: QualityResult) -> Table:
-    table = figures_table("cache", *COST, "loss by position",
+    lines, top = excess_lines(r)
+    table = figures_table("cache", *COST, f"loss above exact, 0 → {top:.2g} nats",
                           title=f"memory held after {r.tokens - 1:,} positions, median decode "
-                          f"step per token; loss at positions {r.prompt_len}→{r.tokens - 1}, "
-                          "one scale from 0")
+                          f"step per token; loss at positions {r.prompt_len}→{r.tokens - 1}")
     table.columns[0].no_wrap = True
     table.columns[-1].justify = "left"
     for c in r.caches:
-        table.add_row(c.cache, *cost_cells(c), f"[cyan]{loss_line(r, c)}[/]")
+        table.add_row(c.cache, *cost_cells(c), f"[cyan]{lines[c.cache]}[/]")
     return table
 
 
@@ -119,9 +124,10 @@ def plain(r: QualityResult) -> str:
     lines += [f"device: {r.device} ({r.machine}), {r.dtype}, {r.threads} threads, torch "
               f"{r.torch_version}", f"run: {_run_line(r)}",
               f"sink: first token's share of attention, per layer: {_sink_line(r)}", "",
-              *table, "",
-              f"loss by position, {r.prompt_len}→{r.tokens - 1}, one scale from 0 nats:"]
+              *table]
+    lines_by_cache, top = excess_lines(r, 2 * SPARK_WIDTH)
+    lines += ["", f"loss above the exact cache's at positions {r.prompt_len}→{r.tokens - 1}, "
+              f"one scale from 0 to {top:.2g} nats:"]
     name = max(len(c.cache) for c in r.caches)
-    lines += [f"{c.cache.ljust(name)}  {loss_line(r, c, 2 * SPARK_WIDTH)}"
-              for c in r.caches]
+    lines += [f"{c.cache.ljust(name)}  {lines_by_cache[c.cache]}" for c in r.caches]
     return "\n".join(lines)
