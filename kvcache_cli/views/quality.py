@@ -4,6 +4,8 @@ from the result untouched but for formatting."""
 
 from __future__ import annotations
 
+import math
+
 from rich.console import Group, RenderableType
 from rich.table import Table
 
@@ -39,6 +41,11 @@ def excess_lines(r: QualityResult, width: int = SPARK_WIDTH) -> tuple[dict[str, 
     return lines, top
 
 
+def _share(x: float) -> str:
+    """A percentage rounded down: 100.00% only when every position agreed."""
+    return f"{math.floor(x * 10_000) / 100:.2f}%"
+
+
 def _kl(x: float) -> str:
     return "0" if x == 0 else f"{x:.2e}"
 
@@ -47,7 +54,7 @@ def quality_cells(c: CacheQuality) -> tuple[str, ...]:
     """One cache's quality, in QUALITY's order."""
     change = "ref" if c.reference else f"{c.perplexity_change:+.3%}"
     return (c.cache, f"{c.perplexity:.3f}", change, f"{c.bits_per_token:.3f}", _kl(c.kl_mean),
-            _kl(c.kl_max), f"@{c.kl_max_position}", f"{c.top1_agreement:.2%}")
+            _kl(c.kl_max), f"@{c.kl_max_position}", _share(c.top1_agreement))
 
 
 def cost_cells(c: CacheQuality) -> tuple[str, ...]:
