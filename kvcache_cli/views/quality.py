@@ -43,7 +43,7 @@ def excess_lines(r: QualityResult, width: int = SPARK_WIDTH) -> tuple[dict[str, 
 
 def _share(x: float) -> str:
     """A percentage rounded down: 100.00% only when every position agreed."""
-    return f"{math.floor(x * 10_000 + 1e-9) / 100:.2f}%"  # + 1e-9: 0.95 * 1e4 is 9499.99...
+    return f"{math.floor(x * 10_000 + 1e-9) / 100:.2f}%"  # + 1e-9: 0.29 * 1e4 is 2899.99...
 
 
 def _kl(x: float) -> str:
