@@ -1,6 +1,7 @@
 """`kvcache eval --plot`: the frontier (perplexity against bytes per token, one point per
-cache) beside the loss by position (one smoothed line per cache, so a collapse shows where
-it starts). matplotlib is imported only here, and only when a plot is asked for."""
+cache) beside the loss above the exact cache's by position (one smoothed line per cache, so
+a collapse shows where it starts). matplotlib is imported only here, and only when a plot
+is asked for."""
 
 from __future__ import annotations
 
@@ -47,19 +48,22 @@ def save_plot(result: QualityResult, path: str | Path) -> Path:
     frontier.set_title("the frontier: quality against memory", fontsize=9)
     frontier.grid(alpha=0.3)
 
+    # The loss above the exact cache's: every cache's raw loss is dominated by the text
+    # (all lines on top of each other); the excess shows where one starts to fail.
     window = max(1, result.scored // SMOOTH_POINTS)
     positions = range(result.prompt_len, result.tokens)
-    for row, color in zip(result.caches, colors, strict=True):
-        # The exact cache on top, dashed, so the caches that match it show as one line.
-        by_position.plot(positions, moving_average(row.loss_by_position, window),
-                         color="black" if row.reference else color, label=row.cache,
-                         lw=0.9 if row.reference else 1.2, ls="--" if row.reference else "-",
-                         zorder=3 if row.reference else 2)
+    exact = reference.loss_by_position
+    by_position.axhline(0.0, color="black", lw=0.8, ls="--", label=f"exact ({reference.cache})")
+    for row, color in zip(result.caches[1:], colors[1:], strict=True):
+        excess = [a - b for a, b in zip(row.loss_by_position, exact, strict=True)]
+        by_position.plot(positions, moving_average(excess, window), color=color, lw=1.1,
+                         label=row.cache)
     by_position.set_xlabel("token position")
-    by_position.set_ylabel(f"loss, nats (mean of {window} tokens)")
-    by_position.set_title("loss by position: where a cache starts to fail", fontsize=9)
+    by_position.set_ylabel(f"loss − exact loss, nats (mean of {window} tokens)")
+    by_position.set_title("loss above the exact cache's: where a cache starts to fail",
+                          fontsize=9)
     by_position.grid(alpha=0.3)
-    by_position.legend(fontsize=8)
+    by_position.legend(fontsize=7, ncol=2)
     fig.suptitle(f"{result.model} · {result.text} · {result.tokens:,} tokens, prompt "
                  f"{result.prompt_len}, {result.device} {result.dtype}", fontsize=9)
     fig.tight_layout()

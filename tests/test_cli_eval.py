@@ -224,3 +224,17 @@ def test_a_checkpoint_naming_no_tokenizer_outside_gpt2_s_vocabulary_is_one_line(
     (line,) = result.stderr.strip().splitlines()
     assert "no tokenizer for a vocabulary of 256 ids" in line
 
+
+
+def test_by_default_eval_reads_the_trained_checkpoint_s_held_out_text():
+    from kvcache_cli.checkpoints import TRAINED
+
+    result = invoke("--cache", "static,int8", "--tokens", "200", "--json")
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    assert out["model"] == f"checkpoint {TRAINED} (shipped)"
+    assert out["text"] == "heldout.txt (bytes)" and out["tokens"] == 200
+    static, int8 = out["caches"]
+    # A trained model predicts Python source far better than uniform over 256 bytes.
+    assert static["bits_per_token"] < 6
+    assert 0 < int8["kl_mean"] and int8["bytes_per_token"] < static["bytes_per_token"]

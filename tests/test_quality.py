@@ -225,3 +225,13 @@ def test_a_text_cut_at_the_read_limit_loses_only_its_split_last_character(tmp_pa
     path.write_bytes(b"ab\xffdefgh and more")  # not UTF-8 before the cut: refused
     with pytest.raises(ValueError, match="is not UTF-8 text \\(byte 2"):
         evaltext.read_text(path)
+
+
+def test_the_view_draws_the_exact_cache_flat_and_a_damaged_one_rising():
+    from kvcache_cli.plot import BARS
+    from kvcache_cli.views.quality import excess_lines
+
+    result = evaluate(tiny_model(), text_ids(), [CacheMaker("noisy", noisy)], prompt_len=PROMPT)
+    lines, top = excess_lines(result, width=16)
+    assert lines["static"] == BARS[0] * 16
+    assert top > 0 and BARS[-1] in lines["noisy"]

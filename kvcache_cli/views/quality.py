@@ -4,6 +4,8 @@ from the result untouched but for formatting."""
 
 from __future__ import annotations
 
+import math
+
 from rich.console import Group, RenderableType
 from rich.table import Table
 
@@ -19,19 +21,29 @@ COST = ("bytes/tok", "× exact", "held", "ms/tok")
 SPARK_WIDTH = 24
 
 
-def loss_line(r: QualityResult, c: CacheQuality, width: int = SPARK_WIDTH) -> str:
-    """`c`'s loss by position as bars, each the mean of its share of the tokens, on one
-    scale for every cache (0 to the highest bar of any), so the lines compare."""
-    def bars(values):
+def excess_lines(r: QualityResult, width: int = SPARK_WIDTH) -> tuple[dict[str, str], float]:
+    """Each cache's loss above the exact cache's, by position, as bars (each the mean of its
+    share of the tokens) on one scale from 0 to the highest bar of any; and that highest,
+    in nats. The exact row is all lowest bars; a cache that collapses rises where it does."""
+    reference = r.caches[0].loss_by_position
+
+    def bars(values: list[float]) -> list[float]:
         n = min(width, len(values))
         return [sum(b) / len(b) for b in
                 (values[i * len(values) // n:(i + 1) * len(values) // n] for i in range(n))]
 
-    top = max(max(bars(row.loss_by_position)) for row in r.caches)
-    if top <= 0:
-        return BARS[0] * min(width, len(c.loss_by_position))
-    return "".join(BARS[min(len(BARS) - 1, int(h / top * len(BARS)))]
-                   for h in bars(c.loss_by_position))
+    means = {c.cache: bars([a - b for a, b in zip(c.loss_by_position, reference, strict=True)])
+             for c in r.caches}
+    top = max(max(m) for m in means.values())
+    scale = len(BARS) / top if top > 0 else 0.0
+    lines = {name: "".join(BARS[min(len(BARS) - 1, max(0, int(h * scale)))] for h in m)
+             for name, m in means.items()}
+    return lines, top
+
+
+def _share(x: float) -> str:
+    """A percentage rounded down: 100.00% only when every position agreed."""
+    return f"{math.floor(x * 10_000 + 1e-9) / 100:.2f}%"  # + 1e-9: 0.29 * 1e4 is 2899.99...
 
 
 def _kl(x: float) -> str:
@@ -42,7 +54,7 @@ def quality_cells(c: CacheQuality) -> tuple[str, ...]:
     """One cache's quality, in QUALITY's order."""
     change = "ref" if c.reference else f"{c.perplexity_change:+.3%}"
     return (c.cache, f"{c.perplexity:.3f}", change, f"{c.bits_per_token:.3f}", _kl(c.kl_mean),
-            _kl(c.kl_max), f"@{c.kl_max_position}", f"{c.top1_agreement:.2%}")
+            _kl(c.kl_max), f"@{c.kl_max_position}", _share(c.top1_agreement))
 
 
 def cost_cells(c: CacheQuality) -> tuple[str, ...]:
@@ -89,14 +101,14 @@ def _quality(r: QualityResult) -> Table:
 
 
 def _cost(r: QualityResult) -> Table:
-    table = figures_table("cache", *COST, "loss by position",
+    lines, top = excess_lines(r)
+    table = figures_table("cache", *COST, f"loss above exact, 0 → {top:.2g} nats",
                           title=f"memory held after {r.tokens - 1:,} positions, median decode "
-                          f"step per token; loss at positions {r.prompt_len}→{r.tokens - 1}, "
-                          "one scale from 0")
+                          f"step per token; loss at positions {r.prompt_len}→{r.tokens - 1}")
     table.columns[0].no_wrap = True
     table.columns[-1].justify = "left"
     for c in r.caches:
-        table.add_row(c.cache, *cost_cells(c), f"[cyan]{loss_line(r, c)}[/]")
+        table.add_row(c.cache, *cost_cells(c), f"[cyan]{lines[c.cache]}[/]")
     return table
 
 
@@ -119,9 +131,10 @@ def plain(r: QualityResult) -> str:
     lines += [f"device: {r.device} ({r.machine}), {r.dtype}, {r.threads} threads, torch "
               f"{r.torch_version}", f"run: {_run_line(r)}",
               f"sink: first token's share of attention, per layer: {_sink_line(r)}", "",
-              *table, "",
-              f"loss by position, {r.prompt_len}→{r.tokens - 1}, one scale from 0 nats:"]
+              *table]
+    lines_by_cache, top = excess_lines(r, 2 * SPARK_WIDTH)
+    lines += ["", f"loss above the exact cache's at positions {r.prompt_len}→{r.tokens - 1}, "
+              f"one scale from 0 to {top:.2g} nats:"]
     name = max(len(c.cache) for c in r.caches)
-    lines += [f"{c.cache.ljust(name)}  {loss_line(r, c, 2 * SPARK_WIDTH)}"
-              for c in r.caches]
+    lines += [f"{c.cache.ljust(name)}  {lines_by_cache[c.cache]}" for c in r.caches]
     return "\n".join(lines)
