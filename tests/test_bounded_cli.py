@@ -33,7 +33,7 @@ def checkpoint(tmp_path_factory):
     save_file(state, str(directory / "model.safetensors"))
     (directory / "config.json").write_text(json.dumps({
         "model_type": "gpt2", "n_layer": 2, "n_head": 2, "n_embd": 32, "vocab_size": 256,
-        "n_positions": BLOCK}))
+        "n_positions": BLOCK, "tokenizer": "bytes"}))
     (directory / "heldout.txt").write_text(TEXT)
     return directory
 

@@ -380,6 +380,8 @@ def _h2o_bytes(params: dict, tokens: int, kv_heads: int, head_dim: int, element:
 
 _RING_ROLLBACK = ("resets its length while the next token's band is intact: any crop "
                   "before the ring wraps, one position after; else RollbackError")
+_RING_ROLLBACK_BYTES = ("none: one vector of slot positions is recomputed; the k slots are "
+                        "overwritten by the next writes")
 
 
 KINDS: dict[str, CacheKind] = {
@@ -450,6 +452,7 @@ KINDS: dict[str, CacheKind] = {
             layer_bytes=_bounded_bytes,
             exact=False, bounded=True, pages=False, compiles=False,
             rollback=_RING_ROLLBACK,
+            rollback_bytes=_RING_ROLLBACK_BYTES,
             spell=lambda p: f"window:{p['window']}",
             budget=_held,
         ),
@@ -463,6 +466,7 @@ KINDS: dict[str, CacheKind] = {
             layer_bytes=_bounded_bytes,
             exact=False, bounded=True, pages=False, compiles=False,
             rollback=_RING_ROLLBACK,
+            rollback_bytes=_RING_ROLLBACK_BYTES,
             spell=lambda p: f"sink:{p['sinks']}+{p['window']}",
             budget=_held,
         ),
@@ -475,8 +479,9 @@ KINDS: dict[str, CacheKind] = {
             parse=_parse_h2o,
             layer_bytes=_h2o_bytes,
             exact=False, bounded=True, pages=False, compiles=False,
-            rollback="only to its own length: attention already summed into the scores "
-                     "and the evictions it decided cannot be taken back",
+            # No rollback: the attention the rejected tokens drew is summed into every
+            # key's score, and the evictions it decided cannot be taken back.
+            rollback="",
             spell=lambda p: f"h2o:{p['heavy']}+{p['recent']}",
             budget=_held,
         ),
