@@ -131,6 +131,9 @@ def no_model_loads(monkeypatch):
     (["--draft", "lookup:x"], "the longest n-gram 'x' is not a whole number"),
     (["--draft", "lookup", "--mode", "naive"], "--draft needs a cache to roll back"),
     (["--speculate", "3"], "--speculate 3 needs a --draft"),
+    (["--draft", "lookup", "--cache", "window:8", "-n", "20"],
+     "cache window:8 holds 8 positions and this request writes 33"),
+    (["--draft", "lookup", "--cache", "h2o:4+4"], "cache h2o:4+4 cannot roll back"),
 ])
 def test_generate_refuses_bad_speculation_in_one_line(checkpoint, args, message):
     got = invoke(["generate", "--model", str(checkpoint), "--ids", IDS, *args])
@@ -147,7 +150,6 @@ def test_generate_refuses_bad_speculation_in_one_line(checkpoint, args, message)
     (["--draft", "lookup", "--cache", "ring"], "cache ring cannot roll back, which "
                                                "speculative decoding needs"),
     (["--draft", "lookup", "--modes", "static"], "--modes does not apply with --draft"),
-    (["--cache", "paged"], "--cache applies to speculative decoding only"),
     (["--draft", "lookup", "--prompt-file", "/nonexistent"], "no such file"),
 ])
 def test_bench_refuses_bad_speculation_in_one_line(checkpoint, args, message, monkeypatch):

@@ -475,8 +475,9 @@ KINDS: dict[str, CacheKind] = {
             parse=_parse_h2o,
             layer_bytes=_h2o_bytes,
             exact=False, bounded=True, pages=False, compiles=False,
-            rollback="only to its own length: attention already summed into the scores "
-                     "and the evictions it decided cannot be taken back",
+            # It cannot: the attention later tokens drew is summed into the scores, and the
+            # evictions those scores decided cannot be taken back (crop refuses, one line).
+            rollback="",
             spell=lambda p: f"h2o:{p['heavy']}+{p['recent']}",
             budget=_held,
         ),

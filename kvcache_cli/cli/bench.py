@@ -144,7 +144,7 @@ def _speculative(ctx, draft: str, speculate: str, cache: str, prompt_file: Path 
     if repeats < 1:
         fail(f"--repeats {repeats}: expected at least 1")
     text = _read_prompt(prompt_file)
-    spec, note = drafts.check(model, draft, ks, cache)
+    spec, note = drafts.check(model, draft, ks, cache, prompt_len + new_tokens)
     import torch
 
     from kvcache_cli import bench as bench_
