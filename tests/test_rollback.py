@@ -72,9 +72,10 @@ def test_crop_copies_nothing_on_static_and_paged(kind):
     assert cache.bytes_copied == copied and cache.length == 5
 
 
-def test_every_kind_says_in_the_registry_how_it_rolls_back():
+def test_every_kind_says_in_the_registry_how_it_rolls_back_and_what_that_touches():
     for name, kind in KINDS.items():
         assert kind.rollback == kind.rollback.strip() and "\n" not in kind.rollback, name
+        assert not kind.rollback or kind.rollback_bytes, f"{name}: no rollback_bytes"
     assert {"static", "concat", "paged"} <= set(ROLLBACK)
 
 
