@@ -85,9 +85,11 @@ def approx_params(c: GPTConfig) -> int:
 
 
 def check_speculation(target: GPTConfig, draft: DraftSpec, draft_config: GPTConfig | None,
-                      k: int | Sequence[int], cache: str, draft_name: str = "") -> str | None:
+                      k: int | Sequence[int], cache: str, draft_name: str = "",
+                      positions: int | None = None) -> str | None:
     """Refuse, before any weights load, what cannot run; a one-line note for what can but
-    should not be expected to pay (a draft as large as its target). Raises ValueError."""
+    should not be expected to pay (a draft as large as its target). Raises ValueError.
+    `positions`: prompt + new tokens, when known, for a bounded cache's room to roll back."""
     ks = [k] if isinstance(k, int) else list(k)
     for kk in ks:
         if not 1 <= kk < target.block_size:
@@ -98,6 +100,8 @@ def check_speculation(target: GPTConfig, draft: DraftSpec, draft_config: GPTConf
     if not spec.info.rollback:
         raise RollbackError(f"cache {spec} cannot roll back, which speculative decoding needs: "
                             f"expected one of {', '.join(rollback_kinds())}")
+    if positions is not None:
+        check_room(spec, positions, max(ks))
     if draft.kind == "layers" and not draft.n < target.n_layer:
         raise ValueError(f"draft {draft}: the target has {target.n_layer} layers; expected "
                          f"layers:N with N from 1 to {target.n_layer - 1}")
@@ -120,6 +124,18 @@ def check_speculation(target: GPTConfig, draft: DraftSpec, draft_config: GPTConf
         return (f"the draft (~{mine / 1e6:.0f}M parameters) is not smaller than the target "
                 f"(~{theirs / 1e6:.0f}M): expect it to be slower than plain decoding")
     return None
+
+
+def check_room(spec, positions: int, k: int) -> None:
+    """A bounded cache rolls back exactly only while it holds what the next token attends:
+    before its ring wraps, and one position once it has. Refuse K >= 2 past that point."""
+    budget = spec.info.budget
+    held = budget(dict(spec.params)) if budget is not None else None
+    if held is not None and positions > held and k > 1:
+        raise RollbackError(
+            f"cache {spec} holds {held} positions and this request writes {positions}: once "
+            f"it wraps it rolls back one position at most, and --speculate {k} may reject "
+            f"{k}; expected --speculate 1, a cache holding {positions} positions, or static")
 
 
 def rollback_kinds() -> list[str]:
@@ -334,6 +350,8 @@ def speculate(
     P = len(prompt_ids)
     name = cache if isinstance(cache, str) else type(cache).__name__
     if isinstance(cache, str):
+        if rollback:
+            check_room(parse_cache_spec(cache), P + max_new_tokens, k)
         cache = make_cache(cache, model, P + max_new_tokens)
     draft.reset()
     tokens = list(prompt_ids)

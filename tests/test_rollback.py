@@ -15,7 +15,8 @@ from kvcache_cli.serving.sequence import Request, Sequence
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-CONFIG = GPTConfig(block_size=64, vocab_size=96, n_layer=2, n_head=4, n_embd=32)
+# Head width 32, so quantised kinds' groups of 32 fit.
+CONFIG = GPTConfig(block_size=64, vocab_size=96, n_layer=2, n_head=2, n_embd=64)
 ROLLBACK = [name for name, kind in KINDS.items() if kind.rollback]
 
 
@@ -36,7 +37,7 @@ def _seq(tokens, rid: int = 0) -> Sequence:
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
-@pytest.mark.parametrize("size", [4, 64])  # bounded kinds: evicting before the crop, or not
+@pytest.mark.parametrize("size", [4, 32])  # bounded kinds: evicting before the crop, or not
 def test_every_kind_forgets_the_rejected_tokens_or_refuses_in_one_line(kind, size):
     # Six wrong tokens after position 12, cropped, then the right ones: the logits are
     # those of the same kind of cache that never saw the wrong tokens.
@@ -71,9 +72,10 @@ def test_crop_copies_nothing_on_static_and_paged(kind):
     assert cache.bytes_copied == copied and cache.length == 5
 
 
-def test_every_kind_says_in_the_registry_how_it_rolls_back():
+def test_every_kind_says_in_the_registry_how_it_rolls_back_and_what_that_touches():
     for name, kind in KINDS.items():
         assert kind.rollback == kind.rollback.strip() and "\n" not in kind.rollback, name
+        assert not kind.rollback or kind.rollback_bytes, f"{name}: no rollback_bytes"
     assert {"static", "concat", "paged"} <= set(ROLLBACK)
 
 

@@ -35,7 +35,9 @@ from kvcache_cli.speculative import (
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-CONFIG = GPTConfig(block_size=96, vocab_size=64, n_layer=4, n_head=4, n_embd=32)
+# Head width 32, so quantised kinds' groups of 32 fit; a window of 128 positions, so a
+# bounded kind of 64 + 64 fits and holds every position the tests write (at most 53).
+CONFIG = GPTConfig(block_size=128, vocab_size=64, n_layer=4, n_head=2, n_embd=64)
 # A prompt that repeats itself, so prompt lookup finds matches.
 PROMPT = [5, 9, 2, 33, 7, 5, 9, 2, 40, 11, 5, 9, 2]
 
@@ -99,7 +101,7 @@ def test_greedy_speculation_gives_plain_greedy_tokens_for_every_kind_and_k(spec,
 @pytest.mark.parametrize("spec", rollback_specs(64))
 def test_every_draft_gives_plain_greedy_tokens(draft, spec):
     if draft == "model":  # a smaller GPT of the same vocabulary
-        small = GPT(dataclasses.replace(CONFIG, n_layer=2, n_embd=16), init_std=0.3,
+        small = GPT(dataclasses.replace(CONFIG, n_layer=2, n_embd=32), init_std=0.3,
                     seed=1).double().eval()
         d = make_draft(parse_draft("small"), MODEL, 60, small)
     else:
@@ -235,8 +237,8 @@ def test_a_bad_draft_is_refused_in_one_line(text, message):
 
 
 @pytest.mark.parametrize(("k", "message"), [
-    (0, "--speculate 0: expected K from 1 to 95"),
-    (96, "--speculate 96: expected K from 1 to 95"),
+    (0, "--speculate 0: expected K from 1 to 127"),
+    (128, "--speculate 128: expected K from 1 to 127"),
 ])
 def test_k_outside_one_to_the_window_is_refused(k, message):
     with pytest.raises(ValueError, match=message):
@@ -288,3 +290,18 @@ def test_a_sampled_sweep_claims_no_agreement_with_plain_greedy_and_renders():
     with console.capture() as captured:
         console.print(spec_run_view(run))
     assert "sampled" in captured.get() and "best K" in captured.get()
+
+
+def test_a_ring_that_would_wrap_refuses_k_above_one_before_anything_runs():
+    with pytest.raises(RollbackError, match=r"^cache window:16 holds 16 positions and this "
+                       r"request writes 53: once it wraps it rolls back one position at most"):
+        speculate(MODEL, PROMPT, 40, Oracle(0.5, 0), 4, cache="window:16")
+    # One token a step never rolls back more than one position: the ring keeps up.
+    got = speculate(MODEL, PROMPT, 40, Oracle(0.5, 0), 1, cache="window:16")
+    assert got.tokens == plain_greedy(MODEL, PROMPT, 40, "window:16")[0]
+
+
+def test_h2o_cannot_roll_back_and_is_refused_in_one_line():
+    assert not KINDS["h2o"].rollback
+    with pytest.raises(RollbackError, match="^cache h2o:8\\+8 cannot roll back"):
+        check_speculation(CONFIG, parse_draft("lookup"), None, 4, "h2o:8+8")

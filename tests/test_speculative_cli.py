@@ -131,6 +131,9 @@ def no_model_loads(monkeypatch):
     (["--draft", "lookup:x"], "the longest n-gram 'x' is not a whole number"),
     (["--draft", "lookup", "--mode", "naive"], "--draft needs a cache to roll back"),
     (["--speculate", "3"], "--speculate 3 needs a --draft"),
+    (["--draft", "lookup", "--cache", "window:8", "-n", "20"],
+     "cache window:8 holds 8 positions and this request writes 33"),
+    (["--draft", "lookup", "--cache", "h2o:4+4"], "cache h2o:4+4 cannot roll back"),
 ])
 def test_generate_refuses_bad_speculation_in_one_line(checkpoint, args, message):
     got = invoke(["generate", "--model", str(checkpoint), "--ids", IDS, *args])
@@ -160,3 +163,15 @@ def test_bench_refuses_bad_speculation_in_one_line(checkpoint, args, message, mo
     lines = got.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
     assert got.stdout == ""
+
+
+def test_bench_prompts_a_shipped_checkpoint_with_its_held_out_text():
+    from kvcache_cli.checkpoints import heldout_bytes
+
+    got = invoke(["bench", "-m", "stdlib-bytes", "--device", "cpu", "--draft", "lookup",
+                  "--speculate", "2", "--prompt-len", "64", "--new-tokens", "8", "--repeats",
+                  "1", "--json"])
+    assert got.exit_code == 0, got.output
+    run = json.loads(got.stdout)
+    assert run["prompt_tokens"] == 64 and run["note"] is None and all(run["identical"])
+    assert len(heldout_bytes()) > 64

@@ -281,6 +281,8 @@ def _int_kind(bits: int) -> CacheKind:
         exact=False, bounded=False, pages=False, compiles=False,
         rollback="drops full-precision tokens, or whole quantised groups; refuses a cut "
                  "inside a per-channel key group",
+        rollback_bytes="copies every kept code, scale and full-precision token (a clone, "
+                       "so the dropped ones are freed): the whole history, not k tokens",
         spell=_int_spell,
     )
 
@@ -296,6 +298,8 @@ def _fp8_kind(fmt: str, aliases: tuple[str, ...] = ()) -> CacheKind:
         layer_bytes=_fp8_bytes,
         exact=False, bounded=False, pages=False, compiles=False,
         rollback="drops the newest tokens (each is stored alone; the scales stay)",
+        rollback_bytes="copies every kept token's codes (a clone): the whole history, "
+                       "not k tokens",
         aliases=aliases,
         spell=lambda p: f"{fmt}:{p['scale']}:{p['init']}",
     )
@@ -312,6 +316,8 @@ def _paged_quant_kind(fmt: str) -> CacheKind:
         layer_bytes=_paged_quant_bytes,
         exact=False, bounded=False, pages=True, compiles=False,
         rollback="resets its length; a pool frees the tail blocks no other sequence shares",
+        rollback_bytes="none: whole blocks go back to the free list, the cut block's k "
+                       "slots are overwritten later",
         spell=lambda p: f"paged-{fmt}:b{p['block_size']}",
     )
 
@@ -479,8 +485,8 @@ KINDS: dict[str, CacheKind] = {
             parse=_parse_h2o,
             layer_bytes=_h2o_bytes,
             exact=False, bounded=True, pages=False, compiles=False,
-            # No rollback: the attention the rejected tokens drew is summed into every
-            # key's score, and the evictions it decided cannot be taken back.
+            # It cannot: the attention later tokens drew is summed into the scores, and the
+            # evictions those scores decided cannot be taken back (crop refuses, one line).
             rollback="",
             spell=lambda p: f"h2o:{p['heavy']}+{p['recent']}",
             budget=_held,
@@ -545,7 +551,8 @@ def kinds_table() -> tuple[KindRow, ...]:
     """Every registered kind, in registry order (torch-free)."""
     return tuple(
         KindRow(k.name, k.grammar, k.summary, k.exact, k.bounded, k.pages, k.compiles,
-                bool(k.rollback), k.rollback or "cannot", k.rollback_bytes or "not stated")
+                bool(k.rollback), k.rollback or "cannot",
+                k.rollback_bytes or ("not stated" if k.rollback else "none: it refuses"))
         for k in KINDS.values())
 
 

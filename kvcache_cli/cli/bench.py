@@ -70,7 +70,8 @@ def bench(
     ] = "1,2,3,4,6,8",
     prompt_file: Annotated[Path | None, typer.Option(
         help="With --draft: a text whose first --prompt-len tokens are the prompt (prompt "
-        "lookup needs text that repeats itself; the default is seeded random ids).")
+        "lookup needs text that repeats itself; the default is a shipped checkpoint's "
+        "held-out text, else seeded random ids).")
     ] = None,
 ) -> None:
     """Time every decode step of every mode, against transformers and the memory limit.
@@ -147,7 +148,12 @@ def _speculative(ctx, draft: str, speculate: str, cache: str, prompt_file: Path 
     if repeats < 1:
         fail(f"--repeats {repeats}: expected at least 1")
     text = _read_prompt(prompt_file)
-    spec, note = drafts.check(model, draft, ks, cache)
+    if text is None:
+        from kvcache_cli.checkpoints import heldout_text, shipped_dir
+
+        if shipped_dir(model) is not None:  # a shipped checkpoint: the text it never saw
+            text = heldout_text(model)
+    spec, note = drafts.check(model, draft, ks, cache, prompt_len + new_tokens)
     import torch
 
     from kvcache_cli import bench as bench_
@@ -198,7 +204,7 @@ def _tokenize(gpt, text: str) -> list[int]:
     from kvcache_cli.generate import gpt2_encoding
     from kvcache_cli.gpt2 import GPT2_VOCAB_SIZE
 
-    if getattr(gpt.config, "tokenizer", "gpt2") == "bytes":
+    if gpt.config.tokenizer == "bytes":
         return list(text.encode("utf-8"))
     if gpt.config.vocab_size != GPT2_VOCAB_SIZE:
         fail(f"--prompt-file: the model's vocabulary ({gpt.config.vocab_size}) is not GPT-2's "

@@ -27,9 +27,10 @@ def parse_ks(text: str) -> list[int]:
     return ks
 
 
-def check(model: str, draft: str, ks: list[int], cache: str):
+def check(model: str, draft: str, ks: list[int], cache: str, positions: int | None = None):
     """(DraftSpec, a note or None) for a run about to load `model`; bad input exits 2 here,
-    before any weights are read: K, the cache's rollback, the draft's vocabulary."""
+    before any weights are read: K, the cache's rollback (and a bounded one's room for it,
+    given the request's `positions`), the draft's vocabulary."""
     from kvcache_cli.caches import CacheSpecError
     from kvcache_cli.gpt2 import model_config
     from kvcache_cli.speculative import check_speculation, parse_draft
@@ -38,7 +39,7 @@ def check(model: str, draft: str, ks: list[int], cache: str):
         spec = parse_draft(draft)
         target = model_config(model)
         draft_config = model_config(spec.model) if spec.kind == "model" else None
-        note = check_speculation(target, spec, draft_config, ks, cache, draft)
+        note = check_speculation(target, spec, draft_config, ks, cache, draft, positions)
     except (ValueError, CacheSpecError) as err:  # RollbackError is a ValueError
         fail(str(err))
     return spec, note

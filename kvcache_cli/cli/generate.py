@@ -100,7 +100,9 @@ def generate(
             fail("--draft needs a cache to roll back: expected --mode static or concat, or "
                  "--cache SPEC (any kind in 'kvcache caches' that rolls back)")
         speculate = 4 if speculate is None else speculate
-        draft_spec, note = drafts.check(model, draft, [speculate], mode)
+        # Token ids are counted now; a text prompt's tokens only once it is encoded.
+        positions = len(prompt_ids) + max_new_tokens if prompt_ids else None
+        draft_spec, note = drafts.check(model, draft, [speculate], mode, positions)
         if note:
             typer.echo(f"note: {note}", err=True)
     # A text prompt needs the tokenizer; token ids are shown as text only when it is there.
