@@ -34,7 +34,7 @@ import numpy as np
 # from it by llama.cpp. Q8_0 is blocks of 32 int8 values with one fp16 scale each.
 GGUF_FORMATS = ("f32", "f16", "q8_0")
 # Bumped when what is written changes, so cached files of an older layout are not reused.
-WRITER_VERSION = 1
+WRITER_VERSION = 2
 # GPT-2's layer norms use PyTorch's default epsilon (gpt2.py builds nn.LayerNorm plainly).
 LAYER_NORM_EPS = 1e-5
 
@@ -176,7 +176,7 @@ def write_gguf(state: dict, config, path: Path, name: str = "kvcache gpt2") -> P
         writer.add_file_type(LlamaFileType.ALL_F32)
         tokens, types, merges = synthetic_vocab(config.vocab_size)
         writer.add_tokenizer_model("gpt2")
-        writer.add_tokenizer_pre("gpt2")
+        writer.add_tokenizer_pre("gpt-2")  # llama.cpp's name for GPT-2's pre-tokenizer
         writer.add_token_list(tokens)
         writer.add_token_types(types)
         writer.add_token_merges(merges)
