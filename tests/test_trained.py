@@ -8,6 +8,7 @@ steps of a tiny model in seconds and writes a checkpoint that loads like any oth
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 
@@ -138,6 +139,12 @@ def test_the_recipe_trains_a_tiny_model_that_loads_as_a_checkpoint(tmp_path):
         torch.testing.assert_close(loaded(ids, 0), model(ids, 0), rtol=1e-5, atol=1e-5)
     assert saved["heldout_bytes"] == len(corpus.heldout) == len(
         (tmp_path / "heldout.txt").read_bytes())
+    # Training on from a loaded checkpoint starts from its weights, not from the seed's.
+    on, _ = train(dataclasses.replace(recipe, steps=1, eval_every=1), corpus, init=loaded)
+    fresh, _ = train(dataclasses.replace(recipe, steps=1, eval_every=1), corpus)
+    wte = "transformer.wte.weight"
+    assert (on.state_dict()[wte] - model.state_dict()[wte]).abs().max() < (
+        fresh.state_dict()[wte] - model.state_dict()[wte]).abs().max()
 
 
 def test_cli_generate_encodes_a_text_prompt_as_bytes_and_decodes_the_reply():
