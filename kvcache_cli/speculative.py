@@ -540,6 +540,7 @@ def run_no_rollback(model: GPT, prompt_ids: list[int], max_new_tokens: int = 24,
 class SharedRollbackResult:
     name: str
     bug: str
+    cache: str  # the pool's spec, paged:bN
     block_size: int
     shared_block: int  # the block A and B both hold when B rolls back
     reader_solo: tuple[int, ...]  # A's tokens decoded alone
@@ -625,7 +626,8 @@ def run_rollback_shared(model: GPT, max_new_tokens: int = 12, block_size: int = 
     broken, _, admitted_broken = run(_free_ignoring_refcount)
     first = next((i for i, (x, y) in enumerate(zip(solo, broken)) if x != y), None)
     return SharedRollbackResult(
-        name="rollback-shared", bug=SPEC_BREAKS["rollback-shared"], block_size=block_size,
+        name="rollback-shared", bug=SPEC_BREAKS["rollback-shared"],
+        cache=f"paged:b{block_size}", block_size=block_size,
         shared_block=shared, reader_solo=solo, reader_fixed=fixed, reader_broken=broken,
         first_divergence=first, third_admitted_fixed=admitted_fixed,
         third_admitted_broken=admitted_broken, refused=_refusal(block_size),
