@@ -87,7 +87,7 @@ def size(
         shape, hf_config = sizing.resolve_shape(
             model, config, layers, kv_heads, head_dim, heads, count
         )
-        if memory is not None and shape.params is None and hf_config:
+        if memory is not None and shape.params is None and config is not None and hf_config:
             # --gpu-mem needs the weights: count them from the config where its family is
             # one the reader counts (else the fit asks for --params).
             shape = dataclasses.replace(shape, params=sizing.params_from_config(hf_config))
