@@ -322,11 +322,13 @@ def with_weights_dtype(loaded, weights_dtype: str | None):
 # Off a terminal (a file, a pipe, CI) there is no edge to fit: lay out at the README's
 # width, wider where a table or an unbreakable line (a formula) needs it, never wrapping them.
 OFF_TERMINAL_COLUMNS = 100
+# The widest a table is laid out to keep each row on one line, off a terminal.
+WHOLE_TABLE_COLUMNS = 320
 
 
 def print_view(renderable) -> None:
     """Print a view on stdout: as rich lays it out on a terminal; off one, at least
-    OFF_TERMINAL_COLUMNS wide (COLUMNS, when set, decides), tables and formulas whole, and
+    OFF_TERMINAL_COLUMNS wide (or COLUMNS, when set), tables and formulas whole, and
     no line ending in spaces, so what a user saves matches what the README shows."""
     import os
     import sys
@@ -337,8 +339,10 @@ def print_view(renderable) -> None:
     if console.is_terminal:
         console.print(renderable)
         return
-    if "COLUMNS" not in os.environ:
-        console = Console(width=max(OFF_TERMINAL_COLUMNS, _widest(console, renderable)))
+    # COLUMNS, when set, replaces the default width, but a table or formula wider than
+    # either still comes out whole: off a terminal there is no edge to crop at.
+    width = console.width if "COLUMNS" in os.environ else OFF_TERMINAL_COLUMNS
+    console = Console(width=max(width, _widest(console, renderable)))
     with console.capture() as captured:
         console.print(renderable)
     sys.stdout.write("\n".join(line.rstrip() for line in captured.get().split("\n")))
@@ -356,9 +360,15 @@ def _widest(console, renderable) -> int:
         return max((_widest(console, r) for r in renderable.renderables), default=0)
     if isinstance(renderable, Panel):
         return _widest(console, renderable.renderable) + 4  # borders and padding
-    if isinstance(renderable, Table) or (isinstance(renderable, Text) and renderable.no_wrap):
-        options = console.options.update(max_width=10_000)
+    options = console.options.update(max_width=10_000)
+    if isinstance(renderable, Text) and renderable.no_wrap:  # a formula: whole, however long
         return Measurement.get(console, options, renderable).maximum
+    if isinstance(renderable, Table):
+        # Rows on one line each where that stays within reason; a table of prose cells
+        # (`kvcache caches`) wraps its cells instead, every column at least its longest word.
+        need = Measurement.get(console, options, renderable)
+        return need.maximum if need.maximum <= WHOLE_TABLE_COLUMNS else max(
+            need.minimum, OFF_TERMINAL_COLUMNS + 20)
     return 0
 
 

@@ -2,7 +2,7 @@
 how each rolls back k tokens, from the torch-free rows of `caches.spec.kinds_table`."""
 
 from rich import box
-from rich.table import Table
+from rich.table import Column, Table
 from rich.text import Text
 
 from kvcache_cli.views.style import mark
@@ -10,9 +10,10 @@ from kvcache_cli.views.style import mark
 
 def kinds_view(rows) -> Table:
     """One row per kind: how to spell it, what it keeps, its traits and its rollback."""
-    table = Table("spec", "what it keeps", "is", "rollback of k tokens: how; bytes touched",
-                  box=box.SIMPLE_HEAD, title="cache kinds (--cache SPEC)", title_justify="left",
-                  title_style="bold", caption_justify="left",
+    table = Table(Column("spec", no_wrap=True), "what it keeps", "is",
+                  "rollback of k tokens: how; bytes touched", box=box.SIMPLE_HEAD,
+                  title="cache kinds (--cache SPEC)", title_justify="left", title_style="bold",
+                  caption_justify="left",
                   caption="bounded kinds keep each key's absolute position (GPT-2 learns "
                   "them), so they run within the model's context window")
     for r in rows:
@@ -21,5 +22,7 @@ def kinds_view(rows) -> Table:
         how = Text.from_markup(f"{mark(r.rolls_back)} ")
         how.append(r.rollback)
         how.append(f"\nbytes: {r.rollback_bytes}", style="dim")
-        table.add_row(r.grammar, r.summary, ", ".join(traits), how)
+        # The spelling whole (no_wrap), its defaults on a line of their own.
+        spell = r.grammar.replace(" (default", "\n(default")
+        table.add_row(spell, r.summary, ", ".join(traits), how)
     return table
