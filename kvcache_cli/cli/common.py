@@ -25,13 +25,14 @@ def fail(message: str, code: int = 2) -> NoReturn:
 
 
 # Click's own messages for a value it refuses, and the project's line for each: the option,
-# the value as typed, what was expected. Matched by text, as click keeps no value on the error.
+# the value as typed, what was expected. Matched by text, as click keeps no value on the error;
+# compiled only when an error is shown (re caches them), never at start-up.
 _CLICK_MESSAGES = (
-    (re.compile(r"'(?P<v>.*)' is not one of (?P<c>.*)\.$"), "choice"),
-    (re.compile(r"'(?P<v>.*)' is not a valid (int|integer)( range)?\.$"), "a whole number"),
-    (re.compile(r"'(?P<v>.*)' is not a valid float( range)?\.$"), "a number"),
-    (re.compile(r"'(?P<v>.*)' is not a valid boolean\.$"), "true or false"),
-    (re.compile(r"(?P<v>.*) is not in the range (?P<r>.*)\.$"), "range"),
+    (r"'(?P<v>.*)' is not one of (?P<c>.*)\.$", "choice"),
+    (r"'(?P<v>.*)' is not a valid (int|integer)( range)?\.$", "a whole number"),
+    (r"'(?P<v>.*)' is not a valid float( range)?\.$", "a number"),
+    (r"'(?P<v>.*)' is not a valid boolean\.$", "true or false"),
+    (r"(?P<v>.*) is not in the range (?P<r>.*)\.$", "range"),
 )
 
 
@@ -81,7 +82,7 @@ def usage_message(error) -> str:
     if name == "MissingParameter":
         return f"{opt}: expected a value"
     for pattern, expected in _CLICK_MESSAGES:
-        m = pattern.match(message)
+        m = re.match(pattern, message)
         if m is None:
             continue
         value = m["v"]
