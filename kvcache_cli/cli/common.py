@@ -321,14 +321,14 @@ def with_weights_dtype(loaded, weights_dtype: str | None):
 # --- printing ----------------------------------------------------------------------------
 
 # Off a terminal (a file, a pipe, CI) there is no edge to fit: lay out at the README's
-# width, wider where a table or an unbreakable line (a formula) needs it, never wrapping them.
+# width, wider where a table's headings and words or an unbreakable line (a formula) need it.
 OFF_TERMINAL_COLUMNS = 100
 
 
 def print_view(renderable) -> None:
     """Print a view on stdout: as rich lays it out on a terminal; off one, at least
-    OFF_TERMINAL_COLUMNS wide (COLUMNS, when set, decides), tables and formulas whole, and
-    no line ending in spaces, so what a user saves matches what the README shows."""
+    COLUMNS (else OFF_TERMINAL_COLUMNS) wide and wider where a table or a formula needs it,
+    and no line ending in spaces, so what a user saves matches what the README shows."""
     import os
     import sys
 
@@ -338,15 +338,17 @@ def print_view(renderable) -> None:
     if console.is_terminal:
         console.print(renderable)
         return
-    if "COLUMNS" not in os.environ:
-        console = Console(width=max(OFF_TERMINAL_COLUMNS, _widest(console, renderable)))
+    columns = os.environ.get("COLUMNS", "")
+    least = int(columns) if columns.isdigit() else OFF_TERMINAL_COLUMNS
+    console = Console(width=max(least, _widest(console, renderable)))
     with console.capture() as captured:
         console.print(renderable)
     sys.stdout.write("\n".join(line.rstrip() for line in captured.get().split("\n")))
 
 
 def _widest(console, renderable) -> int:
-    """Columns the tables and unbreakable texts inside RENDERABLE need, laid out whole."""
+    """Columns the tables (every word whole) and unbreakable texts (every line whole) inside
+    RENDERABLE need."""
     from rich.console import Group
     from rich.measure import Measurement
     from rich.panel import Panel
@@ -357,8 +359,11 @@ def _widest(console, renderable) -> int:
         return max((_widest(console, r) for r in renderable.renderables), default=0)
     if isinstance(renderable, Panel):
         return _widest(console, renderable.renderable) + 4  # borders and padding
-    if isinstance(renderable, Table) or (isinstance(renderable, Text) and renderable.no_wrap):
-        options = console.options.update(max_width=10_000)
+    options = console.options.update(max_width=10_000)
+    if isinstance(renderable, Table):
+        # Its minimum: every heading and word whole (no "attent…"); prose cells may wrap.
+        return Measurement.get(console, options, renderable).minimum
+    if isinstance(renderable, Text) and renderable.no_wrap:
         return Measurement.get(console, options, renderable).maximum
     return 0
 
