@@ -109,8 +109,7 @@ def test_help_summaries_are_whole_sentences():
         assert not line.rstrip().endswith("..."), line
 
 
-@pytest.mark.parametrize("args", [["models"], ["size", "-m", "deepseek-v3"], ["caches"],
-                                  ["demo", "memory"]])
+@pytest.mark.parametrize("args", [["models"], ["size", "-m", "deepseek-v3"], ["demo", "memory"]])
 def test_off_a_terminal_views_are_whole_and_end_no_line_in_spaces(args):
     # No COLUMNS, no terminal: a file or a pipe, as a user saving the output has.
     result = runner.invoke(app, args, env={"COLUMNS": None})

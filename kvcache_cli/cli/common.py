@@ -25,13 +25,14 @@ def fail(message: str, code: int = 2) -> NoReturn:
 
 
 # Click's own messages for a value it refuses, and the project's line for each: the option,
-# the value as typed, what was expected. Matched by text, as click keeps no value on the error.
+# the value as typed, what was expected. Matched by text, as click keeps no value on the error;
+# compiled only when an error is shown (re caches them), never at start-up.
 _CLICK_MESSAGES = (
-    (re.compile(r"'(?P<v>.*)' is not one of (?P<c>.*)\.$"), "choice"),
-    (re.compile(r"'(?P<v>.*)' is not a valid (int|integer)( range)?\.$"), "a whole number"),
-    (re.compile(r"'(?P<v>.*)' is not a valid float( range)?\.$"), "a number"),
-    (re.compile(r"'(?P<v>.*)' is not a valid boolean\.$"), "true or false"),
-    (re.compile(r"(?P<v>.*) is not in the range (?P<r>.*)\.$"), "range"),
+    (r"'(?P<v>.*)' is not one of (?P<c>.*)\.$", "choice"),
+    (r"'(?P<v>.*)' is not a valid (int|integer)( range)?\.$", "a whole number"),
+    (r"'(?P<v>.*)' is not a valid float( range)?\.$", "a number"),
+    (r"'(?P<v>.*)' is not a valid boolean\.$", "true or false"),
+    (r"(?P<v>.*) is not in the range (?P<r>.*)\.$", "range"),
 )
 
 
@@ -81,7 +82,7 @@ def usage_message(error) -> str:
     if name == "MissingParameter":
         return f"{opt}: expected a value"
     for pattern, expected in _CLICK_MESSAGES:
-        m = pattern.match(message)
+        m = re.match(pattern, message)
         if m is None:
             continue
         value = m["v"]
@@ -320,16 +321,14 @@ def with_weights_dtype(loaded, weights_dtype: str | None):
 # --- printing ----------------------------------------------------------------------------
 
 # Off a terminal (a file, a pipe, CI) there is no edge to fit: lay out at the README's
-# width, wider where a table or an unbreakable line (a formula) needs it, never wrapping them.
+# width, wider where a table's headings and words or an unbreakable line (a formula) need it.
 OFF_TERMINAL_COLUMNS = 100
-# The widest a table is laid out to keep each row on one line, off a terminal.
-WHOLE_TABLE_COLUMNS = 320
 
 
 def print_view(renderable) -> None:
     """Print a view on stdout: as rich lays it out on a terminal; off one, at least
-    OFF_TERMINAL_COLUMNS wide (or COLUMNS, when set), tables and formulas whole, and
-    no line ending in spaces, so what a user saves matches what the README shows."""
+    COLUMNS (else OFF_TERMINAL_COLUMNS) wide and wider where a table or a formula needs it,
+    and no line ending in spaces, so what a user saves matches what the README shows."""
     import os
     import sys
 
@@ -339,17 +338,17 @@ def print_view(renderable) -> None:
     if console.is_terminal:
         console.print(renderable)
         return
-    # COLUMNS, when set, replaces the default width, but a table or formula wider than
-    # either still comes out whole: off a terminal there is no edge to crop at.
-    width = console.width if "COLUMNS" in os.environ else OFF_TERMINAL_COLUMNS
-    console = Console(width=max(width, _widest(console, renderable)))
+    columns = os.environ.get("COLUMNS", "")
+    least = int(columns) if columns.isdigit() else OFF_TERMINAL_COLUMNS
+    console = Console(width=max(least, _widest(console, renderable)))
     with console.capture() as captured:
         console.print(renderable)
     sys.stdout.write("\n".join(line.rstrip() for line in captured.get().split("\n")))
 
 
 def _widest(console, renderable) -> int:
-    """Columns the tables and unbreakable texts inside RENDERABLE need, laid out whole."""
+    """Columns the tables (every word whole) and unbreakable texts (every line whole) inside
+    RENDERABLE need."""
     from rich.console import Group
     from rich.measure import Measurement
     from rich.panel import Panel
@@ -361,14 +360,11 @@ def _widest(console, renderable) -> int:
     if isinstance(renderable, Panel):
         return _widest(console, renderable.renderable) + 4  # borders and padding
     options = console.options.update(max_width=10_000)
-    if isinstance(renderable, Text) and renderable.no_wrap:  # a formula: whole, however long
-        return Measurement.get(console, options, renderable).maximum
     if isinstance(renderable, Table):
-        # Rows on one line each where that stays within reason; a table of prose cells
-        # (`kvcache caches`) wraps its cells instead, every column at least its longest word.
-        need = Measurement.get(console, options, renderable)
-        return need.maximum if need.maximum <= WHOLE_TABLE_COLUMNS else max(
-            need.minimum, OFF_TERMINAL_COLUMNS + 20)
+        # Its minimum: every heading and word whole (no "attent…"); prose cells may wrap.
+        return Measurement.get(console, options, renderable).minimum
+    if isinstance(renderable, Text) and renderable.no_wrap:
+        return Measurement.get(console, options, renderable).maximum
     return 0
 
 

@@ -711,7 +711,15 @@ _GATED_FAMILIES = {
 
 def params_from_config(cfg: dict, where: str = "config.json") -> int | None:
     """The parameters transformers builds for `cfg`, or None for a family not counted here
-    (mixtures of experts, state spaces, MLA: pass --params for those)."""
+    (mixtures of experts, state spaces, MLA: pass --params for those) or a config that
+    lacks a width the count needs."""
+    try:
+        return _count_params(cfg, where)
+    except ConfigError:
+        return None
+
+
+def _count_params(cfg: dict, where: str) -> int | None:
     model_type = cfg.get("model_type")
     if model_type == "gpt2":
         return _gpt2_params(cfg, where)

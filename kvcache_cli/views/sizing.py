@@ -170,7 +170,8 @@ def size_view(r: SizeResult) -> RenderableType:
     parts: list[RenderableType] = [_headline(r)]
     if r.formula:
         # Never wrapped: a formula broken mid-expression reads as two wrong ones.
-        formula = Text("formula\n", style="bold", no_wrap=True)
+        # (Off a terminal the page widens to fit it; on a narrower terminal it folds.)
+        formula = Text("formula\n", style="bold", no_wrap=True, overflow="fold")
         for line in r.formula:
             formula.append(f"  {line}\n", style="cyan")
         parts.append(formula)
