@@ -109,8 +109,7 @@ def test_serve_runs_int8_weights_and_every_request_keeps_its_solo_tokens(checkpo
         "serve", "--device", "cpu", "--model", str(checkpoint), "--weights", "pretrained",
         "--weights-dtype", "int8", "--requests", "3", "--prompt-len", "4:6",
         "--output-len", "3:5", "--shared-prefix", "0", "--engines", "sequential,paged",
-        "--kv-mem", "1MiB",
-        "--threads", "1", "--json"])  # fmt: skip
+        "--kv-mem", "1MiB", "--threads", "1", "--json"])  # fmt: skip
     assert out.exit_code == 0, out.output
     data = json.loads(out.stdout)
     assert all(e["requests_exact"] == 3 and not e["mismatches"] for e in data["engines"])
