@@ -128,14 +128,18 @@ def check_speculation(target: GPTConfig, draft: DraftSpec, draft_config: GPTConf
 
 def check_room(spec, positions: int, k: int) -> None:
     """A bounded cache rolls back exactly only while it holds what the next token attends:
-    before its ring wraps, and one position once it has. Refuse K >= 2 past that point."""
+    before its ring wraps, and spare + 1 positions once it has (`window:W:kN`). Refuse a K
+    above that past that point."""
     budget = spec.info.budget
     held = budget(dict(spec.params)) if budget is not None else None
-    if held is not None and positions > held and k > 1:
+    back = dict(spec.params).get("spare", 0) + 1
+    if held is not None and positions > held and k > back:
+        reach = "one position" if back == 1 else f"{back} positions"
         raise RollbackError(
             f"cache {spec} holds {held} positions and this request writes {positions}: once "
-            f"it wraps it rolls back one position at most, and --speculate {k} may reject "
-            f"{k}; expected --speculate 1, a cache holding {positions} positions, or static")
+            f"it wraps it rolls back {reach} at most, and --speculate {k} may reject {k}; "
+            f"expected --speculate {back} or less, spare slots ({spec.kind}:...:k{k}), a "
+            f"cache holding {positions} positions, or static")
 
 
 def rollback_kinds() -> list[str]:

@@ -338,3 +338,48 @@ def test_bounded_breaks_render_their_budget_and_kl():
     text = console.export_text()
     assert "budget 12 positions; logits first move past rounding at step 4" in text
     assert "every position under the band mask" in text
+
+
+# ---------------------------------------------------------------------------- spare slots
+
+
+def test_spare_slots_let_a_wrapped_ring_crop_n_plus_one_back_exactly():
+    m, idx, wrong = model(), tokens(40, seed=15), tokens(5, seed=16)
+    spec = parse_cache_spec("window:8:K3")
+    assert str(spec) == "window:8:k3" and spec.info.budget(dict(spec.params)) == 11
+    cache = make_cache(spec, m, 40)
+    with torch.no_grad():
+        m(idx[:, :20], 0, cache)  # wrapped: 20 positions through 11 slots
+        m(wrong[:, :4], 20, cache)
+        cache.crop(20)  # 4 back: within spare + 1
+        after = torch.cat([m(idx[:, p:p + 1], p, cache) for p in range(20, 30)], dim=1)
+    band = banded_logits(m, idx[:, :30], 8)  # the spare slots change nothing attention sees
+    assert (after - band[:, 20:]).abs().max().item() <= EXACT
+    assert cache.bytes_held == CONFIG.n_layer * layer_bytes(spec, 40, CONFIG.n_head,
+                                                            CONFIG.head_size, 8)
+    with torch.no_grad():
+        m(wrong, 30, cache)
+    with pytest.raises(RollbackError, match="rolls back 4; spare slots"):
+        cache.crop(30)  # 5 back: one too many
+
+
+@pytest.mark.parametrize("text, message", [
+    ("window:8:x3", "unknown field 'x3'; expected window:W\\[:kN\\]"),
+    ("window:k3", "expected window:W first"),
+    ("sink:4+8:k", "spare slots '' is not a whole number"),
+    ("h2o:4+4:k2", "unknown field 'k2'; expected h2o:H\\+W"),
+])
+def test_a_bad_spare_field_is_refused_in_one_line(text, message):
+    with pytest.raises(CacheSpecError, match=message):
+        parse_cache_spec(text)
+
+
+def test_speculative_decoding_runs_on_a_window_with_spare_slots():
+    from kvcache_cli.speculative import make_draft, parse_draft, plain_greedy, speculate
+
+    m = model()
+    prompt = [5, 9, 2, 33, 7, 5, 9, 2, 40, 11, 5, 9, 2]
+    plain = plain_greedy(m, prompt, 40, "window:16:k8")[0]
+    draft = make_draft(parse_draft("layers:1"), m, 60)
+    for k in (1, 4, 8):  # up to k + 1 positions rolled back after the ring wraps
+        assert speculate(m, prompt, 40, draft, k, cache="window:16:k8").tokens == plain, k

@@ -299,6 +299,12 @@ def test_a_ring_that_would_wrap_refuses_k_above_one_before_anything_runs():
     # One token a step never rolls back more than one position: the ring keeps up.
     got = speculate(MODEL, PROMPT, 40, Oracle(0.5, 0), 1, cache="window:16")
     assert got.tokens == plain_greedy(MODEL, PROMPT, 40, "window:16")[0]
+    # Spare slots reach further back: k of 4 on a ring with 3 (N + 1 = 4) runs.
+    got = speculate(MODEL, PROMPT, 40, Oracle(0.5, 0), 4, cache="window:16:k3")
+    assert got.tokens == plain_greedy(MODEL, PROMPT, 40, "window:16:k3")[0]
+    with pytest.raises(RollbackError, match=r"rolls back 4 positions at most, and "
+                                            r"--speculate 5 may reject 5"):
+        speculate(MODEL, PROMPT, 40, Oracle(0.5, 0), 5, cache="window:16:k3")
 
 
 def test_h2o_cannot_roll_back_and_is_refused_in_one_line():

@@ -46,9 +46,12 @@ def _check_sequential(cache, layer: int, start_pos, length: int) -> int:
 
 class RingCache(KVCache):
     """The first `sinks` positions in slots 0..S-1 for good, later ones in a ring of
-    `window` slots: position p >= S in slot S + (p - S) mod W. `window:W` has no sinks.
+    R = window + spare slots: position p >= S in slot S + (p - S) mod R. `window:W` has no
+    sinks. Spare slots (`:kN`) keep N positions older than the window, which the mask's band
+    hides from every query, so that a crop can go N + 1 positions back after the ring has
+    wrapped (speculative decoding's rejected tokens) and still be exact.
 
-    Two buffers allocated once, min(max_len, S + W) slots per layer, written in place:
+    Two buffers allocated once, min(max_len, S + R) slots per layer, written in place:
     bytes held are the same at every step. Which position a slot holds follows from the
     length alone (`positions`); one vector of them, shared by every layer, is kept up to
     date as slots are written, so a decode step reads it without recomputing it (8 bytes
@@ -56,11 +59,12 @@ class RingCache(KVCache):
     """
 
     def __init__(self, config, sinks: int, window: int, max_len: int, batch: int, device,
-                 dtype: torch.dtype, name: str):
+                 dtype: torch.dtype, name: str, spare: int = 0):
         if not 0 < max_len <= config.block_size:
             raise ValueError(f"max_len {max_len} outside the context window 1..{config.block_size}")
         self.name, self.sinks, self.window, self.max_len = name, sinks, window, max_len
-        self.slots = min(max_len, sinks + window)  # never more than the sequence needs
+        self.ring = window + spare  # slots after the sinks; the band is `window` of them
+        self.slots = min(max_len, sinks + self.ring)  # never more than the sequence needs
         shape = (config.n_layer, batch, config.n_head, self.slots, config.head_size)
         self.k = torch.zeros(shape, device=device, dtype=dtype)  # (L, B, nh, slots, hs)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
@@ -72,7 +76,7 @@ class RingCache(KVCache):
         check_context(spec, config.block_size)  # a budget it could never fill: refused
         params = dict(spec.params)
         return cls(config, params.get("sinks", 0), params["window"], max_len, batch, device,
-                   dtype, str(spec))
+                   dtype, str(spec), params.get("spare", 0))
 
     def reset(self) -> None:
         # Nothing to clear: a slot's position says whether it is filled (-1: empty).
@@ -83,23 +87,23 @@ class RingCache(KVCache):
 
     def slot(self, pos: int) -> int:
         S = self.sinks
-        return pos if pos < S else S + (pos - S) % self.window
+        return pos if pos < S else S + (pos - S) % self.ring
 
     def positions(self, length: int | None = None) -> Tensor:
         """The position each slot holds once `length` positions are written, -1: empty."""
         n = self.length if length is None else length
-        S, W = self.sinks, self.window
+        S, R = self.sinks, self.ring
         s = torch.arange(self.slots, device=self.device)  # (slots,)
-        # Sink slot s holds s; ring slot S + r the latest q = p - S < n - S with q ≡ r mod W.
+        # Sink slot s holds s; ring slot S + r the latest q = p - S < n - S with q ≡ r mod R.
         last = n - 1 - S
-        ring = S + last - torch.remainder(last - (s - S), W)  # (slots,)
+        ring = S + last - torch.remainder(last - (s - S), R)  # (slots,)
         held = torch.where(s < S, s, ring)
         return torch.where((held >= 0) & (held < n) & ((s < S) | (held >= S)), held, -1)
 
     @property
     def evicted(self) -> int:
         """Positions written and no longer held (per layer, row and head)."""
-        return max(0, self.length - self.sinks - self.window)
+        return max(0, self.length - self.sinks - self.ring)
 
     def update(self, layer: int, start_pos: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         start = _check_sequential(self, layer, start_pos, self.length)
@@ -119,8 +123,8 @@ class RingCache(KVCache):
                 self._held = torch.cat([self._pos[:filled], chunk])
                 self._pos = self.positions()
         if T == 1:
-            # Decode: the newest token goes into its slot first (evicting p - W), then the
-            # query reads the filled slots: exactly the band it may see.
+            # Decode: the newest token goes into its slot first (evicting p - R), then the
+            # query reads the filled slots: its band, and any spare slots the mask hides.
             i = self.slot(start)
             self.k[layer, :, :, i] = k[:, :, 0]
             self.v[layer, :, :, i] = v[:, :, 0]
@@ -131,7 +135,7 @@ class RingCache(KVCache):
         # cache held and the chunk are returned together and the band is the mask's job.
         keys = torch.cat([self.k[layer, :, :, :filled], k], dim=2)  # (B, nh, filled + T, hs)
         values = torch.cat([self.v[layer, :, :, :filled], v], dim=2)
-        keep = [p for p in range(start, end) if p < self.sinks or p >= end - self.window]
+        keep = [p for p in range(start, end) if p < self.sinks or p >= end - self.ring]
         slots = torch.tensor([self.slot(p) for p in keep], dtype=torch.long, device=k.device)
         rows = torch.tensor([p - start for p in keep], dtype=torch.long, device=k.device)
         self.k[layer].index_copy_(2, slots, k.index_select(2, rows))
@@ -148,13 +152,15 @@ class RingCache(KVCache):
             raise RollbackError(f"cannot crop to {length} positions: the cache holds "
                                 f"{n}; expected 0..{n}")
         # Exact while every position the next token (at `length`) attends is still held:
-        # always before the ring wraps, and one position back once it has.
-        if n > self.sinks + self.window and length < n - 1:
+        # always before the ring wraps, and spare + 1 positions back once it has.
+        back = self.ring - self.window + 1
+        if n > self.sinks + self.ring and length < n - back:
             lost = max(self.sinks, length - self.window + 1)
             raise RollbackError(
                 f"{self.name} cannot crop from {n} to {length} positions: position {lost}, "
                 f"which the token at {length} attends, was overwritten when position "
-                f"{lost + self.window} was written (a wrapped ring rolls back one position)")
+                f"{lost + self.ring} was written (a wrapped ring rolls back {back}; "
+                f"spare slots, :kN, let it roll back N + 1)")
         self.length = length
         self._pos = self.positions()
         self._held = None

@@ -325,18 +325,33 @@ def _paged_quant_kind(fmt: str) -> CacheKind:
 # ---------------------------------------------------------------------------- bounded
 # (the caches themselves: `kvcache_cli.caches.bounded`)
 
+def _spare(spec: str, fields: tuple[str, ...], grammar: str) -> int:
+    """The optional `kN` after a ring's counts: N spare slots for rollback (default 0)."""
+    if not fields:
+        return 0
+    if len(fields) > 1 or not fields[0].startswith("k"):
+        raise CacheSpecError(f"cache spec {spec!r}: unknown field {fields[0]!r}; expected "
+                             f"{grammar}, kN the spare slots a crop can reach back into "
+                             "(e.g. k8 for speculative decoding's k of 8)")
+    return whole_number(spec, "spare slots", fields[0][1:], low=0)
+
+
 def _parse_window(spec: str, fields: tuple[str, ...]) -> dict:
-    if len(fields) != 1:
+    if not fields:
         raise CacheSpecError(f"cache spec {spec!r}: expected window:W, the positions kept "
                              "(e.g. window:256)")
-    return {"window": whole_number(spec, "window", fields[0])}
+    if not fields[0].isdigit() and fields[0].startswith("k"):
+        raise CacheSpecError(f"cache spec {spec!r}: expected window:W first, the positions "
+                             "kept (e.g. window:256:k8)")
+    return {"window": whole_number(spec, "window", fields[0]),
+            "spare": _spare(spec, fields[1:], "window:W[:kN]")}
 
 
 def _two_counts(spec: str, fields: tuple[str, ...], first: str, example: str
                 ) -> tuple[int, int]:
     """'A+B' -> (A, B): A at least 1, B (the recent window) at least 1."""
     name = spec.split(":", 1)[0].lower()
-    parts = fields[0].split("+") if len(fields) == 1 else []
+    parts = fields[0].split("+") if fields else []
     if len(parts) != 2:
         raise CacheSpecError(f"cache spec {spec!r}: expected {name}:{first[0].upper()}+W, "
                              f"{first} then the recent window (e.g. {example})")
@@ -349,16 +364,20 @@ def _two_counts(spec: str, fields: tuple[str, ...], first: str, example: str
 
 
 def _parse_sink(spec: str, fields: tuple[str, ...]) -> dict:
-    sinks, window = _two_counts(spec, fields, "sinks", "sink:4+252")
+    sinks, window = _two_counts(spec, fields[:1], "sinks", "sink:4+252")
+    spare = _spare(spec, fields[1:], "sink:S+W[:kN]")
     if sinks > window:
         raise CacheSpecError(
             f"cache spec {spec!r}: more sinks ({sinks:,}) than window slots ({window:,}); "
             f"expected a few sinks before a larger window (StreamingLLM keeps 4: "
             f"sink:4+{sinks + window - 4})")
-    return {"sinks": sinks, "window": window}
+    return {"sinks": sinks, "window": window, "spare": spare}
 
 
 def _parse_h2o(spec: str, fields: tuple[str, ...]) -> dict:
+    if len(fields) > 1:
+        raise CacheSpecError(f"cache spec {spec!r}: unknown field {fields[1]!r}; expected "
+                             "h2o:H+W")
     heavy, recent = _two_counts(spec, fields, "heavy hitters", "h2o:128+128")
     return {"heavy": heavy, "recent": recent}
 
@@ -385,7 +404,8 @@ def _h2o_bytes(params: dict, tokens: int, kv_heads: int, head_dim: int, element:
 
 
 _RING_ROLLBACK = ("resets its length while the next token's band is intact: any crop "
-                  "before the ring wraps, one position after; else RollbackError")
+                  "before the ring wraps, N + 1 positions after with :kN spare slots (1 "
+                  "without); else RollbackError")
 _RING_ROLLBACK_BYTES = ("none: one vector of slot positions is recomputed; the k slots are "
                         "overwritten by the next writes")
 
@@ -451,29 +471,31 @@ KINDS: dict[str, CacheKind] = {
         CacheKind(
             name="window",
             summary="the W newest positions in a ring of W slots (Mistral's rolling "
-                    "buffer); keys keep their absolute positions",
-            grammar="window:W",
+                    "buffer); keys keep their absolute positions; kN: N spare slots a "
+                    "crop can reach back into",
+            grammar="window:W[:kN]",
             factory="kvcache_cli.caches.bounded:RingCache",
             parse=_parse_window,
             layer_bytes=_bounded_bytes,
             exact=False, bounded=True, pages=False, compiles=False,
             rollback=_RING_ROLLBACK,
             rollback_bytes=_RING_ROLLBACK_BYTES,
-            spell=lambda p: f"window:{p['window']}",
+            spell=lambda p: f"window:{p['window']}" + (f":k{p['spare']}" if p["spare"] else ""),
             budget=_held,
         ),
         CacheKind(
             name="sink",
             summary="the first S positions for good, then the W newest in a ring "
                     "(StreamingLLM's attention sinks)",
-            grammar="sink:S+W",
+            grammar="sink:S+W[:kN]",
             factory="kvcache_cli.caches.bounded:RingCache",
             parse=_parse_sink,
             layer_bytes=_bounded_bytes,
             exact=False, bounded=True, pages=False, compiles=False,
             rollback=_RING_ROLLBACK,
             rollback_bytes=_RING_ROLLBACK_BYTES,
-            spell=lambda p: f"sink:{p['sinks']}+{p['window']}",
+            spell=lambda p: (f"sink:{p['sinks']}+{p['window']}"
+                             + (f":k{p['spare']}" if p["spare"] else "")),
             budget=_held,
         ),
         CacheKind(
