@@ -7,9 +7,11 @@ plain-Python replay of H2O's policy for the positions it keeps.
 
 import math
 
+import decoding
 import pytest
 import torch
 import torch.nn.functional as F
+from decoding import decode_logits
 
 from kvcache_cli.caches import RollbackError, make_cache
 from kvcache_cli.caches.spec import CacheSpecError, check_context, layer_bytes, parse_cache_spec
@@ -29,16 +31,8 @@ def model(dtype=torch.float64) -> GPT:
 
 
 def tokens(n: int, seed: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, CONFIG.vocab_size, (1, n), generator=g)  # (1, n)
+    return decoding.tokens(n, CONFIG.vocab_size, seed)  # (1, n)
 
-
-def decode_logits(m: GPT, cache, idx: torch.Tensor, prefill: int) -> torch.Tensor:
-    """Logits of every position: the prompt prefilled in one forward, then one a step."""
-    with torch.no_grad():
-        steps = [m(idx[:, :prefill], 0, cache)]
-        steps += [m(idx[:, p:p + 1], p, cache) for p in range(prefill, idx.size(1))]
-    return torch.cat(steps, dim=1)  # (1, T, vocab)
 
 
 def banded_logits(m: GPT, idx: torch.Tensor, window: int, sinks: int = 0) -> torch.Tensor:

@@ -1,8 +1,10 @@
 """The cache family's interface: the spec parser, make_cache, crop, and what attention
 asks of a cache (key positions out of order, attention weights handed back)."""
 
+import decoding
 import pytest
 import torch
+from decoding import decode_logits
 
 from kvcache_cli.caches import KVCache, RollbackError, make_cache
 from kvcache_cli.caches.spec import (
@@ -26,16 +28,8 @@ def model64() -> GPT:
 
 
 def tokens(n: int, seed: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, CONFIG.vocab_size, (1, n), generator=g)  # (1, n)
+    return decoding.tokens(n, CONFIG.vocab_size, seed)  # (1, n)
 
-
-def decode_logits(model: GPT, cache: KVCache | None, idx: torch.Tensor, prefill: int):
-    """Logits of every position: the prompt prefilled, then one token a step."""
-    with torch.no_grad():
-        steps = [model(idx[:, :prefill], 0, cache)]
-        steps += [model(idx[:, p:p + 1], p, cache) for p in range(prefill, idx.size(1))]
-    return torch.cat(steps, dim=1)  # (1, T, vocab)
 
 
 # ---------------------------------------------------------------------------- specs

@@ -7,6 +7,7 @@ import json
 import sys
 
 import pytest
+from bytecheckpoint import write_byte_checkpoint
 from typer.testing import CliRunner
 
 from kvcache_cli.cli import app
@@ -23,23 +24,9 @@ TEXT = "def add(a, b):\n    return a + b\n\n\nclass Point:\n    x: int = 0\n" * 
 def checkpoint(tmp_path_factory):
     """A byte-level GPT-2 (256 ids) saved as a Hugging Face checkpoint, its held-out text
     beside it, as the trained checkpoint ships."""
-    from safetensors.torch import save_file
-
-    from kvcache_cli.gpt2 import _CONV1D, GPT, GPTConfig
-
-    directory = tmp_path_factory.mktemp("bytes-ckpt")
     # Heads 64 wide, as every GPT-2 size and the trained checkpoint have: every quantised
     # format's default group size divides them.
-    model = GPT(GPTConfig(block_size=BLOCK, vocab_size=256, n_layer=2, n_head=2, n_embd=128),
-                init_std=0.3, seed=0)
-    state = {k: (t.t() if k.endswith(_CONV1D) else t).contiguous()
-             for k, t in model.state_dict().items() if k != "lm_head.weight"}
-    save_file(state, str(directory / "model.safetensors"))
-    (directory / "config.json").write_text(json.dumps({
-        "model_type": "gpt2", "n_layer": 2, "n_head": 2, "n_embd": 128, "vocab_size": 256,
-        "n_positions": BLOCK, "tokenizer": "bytes"}))
-    (directory / "heldout.txt").write_text(TEXT)
-    return directory
+    return write_byte_checkpoint(tmp_path_factory.mktemp("bytes-ckpt"), BLOCK, 128, TEXT)
 
 
 @pytest.fixture

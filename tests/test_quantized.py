@@ -1,8 +1,10 @@
 """The quantised caches: packing and affine round trips, the residual's boundary, bytes
 counted against the spec's formula, fp8 scales and saturation, crop, bad specs."""
 
+import decoding
 import pytest
 import torch
+from decoding import decode_logits
 
 from kvcache_cli.caches import RollbackError, make_cache
 from kvcache_cli.caches.quantized import Fp8Cache, pack, quantise, unpack
@@ -27,15 +29,7 @@ def model(dtype=torch.float32) -> GPT:
 
 
 def tokens(n: int, seed: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, CONFIG.vocab_size, (1, n), generator=g)  # (1, n)
-
-
-def decode_logits(m: GPT, cache, idx: torch.Tensor, prefill: int) -> torch.Tensor:
-    with torch.no_grad():
-        steps = [m(idx[:, :prefill], 0, cache)]
-        steps += [m(idx[:, p:p + 1], p, cache) for p in range(prefill, idx.size(1))]
-    return torch.cat(steps, dim=1)  # (1, T, vocab)
+    return decoding.tokens(n, CONFIG.vocab_size, seed)  # (1, n)
 
 
 def kv(T: int, seed: int = 0, B: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
