@@ -17,3 +17,12 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def no_model_loads(monkeypatch):
+    """Fail the test if a model is loaded: bad input must be refused before one is."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded before the bad input was refused")
+
+    monkeypatch.setattr("kvcache_cli.gpt2.load_gpt2", refuse)

@@ -25,14 +25,6 @@ def checkpoint(tmp_path_factory):
     return write_byte_checkpoint(tmp_path_factory.mktemp("bytes-ckpt"), BLOCK, 32, TEXT)
 
 
-@pytest.fixture
-def no_model_loads(monkeypatch):
-    def refuse(*args, **kwargs):
-        raise AssertionError("a model was loaded before the bad input was refused")
-
-    monkeypatch.setattr("kvcache_cli.gpt2.load_gpt2", refuse)
-
-
 def invoke(*args: str):
     return CliRunner().invoke(app, list(args), env={"COLUMNS": "100"})
 

@@ -114,14 +114,6 @@ def test_the_two_rollback_breaks_show_their_symptoms(checkpoint):
 # ---------------------------------------------------------------------------- bad input
 
 
-@pytest.fixture
-def no_model_loads(monkeypatch):
-    def refuse(*args, **kwargs):
-        raise AssertionError("a model was loaded")
-
-    monkeypatch.setattr("kvcache_cli.gpt2.load_gpt2", refuse)
-
-
 @pytest.mark.usefixtures("no_model_loads")
 @pytest.mark.parametrize(("args", "message"), [
     (["--draft", "lookup", "--speculate", "0"], "--speculate 0: expected K from 1 to 63"),
