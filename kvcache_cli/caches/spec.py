@@ -139,11 +139,17 @@ FP8_SCALE_BYTES = 4  # fp8 scales are float32 (vLLM's)
 _INT_DEFAULTS = {8: ("ktok", 0), 4: ("kchan", 128), 2: ("kchan", 128)}
 
 
+def _give_once(spec: str, given: dict, what: str, value) -> None:
+    """Record a field's value, refusing a field given twice in one spec."""
+    if what in given:
+        raise CacheSpecError(f"cache spec {spec!r}: {what} given twice")
+    given[what] = value
+
+
 def _int_parser(bits: int) -> Parse:
     def parse(spec: str, fields: tuple[str, ...]) -> dict:
         keys, residual = _INT_DEFAULTS[bits]
-        params = {"bits": bits, "group": 32, "keys": keys, "residual": residual, "sinks": 0}
-        seen: set[str] = set()
+        given: dict = {}
         for f in fields:
             if f in ("kchan", "ktok"):
                 what, value = "keys", f
@@ -157,11 +163,9 @@ def _int_parser(bits: int) -> Parse:
                     f"cache spec {spec!r}: unknown field {f!r}; expected gN (group size), "
                     f"kchan or ktok (keys per channel or per token), rN (residual tokens), "
                     f"sN (sink tokens), e.g. int{bits}:g32:kchan:r128")
-            if what in seen:
-                raise CacheSpecError(f"cache spec {spec!r}: {what} given twice")
-            seen.add(what)
-            params[what] = value
-        return params
+            _give_once(spec, given, what, value)
+        return {"bits": bits, "group": 32, "keys": keys, "residual": residual, "sinks": 0,
+                **given}
     return parse
 
 
@@ -189,8 +193,7 @@ def _int_bytes(p: dict, tokens: int, kv_heads: int, head_dim: int, element: int)
 
 
 def _fp8_parse(spec: str, fields: tuple[str, ...]) -> dict:
-    params = {"scale": "tensor", "init": "one"}
-    seen: set[str] = set()
+    given: dict = {}
     for f in fields:
         what = {"tensor": "scale", "head": "scale", "one": "init", "calib": "init"}.get(f)
         if what is None:
@@ -198,11 +201,8 @@ def _fp8_parse(spec: str, fields: tuple[str, ...]) -> dict:
                 f"cache spec {spec!r}: unknown field {f!r}; expected tensor or head (one "
                 f"scale per tensor or per head) and one or calib (scale 1.0 or calibrated "
                 f"on the prompt), e.g. fp8-e4m3:head:calib")
-        if what in seen:
-            raise CacheSpecError(f"cache spec {spec!r}: {what} given twice")
-        seen.add(what)
-        params[what] = f
-    return params
+        _give_once(spec, given, what, f)
+    return {"scale": "tensor", "init": "one", **given}
 
 
 def _fp8_bytes(p: dict, tokens: int, kv_heads: int, head_dim: int, element: int) -> int:
