@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import typer
 from typer.testing import CliRunner
 
 import kv_cache_from_scratch as ref
@@ -99,3 +100,30 @@ def test_help_demo_and_numpy_break_never_import_torch(args):
                           timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize(("args", "loaded"), [(["--help"], []), (["size", "-m", "gpt2"], ["size"]),
+                                              (["demo", "mask"], ["demo"])])
+def test_only_the_command_that_runs_is_imported(args, loaded):
+    probe = ("import sys; from kvcache_cli.cli import app, COMMANDS; "
+             "from typer.testing import CliRunner; "
+             f"r = CliRunner().invoke(app, {args!r}); assert r.exit_code == 0, r.output; "
+             "print(sorted(n for n, c in COMMANDS.items() "
+             "if 'kvcache_cli.cli.' + c.module in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == repr(loaded)
+
+
+def test_help_lists_each_commands_own_line_uncut():
+    from kvcache_cli.cli import COMMANDS
+
+    listing = invoke("--help").output
+    widest = max(map(len, COMMANDS))
+    group = typer.main.get_command(app)
+    for name, entry in COMMANDS.items():
+        command = group.get_command(None, name)
+        # click cuts a line at the help width less the names' column (80 columns here)
+        assert command.get_short_help_str(limit=80 - 6 - widest) == entry.short_help
+        assert f"  {name.ljust(widest)}  {entry.short_help}" in listing

@@ -3,8 +3,9 @@
 Every command computes a result object (from the reference script, `sizing`,
 `generate` or `bench`) and hands it to a renderer: rich for people, `--json`
 for programs. One module per command (`demo`, `breaks`, `size`, `models`, `caches`,
-`bench`, `serve`, `generate`, `eval`), what they share in `common`. Torch and
-transformers are imported inside the commands that need them, so `kvcache --help`,
+`bench`, `serve`, `generate`, `eval`), what they share in `common`. A command's module
+is imported only when that command runs (`kvcache --help` imports none of them), and
+torch and transformers only inside the commands that need them, so `kvcache --help`,
 `size` and `demo` start fast.
 """
 
@@ -12,28 +13,94 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import importlib
 import sys
-from typing import Annotated
+from collections.abc import Iterator, Mapping
+from typing import Annotated, NamedTuple
 
 import typer
 from typer.core import TyperGroup
 
 from kvcache_cli import __version__
-from kvcache_cli.cli import bench, breaks, caches, demo, generate, models, serve, size
-from kvcache_cli.cli import eval as eval_command
-from kvcache_cli.cli.common import usage_message
 
 # Typer re-exports click's BadParameter; its base is click's UsageError, whichever
 # click (vendored in typer >= 0.29, or the click package before) is in use.
 _UsageError = typer.BadParameter.__bases__[0]
 
 
+class _Command(NamedTuple):
+    module: str  # under kvcache_cli.cli
+    function: str
+    # The line `kvcache --help` shows: it is listed without importing the module. Written
+    # out where the docstring's first sentence would not fit the line (click would cut it
+    # with "..."); a test checks each against the loaded command's own.
+    short_help: str
+
+
+# In the order `kvcache --help` lists them: the NumPy reference first, then real models.
+COMMANDS = {
+    "demo": _Command("demo", "demo", "Run the reference script's demos on the NumPy toy."),
+    "break": _Command("breaks", "break_", "Break the cache on purpose and watch the symptom."),
+    "size": _Command("size", "size", "How big the KV cache is for a model, and what fits."),
+    "models": _Command("models", "models", "List the model presets with their published shapes."),
+    "caches": _Command("caches", "caches",
+                       "List the cache kinds --cache accepts, and how each rolls back."),
+    "bench": _Command("bench", "bench", "Time every decode step of every mode against the limit."),
+    "serve": _Command("serve", "serve",
+                      "Serve a workload: paged + continuous batching, and others."),
+    "generate": _Command("generate", "generate",
+                         "Generate with GPT-2 and its KV cache, streaming tokens."),
+    "eval": _Command("eval", "eval_",
+                     "Score caches against the exact one: perplexity, KL, bytes."),
+}
+
+
+class _LazyCommands(Mapping):
+    """The root group's commands, each built from its module on first lookup.
+
+    Click looks a command up by name only to run it (or its --help), so `kvcache size`
+    imports the size module and no other; listing the names (`--help`, the "Did you mean"
+    suggestions) needs none of them.
+    """
+
+    def __init__(self) -> None:
+        self._built: dict[str, typer.core.TyperCommand] = {}
+
+    def __getitem__(self, name: str):
+        if name not in self._built:
+            entry = COMMANDS[name]
+            function = getattr(importlib.import_module(f"kvcache_cli.cli.{entry.module}"),
+                               entry.function)
+            one = typer.Typer(rich_markup_mode=None, add_completion=False)
+            one.command(name, short_help=entry.short_help)(function)
+            # A Typer of one command and no callback builds that command itself.
+            self._built[name] = typer.main.get_command(one)
+        return self._built[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(COMMANDS)
+
+    def __len__(self) -> int:
+        return len(COMMANDS)
+
+
 class _OneLineErrors(TyperGroup):
-    """Report a bad option or argument as one line on stderr, exit status 2.
+    """Report a bad option or argument as one line on stderr, exit status 2, and load
+    each command only when it is used.
 
     Click's default is a usage block plus a boxed message; a user who typed
     `--layers abc` needs only the value and what was expected.
     """
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.commands = _LazyCommands()
+
+    def format_commands(self, ctx, formatter) -> None:
+        # Click's own listing builds every command for its one-line help: list the
+        # table's lines instead, as click lays them out.
+        with formatter.section("Commands"):
+            formatter.write_dl([(name, entry.short_help) for name, entry in COMMANDS.items()])
 
     def main(self, *args, standalone_mode: bool = True, **kwargs):
         if not standalone_mode:
@@ -45,6 +112,8 @@ class _OneLineErrors(TyperGroup):
                 # Plain `kvcache` asks for the help, not an error.
                 error.show()
                 sys.exit(2)
+            from kvcache_cli.cli.common import usage_message
+
             hint = f" (see '{error.ctx.command_path} --help')" if error.ctx else ""
             typer.echo(f"error: {usage_message(error)}{hint}", err=True)
             sys.exit(2)
@@ -84,24 +153,6 @@ def _root(
     ] = False,
 ) -> None:
     """Understand, size and measure the transformer KV cache."""
-
-
-# In the order `kvcache --help` lists them: the NumPy reference first, then real models.
-# A short_help where the docstring's first sentence would not fit `kvcache --help`'s line:
-# click would cut it with "...".
-app.command(short_help="Run the reference script's demos on the NumPy toy.")(demo.demo)
-app.command("break")(breaks.break_)
-app.command(short_help="How big the KV cache is for a model, and what fits.")(size.size)
-app.command()(models.models)
-app.command(short_help="List the cache kinds --cache accepts, and how each rolls back.")(
-    caches.caches)
-app.command(short_help="Time every decode step of every mode against the limit.")(bench.bench)
-app.command(short_help="Serve a workload: paged + continuous batching, and others.")(
-    serve.serve)
-app.command(short_help="Generate with GPT-2 and its KV cache, streaming tokens.")(
-    generate.generate)
-app.command("eval", short_help="Score caches against the exact one: perplexity, KL, bytes.")(
-    eval_command.eval_)
 
 
 _UNWRITABLE = (errno.EPIPE, errno.ENOSPC, errno.EIO, errno.EBADF)
