@@ -208,6 +208,18 @@ def test_crop_keeps_what_attention_read_of_the_kept_tokens(spec):
     assert torch.equal(after[:, :, :24], before[:, :, :24]) and after.size(2) == 25
 
 
+@pytest.mark.parametrize("spec", ["int4:g4:kchan:r6", "int8:g8:ktok:r0", "fp8-e4m3"])
+def test_crop_copies_nothing(spec):
+    # What is kept stays where it was: views of the same storage, not a clone of the history.
+    cache = make_cache(spec, model(), 64)
+    k, v = kv(30)
+    cache.update(0, 0, k, v)
+    held = cache.k[0] if isinstance(cache, Fp8Cache) else cache.layers[0].k_codes
+    cache.crop(24)
+    kept = cache.k[0] if isinstance(cache, Fp8Cache) else cache.layers[0].k_codes
+    assert kept.size(2) > 0 and kept.data_ptr() == held.data_ptr()
+
+
 def decode_logits_from(m: GPT, cache, idx: torch.Tensor, start: int, end: int):
     with torch.no_grad():
         return torch.cat([m(idx[:, p:p + 1], p, cache) for p in range(start, end)], dim=1)

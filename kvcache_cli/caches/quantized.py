@@ -308,9 +308,8 @@ class QuantizedCache(KVCache):
             L.k_codes, L.v_codes = L.k_codes[:, :, :keep_q], L.v_codes[:, :, :keep_q]
             L.k_scale, L.k_zero = L.k_scale[:, :, :kg], L.k_zero[:, :, :kg]
             L.v_scale, L.v_zero = L.v_scale[:, :, :keep_q], L.v_zero[:, :, :keep_q]
-        # Slices share the old storage: copy what is kept so the rest is freed.
-        (L.sink_k, L.sink_v, L.tail_k, L.tail_v, L.k_codes, L.v_codes, L.k_scale, L.k_zero,
-         L.v_scale, L.v_zero) = (t.clone() for t in L.tensors())
+        # Views, no copy: the next append concatenates the tail afresh anyway, and the
+        # next flush the codes, which frees the dropped groups behind them.
 
     @property
     def bytes_held(self) -> int:
@@ -387,9 +386,10 @@ class Fp8Cache(KVCache):
         if not 0 <= length <= self.length:
             raise RollbackError(f"cannot crop to {length} positions: the cache holds "
                                 f"{self.length}; expected 0..{self.length}")
-        # Every token is stored alone: dropping the newest is exact (scales stay).
-        self.k = [k[:, :, :length].clone() for k in self.k]
-        self.v = [v[:, :, :length].clone() for v in self.v]
+        # Every token is stored alone: dropping the newest is exact (scales stay). Views,
+        # no copy: the next append concatenates, as every append does.
+        self.k = [k[:, :, :length] for k in self.k]
+        self.v = [v[:, :, :length] for v in self.v]
         self.length = length
 
     @property

@@ -281,8 +281,9 @@ def _int_kind(bits: int) -> CacheKind:
         exact=False, bounded=False, pages=False, compiles=False,
         rollback="drops full-precision tokens, or whole quantised groups; refuses a cut "
                  "inside a per-channel key group",
-        rollback_bytes="copies every kept code, scale and full-precision token (a clone, "
-                       "so the dropped ones are freed): the whole history, not k tokens",
+        rollback_bytes="none at the crop (views); the next append copies the "
+                       "full-precision tail, as every append does, and the next flush "
+                       "the codes, freeing the dropped groups",
         spell=_int_spell,
     )
 
@@ -298,8 +299,8 @@ def _fp8_kind(fmt: str, aliases: tuple[str, ...] = ()) -> CacheKind:
         layer_bytes=_fp8_bytes,
         exact=False, bounded=False, pages=False, compiles=False,
         rollback="drops the newest tokens (each is stored alone; the scales stay)",
-        rollback_bytes="copies every kept token's codes (a clone): the whole history, "
-                       "not k tokens",
+        rollback_bytes="none at the crop (views); the next append copies the kept "
+                       "codes, as every append does",
         aliases=aliases,
         spell=lambda p: f"{fmt}:{p['scale']}:{p['init']}",
     )
