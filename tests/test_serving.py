@@ -355,6 +355,22 @@ def test_the_sweep_plot_ticks_are_the_batch_sizes_as_plain_numbers():
     assert ax.yaxis.get_major_formatter()(1000.0, 0) == "1,000"  # not 10³
 
 
+def test_the_curve_plot_reads_in_plain_milliseconds_and_names_the_rates_once():
+    pytest.importorskip("matplotlib")
+    import dataclasses
+
+    from kvcache_cli.serving.plot import figure
+
+    result = E.run_serve(_model(), SPEC, ["paged"], ROOMY, 4, 64)
+    fig = figure(dataclasses.replace(result, rates=(1.0, None)))
+    ttft, tpot = fig.axes
+    assert fig._suptitle.get_text().endswith("arrival rates 1, inf requests/s")
+    assert ttft.get_title() == "p99 TTFT against throughput"  # short: it fits its panel
+    major, minor = ttft.yaxis.get_major_formatter(), ttft.yaxis.get_minor_formatter()
+    assert major(1000.0, 0) == "1,000"  # not 10³
+    assert [minor(v, 0) for v in (200.0, 300.0, 5000.0)] == ["200", "", "5,000"]
+
+
 def test_the_serve_plot_draws_steps_and_notes_the_engine_it_cannot_draw():
     pytest.importorskip("matplotlib")
     import dataclasses

@@ -6,6 +6,7 @@ and only when a plot is asked for."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from kvcache_cli.serving.batching import SweepResult
@@ -96,6 +97,8 @@ def _timelines(fig, result: ServeResult) -> None:
 
 
 def _curve(fig, result: ServeResult) -> None:
+    from matplotlib.ticker import FuncFormatter
+
     ttft, tpot = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
     names = list(dict.fromkeys(e.engine for e in result.engines))
     styles = ["o-", "s--", "^-.", "v:", "D-", "P--"]
@@ -109,13 +112,23 @@ def _curve(fig, result: ServeResult) -> None:
         tpot.plot(tok_s, [e.latency.tpot.p99 for e in runs], style, color=color, label=name,
                   lw=1.2, ms=4)
     rates = ", ".join("inf" if r is None else f"{r:g}" for r in result.rates)
+    fig.suptitle(f"{result.model} · {result.device} · arrival rates {rates} requests/s",
+                 fontsize=9)
+    # Plain milliseconds on the log axes (200, 500, 1,000), not 2×10² or 10³; between the
+    # powers of ten only 2 and 5 are labelled, so several decades stay legible.
+    plain = FuncFormatter(lambda v, _: f"{v:,.0f}" if v >= 1 else f"{v:g}")
+    twos_fives = FuncFormatter(
+        lambda v, _: f"{v:,.0f}" if v >= 1 and round(v / 10 ** math.floor(math.log10(v))) in (2, 5)
+        else "")
     for ax, what, key in ((ttft, "p99 TTFT", "ttft"), (tpot, "p99 TPOT", "tpot")):
         ax.set_xlabel("output tokens/s")
         ax.set_ylabel(f"{what} (ms)")
         ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(plain)
+        ax.yaxis.set_minor_formatter(twos_fives)
         target = (result.goodput or {}).get(key)
         if target is not None:
             ax.axhline(target, color="grey", ls=":", lw=1, label=f"target {target:g} ms")
-        ax.set_title(f"{what} against throughput · rates {rates} requests/s", fontsize=9)
+        ax.set_title(f"{what} against throughput", fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
