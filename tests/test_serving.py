@@ -9,6 +9,7 @@ pool that runs out preempts instead of failing. Timings are never asserted.
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
@@ -430,3 +431,23 @@ def test_bad_input_is_one_line_and_exit_2_before_any_model_loads(args, message):
     out = _cli("--device", "cpu", "--weights", "pretrained", *args)
     assert out.exit_code == 2, out.output
     assert message in out.stderr and out.stderr.count("\n") == 1, out.stderr
+
+
+def test_a_quantised_pools_lost_tokens_are_one_line_not_a_bug_report():
+    import dataclasses
+
+    from rich.console import Console
+
+    from kvcache_cli.views.serve import render
+
+    result = E.run_serve(_model(), SPEC, ["paged"], ROOMY, 4, 64)
+    flips = tuple(E.Mismatch(request=i, step=3 + i, top2_gap=2.0, logit_scale=10.0)
+                  for i in range(4))
+    lossy = dataclasses.replace(result.engines[0], engine="paged-int8 pf", mismatches=flips,
+                                requests_exact=2)
+    console = Console(width=200, record=True, file=io.StringIO())
+    console.print(render(dataclasses.replace(result, engines=(*result.engines, lossy))))
+    text = console.export_text()
+    assert "look for a bug" not in text
+    assert ("paged-int8 pf: 4 of 6 requests left their solo float32 tokens (the first at new "
+            "token 3)") in text
