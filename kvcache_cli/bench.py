@@ -933,12 +933,14 @@ def _measure_with(model, plan: _Plan, bandwidth_mib: int | None, counter: _Count
                   finished: FinishedFn | None, llama: dict[str, LlamaRunner]) -> _Measured:
     import torch
 
+    from kvcache_cli.gpt2 import pin_threads
+
     device = next(model.parameters()).device
     modes = plan.modes
     hf_model = _hf_copy(model, device) if any(m.startswith("hf") for m in modes) else None
     compiled = None
     if any(m.endswith("-compiled") and not m.startswith("hf") for m in modes):
-        compiled = torch.compile(model, mode=COMPILE_MODE[device.type])
+        compiled = torch.compile(pin_threads(model), mode=COMPILE_MODE[device.type])
     measured = _Measured({mode: [] for mode in modes}, {"read": [], "copy": [], "product": []},
                          {}, {mode: runner.file for mode, runner in llama.items()})  # fmt: skip
     prompt, new_tokens = plan.prompt, plan.new_tokens

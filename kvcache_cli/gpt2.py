@@ -104,20 +104,24 @@ class Linear(nn.Linear):
     15.2 / 37.0 / 84.9 / 118 with F.linear and 11.6 / 22.1 / 70.7 / 113 split.
     """
 
+    threads = 1  # the thread count a compiled forward splits for (`pin_threads`)
+
     def forward(self, x: Tensor) -> Tensor:
         w = self.weight  # (out, in); stored (in, out) when its first stride is 1
         if w.dtype != x.dtype:  # a weight format of its own (set_weights_dtype)
             return self.forward(x.to(w.dtype)).to(x.dtype)
-        # Under torch.compile the compiler picks the kernels (and asking for the thread
-        # count would break its graph at every layer).
-        if torch.compiler.is_compiling() or x.device.type != "cpu":
+        if x.device.type != "cpu":
             return F.linear(x, w, self.bias)
-        n = torch.get_num_threads()
+        # Under torch.compile, asking for the thread count would break the graph at every
+        # layer: there the count pinned before compiling (`pin_threads`) is a constant.
+        compiling = torch.compiler.is_compiling()
+        n = self.threads if compiling else torch.get_num_threads()
         N, K = w.shape
         if n < 2 or N < n or w.stride(0) != 1:
             return F.linear(x, w, self.bias)
         cols = N // n * n  # n equal blocks; the few columns left over go on their own
-        blocks, bias = self._blocks(n, cols)  # (n, K, N/n) and (n, 1, N/n): views
+        # (n, K, N/n) and (n, 1, N/n): views, kept between eager calls
+        blocks, bias = self._split(n, cols) if compiling else self._blocks(n, cols)
         rows = x.reshape(1, -1, K).expand(n, -1, K)  # (n, R, K): every row, once per block
         # The bias added by the product itself (baddbmm): one op fewer a layer.
         y = torch.bmm(rows, blocks) if bias is None else torch.baddbmm(bias, rows, blocks)
@@ -127,17 +131,20 @@ class Linear(nn.Linear):
             y = torch.cat([y, rest], dim=-1)  # (..., N)
         return y
 
+    def _split(self, n: int, cols: int) -> tuple[Tensor, Tensor | None]:
+        """The weight and bias cut into n column blocks, as views."""
+        K = self.weight.shape[1]
+        blocks = self.weight.t()[:, :cols].view(K, n, cols // n).transpose(0, 1)  # (n, K, N/n)
+        bias = None if self.bias is None else self.bias[:cols].view(n, 1, cols // n)
+        return blocks, bias
+
     def _blocks(self, n: int, cols: int) -> tuple[Tensor, Tensor | None]:
-        """The weight and bias cut into n column blocks, as views made once per thread
-        count and storage: a decode step calls 49 products, and four view ops each
-        cost more dispatch than they are worth."""
+        """`_split`'s views, made once per thread count and storage: a decode step calls
+        49 products, and four view ops each cost more dispatch than they are worth."""
         w = self.weight
         key = (n, w.data_ptr(), None if self.bias is None else self.bias.data_ptr())
         if getattr(self, "_block_key", None) != key:
-            K = w.shape[1]
-            blocks = w.t()[:, :cols].view(K, n, cols // n).transpose(0, 1)  # (n, K, N/n)
-            bias = None if self.bias is None else self.bias[:cols].view(n, 1, cols // n)
-            self._block_key, self._block_views = key, (blocks, bias)
+            self._block_key, self._block_views = key, self._split(n, cols)
         return self._block_views
 
 
@@ -387,6 +394,15 @@ def arrange_weights(model: GPT) -> GPT:
                 w = module.weight
                 in_out = w.device.type == "cpu" and w.dtype == torch.float32
                 w.data = w.t().contiguous().t() if in_out else w.contiguous()
+    return model
+
+
+def pin_threads(model: GPT) -> GPT:
+    """Fix the thread count the products split for, before torch.compile traces them: the
+    compiled graph holds it as a constant (it would break at every layer asking torch)."""
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.threads = torch.get_num_threads()
     return model
 
 

@@ -320,6 +320,32 @@ def test_one_row_linear_equals_nn_linear_in_either_layout(out_features, threads,
     torch.testing.assert_close(x2_got, plain(x2), rtol=1e-5, atol=1e-5)
 
 
+def test_a_compiled_product_splits_for_the_threads_pinned_before_compiling(monkeypatch):
+    # Under torch.compile the forward cannot ask torch for its thread count: pin_threads
+    # fixes it beforehand, and the split then runs on those blocks with no torch call.
+    from kvcache_cli.gpt2 import GPT, GPTConfig, Linear, arrange_weights, pin_threads
+
+    model = arrange_weights(GPT(GPTConfig(block_size=16, vocab_size=32, n_layer=1, n_head=2,
+                                          n_embd=32)))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        pin_threads(model)
+    finally:
+        torch.set_num_threads(before)
+    layer = model.transformer.h[0].mlp.c_fc
+    assert {m.threads for m in model.modules() if isinstance(m, Linear)} == {2}
+    x = torch.randn(1, 1, 32)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: pytest.fail("asked torch"))
+    split = []
+    monkeypatch.setattr(torch, "baddbmm", lambda *a: split.append(a) or torch.ops.aten.baddbmm(*a))
+    got = layer(x)
+    assert len(split) == 1 and split[0][2].shape == (2, 32, 64)  # two blocks of 64 columns
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, layer.weight, layer.bias),
+                               rtol=1e-5, atol=1e-5)
+
+
 def test_float32_cpu_weights_are_stored_in_out_and_load_the_same_values(checkpoint):
     from transformers import GPT2LMHeadModel
 
