@@ -12,6 +12,7 @@ from kvcache_cli.plot import require_matplotlib
 from kvcache_cli.quality import QualityResult
 
 SMOOTH_POINTS = 60  # the loss curve is averaged over windows of about scored / this tokens
+MARKERS = "osD^vP*Xh<>p"
 
 
 def moving_average(values: Sequence[float], window: int) -> list[float]:
@@ -33,19 +34,24 @@ def save_plot(result: QualityResult, path: str | Path) -> Path:
     fig = Figure(figsize=(11, 4.5), dpi=120)
     FigureCanvasAgg(fig)
     frontier, by_position = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    # A colour and a marker per cache, named in the legend: quantised caches crowd one
+    # corner of the frontier, where labels beside the points would overprint each other.
     colors = [f"C{i % 10}" for i in range(len(result.caches))]
-    for row, color in zip(result.caches, colors, strict=True):
-        frontier.scatter(row.bytes_per_token, row.perplexity, color=color, zorder=3)
-        frontier.annotate(row.cache, (row.bytes_per_token, row.perplexity), fontsize=8,
-                          xytext=(4, 4), textcoords="offset points")
-    frontier.set_xlabel("bytes held per token of context")
-    frontier.set_ylabel("perplexity (lower is better)")
+    markers = [MARKERS[i % len(MARKERS)] for i in range(len(result.caches))]
     reference = result.caches[0]
-    frontier.axhline(reference.perplexity, color="black", lw=0.8, ls="--", zorder=2,
-                     label=f"exact ({reference.cache})")
-    frontier.set_xlim(0, 1.2 * max(row.bytes_per_token for row in result.caches))
-    frontier.legend(fontsize=8)
-    frontier.set_title("the frontier: quality against memory", fontsize=9)
+    frontier.axhline(0.0, color="black", lw=0.8, ls="--", zorder=2)
+    for row, color, marker in zip(result.caches, colors, markers, strict=True):
+        frontier.scatter(row.bytes_per_token, 100 * row.perplexity_change, color=color,
+                         marker=marker, zorder=3, label=row.cache)
+    frontier.set_xlabel("bytes held per token of context")
+    frontier.set_ylabel(f"perplexity change vs {reference.cache}, % (symmetric log)")
+    # Symmetric log: +0.001% (int8) and +8% (a window) on one axis, and fp8's small
+    # negative changes below the line; linear within ±0.01%.
+    frontier.set_yscale("symlog", linthresh=0.01)
+    frontier.set_xlim(0, 1.1 * max(row.bytes_per_token for row in result.caches))
+    frontier.legend(fontsize=7, ncol=2)
+    frontier.set_title("the frontier: quality against memory (lower left is better)",
+                       fontsize=9)
     frontier.grid(alpha=0.3)
 
     # The loss above the exact cache's: every cache's raw loss is dominated by the text
@@ -54,9 +60,10 @@ def save_plot(result: QualityResult, path: str | Path) -> Path:
     positions = range(result.prompt_len, result.tokens)
     exact = reference.loss_by_position
     by_position.axhline(0.0, color="black", lw=0.8, ls="--", label=f"exact ({reference.cache})")
-    for row, color in zip(result.caches[1:], colors[1:], strict=True):
+    for row, color, marker in zip(result.caches[1:], colors[1:], markers[1:], strict=True):
         excess = [a - b for a, b in zip(row.loss_by_position, exact, strict=True)]
         by_position.plot(positions, moving_average(excess, window), color=color, lw=1.1,
+                         marker=marker, markevery=max(1, len(excess) // 8), ms=4,
                          label=row.cache)
     by_position.set_xlabel("token position")
     by_position.set_ylabel(f"loss − exact loss, nats (mean of {window} tokens)")
