@@ -100,8 +100,8 @@ def test_a_whole_static_cache_masks_every_slot_past_each_query(checkpoint):
     with torch.no_grad():
         full = hf(idx).logits  # (1, 16, 256)
         cache = make_cache("static", model, max_len=32, whole=True)
-        cache.k.normal_()
-        cache.v.normal_()
+        for buffer in cache.k + cache.v:
+            buffer.normal_()
         chunks = [model(idx[:, :8], 0, cache)]  # prefill
         chunks += [model(idx[:, p : p + 1], p, cache) for p in range(8, 16)]
     torch.testing.assert_close(torch.cat(chunks, dim=1), full, **TOL)

