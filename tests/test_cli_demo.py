@@ -90,30 +90,32 @@ def test_break_list_includes_the_gpt2_breaks():
     assert set(data) == set(ref.BREAKS) | set(GPT2_BREAKS)
 
 
-@pytest.mark.parametrize("args", [["--help"], ["demo", "mask"], ["break", "no-mask"]])
-def test_help_demo_and_numpy_break_never_import_torch(args):
-    probe = ("import sys; from kvcache_cli.cli import app; from typer.testing import CliRunner; "
+def modules_after(args: list[str], listing: str) -> str:
+    """Run the CLI with `args` in a fresh interpreter; print `listing` (an expression over
+    sys.modules and the command table) once it has run."""
+    probe = ("import sys; from kvcache_cli.cli import app, COMMANDS; "
+             "from typer.testing import CliRunner; "
              f"r = CliRunner().invoke(app, {args!r}); assert r.exit_code == 0, r.output; "
-             "print(sorted(m for m in sys.modules if m.split('.')[0] in "
-             "('torch', 'transformers', 'tiktoken')))")
+             f"print({listing})")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "[]"
+    return done.stdout.strip()
+
+
+@pytest.mark.parametrize("args", [["--help"], ["demo", "mask"], ["break", "no-mask"]])
+def test_help_demo_and_numpy_break_never_import_torch(args):
+    heavy = ("sorted(m for m in sys.modules "
+             "if m.split('.')[0] in ('torch', 'transformers', 'tiktoken'))")
+    assert modules_after(args, heavy) == "[]"
 
 
 @pytest.mark.parametrize(("args", "loaded"), [(["--help"], []), (["size", "-m", "gpt2"], ["size"]),
                                               (["demo", "mask"], ["demo"])])
 def test_only_the_command_that_runs_is_imported(args, loaded):
-    probe = ("import sys; from kvcache_cli.cli import app, COMMANDS; "
-             "from typer.testing import CliRunner; "
-             f"r = CliRunner().invoke(app, {args!r}); assert r.exit_code == 0, r.output; "
-             "print(sorted(n for n, c in COMMANDS.items() "
-             "if 'kvcache_cli.cli.' + c.module in sys.modules))")
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
-                          timeout=60)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == repr(loaded)
+    commands = ("sorted(n for n, c in COMMANDS.items() "
+                "if 'kvcache_cli.cli.' + c.module in sys.modules)")
+    assert modules_after(args, commands) == repr(loaded)
 
 
 def test_help_lists_each_commands_own_line_uncut():
