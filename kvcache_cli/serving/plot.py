@@ -41,6 +41,11 @@ def figure(result: ServeResult | SweepResult):
     return fig
 
 
+def _plain(v: float, _position=None) -> str:
+    """A log axis's tick as a plain number: 1,000 and 0.5, not 10³ or 5×10⁻¹."""
+    return f"{v:,.0f}" if v >= 1 else f"{v:g}"
+
+
 def _sweep(fig, result: SweepResult) -> None:
     from matplotlib.ticker import FuncFormatter, NullFormatter
 
@@ -54,7 +59,7 @@ def _sweep(fig, result: SweepResult) -> None:
     # Plain numbers on the log axes (1, 4, 16 and 100, 1000), not 2⁰, 2² or 10²: the
     # batch sizes measured are the ticks.
     ax.set_xticks(batches)
-    plain = FuncFormatter(lambda v, _: f"{v:,.0f}" if v >= 1 else f"{v:g}")
+    plain = FuncFormatter(_plain)
     ax.xaxis.set_major_formatter(plain)
     ax.xaxis.set_minor_formatter(NullFormatter())
     ax.yaxis.set_major_formatter(plain)
@@ -116,9 +121,9 @@ def _curve(fig, result: ServeResult) -> None:
                  fontsize=9)
     # Plain milliseconds on the log axes (200, 500, 1,000), not 2×10² or 10³; between the
     # powers of ten only 2 and 5 are labelled, so several decades stay legible.
-    plain = FuncFormatter(lambda v, _: f"{v:,.0f}" if v >= 1 else f"{v:g}")
+    plain = FuncFormatter(_plain)
     twos_fives = FuncFormatter(
-        lambda v, _: f"{v:,.0f}" if v >= 1 and round(v / 10 ** math.floor(math.log10(v))) in (2, 5)
+        lambda v, _: _plain(v) if v >= 1 and round(v / 10 ** math.floor(math.log10(v))) in (2, 5)
         else "")
     for ax, what, key in ((ttft, "p99 TTFT", "ttft"), (tpot, "p99 TPOT", "tpot")):
         ax.set_xlabel("output tokens/s")

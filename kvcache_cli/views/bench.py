@@ -12,7 +12,7 @@ from rich.text import Text
 
 from kvcache_cli.bench import BenchResult, ModeResult
 from kvcache_cli.plot import sparkline
-from kvcache_cli.views.style import BAD, OK, figures_table
+from kvcache_cli.views.style import BAD, OK, figures_table, label_grid
 
 # Other processes' share of CPU time above which the view warns: a few percent is
 # the OS and daemons.
@@ -57,9 +57,7 @@ def _mode_column(table: Table, r: BenchResult) -> Table:
 
 
 def _header(r: BenchResult) -> Table:
-    grid = Table.grid(padding=(0, 2))
-    grid.add_column(style="dim")
-    grid.add_column()
+    grid = label_grid()
     grid.add_row("model", f"[bold]{r.model}[/], {r.n_params / 1e6:.1f}M parameters")
     if r.weights_note:
         grid.add_row("note", f"[yellow]{r.weights_note}[/]")
@@ -155,9 +153,7 @@ def _memory(r: BenchResult) -> Table:
 
 
 def _limit(r: BenchResult) -> Table:
-    grid = Table.grid(padding=(0, 2))
-    grid.add_column(style="dim")
-    grid.add_column()
+    grid = label_grid()
     grid.add_row("[not dim bold]the limit[/]", "")
     for p in r.probes:
         best = f"[bold]{p.best_gbps:.1f} GB/s[/]" if p.name == r.limit_probe else (

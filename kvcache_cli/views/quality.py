@@ -12,7 +12,7 @@ from rich.table import Table
 from kvcache_cli.plot import BARS
 from kvcache_cli.quality import CacheQuality, QualityResult
 from kvcache_cli.views.bench import _bytes
-from kvcache_cli.views.style import figures_table
+from kvcache_cli.views.style import figures_table, label_grid
 
 # The rich view splits the row in two tables (quality; memory and time) so each fits
 # 100 columns beside a long spec such as int4:g32:kchan:r128; plain text keeps one.
@@ -77,9 +77,7 @@ def _sink_line(r: QualityResult) -> str:
 
 
 def _header(r: QualityResult) -> Table:
-    grid = Table.grid(padding=(0, 2))
-    grid.add_column(style="dim")
-    grid.add_column()
+    grid = label_grid()
     grid.add_row("model", f"[bold]{r.model}[/]")
     if r.weights_note:
         grid.add_row("note", f"[yellow]{r.weights_note}[/]")

@@ -13,7 +13,7 @@ from kvcache_cli.serving.batching import SweepResult
 from kvcache_cli.serving.engines import EngineResult, ServeResult
 from kvcache_cli.serving.metrics import ATTAINMENT
 from kvcache_cli.views.bench import _bytes, load_line
-from kvcache_cli.views.style import BAD, OK, figures_table
+from kvcache_cli.views.style import BAD, OK, figures_table, label_grid
 
 
 def _opt(x, fmt: str = "{:,}") -> str:
@@ -24,16 +24,9 @@ def _ratio(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}x"
 
 
-def _grid() -> Table:
-    grid = Table.grid(padding=(0, 2))
-    grid.add_column(style="dim")
-    grid.add_column()
-    return grid
-
-
 def _header(r: ServeResult) -> Table:
     w = r.workload
-    grid = _grid()
+    grid = label_grid()
     grid.add_row("model", f"[bold]{r.model}[/]")
     if r.weights_note:
         grid.add_row("note", f"[yellow]{r.weights_note}[/]")
@@ -226,7 +219,7 @@ def _verdict(r: ServeResult) -> RenderableType:
 
 
 def _sweep(r: SweepResult) -> RenderableType:
-    grid = _grid()
+    grid = label_grid()
     grid.add_row("model", f"[bold]{r.model}[/]")
     grid.add_row("device", f"[bold]{r.device}[/] ({r.device_name}), {r.dtype}, "
                  f"[bold]{r.threads} threads[/]")

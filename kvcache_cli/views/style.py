@@ -18,3 +18,11 @@ def figures_table(*columns: str, title: str | None = None) -> Table:
     for col in t.columns[1:]:
         col.justify = "right"
     return t
+
+
+def label_grid() -> Table:
+    """Two borderless columns: a dim label, then its value (a view's header lines)."""
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="dim")
+    grid.add_column()
+    return grid
