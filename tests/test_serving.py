@@ -11,40 +11,30 @@ from __future__ import annotations
 
 import io
 import json
-from pathlib import Path
 
 import pytest
+import servingkit
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from typer.testing import CliRunner
+from servingkit import CONFIG, PNG_SIGNATURE, ROOMY, SPEC, TIGHT
+from servingkit import seq as _seq
+from servingkit import serve_cli as _cli
+from servingkit import tiny_model as _model
 
 from kvcache_cli.caches.exact import StaticCache
 from kvcache_cli.caches.paged import PagedCache, block_bytes
-from kvcache_cli.cli import app
-from kvcache_cli.gpt2 import GPT, GPTConfig, to_hf
+from kvcache_cli.gpt2 import GPTConfig
 from kvcache_cli.serving import batching
 from kvcache_cli.serving import engines as E
 from kvcache_cli.serving.block_manager import BlockManager
 from kvcache_cli.serving.model_runner import ModelRunner
 from kvcache_cli.serving.scheduler import Scheduler
-from kvcache_cli.serving.sequence import Request, Sequence, Status
+from kvcache_cli.serving.sequence import Status
 from kvcache_cli.serving.workload import WorkloadSpec, check_spec, make_requests, parse_range
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-CONFIG = GPTConfig(block_size=128, vocab_size=97, n_layer=2, n_head=2, n_embd=16)
-PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-
-
-def _model(config: GPTConfig = CONFIG) -> GPT:
-    # std 0.3, not GPT-2's 0.02: a tiny model at 0.02 repeats one token forever, and
-    # agreeing tokens would prove nothing.
-    return GPT(config, init_std=0.3, seed=0).eval()
-
-
-def _seq(tokens, n_new: int = 4, rid: int = 0) -> Sequence:
-    return Sequence(Request(rid, tuple(tokens), n_new, 0.0))
+checkpoint = servingkit.checkpoint  # the fixture, found by its name in this module
 
 
 def _serve(model, spec, engine, kv_mem, block_size=4, max_batch=64, sharing=True):
@@ -197,11 +187,6 @@ def test_the_scheduler_preempts_the_youngest_when_the_pool_runs_out():
 
 
 # ---------------------------------------------------------------------------- engines
-
-SPEC = WorkloadSpec(requests=6, prompt_len=(2, 24), output_len=(2, 16), shared_prefix=10,
-                    rate=None, seed=3)
-ROOMY = 1 << 20
-TIGHT = 64 * block_bytes(CONFIG, 1, torch.float32)  # 16 blocks of 4: the longest needs 13
 
 
 def test_solo_tokens_vary_so_that_agreement_means_something():
@@ -390,16 +375,6 @@ def test_the_serve_plot_draws_steps_and_notes_the_engine_it_cannot_draw():
 
 
 # ---------------------------------------------------------------------------- CLI
-
-
-@pytest.fixture
-def checkpoint(tmp_path: Path) -> Path:
-    to_hf(_model()).save_pretrained(tmp_path / "tiny")
-    return tmp_path / "tiny"
-
-
-def _cli(*args: str):
-    return CliRunner().invoke(app, ["serve", *args])
 
 
 def test_serve_compares_the_engines_in_json_and_draws_the_plot(checkpoint, tmp_path):

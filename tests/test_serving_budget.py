@@ -15,16 +15,18 @@ import json
 import math
 import re
 import statistics
-from pathlib import Path
 
 import numpy as np
 import pytest
+import servingkit
 import torch
-from typer.testing import CliRunner
+from servingkit import CONFIG, PNG_SIGNATURE, ROOMY, SPEC, TIGHT
+from servingkit import seq as _seq
+from servingkit import serve_cli as _cli
+from servingkit import tiny_model as _model
 
-from kvcache_cli.caches.paged import PagedCache, block_bytes
-from kvcache_cli.cli import app
-from kvcache_cli.gpt2 import GPT, GPTConfig, to_hf
+from kvcache_cli.caches.paged import PagedCache
+from kvcache_cli.gpt2 import GPT
 from kvcache_cli.serving import engines as E
 from kvcache_cli.serving.block_manager import BlockManager
 from kvcache_cli.serving.metrics import RequestTimes, Stats, parse_goodput, parse_rates, summarise
@@ -34,23 +36,9 @@ from kvcache_cli.serving.sequence import Request, Sequence, Status
 from kvcache_cli.serving.workload import WorkloadSpec, make_requests
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
+checkpoint = servingkit.checkpoint  # the fixture, found by its name in this module
 
-CONFIG = GPTConfig(block_size=128, vocab_size=97, n_layer=2, n_head=2, n_embd=16)
 BLOCK = 4
-SPEC = WorkloadSpec(requests=6, prompt_len=(2, 24), output_len=(2, 16), shared_prefix=10,
-                    rate=None, seed=3)
-ROOMY = 1 << 20
-TIGHT = 64 * block_bytes(CONFIG, 1, torch.float32)  # 16 blocks of 4: the longest needs 13
-
-
-def _model() -> GPT:
-    # std 0.3, not GPT-2's 0.02: a tiny model at 0.02 repeats one token forever, and
-    # agreeing tokens would prove nothing.
-    return GPT(CONFIG, init_std=0.3, seed=0).eval()
-
-
-def _seq(tokens, n_new: int = 4, rid: int = 0) -> Sequence:
-    return Sequence(Request(rid, tuple(tokens), n_new, 0.0))
 
 
 def _serve(variant: E.Variant, kv_mem: int, layout: str = "packed", spec: WorkloadSpec = SPEC,
@@ -311,16 +299,6 @@ def test_goodput_and_rate_lists_parse():
 # ---------------------------------------------------------------------------- CLI
 
 
-@pytest.fixture
-def checkpoint(tmp_path: Path) -> Path:
-    to_hf(_model()).save_pretrained(tmp_path / "tiny")
-    return tmp_path / "tiny"
-
-
-def _cli(*args: str):
-    return CliRunner().invoke(app, ["serve", *args])
-
-
 def test_serve_sweeps_rates_and_policies_in_one_run_and_draws_the_curve(checkpoint, tmp_path):
     png = tmp_path / "curve.png"
     out = _cli("--model", str(checkpoint), "--weights", "pretrained", "--device", "cpu",
@@ -338,7 +316,7 @@ def test_serve_sweeps_rates_and_policies_in_one_run_and_draws_the_curve(checkpoi
     assert data["engines"][1]["steps"]["stalled"] == 0
     # Off a terminal: one line on stderr per engine and rate as it finishes.
     assert out.stderr.count("tok/s") == 6, out.stderr
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert png.read_bytes()[:8] == PNG_SIGNATURE
 
 
 @pytest.mark.parametrize(("args", "message"), [
