@@ -27,7 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from kvcache_cli.caches.base import KVCache
+from kvcache_cli.caches.base import CacheShape, KVCache
 
 # ---------------------------------------------------------------------------- config
 
@@ -61,6 +61,20 @@ class GPTConfig:
     @property
     def head_size(self) -> int:
         return self.n_embd // self.n_head
+
+    # The contract every family's config meets (kvcache_cli.models): GPT-2 is multi-head,
+    # one KV head per query head, and its context is the learned position table.
+    @property
+    def n_kv_head(self) -> int:
+        return self.n_head
+
+    @property
+    def context(self) -> int:
+        return self.block_size
+
+    @property
+    def cache_shape(self) -> CacheShape:
+        return CacheShape(self.n_layer, self.n_kv_head, self.head_size, self.context)
 
 
 # The four published sizes; the Hub repositories hold them under openai-community/.

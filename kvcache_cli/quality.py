@@ -161,8 +161,8 @@ def check_caches(specs: Sequence[CacheSpec], config, max_len: int,
     from kvcache_cli.caches.spec import check_context
 
     for spec in specs:
-        check_context(spec, config.block_size, model)
-        cache_class(spec).build(spec, config, max_len=max_len, batch=1,
+        check_context(spec, config.context, model)
+        cache_class(spec).build(spec, config.cache_shape, max_len=max_len, batch=1,
                                 device=torch.device("meta"), dtype=torch.float32, whole=False)
 
 

@@ -64,7 +64,7 @@ def main() -> None:
     print(f"{'chunk':>6} " + " ".join(f"{name:>8}" for name in LAYOUTS))
     for chunk in (int(c) for c in args.chunks.split(",")):
         chunks, n_blocks = _step(args.decodes, args.context, chunk)
-        cache = PagedCache(model.config, n_blocks, BLOCK, "cpu", torch.float32)
+        cache = PagedCache(model.config.cache_shape, n_blocks, BLOCK, "cpu", torch.float32)
         runners = {name: ModelRunner(model, cache, name) for name in LAYOUTS}
         times: dict[str, list[float]] = {name: [] for name in LAYOUTS}
         for _ in range(args.repeats + 1):  # the first round warms up, untimed

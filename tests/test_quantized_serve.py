@@ -24,7 +24,7 @@ def model() -> GPT:
 @pytest.mark.parametrize("kind", ["paged-int8", "paged-int4", "paged-fp8"])
 def test_a_quantised_pool_decodes_rows_of_different_lengths_like_one_row_each(kind):
     m = model()
-    pool = make_pool(kind, CONFIG, 1 << 20, 4, m.device, m.dtype)
+    pool = make_pool(kind, CONFIG.cache_shape, 1 << 20, 4, m.device, m.dtype)
     g = torch.Generator().manual_seed(0)
     idx = torch.randint(0, CONFIG.vocab_size, (2, 9), generator=g)  # (B, T)
     table = torch.tensor([[0, 1, 2], [3, 4, 5]])  # (B, blocks)
@@ -43,11 +43,11 @@ def test_a_quantised_pool_decodes_rows_of_different_lengths_like_one_row_each(ki
 
 
 def test_an_int8_pool_holds_over_3_6_times_the_tokens_of_float32():
-    fp32 = pool_block_bytes("paged", CONFIG, 16, torch.float32)
-    int8 = pool_block_bytes("paged-int8", CONFIG, 16, torch.float32)
+    fp32 = pool_block_bytes("paged", CONFIG.cache_shape, 16, torch.float32)
+    int8 = pool_block_bytes("paged-int8", CONFIG.cache_shape, 16, torch.float32)
     # 64 one-byte codes + a float16 scale and zero, for each of K and V, per head and token.
     assert int8 == 2 * 2 * 16 * 2 * (64 + 4) and fp32 / int8 > 3.6
-    pool = make_pool("paged-int8", CONFIG, 100 * int8 + 5, 16, "cpu", torch.float32)
+    pool = make_pool("paged-int8", CONFIG.cache_shape, 100 * int8 + 5, 16, "cpu", torch.float32)
     assert pool.bytes_held == 100 * int8
 
 

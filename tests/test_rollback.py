@@ -154,7 +154,7 @@ def test_a_block_cut_by_a_trim_loses_its_prefix_hash():
 def test_a_pooled_sequence_decodes_the_logits_of_a_static_cache_after_a_rollback():
     model, idx, wrong = _model(), _ids(20, 3), _ids(7, 4)
     manager = BlockManager(8, 4, prefix_sharing=False)
-    pool = PagedCache(CONFIG, 8, 4, "cpu", torch.float64)
+    pool = PagedCache(CONFIG.cache_shape, 8, 4, "cpu", torch.float64)
     seq = _seq(idx[0, :12].tolist())
     cache = PooledSequence(pool, manager, seq, CONFIG)
     static = make_cache("static", model, 20)
@@ -169,7 +169,7 @@ def test_a_pooled_sequence_decodes_the_logits_of_a_static_cache_after_a_rollback
         got = torch.cat([model(idx[:, p:p + 1], p, cache) for p in range(12, 20)], dim=1)
         want = torch.cat([model(idx[:, p:p + 1], p, static) for p in range(12, 20)], dim=1)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-9)
-    assert cache.bytes_held == 5 * block_bytes(CONFIG, 4, torch.float64)
+    assert cache.bytes_held == 5 * block_bytes(CONFIG.cache_shape, 4, torch.float64)
     cache.reset()
     assert manager.blocks_in_use == 0
 

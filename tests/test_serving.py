@@ -55,7 +55,7 @@ def test_a_batch_of_rows_at_different_positions_gives_each_rows_solo_logits():
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, CONFIG.vocab_size, (n,), generator=g).tolist() for n in lengths]
     nxt = [5, 7, 11]
-    cache = PagedCache(CONFIG, n_blocks=16, block_size=4, device="cpu", dtype=torch.float32)
+    cache = PagedCache(CONFIG.cache_shape, n_blocks=16, block_size=4, device="cpu", dtype=torch.float32)
     runner = ModelRunner(model, cache)
     seqs, blocks = [], BlockManager(16, 4, prefix_sharing=False)
     for p, t in zip(prompts, nxt, strict=True):
@@ -71,7 +71,7 @@ def test_a_batch_of_rows_at_different_positions_gives_each_rows_solo_logits():
     with torch.inference_mode():
         batched = model(idx, start, cache)[:, -1]  # (B, vocab)
     for row, (p, t) in enumerate(zip(prompts, nxt, strict=True)):
-        solo_cache = StaticCache(CONFIG, len(p) + 1, 1, "cpu", torch.float32)
+        solo_cache = StaticCache(CONFIG.cache_shape, len(p) + 1, 1, "cpu", torch.float32)
         with torch.inference_mode():
             model(torch.tensor([p]), 0, solo_cache)
             solo = model(torch.tensor([[t]]), len(p), solo_cache)[0, -1]
@@ -143,7 +143,7 @@ def test_a_prompt_of_full_blocks_still_computes_its_last_token():
 
 def test_shared_blocks_are_never_written():
     model = _model()
-    cache = PagedCache(CONFIG, n_blocks=16, block_size=4, device="cpu", dtype=torch.float32)
+    cache = PagedCache(CONFIG.cache_shape, n_blocks=16, block_size=4, device="cpu", dtype=torch.float32)
     runner, blocks = ModelRunner(model, cache), BlockManager(16, 4)
     prefix = list(range(20, 28))
     first = _seq(prefix + [1, 2])
@@ -159,7 +159,7 @@ def test_shared_blocks_are_never_written():
     assert torch.equal(cache.k[:, :, shared], before[0])
     assert torch.equal(cache.v[:, :, shared], before[1])
     # Only the 3 tokens past the shared prefix were written.
-    assert cache.bytes_copied - copied == 3 * block_bytes(CONFIG, 1, torch.float32)
+    assert cache.bytes_copied - copied == 3 * block_bytes(CONFIG.cache_shape, 1, torch.float32)
 
 
 def test_an_exhausted_pool_raises_memory_error_naming_its_size():
@@ -282,7 +282,7 @@ def test_random_request_mixes_give_each_request_its_solo_tokens(
                         (output[0], output[0] + output[1]), prefix, None, seed)
     # From a pool that just holds the longest request (preemptions) to a roomy one.
     blocks = -(-spec.longest // block_size) + spare_blocks
-    kv_mem = blocks * block_bytes(model.config, block_size, torch.float32)
+    kv_mem = blocks * block_bytes(model.config.cache_shape, block_size, torch.float32)
     result, _ = _serve(model, spec, "paged", kv_mem, block_size=block_size)
     assert result.mismatches == ()
 

@@ -105,7 +105,7 @@ def test_a_fully_cached_prompt_still_computes_its_last_token_under_decode_first(
     model = _model()
     prompt = list(range(30, 38))  # exactly two blocks
     blocks = BlockManager(16, BLOCK)
-    cache = PagedCache(CONFIG, 16, BLOCK, "cpu", torch.float32)
+    cache = PagedCache(CONFIG.cache_shape, 16, BLOCK, "cpu", torch.float32)
     runner = ModelRunner(model, cache)
     scheduler = Scheduler(blocks, 8, "decode-first", 8)
     first = _seq(prompt)
@@ -127,7 +127,7 @@ def test_a_fully_cached_prompt_still_computes_its_last_token_under_decode_first(
 def test_a_prompt_preempted_part_way_is_recomputed_from_its_tokens():
     model = _model()
     blocks = BlockManager(6, BLOCK, prefix_sharing=False)
-    cache = PagedCache(CONFIG, 6, BLOCK, "cpu", torch.float32)
+    cache = PagedCache(CONFIG.cache_shape, 6, BLOCK, "cpu", torch.float32)
     runner = ModelRunner(model, cache)
     scheduler = Scheduler(blocks, 8, "decode-first", 12)
     old, young = _seq(range(40, 48), n_new=6), _seq(range(60, 76), rid=1)  # 2 and 4 blocks
@@ -174,7 +174,7 @@ def _mixed_step() -> tuple[GPT, list[Chunk], list[Sequence]]:
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_a_mixed_step_gives_each_row_its_solo_next_token_and_logits(layout):
     model, chunks, seqs = _mixed_step()
-    cache = PagedCache(CONFIG, 32, BLOCK, "cpu", torch.float32)
+    cache = PagedCache(CONFIG.cache_shape, 32, BLOCK, "cpu", torch.float32)
     runner = ModelRunner(model, cache, layout)
     # What each row has cached before the step: its tokens up to the chunk's start.
     for c in chunks:
@@ -196,7 +196,7 @@ def test_packed_and_padded_write_the_same_keys_and_padding_writes_nothing():
     written = {}
     for layout in LAYOUTS:
         model, chunks, _ = _mixed_step()
-        cache = PagedCache(CONFIG, 32, BLOCK, "cpu", torch.float32)
+        cache = PagedCache(CONFIG.cache_shape, 32, BLOCK, "cpu", torch.float32)
         cache.k.fill_(7.0)  # a sentinel: any slot a step should not touch keeps it
         ModelRunner(model, cache, layout).step(chunks)
         written[layout] = cache.k.clone()

@@ -122,7 +122,7 @@ def test_a_perfect_draft_checks_k_tokens_per_forward():
 
 def test_an_always_wrong_draft_gives_the_targets_tokens_and_returns_every_block():
     manager = BlockManager(16, 4, prefix_sharing=False)
-    pool = PagedCache(CONFIG, 16, 4, "cpu", torch.float64)
+    pool = PagedCache(CONFIG.cache_shape, 16, 4, "cpu", torch.float64)
     seq = Sequence(Request(0, tuple(PROMPT), 40, 0.0))
     cache = PooledSequence(pool, manager, seq, CONFIG)
     got = speculate(MODEL, PROMPT, 40, AlwaysWrong(), 8, cache=cache)

@@ -35,5 +35,5 @@ def make_cache(spec: str | CacheSpec, model, max_len: int, batch: int = 1,
         if spec == "naive":
             return None
         spec = parse_cache_spec(spec)
-    return cache_class(spec).build(spec, model.config, max_len=max_len, batch=batch,
+    return cache_class(spec).build(spec, model.config.cache_shape, max_len=max_len, batch=batch,
                                    device=model.device, dtype=model.dtype, whole=whole)

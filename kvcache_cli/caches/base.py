@@ -6,11 +6,12 @@ hands attention what to attend over. The model asks this interface, never the cl
 
 Torch-free at import, like `spec`: `kvcache size` and completion read the family's
 names without paying for torch. Shapes: `update` takes one call's k, v as
-(B, nh, T, hs) and returns (B, nh, S, hs).
+(B, nkv, T, hs) and returns (B, nkv, S, hs).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the interface and the spec parser load without torch
@@ -22,6 +23,20 @@ def nbytes(t: Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+@dataclass(frozen=True)
+class CacheShape:
+    """What a cache is built from: every model family's config gives one (`cache_shape`).
+
+    Under grouped-query attention a cache holds the KV heads, not the query heads:
+    SmolLM2's 9 query heads share 3 KV heads, so each of its caches holds 3.
+    """
+
+    n_layer: int
+    n_kv_head: int
+    head_size: int
+    context: int  # positions the model can attend over: no cache is built longer
+
+
 class RollbackError(ValueError):
     """A cache asked to forget tokens it cannot give back (one line, for the CLI)."""
 
@@ -29,9 +44,9 @@ class RollbackError(ValueError):
 class KVCache:
     """What attention needs from a cache: the keys and values of every position it keeps.
 
-    `update(layer, start_pos, k, v)` stores this call's k, v (B, nh, T, hs) for the
+    `update(layer, start_pos, k, v)` stores this call's k, v (B, nkv, T, hs) for the
     tokens at positions start_pos .. start_pos+T-1 and returns the keys and values to
-    attend over, (B, nh, S, hs), with this call's tokens included.
+    attend over, (B, nkv, S, hs), with this call's tokens included.
 
     Where key j of what `update` returned is *not* the token at position j (a ring
     buffer, kept sinks, an eviction policy), `key_positions(layer)` says which position
@@ -66,12 +81,13 @@ class KVCache:
 
     def key_positions(self, layer: int) -> Tensor | None:
         """The position of each key the last `update` of `layer` returned: (S,), (B, S)
-        or (B, nh, S), -1 for an empty slot; None when key j is position j."""
+        or (B, nkv, S), -1 for an empty slot; None when key j is position j."""
         return None
 
     def observe(self, layer: int, weights: Tensor) -> None:
-        """This step's attention probabilities (B, nh, T, S) over the keys `update`
-        returned; only called when `wants_attention` is True."""
+        """This step's attention probabilities (B, nkv, T, S) over the keys `update`
+        returned; only called when `wants_attention` is True. Under grouped-query
+        attention each KV head gets the mean over the query heads that share it."""
 
     def crop(self, length: int) -> None:
         """Forget every position from `length` on (speculative decoding's rollback)."""

@@ -16,7 +16,7 @@ What a query sees. The query at position p attends to what the cache holds after
 written: `window:W` sees positions p-W+1 .. p, `sink:S+W` also positions 0 .. S-1. A chunk
 of several tokens (a prompt) gets the same band through the mask (`KVCache.window`,
 `KVCache.sinks`): the keys the cache held before the chunk, with the chunk's own, are
-returned together (a transient (B, nh, held + T, hs) copy) and each query sees its own
+returned together (a transient (B, nkv, held + T, hs) copy) and each query sees its own
 band, so a prompt in one forward gives the logits of the same prompt fed one token at a
 time. Then only what the bound keeps is written. H2O ranks by attention, which a chunk
 computes all at once: a chunk's queries see everything the cache held plus the chunk
@@ -58,24 +58,24 @@ class RingCache(KVCache):
     a slot for the whole cache: bookkeeping, like `length`, outside `bytes_held`).
     """
 
-    def __init__(self, config, sinks: int, window: int, max_len: int, batch: int, device,
+    def __init__(self, shape, sinks: int, window: int, max_len: int, batch: int, device,
                  dtype: torch.dtype, name: str, spare: int = 0):
-        if not 0 < max_len <= config.block_size:
-            raise ValueError(f"max_len {max_len} outside the context window 1..{config.block_size}")
+        if not 0 < max_len <= shape.context:
+            raise ValueError(f"max_len {max_len} outside the context window 1..{shape.context}")
         self.name, self.sinks, self.window, self.max_len = name, sinks, window, max_len
         self.ring = window + spare  # slots after the sinks; the band is `window` of them
         self.slots = min(max_len, sinks + self.ring)  # never more than the sequence needs
-        shape = (config.n_layer, batch, config.n_head, self.slots, config.head_size)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)  # (L, B, nh, slots, hs)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        dims = (shape.n_layer, batch, shape.n_kv_head, self.slots, shape.head_size)
+        self.k = torch.zeros(dims, device=device, dtype=dtype)  # (L, B, nkv, slots, hs)
+        self.v = torch.zeros(dims, device=device, dtype=dtype)
         self.device = device
         self.reset()
 
     @classmethod
-    def build(cls, spec, config, *, max_len: int, batch: int, device, dtype, whole: bool):
-        check_context(spec, config.block_size)  # a budget it could never fill: refused
+    def build(cls, spec, shape, *, max_len: int, batch: int, device, dtype, whole: bool):
+        check_context(spec, shape.context)  # a budget it could never fill: refused
         params = dict(spec.params)
-        return cls(config, params.get("sinks", 0), params["window"], max_len, batch, device,
+        return cls(shape, params.get("sinks", 0), params["window"], max_len, batch, device,
                    dtype, str(spec), params.get("spare", 0))
 
     def reset(self) -> None:
@@ -130,10 +130,10 @@ class RingCache(KVCache):
             self.v[layer, :, :, i] = v[:, :, 0]
             self.bytes_copied += nbytes(k) + nbytes(v)
             n = min(end, self.slots)
-            return self.k[layer, :, :, :n], self.v[layer, :, :, :n]  # (B, nh, n, hs)
+            return self.k[layer, :, :, :n], self.v[layer, :, :, :n]  # (B, nkv, n, hs)
         # A chunk: its queries need keys its own later tokens would overwrite, so what the
         # cache held and the chunk are returned together and the band is the mask's job.
-        keys = torch.cat([self.k[layer, :, :, :filled], k], dim=2)  # (B, nh, filled + T, hs)
+        keys = torch.cat([self.k[layer, :, :, :filled], k], dim=2)  # (B, nkv, filled + T, hs)
         values = torch.cat([self.v[layer, :, :, :filled], v], dim=2)
         keep = [p for p in range(start, end) if p < self.sinks or p >= end - self.ring]
         slots = torch.tensor([self.slot(p) for p in keep], dtype=torch.long, device=k.device)
@@ -177,30 +177,30 @@ class HeavyHitterCache(KVCache):
     Every key's score is the sum of the attention probabilities it has drawn from every
     query since it was written. When the cache is full, a new token takes the slot of the
     lowest-scoring key outside the recent window; the heads choose independently, so each
-    holds its own positions (`key_positions` is (B, nh, S)). Scores (float32) and
+    holds its own positions (`key_positions` is (B, nkv, S)). Scores (float32) and
     positions (int64) are held per slot and counted in `bytes_held`.
     """
 
     wants_attention = True
 
-    def __init__(self, config, heavy: int, recent: int, max_len: int, batch: int, device,
+    def __init__(self, shape, heavy: int, recent: int, max_len: int, batch: int, device,
                  dtype: torch.dtype, name: str):
-        if not 0 < max_len <= config.block_size:
-            raise ValueError(f"max_len {max_len} outside the context window 1..{config.block_size}")
+        if not 0 < max_len <= shape.context:
+            raise ValueError(f"max_len {max_len} outside the context window 1..{shape.context}")
         self.name, self.heavy, self.recent, self.max_len = name, heavy, recent, max_len
         self.slots = min(max_len, heavy + recent)
-        L, B, nh = config.n_layer, batch, config.n_head
-        shape = (L, B, nh, self.slots, config.head_size)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)  # (L, B, nh, slots, hs)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
-        self.score = torch.zeros((L, B, nh, self.slots), device=device)  # (L, B, nh, slots)
-        self.pos = torch.full((L, B, nh, self.slots), -1, device=device)  # (L, B, nh, slots)
+        L, B, nkv = shape.n_layer, batch, shape.n_kv_head
+        dims = (L, B, nkv, self.slots, shape.head_size)
+        self.k = torch.zeros(dims, device=device, dtype=dtype)  # (L, B, nkv, slots, hs)
+        self.v = torch.zeros(dims, device=device, dtype=dtype)
+        self.score = torch.zeros((L, B, nkv, self.slots), device=device)  # (L, B, nkv, slots)
+        self.pos = torch.full((L, B, nkv, self.slots), -1, device=device)  # (L, B, nkv, slots)
         self.reset()
 
     @classmethod
-    def build(cls, spec, config, *, max_len: int, batch: int, device, dtype, whole: bool):
-        check_context(spec, config.block_size)
-        return cls(config, spec["heavy"], spec["recent"], max_len, batch, device, dtype,
+    def build(cls, spec, shape, *, max_len: int, batch: int, device, dtype, whole: bool):
+        check_context(spec, shape.context)
+        return cls(shape, spec["heavy"], spec["recent"], max_len, batch, device, dtype,
                    str(spec))
 
     def reset(self) -> None:
@@ -217,7 +217,7 @@ class HeavyHitterCache(KVCache):
 
     def update(self, layer: int, start_pos: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         start = _check_sequential(self, layer, start_pos, self.length)
-        B, nh, T, hs = k.shape
+        B, nkv, T, hs = k.shape
         end = start + T
         if end > self.max_len:
             raise IndexError(f"position {end - 1} past the {self.name} cache's max_len "
@@ -238,39 +238,39 @@ class HeavyHitterCache(KVCache):
         if T == 1:
             # Full: each head's new token replaces its lowest-scoring key outside the
             # recent window (start - W + 1 .. start), i.e. the H + 1 oldest candidates.
-            pos, score = self.pos[layer], self.score[layer]  # (B, nh, slots)
+            pos, score = self.pos[layer], self.score[layer]  # (B, nkv, slots)
             candidate = pos <= start - self.recent
             out = score.masked_fill(~candidate, float("inf")).argmin(dim=-1, keepdim=True)
             self.pos[layer].scatter_(2, out, start)
             self.score[layer].scatter_(2, out, 0.0)
-            at = out[..., None].expand(B, nh, 1, hs)  # (B, nh, 1, hs)
+            at = out[..., None].expand(B, nkv, 1, hs)  # (B, nkv, 1, hs)
             self.k[layer].scatter_(2, at, k)
             self.v[layer].scatter_(2, at, v)
-            return self.k[layer], self.v[layer]  # (B, nh, slots, hs)
+            return self.k[layer], self.v[layer]  # (B, nkv, slots, hs)
         # A chunk: attend over everything held plus the chunk; `observe` then keeps H + W.
-        new = torch.arange(start, end, device=k.device).expand(B, nh, T)  # (B, nh, T)
-        keys = torch.cat([self.k[layer, :, :, :filled], k], dim=2)  # (B, nh, filled + T, hs)
+        new = torch.arange(start, end, device=k.device).expand(B, nkv, T)  # (B, nkv, T)
+        keys = torch.cat([self.k[layer, :, :, :filled], k], dim=2)  # (B, nkv, filled + T, hs)
         values = torch.cat([self.v[layer, :, :, :filled], v], dim=2)
-        pos = torch.cat([self.pos[layer, :, :, :filled], new], dim=2)  # (B, nh, filled + T)
+        pos = torch.cat([self.pos[layer, :, :, :filled], new], dim=2)  # (B, nkv, filled + T)
         self._chunk[layer] = keys, values, pos
         return keys, values
 
     def key_positions(self, layer: int) -> Tensor | None:
         if layer in self._chunk:
-            return self._chunk[layer][2]  # (B, nh, filled + T)
+            return self._chunk[layer][2]  # (B, nkv, filled + T)
         n = self.filled
-        return self.pos[layer, :, :, :n]  # (B, nh, n)
+        return self.pos[layer, :, :, :n]  # (B, nkv, n)
 
     def observe(self, layer: int, weights: Tensor) -> None:
-        # weights (B, nh, T, S): what each query drew from each returned key.
-        drawn = weights.float().sum(dim=2)  # (B, nh, S)
+        # weights (B, nkv, T, S): what each query drew from each returned key.
+        drawn = weights.float().sum(dim=2)  # (B, nkv, S)
         if layer not in self._chunk:
             self.score[layer, :, :, : drawn.size(-1)] += drawn
             return
         keys, values, pos = self._chunk.pop(layer)
         score = torch.cat([self.score[layer, :, :, : self._filled_before],
                            torch.zeros_like(pos[..., self._filled_before:], dtype=torch.float)],
-                          dim=-1) + drawn  # (B, nh, filled + T)
+                          dim=-1) + drawn  # (B, nkv, filled + T)
         if pos.size(-1) <= self.slots:
             keep = torch.arange(pos.size(-1), device=pos.device).expand_as(pos)  # all of it
         else:
@@ -278,9 +278,9 @@ class HeavyHitterCache(KVCache):
             # ranks above any score, so top-k picks both at once).
             recent = pos > self.length - 1 - self.recent
             keep = score.masked_fill(recent, float("inf")).topk(self.slots, dim=-1).indices
-        n = keep.size(-1)  # (B, nh, n)
+        n = keep.size(-1)  # (B, nkv, n)
         hs = keys.size(-1)
-        at = keep[..., None].expand(*keep.shape, hs)  # (B, nh, n, hs)
+        at = keep[..., None].expand(*keep.shape, hs)  # (B, nkv, n, hs)
         self.k[layer, :, :, :n] = keys.gather(2, at)
         self.v[layer, :, :, :n] = values.gather(2, at)
         self.pos[layer, :, :, :n] = pos.gather(2, keep)

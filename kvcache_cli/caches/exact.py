@@ -28,17 +28,17 @@ class ConcatCache(KVCache):
     `position-offset` and `stale-cache` breaks are what happens when they drift).
     """
 
-    def __init__(self, config, batch: int, device, dtype: torch.dtype):
-        self.config, self.batch, self.device, self.dtype = config, batch, device, dtype
+    def __init__(self, shape, batch: int, device, dtype: torch.dtype):
+        self.shape, self.batch, self.device, self.dtype = shape, batch, device, dtype
         self.reset()
 
     @classmethod
-    def build(cls, spec, config, *, max_len: int, batch: int, device, dtype, whole: bool):
-        return cls(config, batch, device, dtype)
+    def build(cls, spec, shape, *, max_len: int, batch: int, device, dtype, whole: bool):
+        return cls(shape, batch, device, dtype)
 
     def reset(self) -> None:
-        c = self.config
-        empty = (self.batch, c.n_head, 0, c.head_size)  # (B, nh, 0, hs)
+        c = self.shape
+        empty = (self.batch, c.n_kv_head, 0, c.head_size)  # (B, nkv, 0, hs)
         new = dict(device=self.device, dtype=self.dtype)
         self.k = [torch.empty(empty, **new) for _ in range(c.n_layer)]
         self.v = [torch.empty(empty, **new) for _ in range(c.n_layer)]
@@ -47,7 +47,7 @@ class ConcatCache(KVCache):
     def update(self, layer: int, start_pos: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         # torch.cat allocates a new tensor and copies the whole history into it: step n
         # moves n positions' worth of bytes, a generation of n tokens O(n^2).
-        self.k[layer] = torch.cat([self.k[layer], k], dim=2)  # (B, nh, S, hs)
+        self.k[layer] = torch.cat([self.k[layer], k], dim=2)  # (B, nkv, S, hs)
         self.v[layer] = torch.cat([self.v[layer], v], dim=2)
         self.bytes_copied += nbytes(self.k[layer]) + nbytes(self.v[layer])
         return self.k[layer], self.v[layer]
@@ -80,21 +80,21 @@ class StaticCache(KVCache):
     compiled GPT-2 step at 52 ms against 26 ms with a buffer per layer, 2 CPU threads).
     """
 
-    def __init__(self, config, max_len: int, batch: int, device, dtype: torch.dtype,
+    def __init__(self, shape, max_len: int, batch: int, device, dtype: torch.dtype,
                  whole: bool = False):
-        if not 0 < max_len <= config.block_size:
-            raise ValueError(f"max_len {max_len} outside the context window 1..{config.block_size}")
+        if not 0 < max_len <= shape.context:
+            raise ValueError(f"max_len {max_len} outside the context window 1..{shape.context}")
         self.max_len = max_len
         self.whole = whole
-        shape = (batch, config.n_head, max_len, config.head_size)
-        # per layer: (B, nh, max_len, hs)
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
+        dims = (batch, shape.n_kv_head, max_len, shape.head_size)
+        # per layer: (B, nkv, max_len, hs)
+        self.k = [torch.zeros(dims, device=device, dtype=dtype) for _ in range(shape.n_layer)]
+        self.v = [torch.zeros(dims, device=device, dtype=dtype) for _ in range(shape.n_layer)]
         self.reset()
 
     @classmethod
-    def build(cls, spec, config, *, max_len: int, batch: int, device, dtype, whole: bool):
-        return cls(config, max_len, batch, device, dtype, whole)
+    def build(cls, spec, shape, *, max_len: int, batch: int, device, dtype, whole: bool):
+        return cls(shape, max_len, batch, device, dtype, whole)
 
     def reset(self) -> None:
         # No need to clear the buffers: nothing past the filled prefix is ever read.
@@ -110,8 +110,8 @@ class StaticCache(KVCache):
         self.bytes_copied += nbytes(k) + nbytes(v)
         self.length = end
         if self.whole:
-            return self.k[layer], self.v[layer]  # (B, nh, max_len, hs); attention masks
-        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]  # (B, nh, end, hs)
+            return self.k[layer], self.v[layer]  # (B, nkv, max_len, hs); attention masks
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]  # (B, nkv, end, hs)
 
     def crop(self, length: int) -> None:
         _check_crop(self, length)

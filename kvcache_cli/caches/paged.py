@@ -7,7 +7,7 @@ p % block_size. Which blocks a sequence owns is the `BlockManager`'s business; t
 model runner hands this cache the step's block tables (`bind`) before each forward.
 
 Attention reads a sequence's keys by gathering its blocks into one contiguous
-(B, nh, S, hs) tensor, key j at slot j, each row padded to the longest table; the
+(B, nkv, S, hs) tensor, key j at slot j, each row padded to the longest table; the
 per-row mask in `gpt2.CausalSelfAttention` hides the padding. Built from a spec
 (`paged:b16`, for generate, bench and eval) it owns its blocks alone: each row gets
 the blocks its longest sequence needs, in order, as a block manager would hand out.
@@ -23,31 +23,31 @@ from torch import Tensor
 from kvcache_cli.caches.base import KVCache, RollbackError, nbytes
 
 
-def block_bytes(config, block_size: int, dtype: torch.dtype) -> int:
+def block_bytes(shape, block_size: int, dtype: torch.dtype) -> int:
     """Bytes of one block: K and V, every layer, block_size positions."""
     element = torch.empty((), dtype=dtype).element_size()
-    return 2 * config.n_layer * block_size * config.n_embd * element
+    return 2 * shape.n_layer * block_size * shape.n_kv_head * shape.head_size * element
 
 
 class PagedCache(KVCache):
-    def __init__(self, config, n_blocks: int, block_size: int, device,
+    def __init__(self, shape, n_blocks: int, block_size: int, device,
                  dtype: torch.dtype):
         self.block_size = block_size
-        # Heads before blocks: a gather of blocks then reads as (B, nh, S, hs) without a
+        # Heads before blocks: a gather of blocks then reads as (B, nkv, S, hs) without a
         # second copy, since one head's blocks lie back to back in the gathered tensor.
-        shape = (config.n_layer, config.n_head, n_blocks, block_size, config.head_size)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)  # (L, nh, n_blocks, bs, hs)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        dims = (shape.n_layer, shape.n_kv_head, n_blocks, block_size, shape.head_size)
+        self.k = torch.zeros(dims, device=device, dtype=dtype)  # (L, nkv, n_blocks, bs, hs)
+        self.v = torch.zeros(dims, device=device, dtype=dtype)
         self.block_tables: Tensor | None = None  # (B, max blocks), set by bind
         empty = torch.empty(0, device=device, dtype=dtype)
         self._scratch = [empty, empty]  # the gathered K and V, grown as batches grow
         self.reset()
 
     @classmethod
-    def build(cls, spec, config, *, max_len: int, batch: int, device, dtype, whole: bool):
+    def build(cls, spec, shape, *, max_len: int, batch: int, device, dtype, whole: bool):
         block_size = spec["block_size"]
         per_row = -(-max_len // block_size)  # blocks for max_len positions, rounded up
-        cache = cls(config, batch * per_row, block_size, device, dtype)
+        cache = cls(shape, batch * per_row, block_size, device, dtype)
         rows = torch.arange(batch * per_row, device=device).view(batch, per_row)  # (B, blocks)
         cache.bind(rows)
         return cache
@@ -64,7 +64,7 @@ class PagedCache(KVCache):
 
     def update(self, layer: int, start_pos: int | Tensor, k: Tensor, v: Tensor
                ) -> tuple[Tensor, Tensor]:
-        B, nh, T, hs = k.shape
+        B, nkv, T, hs = k.shape
         table = self.block_tables
         if table is None or table.size(0) != B:
             raise ValueError(f"bind a block table per row first ({B} rows)")
@@ -85,16 +85,16 @@ class PagedCache(KVCache):
         return keys[:, :, : self.length], values[:, :, : self.length]  # the filled prefix
 
     def write(self, layer: int, blocks: Tensor, slots: Tensor, k: Tensor, v: Tensor) -> None:
-        """Store k, v (nh, *idx, hs) at pool blocks `blocks` and slots `slots` (both *idx):
+        """Store k, v (nkv, *idx, hs) at pool blocks `blocks` and slots `slots` (both *idx):
         one layer's keys and values of any set of tokens, each at its own slot (a
         serving step writes only its real tokens, never a padding row's)."""
-        # Two adjacent advanced indices keep their place: the slots are (nh, *idx, hs).
+        # Two adjacent advanced indices keep their place: the slots are (nkv, *idx, hs).
         self.k[layer][:, blocks, slots] = k
         self.v[layer][:, blocks, slots] = v
         self.bytes_copied += nbytes(k) + nbytes(v)
 
     def gather(self, layer: int) -> tuple[Tensor, Tensor]:
-        """Every bound row's keys and values, (B, nh, S, hs) with key j at slot j."""
+        """Every bound row's keys and values, (B, nkv, S, hs) with key j at slot j."""
         table = self.block_tables
         return self._gather(self.k[layer], table, 0), self._gather(self.v[layer], table, 1)
 
@@ -107,22 +107,22 @@ class PagedCache(KVCache):
         self.length = length
 
     def _gather(self, pool: Tensor, table: Tensor, which: int) -> Tensor:
-        """Every row's blocks in table order, as (B, nh, S, hs) with key j at slot j.
+        """Every row's blocks in table order, as (B, nkv, S, hs) with key j at slot j.
 
         Written into a scratch buffer kept across calls (one for K, one for V; a layer's
         keys are done with before the next layer gathers): a fresh multi-MB tensor per
         layer cost more in page faults than the copy itself.
         """
-        nh, n_blocks, bs, hs = pool.shape
+        nkv, n_blocks, bs, hs = pool.shape
         B, width = table.shape
-        need = nh * B * width * bs * hs
+        need = nkv * B * width * bs * hs
         if self._scratch[which].numel() < need:
             self._scratch[which] = torch.empty(need, device=pool.device, dtype=pool.dtype)
-        rows = self._scratch[which][:need].view(nh, B * width, bs * hs)
+        rows = self._scratch[which][:need].view(nkv, B * width, bs * hs)
         # index_select over whole blocks (bs * hs contiguous values) copies at memcpy
         # speed; the same gather by advanced indexing ran 15x slower on the CPU.
-        torch.index_select(pool.view(nh, n_blocks, bs * hs), 1, table.flatten(), out=rows)
-        return rows.view(nh, B, width * bs, hs).transpose(0, 1)  # (B, nh, S, hs)
+        torch.index_select(pool.view(nkv, n_blocks, bs * hs), 1, table.flatten(), out=rows)
+        return rows.view(nkv, B, width * bs, hs).transpose(0, 1)  # (B, nkv, S, hs)
 
     @property
     def bytes_held(self) -> int:

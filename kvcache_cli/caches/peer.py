@@ -30,17 +30,17 @@ def _quanto_missing() -> str | None:
 
 
 class QuantoCache(KVCache):
-    def __init__(self, config, batch: int, device, dtype, *, bits: int, group: int,
+    def __init__(self, shape, batch: int, device, dtype, *, bits: int, group: int,
                  residual: int):
         missing = _quanto_missing()
         if missing:
             raise ValueError(missing)
-        self.config, self.bits, self.group, self.residual = config, bits, group, residual
+        self.shape, self.bits, self.group, self.residual = shape, bits, group, residual
         self.reset()
 
     @classmethod
-    def build(cls, spec, config, *, max_len: int, batch: int, device, dtype, whole: bool):
-        return cls(config, batch, device, dtype, bits=spec["bits"], group=spec["group"],
+    def build(cls, spec, shape, *, max_len: int, batch: int, device, dtype, whole: bool):
+        return cls(shape, batch, device, dtype, bits=spec["bits"], group=spec["group"],
                    residual=spec["residual"])
 
     def reset(self) -> None:
@@ -48,7 +48,7 @@ class QuantoCache(KVCache):
 
         self.layers = [QuantoQuantizedLayer(nbits=self.bits, q_group_size=self.group,
                                             residual_length=self.residual)
-                       for _ in range(self.config.n_layer)]
+                       for _ in range(self.shape.n_layer)]
         self.length = 0
         self.bytes_copied = 0
 
@@ -57,7 +57,7 @@ class QuantoCache(KVCache):
         if isinstance(start_pos, Tensor) or start_pos != held:
             raise ValueError(f"transformers' QuantizedCache appends: layer {layer} holds {held} "
                              f"positions, asked to write at {start_pos}")
-        keys, values = self.layers[layer].update(k, v)  # (B, nh, S, hs)
+        keys, values = self.layers[layer].update(k, v)  # (B, nkv, S, hs)
         self.bytes_copied += nbytes(keys) + nbytes(values)
         self.length = start_pos + k.size(2)
         return keys, values

@@ -123,49 +123,49 @@ def dequantise(codes: Tensor, scale: Tensor, zero: Tensor, dtype: torch.dtype) -
 
 
 class _Tokens:
-    """Per-token groups: codes (B, nh, T, hs * bits / 8), scale and zero (B, nh, T, hs / G)."""
+    """Per-token groups: codes (B, nkv, T, hs * bits / 8), scale and zero (B, nkv, T, hs / G)."""
 
     @staticmethod
     def encode(x: Tensor, bits: int, G: int) -> tuple[Tensor, Tensor, Tensor]:
-        B, nh, T, hs = x.shape
-        q, scale, zero = quantise(x.reshape(B, nh, T, hs // G, G), bits)  # (B, nh, T, hs/G, G)
-        return pack(q.view(B, nh, T, hs), bits), scale[..., 0], zero[..., 0]
+        B, nkv, T, hs = x.shape
+        q, scale, zero = quantise(x.reshape(B, nkv, T, hs // G, G), bits)  # (B, nkv, T, hs/G, G)
+        return pack(q.view(B, nkv, T, hs), bits), scale[..., 0], zero[..., 0]
 
     @staticmethod
     def decode(codes, scale, zero, bits: int, G: int, dtype) -> Tensor:
-        B, nh, T, _ = codes.shape
-        q = unpack(codes, bits).view(B, nh, T, -1, G)  # (B, nh, T, hs/G, G)
-        return dequantise(q, scale[..., None], zero[..., None], dtype).view(B, nh, T, -1)
+        B, nkv, T, _ = codes.shape
+        q = unpack(codes, bits).view(B, nkv, T, -1, G)  # (B, nkv, T, hs/G, G)
+        return dequantise(q, scale[..., None], zero[..., None], dtype).view(B, nkv, T, -1)
 
     @staticmethod
     def decode_into(out: Tensor, codes, scale, zero, bits: int, G: int) -> None:
-        """Dequantise into `out` (B, nh, T, hs), a slice of what attention reads: one fused
+        """Dequantise into `out` (B, nkv, T, hs), a slice of what attention reads: one fused
         multiply-add into place, 3x faster on the CPU than dequantising and then concatenating."""
-        B, nh, T, hs = out.shape
-        q = unpack(codes, bits).view(B, nh, T, hs // G, G)  # (B, nh, T, hs/G, G)
+        B, nkv, T, hs = out.shape
+        q = unpack(codes, bits).view(B, nkv, T, hs // G, G)  # (B, nkv, T, hs/G, G)
         torch.addcmul(zero[..., None].float(), q.float(), scale[..., None].float(),
-                      out=out.view(B, nh, T, hs // G, G))
+                      out=out.view(B, nkv, T, hs // G, G))
 
 
 class _Channels:
-    """Per-channel groups of G tokens (KIVI's keys): codes (B, nh, T, hs * bits / 8),
-    scale and zero (B, nh, T / G, hs)."""
+    """Per-channel groups of G tokens (KIVI's keys): codes (B, nkv, T, hs * bits / 8),
+    scale and zero (B, nkv, T / G, hs)."""
 
     @staticmethod
     def encode(x: Tensor, bits: int, G: int) -> tuple[Tensor, Tensor, Tensor]:
-        B, nh, T, hs = x.shape  # T a multiple of G
-        groups = x.reshape(B, nh, T // G, G, hs).transpose(-1, -2)  # (B, nh, T/G, hs, G)
+        B, nkv, T, hs = x.shape  # T a multiple of G
+        groups = x.reshape(B, nkv, T // G, G, hs).transpose(-1, -2)  # (B, nkv, T/G, hs, G)
         q, scale, zero = quantise(groups, bits)
-        q = q.transpose(-1, -2).reshape(B, nh, T, hs)
-        return pack(q, bits), scale[..., 0], zero[..., 0]  # scales (B, nh, T/G, hs)
+        q = q.transpose(-1, -2).reshape(B, nkv, T, hs)
+        return pack(q, bits), scale[..., 0], zero[..., 0]  # scales (B, nkv, T/G, hs)
 
     @staticmethod
     def decode_into(out: Tensor, codes, scale, zero, bits: int, G: int) -> None:
-        """Dequantise into `out` (B, nh, T, hs), a slice of what attention reads."""
-        B, nh, T, hs = out.shape
-        q = unpack(codes, bits).view(B, nh, T // G, G, hs)  # (B, nh, T/G, G, hs)
+        """Dequantise into `out` (B, nkv, T, hs), a slice of what attention reads."""
+        B, nkv, T, hs = out.shape
+        q = unpack(codes, bits).view(B, nkv, T // G, G, hs)  # (B, nkv, T/G, G, hs)
         torch.addcmul(zero[:, :, :, None].float(), q.float(), scale[:, :, :, None].float(),
-                      out=out.view(B, nh, T // G, G, hs))
+                      out=out.view(B, nkv, T // G, G, hs))
 
 
 def _cat(a: Tensor, b: Tensor) -> Tensor:
@@ -178,20 +178,20 @@ def _cat(a: Tensor, b: Tensor) -> Tensor:
 class _IntLayer:
     """One layer's store: sinks, quantised keys and values, the full-precision tail."""
 
-    def __init__(self, B: int, nh: int, hs: int, bits: int, G: int, device, dtype):
+    def __init__(self, B: int, nkv: int, hs: int, bits: int, G: int, device, dtype):
         fp = dict(device=device, dtype=dtype)
         sc = dict(device=device, dtype=SCALE_DTYPE)
         width = hs * bits // 8
-        self.sink_k = torch.empty(B, nh, 0, hs, **fp)  # (B, nh, s, hs)
-        self.sink_v = torch.empty(B, nh, 0, hs, **fp)
-        self.tail_k = torch.empty(B, nh, 0, hs, **fp)  # (B, nh, t, hs)
-        self.tail_v = torch.empty(B, nh, 0, hs, **fp)
-        self.k_codes = torch.empty(B, nh, 0, width, device=device, dtype=torch.uint8)
-        self.v_codes = torch.empty(B, nh, 0, width, device=device, dtype=torch.uint8)
-        self.k_scale = torch.empty(B, nh, 0, hs, **sc)  # per channel: (B, nh, Tq/G, hs) ...
-        self.k_zero = torch.empty(B, nh, 0, hs, **sc)
-        self.v_scale = torch.empty(B, nh, 0, hs // G, **sc)  # per token: (B, nh, Tq, hs/G)
-        self.v_zero = torch.empty(B, nh, 0, hs // G, **sc)
+        self.sink_k = torch.empty(B, nkv, 0, hs, **fp)  # (B, nkv, s, hs)
+        self.sink_v = torch.empty(B, nkv, 0, hs, **fp)
+        self.tail_k = torch.empty(B, nkv, 0, hs, **fp)  # (B, nkv, t, hs)
+        self.tail_v = torch.empty(B, nkv, 0, hs, **fp)
+        self.k_codes = torch.empty(B, nkv, 0, width, device=device, dtype=torch.uint8)
+        self.v_codes = torch.empty(B, nkv, 0, width, device=device, dtype=torch.uint8)
+        self.k_scale = torch.empty(B, nkv, 0, hs, **sc)  # per channel: (B, nkv, Tq/G, hs) ...
+        self.k_zero = torch.empty(B, nkv, 0, hs, **sc)
+        self.v_scale = torch.empty(B, nkv, 0, hs // G, **sc)  # per token: (B, nkv, Tq, hs/G)
+        self.v_zero = torch.empty(B, nkv, 0, hs // G, **sc)
 
     def tensors(self) -> list[Tensor]:
         return [self.sink_k, self.sink_v, self.tail_k, self.tail_v, self.k_codes,
@@ -205,10 +205,10 @@ class _IntLayer:
 class QuantizedCache(KVCache):
     """Integer keys and values (int8, int4, int2), affine per group, KIVI's layout."""
 
-    def __init__(self, config, batch: int, device, dtype: torch.dtype, *, bits: int,
+    def __init__(self, shape, batch: int, device, dtype: torch.dtype, *, bits: int,
                  group: int, key_axis: str, residual: int, sinks: int, name: str = ""):
-        check_head_dim(name or f"int{bits}", {"bits": bits, "group": group}, config.head_size)
-        self.config, self.batch, self.device, self.dtype = config, batch, device, dtype
+        check_head_dim(name or f"int{bits}", {"bits": bits, "group": group}, shape.head_size)
+        self.shape, self.batch, self.device, self.dtype = shape, batch, device, dtype
         self.bits, self.group, self.residual, self.sinks = bits, group, residual, sinks
         self.per_channel = key_axis == "kchan"
         # Tokens leave the tail in chunks: a per-channel key group is G tokens.
@@ -217,14 +217,14 @@ class QuantizedCache(KVCache):
         self.reset()
 
     @classmethod
-    def build(cls, spec, config, *, max_len: int, batch: int, device, dtype, whole: bool):
-        return cls(config, batch, device, dtype, bits=spec["bits"], group=spec["group"],
+    def build(cls, spec, shape, *, max_len: int, batch: int, device, dtype, whole: bool):
+        return cls(shape, batch, device, dtype, bits=spec["bits"], group=spec["group"],
                    key_axis=spec["keys"], residual=spec["residual"], sinks=spec["sinks"],
                    name=str(spec))
 
     def reset(self) -> None:
-        c = self.config
-        self.layers = [_IntLayer(self.batch, c.n_head, c.head_size, self.bits, self.group,
+        c = self.shape
+        self.layers = [_IntLayer(self.batch, c.n_kv_head, c.head_size, self.bits, self.group,
                                  self.device, self.dtype) for _ in range(c.n_layer)]
         self.lengths = [0] * c.n_layer
         self.length = 0
@@ -240,7 +240,7 @@ class QuantizedCache(KVCache):
         if room:  # the first S positions stay at full precision, never quantised
             L.sink_k, L.sink_v = _cat(L.sink_k, k[:, :, :room]), _cat(L.sink_v, v[:, :, :room])
             k, v = k[:, :, room:], v[:, :, room:]
-        L.tail_k, L.tail_v = _cat(L.tail_k, k), _cat(L.tail_v, v)  # (B, nh, t, hs)
+        L.tail_k, L.tail_v = _cat(L.tail_k, k), _cat(L.tail_v, v)  # (B, nkv, t, hs)
         self.bytes_copied += nbytes(L.tail_k) + nbytes(L.tail_v)
         self._flush(L)
         self.lengths[layer] = start_pos + T
@@ -264,13 +264,13 @@ class QuantizedCache(KVCache):
         self.bytes_copied += sum(nbytes(t) for t in L.tensors()[2:])
 
     def _read(self, L: _IntLayer) -> tuple[Tensor, Tensor]:
-        """What attention reads: sinks, dequantised codes, tail, (B, nh, n, hs)."""
+        """What attention reads: sinks, dequantised codes, tail, (B, nkv, n, hs)."""
         if L.quantised == 0:
             return _cat(L.sink_k, L.tail_k), _cat(L.sink_v, L.tail_v)
-        B, nh, s, hs = L.sink_k.shape
+        B, nkv, s, hs = L.sink_k.shape
         q, n = L.quantised, s + L.quantised + L.tail_k.size(2)
-        keys = L.tail_k.new_empty(B, nh, n, hs)  # (B, nh, n, hs): transient, not held
-        values = L.tail_v.new_empty(B, nh, n, hs)
+        keys = L.tail_k.new_empty(B, nkv, n, hs)  # (B, nkv, n, hs): transient, not held
+        values = L.tail_v.new_empty(B, nkv, n, hs)
         for out, sink, tail in ((keys, L.sink_k, L.tail_k), (values, L.sink_v, L.tail_v)):
             out[:, :, :s], out[:, :, s + q:] = sink, tail
         self.keys.decode_into(keys[:, :, s:s + q], L.k_codes, L.k_scale, L.k_zero,
@@ -326,9 +326,9 @@ def fp8_range(dtype: torch.dtype) -> float:
 class Fp8Cache(KVCache):
     """Keys and values stored as float8 (e4m3 or e5m2) over a float32 scale."""
 
-    def __init__(self, config, batch: int, device, dtype: torch.dtype, *, fmt: str,
+    def __init__(self, shape, batch: int, device, dtype: torch.dtype, *, fmt: str,
                  per_head: bool, calibrate: bool):
-        self.config, self.batch, self.device, self.dtype = config, batch, device, dtype
+        self.shape, self.batch, self.device, self.dtype = shape, batch, device, dtype
         self.store = FP8_DTYPES[fmt]
         self.max = fp8_range(self.store)
         # Every float8 value by its bits: a lookup reads them twice as fast as a cast.
@@ -337,17 +337,17 @@ class Fp8Cache(KVCache):
         self.reset()
 
     @classmethod
-    def build(cls, spec, config, *, max_len: int, batch: int, device, dtype, whole: bool):
-        return cls(config, batch, device, dtype, fmt=spec.kind, per_head=spec["scale"] == "head",
+    def build(cls, spec, shape, *, max_len: int, batch: int, device, dtype, whole: bool):
+        return cls(shape, batch, device, dtype, fmt=spec.kind, per_head=spec["scale"] == "head",
                    calibrate=spec["init"] == "calib")
 
     def reset(self) -> None:
-        c = self.config
-        empty = (self.batch, c.n_head, 0, c.head_size)  # (B, nh, 0, hs)
+        c = self.shape
+        empty = (self.batch, c.n_kv_head, 0, c.head_size)  # (B, nkv, 0, hs)
         new = dict(device=self.device, dtype=self.store)
         self.k = [torch.empty(empty, **new) for _ in range(c.n_layer)]
         self.v = [torch.empty(empty, **new) for _ in range(c.n_layer)]
-        heads = c.n_head if self.per_head else 1
+        heads = c.n_kv_head if self.per_head else 1
         # One scale per row (and head): (L, 2, B, heads), K's then V's; 1.0 until calibrated.
         self.scales = torch.ones(c.n_layer, 2, self.batch, heads, device=self.device)
         self.saturated = 0  # numbers beyond the range, clamped to it, since the last reset
@@ -372,14 +372,14 @@ class Fp8Cache(KVCache):
         if self.calibrate and start_pos == 0:  # the prompt sets the scales
             self._calibrate(layer, 0, k)
             self._calibrate(layer, 1, v)
-        self.k[layer] = _cat(self.k[layer], self._encode(layer, 0, k))  # (B, nh, S, hs)
+        self.k[layer] = _cat(self.k[layer], self._encode(layer, 0, k))  # (B, nkv, S, hs)
         self.v[layer] = _cat(self.v[layer], self._encode(layer, 1, v))
         self.bytes_copied += nbytes(self.k[layer]) + nbytes(self.v[layer])
         self.length = start_pos + k.size(2)
         return self._decode(layer, 0, self.k[layer]), self._decode(layer, 1, self.v[layer])
 
     def _decode(self, layer: int, which: int, x: Tensor) -> Tensor:
-        values = self.table.take(x.view(torch.uint8).long())  # (B, nh, S, hs) float32
+        values = self.table.take(x.view(torch.uint8).long())  # (B, nkv, S, hs) float32
         return (values * self.scales[layer, which][:, :, None, None]).to(self.dtype)
 
     def crop(self, length: int) -> None:
@@ -405,12 +405,12 @@ class QuantPagedCache(PagedCache):
     token, float16) or fp8 e4m3 (scale 1.0): `PagedCache` with its write and gather in
     codes, so bind, update, crop and the serving step's writes are the same."""
 
-    def __init__(self, config, n_blocks: int, block_size: int, device, dtype: torch.dtype,
+    def __init__(self, shape, n_blocks: int, block_size: int, device, dtype: torch.dtype,
                  fmt: str):
         self.block_size, self.fmt, self.dtype = block_size, fmt, dtype
-        nh, hs = config.n_head, config.head_size
-        base = (config.n_layer, nh, n_blocks, block_size)
-        # Every pool is (L, nh, n_blocks, bs, X), so PagedCache's gather reads each alike.
+        nkv, hs = shape.n_kv_head, shape.head_size
+        base = (shape.n_layer, nkv, n_blocks, block_size)
+        # Every pool is (L, nkv, n_blocks, bs, X), so PagedCache's gather reads each alike.
         if fmt == "fp8":
             self.bits = 8
             store, width = torch.float8_e4m3fn, hs
@@ -423,7 +423,7 @@ class QuantPagedCache(PagedCache):
         if fmt != "fp8":
             for name in ("k_scale", "k_zero", "v_scale", "v_zero"):
                 self.pools[name] = torch.zeros(*base, 1, device=device, dtype=SCALE_DTYPE)
-        self.k, self.v = self.pools["k"], self.pools["v"]  # (L, nh, n_blocks, bs, X), as PagedCache
+        self.k, self.v = self.pools["k"], self.pools["v"]  # (L, nkv, n_blocks, bs, X), as PagedCache
         self.block_tables = None
         self._scratch = {name: torch.empty(0, device=device, dtype=p.dtype)
                          for name, p in self.pools.items()}
@@ -431,16 +431,16 @@ class QuantPagedCache(PagedCache):
         self.reset()
 
     @classmethod
-    def build(cls, spec, config, *, max_len: int, batch: int, device, dtype, whole: bool):
+    def build(cls, spec, shape, *, max_len: int, batch: int, device, dtype, whole: bool):
         block_size = spec["block_size"]
         per_row = -(-max_len // block_size)  # blocks for max_len positions, rounded up
-        cache = cls(config, batch * per_row, block_size, device, dtype,
+        cache = cls(shape, batch * per_row, block_size, device, dtype,
                     spec.kind.removeprefix("paged-"))
         cache.bind(torch.arange(batch * per_row, device=device).view(batch, per_row))
         return cache
 
     def _encode(self, x: Tensor, which: str) -> dict[str, Tensor]:
-        """x (B, nh, T, hs) -> the parts each pool stores, (B, nh, T, X)."""
+        """x (B, nkv, T, hs) -> the parts each pool stores, (B, nkv, T, X)."""
         if self.fmt == "fp8":
             self.saturated += int((x.abs() > self.max).sum())
             return {which: x.float().clamp(-self.max, self.max).to(self.pools[which].dtype)}
@@ -449,7 +449,7 @@ class QuantPagedCache(PagedCache):
 
     def _read(self, layer: int, table: Tensor, which: str) -> Tensor:
         got = {name: self._gather(self.pools[name][layer], table, name)
-               for name in self.pools if name.startswith(which)}  # each (B, nh, S, X)
+               for name in self.pools if name.startswith(which)}  # each (B, nkv, S, X)
         if self.fmt == "fp8":
             return got[which].to(self.dtype)
         hs = got[which].size(-1) * 8 // self.bits
@@ -458,17 +458,17 @@ class QuantPagedCache(PagedCache):
 
     def write(self, layer: int, blocks: Tensor, slots: Tensor, k: Tensor, v: Tensor) -> None:
         """`PagedCache.write` in codes: each token quantised as it is stored, k and v
-        (nh, *idx, hs) at pool blocks `blocks` and slots `slots` (both *idx)."""
-        nh, hs, idx = k.size(0), k.size(-1), blocks.shape
-        parts = self._encode(k.reshape(1, nh, -1, hs), "k") | self._encode(
-            v.reshape(1, nh, -1, hs), "v")  # each (1, nh, N, X)
+        (nkv, *idx, hs) at pool blocks `blocks` and slots `slots` (both *idx)."""
+        nkv, hs, idx = k.size(0), k.size(-1), blocks.shape
+        parts = self._encode(k.reshape(1, nkv, -1, hs), "k") | self._encode(
+            v.reshape(1, nkv, -1, hs), "v")  # each (1, nkv, N, X)
         for name, part in parts.items():
-            part = part.reshape(nh, *idx, part.size(-1))  # (nh, *idx, X)
+            part = part.reshape(nkv, *idx, part.size(-1))  # (nkv, *idx, X)
             self.pools[name][layer][:, blocks, slots] = part
             self.bytes_copied += nbytes(part)
 
     def gather(self, layer: int) -> tuple[Tensor, Tensor]:
-        """Every bound row's keys and values decoded, (B, nh, S, hs), key j at slot j."""
+        """Every bound row's keys and values decoded, (B, nkv, S, hs), key j at slot j."""
         table = self.block_tables
         return self._read(layer, table, "k"), self._read(layer, table, "v")
 
@@ -481,24 +481,24 @@ class QuantPagedCache(PagedCache):
 POOLS = ("paged", "paged-int8", "paged-int4", "paged-fp8")
 
 
-def pool_block_bytes(kind: str, config, block_size: int, dtype: torch.dtype) -> int:
+def pool_block_bytes(kind: str, shape, block_size: int, dtype: torch.dtype) -> int:
     """Bytes of one block of the pool `kind` (every layer, K and V, scales included),
     from the spec registry's formula, which `bytes_held` is tested against."""
     from kvcache_cli.caches.spec import layer_bytes, parse_cache_spec
 
     element = torch.empty((), dtype=dtype).element_size()
     spec = parse_cache_spec(f"{kind}:b{block_size}")
-    return config.n_layer * layer_bytes(spec, block_size, config.n_head, config.head_size,
+    return shape.n_layer * layer_bytes(spec, block_size, shape.n_kv_head, shape.head_size,
                                         element)
 
 
-def make_pool(kind: str, config, kv_mem: int, block_size: int, device,
+def make_pool(kind: str, shape, kv_mem: int, block_size: int, device,
               dtype: torch.dtype) -> PagedCache:
     """serve's pool of kind `kind` ('paged', 'paged-int8', ...): as many blocks as kv_mem
     holds. The engines choose the kind; the block manager and scheduler are the same."""
-    n_blocks = kv_mem // pool_block_bytes(kind, config, block_size, dtype)
+    n_blocks = kv_mem // pool_block_bytes(kind, shape, block_size, dtype)
     if kind == "paged":
-        return PagedCache(config, n_blocks, block_size, device, dtype)
-    check_head_dim(kind, {"bits": 4 if kind == "paged-int4" else 8}, config.head_size)
-    return QuantPagedCache(config, n_blocks, block_size, device, dtype,
+        return PagedCache(shape, n_blocks, block_size, device, dtype)
+    check_head_dim(kind, {"bits": 4 if kind == "paged-int4" else 8}, shape.head_size)
+    return QuantPagedCache(shape, n_blocks, block_size, device, dtype,
                            kind.removeprefix("paged-"))

@@ -110,7 +110,7 @@ def _step_ms(model: GPT, batch: int, context: int) -> float:
     from kvcache_cli.bench import synchronize
 
     c, device = model.config, model.device
-    cache = StaticCache(c, context + WARMUP_STEPS + STEPS, batch, device, model.dtype)
+    cache = StaticCache(c.cache_shape, context + WARMUP_STEPS + STEPS, batch, device, model.dtype)
     for buffer in cache.k + cache.v:
         buffer.normal_()
     idx = torch.randint(0, c.vocab_size, (batch, 1), device=device)  # (B, 1)
@@ -153,7 +153,7 @@ def run_sweep(model: GPT, sizes: Sequence[int], threads: int | None = None,
     finally:
         torch.set_num_threads(previous)
     weights = weight_bytes(model)
-    kv_row = context * block_bytes(model.config, 1, model.dtype)
+    kv_row = context * block_bytes(model.config.cache_shape, 1, model.dtype)
     per_row = _flops_per_row(model.config, context)
 
     def predicted_ms(b: float) -> float:

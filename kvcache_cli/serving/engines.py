@@ -256,8 +256,8 @@ def plan_memory(config, dtype: torch.dtype, spec: WorkloadSpec, kv_mem: int, blo
         raise ValueError(f"--block-size {block_size}: expected at least 1 token")
     if max_batch < 1:
         raise ValueError(f"--max-batch {max_batch}: expected at least 1")
-    per_token = block_bytes(config, 1, dtype)
-    n_blocks = kv_mem // block_bytes(config, block_size, dtype)
+    per_token = block_bytes(config.cache_shape, 1, dtype)
+    n_blocks = kv_mem // block_bytes(config.cache_shape, block_size, dtype)
     need = -(-spec.longest // block_size)
     if n_blocks < need:
         raise ValueError(
@@ -276,7 +276,7 @@ def fit_padded(plan: Plan, requests: Sequence[Request], config, dtype: torch.dty
     long as the ranges allow, within kv_mem. Reserving rows for the whole budget would
     charge it for memory no request asked for."""
     longest = max(len(r.prompt) for r in requests) + max(r.max_new_tokens for r in requests)
-    rows = min(max_batch, len(requests), kv_mem // (longest * block_bytes(config, 1, dtype)))
+    rows = min(max_batch, len(requests), kv_mem // (longest * block_bytes(config.cache_shape, 1, dtype)))
     return dataclasses.replace(plan, padded_rows=rows, slab_len=longest)
 
 
@@ -359,12 +359,12 @@ class _Recorder:
 def _run_sequential(model: GPT, requests, rec: _Recorder) -> None:
     from kvcache_cli.generate import stream_tokens
 
-    per_token = block_bytes(model.config, 1, model.dtype)
+    per_token = block_bytes(model.config.cache_shape, 1, model.dtype)
     for i, r in enumerate(requests):
         while rec.arrived <= i:  # one at a time, in arrival order
             if not list(rec.arrivals()):
                 rec.wait_for_arrival()
-        cache = StaticCache(model.config, len(r.prompt) + r.max_new_tokens, 1, model.device,
+        cache = StaticCache(model.config.cache_shape, len(r.prompt) + r.max_new_tokens, 1, model.device,
                             model.dtype)
         rec.reserved = max(rec.reserved, cache.bytes_held)  # the largest it ever held
         tokens = rec.tokens[r.id] = []
@@ -378,9 +378,9 @@ def _run_sequential(model: GPT, requests, rec: _Recorder) -> None:
 
 
 def _run_padded(model: GPT, requests, rec: _Recorder, plan: Plan) -> None:
-    cache = PagedCache(model.config, plan.padded_rows, plan.slab_len, model.device, model.dtype)
+    cache = PagedCache(model.config.cache_shape, plan.padded_rows, plan.slab_len, model.device, model.dtype)
     runner = ModelRunner(model, cache)  # one block per row: a contiguous slab
-    per_token = block_bytes(model.config, 1, model.dtype)
+    per_token = block_bytes(model.config.cache_shape, 1, model.dtype)
     rec.reserved = cache.bytes_held
     queue: list[Request] = []
     while len(rec.finish) < len(requests):
@@ -630,7 +630,7 @@ def _prepare(variant: Variant, model: GPT, spec: WorkloadSpec, plan: Plan, block
         _run_padded(model, warmup, recorder(), Plan(plan.n_blocks, 1, plan.slab_len))
         return lambda requests, rec: _run_padded(model, requests, rec, plan) or {}
     if engine in POOLS:
-        cache = make_pool(engine, model.config, plan.kv_mem, block_size, device, model.dtype)
+        cache = make_pool(engine, model.config.cache_shape, plan.kv_mem, block_size, device, model.dtype)
         plan = dataclasses.replace(plan, n_blocks=cache.k.size(2))
         policy = dict(policy=variant.policy or "prefill-first",
                       token_budget=variant.token_budget, layout=layout)
@@ -651,7 +651,7 @@ def _prepare(variant: Variant, model: GPT, spec: WorkloadSpec, plan: Plan, block
     stack.enter_context(_quiet_transformers())
     manager = _hf_manager(model, plan, block_size, max_batch, spec, prefix_sharing)
     stack.callback(manager.stop, block=True, timeout=5)
-    reserved = plan.n_blocks * block_bytes(model.config, block_size, model.dtype)
+    reserved = plan.n_blocks * block_bytes(model.config.cache_shape, block_size, model.dtype)
     return lambda requests, rec: _hf_collect(manager, requests, rec) or dict(reserved=reserved)
 
 
@@ -772,7 +772,7 @@ def run_serve(model: GPT, spec: WorkloadSpec, engines: Sequence[str | Variant], 
         prompt_tokens=sum(len(r.prompt) for r in requests),
         output_tokens=sum(r.max_new_tokens for r in requests), kv_mem_bytes=kv_mem,
         block_size=block_size, n_blocks=plan.n_blocks,
-        bytes_per_token=block_bytes(model.config, 1, model.dtype),
+        bytes_per_token=block_bytes(model.config.cache_shape, 1, model.dtype),
         padded_rows=plan.padded_rows, slab_len=plan.slab_len, max_batch=max_batch,
         prefix_sharing=prefix_sharing, engines=ordered, rates=rates,
         goodput=dict(targets) if targets else None,

@@ -25,7 +25,7 @@ class PooledSequence(KVCache):
             raise ValueError(f"pool blocks of {pool.block_size} tokens, manager blocks of "
                              f"{manager.block_size}: expected the same size")
         self.pool, self.manager, self.seq = pool, manager, seq
-        self._block_bytes = block_bytes(config, pool.block_size, pool.k.dtype)
+        self._block_bytes = block_bytes(config.cache_shape, pool.block_size, pool.k.dtype)
         self.bytes_copied = 0
 
     @property
