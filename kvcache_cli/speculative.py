@@ -598,7 +598,8 @@ def run_rollback_shared(model: GPT, max_new_tokens: int = 12, block_size: int = 
         # A's blocks and B's one block of its own, none spare: whatever a rollback
         # frees is all a newcomer can get.
         manager = BlockManager(a_blocks + 1, block_size, prefix_sharing=True)
-        pool = PagedCache(model.config.cache_shape, a_blocks + 1, block_size, model.device, model.dtype)
+        pool = PagedCache(model.config.cache_shape, a_blocks + 1, block_size, model.device,
+                          model.dtype)
         seqs = [Seq(Request(i, tuple(p), max_new_tokens, 0.0))
                 for i, p in enumerate((prompt_a, prompt_b, prompt_c))]
         a, b, c = seqs

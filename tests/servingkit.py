@@ -17,7 +17,8 @@ CONFIG = GPTConfig(block_size=128, vocab_size=97, n_layer=2, n_head=2, n_embd=16
 SPEC = WorkloadSpec(requests=6, prompt_len=(2, 24), output_len=(2, 16), shared_prefix=10,
                     rate=None, seed=3)
 ROOMY = 1 << 20
-TIGHT = 64 * block_bytes(CONFIG.cache_shape, 1, torch.float32)  # 16 blocks of 4: the longest needs 13
+# 16 blocks of 4: the longest needs 13
+TIGHT = 64 * block_bytes(CONFIG.cache_shape, 1, torch.float32)
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 

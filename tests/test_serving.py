@@ -55,7 +55,8 @@ def test_a_batch_of_rows_at_different_positions_gives_each_rows_solo_logits():
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, CONFIG.vocab_size, (n,), generator=g).tolist() for n in lengths]
     nxt = [5, 7, 11]
-    cache = PagedCache(CONFIG.cache_shape, n_blocks=16, block_size=4, device="cpu", dtype=torch.float32)
+    cache = PagedCache(CONFIG.cache_shape, n_blocks=16, block_size=4, device="cpu",
+                       dtype=torch.float32)
     runner = ModelRunner(model, cache)
     seqs, blocks = [], BlockManager(16, 4, prefix_sharing=False)
     for p, t in zip(prompts, nxt, strict=True):
@@ -143,7 +144,8 @@ def test_a_prompt_of_full_blocks_still_computes_its_last_token():
 
 def test_shared_blocks_are_never_written():
     model = _model()
-    cache = PagedCache(CONFIG.cache_shape, n_blocks=16, block_size=4, device="cpu", dtype=torch.float32)
+    cache = PagedCache(CONFIG.cache_shape, n_blocks=16, block_size=4, device="cpu",
+                       dtype=torch.float32)
     runner, blocks = ModelRunner(model, cache), BlockManager(16, 4)
     prefix = list(range(20, 28))
     first = _seq(prefix + [1, 2])

@@ -423,7 +423,8 @@ class QuantPagedCache(PagedCache):
         if fmt != "fp8":
             for name in ("k_scale", "k_zero", "v_scale", "v_zero"):
                 self.pools[name] = torch.zeros(*base, 1, device=device, dtype=SCALE_DTYPE)
-        self.k, self.v = self.pools["k"], self.pools["v"]  # (L, nkv, n_blocks, bs, X), as PagedCache
+        # (L, nkv, n_blocks, bs, X), as PagedCache
+        self.k, self.v = self.pools["k"], self.pools["v"]
         self.block_tables = None
         self._scratch = {name: torch.empty(0, device=device, dtype=p.dtype)
                          for name, p in self.pools.items()}

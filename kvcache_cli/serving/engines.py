@@ -276,7 +276,8 @@ def fit_padded(plan: Plan, requests: Sequence[Request], config, dtype: torch.dty
     long as the ranges allow, within kv_mem. Reserving rows for the whole budget would
     charge it for memory no request asked for."""
     longest = max(len(r.prompt) for r in requests) + max(r.max_new_tokens for r in requests)
-    rows = min(max_batch, len(requests), kv_mem // (longest * block_bytes(config.cache_shape, 1, dtype)))
+    row_bytes = longest * block_bytes(config.cache_shape, 1, dtype)
+    rows = min(max_batch, len(requests), kv_mem // row_bytes)
     return dataclasses.replace(plan, padded_rows=rows, slab_len=longest)
 
 
@@ -364,8 +365,8 @@ def _run_sequential(model: GPT, requests, rec: _Recorder) -> None:
         while rec.arrived <= i:  # one at a time, in arrival order
             if not list(rec.arrivals()):
                 rec.wait_for_arrival()
-        cache = StaticCache(model.config.cache_shape, len(r.prompt) + r.max_new_tokens, 1, model.device,
-                            model.dtype)
+        cache = StaticCache(model.config.cache_shape, len(r.prompt) + r.max_new_tokens, 1,
+                            model.device, model.dtype)
         rec.reserved = max(rec.reserved, cache.bytes_held)  # the largest it ever held
         tokens = rec.tokens[r.id] = []
         for token in stream_tokens(model, list(r.prompt), r.max_new_tokens, "static",
@@ -378,7 +379,8 @@ def _run_sequential(model: GPT, requests, rec: _Recorder) -> None:
 
 
 def _run_padded(model: GPT, requests, rec: _Recorder, plan: Plan) -> None:
-    cache = PagedCache(model.config.cache_shape, plan.padded_rows, plan.slab_len, model.device, model.dtype)
+    cache = PagedCache(model.config.cache_shape, plan.padded_rows, plan.slab_len, model.device,
+                       model.dtype)
     runner = ModelRunner(model, cache)  # one block per row: a contiguous slab
     per_token = block_bytes(model.config.cache_shape, 1, model.dtype)
     rec.reserved = cache.bytes_held
@@ -630,7 +632,8 @@ def _prepare(variant: Variant, model: GPT, spec: WorkloadSpec, plan: Plan, block
         _run_padded(model, warmup, recorder(), Plan(plan.n_blocks, 1, plan.slab_len))
         return lambda requests, rec: _run_padded(model, requests, rec, plan) or {}
     if engine in POOLS:
-        cache = make_pool(engine, model.config.cache_shape, plan.kv_mem, block_size, device, model.dtype)
+        cache = make_pool(engine, model.config.cache_shape, plan.kv_mem, block_size, device,
+                          model.dtype)
         plan = dataclasses.replace(plan, n_blocks=cache.k.size(2))
         policy = dict(policy=variant.policy or "prefill-first",
                       token_budget=variant.token_budget, layout=layout)
