@@ -26,6 +26,7 @@ def test_every_example_on_every_page_matches_a_real_run():
 
 def test_the_pages_have_exact_and_measured_blocks():
     texts = pages()
+    assert "README.md" in texts and "docs/models.md" in texts
     blocks = [b for text in texts.values() for b in parse(text)]
     assert any(b.measured for b in blocks) and sum(not b.measured for b in blocks) >= 8
     commands = [e.command for b in blocks for e in b.examples]
