@@ -324,6 +324,11 @@ class GPT(nn.Module):
         return self.lm_head(x)  # (B, T, vocab), or (B, 1, vocab)
 
     @property
+    def embedding(self) -> nn.Embedding:
+        """The token embedding (every family has one; the LM head may share its weight)."""
+        return self.transformer.wte
+
+    @property
     def device(self) -> torch.device:
         return self.transformer.wte.weight.device
 
@@ -403,7 +408,7 @@ def set_weights_dtype(model: GPT, name: str) -> GPT:
             if dtype == torch.int8:
                 setattr(parent, child_name, Int8Linear(child))
                 continue
-            tied = child.weight is model.transformer.wte.weight
+            tied = child.weight is model.embedding.weight
             weight = child.weight.detach().to(dtype)
             child.weight = nn.Parameter(weight.clone() if tied else weight, requires_grad=False)
             if child.bias is not None:

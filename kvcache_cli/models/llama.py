@@ -192,6 +192,10 @@ class Llama(nn.Module):
         return self.lm_head(self.model.norm(x))  # (B, T, vocab), or (B, 1, vocab)
 
     @property
+    def embedding(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    @property
     def device(self) -> torch.device:
         return self.model.embed_tokens.weight.device
 
