@@ -251,7 +251,8 @@ def to_hf(model: Llama):
         vocab_size=c.vocab_size, hidden_size=c.n_embd, intermediate_size=c.intermediate,
         num_hidden_layers=c.n_layer, num_attention_heads=c.n_head,
         num_key_value_heads=c.n_kv_head, head_dim=c.head_size,
-        max_position_embeddings=c.context, rms_norm_eps=c.rms_eps, rope_theta=c.rope_theta,
+        max_position_embeddings=c.context, rms_norm_eps=c.rms_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
         tie_word_embeddings=c.tie_word_embeddings, attention_bias=False, mlp_bias=False,
         bos_token_id=c.bos_id, eos_token_id=c.eos_ids[0] if c.eos_ids else None,
     )
