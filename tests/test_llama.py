@@ -7,13 +7,13 @@ import struct
 
 import pytest
 import torch
+from llamakit import smollm2_or_skip, tiny_hf, write_tiny_gguf
 
 from kvcache_cli.caches import make_cache
 from kvcache_cli.caches.spec import KINDS
 from kvcache_cli.models import family_of, load_model, model_config
 from kvcache_cli.models.gguf_file import read_gguf
-from kvcache_cli.models.llama import Llama, LlamaConfig, decode_flops, param_count, to_hf
-from llamakit import smollm2_or_skip, tiny_hf, write_tiny_gguf
+from kvcache_cli.models.llama import Llama, LlamaConfig, to_hf
 
 # Logits of one float32 model computed two ways (different kernels, a different order of
 # additions) agree to well under this, relative to their largest value.
@@ -97,9 +97,9 @@ def test_the_parameter_formula_counts_the_model():
     hf = tiny_hf()
     config = LlamaConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=64, intermediate=96,
                          vocab_size=300, context=128, tie_word_embeddings=True)
-    assert param_count(config) == Llama(config).num_params() == hf.num_parameters()
+    assert config.param_count() == Llama(config).num_params() == hf.num_parameters()
     # one step's products read every matrix once; attention grows with the context
-    assert decode_flops(config, 100) - decode_flops(config, 0) == 2 * 2 * 2 * 4 * 16 * 100
+    assert config.decode_flops(100) - config.decode_flops(0) == 4 * 2 * 4 * 16 * 100
 
 
 def test_families_are_told_apart_without_torch(tmp_path):
@@ -217,7 +217,8 @@ def test_a_truncated_gguf_is_refused_with_its_name(tmp_path):
 
 def test_a_gguf_whose_vocabulary_does_not_match_its_embedding_is_refused(tmp_path):
     path = write_tiny_gguf(tiny_hf(), tmp_path / "tiny.gguf", vocab_tokens=299)
-    with pytest.raises(ValueError, match=r"token_embd.weight has shape \(300, 64\), the model.s metadata says \(299, 64\)"):
+    shapes = r"token_embd.weight has shape \(300, 64\), the model.s metadata says \(299, 64\)"
+    with pytest.raises(ValueError, match=shapes):
         read_gguf(path)
 
 
