@@ -111,8 +111,11 @@ class Rotary(nn.Module):
     def __init__(self, config: LlamaConfig):
         super().__init__()
         hs = config.head_size
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, hs, 2).float() / hs))  # (hs/2,)
-        angles = torch.outer(torch.arange(config.context).float(), inv_freq)  # (ctx, hs/2)
+        # On the CPU even inside a meta-device context (a model built to be loaded): meta
+        # kernels for these ops import torch's decompositions, seconds on 2 cores.
+        steps = torch.arange(0, hs, 2, device="cpu").float() / hs
+        inv_freq = 1.0 / (config.rope_theta ** steps)  # (hs/2,)
+        angles = torch.outer(torch.arange(config.context, device="cpu").float(), inv_freq)
         angles = torch.cat([angles, angles], dim=-1)  # (ctx, hs)
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin(), persistent=False)
@@ -185,8 +188,11 @@ class Llama(nn.Module):
     def __init__(self, config: LlamaConfig):
         super().__init__()
         self.config = config
+        # An embedding handed an empty weight skips nn's init, which on the meta device (a
+        # model built to be loaded) imports torch's compiler stack: seconds on 2 cores.
+        weight = torch.empty(config.vocab_size, config.n_embd)  # (vocab, C)
         self.model = nn.ModuleDict(dict(
-            embed_tokens=nn.Embedding(config.vocab_size, config.n_embd),
+            embed_tokens=nn.Embedding(config.vocab_size, config.n_embd, _weight=weight),
             layers=nn.ModuleList(LlamaBlock(config, i) for i in range(config.n_layer)),
             norm=RMSNorm(config.n_embd, config.rms_eps),
         ))
