@@ -216,7 +216,7 @@ def test_a_truncated_gguf_is_refused_with_its_name(tmp_path):
 
 
 def test_a_gguf_whose_vocabulary_does_not_match_its_embedding_is_refused(tmp_path):
-    path = write_tiny_gguf(tiny_hf(), tmp_path / "tiny.gguf", vocab_tokens=299)
+    path = write_tiny_gguf(tiny_hf(), tmp_path / "tiny.gguf", vocab_size=299)
     shapes = r"token_embd.weight has shape \(300, 64\), the model.s metadata says \(299, 64\)"
     with pytest.raises(ValueError, match=shapes):
         read_gguf(path)

@@ -43,7 +43,8 @@ def cache_root() -> Path:
 def converted_dir(gguf: Path) -> Path:
     info = gguf.stat()
     key = f"{gguf.resolve()}:{info.st_size}:{info.st_mtime_ns}:{CONVERTED_FORMAT}"
-    return cache_root() / "gguf" / f"{gguf.stem}-{hashlib.sha1(key.encode()).hexdigest()[:12]}"
+    digest = hashlib.sha1(key.encode()).hexdigest()[:12]
+    return cache_root() / "converted" / f"{gguf.stem}-{digest}"
 
 
 def _config_from(folder: Path, raw: dict) -> LlamaConfig:
