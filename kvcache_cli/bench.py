@@ -48,7 +48,8 @@ if TYPE_CHECKING:
 # hf-static is transformers' generate() with its static cache; a "-compiled" mode is
 # the same under torch.compile (the compile is paid in the untimed warm-up).
 # llama.cpp, llama.cpp-f16, llama.cpp-q8_0 run llama.cpp (the `llama` extra) on the
-# same weights written to GGUF: the engine a CPU user would pick, as a peer.
+# same weights written to GGUF: the engine a CPU user would pick, as a peer;
+# llama.cpp-gguf runs the very file a Llama-family model was read from.
 MODES = (
     "naive", "concat", "static", "hf", "hf-static", "static-compiled", "hf-static-compiled",
     *LLAMA_MODES,

@@ -45,7 +45,8 @@ def bench(
         "hf-static (its static cache), static-compiled, hf-static-compiled, llama.cpp, "
         "llama.cpp-f16, llama.cpp-q8_0 (llama.cpp on the same weights written to GGUF; "
         "needs the llama extra, pip install 'kvcache[llama]', which builds llama.cpp "
-        "from source: minutes), or any cache spec: window:128, int8 (kvcache caches).")
+        "from source: minutes), llama.cpp-gguf (the GGUF file the model was read from, "
+        "as it is: SmolLM2's Q4_1), or any cache spec: window:128, int8 (kvcache caches).")
     ] = "naive,concat,static,hf,hf-static",
     cache: Annotated[str | None, typer.Option(
         metavar="SPECS", help="Comma-separated cache specs to time as modes, e.g. "

@@ -49,6 +49,7 @@ class LlamaConfig:
     bos_id: int | None = None
     eos_ids: tuple[int, ...] = ()  # ids that end a reply (the end-of-turn token first)
     name: str = "llama"
+    gguf: str | None = None  # the GGUF file it was read from (llama.cpp runs the same)
 
     def __post_init__(self) -> None:
         if self.n_head % self.n_kv_head:

@@ -26,7 +26,7 @@ from kvcache_cli.gpt2 import LoadedModel, _read_weights, arrange_weights
 from kvcache_cli.models import SMOLLM2, SMOLLM2_HUB, resolve_llama
 from kvcache_cli.models.llama import Llama, LlamaConfig, init_random
 
-CONVERTED_FORMAT = 1  # bumped when what a converted folder holds changes
+CONVERTED_FORMAT = 2  # bumped when what a converted folder holds changes
 _CONFIG_FIELDS = {f.name for f in dataclasses.fields(LlamaConfig)}
 RANDOM_INIT_STD = 0.02
 
@@ -68,6 +68,7 @@ def _convert(gguf: Path) -> Path:
     fields = dict(model.fields)
     eos = fields.pop("eos_id", None)
     fields["eos_ids"] = [] if eos is None else [eos]
+    fields["gguf"] = str(gguf.resolve())
     tokenizer = from_gguf(model.tokens, model.token_types, model.merges, model.pre)
     _config_from(folder, fields)  # refuses a shape the model cannot take, before writing
     folder.parent.mkdir(parents=True, exist_ok=True)
