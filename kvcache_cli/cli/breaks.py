@@ -149,7 +149,7 @@ def _refuse_given(ctx: typer.Context, params: tuple[str, ...], why: str) -> None
              if getattr(ctx.get_parameter_source(p), "name", "") == "COMMANDLINE"]
     if given:
         verb = "applies" if len(given) == 1 else "apply"
-        fail(f"{', '.join(given)} {verb} {why}: expected a GPT-2 break with them, or none")
+        fail(f"{', '.join(given)} {verb} {why}: expected a torch break with them, or none")
 
 
 def _torch_breaks(names: list[str], model: str, weights: str, device: str,
