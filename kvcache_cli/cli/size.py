@@ -11,8 +11,9 @@ from kvcache_cli.cli.common import complete_preset, fail, need_torch_extra, prin
 
 def size(
     model: Annotated[str | None, typer.Option(
-        "--model", "-m", help="A preset (see 'kvcache models'); smollm2 or a .gguf, a model kvcache runs "
-        "(then every cache kind it holds is listed too); a Hub id ORG/NAME, whose "
+        "--model", "-m", help="A preset (see 'kvcache models'); smollm2 or a .gguf, a "
+        "model kvcache runs (then every cache kind it holds is listed too); a Hub id ORG/NAME, "
+        "whose "
         "config.json is read through the local Hub cache; or a local folder or config.json.",
         autocompletion=complete_preset)] = None,
     revision: Annotated[str | None, typer.Option(
