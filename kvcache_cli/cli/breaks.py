@@ -23,7 +23,7 @@ from kvcache_cli.cli.demo import pick, show, show_list
 
 
 def _by_family(names: list[str]) -> tuple[list[str], list[str]]:
-    """The torch breaks `names` holds: (those for any model, GPT-2's; the Llama family's)."""
+    """(the GPT-2 breaks, which run on any model; the Llama breaks) among `names`."""
     from kvcache_cli.break_registry import registry
 
     return ([n for n in names if registry()[n].family == "gpt2"],
@@ -138,7 +138,7 @@ def _models_for(names: list[str], model: str | None, asked: str
     if why is not None:
         if asked != "all":
             fail(why)
-        return runs, [why]
+        return runs, [f"skipped: {why}"]
     runs.setdefault(model or models.SMOLLM2, []).extend(llama)
     return runs, []
 
