@@ -9,7 +9,7 @@ import typer
 from typer.testing import CliRunner
 
 import kv_cache_from_scratch as ref
-from kvcache_cli.break_registry import registry
+from kvcache_cli.break_registry import FAMILIES, registry
 from kvcache_cli.cli import app
 
 runner = CliRunner()
@@ -90,7 +90,7 @@ def test_break_list_is_the_registry_toy_gpt2_and_llama():
     assert data == {name: b.title for name, b in registry().items()}
     assert set(ref.BREAKS) < set(data)
     families = [b.family for b in registry().values()]
-    assert families == sorted(families, key=["toy", "gpt2", "llama"].index)
+    assert families == sorted(families, key=FAMILIES.index)  # toy, then gpt2, then llama
     assert {"rope-decode", "kv-expand-early", "gqa-interleave", "rope-twice"} <= set(data)
 
 

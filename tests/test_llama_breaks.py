@@ -130,6 +130,19 @@ def test_all_with_a_llama_model_runs_every_torch_break_on_it_loaded_once():
     assert runs == {"smollm2": [*names("gpt2"), *names("llama")]} and notes == []
 
 
+def test_every_registered_torch_break_has_a_runner_that_knows_it():
+    import inspect
+
+    from kvcache_cli.break_registry import registry, runner
+
+    for name, entry in registry().items():
+        if entry.family == "toy":
+            continue
+        params = inspect.signature(runner(name)).parameters
+        assert {"max_new_tokens", "progress"} <= set(params), name
+    assert set(LLAMA_BREAKS) == {n for n, b in registry().items() if b.family == "llama"}
+
+
 # ---------------------------------------------------------------- SmolLM2, where installed
 
 smollm2 = pytest.mark.skipif(models.smollm2_gguf() is None,
