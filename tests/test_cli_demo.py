@@ -107,7 +107,8 @@ def modules_after(args: list[str], listing: str) -> str:
     return done.stdout.strip()
 
 
-@pytest.mark.parametrize("args", [["--help"], ["demo", "mask"], ["break", "no-mask"]])
+@pytest.mark.parametrize("args", [["--help"], ["demo", "mask"], ["break", "no-mask"],
+                                  ["break", "--list"]])
 def test_help_demo_and_numpy_break_never_import_torch(args):
     heavy = ("sorted(m for m in sys.modules "
              "if m.split('.')[0] in ('torch', 'transformers', 'tiktoken'))")
