@@ -34,6 +34,8 @@ import difflib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kvcache_cli import numbers
+
 
 class CacheSpecError(ValueError):
     """A cache spec that names no known kind or has a malformed field (one line)."""
@@ -91,12 +93,12 @@ class CacheKind:
 
 
 def whole_number(spec: str, what: str, text: str, low: int = 1, high: int = 1 << 20) -> int:
-    """A field's integer, or a CacheSpecError naming the spec, the field and the range."""
-    if not text.isdigit() or not low <= int(text) <= high:
-        raise CacheSpecError(
-            f"cache spec {spec!r}: {what} {text!r} is not a whole number from {low:,} to "
-            f"{high:,}")
-    return int(text)
+    """A field's integer, or a CacheSpecError naming the spec, the field and the range
+    (`numbers.whole`: ASCII digits only, the length bounded before converting)."""
+    try:
+        return numbers.whole(text, what, low, high)
+    except numbers.NumberError as err:
+        raise CacheSpecError(f"cache spec {spec!r}: {err}") from None
 
 
 def no_fields(spec: str, fields: tuple[str, ...]) -> dict:
@@ -116,13 +118,13 @@ DEFAULT_BLOCK_SIZE = 16
 
 
 def _parse_paged(spec: str, fields: tuple[str, ...]) -> dict:
-    block_size = DEFAULT_BLOCK_SIZE
+    given: dict = {}
     for f in fields:
         if not f.startswith("b"):
             raise CacheSpecError(f"cache spec {spec!r}: unknown field {f!r}; expected bN, "
                                  "the block size in tokens (e.g. paged:b16)")
-        block_size = whole_number(spec, "block size", f[1:], 1, 4096)
-    return {"block_size": block_size}
+        _give_once(spec, given, "block size", whole_number(spec, "block size", f[1:], 1, 4096))
+    return {"block_size": given.get("block size", DEFAULT_BLOCK_SIZE)}
 
 
 def _paged_bytes(params: dict, tokens: int, kv_heads: int, head_dim: int, element: int) -> int:
@@ -341,7 +343,7 @@ def _parse_window(spec: str, fields: tuple[str, ...]) -> dict:
     if not fields:
         raise CacheSpecError(f"cache spec {spec!r}: expected window:W, the positions kept "
                              "(e.g. window:256)")
-    if not fields[0].isdigit() and fields[0].startswith("k"):
+    if not numbers.is_whole(fields[0]) and fields[0].startswith("k"):
         raise CacheSpecError(f"cache spec {spec!r}: expected window:W first, the positions "
                              "kept (e.g. window:256:k8)")
     return {"window": whole_number(spec, "window", fields[0]),

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvcache_cli import numbers
 from kvcache_cli.caches.exact import StaticCache
 from kvcache_cli.caches.paged import PagedCache, block_bytes
 from kvcache_cli.caches.quantized import POOLS, make_pool
@@ -213,11 +214,11 @@ def parse_budgets(text: str, block_size: int) -> tuple[int, ...]:
     """`"64,256,1024"` -> (64, 256, 1024): decode-first's token budgets, each at least a block."""
     from kvcache_cli.serving.scheduler import check_budget
 
-    try:
-        budgets = tuple(int(part) for part in text.split(","))
-    except ValueError:
+    parts = [part.strip() for part in text.split(",")]
+    if not all(numbers.is_whole(part) for part in parts):
         raise ValueError(f"--token-budget {text!r}: expected tokens per forward, "
-                         "comma-separated, e.g. 64,256,1024") from None
+                         "comma-separated, e.g. 64,256,1024")
+    budgets = tuple(int(part) for part in parts)
     for b in budgets:
         check_budget(b, block_size)
     if len(set(budgets)) < len(budgets):

@@ -76,10 +76,17 @@ def parse_policy(text: str) -> tuple[str, ...]:
     return names
 
 
+# A forward of a million tokens is no run a host can do; past it the number is a slip.
+MAX_TOKEN_BUDGET = 1 << 20
+
+
 def check_budget(budget: int, block_size: int) -> None:
     if budget < block_size:
-        raise ValueError(f"--token-budget {budget}: expected at least one block "
-                         f"({block_size} tokens), e.g. 256")
+        raise ValueError(f"--token-budget {budget:,}: expected at least one block "
+                         f"({block_size:,} tokens), the --block-size")
+    if budget > MAX_TOKEN_BUDGET:
+        raise ValueError(f"--token-budget {budget:,}: expected tokens per forward "
+                         f"from {block_size:,} (one block) to {MAX_TOKEN_BUDGET:,}")
 
 
 class Scheduler:
