@@ -742,6 +742,40 @@ def _with_ratios(results: list[ModeResult]) -> tuple[ModeResult, ...]:
 # The benchmark
 
 
+# Timed runs per mode: each is a whole generation, so past this a run takes days.
+MAX_REPEATS = 1000
+
+
+def check_bench_config(config, modes: Sequence[str], prompt_len: int, new_tokens: int,
+                       repeats: int, threads: int | None, naive_samples: int = NAIVE_SAMPLES
+                       ) -> None:
+    """What `check_bench` can refuse from the model's config alone: before weights load.
+    Each refusal names the option as the user typed it."""
+    from kvcache_cli.caches.spec import check_context
+    from kvcache_cli.numbers import span
+
+    window = config.block_size
+    if prompt_len < 1:
+        raise ValueError(f"--prompt-len {prompt_len:,}: expected a whole number, 1 or more")
+    if new_tokens < 2:
+        raise ValueError(f"--new-tokens {new_tokens:,}: expected a whole number, 2 or more "
+                         "(the prefill's and a decode)")
+    if prompt_len + new_tokens > window:
+        raise ValueError(f"--prompt-len {prompt_len:,} + --new-tokens {new_tokens:,} = "
+                         f"{prompt_len + new_tokens:,} past context window {window:,}")
+    for mode in modes:
+        if (spec := bounded_spec(mode)) is not None:
+            check_context(spec, window)
+    if not 1 <= repeats <= MAX_REPEATS:
+        raise ValueError(f"--repeats {repeats:,}: expected a whole number "
+                         f"{span(1, MAX_REPEATS)}")
+    if threads is not None and threads < 1:
+        raise ValueError(f"--threads {threads:,}: expected a whole number, 1 or more")
+    if naive_samples < 0:  # more than the decode steps is every step: not refused
+        raise ValueError(f"--naive-samples {naive_samples:,}: expected a whole number, 0 "
+                         "(every step) or more")
+
+
 def check_bench(
     model,
     modes: Sequence[str],
@@ -752,27 +786,8 @@ def check_bench(
     naive_samples: int = NAIVE_SAMPLES,
 ) -> None:
     """Refuse, before any work, a benchmark that cannot run (`run_bench` calls it too)."""
-    if prompt_len < 1:
-        raise ValueError(f"prompt length {prompt_len} must be at least 1")
-    if new_tokens < 2:
-        raise ValueError(f"new tokens {new_tokens} must be at least 2 (the prefill's and a decode)")
-    window = model.config.block_size
-    if prompt_len + new_tokens > window:
-        raise ValueError(
-            f"prompt {prompt_len} + new tokens {new_tokens} = {prompt_len + new_tokens} "
-            f"past context window {window}"
-        )
-    from kvcache_cli.caches.spec import check_context
-
-    for mode in modes:
-        if (spec := bounded_spec(mode)) is not None:
-            check_context(spec, window)
-    if repeats < 1:
-        raise ValueError(f"repeats {repeats} must be at least 1")
-    if threads is not None and threads < 1:
-        raise ValueError(f"threads {threads} must be at least 1")
-    if naive_samples < 0:
-        raise ValueError(f"naive samples {naive_samples} must be 0 (every step) or more")
+    check_bench_config(model.config, modes, prompt_len, new_tokens, repeats, threads,
+                       naive_samples)
     check_llama_modes(modes, next(model.parameters()).device.type)
     hf_modes = [m for m in modes if m.startswith("hf")]
     if hf_modes and _transformers_version() is None:

@@ -108,6 +108,7 @@ def bench(
             check_cache_for(spec, model)  # a window past the context, before the weights
     check_weights_dtype(weights_dtype, model, str(dev))
     _check_heads(mode_names, model)
+    _check_config(model, mode_names, prompt_len, new_tokens, repeats, threads, naive_samples)
     try:
         loaded = load_gpt2(model, weights=weights, device=dev,
                            dtype=getattr(torch, TORCH_DTYPES[dtype.value]))
@@ -145,8 +146,10 @@ def _speculative(ctx, draft: str, speculate: str, cache: str, prompt_file: Path 
     ks = drafts.parse_ks(speculate)
     if threads_error(threads):
         fail(threads_error(threads))
-    if repeats < 1:
-        fail(f"--repeats {repeats}: expected at least 1")
+    from kvcache_cli.bench import MAX_REPEATS
+
+    if not 1 <= repeats <= MAX_REPEATS:
+        fail(f"--repeats {repeats:,}: expected a whole number from 1 to {MAX_REPEATS:,}")
     text = _read_prompt(prompt_file)
     if text is None:
         from kvcache_cli.checkpoints import heldout_text, shipped_dir
@@ -186,6 +189,23 @@ def _speculative(ctx, draft: str, speculate: str, cache: str, prompt_file: Path 
     except (ValueError, IndexError) as err:
         fail(str(err))
     show_then_plot(run, spec_run_view, as_json, None, None, "")  # no plot: save is unused
+
+
+def _check_config(model: str, mode_names, prompt_len, new_tokens, repeats, threads,
+                  naive_samples) -> None:
+    """`bench.check_bench_config` before the weights load: the model's config alone."""
+    from kvcache_cli import bench as bench_
+    from kvcache_cli.gpt2 import model_config
+
+    try:
+        config = model_config(model)
+    except ValueError:
+        return  # not a model: the loader says so in its own words
+    try:
+        bench_.check_bench_config(config, mode_names, prompt_len, new_tokens, repeats, threads,
+                                  naive_samples)
+    except ValueError as err:
+        fail(str(err))
 
 
 def _read_prompt(path: Path | None) -> str | None:
