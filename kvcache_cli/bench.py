@@ -192,7 +192,16 @@ class BenchResult:
 def parse_modes(text: str) -> tuple[str, ...]:
     """`"naive,static,window:128"` -> `("naive", "static", "window:128")`, in the order
     given: the modes above, or any other cache spec (`caches.spec`), spelled canonically."""
+    from kvcache_cli.caches.spec import CacheSpecError, parse_cache_spec
+    from kvcache_cli.caches.spec import names as kinds
+
     given = [part.strip() for part in text.split(",") if part.strip()]
+    for part in given:  # a known kind with a bad field: the spec's own reason, not "unknown"
+        if part.lower() not in MODES and part.split(":", 1)[0].lower() in kinds():
+            try:
+                parse_cache_spec(part)
+            except CacheSpecError as err:
+                raise ValueError(f"--modes: {err}") from None
     names = tuple(_mode_name(part) for part in given)
     unknown = [part for part, name in zip(given, names, strict=True) if name is None]
     if unknown or not names:
@@ -209,8 +218,8 @@ def _mode_name(text: str) -> str | None:
     """A mode's name, a cache spec's canonical spelling, or None for neither."""
     from kvcache_cli.caches.spec import CacheSpecError, parse_cache_spec
 
-    if text in MODES:
-        return text
+    if text.lower() in MODES:  # names in any case, as cache specs are read
+        return text.lower()
     try:
         return str(parse_cache_spec(text))
     except CacheSpecError:

@@ -163,10 +163,11 @@ def check_caches(specs: Sequence[CacheSpec], config, max_len: int,
     import torch
 
     from kvcache_cli.caches import cache_class
-    from kvcache_cli.caches.spec import check_context
+    from kvcache_cli.caches.spec import check_context, check_spec
 
     for spec in specs:
         check_context(spec, config.block_size, model)
+        check_spec(spec, config.head_size)  # every command's rule, before the peer's own
         cache_class(spec).build(spec, config, max_len=max_len, batch=1,
                                 device=torch.device("meta"), dtype=torch.float32, whole=False)
 

@@ -48,6 +48,8 @@ class CacheSpec:
     kind: str
     params: tuple[tuple[str, int | str], ...] = ()  # ordered (name, value): frozen, hashable
     text: str = ""  # the canonical spelling, e.g. 'int4:g32:kchan:r128'
+    # As the user typed it ('INT4:g32'): what a refusal names. Not part of its identity.
+    typed: str = field(default="", compare=False)
 
     def __getitem__(self, name: str) -> int | str:
         return dict(self.params)[name]
@@ -266,7 +268,7 @@ def check_head_dim(spec: str, params: dict, head_dim: int) -> None:
 
 def check_spec(spec: CacheSpec, head_dim: int) -> None:
     """`check_head_dim` for a parsed spec: call it before a model loads."""
-    check_head_dim(str(spec), dict(spec.params), head_dim)
+    check_head_dim(spec.typed or str(spec), dict(spec.params), head_dim)
 
 
 def _int_kind(bits: int) -> CacheKind:
@@ -539,7 +541,7 @@ def parse_cache_spec(text: str) -> CacheSpec:
             f"unknown cache {spec!r}: expected one of {', '.join(KINDS)}{hint}")
     kind = KINDS[key]
     params = kind.parse(spec, tuple(f.lower() for f in fields))
-    return CacheSpec(kind.name, tuple(params.items()), kind.canonical(params))
+    return CacheSpec(kind.name, tuple(params.items()), kind.canonical(params), spec)
 
 
 def parse_cache_list(text: str) -> list[CacheSpec]:
@@ -588,9 +590,9 @@ def check_context(spec: CacheSpec, context: int, model: str = "the model") -> No
     if budget is not None and budget(dict(spec.params)) > context:
         held = budget(dict(spec.params))
         raise CacheSpecError(
-            f"cache {str(spec)!r} holds {held:,} positions, beyond {model}'s context window "
-            f"of {context:,}; expected at most {context:,} (GPT-2's learned positions end "
-            "there), or static for every position")
+            f"cache {spec.typed or str(spec)!r} holds {held:,} positions, beyond {model}'s "
+            f"context window of {context:,}; expected at most {context:,} (GPT-2's learned "
+            "positions end there), or static for every position")
 
 
 def layer_bytes(spec: CacheSpec, tokens: int, kv_heads: int, head_dim: int,

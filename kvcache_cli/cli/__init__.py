@@ -111,6 +111,9 @@ class _LazyCommands(Mapping):
             command = typer.main.get_command(one)
             for param in command.params:
                 param.type = _ascii_number(param.type)
+                if hasattr(param.type, "case_sensitive"):
+                    # Names are read as cache specs are, in any case: FP16 is fp16.
+                    param.type.case_sensitive = False
             self._built[name] = command
         return self._built[name]
 

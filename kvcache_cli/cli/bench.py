@@ -107,7 +107,7 @@ def bench(
         if (spec := bench_.bounded_spec(name)) is not None:
             check_cache_for(spec, model)  # a window past the context, before the weights
     check_weights_dtype(weights_dtype, model, str(dev))
-    _check_heads(mode_names, model)
+    _check_heads(modes, model)
     _check_config(model, mode_names, prompt_len, new_tokens, repeats, threads, naive_samples)
     try:
         loaded = load_gpt2(model, weights=weights, device=dev,
@@ -236,15 +236,18 @@ def _tokenize(gpt, text: str) -> list[int]:
 
 
 def _with_caches(modes: str, caches: str) -> str:
-    """--modes with --cache's specs after it, each once (a spec already there stays put)."""
+    """--modes with --cache's specs after it, each once (a spec already there stays put),
+    spelled as typed so that a later refusal names the user's text."""
+    from kvcache_cli.bench import _mode_name
     from kvcache_cli.caches.spec import CacheSpecError, parse_cache_list
 
     try:
-        specs = [str(spec) for spec in parse_cache_list(caches)]
+        specs = parse_cache_list(caches)
     except CacheSpecError as err:
         fail(f"--cache: {err}")
     names = [m.strip() for m in modes.split(",") if m.strip()]
-    return ",".join([*names, *(s for s in specs if s not in names)])
+    there = {_mode_name(n) for n in names}
+    return ",".join([*names, *(s.typed for s in specs if str(s) not in there)])
 
 
 def _check_options(modes: str, compile_: bool, device: str, threads: int | None,
@@ -271,14 +274,15 @@ def _check_options(modes: str, compile_: bool, device: str, threads: int | None,
     return mode_names, dev
 
 
-def _check_heads(mode_names: list[str], model: str) -> None:
+def _check_heads(modes: str, model: str) -> None:
     """Quantised specs whose groups or packing do not fit the model's heads, refused before
-    the weights load."""
+    the weights load, naming each as the user typed it in --modes or --cache."""
     from kvcache_cli import bench as bench_
     from kvcache_cli.caches.spec import CacheSpecError, check_spec, parse_cache_spec
     from kvcache_cli.gpt2 import model_config
 
-    specs = [parse_cache_spec(m) for m in mode_names if m not in bench_.MODES]
+    parts = [m.strip() for m in modes.split(",") if m.strip()]
+    specs = [parse_cache_spec(m) for m in parts if m.lower() not in bench_.MODES]
     try:
         head_size = model_config(model).head_size if specs else 0
     except ValueError:

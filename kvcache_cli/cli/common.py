@@ -210,8 +210,9 @@ def complete_cache(incomplete: str) -> list[tuple[str, str]]:
 
 def check_cache_for(spec, model: str) -> None:
     """Refuse, before the weights load, a bounded cache whose budget passes the model's
-    context window (read from its preset or config.json alone)."""
-    from kvcache_cli.caches.spec import CacheSpecError, check_context
+    context window, and a quantised one whose groups do not fit its heads (both read from
+    its preset or config.json alone)."""
+    from kvcache_cli.caches.spec import CacheSpecError, check_context, check_spec
     from kvcache_cli.gpt2 import model_config
 
     try:
@@ -220,6 +221,7 @@ def check_cache_for(spec, model: str) -> None:
         return  # not a model: the loader says so in its own words
     try:
         check_context(spec, config.block_size, model)
+        check_spec(spec, config.head_size)
     except CacheSpecError as err:
         fail(str(err))
 

@@ -100,6 +100,7 @@ def serve(
     from kvcache_cli.views.serve import render
 
     # Everything a user can get wrong is refused before a model loads.
+    layout = layout.strip().lower()  # names in any case, as every option reads them
     try:
         engines = _with_kv_dtypes(engines, kv_dtype, batch)
         dev, what = _check(device, model, requests, prompt_len, output_len, shared_prefix, rate,

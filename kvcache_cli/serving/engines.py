@@ -198,7 +198,7 @@ class ServeResult:
 
 
 def parse_engines(text: str) -> tuple[str, ...]:
-    names = tuple(part.strip() for part in text.split(",") if part.strip())
+    names = tuple(part.strip().lower() for part in text.split(",") if part.strip())
     unknown = [n for n in names if n not in ENGINES and n not in POOLS]
     if unknown or not names:
         what = f"unknown engine {', '.join(map(repr, unknown))}" if unknown else "no engines"

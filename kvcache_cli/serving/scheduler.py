@@ -66,7 +66,7 @@ class Step:
 
 def parse_policy(text: str) -> tuple[str, ...]:
     """`"prefill-first,decode-first"` -> both, checked."""
-    names = tuple(part.strip() for part in text.split(",") if part.strip())
+    names = tuple(part.strip().lower() for part in text.split(",") if part.strip())
     unknown = [n for n in names if n not in POLICIES]
     if unknown or not names:
         what = f"unknown policy {', '.join(map(repr, unknown))}" if unknown else "no policy"

@@ -7,8 +7,6 @@ import difflib
 import re
 from decimal import Decimal, DecimalException
 
-from kvcache_cli import numbers
-
 
 class SizingError(ValueError):
     """Bad input to the calculator: the message names the value and what was expected."""
@@ -178,7 +176,8 @@ def parse_tokens(text: str, what: str = "--seq") -> int:
     cleaned = text.strip().replace("_", "").replace(",", "")
     suffix = cleaned[-1:].lower() if cleaned[-1:].isalpha() else ""
     digits = cleaned[: len(cleaned) - len(suffix)]
-    if suffix not in _TOKEN_SUFFIX or not numbers.is_whole(digits):
+    # ASCII digits of any length here (isdigit alone passes '²' and '١٢'); the length next.
+    if suffix not in _TOKEN_SUFFIX or not (digits.isascii() and digits.isdigit()):
         raise SizingError(f"{what} {text!r}: expected a whole number of tokens such as 4096, "
                           "32k (32,768) or 1M (1,048,576)")
     if len(digits) > 20:  # int() of thousands of digits is slow, or refused outright
