@@ -153,7 +153,7 @@ def parse_rates(text: str) -> tuple[float | None, ...]:
             rate = math.nan
         if not rate > 0:
             raise ValueError(f"--rate {text!r}: expected requests/s > 0 and at most "
-                             f"{MAX_RATE:,g}, comma-separated, inf for all at once, e.g. "
+                             f"{MAX_RATE:,.0f}, comma-separated, inf for all at once, e.g. "
                              "1,2,4,8,inf")
         value = None if math.isinf(rate) else rate
         if value in rates:
