@@ -20,6 +20,7 @@ from kvcache_cli.cli.common import (
     check_cache_for,
     check_plot,
     check_weights_dtype,
+    defaults_in,
     fail,
     need_torch_extra,
     show_then_plot,
@@ -108,7 +109,8 @@ def bench(
             check_cache_for(spec, model)  # a window past the context, before the weights
     check_weights_dtype(weights_dtype, model, str(dev))
     _check_heads(modes, model)
-    _check_config(model, mode_names, prompt_len, new_tokens, repeats, threads, naive_samples)
+    _check_config(ctx, model, mode_names, prompt_len, new_tokens, repeats, threads,
+                  naive_samples)
     try:
         loaded = load_gpt2(model, weights=weights, device=dev,
                            dtype=getattr(torch, TORCH_DTYPES[dtype.value]))
@@ -157,6 +159,7 @@ def _speculative(ctx, draft: str, speculate: str, cache: str, prompt_file: Path 
         if shipped_dir(model) is not None:  # a shipped checkpoint: the text it never saw
             text = heldout_text(model)
     spec, note = drafts.check(model, draft, ks, cache, prompt_len + new_tokens)
+    _check_lengths(ctx, model, prompt_len, new_tokens)
     import torch
 
     from kvcache_cli import bench as bench_
@@ -191,7 +194,25 @@ def _speculative(ctx, draft: str, speculate: str, cache: str, prompt_file: Path 
     show_then_plot(run, spec_run_view, as_json, None, None, "")  # no plot: save is unused
 
 
-def _check_config(model: str, mode_names, prompt_len, new_tokens, repeats, threads,
+def _check_lengths(ctx, model: str, prompt_len: int, new_tokens: int) -> None:
+    """--prompt-len and --new-tokens against the context window, before the weights load
+    (a --prompt-file's text can only be shorter)."""
+    from kvcache_cli.gpt2 import model_config
+
+    try:
+        window = model_config(model).block_size
+    except ValueError:
+        return  # not a model: the loader says so in its own words
+    if prompt_len < 1 or new_tokens < 1:
+        flag, value = ("--prompt-len", prompt_len) if prompt_len < 1 else ("--new-tokens",
+                                                                         new_tokens)
+        fail(f"{flag} {value:,}: expected a whole number, 1 or more")
+    if prompt_len + new_tokens > window:
+        fail(defaults_in(ctx, f"--prompt-len {prompt_len:,} + --new-tokens {new_tokens:,} = "
+                              f"{prompt_len + new_tokens:,} past context window {window:,}"))
+
+
+def _check_config(ctx, model: str, mode_names, prompt_len, new_tokens, repeats, threads,
                   naive_samples) -> None:
     """`bench.check_bench_config` before the weights load: the model's config alone."""
     from kvcache_cli import bench as bench_
@@ -205,14 +226,16 @@ def _check_config(model: str, mode_names, prompt_len, new_tokens, repeats, threa
         bench_.check_bench_config(config, mode_names, prompt_len, new_tokens, repeats, threads,
                                   naive_samples)
     except ValueError as err:
-        fail(str(err))
+        fail(defaults_in(ctx, str(err)))
 
 
 def _read_prompt(path: Path | None) -> str | None:
     if path is None:
         return None
-    if not path.is_file():
+    if not path.exists():
         fail(f"--prompt-file {str(path)!r}: no such file; expected a text file")
+    if not path.is_file():  # a directory, a device: there, but not a file to read
+        fail(f"--prompt-file {str(path)!r} is not a regular file; expected a text file")
     try:
         return path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as err:

@@ -92,6 +92,8 @@ def break_(
     skipped = gpt2_names and torch_extra_missing(who_needs, *GPT2_MODULES)
     if skipped and name != "all":
         fail(skipped)
+    if gpt2_names and not skipped:  # refused before the NumPy breaks print anything
+        _check_tokens(model, max_new_tokens)
     toy = [n for n in names if n in ref.BREAKS]
     toy_model = ref.init_model() if toy else None
     results = {n: (ref.BREAKS[n].title, ref.BREAKS[n].run(toy_model)) for n in toy}
@@ -107,6 +109,26 @@ def break_(
         results |= {n: (GPT2_BREAKS[n], r) for n, r in gpt2_results.items()}
     if as_json:
         show(results, as_json=True)
+
+
+def _check_tokens(model: str, max_new_tokens: int) -> None:
+    """--max-new-tokens against the model's context window less the breaks' longest
+    default prompt, from its config alone."""
+    from kvcache_cli import generate as gen
+    from kvcache_cli.gpt2 import model_config
+
+    try:
+        config = model_config(model)
+    except ValueError:
+        return  # not a model: the loader says so in its own words
+    prompts = ([t.encode() for t in gen.DEFAULT_PROMPT_TEXTS] if config.tokenizer == "bytes"
+               else [gen.DEFAULT_PROMPT_IDS, gen.OTHER_PROMPT_IDS])
+    room = max(len(p) for p in prompts)
+    high = config.block_size - room
+    if max_new_tokens < 1 or max_new_tokens > high:
+        fits = f"from 1 to {high:,}" if high >= 1 else "none fits"
+        fail(f"--max-new-tokens {max_new_tokens:,}: expected a whole number {fits} (the "
+             f"context window of {config.block_size:,}, less the breaks' {room}-token prompt)")
 
 
 def _refuse_given(ctx: typer.Context, params: tuple[str, ...], why: str) -> None:

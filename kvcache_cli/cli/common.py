@@ -99,6 +99,22 @@ def usage_message(error) -> str:
     return f"{opt}: {message}"
 
 
+def defaults_in(ctx, message: str) -> str:
+    """MESSAGE with a note for each option it names that the user did not type: a
+    refusal must not read as if the user had given the default."""
+    shown = []
+    for param in ctx.command.params:
+        flag = next((o for o in param.opts if o.startswith("--")), None)
+        # By name: click's enum is vendored by later typer releases.
+        source = getattr(ctx.get_parameter_source(param.name), "name", "DEFAULT")
+        if (flag and source == "DEFAULT"
+                and re.search(rf"{re.escape(flag)}(?![\w-])", message)):
+            shown.append(flag)
+    if not shown:
+        return message
+    return f"{message} ({', '.join(shown)}: the default, not given)"
+
+
 # --- the torch extra ----------------------------------------------------------------
 
 # What the GPT-2 loader may import: torch always, safetensors for a checkpoint folder,

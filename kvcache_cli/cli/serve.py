@@ -16,6 +16,7 @@ from kvcache_cli.cli.common import (
     WeightsDTypeOption,
     check_plot,
     check_weights_dtype,
+    defaults_in,
     fail,
     load_gpt2,
     need_torch_extra,
@@ -25,6 +26,7 @@ from kvcache_cli.cli.common import (
 
 
 def serve(
+    ctx: typer.Context,
     device: DeviceOption = "auto",
     model: ModelOption = "gpt2",
     weights: Annotated[str, typer.Option(
@@ -107,7 +109,7 @@ def serve(
                            seed, engines, kv_mem, block_size, max_batch, threads, batch,
                            burstiness, max_concurrency, goodput, policy, token_budget, layout)
     except ValueError as err:
-        fail(str(err))
+        fail(defaults_in(ctx, str(err)))
     check_plot(plot)
     check_weights_dtype(weights_dtype, model, dev)
     loaded = load_gpt2(model, weights, dev)
@@ -160,6 +162,9 @@ def _check(device, model, requests, prompt_len, output_len, shared_prefix, rate,
             workload.parse_range(output_len, "--output-len"), shared_prefix, rates[0], seed,
             burstiness, max_concurrency)
         workload.check_spec(spec, config.block_size)
+        if not 1 <= block_size <= config.block_size:  # before the budgets counted in blocks
+            raise ValueError(f"--block-size {block_size:,}: expected a whole number from 1 to "
+                             f"{config.block_size:,} (the context window)")
         engine_names = serving.parse_engines(engines)
         policies = scheduler.parse_policy(policy)
         budgets = serving.parse_budgets(token_budget, block_size)
