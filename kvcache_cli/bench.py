@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kv_cache_from_scratch import kv_cache_bytes
+from kvcache_cli import TORCH_INSTALL
 from kvcache_cli.llama_peer import LLAMA_MODES, check_llama_modes, llama_version
 
 if TYPE_CHECKING:
@@ -800,7 +801,7 @@ def check_bench(
     check_llama_modes(modes, next(model.parameters()).device.type)
     hf_modes = [m for m in modes if m.startswith("hf")]
     if hf_modes and _transformers_version() is None:
-        raise RuntimeError(f"mode {hf_modes[0]!r} needs transformers: pip install 'kvcache[torch]'")
+        raise RuntimeError(f"mode {hf_modes[0]!r} needs transformers: {TORCH_INSTALL}")
 
 
 def run_bench(

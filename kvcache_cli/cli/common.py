@@ -135,7 +135,9 @@ def torch_extra_missing(who_needs: str, *modules: str) -> str | None:
         return None
     names = ", ".join(missing[:-1]) + " and " + missing[-1] if len(missing) > 1 else missing[0]
     verb = "is" if len(missing) == 1 else "are"
-    return f"{who_needs} {names}, which {verb} not installed: pip install 'kvcache[torch]'"
+    from kvcache_cli import TORCH_INSTALL
+
+    return f"{who_needs} {names}, which {verb} not installed: {TORCH_INSTALL}"
 
 
 def need_torch_extra(who_needs: str, *modules: str) -> None:

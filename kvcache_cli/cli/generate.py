@@ -92,12 +92,6 @@ def generate(
     if not math.isfinite(temperature):
         fail(f"--temperature {temperature}: expected a finite number, 0 or more (0 is greedy)")
     prompt_ids = _parse_ids(ids) if ids is not None else []  # before the model loads
-    from kvcache_cli.gpt2 import model_config
-
-    try:  # a model that is not one is named before its tokenizer is looked for
-        config = model_config(model)
-    except ValueError as err:
-        fail(str(err))
     draft_spec, note = None, None
     if draft is None and speculate is not None:
         fail(f"--speculate {speculate} needs a --draft: expected e.g. --draft lookup")
@@ -117,6 +111,12 @@ def generate(
     bpe = prompt is not None and tokenizer == "gpt2"
     need_torch_extra("kvcache generate needs", *GPT2_MODULES, *(("tiktoken",) if bpe else ()))
     torch_device(device)
+    from kvcache_cli.gpt2 import model_config
+
+    try:  # a model that is not one is named before its tokenizer is looked for
+        config = model_config(model)
+    except ValueError as err:
+        fail(str(err))
     if cache is not None:
         check_cache_for(cache, model)
     check_weights_dtype(weights_dtype, model, device)
