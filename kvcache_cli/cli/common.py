@@ -356,14 +356,81 @@ def print_view(renderable) -> None:
 
     console = Console()
     if console.is_terminal:
-        console.print(renderable)
+        console.print(fit_width(console, renderable, console.width))
         return
     columns = os.environ.get("COLUMNS", "")
-    least = int(columns) if columns.isdigit() else OFF_TERMINAL_COLUMNS
+    least = int(columns) if columns.isascii() and columns.isdigit() else OFF_TERMINAL_COLUMNS
     console = Console(width=max(least, _widest(console, renderable)))
     with console.capture() as captured:
         console.print(renderable)
     sys.stdout.write("\n".join(line.rstrip() for line in captured.get().split("\n")))
+
+
+def fit_width(console, renderable, width: int):
+    """RENDERABLE with every table too wide for WIDTH columns stacked, one record per row:
+    rich would cut its words and numbers ('13.6…'), or wrap its prose a word a line.
+    Groups and panels are walked; anything else is returned as it is."""
+    import copy
+
+    from rich.console import Group
+    from rich.measure import Measurement
+    from rich.panel import Panel
+    from rich.table import Table
+
+    if isinstance(renderable, Group):
+        return Group(*(fit_width(console, r, width) for r in renderable.renderables))
+    if isinstance(renderable, Panel):
+        panel = copy.copy(renderable)
+        panel.renderable = fit_width(console, renderable.renderable, width - 4)
+        return panel
+    if not isinstance(renderable, Table) or not renderable.columns:
+        return renderable
+    need = Measurement.get(console, console.options.update(max_width=10_000), renderable)
+    # A column of single words (its prose has half the room it wants), or cut: rich marks
+    # what it cuts with '…', which no cell of ours holds.
+    if need.maximum <= 2 * width and "…" not in rendered(renderable, width):
+        return renderable
+    return stacked(renderable)
+
+
+def rendered(renderable, width: int) -> str:
+    """RENDERABLE as plain text at WIDTH columns, as a terminal that wide would show it."""
+    import io
+
+    from rich.console import Console
+
+    console = Console(width=width, file=io.StringIO(), color_system=None, force_terminal=False)
+    with console.capture() as captured:
+        console.print(renderable)
+    return captured.get()
+
+
+def stacked(table):
+    """A table as one record per row: the first cell as the record's title, then each
+    other column's heading and value on a line, the value wrapping beside its heading."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    def plain(cell) -> str:
+        return cell.plain if isinstance(cell, Text) else str(cell)
+
+    headings = [plain(c.header).replace("\n", " ") for c in table.columns]
+    columns = [list(c.cells) for c in table.columns]
+    records = []
+    if table.title:
+        records.append(Text(plain(table.title), style="bold"))
+    for r in range(table.row_count):
+        grid = Table.grid(padding=(0, 2))
+        grid.add_column(no_wrap=True, style="dim")
+        grid.add_column(overflow="fold")
+        for heading, cells in zip(headings[1:], columns[1:], strict=True):
+            if plain(cells[r]).strip():
+                grid.add_row(heading, cells[r])
+        records += [Text(""), Text(plain(columns[0][r]), style="bold"), grid]
+    if table.caption:
+        records += [Text(""), Text(plain(table.caption))]
+    return Group(*records)
 
 
 def _widest(console, renderable) -> int:
