@@ -173,12 +173,28 @@ def _check(device, model, requests, prompt_len, output_len, shared_prefix, rate,
                              f"{', '.join(model_runner.LAYOUTS)}")
         targets = metrics.parse_goodput(goodput) if goodput is not None else None
         memory = sizing.parse_bytes(kv_mem, "--kv-mem")
+        held = _device_memory(dev)
+        if memory > held:  # refused now, not as an allocator's traceback after the load
+            raise ValueError(f"--kv-mem {kv_mem!r} is {sizing.format_bytes(memory)}, more than "
+                             f"this {dev.split(':')[0].upper()}'s {sizing.format_bytes(held)} "
+                             "of memory: expected at most that")
         serving.plan_memory(config, torch.float32, spec, memory, block_size, max_batch)
         what = (spec, serving.variants(engine_names, policies, budgets), memory, rates,
                 targets)
     if threads_error(threads):
         raise ValueError(threads_error(threads))
     return dev, what
+
+
+def _device_memory(device: str) -> int:
+    """Bytes of memory on DEVICE: the host's RAM for cpu, the GPU's for cuda."""
+    import os
+
+    import torch
+
+    if device.startswith("cuda"):
+        return torch.cuda.mem_get_info()[1]
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def _with_kv_dtypes(engines: str, kv_dtype: str | None, batch: str | None) -> str:
