@@ -118,7 +118,7 @@ def test_every_spec_field_given_twice_is_refused(template):
     field = spec.rsplit(":", 1)[-1]
     if not re.fullmatch(r"[a-z]\d+", field):  # 'window:{}', 'sink:4+{}': no letter to repeat
         return
-    with pytest.raises(CacheSpecError, match="given twice|unknown field"):
+    with pytest.raises(CacheSpecError, match="given twice"):
         parse_cache_spec(f"{spec}:{field}")
 
 

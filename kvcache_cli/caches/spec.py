@@ -334,6 +334,8 @@ def _spare(spec: str, fields: tuple[str, ...], grammar: str) -> int:
     """The optional `kN` after a ring's counts: N spare slots for rollback (default 0)."""
     if not fields:
         return 0
+    if len(fields) > 1 and all(f.startswith("k") for f in fields):
+        raise CacheSpecError(f"cache spec {spec!r}: spare slots given twice")
     if len(fields) > 1 or not fields[0].startswith("k"):
         raise CacheSpecError(f"cache spec {spec!r}: unknown field {fields[0]!r}; expected "
                              f"{grammar}, kN the spare slots a crop can reach back into "
