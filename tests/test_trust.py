@@ -302,3 +302,16 @@ def test_every_table_is_whole_in_an_80_column_terminal(args):
     text = ANSI.sub("", result.stdout)
     assert "…" not in text, text
     assert max(len(line) for line in text.splitlines()) <= 80
+
+
+@pytest.mark.parametrize("argv", [["--bogus"], ["--demo"], ["--break"], ["stray"]])
+def test_the_reference_script_refuses_bad_arguments_in_one_line(argv, capsys):
+    import kv_cache_from_scratch as ref
+
+    with pytest.raises(SystemExit) as exited:
+        ref.main(argv)
+    assert exited.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), captured.err
