@@ -212,6 +212,8 @@ def test_a_hostile_number_inside_an_option_string_is_one_line_naming_it(template
     (_serve("--token-budget", "9999999"), "to 1,048,576"),
     (_serve("--goodput", "ttft:1e12"), "at most 86,400,000"),
     (_serve("--kv-mem", "1PiB"), "of memory: expected at most that"),
+    # Checked before any engine runs, in the project's words rather than transformers'.
+    (_serve("--block-size", "2", "--token-budget", "64"), "pages at least 4 tokens a block"),
     (_serve("--block-size", "100000"), "from 1 to 2,048 (the context window)"),
     (["break", "--max-new-tokens", "99999999"], "from 1 to 1,015"),
     (["bench", "-m", "stdlib-bytes", "--repeats", "1001"], "from 1 to 1,000"),

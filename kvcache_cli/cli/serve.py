@@ -166,6 +166,7 @@ def _check(device, model, requests, prompt_len, output_len, shared_prefix, rate,
             raise ValueError(f"--block-size {block_size:,}: expected a whole number from 1 to "
                              f"{config.block_size:,} (the context window)")
         engine_names = serving.parse_engines(engines)
+        serving.check_hf_block_size(engine_names, block_size)
         policies = scheduler.parse_policy(policy)
         budgets = serving.parse_budgets(token_budget, block_size)
         if layout not in model_runner.LAYOUTS:

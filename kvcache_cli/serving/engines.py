@@ -210,6 +210,19 @@ def parse_engines(text: str) -> tuple[str, ...]:
     return names
 
 
+# transformers' continuous batching refuses pages smaller than this (its BOUNDS["page_size"]),
+# in its own words and only once its engine starts, after the others have run.
+HF_MIN_PAGE = 4
+
+
+def check_hf_block_size(engines: Sequence[str], block_size: int) -> None:
+    """Refuse, before any engine runs, a --block-size the hf engine cannot page."""
+    if "hf" in engines and block_size < HF_MIN_PAGE:
+        raise ValueError(f"--block-size {block_size:,}: the hf engine (transformers' "
+                         f"continuous batching) pages at least {HF_MIN_PAGE} tokens a block; "
+                         f"expected {HF_MIN_PAGE} or more, or --engines without hf")
+
+
 def parse_budgets(text: str, block_size: int) -> tuple[int, ...]:
     """`"64,256,1024"` -> (64, 256, 1024): decode-first's token budgets, each at least a block."""
     from kvcache_cli.serving.scheduler import check_budget
