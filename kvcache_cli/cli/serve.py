@@ -150,6 +150,8 @@ def _check(device, model, requests, prompt_len, output_len, shared_prefix, rate,
     from kvcache_cli.serving import batching, metrics, model_runner, scheduler, workload
     from kvcache_cli.serving import engines as serving
 
+    if threads_error(threads):  # first: it needs no model, no transformers
+        raise ValueError(threads_error(threads))
     dev = str(bench.resolve_device(device))
     config = model_config(model)
     if batch is not None:
@@ -182,8 +184,6 @@ def _check(device, model, requests, prompt_len, output_len, shared_prefix, rate,
         serving.plan_memory(config, torch.float32, spec, memory, block_size, max_batch)
         what = (spec, serving.variants(engine_names, policies, budgets), memory, rates,
                 targets)
-    if threads_error(threads):
-        raise ValueError(threads_error(threads))
     return dev, what
 
 
