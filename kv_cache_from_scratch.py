@@ -898,8 +898,15 @@ def render(scenario: Scenario, model: Model) -> str:
     return "\n".join([bar, scenario.title, bar, *scenario.text(scenario.run(model)), ""])
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """A bad argument in one line, as the CLI reports it, not argparse's usage block."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (see '{self.prog} --help')\n")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--demo", metavar="NAME", help="run one demo: " + ", ".join(DEMOS))
     parser.add_argument("--break", dest="break_", metavar="NAME",
                         help="run one break: " + ", ".join(BREAKS))

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kv_cache_from_scratch import kv_cache_bytes
+from kvcache_cli import TORCH_INSTALL
 from kvcache_cli.llama_peer import LLAMA_MODES, check_llama_modes, llama_version
 from kvcache_cli.measure import (
     BANDWIDTH_MIB,
@@ -192,7 +193,16 @@ class BenchResult:
 def parse_modes(text: str) -> tuple[str, ...]:
     """`"naive,static,window:128"` -> `("naive", "static", "window:128")`, in the order
     given: the modes above, or any other cache spec (`caches.spec`), spelled canonically."""
+    from kvcache_cli.caches.spec import CacheSpecError, parse_cache_spec
+    from kvcache_cli.caches.spec import names as kinds
+
     given = [part.strip() for part in text.split(",") if part.strip()]
+    for part in given:  # a known kind with a bad field: the spec's own reason, not "unknown"
+        if part.lower() not in MODES and part.split(":", 1)[0].lower() in kinds():
+            try:
+                parse_cache_spec(part)
+            except CacheSpecError as err:
+                raise ValueError(f"--modes: {err}") from None
     names = tuple(_mode_name(part) for part in given)
     unknown = [part for part, name in zip(given, names, strict=True) if name is None]
     if unknown or not names:
@@ -209,8 +219,8 @@ def _mode_name(text: str) -> str | None:
     """A mode's name, a cache spec's canonical spelling, or None for neither."""
     from kvcache_cli.caches.spec import CacheSpecError, parse_cache_spec
 
-    if text in MODES:
-        return text
+    if text.lower() in MODES:  # names in any case, as cache specs are read
+        return text.lower()
     try:
         return str(parse_cache_spec(text))
     except CacheSpecError:
@@ -639,6 +649,40 @@ def _with_ratios(results: list[ModeResult]) -> tuple[ModeResult, ...]:
 # The benchmark
 
 
+# Timed runs per mode: each is a whole generation, so past this a run takes days.
+MAX_REPEATS = 1000
+
+
+def check_bench_config(config, modes: Sequence[str], prompt_len: int, new_tokens: int,
+                       repeats: int, threads: int | None, naive_samples: int = NAIVE_SAMPLES
+                       ) -> None:
+    """What `check_bench` can refuse from the model's config alone: before weights load.
+    Each refusal names the option as the user typed it."""
+    from kvcache_cli.caches.spec import check_context
+    from kvcache_cli.numbers import span
+
+    window = config.context
+    if prompt_len < 1:
+        raise ValueError(f"--prompt-len {prompt_len:,}: expected a whole number, 1 or more")
+    if new_tokens < 2:
+        raise ValueError(f"--new-tokens {new_tokens:,}: expected a whole number, 2 or more "
+                         "(the prefill's and a decode)")
+    if prompt_len + new_tokens > window:
+        raise ValueError(f"--prompt-len {prompt_len:,} + --new-tokens {new_tokens:,} = "
+                         f"{prompt_len + new_tokens:,} past context window {window:,}")
+    for mode in modes:
+        if (spec := bounded_spec(mode)) is not None:
+            check_context(spec, window)
+    if not 1 <= repeats <= MAX_REPEATS:
+        raise ValueError(f"--repeats {repeats:,}: expected a whole number "
+                         f"{span(1, MAX_REPEATS)}")
+    if threads is not None and threads < 1:
+        raise ValueError(f"--threads {threads:,}: expected a whole number, 1 or more")
+    if naive_samples < 0:  # more than the decode steps is every step: not refused
+        raise ValueError(f"--naive-samples {naive_samples:,}: expected a whole number, 0 "
+                         "(every step) or more")
+
+
 def check_bench(
     model,
     modes: Sequence[str],
@@ -649,31 +693,12 @@ def check_bench(
     naive_samples: int = NAIVE_SAMPLES,
 ) -> None:
     """Refuse, before any work, a benchmark that cannot run (`run_bench` calls it too)."""
-    if prompt_len < 1:
-        raise ValueError(f"prompt length {prompt_len} must be at least 1")
-    if new_tokens < 2:
-        raise ValueError(f"new tokens {new_tokens} must be at least 2 (the prefill's and a decode)")
-    window = model.config.context
-    if prompt_len + new_tokens > window:
-        raise ValueError(
-            f"prompt {prompt_len} + new tokens {new_tokens} = {prompt_len + new_tokens} "
-            f"past context window {window}"
-        )
-    from kvcache_cli.caches.spec import check_context
-
-    for mode in modes:
-        if (spec := bounded_spec(mode)) is not None:
-            check_context(spec, window)
-    if repeats < 1:
-        raise ValueError(f"repeats {repeats} must be at least 1")
-    if threads is not None and threads < 1:
-        raise ValueError(f"threads {threads} must be at least 1")
-    if naive_samples < 0:
-        raise ValueError(f"naive samples {naive_samples} must be 0 (every step) or more")
+    check_bench_config(model.config, modes, prompt_len, new_tokens, repeats, threads,
+                       naive_samples)
     check_llama_modes(modes, next(model.parameters()).device.type)
     hf_modes = [m for m in modes if m.startswith("hf")]
     if hf_modes and transformers_version() is None:
-        raise RuntimeError(f"mode {hf_modes[0]!r} needs transformers: pip install 'kvcache[torch]'")
+        raise RuntimeError(f"mode {hf_modes[0]!r} needs transformers: {TORCH_INSTALL}")
 
 
 def run_bench(

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from kvcache_cli.caches import KVCache, make_cache
-from kvcache_cli.gpt2 import GPT
+from kvcache_cli.gpt2 import GPT, GPTConfig
 
 MODES = ("naive", "concat", "static")
 
@@ -53,11 +53,17 @@ def check_mode(mode: str) -> None:
 
 def check_request(model: GPT, prompt_ids: list[int], max_new_tokens: int) -> None:
     """Refuse, before any work, a request the model cannot serve."""
+    check_request_config(model.config, prompt_ids, max_new_tokens)
+
+
+def check_request_config(config: GPTConfig, prompt_ids: list[int], max_new_tokens: int
+                         ) -> None:
+    """`check_request` from the model's config alone: callable before the weights load."""
     if not prompt_ids:
         raise ValueError("empty prompt: give at least one token")
     if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-    V, window = model.config.vocab_size, model.config.context
+        raise ValueError(f"--max-new-tokens {max_new_tokens}: expected at least 1")
+    V, window = config.vocab_size, config.context
     bad = [t for t in prompt_ids if not 0 <= t < V]
     if bad:
         raise ValueError(f"token id {bad[0]} outside the vocabulary 0..{V - 1}")

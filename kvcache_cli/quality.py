@@ -111,18 +111,23 @@ class QualityResult:
 # ---------------------------------------------------------------------------- inputs
 
 
-def check_eval(block_size: int, tokens: int, prompt_len: int, chunk: int) -> None:
-    """Raise ValueError naming the value when the run cannot be made (no model needed)."""
-    if prompt_len < 1:
-        raise ValueError(f"--prompt-len {prompt_len}: expected a whole number from 1 up")
-    if chunk < 1:
-        raise ValueError(f"--chunk {chunk}: expected a whole number from 1 up (1 feeds one "
-                         "token a step, as decoding does)")
+def check_eval(block_size: int, tokens: int | None, prompt_len: int, chunk: int) -> None:
+    """Raise ValueError naming the value when the run cannot be made (no model needed).
+    `tokens`: --tokens as given, None when not (a default is never named in a refusal)."""
+    if not 1 <= prompt_len < block_size:
+        raise ValueError(f"--prompt-len {prompt_len:,}: expected a whole number from 1 to "
+                         f"{block_size - 1:,} (a token left to score within the model's "
+                         f"context window of {block_size:,})")
+    if not 1 <= chunk < block_size:
+        raise ValueError(f"--chunk {chunk:,}: expected a whole number from 1 to "
+                         f"{block_size - 1:,} (1 feeds one token a step, as decoding does)")
+    if tokens is None:
+        return
     if tokens > block_size:
         raise ValueError(f"--tokens {tokens:,} is beyond the model's context window of "
                          f"{block_size:,} positions: expected at most {block_size:,}")
     if tokens <= prompt_len:
-        raise ValueError(f"{tokens:,} tokens leave nothing to score after a prompt of "
+        raise ValueError(f"--tokens {tokens:,} leaves nothing to score after --prompt-len "
                          f"{prompt_len:,}: expected more tokens than --prompt-len (or a "
                          "shorter prompt)")
 
@@ -158,10 +163,11 @@ def check_caches(specs: Sequence[CacheSpec], config, max_len: int,
     import torch
 
     from kvcache_cli.caches import cache_class
-    from kvcache_cli.caches.spec import check_context
+    from kvcache_cli.caches.spec import check_context, check_spec
 
     for spec in specs:
         check_context(spec, config.context, model)
+        check_spec(spec, config.head_size)  # every command's rule, before the peer's own
         cache_class(spec).build(spec, config.cache_shape, max_len=max_len, batch=1,
                                 device=torch.device("meta"), dtype=torch.float32, whole=False)
 

@@ -28,15 +28,19 @@ def moving_average(values: Sequence[float], window: int) -> list[float]:
 
 def save_plot(result: QualityResult, path: str | Path) -> Path:
     require_matplotlib()
+    from matplotlib import colormaps
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.ticker import FuncFormatter
 
     fig = Figure(figsize=(11, 4.5), dpi=120)
     FigureCanvasAgg(fig)
     frontier, by_position = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
     # A colour and a marker per cache, named in the legend: quantised caches crowd one
     # corner of the frontier, where labels beside the points would overprint each other.
-    colors = [f"C{i % 10}" for i in range(len(result.caches))]
+    # tab20: twenty distinct colours, where the default cycle repeats after ten.
+    palette = colormaps["tab20"]
+    colors = [palette(i % 20) for i in range(len(result.caches))]
     markers = [MARKERS[i % len(MARKERS)] for i in range(len(result.caches))]
     reference = result.caches[0]
     frontier.axhline(0.0, color="black", lw=0.8, ls="--", zorder=2)
@@ -48,6 +52,9 @@ def save_plot(result: QualityResult, path: str | Path) -> Path:
     # Symmetric log: +0.001% (int8) and +8% (a window) on one axis, and fp8's small
     # negative changes below the line; linear within ±0.01%.
     frontier.set_yscale("symlog", linthresh=0.01)
+    # Plain signed percentages on the ticks (+0.01%, +1%, -0.1%), not 10⁻² and -10⁻¹.
+    frontier.yaxis.set_major_formatter(FuncFormatter(
+        lambda v, _: "0" if v == 0 else f"{v:+g}%"))
     frontier.set_xlim(0, 1.1 * max(row.bytes_per_token for row in result.caches))
     frontier.legend(fontsize=7, ncol=2)
     frontier.set_title("the frontier: quality against memory (lower left is better)",

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from kvcache_cli import numbers
 from kvcache_cli.caches import KVCache, RollbackError, make_cache, parse_cache_spec
 from kvcache_cli.generate import _steps, check_request
 from kvcache_cli.gpt2 import GPT, GPTConfig
@@ -67,11 +68,12 @@ def parse_draft(text: str) -> DraftSpec:
         if name == "lookup" and not field:
             return DraftSpec("lookup", n=DEFAULT_NGRAM)
         high = MAX_NGRAM if name == "lookup" else 1000
-        if not field.isdigit() or not 1 <= int(field) <= high:
-            what = "the longest n-gram" if name == "lookup" else "the number of layers"
-            raise ValueError(f"draft {text!r}: {what} {field!r} is not a whole number from 1 "
-                             f"to {high}; expected {name}:N")
-        return DraftSpec(name, n=int(field))
+        what = "the longest n-gram" if name == "lookup" else "the number of layers"
+        try:
+            n = numbers.whole(field, what, 1, high)
+        except numbers.NumberError as err:
+            raise ValueError(f"draft {text!r}: {err}; expected {name}:N") from None
+        return DraftSpec(name, n=n)
     if not text.strip():
         raise ValueError(f"empty draft: expected {DRAFT_GRAMMAR}")
     return DraftSpec("model", model=text.strip())
@@ -96,8 +98,10 @@ def check_speculation(target: GPTConfig, draft: DraftSpec, draft_config: GPTConf
     if positions is not None:
         check_room(spec, positions, max(ks))
     if draft.kind == "layers" and not draft.n < target.n_layer:
-        raise ValueError(f"draft {draft}: the target has {target.n_layer} layers; expected "
-                         f"layers:N with N from 1 to {target.n_layer - 1}")
+        fits = (f"layers:N with N {numbers.span(1, target.n_layer - 1)}" if target.n_layer > 1
+                else "lookup or a model draft (a one-layer target has no smaller layers:N)")
+        raise ValueError(f"draft {draft}: the target has {target.n_layer:,} layer"
+                         f"{'s' if target.n_layer != 1 else ''}; expected {fits}")
     if draft.kind != "model" or draft_config is None:
         return None
     if draft_config.vocab_size != target.vocab_size:

@@ -197,7 +197,8 @@ def test_parse_modes_rejects_bad_lists(text, message):
 
 
 def test_run_bench_refuses_lengths_past_the_window(checkpoint):
-    with pytest.raises(ValueError, match=r"prompt 32 \+ new tokens 40 = 72 past context window 64"):
+    with pytest.raises(ValueError,
+                       match=r"--prompt-len 32 \+ --new-tokens 40 = 72 past context window 64"):
         _run(checkpoint, prompt_len=32, new_tokens=40)
 
 
@@ -370,7 +371,7 @@ def test_cli_lengths_past_the_window_are_one_line_and_exit_2(checkpoint):
                "--prompt-len", "32", "--new-tokens", "40")
     assert out.exit_code == 2, out.output
     assert out.stderr == (
-        "error: prompt 32 + new tokens 40 = 72 past context window 64\n"), out.stderr
+        "error: --prompt-len 32 + --new-tokens 40 = 72 past context window 64\n"), out.stderr
 
 
 def test_first_difference_is_the_first_differing_token():

@@ -76,7 +76,8 @@ def test_a_budget_past_the_context_window_is_refused_before_a_model_loads(
 def test_bench_cache_adds_specs_beside_static_or_beside_the_modes_given():
     from kvcache_cli.cli.bench import _with_caches
 
-    assert _with_caches("static", "window:8,SINK:2+6") == "static,window:8,sink:2+6"
+    # Spelled as typed, so that a refusal later names the user's text.
+    assert _with_caches("static", "window:8,SINK:2+6") == "static,window:8,SINK:2+6"
     assert _with_caches("concat,window:8", "window:8") == "concat,window:8"
     result = invoke("bench", "--cache", "window:8,window:8")
     assert result.exit_code == 2 and "listed twice" in result.stderr

@@ -124,8 +124,8 @@ def _text(tmp_path, data: bytes):
     (["--text", b"PK\x03\x04\x00\x00binary"], "looks binary (a NUL byte at offset 4)"),
     (["--text", b"caf\xe9 latin-1"], "is not UTF-8 text (byte 3"),
     (["--text", None], "no such file"),
-    (["--prompt-len", "0"], "--prompt-len 0: expected a whole number from 1 up"),
-    (["--chunk", "0"], "--chunk 0: expected a whole number from 1 up"),
+    (["--prompt-len", "0"], "--prompt-len 0: expected a whole number from 1 to "),
+    (["--chunk", "0"], "--chunk 0: expected a whole number from 1 to "),
     (["--threads", "0"], "--threads 0: expected a whole number from 1 to 1,024"),
     (["--device", "tpu"], "unknown device 'tpu'"),
 ])

@@ -303,15 +303,17 @@ def test_token_stream_holds_a_split_character_until_it_is_whole():
     assert out.getvalue() == "café!\n"
 
 
-def test_cli_text_prompt_without_a_tokenizer_says_use_ids(checkpoint, monkeypatch):
+def test_cli_text_prompt_without_a_tokenizer_says_use_ids_or_the_offline_model(
+        checkpoint, monkeypatch):
     import kvcache_cli.generate as gen
 
     monkeypatch.setattr(gen, "gpt2_encoding", lambda: (None, "tiktoken is not installed"))
     result = invoke("generate", "hello", "--model", str(checkpoint[0]))
     assert result.exit_code == 1, result.output
     assert result.stderr == (
-        "error: tiktoken is not installed: give the prompt as token ids, e.g. --ids 464,2068,7586\n"
-    )
+        "error: tiktoken is not installed: give the prompt as token ids, e.g. --ids "
+        "464,2068,7586, or run offline with the shipped byte-level model: kvcache generate "
+        '-m stdlib-bytes "Hello"\n')
 
 
 def test_cli_text_prompt_for_a_non_gpt2_vocabulary_is_refused(checkpoint, monkeypatch):

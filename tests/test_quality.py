@@ -190,7 +190,10 @@ def test_the_run_reports_its_progress_up_to_every_scored_token():
 
 @pytest.mark.parametrize("tokens, prompt, chunk, message", [
     (129, 16, 1, "--tokens 129 is beyond the model's context window of 128"),
-    (16, 16, 1, "16 tokens leave nothing to score after a prompt of 16"),
+    (16, 16, 1, "--tokens 16 leaves nothing to score after --prompt-len 16"),
+    # --tokens not given: the refusal names the --prompt-len typed, never a derived --tokens.
+    (None, 200, 1, "^--prompt-len 200: expected a whole number from 1 to 127"),
+    (None, 16, 500, "^--chunk 500: expected a whole number from 1 to 127"),
     (64, 0, 1, "--prompt-len 0"),
     (64, 16, 0, "--chunk 0"),
 ])

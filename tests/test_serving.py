@@ -395,7 +395,7 @@ def test_serve_compares_the_engines_in_json_and_draws_the_plot(checkpoint, tmp_p
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (["--requests", "0"], "error: --requests 0: expected at least 1"),
+    (["--requests", "0"], "error: --requests 0: expected a whole number from 1 to 100,000"),
     (["--prompt-len", "512:16"], "error: --prompt-len '512:16': expected 1 <= MIN <= MAX"),
     (["--output-len", "900"], "is past the context window 1024"),
     (["--kv-mem", "1MiB"], "error: --kv-mem 1,048,576 bytes holds 0 blocks of 16 tokens"),

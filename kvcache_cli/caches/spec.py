@@ -34,6 +34,8 @@ import difflib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kvcache_cli import numbers
+
 
 class CacheSpecError(ValueError):
     """A cache spec that names no known kind or has a malformed field (one line)."""
@@ -46,6 +48,8 @@ class CacheSpec:
     kind: str
     params: tuple[tuple[str, int | str], ...] = ()  # ordered (name, value): frozen, hashable
     text: str = ""  # the canonical spelling, e.g. 'int4:g32:kchan:r128'
+    # As the user typed it ('INT4:g32'): what a refusal names. Not part of its identity.
+    typed: str = field(default="", compare=False)
 
     def __getitem__(self, name: str) -> int | str:
         return dict(self.params)[name]
@@ -91,12 +95,12 @@ class CacheKind:
 
 
 def whole_number(spec: str, what: str, text: str, low: int = 1, high: int = 1 << 20) -> int:
-    """A field's integer, or a CacheSpecError naming the spec, the field and the range."""
-    if not text.isdigit() or not low <= int(text) <= high:
-        raise CacheSpecError(
-            f"cache spec {spec!r}: {what} {text!r} is not a whole number from {low:,} to "
-            f"{high:,}")
-    return int(text)
+    """A field's integer, or a CacheSpecError naming the spec, the field and the range
+    (`numbers.whole`: ASCII digits only, the length bounded before converting)."""
+    try:
+        return numbers.whole(text, what, low, high)
+    except numbers.NumberError as err:
+        raise CacheSpecError(f"cache spec {spec!r}: {err}") from None
 
 
 def no_fields(spec: str, fields: tuple[str, ...]) -> dict:
@@ -116,13 +120,13 @@ DEFAULT_BLOCK_SIZE = 16
 
 
 def _parse_paged(spec: str, fields: tuple[str, ...]) -> dict:
-    block_size = DEFAULT_BLOCK_SIZE
+    given: dict = {}
     for f in fields:
         if not f.startswith("b"):
             raise CacheSpecError(f"cache spec {spec!r}: unknown field {f!r}; expected bN, "
                                  "the block size in tokens (e.g. paged:b16)")
-        block_size = whole_number(spec, "block size", f[1:], 1, 4096)
-    return {"block_size": block_size}
+        _give_once(spec, given, "block size", whole_number(spec, "block size", f[1:], 1, 4096))
+    return {"block_size": given.get("block size", DEFAULT_BLOCK_SIZE)}
 
 
 def _paged_bytes(params: dict, tokens: int, kv_heads: int, head_dim: int, element: int) -> int:
@@ -264,7 +268,7 @@ def check_head_dim(spec: str, params: dict, head_dim: int) -> None:
 
 def check_spec(spec: CacheSpec, head_dim: int) -> None:
     """`check_head_dim` for a parsed spec: call it before a model loads."""
-    check_head_dim(str(spec), dict(spec.params), head_dim)
+    check_head_dim(spec.typed or str(spec), dict(spec.params), head_dim)
 
 
 def _int_kind(bits: int) -> CacheKind:
@@ -330,6 +334,8 @@ def _spare(spec: str, fields: tuple[str, ...], grammar: str) -> int:
     """The optional `kN` after a ring's counts: N spare slots for rollback (default 0)."""
     if not fields:
         return 0
+    if len(fields) > 1 and all(f.startswith("k") for f in fields):
+        raise CacheSpecError(f"cache spec {spec!r}: spare slots given twice")
     if len(fields) > 1 or not fields[0].startswith("k"):
         raise CacheSpecError(f"cache spec {spec!r}: unknown field {fields[0]!r}; expected "
                              f"{grammar}, kN the spare slots a crop can reach back into "
@@ -341,7 +347,7 @@ def _parse_window(spec: str, fields: tuple[str, ...]) -> dict:
     if not fields:
         raise CacheSpecError(f"cache spec {spec!r}: expected window:W, the positions kept "
                              "(e.g. window:256)")
-    if not fields[0].isdigit() and fields[0].startswith("k"):
+    if not numbers.is_whole(fields[0]) and fields[0].startswith("k"):
         raise CacheSpecError(f"cache spec {spec!r}: expected window:W first, the positions "
                              "kept (e.g. window:256:k8)")
     return {"window": whole_number(spec, "window", fields[0]),
@@ -537,7 +543,7 @@ def parse_cache_spec(text: str) -> CacheSpec:
             f"unknown cache {spec!r}: expected one of {', '.join(KINDS)}{hint}")
     kind = KINDS[key]
     params = kind.parse(spec, tuple(f.lower() for f in fields))
-    return CacheSpec(kind.name, tuple(params.items()), kind.canonical(params))
+    return CacheSpec(kind.name, tuple(params.items()), kind.canonical(params), spec)
 
 
 def parse_cache_list(text: str) -> list[CacheSpec]:
@@ -586,9 +592,9 @@ def check_context(spec: CacheSpec, context: int, model: str = "the model") -> No
     if budget is not None and budget(dict(spec.params)) > context:
         held = budget(dict(spec.params))
         raise CacheSpecError(
-            f"cache {str(spec)!r} holds {held:,} positions, beyond {model}'s context window "
-            f"of {context:,}; expected at most {context:,} (GPT-2's learned positions end "
-            "there), or static for every position")
+            f"cache {spec.typed or str(spec)!r} holds {held:,} positions, beyond {model}'s "
+            f"context window of {context:,}; expected at most {context:,} (GPT-2's learned "
+            "positions end there), or static for every position")
 
 
 def layer_bytes(spec: CacheSpec, tokens: int, kv_heads: int, head_dim: int,

@@ -12,6 +12,7 @@ torch and transformers only inside the commands that need them, so `kvcache --he
 from __future__ import annotations
 
 import contextlib
+import copy
 import errno
 import importlib
 import sys
@@ -55,6 +56,39 @@ COMMANDS = {
 }
 
 
+def _is_float(text: str) -> bool:
+    from kvcache_cli import numbers
+
+    return numbers.is_decimal(text) or text.lower() in ("nan", "inf", "infinity")
+
+
+def _ascii_number(kind):
+    """Click's int or float type (a range too) reading only what `numbers` reads: ASCII
+    digits, of a bounded length. Click converts with int() and float(), which take '١٢'
+    as 12 and raise Python's own advice past 4,300 digits. 'nan' and 'inf' pass to the
+    command, whose range names them. Any other type is returned as it is."""
+    from kvcache_cli import numbers
+
+    # By class, as click's own names for them differ between releases ('int', 'integer').
+    classes = {c.__name__ for c in type(kind).__mro__}
+    reads, called = ((numbers.is_whole, "integer") if "IntParamType" in classes
+                     else (_is_float, "float") if "FloatParamType" in classes
+                     else (None, ""))
+    if reads is None:
+        return kind
+
+    class Ascii(type(kind)):
+        def convert(self, value, param, ctx):
+            if isinstance(value, str) and not reads(value.strip().removeprefix("-")):
+                # click's own words, which `usage_message` turns into the project's line.
+                self.fail(f"{value!r} is not a valid {called}.", param, ctx)
+            return super().convert(value, param, ctx)
+
+    ascii_kind = copy.copy(kind)
+    ascii_kind.__class__ = Ascii
+    return ascii_kind
+
+
 class _LazyCommands(Mapping):
     """The root group's commands, each built from its module on first lookup.
 
@@ -74,7 +108,13 @@ class _LazyCommands(Mapping):
             one = typer.Typer(rich_markup_mode=None, add_completion=False)
             one.command(name, short_help=entry.short_help)(function)
             # A Typer of one command and no callback builds that command itself.
-            self._built[name] = typer.main.get_command(one)
+            command = typer.main.get_command(one)
+            for param in command.params:
+                param.type = _ascii_number(param.type)
+                if hasattr(param.type, "case_sensitive"):
+                    # Names are read as cache specs are, in any case: FP16 is fp16.
+                    param.type.case_sensitive = False
+            self._built[name] = command
         return self._built[name]
 
     def __iter__(self) -> Iterator[str]:

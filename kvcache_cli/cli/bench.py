@@ -20,6 +20,7 @@ from kvcache_cli.cli.common import (
     check_cache_for,
     check_plot,
     check_weights_dtype,
+    defaults_in,
     fail,
     need_torch_extra,
     show_then_plot,
@@ -108,7 +109,9 @@ def bench(
         if (spec := bench_.bounded_spec(name)) is not None:
             check_cache_for(spec, model)  # a window past the context, before the weights
     check_weights_dtype(weights_dtype, model, str(dev))
-    _check_heads(mode_names, model)
+    _check_heads(modes, model)
+    _check_config(ctx, model, mode_names, prompt_len, new_tokens, repeats, threads,
+                  naive_samples)
     try:
         loaded = load_model(model, weights=weights, device=dev,
                            dtype=getattr(torch, TORCH_DTYPES[dtype.value]))
@@ -146,8 +149,10 @@ def _speculative(ctx, draft: str, speculate: str, cache: str, prompt_file: Path 
     ks = drafts.parse_ks(speculate)
     if threads_error(threads):
         fail(threads_error(threads))
-    if repeats < 1:
-        fail(f"--repeats {repeats}: expected at least 1")
+    from kvcache_cli.bench import MAX_REPEATS
+
+    if not 1 <= repeats <= MAX_REPEATS:
+        fail(f"--repeats {repeats:,}: expected a whole number from 1 to {MAX_REPEATS:,}")
     text = _read_prompt(prompt_file)
     if text is None:
         from kvcache_cli.checkpoints import heldout_text, shipped_dir
@@ -155,6 +160,7 @@ def _speculative(ctx, draft: str, speculate: str, cache: str, prompt_file: Path 
         if shipped_dir(model) is not None:  # a shipped checkpoint: the text it never saw
             text = heldout_text(model)
     spec, note = drafts.check(model, draft, ks, cache, prompt_len + new_tokens)
+    _check_lengths(ctx, model, prompt_len, new_tokens)
     import torch
 
     from kvcache_cli import bench as bench_
@@ -190,11 +196,48 @@ def _speculative(ctx, draft: str, speculate: str, cache: str, prompt_file: Path 
     show_then_plot(run, spec_run_view, as_json, None, None, "")  # no plot: save is unused
 
 
+def _check_lengths(ctx, model: str, prompt_len: int, new_tokens: int) -> None:
+    """--prompt-len and --new-tokens against the context window, before the weights load
+    (a --prompt-file's text can only be shorter)."""
+    from kvcache_cli.models import model_config
+
+    try:
+        window = model_config(model).context
+    except ValueError:
+        return  # not a model: the loader says so in its own words
+    if prompt_len < 1 or new_tokens < 1:
+        flag, value = ("--prompt-len", prompt_len) if prompt_len < 1 else ("--new-tokens",
+                                                                         new_tokens)
+        fail(f"{flag} {value:,}: expected a whole number, 1 or more")
+    if prompt_len + new_tokens > window:
+        fail(defaults_in(ctx, f"--prompt-len {prompt_len:,} + --new-tokens {new_tokens:,} = "
+                              f"{prompt_len + new_tokens:,} past context window {window:,}"))
+
+
+def _check_config(ctx, model: str, mode_names, prompt_len, new_tokens, repeats, threads,
+                  naive_samples) -> None:
+    """`bench.check_bench_config` before the weights load: the model's config alone."""
+    from kvcache_cli import bench as bench_
+    from kvcache_cli.models import model_config
+
+    try:
+        config = model_config(model)
+    except ValueError:
+        return  # not a model: the loader says so in its own words
+    try:
+        bench_.check_bench_config(config, mode_names, prompt_len, new_tokens, repeats, threads,
+                                  naive_samples)
+    except ValueError as err:
+        fail(defaults_in(ctx, str(err)))
+
+
 def _read_prompt(path: Path | None) -> str | None:
     if path is None:
         return None
-    if not path.is_file():
+    if not path.exists():
         fail(f"--prompt-file {str(path)!r}: no such file; expected a text file")
+    if not path.is_file():  # a directory, a device: there, but not a file to read
+        fail(f"--prompt-file {str(path)!r} is not a regular file; expected a text file")
     try:
         return path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as err:
@@ -218,15 +261,18 @@ def _tokenize(gpt, text: str) -> list[int]:
 
 
 def _with_caches(modes: str, caches: str) -> str:
-    """--modes with --cache's specs after it, each once (a spec already there stays put)."""
+    """--modes with --cache's specs after it, each once (a spec already there stays put),
+    spelled as typed so that a later refusal names the user's text."""
+    from kvcache_cli.bench import _mode_name
     from kvcache_cli.caches.spec import CacheSpecError, parse_cache_list
 
     try:
-        specs = [str(spec) for spec in parse_cache_list(caches)]
+        specs = parse_cache_list(caches)
     except CacheSpecError as err:
         fail(f"--cache: {err}")
     names = [m.strip() for m in modes.split(",") if m.strip()]
-    return ",".join([*names, *(s for s in specs if s not in names)])
+    there = {_mode_name(n) for n in names}
+    return ",".join([*names, *(s.typed for s in specs if str(s) not in there)])
 
 
 def _check_options(modes: str, compile_: bool, device: str, threads: int | None,
@@ -254,14 +300,15 @@ def _check_options(modes: str, compile_: bool, device: str, threads: int | None,
     return mode_names, dev
 
 
-def _check_heads(mode_names: list[str], model: str) -> None:
+def _check_heads(modes: str, model: str) -> None:
     """Quantised specs whose groups or packing do not fit the model's heads, refused before
-    the weights load."""
+    the weights load, naming each as the user typed it in --modes or --cache."""
     from kvcache_cli import bench as bench_
     from kvcache_cli.caches.spec import CacheSpecError, check_spec, parse_cache_spec
     from kvcache_cli.models import model_config
 
-    specs = [parse_cache_spec(m) for m in mode_names if m not in bench_.MODES]
+    parts = [m.strip() for m in modes.split(",") if m.strip()]
+    specs = [parse_cache_spec(m) for m in parts if m.lower() not in bench_.MODES]
     try:
         head_size = model_config(model).head_size if specs else 0
     except ValueError:

@@ -86,6 +86,8 @@ def break_(
     if skipped and name != "all":
         fail(skipped)
     runs, notes = ({}, [skipped]) if skipped else _models_for(torch_names, model, name)
+    for chosen in runs:  # refused before the NumPy breaks print anything
+        _check_tokens(chosen, max_new_tokens)
     toy = [n for n in names if breaks[n].family == "toy"]
     toy_model = ref.init_model() if toy else None
     results = {n: (ref.BREAKS[n].title, ref.BREAKS[n].run(toy_model)) for n in toy}
@@ -154,6 +156,26 @@ def _models_for(names: list[str], model: str | None, asked: str
     if asked != "all":
         fail(why)
     return runs, [f"skipped: {why}"]
+
+
+def _check_tokens(model: str, max_new_tokens: int) -> None:
+    """--max-new-tokens against the model's context window less the breaks' longest
+    default prompt, from its config alone."""
+    from kvcache_cli import generate as gen
+    from kvcache_cli.models import model_config
+
+    try:
+        config = model_config(model)
+    except ValueError:
+        return  # not a model: the loader says so in its own words
+    prompts = ([t.encode() for t in gen.DEFAULT_PROMPT_TEXTS] if config.tokenizer == "bytes"
+               else [gen.DEFAULT_PROMPT_IDS, gen.OTHER_PROMPT_IDS])
+    room = max(len(p) for p in prompts)
+    high = config.context - room
+    if max_new_tokens < 1 or max_new_tokens > high:
+        fits = f"from 1 to {high:,}" if high >= 1 else "none fits"
+        fail(f"--max-new-tokens {max_new_tokens:,}: expected a whole number {fits} (the "
+             f"context window of {config.context:,}, less the breaks' {room}-token prompt)")
 
 
 def _refuse_given(ctx: typer.Context, params: tuple[str, ...], why: str) -> None:

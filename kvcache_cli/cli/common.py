@@ -99,6 +99,22 @@ def usage_message(error) -> str:
     return f"{opt}: {message}"
 
 
+def defaults_in(ctx, message: str) -> str:
+    """MESSAGE with a note for each option it names that the user did not type: a
+    refusal must not read as if the user had given the default."""
+    shown = []
+    for param in ctx.command.params:
+        flag = next((o for o in param.opts if o.startswith("--")), None)
+        # By name: click's enum is vendored by later typer releases.
+        source = getattr(ctx.get_parameter_source(param.name), "name", "DEFAULT")
+        if (flag and source == "DEFAULT"
+                and re.search(rf"{re.escape(flag)}(?![\w-])", message)):
+            shown.append(flag)
+    if not shown:
+        return message
+    return f"{message} ({', '.join(shown)}: the default, not given)"
+
+
 # --- the torch extra ----------------------------------------------------------------
 
 # What the GPT-2 loader may import: torch always, safetensors for a checkpoint folder,
@@ -119,7 +135,9 @@ def torch_extra_missing(who_needs: str, *modules: str) -> str | None:
         return None
     names = ", ".join(missing[:-1]) + " and " + missing[-1] if len(missing) > 1 else missing[0]
     verb = "is" if len(missing) == 1 else "are"
-    return f"{who_needs} {names}, which {verb} not installed: pip install 'kvcache[torch]'"
+    from kvcache_cli import TORCH_INSTALL
+
+    return f"{who_needs} {names}, which {verb} not installed: {TORCH_INSTALL}"
 
 
 def need_torch_extra(who_needs: str, *modules: str) -> None:
@@ -210,8 +228,9 @@ def complete_cache(incomplete: str) -> list[tuple[str, str]]:
 
 def check_cache_for(spec, model: str) -> None:
     """Refuse, before the weights load, a bounded cache whose budget passes the model's
-    context window (read from its preset or config.json alone)."""
-    from kvcache_cli.caches.spec import CacheSpecError, check_context
+    context window, and a quantised one whose groups do not fit its heads (both read from
+    its preset or config.json alone)."""
+    from kvcache_cli.caches.spec import CacheSpecError, check_context, check_spec
     from kvcache_cli.models import model_config
 
     try:
@@ -220,6 +239,7 @@ def check_cache_for(spec, model: str) -> None:
         return  # not a model: the loader says so in its own words
     try:
         check_context(spec, config.context, model)
+        check_spec(spec, config.head_size)
     except CacheSpecError as err:
         fail(str(err))
 
@@ -338,14 +358,81 @@ def print_view(renderable) -> None:
 
     console = Console()
     if console.is_terminal:
-        console.print(renderable)
+        console.print(fit_width(console, renderable, console.width))
         return
     columns = os.environ.get("COLUMNS", "")
-    least = int(columns) if columns.isdigit() else OFF_TERMINAL_COLUMNS
+    least = int(columns) if columns.isascii() and columns.isdigit() else OFF_TERMINAL_COLUMNS
     console = Console(width=max(least, _widest(console, renderable)))
     with console.capture() as captured:
         console.print(renderable)
     sys.stdout.write("\n".join(line.rstrip() for line in captured.get().split("\n")))
+
+
+def fit_width(console, renderable, width: int):
+    """RENDERABLE with every table too wide for WIDTH columns stacked, one record per row:
+    rich would cut its words and numbers ('13.6…'), or wrap its prose a word a line.
+    Groups and panels are walked; anything else is returned as it is."""
+    import copy
+
+    from rich.console import Group
+    from rich.measure import Measurement
+    from rich.panel import Panel
+    from rich.table import Table
+
+    if isinstance(renderable, Group):
+        return Group(*(fit_width(console, r, width) for r in renderable.renderables))
+    if isinstance(renderable, Panel):
+        panel = copy.copy(renderable)
+        panel.renderable = fit_width(console, renderable.renderable, width - 4)
+        return panel
+    if not isinstance(renderable, Table) or not renderable.columns:
+        return renderable
+    need = Measurement.get(console, console.options.update(max_width=10_000), renderable)
+    # A column of single words (its prose has half the room it wants), or cut: rich marks
+    # what it cuts with '…', which no cell of ours holds.
+    if need.maximum <= 2 * width and "…" not in rendered(renderable, width):
+        return renderable
+    return stacked(renderable)
+
+
+def rendered(renderable, width: int) -> str:
+    """RENDERABLE as plain text at WIDTH columns, as a terminal that wide would show it."""
+    import io
+
+    from rich.console import Console
+
+    console = Console(width=width, file=io.StringIO(), color_system=None, force_terminal=False)
+    with console.capture() as captured:
+        console.print(renderable)
+    return captured.get()
+
+
+def stacked(table):
+    """A table as one record per row: the first cell as the record's title, then each
+    other column's heading and value on a line, the value wrapping beside its heading."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    def plain(cell) -> str:
+        return cell.plain if isinstance(cell, Text) else str(cell)
+
+    headings = [plain(c.header).replace("\n", " ") for c in table.columns]
+    columns = [list(c.cells) for c in table.columns]
+    records = []
+    if table.title:
+        records.append(Text(plain(table.title), style="bold"))
+    for r in range(table.row_count):
+        grid = Table.grid(padding=(0, 2))
+        grid.add_column(no_wrap=True, style="dim")
+        grid.add_column(overflow="fold")
+        for heading, cells in zip(headings[1:], columns[1:], strict=True):
+            if plain(cells[r]).strip():
+                grid.add_row(heading, cells[r])
+        records += [Text(""), Text(plain(columns[0][r]), style="bold"), grid]
+    if table.caption:
+        records += [Text(""), Text(plain(table.caption))]
+    return Group(*records)
 
 
 def _widest(console, renderable) -> int:

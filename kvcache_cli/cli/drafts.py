@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+from kvcache_cli import numbers
 from kvcache_cli.cli.common import fail, load_model
 
 DraftOption = Annotated[str | None, typer.Option(
@@ -18,8 +19,9 @@ DraftOption = Annotated[str | None, typer.Option(
 def parse_ks(text: str) -> list[int]:
     """'1,2,4' -> [1, 2, 4]; each a whole number (its range is checked against the model)."""
     expected = "expected K or a comma-separated list such as 1,2,4,8"
-    parts = [p for p in text.replace(" ", "").split(",") if p]
-    if not parts or not all(p.isdigit() for p in parts):
+    # Spaces around a K, never inside one: '1 2' is not 12.
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if not parts or not all(numbers.is_whole(p) for p in parts):
         fail(f"--speculate {text!r}: {expected}")
     ks = [int(p) for p in parts]
     if len(set(ks)) != len(ks):

@@ -118,8 +118,7 @@ def _check_options(cache, model, text, tokens, prompt_len, chunk, device, thread
         raise ValueError(problem)
     config = model_config(model)
     # --tokens, when given, against the context window; the text's length comes next.
-    quality.check_eval(config.context, prompt_len + 1 if tokens is None else tokens,
-                       prompt_len, chunk)
+    quality.check_eval(config.context, tokens, prompt_len, chunk)
     path = text if text is not None else _heldout(model)
     ids = eval_text(read_text(path), str(path), config)
     n = quality.tokens_to_read(len(ids.ids), config.context, tokens, prompt_len,

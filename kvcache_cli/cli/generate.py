@@ -100,7 +100,7 @@ def generate(
     if not math.isfinite(temperature):
         fail(f"--temperature {temperature}: expected a finite number, 0 or more (0 is greedy)")
     prompt_ids = _parse_ids(ids) if ids is not None else []  # before the model loads
-    draft_spec = None
+    draft_spec, note = None, None
     if draft is None and speculate is not None:
         fail(f"--speculate {speculate} needs a --draft: expected e.g. --draft lookup")
     if draft is not None:
@@ -111,8 +111,6 @@ def generate(
         # Token ids are counted now; a text prompt's tokens only once it is encoded.
         positions = len(prompt_ids) + max_new_tokens if prompt_ids else None
         draft_spec, note = drafts.check(model, draft, [speculate], mode, positions)
-        if note:
-            typer.echo(f"note: {note}", err=True)
     # A text prompt needs the tokenizer; token ids are shown as text only when it is there.
     # A byte-level model's tokenizer is UTF-8 itself: only GPT-2's BPE needs tiktoken.
     from kvcache_cli.checkpoints import tokenizer_name
@@ -121,6 +119,12 @@ def generate(
     bpe = prompt is not None and tokenizer == "gpt2"
     need_torch_extra("kvcache generate needs", *GPT2_MODULES, *(("tiktoken",) if bpe else ()))
     torch_device(device)
+    from kvcache_cli.models import model_config
+
+    try:  # a model that is not one is named before its tokenizer is looked for
+        config = model_config(model)
+    except ValueError as err:
+        fail(str(err))
     if cache is not None:
         check_cache_for(cache, model)
     check_weights_dtype(weights_dtype, model, device)
@@ -136,6 +140,15 @@ def generate(
         encoding, why = gen.encoding_for(tokenizer)
         if encoding is None:
             fail(f"{why}: {_USE_IDS}", code=1)
+    known = prompt_ids or (encoding.encode(prompt, disallowed_special=())
+                           if encoding is not None and _readable(config) else [])
+    if known:  # the request against the window before the weights load, or any note prints
+        try:
+            gen.check_request_config(config, known, max_new_tokens)
+        except (ValueError, IndexError) as err:
+            fail(str(err))
+    if note:
+        typer.echo(f"note: {note}", err=True)
     loaded = load_model(model, weights, device, dtype.value)
     if weights_dtype is not None:
         from kvcache_cli.gpt2 import set_weights_dtype
@@ -177,19 +190,25 @@ def _chat_prompt(model: str, question: str) -> tuple[str, tuple[int, ...]]:
         fail(f"--chat: {err}")
 
 
-_USE_IDS = "give the prompt as token ids, e.g. --ids 464,2068,7586"
+_USE_IDS = ("give the prompt as token ids, e.g. --ids 464,2068,7586, or run offline with "
+            "the shipped byte-level model: kvcache generate -m stdlib-bytes \"Hello\"")
+
+
+def _readable(config) -> bool:
+    """A checkpoint that names no tokenizer is read with GPT-2's BPE only if it has GPT-2's
+    vocabulary."""
+    from kvcache_cli.gpt2 import GPT2_VOCAB_SIZE
+
+    return (config.tokenizer == "bytes" or config.tokenizer.startswith("file:")
+            or config.vocab_size == GPT2_VOCAB_SIZE)
 
 
 def _encode(gpt, prompt: str | None, prompt_ids: list[int], encoding):
     """The prompt's token ids, and the encoding to show tokens as text (None: as ids)."""
     from kvcache_cli.generate import encoding_for
-    from kvcache_cli.gpt2 import GPT2_VOCAB_SIZE
 
     config = gpt.config
-    # A checkpoint that names no tokenizer is read with GPT-2's BPE only if it has GPT-2's
-    # vocabulary.
-    readable = (config.tokenizer == "bytes" or config.tokenizer.startswith("file:")
-                or config.vocab_size == GPT2_VOCAB_SIZE)
+    readable = _readable(config)
     if prompt is not None:
         if not readable:
             fail(f"the model's vocabulary ({config.vocab_size}) is not GPT-2's: {_USE_IDS}")

@@ -16,6 +16,7 @@ from kvcache_cli.cli.common import (
     WeightsDTypeOption,
     check_plot,
     check_weights_dtype,
+    defaults_in,
     fail,
     load_model,
     need_torch_extra,
@@ -25,6 +26,7 @@ from kvcache_cli.cli.common import (
 
 
 def serve(
+    ctx: typer.Context,
     device: DeviceOption = "auto",
     model: ModelOption = "gpt2",
     weights: Annotated[str, typer.Option(
@@ -100,13 +102,14 @@ def serve(
     from kvcache_cli.views.serve import render
 
     # Everything a user can get wrong is refused before a model loads.
+    layout = layout.strip().lower()  # names in any case, as every option reads them
     try:
         engines = _with_kv_dtypes(engines, kv_dtype, batch)
         dev, what = _check(device, model, requests, prompt_len, output_len, shared_prefix, rate,
                            seed, engines, kv_mem, block_size, max_batch, threads, batch,
                            burstiness, max_concurrency, goodput, policy, token_budget, layout)
     except ValueError as err:
-        fail(str(err))
+        fail(defaults_in(ctx, str(err)))
     check_plot(plot)
     check_weights_dtype(weights_dtype, model, dev)
     loaded = load_model(model, weights, dev)
@@ -148,6 +151,8 @@ def _check(device, model, requests, prompt_len, output_len, shared_prefix, rate,
     from kvcache_cli.serving import batching, metrics, model_runner, scheduler, workload
     from kvcache_cli.serving import engines as serving
 
+    if threads_error(threads):  # first: it needs no model, no transformers
+        raise ValueError(threads_error(threads))
     dev = str(resolve_device(device))
     config = model_config(model)
     if batch is not None:
@@ -160,7 +165,11 @@ def _check(device, model, requests, prompt_len, output_len, shared_prefix, rate,
             workload.parse_range(output_len, "--output-len"), shared_prefix, rates[0], seed,
             burstiness, max_concurrency)
         workload.check_spec(spec, config.context)
+        if not 1 <= block_size <= config.context:  # before the budgets counted in blocks
+            raise ValueError(f"--block-size {block_size:,}: expected a whole number from 1 to "
+                             f"{config.context:,} (the context window)")
         engine_names = serving.parse_engines(engines)
+        serving.check_hf_block_size(engine_names, block_size)
         policies = scheduler.parse_policy(policy)
         budgets = serving.parse_budgets(token_budget, block_size)
         if layout not in model_runner.LAYOUTS:
@@ -168,12 +177,26 @@ def _check(device, model, requests, prompt_len, output_len, shared_prefix, rate,
                              f"{', '.join(model_runner.LAYOUTS)}")
         targets = metrics.parse_goodput(goodput) if goodput is not None else None
         memory = sizing.parse_bytes(kv_mem, "--kv-mem")
+        held = _device_memory(dev)
+        if memory > held:  # refused now, not as an allocator's traceback after the load
+            raise ValueError(f"--kv-mem {kv_mem!r} is {sizing.format_bytes(memory)}, more than "
+                             f"this {dev.split(':')[0].upper()}'s {sizing.format_bytes(held)} "
+                             "of memory: expected at most that")
         serving.plan_memory(config, torch.float32, spec, memory, block_size, max_batch)
         what = (spec, serving.variants(engine_names, policies, budgets), memory, rates,
                 targets)
-    if threads_error(threads):
-        raise ValueError(threads_error(threads))
     return dev, what
+
+
+def _device_memory(device: str) -> int:
+    """Bytes of memory on DEVICE: the host's RAM for cpu, the GPU's for cuda."""
+    import os
+
+    import torch
+
+    if device.startswith("cuda"):
+        return torch.cuda.mem_get_info()[1]
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def _with_kv_dtypes(engines: str, kv_dtype: str | None, batch: str | None) -> str:

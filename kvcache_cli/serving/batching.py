@@ -22,12 +22,16 @@ from dataclasses import dataclass
 
 import torch
 
+from kvcache_cli import numbers
 from kvcache_cli.caches.exact import StaticCache
 from kvcache_cli.gpt2 import GPT, GPTConfig
 
 CONTEXT = 128  # tokens cached per row when the timed steps start (less in a shorter window)
 STEPS = 8  # timed decode steps per batch size
 WARMUP_STEPS = 2
+# Rows of CONTEXT cached tokens: past this the sweep's caches alone outgrow a host's memory
+# for the larger presets, and a step takes seconds.
+MAX_BATCH = 4096
 MATMUL_N = 2048  # square float32 matmul for the peak FLOP/s: large enough to be compute-bound
 MATMUL_REPEATS = 5
 
@@ -63,12 +67,15 @@ class SweepResult:
 
 
 def parse_sizes(text: str) -> tuple[int, ...]:
-    try:
-        sizes = tuple(int(part) for part in text.split(",") if part.strip())
-    except ValueError:
-        raise ValueError(f"--batch {text!r}: expected batch sizes like 1,4,16,64") from None
+    parts = [part.strip() for part in text.split(",") if part.strip()]
+    if not all(numbers.is_whole(part) for part in parts):
+        raise ValueError(f"--batch {text!r}: expected batch sizes like 1,4,16,64")
+    sizes = tuple(int(part) for part in parts)
     if not sizes or min(sizes) < 1:
         raise ValueError(f"--batch {text!r}: expected batch sizes of at least 1")
+    if max(sizes) > MAX_BATCH:
+        raise ValueError(f"--batch {text!r}: expected batch sizes "
+                         f"{numbers.span(1, MAX_BATCH)}")
     return tuple(sorted({1, *sizes}))  # batch 1 is what every other size is compared with
 
 

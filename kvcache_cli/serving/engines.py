@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvcache_cli import numbers
 from kvcache_cli.caches.exact import StaticCache
 from kvcache_cli.caches.paged import PagedCache, block_bytes
 from kvcache_cli.caches.quantized import POOLS, make_pool
@@ -197,7 +198,7 @@ class ServeResult:
 
 
 def parse_engines(text: str) -> tuple[str, ...]:
-    names = tuple(part.strip() for part in text.split(",") if part.strip())
+    names = tuple(part.strip().lower() for part in text.split(",") if part.strip())
     unknown = [n for n in names if n not in ENGINES and n not in POOLS]
     if unknown or not names:
         what = f"unknown engine {', '.join(map(repr, unknown))}" if unknown else "no engines"
@@ -209,15 +210,28 @@ def parse_engines(text: str) -> tuple[str, ...]:
     return names
 
 
+# transformers' continuous batching refuses pages smaller than this (its BOUNDS["page_size"]),
+# in its own words and only once its engine starts, after the others have run.
+HF_MIN_PAGE = 4
+
+
+def check_hf_block_size(engines: Sequence[str], block_size: int) -> None:
+    """Refuse, before any engine runs, a --block-size the hf engine cannot page."""
+    if "hf" in engines and block_size < HF_MIN_PAGE:
+        raise ValueError(f"--block-size {block_size:,}: the hf engine (transformers' "
+                         f"continuous batching) pages at least {HF_MIN_PAGE} tokens a block; "
+                         f"expected {HF_MIN_PAGE} or more, or --engines without hf")
+
+
 def parse_budgets(text: str, block_size: int) -> tuple[int, ...]:
     """`"64,256,1024"` -> (64, 256, 1024): decode-first's token budgets, each at least a block."""
     from kvcache_cli.serving.scheduler import check_budget
 
-    try:
-        budgets = tuple(int(part) for part in text.split(","))
-    except ValueError:
+    parts = [part.strip() for part in text.split(",")]
+    if not all(numbers.is_whole(part) for part in parts):
         raise ValueError(f"--token-budget {text!r}: expected tokens per forward, "
-                         "comma-separated, e.g. 64,256,1024") from None
+                         "comma-separated, e.g. 64,256,1024")
+    budgets = tuple(int(part) for part in parts)
     for b in budgets:
         check_budget(b, block_size)
     if len(set(budgets)) < len(budgets):

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvcache_cli import numbers
+
 GOODPUT_KEYS = ("ttft", "tpot", "e2el")
 # A run meets the targets when at least this share of its requests meets every one
 # of them (an SLO attainment target, as DistServe and Sarathi-Serve report).
@@ -115,19 +117,26 @@ def summarise(times: Sequence[RequestTimes], duration_s: float,
         goodput=None if good is None else good / duration_s, good_requests=good)
 
 
+# A latency target past a day, or requests arriving faster than a nanosecond apart, is a
+# typing slip: no run measures either.
+MAX_TARGET_MS = 86_400_000
+MAX_RATE = 1e9
+
+
 def parse_goodput(text: str) -> dict[str, float]:
     """`"ttft:500,tpot:50"` -> {"ttft": 500.0, "tpot": 50.0} (milliseconds)."""
     targets: dict[str, float] = {}
     for part in (p.strip() for p in text.split(",")):
         key, sep, value = part.partition(":")
         try:
-            ms = float(value) if sep else math.nan
-        except ValueError:
+            ms = numbers.decimal(value, "", 0, MAX_TARGET_MS, above=True) if sep else math.nan
+        except numbers.NumberError:
             ms = math.nan
-        if key not in GOODPUT_KEYS or not ms > 0 or math.isinf(ms) or key in targets:
+        if key not in GOODPUT_KEYS or not ms > 0 or key in targets:
             raise ValueError(
-                f"--goodput {text!r}: expected targets like ttft:500,tpot:50 (milliseconds > 0; "
-                f"keys {', '.join(GOODPUT_KEYS)}, each at most once)")
+                f"--goodput {text!r}: expected targets like ttft:500,tpot:50 (milliseconds "
+                f"more than 0 and at most {MAX_TARGET_MS:,}; keys {', '.join(GOODPUT_KEYS)}, "
+                "each at most once)")
         targets[key] = ms
     return targets
 
@@ -138,12 +147,14 @@ def parse_rates(text: str) -> tuple[float | None, ...]:
     rates: list[float | None] = []
     for part in (p.strip() for p in text.split(",")):
         try:
-            rate = float(part)
-        except ValueError:
+            rate = (math.inf if part.lower() == "inf"
+                    else numbers.decimal(part, "", 0, MAX_RATE, above=True))
+        except numbers.NumberError:
             rate = math.nan
         if not rate > 0:
-            raise ValueError(f"--rate {text!r}: expected requests/s > 0, comma-separated, inf "
-                             "for all at once, e.g. 1,2,4,8,inf")
+            raise ValueError(f"--rate {text!r}: expected requests/s > 0 and at most "
+                             f"{MAX_RATE:,.0f}, comma-separated, inf for all at once, e.g. "
+                             "1,2,4,8,inf")
         value = None if math.isinf(rate) else rate
         if value in rates:
             raise ValueError(f"--rate {text!r}: the rate {part} given twice")

@@ -112,10 +112,14 @@ def _curve(fig, result: ServeResult) -> None:
         color = COLORS.get(runs[0].engine.split()[0])
         style = styles[i % len(styles)]
         tok_s = [e.tokens_per_s for e in runs]
-        ttft.plot(tok_s, [e.latency.ttft.p99 for e in runs], style, color=color, label=name,
-                  lw=1.2, ms=4)
-        tpot.plot(tok_s, [e.latency.tpot.p99 for e in runs], style, color=color, label=name,
-                  lw=1.2, ms=4)
+        for ax, key in ((ttft, "ttft"), (tpot, "tpot")):
+            p99 = [getattr(e.latency, key).p99 for e in runs]
+            ax.plot(tok_s, p99, style, color=color, label=name, lw=1.2, ms=4)
+            # Each point says the arrival rate it was served at: the curve is a sweep.
+            for e, x, y in zip(runs, tok_s, p99, strict=True):
+                ax.annotate("all at once" if e.rate is None else f"{e.rate:g}/s", (x, y),
+                            textcoords="offset points", xytext=(3, 3), fontsize=6,
+                            color=color)
     rates = ", ".join("inf" if r is None else f"{r:g}" for r in result.rates)
     fig.suptitle(f"{result.model} · {result.device} · arrival rates {rates} requests/s",
                  fontsize=9)

@@ -66,7 +66,7 @@ class Step:
 
 def parse_policy(text: str) -> tuple[str, ...]:
     """`"prefill-first,decode-first"` -> both, checked."""
-    names = tuple(part.strip() for part in text.split(",") if part.strip())
+    names = tuple(part.strip().lower() for part in text.split(",") if part.strip())
     unknown = [n for n in names if n not in POLICIES]
     if unknown or not names:
         what = f"unknown policy {', '.join(map(repr, unknown))}" if unknown else "no policy"
@@ -76,10 +76,17 @@ def parse_policy(text: str) -> tuple[str, ...]:
     return names
 
 
+# A forward of a million tokens is no run a host can do; past it the number is a slip.
+MAX_TOKEN_BUDGET = 1 << 20
+
+
 def check_budget(budget: int, block_size: int) -> None:
     if budget < block_size:
-        raise ValueError(f"--token-budget {budget}: expected at least one block "
-                         f"({block_size} tokens), e.g. 256")
+        raise ValueError(f"--token-budget {budget:,}: expected at least one block "
+                         f"({block_size:,} tokens), the --block-size")
+    if budget > MAX_TOKEN_BUDGET:
+        raise ValueError(f"--token-budget {budget:,}: expected tokens per forward "
+                         f"from {block_size:,} (one block) to {MAX_TOKEN_BUDGET:,}")
 
 
 class Scheduler:

@@ -15,7 +15,17 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from kvcache_cli import numbers
 from kvcache_cli.serving.sequence import Request
+
+# What one run can do: every request is generated once per engine and checked against its
+# solo generation, so past this many a run takes days on a CPU and minutes to set up.
+MAX_REQUESTS = 100_000
+# Lengths are checked against the context window after parsing; this bounds the text.
+MAX_LENGTH = 1 << 20
+# The arrivals of a workload at a --rate span about requests / rate seconds; past an hour
+# the run is waiting, not serving (and a rate near 0 would sleep past the platform's clock).
+MAX_ARRIVAL_SPAN_S = 3600
 
 
 @dataclass(frozen=True)
@@ -37,23 +47,31 @@ class WorkloadSpec:
 
 def parse_range(text: str, option: str) -> tuple[int, int]:
     """`"16:512"` -> (16, 512); `"64"` -> (64, 64)."""
-    lo, sep, hi = text.partition(":")
-    try:
-        bounds = (int(lo), int(hi) if sep else int(lo))
-    except ValueError:
-        raise ValueError(f"{option} {text!r}: expected MIN:MAX or N, e.g. 16:512") from None
+    lo, sep, hi = text.strip().partition(":")
+    if not numbers.is_whole(lo) or (sep and not numbers.is_whole(hi)):
+        raise ValueError(f"{option} {text!r}: expected MIN:MAX or N, e.g. 16:512")
+    bounds = (int(lo), int(hi) if sep else int(lo))
+    if bounds[1] > MAX_LENGTH:
+        raise ValueError(f"{option} {text!r}: expected tokens {numbers.span(1, MAX_LENGTH)}")
     if bounds[0] < 1 or bounds[0] > bounds[1]:
         raise ValueError(f"{option} {text!r}: expected 1 <= MIN <= MAX")
     return bounds
 
 
 def check_spec(spec: WorkloadSpec, window: int) -> None:
-    if spec.requests < 1:
-        raise ValueError(f"--requests {spec.requests}: expected at least 1")
+    if not 1 <= spec.requests <= MAX_REQUESTS:
+        raise ValueError(f"--requests {spec.requests}: expected a whole number "
+                         f"{numbers.span(1, MAX_REQUESTS)}")
     if spec.shared_prefix < 0:
         raise ValueError(f"--shared-prefix {spec.shared_prefix}: expected 0 or more tokens")
     if spec.rate is not None and spec.rate <= 0:
-        raise ValueError(f"--rate {spec.rate}: expected requests/s > 0 (omit it: all at once)")
+        raise ValueError(f"--rate {spec.rate:g}: expected requests/s > 0 (omit it: all at once)")
+    if spec.rate is not None and spec.requests / spec.rate > MAX_ARRIVAL_SPAN_S:
+        least = spec.requests / MAX_ARRIVAL_SPAN_S
+        raise ValueError(
+            f"--rate {spec.rate:g}: {spec.requests:,} requests would arrive over about "
+            f"{spec.requests / spec.rate:,.0f} s; expected at least {least:.3g} requests/s "
+            f"(the workload's arrivals within {MAX_ARRIVAL_SPAN_S:,} s)")
     if not spec.burstiness > 0 or spec.burstiness == float("inf"):
         raise ValueError(f"--burstiness {spec.burstiness}: expected a gamma shape > 0 "
                          "(1: Poisson)")

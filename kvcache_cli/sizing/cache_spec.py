@@ -70,6 +70,9 @@ def _parts(spec: CacheSpec, n: int, kv_heads: int, head_dim: int, element: int
     """(quantised tokens, full tokens, payload, scales, full-precision bytes), one layer."""
     total = layer_bytes(spec, n, kv_heads, head_dim, element)
     params = dict(spec.params)
+    if spec.kind.startswith("quanto-"):  # every token as codes after a prefill
+        payload = 2 * kv_heads * n * head_dim * params["bits"] // 8
+        return n, 0, payload, total - payload, 0
     if "residual" in params:  # integer kinds
         q, full = quantised_split(params, n)
         payload = 2 * kv_heads * q * head_dim * params["bits"] // 8

@@ -153,6 +153,8 @@ def parse_count(text: str, what: str = "--params") -> int:
     cleaned = text.strip().replace("_", "").replace(",", "")
     suffix = cleaned[-1:].lower() if cleaned[-1:].isalpha() and cleaned[-1:].lower() != "e" else ""
     try:
+        if not cleaned.isascii():  # Decimal reads every script's digits: '７B' is not 7B
+            raise DecimalException
         value = Decimal(cleaned[: len(cleaned) - len(suffix)]) * _COUNT_SUFFIX[suffix]
     except (DecimalException, KeyError):  # not a number, or one past Decimal's exponent range
         raise SizingError(
@@ -174,7 +176,8 @@ def parse_tokens(text: str, what: str = "--seq") -> int:
     cleaned = text.strip().replace("_", "").replace(",", "")
     suffix = cleaned[-1:].lower() if cleaned[-1:].isalpha() else ""
     digits = cleaned[: len(cleaned) - len(suffix)]
-    if suffix not in _TOKEN_SUFFIX or not digits.isdigit():
+    # ASCII digits of any length here (isdigit alone passes '²' and '١٢'); the length next.
+    if suffix not in _TOKEN_SUFFIX or not (digits.isascii() and digits.isdigit()):
         raise SizingError(f"{what} {text!r}: expected a whole number of tokens such as 4096, "
                           "32k (32,768) or 1M (1,048,576)")
     if len(digits) > 20:  # int() of thousands of digits is slow, or refused outright

@@ -11,6 +11,7 @@ import copy
 import warnings
 from dataclasses import dataclass
 
+from kvcache_cli import TORCH_INSTALL
 from kvcache_cli.sizing.arithmetic import (
     mha_values_per_token,
     state_bytes_per_sequence,
@@ -164,7 +165,7 @@ def verify_cache(config: dict, dtype: str = "fp16", max_layers: int = 2) -> Veri
     except ImportError as error:
         raise VerifyError(
             f"--verify needs torch and transformers ({error.name} is not installed): "
-            "pip install 'kvcache[torch]'"
+            f"{TORCH_INSTALL}"
         ) from None
 
     cfg, changes = _verify_config(config, max_layers)
