@@ -36,7 +36,8 @@ def eval_(
         "--cache", parser=parse_cache_list_option, metavar="SPECS",
         autocompletion=complete_cache_list,
         help="Comma-separated cache specs, e.g. static,paged:b16 or "
-        "full,window:256,sink:4+252,h2o:128+128 (every kind: 'kvcache caches'); the exact "
+        "full,window:256,sink:4+252,h2o:128+128,snapkv:0.25,knorm:0.25 (every kind: "
+        "'kvcache caches'); the exact "
         "'static' (alias full) is always run as the reference. Default: "
         "static,int8,int4,int2,fp8-e4m3, each format at its default layout.")] = None,
     model: Annotated[str, typer.Option(
@@ -52,7 +53,8 @@ def eval_(
         help="Tokens of the text to read (default: the text's, up to the context window "
         "and 2,000).")] = None,
     prompt_len: Annotated[int, typer.Option(
-        help="Tokens prefilled before decoding starts; the rest are scored.")] = 64,
+        help="Tokens prefilled in one forward before decoding starts; the rest are "
+        "scored. Compressing kinds (snapkv, knorm, recent) compress this prompt once.")] = 64,
     chunk: Annotated[int, typer.Option(
         help="Tokens fed per decode step (1: one at a time, as generation does).")] = 1,
     device: DeviceOption = "auto",
@@ -124,7 +126,7 @@ def _check_options(cache, model, text, tokens, prompt_len, chunk, device, thread
     ids = eval_text(read_text(path), str(path), config)
     n = quality.tokens_to_read(len(ids.ids), config.block_size, tokens, prompt_len,
                                f"--text {str(path)!r}")
-    quality.check_caches(specs, config, n - 1, model)
+    quality.check_caches(specs, config, n - 1, model, prompt_len)
     return specs, path, ids, n, resolve_device(device)
 
 
