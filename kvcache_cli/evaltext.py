@@ -27,7 +27,7 @@ class TokenizerUnavailable(RuntimeError):
 class EvalText:
     name: str  # what the ids are, for the result's header
     ids: tuple[int, ...]
-    tokenizer: str  # "bytes" or "gpt2"
+    tokenizer: str  # "bytes", "gpt2" or "bpe" (a Llama-family model's tokenizer.json)
 
 
 def read_text(path: Path) -> str:
@@ -59,8 +59,8 @@ def tokenizer_for(config) -> str:
     """The tokenizer a model's config names (`tokenizer: bytes` in config.json, as the
     trained checkpoint has), else GPT-2's BPE for GPT-2's vocabulary; a ValueError when a
     checkpoint names none and has another vocabulary (generate reads it the same way)."""
-    if config.tokenizer == "bytes":
-        return "bytes"
+    if config.tokenizer == "bytes" or config.tokenizer.startswith("file:"):
+        return config.tokenizer
     if config.vocab_size == GPT2_VOCAB:
         return "gpt2"
     raise ValueError(f"no tokenizer for a vocabulary of {config.vocab_size:,} ids: expected "
@@ -72,6 +72,10 @@ def encode(text: str, tokenizer: str) -> tuple[int, ...]:
     """Token ids of `text`; TokenizerUnavailable when GPT-2's BPE cannot be loaded."""
     if tokenizer == "bytes":
         return tuple(text.encode("utf-8"))
+    if tokenizer.startswith("file:"):  # a Llama-family model's own tokenizer.json
+        from kvcache_cli.models.tokenizer import bpe_encoding
+
+        return tuple(bpe_encoding(tokenizer.removeprefix("file:")).encode(text))
     from kvcache_cli.generate import gpt2_encoding
 
     encoding, why = gpt2_encoding()
@@ -83,4 +87,5 @@ def encode(text: str, tokenizer: str) -> tuple[int, ...]:
 def eval_text(text: str, name: str, config) -> EvalText:
     """`text` as the ids of the model's tokenizer."""
     tokenizer = tokenizer_for(config)
-    return EvalText(name, encode(text, tokenizer), tokenizer)
+    shown = "bpe" if tokenizer.startswith("file:") else tokenizer
+    return EvalText(name, encode(text, tokenizer), shown)

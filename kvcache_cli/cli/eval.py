@@ -42,7 +42,7 @@ def eval_(
         "static,int8,int4,int2,fp8-e4m3, each format at its default layout.")] = None,
     model: Annotated[str, typer.Option(
         "--model", "-m", help=f"{EVAL_MODEL} (the trained checkpoint), gpt2, gpt2-medium, "
-        "gpt2-large, gpt2-xl or a checkpoint dir.")] = EVAL_MODEL,
+        "gpt2-large, gpt2-xl, smollm2 (with --text) or a checkpoint dir.")] = EVAL_MODEL,
     weights: Annotated[Weights, typer.Option(
         help="auto: pretrained when available, else random (one note); quality on random "
         "weights means little.")] = Weights.auto,
@@ -86,7 +86,7 @@ def eval_(
         fail(f"{err}: --model {EVAL_MODEL} evaluates the trained byte-level checkpoint, "
              "which needs no download", code=1)
     check_plot(plot)
-    loaded = load_gpt2(model, weights.value, str(dev))
+    loaded = _load(model, weights.value, str(dev))
     try:
         with _progress() as on_progress:
             result = quality.evaluate(
@@ -112,7 +112,7 @@ def _check_options(cache, model, text, tokens, prompt_len, chunk, device, thread
     from kvcache_cli import quality
     from kvcache_cli.bench import resolve_device
     from kvcache_cli.evaltext import eval_text, read_text
-    from kvcache_cli.gpt2 import model_config
+    from kvcache_cli.models import model_config
 
     specs = quality.default_caches() if cache is None else cache
     problem = threads_error(threads)
@@ -128,6 +128,23 @@ def _check_options(cache, model, text, tokens, prompt_len, chunk, device, thread
                                f"--text {str(path)!r}")
     quality.check_caches(specs, config, n - 1, model, prompt_len)
     return specs, path, ids, n, resolve_device(device)
+
+
+def _load(model: str, weights: str, device: str):
+    """Either family's model: GPT-2's loader with its notes, or a Llama-family one
+    (`-m smollm2`), its errors as one line."""
+    from kvcache_cli.models import family_of
+
+    if family_of(model) == "gpt2":
+        return load_gpt2(model, weights, device)
+    from kvcache_cli.models import load_model
+
+    try:
+        return load_model(model, weights, device)
+    except ValueError as err:
+        fail(str(err))
+    except (RuntimeError, OSError) as err:
+        fail(str(err), code=1)
 
 
 def _heldout(model: str) -> Path:
