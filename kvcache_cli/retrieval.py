@@ -34,6 +34,8 @@ DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)  # where the key sits in the filler: start 
 KEYS_PER_CELL = 2  # prompts per (length, depth): different keys, the same filler
 MAX_NEW_TOKENS = 12  # "The pass key is 12345." and an end of turn
 REFERENCE = "static"
+# Without --cache: each compressing kind at a quarter of the prompt's keys.
+DEFAULT_CACHES = ("snapkv:0.25", "knorm:0.25", "recent:0.25")
 
 
 @dataclass(frozen=True)
@@ -140,14 +142,23 @@ def is_correct(reply: str, key: str) -> bool:
     return first_number(reply) == key
 
 
-def check_lengths(lengths: Sequence[int], context: int) -> None:
-    if not lengths or any(n < 1 for n in lengths):
-        raise ValueError(f"--lengths {','.join(map(str, lengths))}: expected filler lengths "
-                         "in tokens, each 1 or more (e.g. 512,1024)")
-    if max(lengths) + MAX_NEW_TOKENS >= context:
-        raise ValueError(f"--lengths {max(lengths):,}: past the model's context window of "
-                         f"{context:,} positions with the question and the reply; expected "
-                         f"at most {context - MAX_NEW_TOKENS - 200:,}")
+def parse_lengths(text: str) -> tuple[int, ...]:
+    """'512,1024' -> (512, 1024), or a ValueError naming the value."""
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if not parts or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"--lengths {text!r}: expected filler lengths in tokens, "
+                         "comma-separated, each 1 or more (e.g. 512,1024)")
+    return tuple(int(p) for p in parts)
+
+
+def check_fit(lengths: Sequence[int], ids: Sequence[list[int]], context: int) -> None:
+    """Refuse prompts that, with a reply, would pass the model's context window."""
+    longest = max(len(p) for p in ids)
+    if longest + MAX_NEW_TOKENS > context:
+        raise ValueError(f"--lengths {max(lengths):,}: a prompt of {longest:,} tokens (the "
+                         f"filler with the template and the question) and a reply of "
+                         f"{MAX_NEW_TOKENS} pass the model's context window of {context:,} "
+                         "positions; expected shorter lengths")
 
 
 def prompter_for(config) -> Prompter:
@@ -220,6 +231,27 @@ def answer(model, ids: list[int], spec: CacheSpec, prompter: Prompter, case: Cas
                   statistics.median(steps) if steps else float("nan"))
 
 
+def prompts(prompter: Prompter, lengths: Sequence[int], depths: Sequence[float] = DEPTHS,
+            per_cell: int = KEYS_PER_CELL) -> tuple[tuple[Case, ...], tuple[list[int], ...]]:
+    """The cases and their prompts' ids, through the model's chat template."""
+    todo = cases(lengths, prompter.encode, depths, per_cell)
+    return todo, tuple(prompter.encode(prompter.chat(c.message)) for c in todo)
+
+
+def specs_to_run(specs: Sequence[str | CacheSpec], ids: Sequence[list[int]]
+                 ) -> list[CacheSpec]:
+    """The exact cache first, then each spec once; a compressing kind whose budget or
+    window the shortest prompt cannot fill is refused (CacheSpecError) before any run."""
+    parsed = [parse_cache_spec(REFERENCE)]
+    for s in specs:
+        s = parse_cache_spec(s) if isinstance(s, str) else s
+        if str(s) not in {str(p) for p in parsed}:
+            parsed.append(s)
+    for spec in parsed:
+        check_prompt(spec, min(len(p) for p in ids))
+    return parsed
+
+
 def run_retrieval(model, prompter: Prompter, specs: Sequence[str | CacheSpec],
                   lengths: Sequence[int], *, depths: Sequence[float] = DEPTHS,
                   per_cell: int = KEYS_PER_CELL, model_name: str = "",
@@ -227,25 +259,18 @@ def run_retrieval(model, prompter: Prompter, specs: Sequence[str | CacheSpec],
     """Every case through the exact cache, then through each spec (in order, once each)."""
     import torch
 
-    check_lengths(lengths, model.config.context)
-    parsed = [parse_cache_spec(REFERENCE)]
-    for s in specs:
-        s = parse_cache_spec(s) if isinstance(s, str) else s
-        if str(s) not in {str(p) for p in parsed}:
-            parsed.append(s)
-    todo = cases(lengths, prompter.encode, depths, per_cell)
-    prompts = [prompter.encode(prompter.chat(c.message)) for c in todo]
-    for spec in parsed:  # a budget the shortest prompt cannot fill: refused before a run
-        check_prompt(spec, min(len(p) for p in prompts))
+    todo, ids = prompts(prompter, lengths, depths, per_cell)
+    check_fit(lengths, ids, model.config.context)
+    parsed = specs_to_run(specs, ids)
     answers = []
     with torch.inference_mode():
         # One untimed prompt first: the first forward pays one-time costs.
-        answer(model, prompts[0], parsed[0], prompter, todo[0], max_new=1)
-        for i, (case, ids) in enumerate(zip(todo, prompts, strict=True)):
-            answers += [answer(model, ids, spec, prompter, case) for spec in parsed]
+        answer(model, ids[0], parsed[0], prompter, todo[0], max_new=1)
+        for i, (case, prompt) in enumerate(zip(todo, ids, strict=True)):
+            answers += [answer(model, prompt, spec, prompter, case) for spec in parsed]
             if progress is not None:
                 progress(i + 1, len(todo))
-    longest = tuple(max(len(p) for p, c in zip(prompts, todo, strict=True) if c.length == n)
+    longest = tuple(max(len(p) for p, c in zip(ids, todo, strict=True) if c.length == n)
                     for n in lengths)
     return RetrievalResult(model_name, prompter.name, str(model.device), tuple(lengths),
                            tuple(depths), longest, _scores(answers, parsed), tuple(answers))

@@ -333,3 +333,36 @@ def test_retrieval_runs_every_cache_on_the_same_prompts():
     assert len(result.answers) == 6
     snap = result.score("snapkv:0.5:w32:k7:max")
     assert snap.bytes_ratio < 1 and snap.compress_ms > 0 and result.score("static").compress_ms == 0
+
+
+@pytest.fixture(scope="module")
+def long_checkpoint(tmp_path_factory):
+    return write_byte_checkpoint(tmp_path_factory.mktemp("bytes512"), 512, 64, "text " * 50)
+
+
+def test_eval_task_retrieval_prints_one_row_per_cache_as_json(long_checkpoint):
+    import json
+
+    result = CliRunner().invoke(app, ["eval", "-m", str(long_checkpoint), "--task",
+                                      "retrieval", "--lengths", "40", "--cache",
+                                      "snapkv:0.5", "--json"])
+    assert result.exit_code == 0, result.output
+    got = json.loads(result.output)
+    assert [s["cache"] for s in got["scores"]] == ["static", "snapkv:0.5:w32:k7:max"]
+    assert len(got["answers"]) == 2 * 10  # 5 depths x 2 keys, each cache
+    assert got["scores"][1]["bytes_ratio"] < 1
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--lengths", "0"], "--lengths '0': expected filler lengths in tokens"),
+    (["--lengths", "a,b"], "--lengths 'a,b': expected"),
+    (["--lengths", "2000"], "pass the model's context window of 512 positions"),
+    (["--lengths", "40", "--cache", "snapkv:400"], "keeps 400 keys of a prompt of"),
+])
+def test_eval_task_retrieval_refuses_bad_input_in_one_line(long_checkpoint, args, message,
+                                                           no_model_loads):
+    result = CliRunner().invoke(app, ["eval", "-m", str(long_checkpoint), "--task",
+                                      "retrieval", *args])
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], lines

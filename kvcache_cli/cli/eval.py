@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -29,6 +30,11 @@ from kvcache_cli.cli.common import (
 # with its held-out text beside it.
 EVAL_MODEL = TRAINED
 HELDOUT = "heldout.txt"  # the text a checkpoint was not trained on, in its directory
+
+
+class Task(str, Enum):
+    text = "text"
+    retrieval = "retrieval"
 
 
 def eval_(
@@ -63,6 +69,13 @@ def eval_(
     plot: Annotated[Path | None, typer.Option(
         help="Write the frontier (perplexity against bytes per token) and the loss by "
         "position to this PNG (needs matplotlib).")] = None,
+    task: Annotated[Task, typer.Option(
+        help="text: score a text token by token against the exact cache; retrieval: the "
+        "built-in pass-key set (a key at a known depth of a filler, asked after it), "
+        "answered greedily through the model's chat template, exact match (default "
+        "caches snapkv:0.25,knorm:0.25,recent:0.25; -m smollm2).")] = Task.text,
+    lengths: Annotated[str, typer.Option(
+        help="--task retrieval: the filler's lengths in tokens, comma-separated.")] = "512",
     as_json: Annotated[bool, typer.Option("--json", help="Print the raw result as JSON.")] = False,
 ) -> None:
     """What a cache costs in quality: each cache fed a text as generation feeds it,
@@ -73,6 +86,9 @@ def eval_(
     of attention.
     """
     need_torch_extra("kvcache eval needs", *GPT2_MODULES)
+    if task is Task.retrieval:
+        _retrieval(cache, model, weights, lengths, device, threads, plot, as_json)
+        return
     from kvcache_cli import quality
     from kvcache_cli.evaltext import TokenizerUnavailable
 
@@ -130,6 +146,48 @@ def _check_options(cache, model, text, tokens, prompt_len, chunk, device, thread
     return specs, path, ids, n, resolve_device(device)
 
 
+def _retrieval(cache, model, weights, lengths, device, threads, plot, as_json) -> None:
+    """`--task retrieval`: the pass-key set through every cache, one table and a plot."""
+    from kvcache_cli import retrieval
+    from kvcache_cli.bench import resolve_device
+    from kvcache_cli.models import model_config
+
+    try:
+        problem = threads_error(threads)
+        if problem is not None:
+            raise ValueError(problem)
+        sizes = retrieval.parse_lengths(lengths)
+        config = model_config(model)
+        prompter = retrieval.prompter_for(config)
+        specs = cache if cache is not None else retrieval.DEFAULT_CACHES
+        _, ids = retrieval.prompts(prompter, sizes)
+        retrieval.check_fit(sizes, ids, config.context)
+        retrieval.specs_to_run(specs, ids)  # a budget the prompts cannot fill: refused now
+        dev = resolve_device(device)
+    except ValueError as err:
+        fail(str(err))
+    except RuntimeError as err:
+        fail(str(err), code=1)
+    check_plot(plot)
+    loaded = _load(model, weights.value, str(dev))
+    import torch
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        with _progress("answering", "prompts") as on_progress:
+            result = retrieval.run_retrieval(loaded.model, prompter, specs, sizes,
+                                             model_name=loaded.source, progress=on_progress)
+    except (ValueError, IndexError) as err:
+        fail(str(err))
+    except RuntimeError as err:
+        fail(str(err), code=1)
+    from kvcache_cli.views.retrieval import plain, render, save_plot
+
+    show_then_plot(result, render if sys.stdout.isatty() else plain, as_json, save_plot, plot,
+                   "plot")
+
+
 def _load(model: str, weights: str, device: str):
     """Either family's model: GPT-2's loader with its notes, or a Llama-family one
     (`-m smollm2`), its errors as one line."""
@@ -159,7 +217,7 @@ def _heldout(model: str) -> Path:
 
 
 @contextlib.contextmanager
-def _progress():
+def _progress(what: str = "scoring", unit: str = "tokens"):
     """A transient bar on stderr when it is a terminal; nothing at all off one."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
@@ -169,9 +227,9 @@ def _progress():
         yield None
         return
     # Redrawn twice a second: the redraw thread shares the CPUs being timed.
-    progress = Progress("scoring", BarColumn(), MofNCompleteColumn(), "tokens",
+    progress = Progress(what, BarColumn(), MofNCompleteColumn(), unit,
                         TimeElapsedColumn(), console=console, transient=True,
                         refresh_per_second=2)
-    task = progress.add_task("scoring", total=None)
+    bar = progress.add_task(what, total=None)
     with progress:
-        yield lambda done, total: progress.update(task, completed=done, total=total)
+        yield lambda done, total: progress.update(bar, completed=done, total=total)
