@@ -366,3 +366,16 @@ def test_eval_task_retrieval_refuses_bad_input_in_one_line(long_checkpoint, args
     assert result.exit_code == 2, result.output
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], lines
+
+
+def test_eval_task_retrieval_prints_its_table_and_writes_its_plot(long_checkpoint, tmp_path):
+    pytest.importorskip("matplotlib")
+    plot = tmp_path / "retrieval.png"
+    result = CliRunner().invoke(app, ["eval", "-m", str(long_checkpoint), "--task",
+                                      "retrieval", "--lengths", "40", "--cache",
+                                      "knorm:0.5", "--plot", str(plot)])
+    assert result.exit_code == 0, result.output
+    header = next(line for line in result.output.splitlines() if line.startswith("cache"))
+    assert header.split()[:3] == ["cache", "accuracy", "@0%"] and "compress %" in header
+    assert any(line.startswith("knorm:0.5 ") for line in result.output.splitlines())
+    assert plot.stat().st_size > 0
