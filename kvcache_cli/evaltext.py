@@ -27,7 +27,7 @@ class TokenizerUnavailable(RuntimeError):
 class EvalText:
     name: str  # what the ids are, for the result's header
     ids: tuple[int, ...]
-    tokenizer: str  # "bytes", "gpt2" or "bpe" (a Llama-family model's tokenizer.json)
+    tokenizer: str  # "bytes", "gpt2", or "file:PATH" (a Llama-family model's own)
 
 
 def read_text(path: Path) -> str:
@@ -72,13 +72,9 @@ def encode(text: str, tokenizer: str) -> tuple[int, ...]:
     """Token ids of `text`; TokenizerUnavailable when GPT-2's BPE cannot be loaded."""
     if tokenizer == "bytes":
         return tuple(text.encode("utf-8"))
-    if tokenizer.startswith("file:"):  # a Llama-family model's own tokenizer.json
-        from kvcache_cli.models.tokenizer import bpe_encoding
+    from kvcache_cli.generate import encoding_for
 
-        return tuple(bpe_encoding(tokenizer.removeprefix("file:")).encode(text))
-    from kvcache_cli.generate import gpt2_encoding
-
-    encoding, why = gpt2_encoding()
+    encoding, why = encoding_for(tokenizer)
     if encoding is None:
         raise TokenizerUnavailable(why)
     return tuple(encoding.encode(text, disallowed_special=()))
@@ -87,5 +83,4 @@ def encode(text: str, tokenizer: str) -> tuple[int, ...]:
 def eval_text(text: str, name: str, config) -> EvalText:
     """`text` as the ids of the model's tokenizer."""
     tokenizer = tokenizer_for(config)
-    shown = "bpe" if tokenizer.startswith("file:") else tokenizer
-    return EvalText(name, encode(text, tokenizer), shown)
+    return EvalText(name, encode(text, tokenizer), tokenizer)

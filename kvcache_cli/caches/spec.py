@@ -20,14 +20,14 @@ same mistakes the same way. A spec is a kind's name, then its fields, colon-sepa
     window:W                the W newest positions, in a ring of W slots
     sink:S+W                the first S positions for good, then a ring of W (StreamingLLM)
     h2o:H+W                 per head, the H most-attended positions and the W newest (H2O)
-    snapkv:B[:wN][:kN][:max|avg][:uniform|pyramid]   the prompt compressed once to B keys
+    snapkv:B[:wN][:kN][:avg][:pyramid]   the prompt compressed once to B keys
                             per layer and KV head, chosen by the pooled attention the last
                             N prompt tokens pay (SnapKV; default w32, k7, max); B is a
                             token count (256) or a share of the prompt (0.25); pyramid:
                             budgets shrinking with depth, the same total (PyramidKV)
-    knorm:B[:uniform|pyramid]          the prompt compressed once to the B keys of lowest
+    knorm:B[:pyramid]                  the prompt compressed once to the B keys of lowest
                                        L2 norm (kvpress's KnormPress)
-    recent:B[:sN][:uniform|pyramid]    the prompt compressed once to its B newest keys
+    recent:B[:sN][:pyramid]            the prompt compressed once to its B newest keys
                                        (the first N kept too, as sinks; default s0)
 
 Each kind declares what it is (help text, grammar), how many bytes a layer holds for a
@@ -687,16 +687,16 @@ KINDS: dict[str, CacheKind] = {
         _compressed_kind(
             "snapkv", "the prompt compressed once at prefill to B keys per layer and KV head, "
             "chosen by the pooled attention of its last wN tokens (SnapKV); then appends",
-            "snapkv:B[:wN][:kN][:max|avg][:uniform|pyramid]", "SnapKVCache",
+            "snapkv:B[:wN][:kN][:avg][:pyramid]", "SnapKVCache",
             {"w": "window", "k": "kernel"}),
         _compressed_kind(
             "knorm", "the prompt compressed once at prefill to the B keys of lowest L2 norm "
             "per layer and KV head (kvpress's KnormPress); then appends",
-            "knorm:B[:uniform|pyramid]", "KnormCache", {}),
+            "knorm:B[:pyramid]", "KnormCache", {}),
         _compressed_kind(
             "recent", "the prompt compressed once at prefill to its B newest keys (sN: the "
             "first N kept too); then appends",
-            "recent:B[:sN][:uniform|pyramid]", "RecentCache", {"s": "sinks"}),
+            "recent:B[:sN][:pyramid]", "RecentCache", {"s": "sinks"}),
     )
 }
 

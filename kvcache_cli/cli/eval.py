@@ -19,7 +19,7 @@ from kvcache_cli.cli.common import (
     check_plot,
     complete_cache_list,
     fail,
-    load_gpt2,
+    load_model,
     need_torch_extra,
     parse_cache_list_option,
     show_then_plot,
@@ -48,7 +48,7 @@ def eval_(
         "static,int8,int4,int2,fp8-e4m3, each format at its default layout.")] = None,
     model: Annotated[str, typer.Option(
         "--model", "-m", help=f"{EVAL_MODEL} (the trained checkpoint), gpt2, gpt2-medium, "
-        "gpt2-large, gpt2-xl, smollm2 (with --text) or a checkpoint dir.")] = EVAL_MODEL,
+        "gpt2-large, gpt2-xl, smollm2 or a checkpoint dir.")] = EVAL_MODEL,
     weights: Annotated[Weights, typer.Option(
         help="auto: pretrained when available, else random (one note); quality on random "
         "weights means little.")] = Weights.auto,
@@ -102,7 +102,7 @@ def eval_(
         fail(f"{err}: --model {EVAL_MODEL} evaluates the trained byte-level checkpoint, "
              "which needs no download", code=1)
     check_plot(plot)
-    loaded = _load(model, weights.value, str(dev))
+    loaded = load_model(model, weights.value, str(dev))
     try:
         with _progress() as on_progress:
             result = quality.evaluate(
@@ -169,7 +169,7 @@ def _retrieval(cache, model, weights, lengths, device, threads, plot, as_json) -
     except RuntimeError as err:
         fail(str(err), code=1)
     check_plot(plot)
-    loaded = _load(model, weights.value, str(dev))
+    loaded = load_model(model, weights.value, str(dev))
     import torch
 
     if threads is not None:
@@ -188,27 +188,18 @@ def _retrieval(cache, model, weights, lengths, device, threads, plot, as_json) -
                    "plot")
 
 
-def _load(model: str, weights: str, device: str):
-    """Either family's model: GPT-2's loader with its notes, or a Llama-family one
-    (`-m smollm2`), its errors as one line."""
+def _heldout(model: str) -> Path:
+    """The held-out text shipped beside a checkpoint, or a ValueError saying to give one.
+
+    A Llama-family model reads the shipped checkpoint's: Python standard-library sources,
+    which every Python user has and SmolLM2 tokenizes to 25,850 tokens.
+    """
+    from kvcache_cli.checkpoints import TRAINED
+    from kvcache_cli.gpt2 import PRESETS, checkpoint_dir
     from kvcache_cli.models import family_of
 
-    if family_of(model) == "gpt2":
-        return load_gpt2(model, weights, device)
-    from kvcache_cli.models import load_model
-
-    try:
-        return load_model(model, weights, device)
-    except ValueError as err:
-        fail(str(err))
-    except (RuntimeError, OSError) as err:
-        fail(str(err), code=1)
-
-
-def _heldout(model: str) -> Path:
-    """The held-out text shipped beside a checkpoint, or a ValueError saying to give one."""
-    from kvcache_cli.gpt2 import PRESETS, checkpoint_dir
-
+    if family_of(model) == "llama":
+        return checkpoint_dir(TRAINED) / HELDOUT
     path = checkpoint_dir(model) / HELDOUT
     if model in PRESETS or not path.is_file():
         raise ValueError(f"--model {model} ships no {HELDOUT}: give the text to evaluate on "
