@@ -29,15 +29,27 @@ from __future__ import annotations
 
 import contextlib
 import os
-import platform
 import statistics
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kv_cache_from_scratch import kv_cache_bytes
 from kvcache_cli.llama_peer import LLAMA_MODES, check_llama_modes, llama_version
+from kvcache_cli.measure import (
+    BANDWIDTH_MIB,
+    BANDWIDTH_REPEATS,
+    Bandwidth,
+    OtherProcesses,
+    device_name,
+    linears,
+    measure_bandwidth,
+    quiet_transformers,
+    synchronize,
+    transformers_version,
+    weight_bytes,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -71,8 +83,6 @@ NAIVE_SAMPLES = 16
 WARMUP_TOKENS = 16
 
 # Larger than any last-level cache on either device, so the probes stream DRAM/HBM.
-BANDWIDTH_MIB = {"cpu": 256, "cuda": 1024}
-BANDWIDTH_REPEATS = 7
 
 # Where along the generation the per-step latency is reported (fractions of the
 # decode steps); 0 and 1 are the first and last decode steps.
@@ -82,17 +92,6 @@ PROFILE_POINTS = (0.0, 0.25, 0.5, 0.75, 1.0)
 ProgressFn = Callable[[str, int, int], None]
 # Called as each timed run ends: (which run, its decode tokens/s).
 FinishedFn = Callable[[str, float], None]
-
-
-@dataclass(frozen=True)
-class Bandwidth:
-    """Memory bandwidth from copying one large tensor into another."""
-
-    copy_bytes: int  # size of the tensor copied
-    bytes_moved: int  # per copy: the source read plus the destination written
-    seconds: tuple[float, ...]  # each timed copy
-    best_gbps: float  # GB = 10^9 bytes
-    median_gbps: float
 
 
 @dataclass(frozen=True)
@@ -228,19 +227,6 @@ def bounded_spec(mode: str):
     return spec if spec.info.bounded else None
 
 
-def resolve_device(name: str) -> torch.device:
-    """`auto` picks CUDA when there is one; asking for CUDA without one is an error."""
-    import torch
-
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name not in ("cpu", "cuda"):
-        raise ValueError(f"unknown device {name!r}; valid devices: cpu, cuda, auto")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("CUDA is not available (torch sees no GPU); use --device cpu")
-    return torch.device(name)
-
-
 def random_prompt(vocab_size: int, length: int, seed: int = 0) -> list[int]:
     """Seeded random token ids: speed does not depend on what the prompt says."""
     import torch
@@ -253,39 +239,8 @@ def random_prompt(vocab_size: int, length: int, seed: int = 0) -> list[int]:
 # Counting bytes
 
 
-def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of weights one decode step reads.
-
-    Every tensor of every product whole (an int8 one's scales included), each once, so
-    the tied `wte`/`lm_head` counts once (the head reads all of it); an embedding not
-    tied to a product counts one row, the only one a step looks up; norms whole.
-    """
-    import torch
-
-    seen: set[int] = set()
-    total = 0
-    products = _linears(model)
-    for module in (*products, *model.modules()):
-        embedding = isinstance(module, torch.nn.Embedding)
-        for tensor in (*module.parameters(recurse=False), *module.buffers(recurse=False)):
-            if tensor.data_ptr() in seen:
-                continue
-            seen.add(tensor.data_ptr())
-            rows = 1 if embedding else tensor.shape[0]
-            total += rows * tensor[0].numel() * tensor.element_size()
-    return total
-
-
 # ---------------------------------------------------------------------------
 # Clocks
-
-
-def synchronize(device: torch.device) -> None:
-    """Wait for the device: CUDA kernels are queued, and the clock must not run ahead."""
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 @dataclass
@@ -324,36 +279,6 @@ class _Clock:
         self.timeline.resumes.append(time.perf_counter())
 
 
-def measure_bandwidth(
-    device: torch.device, mib: int | None = None, repeats: int = BANDWIDTH_REPEATS
-) -> Bandwidth:
-    """Copy a `mib`-MiB float32 tensor `repeats` times; count read + write bytes."""
-    import torch
-
-    mib = BANDWIDTH_MIB[device.type] if mib is None else mib
-    n = mib * 2**20 // 4
-    # Both buffers are written before timing, so no copy pays for first-touch page faults.
-    src = torch.ones(n, dtype=torch.float32, device=device)
-    dst = torch.zeros(n, dtype=torch.float32, device=device)
-    dst.copy_(src)
-    seconds = []
-    for _ in range(repeats):
-        synchronize(device)
-        start = time.perf_counter()
-        dst.copy_(src)
-        synchronize(device)
-        seconds.append(time.perf_counter() - start)
-    copy_bytes = n * 4
-    moved = 2 * copy_bytes  # the source is read and the destination written
-    return Bandwidth(
-        copy_bytes=copy_bytes,
-        bytes_moved=moved,
-        seconds=tuple(seconds),
-        best_gbps=moved / min(seconds) / 1e9,
-        median_gbps=moved / statistics.median(seconds) / 1e9,
-    )
-
-
 def _probe(name: str, what: str, bytes_per_run: int, seconds: Sequence[float]) -> Probe:
     return Probe(
         name=name,
@@ -390,15 +315,6 @@ def measure_read(
     return _probe("read", f"sum over {mib} MiB", buffer.numel() * 4, seconds)
 
 
-def _linears(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """Every matrix a decode step multiplies by, each once (the tied head is one of them)."""
-    import torch
-
-    from kvcache_cli.gpt2 import Int8Linear
-
-    return [m for m in model.modules() if isinstance(m, torch.nn.Linear | Int8Linear)]
-
-
 def measure_products(model: torch.nn.Module, repeats: int = BANDWIDTH_REPEATS) -> Probe:
     """One pass of one-row products over every weight matrix of `model`, as a decode step.
 
@@ -407,7 +323,7 @@ def measure_products(model: torch.nn.Module, repeats: int = BANDWIDTH_REPEATS) -
     """
     import torch
 
-    layers = _linears(model)
+    layers = linears(model)
     param = next(model.parameters())
     # One row per matrix, (1, 1, in), the shape a decode step hands each of them.
     rows = [torch.ones(1, 1, m.in_features, dtype=param.dtype, device=param.device)
@@ -533,26 +449,6 @@ def sampled_steps(n_steps: int, samples: int) -> list[int]:
     return sorted({round(j * (n_steps - 1) / (samples - 1)) for j in range(samples)})
 
 
-@contextlib.contextmanager
-def _quiet_transformers() -> Iterator[None]:
-    """Library code prints nothing: silence transformers' advice for an hf run, and the
-    logger of its continuous batching (serve's hf engine)."""
-    import logging
-
-    from transformers.utils import logging as hf_logging
-
-    level = hf_logging.get_verbosity()
-    batching = logging.getLogger("ContinuousBatchingLogger")
-    batching_level = batching.level
-    hf_logging.set_verbosity_error()
-    batching.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        hf_logging.set_verbosity(level)
-        batching.setLevel(batching_level)
-
-
 def _run_hf(
     hf_model, prompt_ids: list[int], new_tokens: int, mode: str, device, on_token,
     stop_after: int | None = None,
@@ -596,7 +492,7 @@ def _run_hf(
     else:
         options["disable_compile"] = True  # eager, even where generate() would compile
     clock = _Clock(device, on_token)
-    with _quiet_transformers():
+    with quiet_transformers():
         out = hf_model.generate(
             ids,
             attention_mask=torch.ones_like(ids),
@@ -776,7 +672,7 @@ def check_bench(
         raise ValueError(f"naive samples {naive_samples} must be 0 (every step) or more")
     check_llama_modes(modes, next(model.parameters()).device.type)
     hf_modes = [m for m in modes if m.startswith("hf")]
-    if hf_modes and _transformers_version() is None:
+    if hf_modes and transformers_version() is None:
         raise RuntimeError(f"mode {hf_modes[0]!r} needs transformers: pip install 'kvcache[torch]'")
 
 
@@ -813,7 +709,7 @@ def run_bench(
     check_bench(model, modes, prompt_len, new_tokens, repeats, threads, naive_samples)
     plan = _plan(modes, prompt_len, new_tokens, repeats, naive_samples, warmup_tokens,
                  random_prompt(model.config.vocab_size, prompt_len, seed))
-    others = _OtherProcesses()
+    others = OtherProcesses()
     previous_threads = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
@@ -1022,7 +918,7 @@ def _result(model, plan: _Plan, measured: _Measured, threads: int, others_share:
         model=model_name,
         weights_note=weights_note,
         device=device.type,
-        device_name=_device_name(device),
+        device_name=device_name(device),
         cpus=os.cpu_count() or 1,
         others_cpu_share=others_share,
         dtype=str(param.dtype).removeprefix("torch."),
@@ -1031,7 +927,7 @@ def _result(model, plan: _Plan, measured: _Measured, threads: int, others_share:
             element == 2 or weights_format(model) != "fp32") else None,
         threads=threads,
         torch_version=torch.__version__,
-        transformers_version=_transformers_version(),
+        transformers_version=transformers_version(),
         n_params=sum(p.numel() for p in {p.data_ptr(): p for p in model.parameters()}.values()),
         prompt_len=prompt_len,
         new_tokens=plan.new_tokens,
@@ -1087,56 +983,3 @@ def cpu_half_support() -> str:
         f"; lacks {', '.join(lacks)}" if has and lacks else "")
 
 
-class _OtherProcesses:
-    """How much CPU time processes other than this one took since it was made.
-
-    /proc/stat counts every CPU's busy time; this process's own (all threads,
-    spinning included) is `time.process_time()`; the rest belongs to others.
-    """
-
-    def __init__(self):
-        self.wall, self.busy, self.ours = time.perf_counter(), _busy_seconds(), time.process_time()
-
-    def share(self) -> float | None:
-        busy = _busy_seconds()
-        if busy is None or self.busy is None:
-            return None
-        others = (busy - self.busy) - (time.process_time() - self.ours)
-        capacity = (time.perf_counter() - self.wall) * (os.cpu_count() or 1)
-        return min(1.0, max(0.0, others / capacity))
-
-
-def _busy_seconds() -> float | None:
-    """Busy time of all CPUs since boot (Linux); idle and iowait are not busy."""
-    try:
-        with open("/proc/stat") as f:
-            ticks = [int(x) for x in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)
-    # guest time is already inside user time; counting fields 8+ would count it twice
-    return (sum(ticks[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-
-
-def _device_name(device: torch.device) -> str:
-    import torch
-
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    # platform.processor() is often empty on Linux; /proc/cpuinfo names the part.
-    name = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError):
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    name = line.split(":", 1)[1].strip()
-                    break
-    return name
-
-
-def _transformers_version() -> str | None:
-    try:
-        import transformers
-    except ImportError:
-        return None
-    return transformers.__version__

@@ -345,15 +345,7 @@ def run_break(
             pass
         broken = run(both, cache=cache)  # request 2 on the same cache, no reset
         used = tuple(earlier)
-    control, bug = _Diff(), _Diff()
-    correct_logits = []  # each (1, vocab): compared with the full recompute below
-    for (tc, lc), (tb, lb) in zip(run(both), broken, strict=True):
-        bug.add(tc, lc, tb, lb)
-        correct_logits.append(lc)
-    recomputed = _full_recompute(model, prompt, bug.a)  # (max_new_tokens, vocab)
-    for i, (tc, lc) in enumerate(zip(bug.a, correct_logits)):
-        ln = recomputed[i : i + 1]  # (1, vocab)
-        control.add(tc, lc, int(ln.argmax()), ln)
+    bug, control = side_by_side(model, prompt, run(both), broken)
     return BreakResult(
         name=name,
         bug=BREAKS[name],
@@ -369,6 +361,22 @@ def run_break(
         max_abs_logit=control.scale,
         naive_agrees=control.first is None,
     )
+
+
+def side_by_side(model: GPT, prompt: list[int], correct: Iterator[tuple[int, Tensor]],
+                 broken: Iterator[tuple[int, Tensor]]) -> tuple[_Diff, _Diff]:
+    """(correct against broken, correct against a full recompute): the two loops a step of
+    each in turn, then the control that says the correct loop's gaps are rounding."""
+    control, bug = _Diff(), _Diff()
+    correct_logits = []  # each (1, vocab): compared with the full recompute below
+    for (tc, lc), (tb, lb) in zip(correct, broken, strict=True):
+        bug.add(tc, lc, tb, lb)
+        correct_logits.append(lc)
+    recomputed = _full_recompute(model, prompt, bug.a)  # (max_new_tokens, vocab)
+    for i, (tc, lc) in enumerate(zip(bug.a, correct_logits)):
+        ln = recomputed[i : i + 1]  # (1, vocab)
+        control.add(tc, lc, int(ln.argmax()), ln)
+    return bug, control
 
 
 def _greedy(logits: Tensor) -> Tensor:

@@ -276,8 +276,8 @@ def _run(model: GPT, tokens: Sequence[int], makers: list[CacheMaker], prompt_len
     so its log-probabilities are there to score the others against)."""
     import torch
 
-    from kvcache_cli.bench import synchronize
     from kvcache_cli.caches import make_cache
+    from kvcache_cli.measure import synchronize
 
     device = model.device
     ids = torch.tensor(tokens, device=device)[None]  # (1, n)

@@ -143,9 +143,9 @@ def test_dev_zero_is_refused_without_reading_it():
                                   "'bogus'"),
     (["break", "no-mask", "--list"], "--list lists every break"),
     (["break", "no-mask", "--model", "gpt2-xl"],
-     "--model applies to the GPT-2 breaks only, and 'no-mask' runs on the NumPy toy"),
+     "--model applies to the torch breaks only, and 'no-mask' runs on the NumPy toy"),
     (["break", "overflow", "--device", "cuda", "--max-new-tokens", "5"],
-     "--device, --max-new-tokens apply to the GPT-2 breaks only"),
+     "--device, --max-new-tokens apply to the torch breaks only"),
     # --model names nothing that exists: each case must fail before a model is looked for.
     (["generate", "--ids", "1,2", "--temperature", "nan", "--model", "/nonexistent"],
      "--temperature nan: expected a finite number"),

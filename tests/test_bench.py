@@ -15,7 +15,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from kvcache_cli import bench
+from kvcache_cli import bench, measure
 from kvcache_cli.cli import app
 from kvcache_cli.gpt2 import load_gpt2
 from kvcache_cli.plot import sparkline
@@ -112,7 +112,7 @@ def test_the_limit_counts_weights_once_and_the_cache_at_each_length(checkpoint):
     # wte (tied to lm_head, so once) + one row of wpe + ln_f + per layer: attn, mlp, 2 LNs.
     layer = (C * 3 * C + 3 * C) + (C * C + C) + (C * 4 * C + 4 * C) + (4 * C * C + C) + 4 * C
     assert result.weight_bytes == 4 * (V * C + C + 2 * C + L * layer)
-    assert result.weight_bytes == bench.weight_bytes(model)
+    assert result.weight_bytes == measure.weight_bytes(model)
     assert result.step_bytes_first == result.weight_bytes + result.kv_bytes_per_token * (PROMPT + 1)
     assert result.step_bytes_last == result.weight_bytes + result.kv_bytes_per_token * (
         PROMPT + NEW - 1)
@@ -125,7 +125,7 @@ def test_the_limit_counts_weights_once_and_the_cache_at_each_length(checkpoint):
     assert probes["product"].bytes_per_run == 4 * sum(
         p.numel() for m in linears for p in m.parameters())
     for p in probes.values():
-        assert len(p.seconds) == REPEATS * bench.BANDWIDTH_REPEATS, p.name  # once a repeat
+        assert len(p.seconds) == REPEATS * measure.BANDWIDTH_REPEATS, p.name  # once a repeat
         assert p.best_gbps == pytest.approx(p.bytes_per_run / min(p.seconds) / 1e9), p.name
         assert p.best_gbps >= p.median_gbps > 0, p.name
     best = max(result.probes, key=lambda p: p.best_gbps)
@@ -173,7 +173,7 @@ def test_bookkeeping_between_tokens_is_not_timed():
 
 
 def test_bandwidth_counts_the_read_and_the_write():
-    bw = bench.measure_bandwidth(torch.device("cpu"), mib=2, repeats=3)
+    bw = measure.measure_bandwidth(torch.device("cpu"), mib=2, repeats=3)
     assert bw.copy_bytes == 2 * 2**20
     assert bw.bytes_moved == 2 * bw.copy_bytes
     assert len(bw.seconds) == 3
@@ -285,11 +285,13 @@ def test_other_processes_share_is_their_busy_time_over_all_cpus(monkeypatch):
     clock = iter([100.0, 110.0])
     busy = iter([1000.0, 1013.0])
     ours = iter([50.0, 58.0])
-    monkeypatch.setattr(bench.time, "perf_counter", lambda: next(clock))
-    monkeypatch.setattr(bench.time, "process_time", lambda: next(ours))
-    monkeypatch.setattr(bench, "_busy_seconds", lambda: next(busy))
-    monkeypatch.setattr(bench.os, "cpu_count", lambda: 2)
-    assert bench._OtherProcesses().share() == pytest.approx(5 / 20)
+    from kvcache_cli import measure
+
+    monkeypatch.setattr(measure.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(measure.time, "process_time", lambda: next(ours))
+    monkeypatch.setattr(measure, "_busy_seconds", lambda: next(busy))
+    monkeypatch.setattr(measure.os, "cpu_count", lambda: 2)
+    assert measure.OtherProcesses().share() == pytest.approx(5 / 20)
 
 
 @pytest.mark.parametrize("in_out", [True, False])

@@ -9,8 +9,8 @@ import typer
 from typer.testing import CliRunner
 
 import kv_cache_from_scratch as ref
+from kvcache_cli.break_registry import FAMILIES, registry
 from kvcache_cli.cli import app
-from kvcache_cli.cli.breaks import GPT2_BREAKS
 
 runner = CliRunner()
 
@@ -69,7 +69,7 @@ def test_unknown_name_is_one_line_listing_the_valid_ones(command):
     assert result.exit_code == 2, result.output
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and "'nope'" in lines[0]
-    valid = ref.DEMOS if command == "demo" else {**ref.BREAKS, **GPT2_BREAKS}
+    valid = ref.DEMOS if command == "demo" else registry()
     assert all(name in lines[0] for name in valid)
 
 
@@ -85,9 +85,13 @@ def test_break_overflow_json_names_position_and_window():
     assert data["error"] == "position 128 past context window 128"
 
 
-def test_break_list_includes_the_gpt2_breaks():
+def test_break_list_is_the_registry_toy_gpt2_and_llama():
     data = json.loads(invoke("break", "--list", "--json").output)
-    assert set(data) == set(ref.BREAKS) | set(GPT2_BREAKS)
+    assert data == {name: b.title for name, b in registry().items()}
+    assert set(ref.BREAKS) < set(data)
+    families = [b.family for b in registry().values()]
+    assert families == sorted(families, key=FAMILIES.index)  # toy, then gpt2, then llama
+    assert {"rope-decode", "kv-expand-early", "gqa-interleave", "rope-twice"} <= set(data)
 
 
 def modules_after(args: list[str], listing: str) -> str:
@@ -103,7 +107,8 @@ def modules_after(args: list[str], listing: str) -> str:
     return done.stdout.strip()
 
 
-@pytest.mark.parametrize("args", [["--help"], ["demo", "mask"], ["break", "no-mask"]])
+@pytest.mark.parametrize("args", [["--help"], ["demo", "mask"], ["break", "no-mask"],
+                                  ["break", "--list"]])
 def test_help_demo_and_numpy_break_never_import_torch(args):
     heavy = ("sorted(m for m in sys.modules "
              "if m.split('.')[0] in ('torch', 'transformers', 'tiktoken'))")

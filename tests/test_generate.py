@@ -386,11 +386,13 @@ def test_cli_break_all_json_is_one_document_of_every_break(checkpoint):
                     "--json")
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
-    from kvcache_cli.cli.breaks import GPT2_BREAKS
+    from kvcache_cli.break_registry import names
 
+    # A GPT-2 checkpoint: the Llama breaks are skipped, in one note line.
     assert list(data) == ["no-mask", "no-append", "cache-q", "overflow", "wrong-cache",
-                          *GPT2_BREAKS]
-    assert {"no-rollback", "kv-sink-token", "ring-mask"} <= set(GPT2_BREAKS)
+                          *names("gpt2")]
+    assert {"no-rollback", "kv-sink-token", "ring-mask"} <= set(names("gpt2"))
+    assert result.stderr.count("note:") == 1 and "note: skipped: the Llama breaks" in result.stderr
     assert data["ring-mask"]["budget"] == 8 and data["ring-mask"]["kl_broken"] > 0
     assert data["overflow"]["position"] == 128
     assert all(data[name]["first_divergence"] is not None for name in BREAKS)

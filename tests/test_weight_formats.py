@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from kvcache_cli import gpt2
-from kvcache_cli.bench import weight_bytes
 from kvcache_cli.generate import stream_tokens
 from kvcache_cli.gpt2 import GPT, GPTConfig, Int8Linear, float_state, set_weights_dtype
+from kvcache_cli.measure import weight_bytes
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -161,10 +161,11 @@ def _speculative(ctx, draft: str, speculate: str, cache: str, prompt_file: Path 
     from kvcache_cli import speculative as sp
     from kvcache_cli.cli.common import load_model
     from kvcache_cli.generate import check_request
+    from kvcache_cli.measure import resolve_device
     from kvcache_cli.views.speculative import spec_run_view
 
     try:
-        dev = str(bench_.resolve_device(device))
+        dev = str(resolve_device(device))
     except ValueError as err:
         fail(str(err))
     if threads is not None:
@@ -234,6 +235,7 @@ def _check_options(modes: str, compile_: bool, device: str, threads: int | None,
     fails here, before the model loads."""
     from kvcache_cli import bench as bench_
     from kvcache_cli.llama_peer import check_llama_modes
+    from kvcache_cli.measure import resolve_device
 
     try:
         mode_names = bench_.parse_modes(modes)
@@ -242,7 +244,7 @@ def _check_options(modes: str, compile_: bool, device: str, threads: int | None,
             if not extra:
                 raise ValueError("--compile needs mode static or hf-static in --modes")
             mode_names = bench_.parse_modes(",".join((*mode_names, *extra)))
-        dev = bench_.resolve_device(device)
+        dev = resolve_device(device)
         check_llama_modes(mode_names, dev.type)
     except ValueError as err:
         fail(str(err))

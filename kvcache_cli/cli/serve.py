@@ -142,12 +142,13 @@ def _check(device, model, requests, prompt_len, output_len, shared_prefix, rate,
     rates, goodput targets); raises ValueError for anything a user can get wrong."""
     import torch
 
-    from kvcache_cli import bench, sizing
+    from kvcache_cli import sizing
+    from kvcache_cli.measure import resolve_device
     from kvcache_cli.models import model_config
     from kvcache_cli.serving import batching, metrics, model_runner, scheduler, workload
     from kvcache_cli.serving import engines as serving
 
-    dev = str(bench.resolve_device(device))
+    dev = str(resolve_device(device))
     config = model_config(model)
     if batch is not None:
         what = batching.parse_sizes(batch)

@@ -11,8 +11,10 @@ from kvcache_cli.cli.common import complete_preset, fail, need_torch_extra, prin
 
 def size(
     model: Annotated[str | None, typer.Option(
-        "--model", "-m", help="A preset (see 'kvcache models'), a Hub id ORG/NAME, whose "
-        "config.json is read through the local Hub cache, or a local folder or config.json.",
+        "--model", "-m", help="A preset (see 'kvcache models'); smollm2 or a .gguf, a "
+        "model kvcache runs (then every cache kind it holds is listed too); a Hub id ORG/NAME, "
+        "whose "
+        "config.json is read through the local Hub cache; or a local folder or config.json.",
         autocompletion=complete_preset)] = None,
     revision: Annotated[str | None, typer.Option(
         help="Branch, tag or commit of a Hub id (default main); reads even a preset's id "
@@ -30,8 +32,9 @@ def size(
         help="Tokens per sequence: 4096, 32k (32,768) or 1M (default: the model's context "
         "window).")] = None,
     batch: Annotated[int, typer.Option(help="Sequences cached at once.")] = 1,
-    dtype: Annotated[str, typer.Option(
-        help="Cache dtype: fp32, fp16, bf16, fp8, int8, int4.")] = "fp16",
+    dtype: Annotated[str | None, typer.Option(
+        help="Cache dtype: fp32, fp16, bf16, fp8, int8, int4 (default fp16; fp32, the dtype "
+        "kvcache runs it in, for -m smollm2 or a .gguf).", show_default=False)] = None,
     tp: Annotated[int, typer.Option(help="Tensor-parallel GPUs sharing the KV heads.")] = 1,
     gpu_mem: Annotated[str | None, typer.Option(
         help="Memory of one GPU: 80GiB, 80GB or bytes. Reports what fits.")] = None,
@@ -71,11 +74,19 @@ def size(
 
     from kvcache_cli import sizing
     from kvcache_cli.hub import HubUnavailable
+    from kvcache_cli.sizing.live import is_live, live_kinds
 
     try:
         tokens = None if seq is None else sizing.parse_tokens(seq)
         count = None if params is None else sizing.parse_count(params)
         memory = None if gpu_mem is None else sizing.parse_bytes(gpu_mem)
+        live = model is not None and is_live(model)
+        dtype = dtype or ("fp32" if live else "fp16")
+        if live:  # a model kvcache runs: its shape from the converted GGUF, no torch
+            shape, hf_config = _live_shape(model, config, layers, kv_heads, head_dim, heads)
+            model = None
+            if count is not None:
+                shape = dataclasses.replace(shape, params=count)
         if model is not None and _is_local_path(model):
             if config is not None:
                 raise ValueError(f"--model {model!r} is a local config and --config is given: "
@@ -84,9 +95,10 @@ def size(
         hub_config = _hub_config(model, revision, config, layers, kv_heads, head_dim, heads)
         if hub_config is not None:
             model, config = None, hub_config.path
-        shape, hf_config = sizing.resolve_shape(
-            model, config, layers, kv_heads, head_dim, heads, count
-        )
+        if not live:
+            shape, hf_config = sizing.resolve_shape(
+                model, config, layers, kv_heads, head_dim, heads, count
+            )
         if memory is not None and shape.params is None and config is not None and hf_config:
             # --gpu-mem needs the weights: count them from the config where its family is
             # one the reader counts (else the fit asks for --params).
@@ -113,6 +125,11 @@ def size(
         else:
             result = sizing.size_cache(shape, tokens, batch, dtype, tp, memory, weight_dtype,
                                        block_size, window, sinks)
+            if live and window is None:
+                # The caches keep numbers at the model's precision: fp32 unless a float
+                # --dtype says otherwise (fp8 and the int kinds are among the kinds).
+                full = dtype if sizing.dtype_bits(dtype) >= 16 else "fp32"
+                result = dataclasses.replace(result, live=live_kinds(shape, result.seq, full))
     except ValueError as err:
         fail(str(err))
     except HubUnavailable as err:  # the Hub failed on its side
@@ -131,6 +148,17 @@ def size(
     from kvcache_cli.views.sizing import size_view, spec_size_view
 
     print_view(size_view(result) if spec is None else spec_size_view(result))
+
+
+def _live_shape(model: str, config, *shape_flags):
+    """(shape, config dict) of a model kvcache loads itself; ValueError with --config or
+    shape flags beside it."""
+    from kvcache_cli.sizing.live import live_shape
+
+    if config is not None or any(flag is not None for flag in shape_flags):
+        raise ValueError(f"--model {model} gives the shape: expected no --config, --layers, "
+                         "--kv-heads, --head-dim or --heads with it")
+    return live_shape(model)
 
 
 def _cache_spec(cache, dtype, group_size, residual, tp, block_size, verify):

@@ -12,9 +12,7 @@ a later load would trust.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -24,27 +22,11 @@ import torch
 
 from kvcache_cli.gpt2 import LoadedModel, _read_weights, arrange_weights
 from kvcache_cli.models import SMOLLM2, SMOLLM2_HUB, resolve_llama
+from kvcache_cli.models.converted import converted_dir
 from kvcache_cli.models.llama import Llama, LlamaConfig, init_random
 
-CONVERTED_FORMAT = 2  # bumped when what a converted folder holds changes
 _CONFIG_FIELDS = {f.name for f in dataclasses.fields(LlamaConfig)}
 RANDOM_INIT_STD = 0.02
-
-
-def cache_root() -> Path:
-    """Where converted models live: $KVCACHE_CACHE, else $XDG_CACHE_HOME/kvcache, else
-    ~/.cache/kvcache."""
-    if os.environ.get("KVCACHE_CACHE"):
-        return Path(os.environ["KVCACHE_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "kvcache"
-
-
-def converted_dir(gguf: Path) -> Path:
-    info = gguf.stat()
-    key = f"{gguf.resolve()}:{info.st_size}:{info.st_mtime_ns}:{CONVERTED_FORMAT}"
-    digest = hashlib.sha1(key.encode()).hexdigest()[:12]
-    return cache_root() / "converted" / f"{gguf.stem}-{digest}"
 
 
 def _config_from(folder: Path, raw: dict) -> LlamaConfig:

@@ -84,7 +84,7 @@ def check_sweep(config: GPTConfig) -> None:
 
 def measure_peak_flops(device: torch.device, n: int = MATMUL_N) -> float:
     """FLOP/s of the best of a few large float32 matmuls."""
-    from kvcache_cli.bench import synchronize
+    from kvcache_cli.measure import synchronize
 
     a = torch.randn(n, n, device=device)
     b = torch.randn(n, n, device=device)
@@ -100,7 +100,7 @@ def measure_peak_flops(device: torch.device, n: int = MATMUL_N) -> float:
 
 
 def _step_ms(model: GPT, batch: int, context: int) -> float:
-    from kvcache_cli.bench import synchronize
+    from kvcache_cli.measure import synchronize
 
     c, device = model.config, model.device
     cache = StaticCache(c.cache_shape, context + WARMUP_STEPS + STEPS, batch, device, model.dtype)
@@ -130,8 +130,8 @@ def _knee(batches: Sequence[float], times: Sequence[float]) -> float | None:
 def run_sweep(model: GPT, sizes: Sequence[int], threads: int | None = None,
               model_name: str = "", bandwidth_mib: int | None = None,
               matmul_n: int = MATMUL_N) -> SweepResult:
-    from kvcache_cli.bench import _device_name, measure_bandwidth, weight_bytes
     from kvcache_cli.caches.paged import block_bytes
+    from kvcache_cli.measure import device_name, measure_bandwidth, weight_bytes
 
     previous = torch.get_num_threads()
     if threads is not None:
@@ -175,7 +175,7 @@ def run_sweep(model: GPT, sizes: Sequence[int], threads: int | None = None,
     if measured_knee is not None and predicted_knee is not None:
         agrees = 0.5 <= measured_knee / predicted_knee <= 2
     return SweepResult(
-        model=model_name, device=device.type, device_name=_device_name(device),
+        model=model_name, device=device.type, device_name=device_name(device),
         threads=used_threads, dtype=str(model.dtype).removeprefix("torch."), context=context,
         steps=STEPS, bandwidth_gbps=bandwidth / 1e9, peak_gflops=peak / 1e9,
         ridge=peak / bandwidth, points=points, measured_knee=measured_knee,

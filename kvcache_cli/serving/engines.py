@@ -649,9 +649,9 @@ def _prepare(variant: Variant, model: GPT, spec: WorkloadSpec, plan: Plan, block
                         steps=_step_stats(state.steps, state.times, variant.token_budget))
 
         return run_paged
-    from kvcache_cli.bench import _quiet_transformers
+    from kvcache_cli.measure import quiet_transformers
 
-    stack.enter_context(_quiet_transformers())
+    stack.enter_context(quiet_transformers())
     manager = _hf_manager(model, plan, block_size, max_batch, spec, prefix_sharing)
     stack.callback(manager.stop, block=True, timeout=5)
     reserved = plan.n_blocks * block_bytes(model.config.cache_shape, block_size, model.dtype)
@@ -726,7 +726,7 @@ def run_serve(model: GPT, spec: WorkloadSpec, engines: Sequence[str | Variant], 
     """
     import dataclasses
 
-    from kvcache_cli.bench import _device_name, _OtherProcesses, _transformers_version
+    from kvcache_cli.measure import OtherProcesses, device_name, transformers_version
 
     rates = tuple(rates) if rates else (spec.rate,)
     plan = plan_memory(model.config, model.dtype, spec, kv_mem, block_size, max_batch)
@@ -735,7 +735,7 @@ def run_serve(model: GPT, spec: WorkloadSpec, engines: Sequence[str | Variant], 
     requests = workloads[0][1]
     chosen = [v if isinstance(v, Variant) else Variant(v) for v in engines]
     plan = fit_padded(plan, requests, model.config, model.dtype, kv_mem, max_batch)
-    others = _OtherProcesses()
+    others = OtherProcesses()
     previous_threads = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
@@ -766,10 +766,10 @@ def run_serve(model: GPT, spec: WorkloadSpec, engines: Sequence[str | Variant], 
         for rate in rates for v in chosen for e in results[v.name] if e.rate == rate)
     return ServeResult(
         model=model_name, weights_note=weights_note, device=model.device.type,
-        device_name=_device_name(model.device), cpus=os.cpu_count() or 1,
+        device_name=device_name(model.device), cpus=os.cpu_count() or 1,
         threads=used_threads, others_cpu_share=others.share(),
         dtype=str(model.dtype).removeprefix("torch."), torch_version=torch.__version__,
-        transformers_version=(_transformers_version()
+        transformers_version=(transformers_version()
                               if any(v.engine == "hf" for v in chosen) else None),
         workload=dataclasses.replace(spec, rate=rates[0]),
         prompt_tokens=sum(len(r.prompt) for r in requests),

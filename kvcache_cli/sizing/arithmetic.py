@@ -19,6 +19,7 @@ from kvcache_cli.sizing.units import (
 )
 
 if TYPE_CHECKING:
+    from kvcache_cli.sizing.live import LiveKinds
     from kvcache_cli.sizing.verify import Verification
 
 
@@ -171,6 +172,8 @@ class SizeResult:
     verify: Verification | None = None
     window: int | None = None  # a bounded cache (--window): the recent positions it keeps
     sinks: int = 0  # ... and the first positions it keeps for good (--sinks)
+    # A model kvcache runs (-m smollm2): what every cache kind holds for it (sizing.live).
+    live: LiveKinds | None = None
 
 
 def _kind_formula(shape: ModelShape, kind: str, n: int, seq: int, bits: int,

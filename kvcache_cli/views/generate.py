@@ -18,6 +18,7 @@ from rich.text import Text
 
 from kvcache_cli.bounded_breaks import BoundedBreakResult
 from kvcache_cli.generate import BreakResult, Generation
+from kvcache_cli.llama_breaks import LlamaBreakResult
 from kvcache_cli.views.style import BAD, OK
 
 
@@ -96,7 +97,8 @@ def _tokens(tokens, first: int | None = None, piece: Callable[[int], str] | None
     return text
 
 
-def break_view(r: BreakResult, piece: Callable[[int], str] | None = None) -> RenderableType:
+def break_view(r: BreakResult, piece: Callable[[int], str] | None = None,
+               family: str = "GPT-2", extra: Text | None = None) -> RenderableType:
     tokens = Table(box=box.SIMPLE_HEAD, padding=(0, 1))
     tokens.add_column("loop")
     tokens.add_column("tokens", ratio=1)
@@ -130,9 +132,24 @@ def break_view(r: BreakResult, piece: Callable[[int], str] | None = None) -> Ren
             f"\nbudget {r.budget} positions; logits first move past rounding {wrong}\n"
             f"mean KL from the full cache past the budget (teacher-forced on the correct "
             f"text): fix {r.kl_fix:.3g} nats, broken [bold]{r.kl_broken:.3g}[/] nats"))
+    if extra is not None:
+        lines.append_text(extra)
     return Panel(
         Group(Text(r.bug), tokens, lines),
-        title=f"GPT-2 break: {r.name}",
+        title=f"{family} break: {r.name}",
         title_align="left",
         padding=(0, 1),
     )
+
+
+def llama_break_view(r: LlamaBreakResult, piece: Callable[[int], str] | None = None
+                     ) -> RenderableType:
+    """A Llama break: the tokens and logits as GPT-2's, and the bytes each cache held,
+    which is where `kv-expand-early` shows (its tokens do not move)."""
+    ratio = r.broken_bytes_held / r.bytes_held if r.bytes_held else float("nan")
+    style = "bold red" if r.broken_bytes_held != r.bytes_held else "bold"
+    bytes_line = Text.from_markup(
+        f"\ncache after {r.tokens_held} positions: correct {r.kv_heads} KV heads, "
+        f"{_bytes(r.bytes_held)}; broken {r.broken_kv_heads} KV heads, "
+        f"[{style}]{_bytes(r.broken_bytes_held)}[/] ({ratio:.1f}x)")
+    return break_view(r, piece, family="Llama", extra=bytes_line)

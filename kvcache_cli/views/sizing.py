@@ -21,6 +21,7 @@ from kvcache_cli.sizing import (
 
 if TYPE_CHECKING:
     from kvcache_cli.sizing.cache_spec import SpecSize
+    from kvcache_cli.sizing.live import LiveKinds
     from kvcache_cli.sizing.verify import Verification
 
 _KIND_LABEL = {
@@ -176,6 +177,8 @@ def size_view(r: SizeResult) -> RenderableType:
             formula.append(f"  {line}\n", style="cyan")
         parts.append(formula)
     parts.append(_kinds_table(r))
+    if r.live is not None:
+        parts.append(_live_table(r.live))
     if r.tp is not None:
         parts.append(_tp_table(r))
     if r.fit is not None:
@@ -188,6 +191,28 @@ def size_view(r: SizeResult) -> RenderableType:
             notes.append(f"note: {line}\n", style="dim")
         parts.append(notes)
     return Group(*parts)
+
+
+def _live_table(live: LiveKinds) -> RenderableType:
+    """Every cache kind of a model kvcache runs, and the same model without GQA."""
+    table = Table(title=f"every cache kind of {live.model} as kvcache runs it "
+                  f"({live.dtype}, {live.seq:,} tokens, batch 1)", box=box.SIMPLE_HEAD,
+                  title_justify="left")
+    table.add_column("--cache")
+    table.add_column("KV heads", justify="right")
+    table.add_column("bytes held", justify="right")
+    table.add_column("bytes/token", justify="right")
+    table.add_column("vs static", justify="right")
+    for k in live.kinds:
+        table.add_row(k.spec, f"{k.kv_heads}", f"{k.bytes_held:,}", f"{k.bytes_per_token:,.1f}",
+                      f"{k.ratio_to_static:.3f}x")
+    m = live.mha
+    table.add_row(Text("static, a KV head per query head (no GQA)", style="bold"),
+                  f"{m.kv_heads}", f"{m.bytes_held:,}", f"{m.bytes_per_token:,.1f}",
+                  Text(f"{m.ratio_to_static:.1f}x", style="bold"))
+    left_out = Text(f"not counted here: {', '.join(live.left_out)} (transformers' "
+                    "QuantizedCache, measured live only)", style="dim")
+    return Group(table, left_out, Text(""))
 
 
 def _params(n: int) -> str:

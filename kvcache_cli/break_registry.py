@@ -1,0 +1,115 @@
+"""Every break `kvcache break` knows, in one registry: its name, what it runs on, its title,
+and the function that runs it.
+
+`kvcache break --list`, shell completion and dispatch all read `registry()`, so a new break
+registers here and nowhere else. Torch-free, like the cache registry (`caches.spec`): the
+list and completion never pay for torch; a runner's module is imported only when it runs.
+
+What a break runs on (`runs_on`, its first family the one it is listed under and whose
+default model it loads without `-m`):
+
+- `toy`: the reference script's NumPy model (`kv_cache_from_scratch.BREAKS`, which keeps its
+  own table so the script stays one file);
+- `gpt2`: GPT-2 (`-m gpt2` by default); most also run on a Llama, since they break the
+  decode loop or the cache, which every family shares; the two that plant outliers in
+  GPT-2's fused `c_attn` weights (kv-outlier-keys, fp8-range) run on GPT-2 only;
+- `llama`: the Llama family only (rotary positions, grouped-query attention), SmolLM2
+  unless `-m` names another Llama.
+
+A runner is `module:function`, called `function(name, model, max_new_tokens=..., progress=...)`
+with the loaded model; it returns the frozen result that the views render and --json dumps.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+FAMILIES = ("toy", "gpt2", "llama")
+# Positions a quantised-cache break scores at least: a prompt's continuation.
+QUANT_BREAK_TOKENS = 128
+
+
+@dataclass(frozen=True)
+class Break:
+    name: str
+    runs_on: tuple[str, ...]  # the model families it runs on (FAMILIES), its own first
+    title: str  # one line: --list, completion's help
+    runner: str  # 'module:function'; '' for the toy's, which the reference script runs
+
+    @property
+    def family(self) -> str:
+        """The family it is listed under, whose default model it loads without -m."""
+        return self.runs_on[0]
+
+
+ANY = ("gpt2", "llama")  # a break of the loop or the cache: every family has one
+
+
+def _torch(runs_on: tuple[str, ...], runner: str, *rows: tuple[str, str]) -> list[Break]:
+    return [Break(name, runs_on, title, runner) for name, title in rows]
+
+
+_TORCH_BREAKS = (
+    # The article's three: a correct loop with one call changed (kvcache_cli.generate).
+    *_torch(ANY, "kvcache_cli.generate:run_break",
+            ("position-offset", "GPT-2: every decode token gets position 0"),
+            ("causal-decode", "GPT-2: is_causal=True for a one-row query against the cache"),
+            ("stale-cache", "GPT-2: a cache reused across requests without a reset")),
+    # Speculative decoding's rollback (kvcache_cli.speculative).
+    *_torch(ANY, "kvcache_cli.gpt2_breaks:no_rollback",
+            ("no-rollback", "GPT-2: speculative decoding keeps the rejected keys and values")),
+    *_torch(ANY, "kvcache_cli.gpt2_breaks:rollback_shared",
+            ("rollback-shared", "GPT-2: a paged rollback frees a block another sequence "
+                                "still reads")),
+    # The quantised caches' known failures, each beside its fix (kvcache_cli.quant_breaks).
+    # kv-outlier-keys and fp8-range plant their outliers in GPT-2's fused c_attn weights.
+    *_torch(("gpt2",), "kvcache_cli.gpt2_breaks:quantised",
+            ("kv-outlier-keys", "GPT-2, int4 cache: outlier key channels under one scale per "
+                                "key vector, against per-channel scales")),
+    *_torch(ANY, "kvcache_cli.gpt2_breaks:quantised",
+            ("kv-sink-token", "GPT-2, int2 cache: the attention-sink token quantised, "
+                              "against kept")),
+    *_torch(("gpt2",), "kvcache_cli.gpt2_breaks:quantised",
+            ("fp8-range", "GPT-2, fp8 cache: scale 1.0 on values beyond the range, against "
+                          "calibrated")),
+    # The bounded caches' (kvcache_cli.bounded_breaks, reached through run_break).
+    *_torch(ANY, "kvcache_cli.generate:run_break",
+            ("evict-sink", "GPT-2: a window that evicts the first tokens, against sinks + "
+                           "window"),
+            ("ring-mask", "GPT-2: a ring buffer masked by slot index instead of position"),
+            ("ring-off-by-one", "GPT-2: the newest token written one slot late, over a live "
+                                "key")),
+    # Rotary positions and grouped-query attention (kvcache_cli.llama_breaks).
+    *_torch(("llama",), "kvcache_cli.llama_breaks:run_llama_break",
+            ("rope-decode", "Llama: the rotary position forgotten at decode (every new key "
+                            "and query rotated as position 0)"),
+            ("kv-expand-early", "Llama: KV heads expanded to query heads before the cache: "
+                                "the same tokens, 3x the bytes"),
+            ("gqa-interleave", "Llama: query heads grouped with the wrong KV heads "
+                               "(h % nkv, not h // (nh/nkv))"),
+            ("rope-twice", "Llama: the cached key rotated again when read from the cache")),
+)
+
+
+@functools.cache
+def registry() -> dict[str, Break]:
+    """name → Break, in the order `--list` shows and `all` runs: the toy's, then GPT-2's,
+    then Llama's."""
+    import kv_cache_from_scratch as ref  # NumPy only: the toy's names and titles
+
+    toy = [Break(name, ("toy",), s.title, "") for name, s in ref.BREAKS.items()]
+    return {b.name: b for b in (*toy, *_TORCH_BREAKS)}
+
+
+def names(family: str) -> list[str]:
+    """The breaks that run on `family`, in registry order."""
+    return [b.name for b in registry().values() if b.family == family]
+
+
+def runner(name: str):
+    """The function that runs break `name` (imports its module: torch for all but the toy)."""
+    import importlib
+
+    module, function = registry()[name].runner.split(":")
+    return getattr(importlib.import_module(module), function)

