@@ -198,8 +198,8 @@ def answer(model, ids: list[int], spec: CacheSpec, prompter: Prompter, case: Cas
     """One prompt through one cache: prefilled in one forward, then a greedy reply."""
     import torch
 
-    from kvcache_cli.bench import synchronize
     from kvcache_cli.caches import make_cache
+    from kvcache_cli.measure import synchronize
 
     device = model.device
     cache = make_cache(spec, model, len(ids) + max_new)

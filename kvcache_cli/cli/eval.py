@@ -149,7 +149,7 @@ def _check_options(cache, model, text, tokens, prompt_len, chunk, device, thread
 def _retrieval(cache, model, weights, lengths, device, threads, plot, as_json) -> None:
     """`--task retrieval`: the pass-key set through every cache, one table and a plot."""
     from kvcache_cli import retrieval
-    from kvcache_cli.bench import resolve_device
+    from kvcache_cli.measure import resolve_device
     from kvcache_cli.models import model_config
 
     try:
