@@ -10,11 +10,20 @@ Per cache, from the next-token distributions computed in float64 from log-softma
 perplexity and bits per token on the text, KL divergence from the exact cache's
 distribution (mean and max over positions), top-1 agreement with it, the loss of every
 scored token (where a collapse starts), the bytes the cache holds at the end, and the
-median decode time per token. Per layer, the share of attention the first token draws
-under the exact cache ("is there a sink?"), from one explicit-attention pass.
+median decode time per token, the prefill's time and, for a kind that compresses the
+prompt once (`snapkv`, `knorm`, `recent`), the compression's share of it. Per layer,
+the share of attention the first token draws under the exact cache ("is there a
+sink?"), from one explicit-attention pass.
 
 Scored: the predictions of tokens prompt_len .. n-1, the first from the prefill's last
 position, the rest from the decode steps; the last token is never fed.
+
+The prompt is always prefilled as one forward, so this protocol is also the prompt-
+compression one: a compressing kind sees the whole prompt (its last tokens' attention for
+SnapKV), compresses it once at the end of that forward, and every scored token after is
+decoded over what it kept, appended to, never evicted. Its prefill prediction is the
+exact one (the prompt attends over all of itself); what compression costs shows from the
+first decoded token on.
 Everything returns frozen dataclasses; nothing here prints.
 """
 
@@ -29,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvcache_cli.caches.base import KVCache
-from kvcache_cli.caches.spec import CacheSpec, parse_cache_spec
+from kvcache_cli.caches.spec import CacheSpec, check_prompt, parse_cache_spec
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -69,7 +78,8 @@ class CacheQuality:
     positions: int  # positions written into the cache by then (cache.length)
     bytes_per_token: float  # bytes_held / positions: what a token of context costs
     bytes_ratio: float  # bytes_per_token / the reference's
-    prefill_ms: float  # the prompt's forward through this cache
+    prefill_ms: float  # the prompt's forward through this cache, compression included
+    compress_ms: float  # of which the compression of the prompt (0: a kind that keeps it)
     decode_ms_per_token: float  # median over decode steps of step time / tokens in the step
     loss_by_position: tuple[float, ...] = field(repr=False)  # NLL (nats) of tokens prompt_len..
 
@@ -155,19 +165,22 @@ def default_caches() -> list[CacheSpec]:
 
 
 def check_caches(specs: Sequence[CacheSpec], config, max_len: int,
-                 model: str = "the model") -> None:
+                 model: str = "the model", prompt_len: int | None = None) -> None:
     """Refuse a bounded cache whose budget passes the context window (it would never
-    evict), then build each cache for this model's shape on the meta device, which
-    allocates nothing: a kind that cannot hold the shape (a group size that does not divide
-    the head width) raises its ValueError before any weights load."""
+    evict), a compressing one the prompt of `prompt_len` tokens cannot fill, then build
+    each cache for this model's shape on the meta device, which allocates nothing: a kind
+    that cannot hold the shape (a group size that does not divide the head width) raises
+    its ValueError before any weights load."""
     import torch
 
     from kvcache_cli.caches import cache_class
-    from kvcache_cli.caches.spec import check_context, check_spec
+    from kvcache_cli.caches.spec import check_context, check_prompt, check_spec
 
     for spec in specs:
         check_context(spec, config.context, model)
         check_spec(spec, config.head_size)  # every command's rule, before the peer's own
+        if prompt_len is not None:
+            check_prompt(spec, prompt_len)
         cache_class(spec).build(spec, config.cache_shape, max_len=max_len, batch=1,
                                 device=torch.device("meta"), dtype=torch.float32, whole=False)
 
@@ -203,6 +216,7 @@ class _Tally:
     agree: list[bool] = field(default_factory=list)
     step_ms: list[float] = field(default_factory=list)  # per token
     prefill_ms: float = 0.0
+    compress_ms: float = 0.0
 
     def score(self, logp: Tensor, targets: Tensor, exact: Tensor) -> None:
         """logp, exact: (T, vocab) float64 log-probabilities; targets (T,)."""
@@ -238,6 +252,9 @@ def evaluate(
         bad = next(t for t in tokens if not 0 <= t < model.config.vocab_size)
         raise ValueError(f"token id {bad} is outside the model's vocabulary "
                          f"0..{model.config.vocab_size - 1}")
+    for item in caches:
+        if not isinstance(item, CacheMaker):
+            check_prompt(parse_cache_spec(item) if isinstance(item, str) else item, prompt_len)
     makers = _makers(caches)
     saved_threads = torch.get_num_threads()
     if threads is not None:
@@ -305,6 +322,7 @@ def _run(model: GPT, tokens: Sequence[int], makers: list[CacheMaker], prompt_len
             tally.score(logp, targets, exact)
             if prefill:
                 tally.prefill_ms = ms
+                tally.compress_ms = getattr(tally.cache, "compress_ms", 0.0)
             else:
                 tally.step_ms.append(ms / (end - start))
         done += end - first
@@ -331,6 +349,7 @@ def _summarise(tallies: list[_Tally], prompt_len: int) -> tuple[CacheQuality, ..
             top1_agreement=statistics.fmean(t.agree), bytes_held=t.cache.bytes_held,
             positions=t.cache.length, bytes_per_token=per_token(t),
             bytes_ratio=per_token(t) / per_token(reference), prefill_ms=t.prefill_ms,
+            compress_ms=t.compress_ms,
             decode_ms_per_token=statistics.median(t.step_ms) if t.step_ms else math.nan,
             loss_by_position=tuple(t.nll),
         ))  # fmt: skip

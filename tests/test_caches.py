@@ -36,7 +36,8 @@ def tokens(n: int, seed: int = 0) -> torch.Tensor:
 
 
 # Kinds whose fields have no default: one spelling of each.
-EXAMPLES = {"window": "window:8", "sink": "sink:2+6", "h2o": "h2o:4+4"}
+EXAMPLES = {"window": "window:8", "sink": "sink:2+6", "h2o": "h2o:4+4", "snapkv": "snapkv:8",
+            "knorm": "knorm:0.25", "recent": "recent:8:s2"}
 
 
 def test_every_registered_kind_parses_its_own_canonical_spelling():

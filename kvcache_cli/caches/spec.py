@@ -20,6 +20,15 @@ same mistakes the same way. A spec is a kind's name, then its fields, colon-sepa
     window:W                the W newest positions, in a ring of W slots
     sink:S+W                the first S positions for good, then a ring of W (StreamingLLM)
     h2o:H+W                 per head, the H most-attended positions and the W newest (H2O)
+    snapkv:B[:wN][:kN][:avg][:pyramid]   the prompt compressed once to B keys
+                            per layer and KV head, chosen by the pooled attention the last
+                            N prompt tokens pay (SnapKV; default w32, k7, max); B is a
+                            token count (256) or a share of the prompt (0.25); pyramid:
+                            budgets shrinking with depth, the same total (PyramidKV)
+    knorm:B[:pyramid]                  the prompt compressed once to the B keys of lowest
+                                       L2 norm (kvpress's KnormPress)
+    recent:B[:sN][:pyramid]            the prompt compressed once to its B newest keys
+                                       (the first N kept too, as sinks; default s0)
 
 Each kind declares what it is (help text, grammar), how many bytes a layer holds for a
 sequence of n tokens, and what it supports (a paged pool, rollback, a compiled step);
@@ -89,6 +98,10 @@ class CacheKind:
     rollback_bytes: str = ""
     # params -> the most positions it holds (a bounded kind); None: every position.
     budget: Callable[[dict], int] | None = None
+    # It compresses the prompt once, at the prefill (its first forward), then appends:
+    # its layer_bytes count a prompt of `tokens` tokens compressed, and check_prompt
+    # refuses a budget or a window the prompt cannot fill.
+    compresses: bool = False
 
     def canonical(self, params: dict) -> str:
         return self.spell(params) if self.spell else self.name
@@ -417,6 +430,163 @@ _RING_ROLLBACK_BYTES = ("none: one vector of slot positions is recomputed; the k
                         "overwritten by the next writes")
 
 
+# ---------------------------------------------------------------------------- compressed
+# (the caches themselves: `kvcache_cli.caches.compressed`)
+
+SNAPKV_WINDOW = 32  # SnapKV's observation window: the last 32 prompt tokens (its paper's)
+SNAPKV_KERNEL = 7  # its pooling kernel over the key axis (SnapKV's 7; kvpress uses 5)
+PYRAMID_BETA = 20  # PyramidKV: the deepest layer keeps budget / beta (its paper's beta)
+# Each kept slot also holds its int64 text position, per KV head (heads choose apart).
+POSITION_BYTES = 8
+
+
+def _budget(spec: str, text: str) -> int | float:
+    """'256' -> 256 tokens; '0.25' -> a share of the prompt; CacheSpecError otherwise."""
+    if "." in text:
+        try:
+            ratio = float(text)
+        except ValueError:
+            ratio = None
+        if ratio is None or not 0 < ratio <= 1:
+            raise CacheSpecError(f"cache spec {spec!r}: ratio {text!r} is outside (0, 1]; "
+                                 "expected a share of the prompt's keys such as 0.25, or a "
+                                 "whole number of tokens such as 256")
+        return ratio
+    if text.isdigit() and int(text) == 0:
+        raise CacheSpecError(f"cache spec {spec!r}: a budget of 0 keeps no key; expected a "
+                             "whole number of tokens from 1 (e.g. 256) or a ratio in (0, 1]")
+    return whole_number(spec, "budget", text)
+
+
+def _compressed_parser(name: str, own: dict[str, str]) -> Parse:
+    """`name:B` then the kind's own fields (letter -> what it is), the pooling for snapkv,
+    and uniform|pyramid; each once."""
+    def parse(spec: str, fields: tuple[str, ...]) -> dict:
+        if not fields or not fields[0]:
+            raise CacheSpecError(f"cache spec {spec!r}: expected {name}:B, the keys kept per "
+                                 f"layer and head: tokens (e.g. {name}:256) or a share of the "
+                                 f"prompt (e.g. {name}:0.25)")
+        params: dict = {"budget": _budget(spec, fields[0]), "layers": "uniform"}
+        if name == "snapkv":
+            params.update(window=SNAPKV_WINDOW, kernel=SNAPKV_KERNEL, pool="max")
+        if name == "recent":
+            params["sinks"] = 0
+        given: dict = {}
+        for f in fields[1:]:
+            if f in ("uniform", "pyramid"):
+                _give_once(spec, given, "layers", f)
+            elif name == "snapkv" and f in ("max", "avg"):
+                _give_once(spec, given, "pool", f)
+            elif f[:1] in own and f[1:]:
+                what = own[f[0]]
+                low = 0 if what == "sinks" else 1
+                _give_once(spec, given, what, whole_number(spec, what, f[1:], low, 1 << 16))
+            else:
+                extra = "".join(f"{k}N ({w}), " for k, w in own.items())
+                pool = "max or avg (the pooling), " if name == "snapkv" else ""
+                raise CacheSpecError(f"cache spec {spec!r}: unknown field {f!r}; expected "
+                                     f"{extra}{pool}uniform or pyramid (the layers' budgets)")
+        budget = params["budget"]
+        if isinstance(budget, int) and name == "snapkv" and "window" not in given:
+            params["window"] = min(SNAPKV_WINDOW, budget)  # the window is part of the budget
+        params.update(given)
+        held = params.get("window", 0) + params.get("sinks", 0)
+        if isinstance(budget, int) and held > budget:
+            what = "observation window" if name == "snapkv" else "sinks"
+            raise CacheSpecError(f"cache spec {spec!r}: {name} always keeps its {what} of "
+                                 f"{held:,} tokens, more than the budget of {budget:,}; "
+                                 f"expected at most {budget:,}")
+        if params.get("kernel", 1) % 2 == 0:
+            raise CacheSpecError(f"cache spec {spec!r}: pooling kernel {params['kernel']} is "
+                                 "even; expected an odd width, centred on each key (e.g. k7)")
+        return params
+    return parse
+
+
+def _compressed_spell(name: str) -> Callable[[dict], str]:
+    def spell(p: dict) -> str:
+        text = f"{name}:{p['budget']}"
+        if name == "snapkv":
+            text += f":w{p['window']}:k{p['kernel']}:{p['pool']}"
+        if p.get("sinks"):
+            text += f":s{p['sinks']}"
+        return text + (":pyramid" if p["layers"] == "pyramid" else "")
+    return spell
+
+
+def prompt_budget(params: dict, prompt: int) -> int:
+    """Keys one layer keeps on average of a prompt of `prompt` tokens: B, or the ratio's
+    share rounded (at least 1), never more than the prompt (a shorter one is kept whole)."""
+    budget = params["budget"]
+    keep = round(budget * prompt) if isinstance(budget, float) else budget
+    return max(1, min(prompt, keep))
+
+
+def layer_budgets(params: dict, prompt: int, n_layer: int) -> tuple[int, ...]:
+    """Keys each layer keeps: the budget everywhere, or PyramidKV's linear descent from
+    the first layer to the last (the last keeps budget / beta, at least the observation
+    window), rounded to whole keys that add up to n_layer x the budget exactly."""
+    b = prompt_budget(params, prompt)
+    if params["layers"] == "uniform" or n_layer == 1:
+        return (b,) * n_layer
+    bottom = max(b / PYRAMID_BETA, min(params.get("window", 0) + params.get("sinks", 0), b))
+    top = 2 * b - bottom
+    if top > prompt:  # the first layer cannot keep more than the prompt: flatten
+        top, bottom = prompt, 2 * b - prompt
+    ideal = [top + (bottom - top) * i / (n_layer - 1) for i in range(n_layer)]
+    whole = [int(x) for x in ideal]
+    # The remainder, one key each, to the layers that lost most in the rounding.
+    short = n_layer * b - sum(whole)
+    for i in sorted(range(n_layer), key=lambda i: whole[i] - ideal[i])[:short]:
+        whole[i] += 1
+    return tuple(whole)
+
+
+def _compressed_bytes(params: dict, tokens: int, kv_heads: int, head_dim: int, element: int
+                      ) -> int:
+    """A prompt of `tokens` tokens compressed: K, V and a position for each kept key. The
+    mean over layers, which per-layer budgets leave at the uniform budget exactly."""
+    kept = prompt_budget(params, tokens)
+    return (every_token(params, kept, kv_heads, head_dim, element)
+            + kept * kv_heads * POSITION_BYTES)
+
+
+def check_prompt(spec: CacheSpec, prompt: int) -> None:
+    """Refuse a compressing cache a prompt of `prompt` tokens cannot fill: a token budget
+    larger than it, or an observation window (or sinks) longer than it."""
+    if not spec.info.compresses:
+        return
+    p = dict(spec.params)
+    budget = p["budget"]
+    if isinstance(budget, int) and budget > prompt:
+        raise CacheSpecError(f"cache {str(spec)!r} keeps {budget:,} keys of a prompt of "
+                             f"{prompt:,} tokens: expected a budget of at most {prompt:,} "
+                             "(or a ratio such as 0.25)")
+    held = p.get("window", 0) + p.get("sinks", 0)
+    if held > prompt:
+        what = "observation window" if "window" in p else "sinks"
+        raise CacheSpecError(f"cache {str(spec)!r}: the {what} of {held:,} tokens is longer "
+                             f"than the prompt of {prompt:,}; expected at most {prompt:,}")
+
+
+_COMPRESSED_ROLLBACK = ("resets its length back to the compressed prompt: the tokens "
+                        "appended after it; a crop into the prompt raises RollbackError")
+_COMPRESSED_ROLLBACK_BYTES = "none: the appended slots are overwritten by the next writes"
+
+
+def _compressed_kind(name: str, summary: str, grammar: str, cls: str,
+                     own: dict[str, str]) -> CacheKind:
+    return CacheKind(
+        name=name, summary=summary, grammar=grammar,
+        factory=f"kvcache_cli.caches.compressed:{cls}",
+        parse=_compressed_parser(name, own),
+        layer_bytes=_compressed_bytes,
+        exact=False, bounded=False, pages=False, compiles=False,
+        rollback=_COMPRESSED_ROLLBACK, rollback_bytes=_COMPRESSED_ROLLBACK_BYTES,
+        spell=_compressed_spell(name), compresses=True,
+    )
+
+
 KINDS: dict[str, CacheKind] = {
     kind.name: kind
     for kind in (
@@ -520,6 +690,19 @@ KINDS: dict[str, CacheKind] = {
             spell=lambda p: f"h2o:{p['heavy']}+{p['recent']}",
             budget=_held,
         ),
+        _compressed_kind(
+            "snapkv", "the prompt compressed once at prefill to B keys per layer and KV head, "
+            "chosen by the pooled attention of its last wN tokens (SnapKV); then appends",
+            "snapkv:B[:wN][:kN][:avg][:pyramid]", "SnapKVCache",
+            {"w": "window", "k": "kernel"}),
+        _compressed_kind(
+            "knorm", "the prompt compressed once at prefill to the B keys of lowest L2 norm "
+            "per layer and KV head (kvpress's KnormPress); then appends",
+            "knorm:B[:pyramid]", "KnormCache", {}),
+        _compressed_kind(
+            "recent", "the prompt compressed once at prefill to its B newest keys (sN: the "
+            "first N kept too); then appends",
+            "recent:B[:sN][:pyramid]", "RecentCache", {"s": "sinks"}),
     )
 }
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -31,17 +32,23 @@ EVAL_MODEL = TRAINED
 HELDOUT = "heldout.txt"  # the text a checkpoint was not trained on, in its directory
 
 
+class Task(str, Enum):
+    text = "text"
+    retrieval = "retrieval"
+
+
 def eval_(
     cache: Annotated[Any, typer.Option(
         "--cache", parser=parse_cache_list_option, metavar="SPECS",
         autocompletion=complete_cache_list,
         help="Comma-separated cache specs, e.g. static,paged:b16 or "
-        "full,window:256,sink:4+252,h2o:128+128 (every kind: 'kvcache caches'); the exact "
+        "full,window:256,sink:4+252,h2o:128+128,snapkv:0.25,knorm:0.25 (every kind: "
+        "'kvcache caches'); the exact "
         "'static' (alias full) is always run as the reference. Default: "
         "static,int8,int4,int2,fp8-e4m3, each format at its default layout.")] = None,
     model: Annotated[str, typer.Option(
         "--model", "-m", help=f"{EVAL_MODEL} (the trained checkpoint), gpt2, gpt2-medium, "
-        "gpt2-large, gpt2-xl or a checkpoint dir.")] = EVAL_MODEL,
+        "gpt2-large, gpt2-xl, smollm2 or a checkpoint dir.")] = EVAL_MODEL,
     weights: Annotated[Weights, typer.Option(
         help="auto: pretrained when available, else random (one note); quality on random "
         "weights means little.")] = Weights.auto,
@@ -52,7 +59,8 @@ def eval_(
         help="Tokens of the text to read (default: the text's, up to the context window "
         "and 2,000).")] = None,
     prompt_len: Annotated[int, typer.Option(
-        help="Tokens prefilled before decoding starts; the rest are scored.")] = 64,
+        help="Tokens prefilled in one forward before decoding starts; the rest are "
+        "scored. Compressing kinds (snapkv, knorm, recent) compress this prompt once.")] = 64,
     chunk: Annotated[int, typer.Option(
         help="Tokens fed per decode step (1: one at a time, as generation does).")] = 1,
     device: DeviceOption = "auto",
@@ -61,6 +69,13 @@ def eval_(
     plot: Annotated[Path | None, typer.Option(
         help="Write the frontier (perplexity against bytes per token) and the loss by "
         "position to this PNG (needs matplotlib).")] = None,
+    task: Annotated[Task, typer.Option(
+        help="text: score a text token by token against the exact cache; retrieval: the "
+        "built-in pass-key set (a key at a known depth of a filler, asked after it), "
+        "answered greedily through the model's chat template, exact match (default "
+        "caches snapkv:0.25,knorm:0.25,recent:0.25; -m smollm2).")] = Task.text,
+    lengths: Annotated[str, typer.Option(
+        help="--task retrieval: the filler's lengths in tokens, comma-separated.")] = "512",
     as_json: Annotated[bool, typer.Option("--json", help="Print the raw result as JSON.")] = False,
 ) -> None:
     """What a cache costs in quality: each cache fed a text as generation feeds it,
@@ -71,6 +86,9 @@ def eval_(
     of attention.
     """
     need_torch_extra("kvcache eval needs", *GPT2_MODULES)
+    if task is Task.retrieval:
+        _retrieval(cache, model, weights, lengths, device, threads, plot, as_json)
+        return
     from kvcache_cli import quality
     from kvcache_cli.evaltext import TokenizerUnavailable
 
@@ -123,8 +141,50 @@ def _check_options(cache, model, text, tokens, prompt_len, chunk, device, thread
     ids = eval_text(read_text(path), str(path), config)
     n = quality.tokens_to_read(len(ids.ids), config.context, tokens, prompt_len,
                                f"--text {str(path)!r}")
-    quality.check_caches(specs, config, n - 1, model)
+    quality.check_caches(specs, config, n - 1, model, prompt_len)
     return specs, path, ids, n, resolve_device(device)
+
+
+def _retrieval(cache, model, weights, lengths, device, threads, plot, as_json) -> None:
+    """`--task retrieval`: the pass-key set through every cache, one table and a plot."""
+    from kvcache_cli import retrieval
+    from kvcache_cli.measure import resolve_device
+    from kvcache_cli.models import model_config
+
+    try:
+        problem = threads_error(threads)
+        if problem is not None:
+            raise ValueError(problem)
+        sizes = retrieval.parse_lengths(lengths)
+        config = model_config(model)
+        prompter = retrieval.prompter_for(config)
+        specs = cache if cache is not None else retrieval.DEFAULT_CACHES
+        _, ids = retrieval.prompts(prompter, sizes)
+        retrieval.check_fit(sizes, ids, config.context)
+        retrieval.specs_to_run(specs, ids)  # a budget the prompts cannot fill: refused now
+        dev = resolve_device(device)
+    except ValueError as err:
+        fail(str(err))
+    except RuntimeError as err:
+        fail(str(err), code=1)
+    check_plot(plot)
+    loaded = load_model(model, weights.value, str(dev))
+    import torch
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        with _progress("answering", "prompts") as on_progress:
+            result = retrieval.run_retrieval(loaded.model, prompter, specs, sizes,
+                                             model_name=loaded.source, progress=on_progress)
+    except (ValueError, IndexError) as err:
+        fail(str(err))
+    except RuntimeError as err:
+        fail(str(err), code=1)
+    from kvcache_cli.views.retrieval import plain, render, save_plot
+
+    show_then_plot(result, render if sys.stdout.isatty() else plain, as_json, save_plot, plot,
+                   "plot")
 
 
 def _heldout(model: str) -> Path:
@@ -147,7 +207,7 @@ def _heldout(model: str) -> Path:
 
 
 @contextlib.contextmanager
-def _progress():
+def _progress(what: str = "scoring", unit: str = "tokens"):
     """A transient bar on stderr when it is a terminal; nothing at all off one."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
@@ -157,9 +217,9 @@ def _progress():
         yield None
         return
     # Redrawn twice a second: the redraw thread shares the CPUs being timed.
-    progress = Progress("scoring", BarColumn(), MofNCompleteColumn(), "tokens",
+    progress = Progress(what, BarColumn(), MofNCompleteColumn(), unit,
                         TimeElapsedColumn(), console=console, transient=True,
                         refresh_per_second=2)
-    task = progress.add_task("scoring", total=None)
+    bar = progress.add_task(what, total=None)
     with progress:
-        yield lambda done, total: progress.update(task, completed=done, total=total)
+        yield lambda done, total: progress.update(bar, completed=done, total=total)

@@ -17,7 +17,7 @@ from kvcache_cli.views.style import figures_table, label_grid
 # The rich view splits the row in two tables (quality; memory and time) so each fits
 # 100 columns beside a long spec such as int4:g32:kchan:r128; plain text keeps one.
 QUALITY = ("cache", "perplexity", "Δ ppl", "bits/tok", "KL mean", "KL max", "at", "top-1")
-COST = ("bytes/tok", "× exact", "held", "ms/tok")
+COST = ("bytes/tok", "× exact", "held", "prefill ms", "compress", "ms/tok")
 SPARK_WIDTH = 24
 
 
@@ -58,9 +58,11 @@ def quality_cells(c: CacheQuality) -> tuple[str, ...]:
 
 
 def cost_cells(c: CacheQuality) -> tuple[str, ...]:
-    """What one cache holds and how fast it decodes, in COST's order."""
+    """What one cache holds, its prefill (and the prompt's compression, '-' for a kind
+    that keeps the prompt) and how fast it decodes, in COST's order."""
+    compress = f"{c.compress_ms:.1f}" if c.compress_ms else "-"
     return (f"{c.bytes_per_token:,.0f}", f"{c.bytes_ratio:.3f}", _bytes(c.bytes_held),
-            f"{c.decode_ms_per_token:.2f}")
+            f"{c.prefill_ms:.1f}", compress, f"{c.decode_ms_per_token:.2f}")
 
 
 def _run_line(r: QualityResult) -> str:
@@ -101,8 +103,9 @@ def _quality(r: QualityResult) -> Table:
 def _cost(r: QualityResult) -> Table:
     lines, top = excess_lines(r)
     table = figures_table("cache", *COST, f"loss above exact, 0 → {top:.2g} nats",
-                          title=f"memory held after {r.tokens - 1:,} positions, median decode "
-                          f"step per token; loss at positions {r.prompt_len}→{r.tokens - 1}")
+                          title=f"memory held after {r.tokens - 1:,} positions, prefill and "
+                          f"compression ms, median decode step per token; loss at "
+                          f"positions {r.prompt_len}→{r.tokens - 1}")
     table.columns[0].no_wrap = True
     table.columns[-1].justify = "left"
     for c in r.caches:
