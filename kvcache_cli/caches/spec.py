@@ -7,13 +7,14 @@ same mistakes the same way. A spec is a kind's name, then its fields, colon-sepa
     static                  the exact cache, every position kept (alias: full)
     concat                  the exact cache, appended with torch.cat
     paged[:bN]              blocks of N tokens in a pool (vLLM), N = 16 unless given
-    int8[:gN][:kchan|ktok][:rN][:sN]    integer codes, affine per group of N (default 32),
-    int4[...], int2[...]                keys per channel (kchan) or per token (ktok), the
-                                        newest rN tokens and the first sN at full
-                                        precision; int8 = int8:g32:ktok:r0,
+    int8[:gN][:kchan|ktok][:rN][:sN][:rot]  integer codes, affine per group of N (default
+    int4[...], int2[...]                32), keys per channel (kchan) or per token (ktok),
+                                        the newest rN tokens and the first sN at full
+                                        precision, rot: Hadamard-rotated before rounding;
+                                        int8 = int8:g32:ktok:r0,
                                         int4 = int4:g32:kchan:r128, int2 likewise
-    fp8-e4m3[:tensor|head][:one|calib]  float8 over a scale per tensor or per head, 1.0
-    fp8-e5m2[...]                       or calibrated on the prompt (alias fp8 = e4m3)
+    fp8-e4m3[:tensor|head][:one|calib][:rot]  float8 over a scale per tensor or per head,
+    fp8-e5m2[...]                       1.0 or calibrated on the prompt (alias fp8 = e4m3)
     paged-int8[:bN], paged-int4[:bN], paged-fp8[:bN]   serve's pool, quantised blocks
     quanto-int4[:gN][:rN], quanto-int2[...]   the peer: transformers' QuantizedCache
                                         (quanto backend), default g64:r128
@@ -153,6 +154,8 @@ def _int_parser(bits: int) -> Parse:
         for f in fields:
             if f in ("kchan", "ktok"):
                 what, value = "keys", f
+            elif f == "rot":
+                what, value = "rotate", 1
             elif f[:1] in ("g", "r", "s") and f[1:]:
                 what = {"g": "group", "r": "residual", "s": "sinks"}[f[0]]
                 low = 2 if what == "group" else 0
@@ -162,16 +165,22 @@ def _int_parser(bits: int) -> Parse:
                 raise CacheSpecError(
                     f"cache spec {spec!r}: unknown field {f!r}; expected gN (group size), "
                     f"kchan or ktok (keys per channel or per token), rN (residual tokens), "
-                    f"sN (sink tokens), e.g. int{bits}:g32:kchan:r128")
+                    f"sN (sink tokens), rot (a Hadamard rotation), e.g. "
+                    f"int{bits}:g32:kchan:r128")
             _give_once(spec, given, what, value)
         return {"bits": bits, "group": 32, "keys": keys, "residual": residual, "sinks": 0,
-                **given}
+                "rotate": 0, **given}
     return parse
 
 
 def _int_spell(p: dict) -> str:
     sinks = f":s{p['sinks']}" if p["sinks"] else ""
-    return f"int{p['bits']}:g{p['group']}:{p['keys']}:r{p['residual']}{sinks}"
+    return f"int{p['bits']}:g{p['group']}:{p['keys']}:r{p['residual']}{sinks}{_rot(p)}"
+
+
+def _rot(p: dict) -> str:
+    """The rotation's field as spelled: absent when off (the default)."""
+    return ":rot" if p["rotate"] else ""
 
 
 def quantised_split(p: dict, tokens: int) -> tuple[int, int]:
@@ -195,14 +204,15 @@ def _int_bytes(p: dict, tokens: int, kv_heads: int, head_dim: int, element: int)
 def _fp8_parse(spec: str, fields: tuple[str, ...]) -> dict:
     given: dict = {}
     for f in fields:
-        what = {"tensor": "scale", "head": "scale", "one": "init", "calib": "init"}.get(f)
+        what = {"tensor": "scale", "head": "scale", "one": "init", "calib": "init",
+                "rot": "rotate"}.get(f)
         if what is None:
             raise CacheSpecError(
                 f"cache spec {spec!r}: unknown field {f!r}; expected tensor or head (one "
-                f"scale per tensor or per head) and one or calib (scale 1.0 or calibrated "
-                f"on the prompt), e.g. fp8-e4m3:head:calib")
-        _give_once(spec, given, what, f)
-    return {"scale": "tensor", "init": "one", **given}
+                f"scale per tensor or per head), one or calib (scale 1.0 or calibrated "
+                f"on the prompt) and rot (a Hadamard rotation), e.g. fp8-e4m3:head:calib")
+        _give_once(spec, given, what, 1 if what == "rotate" else f)
+    return {"scale": "tensor", "init": "one", "rotate": 0, **given}
 
 
 def _fp8_bytes(p: dict, tokens: int, kv_heads: int, head_dim: int, element: int) -> int:
@@ -249,13 +259,18 @@ def _quanto_bytes(p: dict, tokens: int, kv_heads: int, head_dim: int, element: i
 
 
 def check_head_dim(spec: str, params: dict, head_dim: int) -> None:
-    """Refuse a quantised spec whose groups or packing do not fit heads `head_dim` wide."""
+    """Refuse a quantised spec whose groups, packing or rotation do not fit heads
+    `head_dim` wide."""
     group, bits = params.get("group"), params.get("bits")
     if group is not None and head_dim % group:
         fits = [g for g in (16, 32, 64, 128) if head_dim % g == 0]
         hint = f"; try g{fits[-1]}" if fits else ""
         raise CacheSpecError(f"cache spec {spec!r}: group size {group} does not divide the "
                              f"head width {head_dim}{hint}")
+    if params.get("rotate") and head_dim & (head_dim - 1):
+        raise CacheSpecError(f"cache spec {spec!r}: rot needs a head width that is a power "
+                             f"of two (a Sylvester-Hadamard matrix), not {head_dim}; drop "
+                             f":rot for this model")
     if bits is not None and head_dim * bits % 8:
         raise CacheSpecError(f"cache spec {spec!r}: {bits}-bit codes of a {head_dim}-wide head "
                              f"do not fill whole bytes (the head width must be a multiple of "
@@ -273,7 +288,7 @@ def _int_kind(bits: int) -> CacheKind:
         name=f"int{bits}",
         summary=f"{bits}-bit integer codes, affine per group (float16 scale and zero); "
                 f"keys per channel or token, a full-precision residual (KIVI)",
-        grammar=f"int{bits}[:gN][:kchan|ktok][:rN][:sN] (default "
+        grammar=f"int{bits}[:gN][:kchan|ktok][:rN][:sN][:rot] (default "
                 f"int{bits}:g32:{keys}:r{residual})",
         factory="kvcache_cli.caches.quantized:QuantizedCache",
         parse=_int_parser(bits),
@@ -293,7 +308,7 @@ def _fp8_kind(fmt: str, aliases: tuple[str, ...] = ()) -> CacheKind:
         name=fmt,
         summary=f"float8 {fmt[4:]} codes over a float32 scale per tensor or head, 1.0 or "
                 f"calibrated on the prompt; saturation counted (vLLM's fp8 cache)",
-        grammar=f"{fmt}[:tensor|head][:one|calib]",
+        grammar=f"{fmt}[:tensor|head][:one|calib][:rot]",
         factory="kvcache_cli.caches.quantized:Fp8Cache",
         parse=_fp8_parse,
         layer_bytes=_fp8_bytes,
@@ -302,7 +317,7 @@ def _fp8_kind(fmt: str, aliases: tuple[str, ...] = ()) -> CacheKind:
         rollback_bytes="none at the crop (views); the next append copies the kept "
                        "codes, as every append does",
         aliases=aliases,
-        spell=lambda p: f"{fmt}:{p['scale']}:{p['init']}",
+        spell=lambda p: f"{fmt}:{p['scale']}:{p['init']}{_rot(p)}",
     )
 
 
