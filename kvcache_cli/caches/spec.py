@@ -21,6 +21,9 @@ same mistakes the same way. A spec is a kind's name, then its fields, colon-sepa
     window:W                the W newest positions, in a ring of W slots
     sink:S+W                the first S positions for good, then a ring of W (StreamingLLM)
     h2o:H+W                 per head, the H most-attended positions and the W newest (H2O)
+    ...[:text|rerotate]     a bounded kind's rotary positions: a kept key keeps its
+                            position in the text (text, the default), or takes its place
+                            in the cache, re-rotated (rerotate: StreamingLLM's choice)
 
 Each kind declares what it is (help text, grammar), how many bytes a layer holds for a
 sequence of n tokens, and what it supports (a paged pool, rollback, a compiled step);
@@ -398,9 +401,40 @@ def _parse_h2o(spec: str, fields: tuple[str, ...]) -> dict:
     return {"heavy": heavy, "recent": recent}
 
 
+# A bounded kind's rotary position policy (`kvcache_cli.caches.bounded` says what each is).
+POSITION_POLICIES = ("text", "rerotate")
+
+
+def _with_positions(parse: Parse) -> Parse:
+    """A bounded kind's parser that also takes `text` or `rerotate`, anywhere, once."""
+    def parsed(spec: str, fields: tuple[str, ...]) -> dict:
+        chosen = [f for f in fields if f in POSITION_POLICIES]
+        if len(chosen) > 1:
+            raise CacheSpecError(f"cache spec {spec!r}: positions given twice ({chosen[0]}, "
+                                 f"{chosen[1]}); expected text or rerotate, once")
+        params = parse(spec, tuple(f for f in fields if f not in POSITION_POLICIES))
+        return {**params, "positions": chosen[0] if chosen else "text"}
+    return parsed
+
+
+def _positions(params: dict) -> str:
+    """The policy's field as spelled: absent for text (the default)."""
+    return "" if params["positions"] == "text" else f":{params['positions']}"
+
+
+def _check_evicts(spec: str, kind: CacheKind, fields: tuple[str, ...]) -> None:
+    """Refuse a position policy on a kind that keeps every key where the text put it."""
+    policy = next((f for f in fields if f in POSITION_POLICIES), None)
+    if policy is not None and not kind.bounded:
+        raise CacheSpecError(
+            f"cache spec {spec!r}: a rotary position policy ({policy}) is for a cache that "
+            f"evicts (window, sink, h2o); {kind.name} keeps every key at its position in "
+            f"the text")
+
+
 def _held(params: dict) -> int:
     """The most positions a bounded kind holds."""
-    return sum(params.values())
+    return sum(n for name, n in params.items() if name != "positions")
 
 
 def _bounded_bytes(params: dict, tokens: int, kv_heads: int, head_dim: int, element: int
@@ -489,44 +523,45 @@ KINDS: dict[str, CacheKind] = {
             summary="the W newest positions in a ring of W slots (Mistral's rolling "
                     "buffer); keys keep their absolute positions; kN: N spare slots a "
                     "crop can reach back into",
-            grammar="window:W[:kN]",
+            grammar="window:W[:kN][:text|rerotate]",
             factory="kvcache_cli.caches.bounded:RingCache",
-            parse=_parse_window,
+            parse=_with_positions(_parse_window),
             layer_bytes=_bounded_bytes,
             exact=False, bounded=True, pages=False, compiles=False,
             rollback=_RING_ROLLBACK,
             rollback_bytes=_RING_ROLLBACK_BYTES,
-            spell=lambda p: f"window:{p['window']}" + (f":k{p['spare']}" if p["spare"] else ""),
+            spell=lambda p: (f"window:{p['window']}" + (f":k{p['spare']}" if p["spare"] else "")
+                             + _positions(p)),
             budget=_held,
         ),
         CacheKind(
             name="sink",
             summary="the first S positions for good, then the W newest in a ring "
                     "(StreamingLLM's attention sinks)",
-            grammar="sink:S+W[:kN]",
+            grammar="sink:S+W[:kN][:text|rerotate]",
             factory="kvcache_cli.caches.bounded:RingCache",
-            parse=_parse_sink,
+            parse=_with_positions(_parse_sink),
             layer_bytes=_bounded_bytes,
             exact=False, bounded=True, pages=False, compiles=False,
             rollback=_RING_ROLLBACK,
             rollback_bytes=_RING_ROLLBACK_BYTES,
             spell=lambda p: (f"sink:{p['sinks']}+{p['window']}"
-                             + (f":k{p['spare']}" if p["spare"] else "")),
+                             + (f":k{p['spare']}" if p["spare"] else "") + _positions(p)),
             budget=_held,
         ),
         CacheKind(
             name="h2o",
             summary="per layer and head, the H positions with the most attention so far "
                     "plus the W newest (H2O); attention computes explicit weights",
-            grammar="h2o:H+W",
+            grammar="h2o:H+W[:text|rerotate]",
             factory="kvcache_cli.caches.bounded:HeavyHitterCache",
-            parse=_parse_h2o,
+            parse=_with_positions(_parse_h2o),
             layer_bytes=_h2o_bytes,
             exact=False, bounded=True, pages=False, compiles=False,
             # It cannot: the attention later tokens drew is summed into the scores, and the
             # evictions those scores decided cannot be taken back (crop refuses, one line).
             rollback="",
-            spell=lambda p: f"h2o:{p['heavy']}+{p['recent']}",
+            spell=lambda p: f"h2o:{p['heavy']}+{p['recent']}{_positions(p)}",
             budget=_held,
         ),
     )
@@ -551,6 +586,7 @@ def parse_cache_spec(text: str) -> CacheSpec:
         raise CacheSpecError(
             f"unknown cache {spec!r}: expected one of {', '.join(KINDS)}{hint}")
     kind = KINDS[key]
+    _check_evicts(spec, kind, tuple(f.lower() for f in fields))
     params = kind.parse(spec, tuple(f.lower() for f in fields))
     return CacheSpec(kind.name, tuple(params.items()), kind.canonical(params))
 
