@@ -756,7 +756,7 @@ def check_bench(
         raise ValueError(f"prompt length {prompt_len} must be at least 1")
     if new_tokens < 2:
         raise ValueError(f"new tokens {new_tokens} must be at least 2 (the prefill's and a decode)")
-    window = model.config.block_size
+    window = model.config.context
     if prompt_len + new_tokens > window:
         raise ValueError(
             f"prompt {prompt_len} + new tokens {new_tokens} = {prompt_len + new_tokens} "

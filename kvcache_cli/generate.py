@@ -57,7 +57,7 @@ def check_request(model: GPT, prompt_ids: list[int], max_new_tokens: int) -> Non
         raise ValueError("empty prompt: give at least one token")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-    V, window = model.config.vocab_size, model.config.block_size
+    V, window = model.config.vocab_size, model.config.context
     bad = [t for t in prompt_ids if not 0 <= t < V]
     if bad:
         raise ValueError(f"token id {bad[0]} outside the vocabulary 0..{V - 1}")
@@ -334,7 +334,7 @@ def run_break(
                                                                force_is_causal=True))
     else:  # stale-cache
         window = len(earlier) + len(prompt) + 2 * max_new_tokens
-        cache = make_cache(mode, model, min(window, model.config.block_size))
+        cache = make_cache(mode, model, min(window, model.config.context))
         for _ in run("request 1, filling the cache", cache=cache, ids=earlier):
             pass
         broken = run(both, cache=cache)  # request 2 on the same cache, no reset

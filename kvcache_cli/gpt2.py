@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kvcache_cli.caches.base import CacheShape, KVCache
+from kvcache_cli.models.attention import cached_attention
 
 # ---------------------------------------------------------------------------- config
 
@@ -217,69 +218,9 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
-        if cache is not None:
-            k, v = cache.update(self.layer, start_pos, k, v)  # (B, nh, S, hs), ours included
-        mask, is_causal = self._mask(start_pos, T, k.size(2), cache, x.device, force_is_causal)
-        if cache is not None and cache.wants_attention:
-            # SDPA never returns its weights: an eviction policy that ranks keys by the
-            # attention they draw pays for the scores written out and a softmax of its own.
-            scores = (q @ k.transpose(-2, -1)) / math.sqrt(hs)  # (B, nh, T, S)
-            if mask is not None:
-                scores = scores.masked_fill(~mask, float("-inf"))
-            weights = scores.softmax(dim=-1)  # (B, nh, T, S)
-            cache.observe(self.layer, weights)
-            y = weights @ v  # (B, nh, T, hs)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
+        y = cached_attention(q, k, v, self.layer, start_pos, cache, force_is_causal)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
         return self.c_proj(y)
-
-    def _mask(self, start_pos: int | Tensor, T: int, S: int, cache: KVCache | None, device,
-              force_is_causal: bool) -> tuple[Tensor | None, bool]:
-        """(boolean mask, is_causal) for T queries from start_pos against S keys: True
-        where a query may attend. None with is_causal=False means every key is visible."""
-        held = cache.key_positions(self.layer) if cache is not None else None
-        if held is not None:
-            # Keys out of order (a ring, kept sinks, evictions): the query at position p
-            # sees exactly the keys holding positions 0..p; -1 marks an empty slot.
-            if isinstance(start_pos, Tensor):
-                positions = start_pos[:, None] + torch.arange(T, device=device)  # (B, T)
-            else:
-                positions = (start_pos + torch.arange(T, device=device))[None]  # (1, T)
-            if held.dim() == 1:  # (S,): the same for every row and head
-                held = held[None, None]
-            elif held.dim() == 2:  # (B, S): per row
-                held = held[:, None]
-            keys = held[:, :, None, :]  # (B|1, nh|1, 1, S)
-            query = positions[:, None, :, None]  # (B|1, 1, T, 1)
-            visible = (keys >= 0) & (keys <= query)  # (B, nh, T, S)
-            if cache.window is not None:  # a band: the window, and the sinks before it
-                visible &= (keys > query - cache.window) | (keys < cache.sinks)
-            return visible, False
-        if isinstance(start_pos, Tensor):
-            # Rows at different positions: the cache returns key j at slot j of every
-            # row, padded to the longest, and query i of row b sits at start_pos[b] + i,
-            # so it may see exactly the keys at slots 0 .. start_pos[b] + i.
-            positions = start_pos[:, None] + torch.arange(T, device=device)  # (B, T)
-            slots = torch.arange(S, device=device)  # (S,)
-            return (slots <= positions[:, :, None]).unsqueeze(1), False  # (B, 1, T, S)
-        if cache is not None and cache.whole:
-            # Every slot of the buffer: query i sits at start_pos + i and may see slots
-            # 0 .. start_pos + i; the rest are not written yet, or hold an older request.
-            positions = start_pos + torch.arange(T, device=device)  # (T,)
-            return torch.arange(S, device=device) <= positions[:, None], False  # (T, S)
-        if T == S or force_is_causal:
-            # Square scores: the ordinary causal mask. SDPA aligns is_causal to the top
-            # left, so forced onto a one-row query against S keys (the article's bug 2)
-            # it lets the newest token see key 0 and nothing else.
-            if cache is not None and cache.wants_attention:  # no SDPA to apply it
-                return torch.ones(T, S, dtype=torch.bool, device=device).tril(), False
-            return None, True
-        if T > 1:
-            # T new tokens after S - T cached ones: query i sits at position S - T + i
-            # and may see keys 0 .. S - T + i (the mask aligned bottom right).
-            return torch.ones(T, S, dtype=torch.bool, device=device).tril(S - T), False
-        return None, False  # one query, the newest token: every cached key is in its past
 
 
 class MLP(nn.Module):

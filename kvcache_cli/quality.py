@@ -227,7 +227,7 @@ def evaluate(
     import torch
 
     n = len(tokens)
-    check_eval(model.config.block_size, n, prompt_len, chunk)
+    check_eval(model.config.context, n, prompt_len, chunk)
     if min(tokens) < 0 or max(tokens) >= model.config.vocab_size:
         bad = next(t for t in tokens if not 0 <= t < model.config.vocab_size)
         raise ValueError(f"token id {bad} is outside the model's vocabulary "

@@ -168,9 +168,9 @@ def run_quant_break(name: str, model: GPT, tokens: list[int], prompt_len: int
     on `tokens` (the first `prompt_len` prefilled)."""
     if name not in QUANT_BREAKS:
         raise ValueError(f"unknown break {name!r}: expected {', '.join(QUANT_BREAKS)}")
-    if not 0 < prompt_len < len(tokens) <= model.config.block_size:
+    if not 0 < prompt_len < len(tokens) <= model.config.context:
         raise ValueError(f"{len(tokens)} tokens with a {prompt_len}-token prompt: expected "
-                         f"1 <= prompt < tokens <= {model.config.block_size}")
+                         f"1 <= prompt < tokens <= {model.config.context}")
     info = QUANT_BREAKS[name]
     if name == "kv-outlier-keys":
         model = with_outliers(model, "k", 30.0)

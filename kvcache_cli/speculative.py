@@ -81,7 +81,7 @@ def parse_draft(text: str) -> DraftSpec:
 
 def approx_params(c: GPTConfig) -> int:
     """Parameters of a GPT-2 shape: 12 C^2 a layer (attention 4 C^2, MLP 8 C^2), embeddings."""
-    return 12 * c.n_layer * c.n_embd**2 + (c.vocab_size + c.block_size) * c.n_embd
+    return 12 * c.n_layer * c.n_embd**2 + (c.vocab_size + c.context) * c.n_embd
 
 
 def check_speculation(target: GPTConfig, draft: DraftSpec, draft_config: GPTConfig | None,
@@ -92,10 +92,10 @@ def check_speculation(target: GPTConfig, draft: DraftSpec, draft_config: GPTConf
     `positions`: prompt + new tokens, when known, for a bounded cache's room to roll back."""
     ks = [k] if isinstance(k, int) else list(k)
     for kk in ks:
-        if not 1 <= kk < target.block_size:
-            raise ValueError(f"--speculate {kk}: expected K from 1 to {target.block_size - 1} "
+        if not 1 <= kk < target.context:
+            raise ValueError(f"--speculate {kk}: expected K from 1 to {target.context - 1} "
                              f"(draft tokens a step, within the context window "
-                             f"{target.block_size})")
+                             f"{target.context})")
     spec = parse_cache_spec(cache)
     if not spec.info.rollback:
         raise RollbackError(f"cache {spec} cannot roll back, which speculative decoding needs: "
@@ -115,9 +115,9 @@ def check_speculation(target: GPTConfig, draft: DraftSpec, draft_config: GPTConf
     if mine_tok != theirs_tok:
         raise ValueError(f"draft {draft_name or draft} reads {mine_tok} tokens, the target "
                          f"{theirs_tok}: expected a draft with the target's tokenizer")
-    if draft_config.block_size < target.block_size:
+    if draft_config.context < target.context:
         raise ValueError(f"draft {draft_name or draft} has a context window of "
-                         f"{draft_config.block_size}, the target {target.block_size}: expected "
+                         f"{draft_config.context}, the target {target.context}: expected "
                          "at least the target's")
     mine, theirs = approx_params(draft_config), approx_params(target)
     if mine >= theirs:

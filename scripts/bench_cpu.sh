@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The CPU figures the README publishes, in one go; run it on a quiet machine (the bench
+# The CPU figures docs/bench.md publishes, in one go; run it on a quiet machine (the bench
 # reports other processes' share of the CPUs in every run: keep it near 0%).
 #
 #   scripts/bench_cpu.sh [OUTDIR]      (default: bench-cpu/)

@@ -1,4 +1,5 @@
-"""The README's command examples, run for real: check them against the README, or rewrite them.
+"""The command examples of README.md and of every page in docs/, run for real: check them
+against the pages, or rewrite them.
 
     python tests/readme_blocks.py           # check: print every difference, exit 1 if any
     python tests/readme_blocks.py --write   # rewrite the exact blocks that differ
@@ -17,12 +18,13 @@ what follows it, up to the next `$ ` line, is its output (stdout and stderr, in 
   `--help` appended, which runs nothing), and every column heading of their tables (the line
   above a `───` rule) must be one that a renderer in kvcache_cli/views still prints.
 
-Commands run in one temporary folder. Blocks run side by side, one per core, but a block
-waits for every block above it that holds a `python3 -c` recipe, whose files (the tiny
-checkpoint) it may use; within a block, commands run in order. The environment is fixed: a
-100-column terminal, HF_HUB_OFFLINE=1 and a Hub cache holding only
-Qwen/Qwen2.5-7B-Instruct's config.json, so no command touches the network and a Hub id
-example reads the same everywhere.
+Every page's commands run in one temporary folder. A block that holds a `python3 -c` recipe
+makes files (the tiny checkpoint) that blocks on any page may use, so the recipe blocks run
+first, one after another in page order (README.md, then docs/ by name), and every other block
+waits for all of them; then blocks run side by side, one per core. Within a block, commands
+run in order. The environment is fixed: a 100-column terminal, HF_HUB_OFFLINE=1 and a Hub
+cache holding only Qwen/Qwen2.5-7B-Instruct's config.json, so no command touches the network
+and a Hub id example reads the same everywhere.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ from hubcache import (  # noqa: E402  (this file also runs as a script)
 )
 
 REPO = Path(__file__).resolve().parent.parent
-README = REPO / "README.md"
+DOCS = REPO / "docs"
 MEASURED = "<!-- measured -->"
 # What the installed `kvcache` script does, from this interpreter: no reliance on where pip
 # put the script, and argv[0] named so that messages say `kvcache`, as a user's would.
@@ -73,10 +75,16 @@ class Example:
 
 @dataclass(frozen=True)
 class Block:
-    start: int  # index of the opening fence among the README's lines
+    start: int  # index of the opening fence among its page's lines
     end: int  # index of the closing fence
     measured: bool
     examples: tuple[Example, ...]
+
+
+def pages() -> dict[str, str]:
+    """README.md and every docs/*.md, by path from the repository, in page order."""
+    names = ["README.md", *sorted(p.relative_to(REPO).as_posix() for p in DOCS.glob("*.md"))]
+    return {name: (REPO / name).read_text(encoding="utf-8") for name in names}
 
 
 def parse(text: str) -> list[Block]:
@@ -115,7 +123,7 @@ def normalise(lines: tuple[str, ...] | list[str]) -> list[str]:
 
 
 def argv(command: str, workdir: Path) -> tuple[dict[str, str], list[str]]:
-    """(extra environment, argv) for a README command: `kvcache ...` as its entry point runs
+    """(extra environment, argv) for a page's command: `kvcache ...` as its entry point runs
     it, `python3 ...` through this interpreter; `VAR=value` prefixes go to the env."""
     words = shlex.split(command, comments=True)
     env = {}
@@ -129,7 +137,7 @@ def argv(command: str, workdir: Path) -> tuple[dict[str, str], list[str]]:
         # A script named relative to the repository (kv_cache_from_scratch.py).
         args = [str(REPO / a) if a.endswith(".py") and (REPO / a).is_file() else a for a in args]
         return env, [sys.executable, *args]
-    raise ValueError(f"README command {command!r}: expected kvcache or python3")
+    raise ValueError(f"command {command!r}: expected kvcache or python3")
 
 
 def environment(workdir: Path) -> dict[str, str]:
@@ -161,7 +169,7 @@ def _headings() -> set[str]:
     return set(re.findall(r'"([^"\n]+)"', source))
 
 
-def check_measured(block: Block, workdir: Path) -> list[str]:
+def check_measured(page: str, block: Block, workdir: Path) -> list[str]:
     """The shape of a measured block, without running it (see the module docstring)."""
     problems = []
     known = _headings()
@@ -170,7 +178,7 @@ def check_measured(block: Block, workdir: Path) -> list[str]:
         done = subprocess.run([*args, "--help"], cwd=workdir, env=environment(workdir) | extra,
                               capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
-            problems.append(f"line {block.start + 2}: `{example.command}` is refused now: "
+            problems.append(f"{page} line {block.start + 2}: `{example.command}` is refused now: "
                             f"{done.stderr.strip()}")
         lines = example.output
         for above, line in zip(lines, lines[1:]):
@@ -180,8 +188,8 @@ def check_measured(block: Block, workdir: Path) -> list[str]:
                 # `@n` columns are context lengths; `×mode` ratios are built from a mode name.
                 if not (re.fullmatch(r"@\d+", heading) or heading in known
                         or heading.startswith("×") and heading[1:] in known):
-                    problems.append(f"`{example.command}`: table heading {heading!r} is not "
-                                    "one kvcache_cli/views prints")
+                    problems.append(f"{page}: `{example.command}`: table heading {heading!r} "
+                                    "is not one kvcache_cli/views prints")
     return problems
 
 
@@ -190,77 +198,93 @@ def _is_recipe(example: Example) -> bool:
     return example.command.startswith(("python3 -c", "python -c"))
 
 
-def run_blocks(blocks: list[Block], workdir: Path) -> dict[int, list[list[str]]]:
-    """Each exact block's outputs, keyed by its start: blocks run side by side, one per core,
-    except that a block waits for every block above it that holds a recipe."""
-    recipes: list[Future] = []
+Located = tuple[str, Block]  # a block and the page it is on
+
+
+def run_blocks(blocks: list[Located], workdir: Path) -> dict[tuple[str, int], list[list[str]]]:
+    """Each exact block's outputs, keyed by its page and start: the recipe blocks one after
+    another, then every other block side by side, one per core (see the module docstring)."""
+    exact = [(page, block) for page, block in blocks if not block.measured]
+    recipes = [located for located in exact if any(_is_recipe(e) for e in located[1].examples)]
     futures = {}
     environment(workdir)  # lays out the Hub cache once, before threads race to make it
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
-        for block in blocks:
-            if block.measured:
-                continue
+        def run_block(block: Block, after: tuple[Future, ...]) -> list[list[str]]:
+            wait(after)
+            return [run(e.command, workdir) for e in block.examples]
 
-            def run_block(block=block, after=tuple(recipes)) -> list[list[str]]:
-                wait(after)
-                return [run(e.command, workdir) for e in block.examples]
+        made: tuple[Future, ...] = ()
+        for page, block in recipes:
+            futures[page, block.start] = pool.submit(run_block, block, made)
+            made = (futures[page, block.start],)
+        for page, block in exact:
+            if (page, block.start) not in futures:
+                futures[page, block.start] = pool.submit(run_block, block, made)
+        return {key: future.result() for key, future in futures.items()}
 
-            futures[block.start] = pool.submit(run_block)
-            if any(_is_recipe(e) for e in block.examples):
-                recipes.append(futures[block.start])
-        return {start: future.result() for start, future in futures.items()}
+
+def _blocks(texts: dict[str, str], select: Callable[[Block], bool]) -> list[Located]:
+    return [(page, block) for page, text in texts.items() for block in parse(text)
+            if select(block)]
 
 
-def check(text: str, select: Callable[[Block], bool] = lambda block: True) -> list[str]:
-    """Every difference between TEXT's blocks and real runs, one message each."""
+def check(texts: dict[str, str], select: Callable[[Block], bool] = lambda block: True
+          ) -> list[str]:
+    """Every difference between the blocks of TEXTS (page → text) and real runs, one message
+    each."""
     problems = []
-    blocks = [block for block in parse(text) if select(block)]
+    blocks = _blocks(texts, select)
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         outputs = run_blocks(blocks, workdir)
-        for block in blocks:
+        for page, block in blocks:
             if block.measured:
-                problems += check_measured(block, workdir)
+                problems += check_measured(page, block, workdir)
                 continue
-            for example, output in zip(block.examples, outputs[block.start]):
+            for example, output in zip(block.examples, outputs[page, block.start]):
                 want, got = normalise(example.output), normalise(output)
                 if want != got:
-                    diff = "\n".join(difflib.unified_diff(want, got, "README", "real run",
+                    diff = "\n".join(difflib.unified_diff(want, got, page, "real run",
                                                           lineterm=""))
-                    problems.append(f"README line {block.start + 2}: `{example.command}` "
+                    problems.append(f"{page} line {block.start + 2}: `{example.command}` "
                                     f"prints something else now:\n{diff}")
     return problems
 
 
-def write(text: str, select: Callable[[Block], bool] = lambda block: True) -> str:
-    """TEXT with every exact block's outputs replaced by a real run's, where they differ by
-    more than timings."""
-    lines = text.split("\n")
-    blocks = [block for block in parse(text) if select(block)]
+def write(texts: dict[str, str], select: Callable[[Block], bool] = lambda block: True
+          ) -> dict[str, str]:
+    """TEXTS (page → text) with every exact block's outputs replaced by a real run's, where
+    they differ by more than timings."""
+    blocks = _blocks(texts, select)
     with tempfile.TemporaryDirectory() as tmp:
         outputs = run_blocks(blocks, Path(tmp))
-    # From the last block up, so that the line numbers of the blocks above stay valid.
-    for block in reversed(blocks):
-        if block.measured:
-            continue
-        body = []
-        for n, (example, output) in enumerate(zip(block.examples, outputs[block.start])):
-            if normalise(output) == normalise(example.output):
-                output = example.output  # only the timings differ: keep the README's
-            body += [f"$ {example.command}", *output]
-            if example.gap and n < len(block.examples) - 1:
-                body.append("")
-        lines[block.start + 1:block.end] = body
-    return "\n".join(lines)
+    written = {}
+    for page, text in texts.items():
+        lines = text.split("\n")
+        # From the last block up, so that the line numbers of the blocks above stay valid.
+        for block in reversed([b for p, b in blocks if p == page and not b.measured]):
+            body = []
+            for n, (example, output) in enumerate(zip(block.examples, outputs[page, block.start])):
+                if normalise(output) == normalise(example.output):
+                    output = example.output  # only the timings differ: keep the page's
+                body += [f"$ {example.command}", *output]
+                if example.gap and n < len(block.examples) - 1:
+                    body.append("")
+            lines[block.start + 1:block.end] = body
+        written[page] = "\n".join(lines)
+    return written
 
 
 def main() -> int:
-    text = README.read_text(encoding="utf-8")
+    texts = pages()
     if "--write" in sys.argv[1:]:
-        README.write_text(write(text), encoding="utf-8")
+        for page, text in write(texts).items():
+            if text != texts[page]:
+                (REPO / page).write_text(text, encoding="utf-8")
+                print(f"rewrote {page}")
         return 0
-    problems = check(text)
-    print("\n\n".join(problems) if problems else "README examples match real runs")
+    problems = check(texts)
+    print("\n\n".join(problems) if problems else "every page's examples match real runs")
     return 1 if problems else 0
 
 

@@ -1,5 +1,5 @@
-"""The README's code map names every module of the package, one line each, and nothing that
-is gone: a reader finds any command's or cache kind's code by its name."""
+"""The code map (docs/code-map.md) names every module of the package, one line each, and
+nothing that is gone: a reader finds any command's or cache kind's code by its name."""
 
 from __future__ import annotations
 
@@ -10,9 +10,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def _code_map() -> list[str]:
-    text = (REPO / "README.md").read_text()
-    section = text.split("## Code map\n", 1)[1]
-    block = section.split("```text\n", 1)[1].split("```", 1)[0]
+    page = (REPO / "docs" / "code-map.md").read_text(encoding="utf-8")
+    block = page.split("```text\n", 1)[1].split("```", 1)[0]
     return block.splitlines()
 
 

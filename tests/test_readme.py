@@ -1,4 +1,5 @@
-"""The README cannot drift: every example in it is run and compared with its text.
+"""The README and the docs pages cannot drift: every example on them is run and compared with
+its text.
 
 Exact blocks must match a real run line for line, timings aside; measured blocks (bench
 figures from a quiet machine) are not run, because they take minutes, but their commands
@@ -9,16 +10,24 @@ blocks from real runs.
 
 from __future__ import annotations
 
-from readme_blocks import README, check, normalise, parse, write
+from readme_blocks import check, normalise, pages, parse, write
 
 
-def test_every_readme_example_matches_a_real_run():
-    problems = check(README.read_text(encoding="utf-8"))
+def _page_with(piece: str) -> tuple[str, str]:
+    """The first page (name, text) that holds PIECE: the tests below follow a block wherever
+    the docs move it."""
+    return next((name, text) for name, text in pages().items() if piece in text)
+
+
+def test_every_example_on_every_page_matches_a_real_run():
+    problems = check(pages())
     assert not problems, "\n\n".join(problems)
 
 
-def test_readme_has_exact_and_measured_blocks():
-    blocks = parse(README.read_text(encoding="utf-8"))
+def test_the_pages_have_exact_and_measured_blocks():
+    texts = pages()
+    assert "README.md" in texts and "docs/models.md" in texts
+    blocks = [b for text in texts.values() for b in parse(text)]
     assert any(b.measured for b in blocks) and sum(not b.measured for b in blocks) >= 8
     commands = [e.command for b in blocks for e in b.examples]
     assert "kvcache models" in commands
@@ -30,20 +39,19 @@ def _size_block(block) -> bool:
 
 
 def test_a_changed_exact_figure_fails_the_check():
-    text = README.read_text(encoding="utf-8")
+    page, text = _page_with("per token: 131,072 bytes")
     mutated = text.replace("per token: 131,072 bytes", "per token: 131,073 bytes", 1)
-    assert mutated != text
-    assert check(text, _size_block) == []
-    problems = check(mutated, _size_block)
-    assert len(problems) == 1 and "131,073" in problems[0], problems
+    assert check({page: text}, _size_block) == []
+    problems = check({page: mutated}, _size_block)
+    assert len(problems) == 1 and "131,073" in problems[0] and page in problems[0], problems
 
 
 def test_a_renamed_heading_in_a_measured_block_fails_the_check():
-    text = README.read_text(encoding="utf-8")
-    mutated = text.replace("  mode        tok/s      spread", "  mode        tk/s       spread", 1)
-    assert mutated != text
-    assert check(text, lambda block: block.measured) == []
-    problems = check(mutated, lambda block: block.measured)
+    heading = "  mode        tok/s      spread"
+    page, text = _page_with(heading)
+    mutated = text.replace(heading, "  mode        tk/s       spread", 1)
+    assert check({page: text}, lambda block: block.measured) == []
+    problems = check({page: mutated}, lambda block: block.measured)
     assert any("'tk/s'" in p for p in problems), problems
 
 
@@ -55,9 +63,20 @@ def test_timings_are_normalised_but_other_figures_are_not():
 
 
 def test_write_restores_a_changed_figure_and_keeps_the_rest():
-    text = README.read_text(encoding="utf-8")
+    page, text = _page_with("per token: 131,072 bytes")
     mutated = text.replace("per token: 131,072 bytes", "per token: 131,073 bytes", 1)
-    assert write(mutated, _size_block) == text
+    assert write({page: mutated}, _size_block) == {page: text}
+
+
+def test_a_block_may_use_what_a_recipe_on_a_later_page_makes():
+    # The recipe sleeps first: a block that did not wait for it would find no file.
+    recipe = ("python3 -c \"import json, time; time.sleep(1); json.dump({'n_layer': 2, "
+              "'n_head': 2, 'n_embd': 64}, open('tiny.json', 'w'))\"")
+    texts = {"README.md": "```text\n$ kvcache size --config tiny.json --seq 8\n```\n",
+             "docs/recipe.md": f"```text\n$ {recipe}\n```\n"}
+    written = write(texts)
+    assert "per token: 512 bytes" in written["README.md"], written["README.md"]
+    assert written["docs/recipe.md"] == texts["docs/recipe.md"]
 
 
 def test_float32_rounding_in_the_control_is_normalised_but_a_real_drift_is_not():

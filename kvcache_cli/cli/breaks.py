@@ -203,7 +203,7 @@ def _quant_break(name: str, model, max_new_tokens: int):
 
     V = model.config.vocab_size
     prompt = [t % V for t in DEFAULT_PROMPT_IDS]
-    n = min(max(max_new_tokens, QUANT_BREAK_TOKENS), model.config.block_size - len(prompt))
+    n = min(max(max_new_tokens, QUANT_BREAK_TOKENS), model.config.context - len(prompt))
     text = prompt + list(stream_tokens(model, prompt, n, "static"))
     return run_quant_break(name, model, text, len(prompt))
 

@@ -219,7 +219,7 @@ def check_cache_for(spec, model: str) -> None:
     except ValueError:
         return  # not a model: the loader says so in its own words
     try:
-        check_context(spec, config.block_size, model)
+        check_context(spec, config.context, model)
     except CacheSpecError as err:
         fail(str(err))
 

@@ -118,11 +118,11 @@ def _check_options(cache, model, text, tokens, prompt_len, chunk, device, thread
         raise ValueError(problem)
     config = model_config(model)
     # --tokens, when given, against the context window; the text's length comes next.
-    quality.check_eval(config.block_size, prompt_len + 1 if tokens is None else tokens,
+    quality.check_eval(config.context, prompt_len + 1 if tokens is None else tokens,
                        prompt_len, chunk)
     path = text if text is not None else _heldout(model)
     ids = eval_text(read_text(path), str(path), config)
-    n = quality.tokens_to_read(len(ids.ids), config.block_size, tokens, prompt_len,
+    n = quality.tokens_to_read(len(ids.ids), config.context, tokens, prompt_len,
                                f"--text {str(path)!r}")
     quality.check_caches(specs, config, n - 1, model)
     return specs, path, ids, n, resolve_device(device)

@@ -158,7 +158,7 @@ def _check(device, model, requests, prompt_len, output_len, shared_prefix, rate,
             requests, workload.parse_range(prompt_len, "--prompt-len"),
             workload.parse_range(output_len, "--output-len"), shared_prefix, rates[0], seed,
             burstiness, max_concurrency)
-        workload.check_spec(spec, config.block_size)
+        workload.check_spec(spec, config.context)
         engine_names = serving.parse_engines(engines)
         policies = scheduler.parse_policy(policy)
         budgets = serving.parse_budgets(token_budget, block_size)

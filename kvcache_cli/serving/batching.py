@@ -73,13 +73,13 @@ def parse_sizes(text: str) -> tuple[int, ...]:
 
 
 def _context(config: GPTConfig) -> int:
-    return min(CONTEXT, config.block_size - WARMUP_STEPS - STEPS)
+    return min(CONTEXT, config.context - WARMUP_STEPS - STEPS)
 
 
 def check_sweep(config: GPTConfig) -> None:
     if _context(config) < 1:
         raise ValueError(f"the sweep needs more than {WARMUP_STEPS + STEPS} positions; the "
-                         f"model's window is {config.block_size}")
+                         f"model's window is {config.context}")
 
 
 def _flops_per_row(config: GPTConfig, context: int) -> float:

@@ -1,0 +1,278 @@
+"""Llama in PyTorch with a KV cache: rotary positions, grouped-query attention, RMSNorm, SwiGLU.
+
+The family every model `kvcache size` is asked about belongs to (Llama, Qwen, Mistral,
+SmolLM2). Parameter names are transformers' (`model.layers.0.self_attn.q_proj.weight`), so
+a safetensors checkpoint loads key for key, and `forward` is GPT-2's contract: the new
+tokens, the position of the first of them, a cache. What differs from GPT-2, and why it
+matters to the cache:
+
+- positions are a rotation of q and k (RoPE), applied *before* the key is cached: a cached
+  key carries its position, so a cache that evicts must decide what a kept key's position
+  is (`kvcache break rope-decode` shows what forgetting it at decode costs);
+- nkv < nh KV heads (grouped-query attention): the cache holds nkv heads, expanded to the
+  query heads only inside attention (`models.attention`), never before the cache;
+- RMSNorm before attention and MLP, and a gated MLP (SwiGLU); no biases.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+from kvcache_cli.caches.base import CacheShape, KVCache
+from kvcache_cli.gpt2 import Linear
+from kvcache_cli.models.attention import cached_attention
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    n_layer: int
+    n_head: int  # query heads
+    n_kv_head: int  # key/value heads: n_head / n_kv_head query heads share each one
+    n_embd: int  # the hidden size
+    intermediate: int  # the MLP's inner width
+    vocab_size: int
+    context: int  # positions the model was trained for
+    rope_theta: float = 10000.0
+    rms_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    head_dim: int | None = None  # n_embd / n_head unless a checkpoint says otherwise
+    # How text becomes ids: "file:<tokenizer.json>" (read from a GGUF or a checkpoint).
+    tokenizer: str = ""
+    chat_template: str | None = None
+    bos_id: int | None = None
+    eos_ids: tuple[int, ...] = ()  # ids that end a reply (the end-of-turn token first)
+    name: str = "llama"
+
+    def __post_init__(self) -> None:
+        if self.n_head % self.n_kv_head:
+            raise ValueError(f"{self.n_head} query heads do not split into groups of "
+                             f"{self.n_kv_head} KV heads")
+        if self.head_dim is None and self.n_embd % self.n_head:
+            raise ValueError(f"hidden size {self.n_embd} is not a multiple of "
+                             f"{self.n_head} heads")
+        if self.head_size % 2:
+            raise ValueError(f"head size {self.head_size} is odd: rotary pairs need it even")
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.n_embd // self.n_head
+
+    @property
+    def cache_shape(self) -> CacheShape:
+        return CacheShape(self.n_layer, self.n_kv_head, self.head_size, self.context)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        # In float32 whatever the activations' dtype, as transformers' LlamaRMSNorm: a
+        # mean of squares in half precision loses the small channels.
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class Rotary(nn.Module):
+    """cos and sin of every position's rotation angles, (context, hs), made once.
+
+    Llama rotates the pair (x_i, x_{i + hs/2}) of each head by the angle p * theta^(-2i/hs)
+    (transformers' rotate_half layout; a GGUF stores q and k rows interleaved for llama.cpp,
+    and the loader restores this order).
+    """
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        hs = config.head_size
+        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, hs, 2).float() / hs))  # (hs/2,)
+        angles = torch.outer(torch.arange(config.context).float(), inv_freq)  # (ctx, hs/2)
+        angles = torch.cat([angles, angles], dim=-1)  # (ctx, hs)
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def forward(self, x: Tensor, pos: Tensor) -> Tensor:
+        """x (B, h, T, hs) rotated to positions pos: (T,) for every row, or (B, T)."""
+        cos, sin = self.cos[pos].to(x.dtype), self.sin[pos].to(x.dtype)  # (T|B,T, hs)
+        if pos.dim() == 2:  # per row: one more axis for the heads
+            cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, hs)
+        half = x.size(-1) // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)  # rotate_half
+        return x * cos + rotated * sin
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: LlamaConfig, layer: int):
+        super().__init__()
+        self.layer = layer  # which slot of the cache is this layer's
+        self.n_head, self.n_kv_head, self.head_size = (config.n_head, config.n_kv_head,
+                                                       config.head_size)
+        C, hs = config.n_embd, config.head_size
+        self.q_proj = Linear(C, config.n_head * hs, bias=False)
+        self.k_proj = Linear(C, config.n_kv_head * hs, bias=False)
+        self.v_proj = Linear(C, config.n_kv_head * hs, bias=False)
+        self.o_proj = Linear(config.n_head * hs, C, bias=False)
+
+    def project(self, x: Tensor, pos: Tensor, rotary: Rotary) -> tuple[Tensor, Tensor, Tensor]:
+        """q (B, nh, T, hs) and k, v (B, nkv, T, hs) of x (B, T, C), q and k rotated to pos."""
+        B, T, _ = x.shape
+        hs = self.head_size
+        q = self.q_proj(x).view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+        k = self.k_proj(x).view(B, T, self.n_kv_head, hs).transpose(1, 2)  # (B, nkv, T, hs)
+        v = self.v_proj(x).view(B, T, self.n_kv_head, hs).transpose(1, 2)  # (B, nkv, T, hs)
+        return rotary(q, pos), rotary(k, pos), v
+
+    def forward(self, x: Tensor, start_pos: int | Tensor, pos: Tensor, rotary: Rotary,
+                cache: KVCache | None, force_is_causal: bool = False) -> Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.project(x, pos, rotary)
+        y = cached_attention(q, k, v, self.layer, start_pos, cache, force_is_causal)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, C)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.gate_proj = Linear(config.n_embd, config.intermediate, bias=False)
+        self.up_proj = Linear(config.n_embd, config.intermediate, bias=False)
+        self.down_proj = Linear(config.intermediate, config.n_embd, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, config: LlamaConfig, layer: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.n_embd, config.rms_eps)
+        self.self_attn = LlamaAttention(config, layer)
+        self.post_attention_layernorm = RMSNorm(config.n_embd, config.rms_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, x: Tensor, start_pos: int | Tensor, pos: Tensor, rotary: Rotary,
+                cache: KVCache | None, force_is_causal: bool = False) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), start_pos, pos, rotary, cache,
+                               force_is_causal)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Llama(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.config = config
+        self.model = nn.ModuleDict(dict(
+            embed_tokens=nn.Embedding(config.vocab_size, config.n_embd),
+            layers=nn.ModuleList(LlamaBlock(config, i) for i in range(config.n_layer)),
+            norm=RMSNorm(config.n_embd, config.rms_eps),
+        ))
+        self.rotary = Rotary(config)
+        self.lm_head = Linear(config.n_embd, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, idx: Tensor, start_pos: int | Tensor, cache: KVCache | None = None, *,
+                last_only: bool = False, force_is_causal: bool = False) -> Tensor:
+        """Logits (B, T, vocab) for tokens idx (B, T) at positions start_pos ...: GPT's
+        contract (`gpt2.GPT.forward`), positions given by rotating q and k."""
+        B, T = idx.shape
+        pos = positions(start_pos, T, self.config.context, idx.device)  # (T,) or (B, T)
+        x = self.model.embed_tokens(idx)  # (B, T, C)
+        for block in self.model.layers:
+            x = block(x, start_pos, pos, self.rotary, cache, force_is_causal)
+        if last_only:
+            x = x[:, -1:, :]  # (B, 1, C): the LM head is the largest matmul
+        return self.lm_head(self.model.norm(x))  # (B, T, vocab), or (B, 1, vocab)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())  # tied weights counted once
+
+
+def positions(start_pos: int | Tensor, T: int, context: int, device) -> Tensor:
+    """The positions of T tokens from start_pos: (T,), or (B, T) for a start per row; an
+    IndexError past the context the model was trained for."""
+    if isinstance(start_pos, Tensor):
+        first, last = int(start_pos.min()), int(start_pos.max()) + T - 1
+        pos = start_pos[:, None] + torch.arange(T, device=device)  # (B, T)
+    else:
+        first, last = start_pos, start_pos + T - 1
+        pos = torch.arange(start_pos, start_pos + T, device=device)  # (T,)
+    if first < 0 or last >= context:
+        raise IndexError(f"position {last} past context window {context}")
+    return pos
+
+
+def param_count(config: LlamaConfig) -> int:
+    """Parameters of a Llama of this shape (the tied head counted once)."""
+    C, hs, L = config.n_embd, config.head_size, config.n_layer
+    attn = C * hs * (2 * config.n_head + 2 * config.n_kv_head)  # q, o; k, v
+    mlp = 3 * C * config.intermediate  # gate, up, down
+    head = 0 if config.tie_word_embeddings else config.vocab_size * C
+    return config.vocab_size * C + L * (attn + mlp + 2 * C) + C + head
+
+
+def decode_flops(config: LlamaConfig, context: int) -> int:
+    """Multiply-adds x 2 of one decode step at `context` cached positions: every weight
+    product (the head's included, tied or not; the embedding is a lookup), plus attention's
+    q.k and p.v over every cached key, per query head."""
+    C, hs, L = config.n_embd, config.head_size, config.n_layer
+    products = L * (C * hs * (2 * config.n_head + 2 * config.n_kv_head)
+                    + 3 * C * config.intermediate) + config.vocab_size * C
+    attention = 2 * L * config.n_head * hs * context
+    return 2 * (products + attention)
+
+
+def to_hf(model: Llama):
+    """A transformers LlamaForCausalLM holding the same weights (for comparisons)."""
+    from transformers import LlamaConfig as HFLlamaConfig
+    from transformers import LlamaForCausalLM
+
+    c = model.config
+    hf_config = HFLlamaConfig(
+        vocab_size=c.vocab_size, hidden_size=c.n_embd, intermediate_size=c.intermediate,
+        num_hidden_layers=c.n_layer, num_attention_heads=c.n_head,
+        num_key_value_heads=c.n_kv_head, head_dim=c.head_size,
+        max_position_embeddings=c.context, rms_norm_eps=c.rms_eps, rope_theta=c.rope_theta,
+        tie_word_embeddings=c.tie_word_embeddings, attention_bias=False, mlp_bias=False,
+        bos_token_id=c.bos_id, eos_token_id=c.eos_ids[0] if c.eos_ids else None,
+    )
+    with torch.device("meta"):
+        hf = LlamaForCausalLM(hf_config)
+    state = {k: t.detach().float().contiguous() for k, t in model.state_dict().items()}
+    hf.load_state_dict(state, strict=False, assign=True)
+    if c.tie_word_embeddings:
+        hf.tie_weights()
+    hf.model.rotary_emb = type(hf.model.rotary_emb)(config=hf_config)  # off the meta device
+    missing = [k for k in hf.state_dict() if k not in state and k != "lm_head.weight"]
+    if missing:
+        raise ValueError(f"to_hf: weights not copied: {missing[:3]}")
+    return hf.to(device=model.device, dtype=model.dtype).eval()
+
+
+def init_random(model: Llama, std: float, seed: int) -> Llama:
+    """Seeded random weights (norm gains 1): a Llama of any shape to test and time."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.fill_(1.0)
+            else:
+                residual = name.endswith(("o_proj.weight", "down_proj.weight"))
+                scale = std / math.sqrt(2 * model.config.n_layer) if residual else std
+                p.copy_(torch.randn(p.shape, generator=g) * scale)
+    return model

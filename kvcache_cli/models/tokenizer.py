@@ -1,0 +1,121 @@
+"""A Llama-family model's own tokenizer: byte-level BPE from a GGUF, or a tokenizer.json.
+
+The `tokenizers` library (which transformers installs) runs it; this module builds it from
+a GGUF's vocabulary and merges, and wraps it in the part of tiktoken's Encoding that
+kvcache uses (`encode`, `decode`, the bytes of one token for streaming). Torch-free.
+
+A GGUF names its pre-tokenizer (how text is split before the merges) by llama.cpp's name:
+`smollm` splits every digit on its own and then splits as GPT-2 does (transformers'
+SmolLM2 tokenizer.json: Digits(individual) then ByteLevel); `gpt2` and `default` split
+as GPT-2 does.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+PRE_TOKENIZERS = ("default", "gpt2", "smollm")
+_CONTROL, _USER_DEFINED = 3, 4  # llama.cpp's token types that are never split
+
+
+@functools.cache
+def _byte_of() -> dict[str, int]:
+    """GPT-2's printable stand-in for each byte, inverted: how a token string is bytes."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+            *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+def from_gguf(tokens: list[str], token_types: list[int], merges: list[str], pre: str):
+    """A `tokenizers.Tokenizer` for a GGUF's byte-level BPE vocabulary."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    if pre not in PRE_TOKENIZERS:
+        raise ValueError(f"pre-tokenizer {pre!r}: kvcache splits text as "
+                         f"{', '.join(PRE_TOKENIZERS)}")
+    vocab = {token: i for i, token in enumerate(tokens)}
+    pairs = []
+    for merge in merges:
+        left, space, right = merge.partition(" ")
+        if not space or left not in vocab or right not in vocab:
+            raise ValueError(f"merge {merge!r} does not join two tokens of the vocabulary")
+        pairs.append((left, right))
+    tok = Tokenizer(models.BPE(vocab, pairs, fuse_unk=False))
+    split = [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+    if pre == "smollm":
+        split.insert(0, pre_tokenizers.Digits(individual_digits=True))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(split)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t, kind in zip(tokens, token_types)
+                            if kind in (_CONTROL, _USER_DEFINED)])
+    return tok
+
+
+class BPEEncoding:
+    """A tokenizer.json's tokenizer with the part of tiktoken's Encoding kvcache uses."""
+
+    def __init__(self, path: str | Path):
+        from tokenizers import Tokenizer
+
+        path = Path(path)
+        try:
+            self._tok = Tokenizer.from_file(str(path))
+        except Exception as error:  # noqa: BLE001 - the Rust parser's errors are plain strings
+            first = (str(error).strip().splitlines() or [type(error).__name__])[0][:120]
+            raise ValueError(f"{path}: not a readable tokenizer.json ({first})") from None
+        self.name = str(path)
+        self.n_vocab = self._tok.get_vocab_size(with_added_tokens=True)
+        self._special = {i for i, t in self._tok.get_added_tokens_decoder().items()
+                         if t.special}
+
+    def encode(self, text: str, disallowed_special=()) -> list[int]:
+        # Special tokens typed in the text are the tokens (a chat template writes them).
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids) -> str:
+        return self.decode_bytes(ids).decode("utf-8", errors="replace")
+
+    def decode_single_token_bytes(self, token: int) -> bytes:
+        piece = self._tok.id_to_token(token)
+        if piece is None:
+            raise ValueError(f"token id {token} is not in the vocabulary (0..{self.n_vocab - 1})")
+        if token in self._special:
+            return piece.encode("utf-8")
+        byte_of = _byte_of()
+        if all(c in byte_of for c in piece):
+            return bytes(byte_of[c] for c in piece)
+        return piece.encode("utf-8")  # a token outside the byte alphabet: its text
+
+    def decode_bytes(self, ids) -> bytes:
+        return b"".join(self.decode_single_token_bytes(int(t)) for t in ids)
+
+
+@functools.cache
+def bpe_encoding(path: str) -> BPEEncoding:
+    return BPEEncoding(path)
+
+
+def render_chat(template: str, messages: list[dict], bos: str = "", eos: str = "") -> str:
+    """The prompt a chat template makes of `messages`, ready for the assistant's reply.
+
+    Jinja in a sandbox, as transformers renders it: a template is the file's text, and
+    a file is not trusted to run code.
+    """
+    from jinja2 import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    try:
+        return env.from_string(template).render(messages=messages, add_generation_prompt=True,
+                                                bos_token=bos, eos_token=eos)
+    except TemplateError as error:
+        raise ValueError(f"the model's chat template does not render: {error}") from None
