@@ -19,6 +19,7 @@ from kvcache_cli.caches.bounded import HeavyHitterCache, RingCache
 from kvcache_cli.caches.spec import CacheSpecError, parse_cache_spec
 from kvcache_cli.cli import app
 from kvcache_cli.gpt2 import GPT, GPTConfig
+from kvcache_cli.models.llama import Llama, LlamaAttention, LlamaConfig, init_random
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -234,3 +235,91 @@ def test_eval_refuses_a_position_policy_it_cannot_apply_with_exit_2(cache, messa
                                       "--tokens", "80"])
     assert result.exit_code == 2, result.output
     assert message in result.output and result.output.count("\n") == 1, result.output
+
+
+# ---------------------------------------------------------------------------- on a Llama
+
+LLAMA = LlamaConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=32, intermediate=64,
+                    vocab_size=64, context=64, rope_theta=100.0)
+
+
+def llama() -> Llama:
+    # init_std 0.3: a tiny model at 0.02 repeats one token, and then every cache agrees.
+    return init_random(Llama(LLAMA), std=0.3, seed=0).double().eval()
+
+
+class RawKeys:
+    """The literal StreamingLLM cache the reference attention below keeps: keys before
+    their rotation, rotated afresh at every read."""
+
+    def __init__(self):
+        self.k: dict[int, torch.Tensor] = {}
+        self.v: dict[int, torch.Tensor] = {}
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        self.k[layer] = torch.cat([self.k[layer], k], 2) if layer in self.k else k
+        self.v[layer] = torch.cat([self.v[layer], v], 2) if layer in self.v else v
+        return self.k[layer], self.v[layer]
+
+
+def literal_attention(sinks: int, window: int, policy: str):
+    """LlamaAttention.forward written out from the definitions: query p attends positions
+    0..S-1 and max(S, p-W+1)..p, each key rotated (by the model's own table) at its text
+    position or at its place among them, the query at its own."""
+    def forward(self, x, start_pos, pos, rotary, cache, force_is_causal=False):
+        B, T, _ = x.shape
+        nh, nkv, hs = self.n_head, self.n_kv_head, self.head_size
+        q = self.q_proj(x).view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs), unrotated
+        k = self.k_proj(x).view(B, T, nkv, hs).transpose(1, 2)  # (B, nkv, T, hs)
+        v = self.v_proj(x).view(B, T, nkv, hs).transpose(1, 2)
+        k, v = cache.append(self.layer, k, v)  # (B, nkv, p + 1, hs)
+        out = []
+        for t in range(T):
+            p = start_pos + t
+            seen = sorted({*range(min(sinks, p + 1)), *range(max(sinks, p - window + 1), p + 1)})
+            at = torch.tensor(seen) if policy == "text" else torch.arange(len(seen))
+            keys = rotary(k[:, :, seen], at).repeat_interleave(nh // nkv, dim=1)  # (B, nh, S, hs)
+            values = v[:, :, seen].repeat_interleave(nh // nkv, dim=1)
+            query = rotary(q[:, :, t:t + 1], at[-1:])  # (B, nh, 1, hs)
+            weights = (query @ keys.transpose(-2, -1) / math.sqrt(hs)).softmax(-1)
+            out.append(weights @ values)
+        y = torch.cat(out, dim=2)  # (B, nh, T, hs)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+    return forward
+
+
+def logits_through(m: Llama, cache, idx: torch.Tensor, prompt: int) -> torch.Tensor:
+    with torch.no_grad():
+        out = [m(idx[:, :prompt], 0, cache)]
+        out += [m(idx[:, p:p + 1], p, cache) for p in range(prompt, idx.size(1))]
+    return torch.cat(out, dim=1)  # (1, n, vocab)
+
+
+@pytest.mark.parametrize("policy", ["text", "rerotate"])
+def test_a_llama_with_sinks_decodes_as_the_literal_definition_under_each_policy(
+        policy, monkeypatch):
+    m = llama()
+    idx = torch.randint(0, LLAMA.vocab_size, (1, 48), generator=torch.Generator().manual_seed(0))
+    got = logits_through(m, make_cache(f"sink:2+10:{policy}", m, 48), idx, prompt=8)
+    assert len(set(got[0].argmax(-1).tolist())) > 3  # the model does not repeat one token
+    other = "text" if policy == "rerotate" else "rerotate"
+    assert (logits_through(m, make_cache(f"sink:2+10:{other}", m, 48), idx, 8) - got
+            ).abs().max() > 1e-2  # the policies differ once the sinks have moved
+    monkeypatch.setattr(LlamaAttention, "forward",
+                        literal_attention(2, 10, "text" if policy == "text" else "cache"))
+    want = logits_through(m, RawKeys(), idx, prompt=8)
+    # float64; RopeShift's angles are float32, as the model's table is: about 1e-6 of
+    # a key, which the logits of a 2-layer model carry at about that size.
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+def test_rope_shift_composes_with_the_models_own_rotation():
+    m = llama()
+    x = torch.randn(1, 2, 5, LLAMA.head_size, dtype=torch.float64,
+                    generator=torch.Generator().manual_seed(2))
+    pos = torch.arange(3, 8)
+    rope = LLAMA.cache_shape.rope
+    # float32 angles in both: p then 9 rounds differently from p + 9 (about 1e-6).
+    torch.testing.assert_close(rope.rotate(m.rotary(x, pos), torch.tensor(9)),
+                               m.rotary(x, pos + 9), rtol=0, atol=1e-5)
+    torch.testing.assert_close(rope.rotate(x, pos), m.rotary(x, pos), rtol=0, atol=1e-6)
