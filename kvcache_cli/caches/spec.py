@@ -290,7 +290,8 @@ def _int_kind(bits: int) -> CacheKind:
     return CacheKind(
         name=f"int{bits}",
         summary=f"{bits}-bit integer codes, affine per group (float16 scale and zero); "
-                f"keys per channel or token, a full-precision residual (KIVI)",
+                f"keys per channel or token, a full-precision residual (KIVI); rot: "
+                f"Hadamard-rotated first (llama.cpp)",
         grammar=f"int{bits}[:gN][:kchan|ktok][:rN][:sN][:rot] (default "
                 f"int{bits}:g32:{keys}:r{residual})",
         factory="kvcache_cli.caches.quantized:QuantizedCache",
@@ -310,7 +311,8 @@ def _fp8_kind(fmt: str, aliases: tuple[str, ...] = ()) -> CacheKind:
     return CacheKind(
         name=fmt,
         summary=f"float8 {fmt[4:]} codes over a float32 scale per tensor or head, 1.0 or "
-                f"calibrated on the prompt; saturation counted (vLLM's fp8 cache)",
+                f"calibrated on the prompt; saturation counted (vLLM's fp8 cache); rot: "
+                f"Hadamard-rotated first",
         grammar=f"{fmt}[:tensor|head][:one|calib][:rot]",
         factory="kvcache_cli.caches.quantized:Fp8Cache",
         parse=_fp8_parse,
@@ -521,8 +523,8 @@ KINDS: dict[str, CacheKind] = {
         CacheKind(
             name="window",
             summary="the W newest positions in a ring of W slots (Mistral's rolling "
-                    "buffer); keys keep their absolute positions; kN: N spare slots a "
-                    "crop can reach back into",
+                    "buffer); keys keep their text positions (rerotate: the same, "
+                    "without sinks); kN: N spare slots a crop can reach back into",
             grammar="window:W[:kN][:text|rerotate]",
             factory="kvcache_cli.caches.bounded:RingCache",
             parse=_with_positions(_parse_window),
@@ -537,7 +539,8 @@ KINDS: dict[str, CacheKind] = {
         CacheKind(
             name="sink",
             summary="the first S positions for good, then the W newest in a ring "
-                    "(StreamingLLM's attention sinks)",
+                    "(StreamingLLM's attention sinks); rerotate: rotary keys at their "
+                    "places in the cache",
             grammar="sink:S+W[:kN][:text|rerotate]",
             factory="kvcache_cli.caches.bounded:RingCache",
             parse=_with_positions(_parse_sink),
@@ -552,7 +555,8 @@ KINDS: dict[str, CacheKind] = {
         CacheKind(
             name="h2o",
             summary="per layer and head, the H positions with the most attention so far "
-                    "plus the W newest (H2O); attention computes explicit weights",
+                    "plus the W newest (H2O); attention computes explicit weights; "
+                    "rerotate: rotary keys at their places",
             grammar="h2o:H+W[:text|rerotate]",
             factory="kvcache_cli.caches.bounded:HeavyHitterCache",
             parse=_with_positions(_parse_h2o),
