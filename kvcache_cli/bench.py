@@ -48,7 +48,8 @@ if TYPE_CHECKING:
 # hf-static is transformers' generate() with its static cache; a "-compiled" mode is
 # the same under torch.compile (the compile is paid in the untimed warm-up).
 # llama.cpp, llama.cpp-f16, llama.cpp-q8_0 run llama.cpp (the `llama` extra) on the
-# same weights written to GGUF: the engine a CPU user would pick, as a peer.
+# same weights written to GGUF: the engine a CPU user would pick, as a peer;
+# llama.cpp-gguf runs the very file a Llama-family model was read from.
 MODES = (
     "naive", "concat", "static", "hf", "hf-static", "static-compiled", "hf-static-compiled",
     *LLAMA_MODES,
@@ -611,7 +612,7 @@ def _hf_copy(model, device):
     Our modes always produce `new_tokens`; random weights may pick token 50256,
     which generate() would take as the end, and the runs would differ in length.
     """
-    from kvcache_cli.gpt2 import to_hf
+    from kvcache_cli.models import to_hf
 
     hf_model = to_hf(model).to(device).eval()
     hf_model.generation_config.eos_token_id = None
@@ -995,8 +996,8 @@ def _result(model, plan: _Plan, measured: _Measured, threads: int, others_share:
     pooled = tuple(_pooled(p) for p in measured.probes.values())
     best = max(pooled, key=lambda p: p.best_gbps)
     w_bytes = weight_bytes(model)
-    # The reference script's formula at seq 1; GPT-2 keeps a K and V head per query head.
-    kv_token = kv_cache_bytes(cfg.n_layer, cfg.n_head, cfg.head_size, 1, element)
+    # The reference script's formula at seq 1, over the KV heads the cache holds.
+    kv_token = kv_cache_bytes(cfg.n_layer, cfg.n_kv_head, cfg.head_size, 1, element)
     # Decode step i attends over the prompt, the prefill's token and i more.
     lengths = [prompt_len + 1 + i for i in range(n_steps)]
     step_bytes = [w_bytes + kv_token * length for length in lengths]
@@ -1066,7 +1067,7 @@ def _mode_step_bytes(mode: str, model, w_bytes: int, lengths: Sequence[int], ele
     if spec is None:
         return exact
     c = model.config
-    return [w_bytes + c.n_layer * layer_bytes(spec, n, c.n_head, c.head_size, element)
+    return [w_bytes + c.n_layer * layer_bytes(spec, n, c.n_kv_head, c.head_size, element)
             for n in lengths]
 
 

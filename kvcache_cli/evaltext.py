@@ -27,7 +27,7 @@ class TokenizerUnavailable(RuntimeError):
 class EvalText:
     name: str  # what the ids are, for the result's header
     ids: tuple[int, ...]
-    tokenizer: str  # "bytes" or "gpt2"
+    tokenizer: str  # "bytes", "gpt2", or "file:PATH" (a Llama-family model's own)
 
 
 def read_text(path: Path) -> str:
@@ -59,8 +59,8 @@ def tokenizer_for(config) -> str:
     """The tokenizer a model's config names (`tokenizer: bytes` in config.json, as the
     trained checkpoint has), else GPT-2's BPE for GPT-2's vocabulary; a ValueError when a
     checkpoint names none and has another vocabulary (generate reads it the same way)."""
-    if config.tokenizer == "bytes":
-        return "bytes"
+    if config.tokenizer == "bytes" or config.tokenizer.startswith("file:"):
+        return config.tokenizer
     if config.vocab_size == GPT2_VOCAB:
         return "gpt2"
     raise ValueError(f"no tokenizer for a vocabulary of {config.vocab_size:,} ids: expected "
@@ -72,9 +72,9 @@ def encode(text: str, tokenizer: str) -> tuple[int, ...]:
     """Token ids of `text`; TokenizerUnavailable when GPT-2's BPE cannot be loaded."""
     if tokenizer == "bytes":
         return tuple(text.encode("utf-8"))
-    from kvcache_cli.generate import gpt2_encoding
+    from kvcache_cli.generate import encoding_for
 
-    encoding, why = gpt2_encoding()
+    encoding, why = encoding_for(tokenizer)
     if encoding is None:
         raise TokenizerUnavailable(why)
     return tuple(encoding.encode(text, disallowed_special=()))

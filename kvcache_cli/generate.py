@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -173,6 +173,7 @@ class Generation:
     decode_tokens_per_s: float  # nan when only one token was asked for
     cache_bytes_held: int  # 0 for naive
     cache_bytes_copied: int
+    stopped: bool = False  # ended at a stop token (a chat reply's end of turn), not the count
 
 
 def generate(
@@ -185,9 +186,11 @@ def generate(
     top_k: int | None = None,
     generator: torch.Generator | None = None,
     on_token: Callable[[int], None] | None = None,
+    stop_ids: Collection[int] = (),
 ) -> Generation:
     """Run one request to the end; `on_token` sees each token as it is made. `mode` is one
-    of MODES or any cache spec (`paged:b16`, ...)."""
+    of MODES or any cache spec (`paged:b16`, ...). A token in `stop_ids` (a chat model's
+    end of turn) is the last one made."""
     check_mode(mode)
     check_request(model, prompt_ids, max_new_tokens)  # before sizing a cache for it
     cache = make_cache(mode, model, len(prompt_ids) + max_new_tokens)
@@ -206,6 +209,8 @@ def generate(
             before = time.perf_counter()
             on_token(token)
             outside += time.perf_counter() - before
+        if token in stop_ids:
+            break
     decode_s = time.perf_counter() - first - outside
     n_decoded = len(tokens) - 1
     return Generation(
@@ -219,6 +224,7 @@ def generate(
         decode_tokens_per_s=n_decoded / decode_s if n_decoded else float("nan"),
         cache_bytes_held=cache.bytes_held if cache is not None else 0,
         cache_bytes_copied=cache.bytes_copied if cache is not None else 0,
+        stopped=bool(tokens) and tokens[-1] in stop_ids,
     )
 
 
@@ -427,6 +433,13 @@ def encoding_for(tokenizer: str):
     """(the encoding a model's config names, None), or (None, one line saying why not)."""
     if tokenizer == "bytes":
         return ByteEncoding(), None
+    if tokenizer.startswith("file:"):  # a Llama-family model's own (models.tokenizer)
+        from kvcache_cli.models.tokenizer import bpe_encoding
+
+        try:
+            return bpe_encoding(tokenizer.removeprefix("file:")), None
+        except ValueError as err:
+            return None, str(err)
     return gpt2_encoding()
 
 

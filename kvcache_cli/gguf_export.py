@@ -155,15 +155,26 @@ def weights_digest(state: dict, config) -> str:
 
 
 def write_gguf(state: dict, config, path: Path, name: str = "kvcache gpt2") -> Path:
-    """Write a float32 GGUF of a GPT-2 state dict (see `gguf_tensors`) to `path`.
+    """Write a float32 GGUF of a GPT-2 state dict (see `gguf_tensors`), or of a Llama-family
+    one (`write_llama`), to `path`.
 
     Written to a temporary name and renamed at the end, so a failed or interrupted write
     leaves nothing a later run would take for a finished file.
     """
     from gguf import GGUFWriter, LlamaFileType
 
+    from kvcache_cli.models.llama import LlamaConfig
+
     path = Path(path)
     tmp = path.with_name(path.name + ".partial")
+    if isinstance(config, LlamaConfig):
+        try:
+            write_llama(state, config, tmp)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        tmp.replace(path)
+        return path
     writer = GGUFWriter(tmp, "gpt2")
     try:
         writer.add_name(name)
@@ -193,6 +204,83 @@ def write_gguf(state: dict, config, path: Path, name: str = "kvcache gpt2") -> P
         raise
     writer.close()
     tmp.replace(path)
+    return path
+
+
+# transformers' Llama names -> llama.cpp's (gguf's constants for the llama architecture).
+_LLAMA_TOP = {"model.embed_tokens.weight": "token_embd.weight",
+              "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
+_LLAMA_BLOCK = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q",
+                "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+                "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
+                "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+
+
+def llama_tensor_name(name: str) -> str:
+    """llama.cpp's name of a transformers Llama parameter."""
+    if name in _LLAMA_TOP:
+        return _LLAMA_TOP[name]
+    layer, rest = name.removeprefix("model.layers.").split(".", 1)
+    return f"blk.{layer}.{_LLAMA_BLOCK[rest.removesuffix('.weight')]}.weight"
+
+
+def permute_for_rope(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter: each head's rows from transformers' halves (i, i + hs/2) to
+    interleaved pairs (2i, 2i + 1), the order its rotary kernel reads."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(
+        w.shape)
+
+
+def write_llama(state: dict, config, path: Path, quant: str = "F32") -> Path:
+    """A Llama-family state dict (transformers' names, float32) as llama.cpp's converter
+    writes it: the shape's metadata, a synthetic byte-level vocabulary (ids are fed
+    directly), the chat template, q and k rows permuted, 2-D weights in F32 or Q8_0
+    (gguf's own quantiser). A tied head is left out, as in the converter."""
+    from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf.quants import quantize
+
+    writer = GGUFWriter(str(path), "llama")
+    try:
+        writer.add_name(config.name)
+        writer.add_context_length(config.context)
+        writer.add_embedding_length(config.n_embd)
+        writer.add_feed_forward_length(config.intermediate)
+        writer.add_block_count(config.n_layer)
+        writer.add_head_count(config.n_head)
+        writer.add_head_count_kv(config.n_kv_head)
+        writer.add_key_length(config.head_size)
+        writer.add_value_length(config.head_size)
+        writer.add_rope_dimension_count(config.head_size)
+        writer.add_rope_freq_base(config.rope_theta)
+        writer.add_layer_norm_rms_eps(config.rms_eps)
+        writer.add_vocab_size(config.vocab_size)
+        tokens, types, merges = synthetic_vocab(config.vocab_size)
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("smollm")
+        writer.add_token_list(tokens)
+        writer.add_token_types(types)
+        writer.add_token_merges(merges)
+        writer.add_eos_token_id(config.vocab_size - 1)
+        if config.chat_template:
+            writer.add_chat_template(config.chat_template)
+        for name, t in state.items():
+            if name == "lm_head.weight" and config.tie_word_embeddings:
+                continue
+            w = t.detach().to("cpu").float().numpy()
+            if name.endswith("q_proj.weight"):
+                w = permute_for_rope(w, config.n_head)
+            elif name.endswith("k_proj.weight"):
+                w = permute_for_rope(w, config.n_kv_head)
+            if quant == "Q8_0" and w.ndim == 2:
+                kind = GGMLQuantizationType.Q8_0
+                writer.add_tensor(llama_tensor_name(name), quantize(w, kind), raw_dtype=kind)
+            else:
+                writer.add_tensor(llama_tensor_name(name), np.ascontiguousarray(w))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+    finally:
+        writer.close()
     return path
 
 
@@ -231,10 +319,11 @@ def export_gguf(state: dict, config, fmt: str = "f32", directory: Path | None = 
     directory = cache_dir() if directory is None else Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     digest = weights_digest(state, config)
-    path = directory / f"gpt2-{digest}-{fmt}.gguf"
+    family = "gpt2" if hasattr(config, "block_size") else "llama"
+    path = directory / f"{family}-{digest}-{fmt}.gguf"
     if path.is_file():
         return GGUFFile(path, fmt, digest, path.stat().st_size, cached=True)
-    f32 = directory / f"gpt2-{digest}-f32.gguf"
+    f32 = directory / f"{family}-{digest}-f32.gguf"
     if not f32.is_file():
         write_gguf(state, config, f32)
     if fmt != "f32":

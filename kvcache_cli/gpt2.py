@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kvcache_cli.caches.base import CacheShape, KVCache
-from kvcache_cli.models.attention import cached_attention
+from kvcache_cli.models.attention import AttendFn, cached_attention
 
 # ---------------------------------------------------------------------------- config
 
@@ -76,6 +76,16 @@ class GPTConfig:
     @property
     def cache_shape(self) -> CacheShape:
         return CacheShape(self.n_layer, self.n_kv_head, self.head_size, self.context)
+
+    def param_count(self) -> int:
+        """12 C^2 a layer (attention 4 C^2, MLP 8 C^2) and the embeddings, biases aside."""
+        return 12 * self.n_layer * self.n_embd**2 + (self.vocab_size + self.context) * self.n_embd
+
+    def decode_flops(self, context: int) -> int:
+        """FLOPs of one token's step at `context` cached positions: 2 per weight of every
+        product (the tied LM head included), plus attention's q.k and p.v over the cache."""
+        C, L = self.n_embd, self.n_layer
+        return 2 * (L * 12 * C * C + self.vocab_size * C) + L * 4 * context * C
 
 
 # The four published sizes; the Hub repositories hold them under openai-community/.
@@ -208,19 +218,28 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = Linear(config.n_embd, 3 * config.n_embd)  # q, k, v in one matmul
         self.c_proj = Linear(config.n_embd, config.n_embd)
 
-    def forward(
-        self, x: Tensor, start_pos: int | Tensor, cache: KVCache | None,
-        force_is_causal: bool = False,
-    ) -> Tensor:
+    def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q, k, v (B, nh, T, hs) of x (B, T, C): one matmul, split into heads."""
         B, T, C = x.size()
         nh, hs = self.n_head, C // self.n_head
         q, k, v = self.c_attn(x).split(C, dim=2)  # each (B, T, C)
         q = q.view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
-        y = cached_attention(q, k, v, self.layer, start_pos, cache, force_is_causal)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
-        return self.c_proj(y)
+        return q, k, v
+
+    def forward(
+        self, x: Tensor, start_pos: int | Tensor, cache: KVCache | None,
+        force_is_causal: bool = False,
+    ) -> Tensor:
+        y = cached_attention(*self.project(x), self.layer, start_pos, cache, force_is_causal)
+        return self.c_proj(merge_heads(y))
+
+
+def merge_heads(y: Tensor) -> Tensor:
+    """Attention's output (B, nh, T, hs) as the rows its output projection reads, (B, T, C)."""
+    B, nh, T, hs = y.shape
+    return y.transpose(1, 2).reshape(B, T, nh * hs)
 
 
 class MLP(nn.Module):
@@ -323,6 +342,41 @@ class GPT(nn.Module):
         x = self.transformer.ln_f(x)
         return self.lm_head(x)  # (B, T, vocab), or (B, 1, vocab)
 
+    def hidden(self, idx: Tensor, pos: Tensor, attend: AttendFn) -> Tensor:
+        """The residual stream after every block, (B, T, C), for tokens idx (B, T) at
+        positions pos, attention's core given by `attend(layer, q, k, v)`: how the serving
+        engine runs any family over its own paged layout. `head` finishes it."""
+        t = self.transformer
+        x = t.wte(idx) + t.wpe(pos)  # (B, T, C)
+        for layer, block in enumerate(t.h):
+            y = attend(layer, *block.attn.project(block.ln_1(x)))  # (B, nh, T, hs)
+            x = x + block.attn.c_proj(merge_heads(y))
+            x = x + block.mlp(block.ln_2(x))
+        return x
+
+    def head(self, x: Tensor) -> Tensor:
+        """Logits (..., vocab) of residual-stream rows (..., C)."""
+        return self.lm_head(self.transformer.ln_f(x))
+
+    def first_layers(self, n_layer: int) -> GPT:
+        """The first n_layer blocks, the final LayerNorm and the head, sharing this model's
+        weights (speculative decoding's self-draft): no copy."""
+        import dataclasses
+
+        with torch.device("meta"):
+            draft = GPT(dataclasses.replace(self.config, n_layer=1))  # replaced below
+        t = self.transformer
+        draft.config = dataclasses.replace(self.config, n_layer=n_layer)
+        draft.transformer = nn.ModuleDict(dict(wte=t.wte, wpe=t.wpe, h=t.h[:n_layer],
+                                               ln_f=t.ln_f))
+        draft.lm_head = self.lm_head
+        return draft
+
+    @property
+    def embedding(self) -> nn.Embedding:
+        """The token embedding (every family has one; the LM head may share its weight)."""
+        return self.transformer.wte
+
     @property
     def device(self) -> torch.device:
         return self.transformer.wte.weight.device
@@ -403,7 +457,7 @@ def set_weights_dtype(model: GPT, name: str) -> GPT:
             if dtype == torch.int8:
                 setattr(parent, child_name, Int8Linear(child))
                 continue
-            tied = child.weight is model.transformer.wte.weight
+            tied = child.weight is model.embedding.weight
             weight = child.weight.detach().to(dtype)
             child.weight = nn.Parameter(weight.clone() if tied else weight, requires_grad=False)
             if child.bias is not None:

@@ -17,8 +17,10 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-# Bench mode -> the GGUF format it runs.
-LLAMA_MODES = {"llama.cpp": "f32", "llama.cpp-f16": "f16", "llama.cpp-q8_0": "q8_0"}
+# Bench mode -> the GGUF format it runs; "gguf" is the file the model was read from
+# (SmolLM2's own Q4_1), run as it is.
+LLAMA_MODES = {"llama.cpp": "f32", "llama.cpp-f16": "f16", "llama.cpp-q8_0": "q8_0",
+               "llama.cpp-gguf": "gguf"}
 INSTALL = "pip install 'kvcache[llama]' (it builds llama.cpp from source: minutes)"
 # llama.cpp's default K and V cache type (GGML_TYPE_F16): two bytes an element.
 KV_ELEMENT_BYTES = 2
@@ -66,18 +68,27 @@ def prepare(model, mode: str, directory: Path | None = None) -> LlamaFile:
     """Write (or find in the cache) `model`'s GGUF for `mode`, and count its bytes."""
     from gguf import GGUFReader
 
-    from kvcache_cli.gguf_export import export_gguf
+    from kvcache_cli.gguf_export import GGUFFile, export_gguf
     from kvcache_cli.gpt2 import float_state
 
     cfg = model.config
-    gguf = export_gguf(float_state(model), cfg, LLAMA_MODES[mode], directory)
+    if LLAMA_MODES[mode] == "gguf":
+        source = getattr(cfg, "gguf", None)
+        if source is None:
+            raise ValueError(f"mode {mode!r} runs the GGUF file the model was read from; this "
+                             "model was not read from one (expected -m smollm2 or a .gguf)")
+        path = Path(source)
+        gguf = GGUFFile(path, "gguf", "", path.stat().st_size, cached=True)
+    else:
+        gguf = export_gguf(float_state(model), cfg, LLAMA_MODES[mode], directory)
     total = 0
     for tensor in GGUFReader(gguf.path).tensors:
         nbytes = int(tensor.n_bytes)
         # The position table is looked up, one row a step; the token table is the LM
         # head too (tied), so every byte of it is read.
-        total += nbytes // cfg.block_size if tensor.name == "position_embd.weight" else nbytes
-    kv = 2 * cfg.n_layer * cfg.n_embd * KV_ELEMENT_BYTES  # K and V, every layer, one token
+        total += nbytes // cfg.context if tensor.name == "position_embd.weight" else nbytes
+    # K and V, every layer, one token: llama.cpp caches the KV heads, as ours do
+    kv = 2 * cfg.n_layer * cfg.n_kv_head * cfg.head_size * KV_ELEMENT_BYTES
     return LlamaFile(mode, gguf.format, gguf.path, gguf.file_bytes, gguf.cached, total, kv)
 
 

@@ -24,7 +24,6 @@ Everything returns data (`Speculation`, `SpecRun`, the two breaks' results); the
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -32,7 +31,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn as nn
 from torch import Tensor
 
 from kvcache_cli.caches import KVCache, RollbackError, make_cache, parse_cache_spec
@@ -79,11 +77,6 @@ def parse_draft(text: str) -> DraftSpec:
     return DraftSpec("model", model=text.strip())
 
 
-def approx_params(c: GPTConfig) -> int:
-    """Parameters of a GPT-2 shape: 12 C^2 a layer (attention 4 C^2, MLP 8 C^2), embeddings."""
-    return 12 * c.n_layer * c.n_embd**2 + (c.vocab_size + c.context) * c.n_embd
-
-
 def check_speculation(target: GPTConfig, draft: DraftSpec, draft_config: GPTConfig | None,
                       k: int | Sequence[int], cache: str, draft_name: str = "",
                       positions: int | None = None) -> str | None:
@@ -119,7 +112,7 @@ def check_speculation(target: GPTConfig, draft: DraftSpec, draft_config: GPTConf
         raise ValueError(f"draft {draft_name or draft} has a context window of "
                          f"{draft_config.context}, the target {target.context}: expected "
                          "at least the target's")
-    mine, theirs = approx_params(draft_config), approx_params(target)
+    mine, theirs = draft_config.param_count(), target.param_count()
     if mine >= theirs:
         return (f"the draft (~{mine / 1e6:.0f}M parameters) is not smaller than the target "
                 f"(~{theirs / 1e6:.0f}M): expect it to be slower than plain decoding")
@@ -253,13 +246,7 @@ def layer_draft(model: GPT, n_layer: int) -> GPT:
     """The target's first n_layer blocks, its final LayerNorm and its head: no copy."""
     if not 1 <= n_layer < model.config.n_layer:
         raise ValueError(f"layers:{n_layer}: expected 1 to {model.config.n_layer - 1}")
-    with torch.device("meta"):
-        draft = GPT(dataclasses.replace(model.config, n_layer=1))  # replaced below
-    t = model.transformer
-    draft.config = dataclasses.replace(model.config, n_layer=n_layer)
-    draft.transformer = nn.ModuleDict(dict(wte=t.wte, wpe=t.wpe, h=t.h[:n_layer], ln_f=t.ln_f))
-    draft.lm_head = model.lm_head
-    return draft.eval()
+    return model.first_layers(n_layer).eval()
 
 
 def make_draft(spec: DraftSpec, target: GPT, max_len: int, draft_model: GPT | None = None

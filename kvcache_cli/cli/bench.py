@@ -45,7 +45,8 @@ def bench(
         "hf-static (its static cache), static-compiled, hf-static-compiled, llama.cpp, "
         "llama.cpp-f16, llama.cpp-q8_0 (llama.cpp on the same weights written to GGUF; "
         "needs the llama extra, pip install 'kvcache[llama]', which builds llama.cpp "
-        "from source: minutes), or any cache spec: window:128, int8 (kvcache caches).")
+        "from source: minutes), llama.cpp-gguf (the GGUF file the model was read from, "
+        "as it is: SmolLM2's Q4_1), or any cache spec: window:128, int8 (kvcache caches).")
     ] = "naive,concat,static,hf,hf-static",
     cache: Annotated[str | None, typer.Option(
         metavar="SPECS", help="Comma-separated cache specs to time as modes, e.g. "
@@ -94,7 +95,7 @@ def bench(
     import torch
 
     from kvcache_cli import bench as bench_
-    from kvcache_cli.gpt2 import load_gpt2
+    from kvcache_cli.models import load_model
     from kvcache_cli.plot import save_plot
     from kvcache_cli.views.bench import bench as bench_view
 
@@ -109,7 +110,7 @@ def bench(
     check_weights_dtype(weights_dtype, model, str(dev))
     _check_heads(mode_names, model)
     try:
-        loaded = load_gpt2(model, weights=weights, device=dev,
+        loaded = load_model(model, weights=weights, device=dev,
                            dtype=getattr(torch, TORCH_DTYPES[dtype.value]))
         loaded, reference = with_weights_dtype(loaded, weights_dtype)
         bench_.check_bench(loaded.model, mode_names, prompt_len, new_tokens, repeats, threads,
@@ -158,7 +159,7 @@ def _speculative(ctx, draft: str, speculate: str, cache: str, prompt_file: Path 
 
     from kvcache_cli import bench as bench_
     from kvcache_cli import speculative as sp
-    from kvcache_cli.cli.common import load_gpt2
+    from kvcache_cli.cli.common import load_model
     from kvcache_cli.generate import check_request
     from kvcache_cli.views.speculative import spec_run_view
 
@@ -168,7 +169,7 @@ def _speculative(ctx, draft: str, speculate: str, cache: str, prompt_file: Path 
         fail(str(err))
     if threads is not None:
         torch.set_num_threads(threads)
-    loaded = load_gpt2(model, weights, dev, dtype.value)
+    loaded = load_model(model, weights, dev, dtype.value)
     gpt = loaded.model
     prompt = (_tokenize(gpt, text)[:prompt_len] if text is not None
               else bench_.random_prompt(gpt.config.vocab_size, prompt_len))
@@ -256,7 +257,7 @@ def _check_heads(mode_names: list[str], model: str) -> None:
     the weights load."""
     from kvcache_cli import bench as bench_
     from kvcache_cli.caches.spec import CacheSpecError, check_spec, parse_cache_spec
-    from kvcache_cli.gpt2 import model_config
+    from kvcache_cli.models import model_config
 
     specs = [parse_cache_spec(m) for m in mode_names if m not in bench_.MODES]
     try:

@@ -11,7 +11,7 @@ import typer
 from kvcache_cli.cli.common import (
     GPT2_MODULES,
     fail,
-    load_gpt2,
+    load_model,
     print_view,
     torch_device,
     torch_extra_missing,
@@ -122,7 +122,7 @@ def _gpt2_breaks(names: list[str], model: str, weights: str, device: str,
                  max_new_tokens: int):
     """Load the model once and run each named GPT-2 break (correct and broken loop)."""
     torch_device(device)
-    loaded = load_gpt2(model, weights, device)
+    loaded = load_model(model, weights, device)
     results = {}
     try:
         for n in names:

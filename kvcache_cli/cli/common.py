@@ -212,7 +212,7 @@ def check_cache_for(spec, model: str) -> None:
     """Refuse, before the weights load, a bounded cache whose budget passes the model's
     context window (read from its preset or config.json alone)."""
     from kvcache_cli.caches.spec import CacheSpecError, check_context
-    from kvcache_cli.gpt2 import model_config
+    from kvcache_cli.models import model_config
 
     try:
         config = model_config(model)
@@ -266,14 +266,15 @@ def torch_device(device: str) -> str:
     return device
 
 
-def load_gpt2(model: str, weights: str, device: str, dtype: str = "fp32"):
-    """gpt2.load_gpt2 with its errors as one line; its note (random weights...) on stderr."""
+def load_model(model: str, weights: str, device: str, dtype: str = "fp32"):
+    """Any family's model (`models.load_model`) with its errors as one line; its note
+    (random weights...) on stderr."""
     import torch
 
-    from kvcache_cli import gpt2
+    from kvcache_cli import models
 
     try:
-        loaded = gpt2.load_gpt2(model, weights, device, getattr(torch, TORCH_DTYPES[dtype]))
+        loaded = models.load_model(model, weights, device, getattr(torch, TORCH_DTYPES[dtype]))
     except ValueError as err:
         fail(str(err))
     except (RuntimeError, OSError) as err:
@@ -288,9 +289,10 @@ def check_weights_dtype(weights_dtype: str | None, model: str, device: str) -> N
     if weights_dtype is None:
         return
     from kvcache_cli import gpt2
+    from kvcache_cli.models import model_config
 
     try:
-        gpt2.check_weights_dtype(weights_dtype, gpt2.model_config(model), device)
+        gpt2.check_weights_dtype(weights_dtype, model_config(model), device)
     except ValueError as err:
         fail(f"--weights-dtype: {err}")
 

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from kvcache_cli.cli.common import fail, load_gpt2
+from kvcache_cli.cli.common import fail, load_model
 
 DraftOption = Annotated[str | None, typer.Option(
     help="Speculative decoding with this draft: a GPT-2 preset or checkpoint dir (e.g. gpt2 "
@@ -32,7 +32,7 @@ def check(model: str, draft: str, ks: list[int], cache: str, positions: int | No
     before any weights are read: K, the cache's rollback (and a bounded one's room for it,
     given the request's `positions`), the draft's vocabulary."""
     from kvcache_cli.caches import CacheSpecError
-    from kvcache_cli.gpt2 import model_config
+    from kvcache_cli.models import model_config
     from kvcache_cli.speculative import check_speculation, parse_draft
 
     try:
@@ -51,7 +51,7 @@ def build(spec, loaded, weights: str, device: str, dtype: str, max_len: int):
 
     draft_model = None
     if spec.kind == "model":
-        draft_model = load_gpt2(spec.model, weights, device, dtype).model
+        draft_model = load_model(spec.model, weights, device, dtype).model
     try:
         return make_draft(spec, loaded.model, max_len, draft_model)
     except ValueError as err:

@@ -18,7 +18,7 @@ from kvcache_cli.cli.common import (
     check_plot,
     complete_cache_list,
     fail,
-    load_gpt2,
+    load_model,
     need_torch_extra,
     parse_cache_list_option,
     show_then_plot,
@@ -84,7 +84,7 @@ def eval_(
         fail(f"{err}: --model {EVAL_MODEL} evaluates the trained byte-level checkpoint, "
              "which needs no download", code=1)
     check_plot(plot)
-    loaded = load_gpt2(model, weights.value, str(dev))
+    loaded = load_model(model, weights.value, str(dev))
     try:
         with _progress() as on_progress:
             result = quality.evaluate(
@@ -110,7 +110,7 @@ def _check_options(cache, model, text, tokens, prompt_len, chunk, device, thread
     from kvcache_cli import quality
     from kvcache_cli.bench import resolve_device
     from kvcache_cli.evaltext import eval_text, read_text
-    from kvcache_cli.gpt2 import model_config
+    from kvcache_cli.models import model_config
 
     specs = quality.default_caches() if cache is None else cache
     problem = threads_error(threads)
@@ -129,9 +129,17 @@ def _check_options(cache, model, text, tokens, prompt_len, chunk, device, thread
 
 
 def _heldout(model: str) -> Path:
-    """The held-out text shipped beside a checkpoint, or a ValueError saying to give one."""
-    from kvcache_cli.gpt2 import PRESETS, checkpoint_dir
+    """The held-out text shipped beside a checkpoint, or a ValueError saying to give one.
 
+    A Llama-family model reads the shipped checkpoint's: Python standard-library sources,
+    which every Python user has and SmolLM2 tokenizes to 25,850 tokens.
+    """
+    from kvcache_cli.checkpoints import TRAINED
+    from kvcache_cli.gpt2 import PRESETS, checkpoint_dir
+    from kvcache_cli.models import family_of
+
+    if family_of(model) == "llama":
+        return checkpoint_dir(TRAINED) / HELDOUT
     path = checkpoint_dir(model) / HELDOUT
     if model in PRESETS or not path.is_file():
         raise ValueError(f"--model {model} ships no {HELDOUT}: give the text to evaluate on "

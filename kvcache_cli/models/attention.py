@@ -17,12 +17,17 @@ to the input; Llama rotates q and k); from there attention is the same for all o
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from kvcache_cli.caches.base import KVCache
+
+# Attention's core as a family's `hidden` calls it: (layer, q (B, nh, T, hs), k and v
+# (B, nkv, T, hs)) -> the output (B, nh, T, hs). The serving engine passes its own.
+AttendFn = Callable[[int, Tensor, Tensor, Tensor], Tensor]
 
 
 def cached_attention(q: Tensor, k: Tensor, v: Tensor, layer: int, start_pos: int | Tensor,

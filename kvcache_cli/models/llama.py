@@ -16,6 +16,7 @@ matters to the cache:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -25,8 +26,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kvcache_cli.caches.base import CacheShape, KVCache
-from kvcache_cli.gpt2 import Linear
-from kvcache_cli.models.attention import cached_attention
+from kvcache_cli.gpt2 import Linear, merge_heads
+from kvcache_cli.models.attention import AttendFn, cached_attention
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,7 @@ class LlamaConfig:
     bos_id: int | None = None
     eos_ids: tuple[int, ...] = ()  # ids that end a reply (the end-of-turn token first)
     name: str = "llama"
+    gguf: str | None = None  # the GGUF file it was read from (llama.cpp runs the same)
 
     def __post_init__(self) -> None:
         if self.n_head % self.n_kv_head:
@@ -68,6 +70,23 @@ class LlamaConfig:
         # The rotation too: a bounded cache under `:rerotate` moves kept keys with it.
         return CacheShape(self.n_layer, self.n_kv_head, self.head_size, self.context,
                           rope=RopeShift(self.head_size, self.rope_theta))
+
+    def param_count(self) -> int:
+        """Parameters of a Llama of this shape (a tied head counted once)."""
+        C, hs, L = self.n_embd, self.head_size, self.n_layer
+        attn = C * hs * (2 * self.n_head + 2 * self.n_kv_head)  # q, o; k, v
+        mlp = 3 * C * self.intermediate  # gate, up, down
+        head = 0 if self.tie_word_embeddings else self.vocab_size * C
+        return self.vocab_size * C + L * (attn + mlp + 2 * C) + C + head
+
+    def decode_flops(self, context: int) -> int:
+        """FLOPs of one token's step at `context` cached positions: 2 per weight of every
+        product (the head's, tied or not; the embedding is a lookup), plus attention's q.k
+        and p.v over every cached key, per query head."""
+        C, hs, L = self.n_embd, self.head_size, self.n_layer
+        products = L * (C * hs * (2 * self.n_head + 2 * self.n_kv_head)
+                        + 3 * C * self.intermediate) + self.vocab_size * C
+        return 2 * products + 4 * L * self.n_head * hs * context
 
 
 class RMSNorm(nn.Module):
@@ -95,8 +114,11 @@ class Rotary(nn.Module):
     def __init__(self, config: LlamaConfig):
         super().__init__()
         hs = config.head_size
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, hs, 2).float() / hs))  # (hs/2,)
-        angles = torch.outer(torch.arange(config.context).float(), inv_freq)  # (ctx, hs/2)
+        # On the CPU even inside a meta-device context (a model built to be loaded): meta
+        # kernels for these ops import torch's decompositions, seconds on 2 cores.
+        steps = torch.arange(0, hs, 2, device="cpu").float() / hs
+        inv_freq = 1.0 / (config.rope_theta ** steps)  # (hs/2,)
+        angles = torch.outer(torch.arange(config.context, device="cpu").float(), inv_freq)
         angles = torch.cat([angles, angles], dim=-1)  # (ctx, hs)
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin(), persistent=False)
@@ -155,10 +177,9 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x: Tensor, start_pos: int | Tensor, pos: Tensor, rotary: Rotary,
                 cache: KVCache | None, force_is_causal: bool = False) -> Tensor:
-        B, T, _ = x.shape
         q, k, v = self.project(x, pos, rotary)
         y = cached_attention(q, k, v, self.layer, start_pos, cache, force_is_causal)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, C)
+        return self.o_proj(merge_heads(y))  # (B, T, C)
 
 
 class LlamaMLP(nn.Module):
@@ -191,8 +212,11 @@ class Llama(nn.Module):
     def __init__(self, config: LlamaConfig):
         super().__init__()
         self.config = config
+        # An embedding handed an empty weight skips nn's init, which on the meta device (a
+        # model built to be loaded) imports torch's compiler stack: seconds on 2 cores.
+        weight = torch.empty(config.vocab_size, config.n_embd)  # (vocab, C)
         self.model = nn.ModuleDict(dict(
-            embed_tokens=nn.Embedding(config.vocab_size, config.n_embd),
+            embed_tokens=nn.Embedding(config.vocab_size, config.n_embd, _weight=weight),
             layers=nn.ModuleList(LlamaBlock(config, i) for i in range(config.n_layer)),
             norm=RMSNorm(config.n_embd, config.rms_eps),
         ))
@@ -213,6 +237,36 @@ class Llama(nn.Module):
         if last_only:
             x = x[:, -1:, :]  # (B, 1, C): the LM head is the largest matmul
         return self.lm_head(self.model.norm(x))  # (B, T, vocab), or (B, 1, vocab)
+
+    def hidden(self, idx: Tensor, pos: Tensor, attend: AttendFn) -> Tensor:
+        """The residual stream after every block, (B, T, C), attention's core given by
+        `attend(layer, q, k, v)` (`gpt2.GPT.hidden`'s contract); q and k rotated to pos."""
+        x = self.model.embed_tokens(idx)  # (B, T, C)
+        for layer, block in enumerate(self.model.layers):
+            a = block.self_attn
+            y = attend(layer, *a.project(block.input_layernorm(x), pos, self.rotary))
+            x = x + a.o_proj(merge_heads(y))
+            x = x + block.mlp(block.post_attention_layernorm(x))
+        return x
+
+    def head(self, x: Tensor) -> Tensor:
+        return self.lm_head(self.model.norm(x))
+
+    def first_layers(self, n_layer: int) -> Llama:
+        """The first n_layer blocks, the final norm and the head, sharing this model's
+        weights (speculative decoding's self-draft): no copy."""
+        with torch.device("meta"):
+            draft = Llama(dataclasses.replace(self.config, n_layer=1))  # replaced below
+        draft.config = dataclasses.replace(self.config, n_layer=n_layer)
+        draft.model = nn.ModuleDict(dict(embed_tokens=self.model.embed_tokens,
+                                         layers=self.model.layers[:n_layer],
+                                         norm=self.model.norm))
+        draft.rotary, draft.lm_head = self.rotary, self.lm_head
+        return draft
+
+    @property
+    def embedding(self) -> nn.Embedding:
+        return self.model.embed_tokens
 
     @property
     def device(self) -> torch.device:
@@ -240,26 +294,6 @@ def positions(start_pos: int | Tensor, T: int, context: int, device) -> Tensor:
     return pos
 
 
-def param_count(config: LlamaConfig) -> int:
-    """Parameters of a Llama of this shape (the tied head counted once)."""
-    C, hs, L = config.n_embd, config.head_size, config.n_layer
-    attn = C * hs * (2 * config.n_head + 2 * config.n_kv_head)  # q, o; k, v
-    mlp = 3 * C * config.intermediate  # gate, up, down
-    head = 0 if config.tie_word_embeddings else config.vocab_size * C
-    return config.vocab_size * C + L * (attn + mlp + 2 * C) + C + head
-
-
-def decode_flops(config: LlamaConfig, context: int) -> int:
-    """Multiply-adds x 2 of one decode step at `context` cached positions: every weight
-    product (the head's included, tied or not; the embedding is a lookup), plus attention's
-    q.k and p.v over every cached key, per query head."""
-    C, hs, L = config.n_embd, config.head_size, config.n_layer
-    products = L * (C * hs * (2 * config.n_head + 2 * config.n_kv_head)
-                    + 3 * C * config.intermediate) + config.vocab_size * C
-    attention = 2 * L * config.n_head * hs * context
-    return 2 * (products + attention)
-
-
 def to_hf(model: Llama):
     """A transformers LlamaForCausalLM holding the same weights (for comparisons)."""
     from transformers import LlamaConfig as HFLlamaConfig
@@ -270,7 +304,8 @@ def to_hf(model: Llama):
         vocab_size=c.vocab_size, hidden_size=c.n_embd, intermediate_size=c.intermediate,
         num_hidden_layers=c.n_layer, num_attention_heads=c.n_head,
         num_key_value_heads=c.n_kv_head, head_dim=c.head_size,
-        max_position_embeddings=c.context, rms_norm_eps=c.rms_eps, rope_theta=c.rope_theta,
+        max_position_embeddings=c.context, rms_norm_eps=c.rms_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
         tie_word_embeddings=c.tie_word_embeddings, attention_bias=False, mlp_bias=False,
         bos_token_id=c.bos_id, eos_token_id=c.eos_ids[0] if c.eos_ids else None,
     )

@@ -26,7 +26,7 @@ from kvcache_cli.gpt2 import LoadedModel, _read_weights, arrange_weights
 from kvcache_cli.models import SMOLLM2, SMOLLM2_HUB, resolve_llama
 from kvcache_cli.models.llama import Llama, LlamaConfig, init_random
 
-CONVERTED_FORMAT = 1  # bumped when what a converted folder holds changes
+CONVERTED_FORMAT = 2  # bumped when what a converted folder holds changes
 _CONFIG_FIELDS = {f.name for f in dataclasses.fields(LlamaConfig)}
 RANDOM_INIT_STD = 0.02
 
@@ -43,7 +43,8 @@ def cache_root() -> Path:
 def converted_dir(gguf: Path) -> Path:
     info = gguf.stat()
     key = f"{gguf.resolve()}:{info.st_size}:{info.st_mtime_ns}:{CONVERTED_FORMAT}"
-    return cache_root() / "gguf" / f"{gguf.stem}-{hashlib.sha1(key.encode()).hexdigest()[:12]}"
+    digest = hashlib.sha1(key.encode()).hexdigest()[:12]
+    return cache_root() / "converted" / f"{gguf.stem}-{digest}"
 
 
 def _config_from(folder: Path, raw: dict) -> LlamaConfig:
@@ -67,6 +68,7 @@ def _convert(gguf: Path) -> Path:
     fields = dict(model.fields)
     eos = fields.pop("eos_id", None)
     fields["eos_ids"] = [] if eos is None else [eos]
+    fields["gguf"] = str(gguf.resolve())
     tokenizer = from_gguf(model.tokens, model.token_types, model.merges, model.pre)
     _config_from(folder, fields)  # refuses a shape the model cannot take, before writing
     folder.parent.mkdir(parents=True, exist_ok=True)
@@ -215,16 +217,16 @@ def load_llama(name_or_path: str, weights: str, device, dtype: torch.dtype) -> L
     folder, source = _folder(name_or_path)
     config = llama_config(name_or_path)
     with torch.device("meta"):
-        model = Llama(config)
-    model = model.to_empty(device="cpu")
-    model.rotary = type(model.rotary)(config)  # the angle tables are made, not loaded
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
+        model = Llama(config)  # shapes only: no memory, no init to overwrite
     if weights == "random":
+        model = model.to_empty(device="cpu")
         init_random(model, RANDOM_INIT_STD, seed=0)
         source = f"random weights ({config.name} shape, std {RANDOM_INIT_STD})"
     else:
-        _copy_state(model, _read_weights(_weights_file(folder)), folder)
+        _assign_state(model, _read_weights(_weights_file(folder)), folder)
+    model.rotary = type(model.rotary)(config)  # the angle tables are made, not loaded
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
     model = arrange_weights(model.to(device=device, dtype=dtype))
     return LoadedModel(model.eval(), source)
 
@@ -236,19 +238,20 @@ def _weights_file(folder: Path) -> Path:
     raise ValueError(f"no model.safetensors in {folder}")
 
 
-def _copy_state(model: Llama, state: dict, folder: Path) -> None:
-    extra = set(state) - {"lm_head.weight"}
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name not in state:
-                raise ValueError(f"{folder}: checkpoint has no {name!r}")
-            t = state[name]
-            if tuple(t.shape) != tuple(p.shape):
-                raise ValueError(f"{folder}: {name} has shape {tuple(t.shape)}, the config "
-                                 f"says {tuple(p.shape)}")
-            p.copy_(t)
-            extra.discard(name)
+def _assign_state(model: Llama, state: dict, folder: Path) -> None:
+    """The checkpoint's tensors become the model's parameters (assigned, not copied: the
+    meta-device model has no memory of its own), each checked against the config."""
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    for name, shape in shapes.items():
+        if name not in state:
+            raise ValueError(f"{folder}: checkpoint has no {name!r}")
+        if tuple(state[name].shape) != shape:
+            raise ValueError(f"{folder}: {name} has shape {tuple(state[name].shape)}, the "
+                             f"config says {shape}")
+    extra = set(state) - set(shapes) - {"lm_head.weight"}
     extra = {k for k in extra if not k.endswith("rotary_emb.inv_freq")}
     if extra:
         raise ValueError(f"{folder}: checkpoint has weights this Llama lacks: "
                          f"{sorted(extra)[:3]}")
+    model.load_state_dict({k: t.float() for k, t in state.items() if k in shapes},
+                          strict=False, assign=True)

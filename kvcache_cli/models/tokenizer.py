@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-PRE_TOKENIZERS = ("default", "gpt2", "smollm")
+PRE_TOKENIZERS = ("default", "gpt2", "gpt-2", "smollm")
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp's token types that are never split
 
 

@@ -82,13 +82,6 @@ def check_sweep(config: GPTConfig) -> None:
                          f"model's window is {config.context}")
 
 
-def _flops_per_row(config: GPTConfig, context: int) -> float:
-    """2 FLOPs per weight of every matmul, plus attention's two products over the cache."""
-    C, L = config.n_embd, config.n_layer
-    matmul_weights = L * 12 * C * C + config.vocab_size * C  # qkv, proj, mlp; the LM head
-    return 2 * matmul_weights + L * 4 * context * C
-
-
 def measure_peak_flops(device: torch.device, n: int = MATMUL_N) -> float:
     """FLOP/s of the best of a few large float32 matmuls."""
     from kvcache_cli.bench import synchronize
@@ -154,7 +147,7 @@ def run_sweep(model: GPT, sizes: Sequence[int], threads: int | None = None,
         torch.set_num_threads(previous)
     weights = weight_bytes(model)
     kv_row = context * block_bytes(model.config.cache_shape, 1, model.dtype)
-    per_row = _flops_per_row(model.config, context)
+    per_row = model.config.decode_flops(context)
 
     def predicted_ms(b: float) -> float:
         return max((weights + b * kv_row) / bandwidth, b * per_row / peak) * 1e3

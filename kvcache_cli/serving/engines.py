@@ -496,7 +496,7 @@ def _hf_manager(model: GPT, plan: Plan, block_size: int, max_batch: int, spec: W
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-    from kvcache_cli.gpt2 import to_hf
+    from kvcache_cli.models import to_hf
 
     hf = to_hf(model)
     hf.generation_config.eos_token_id = None  # ours never stop early; neither may it

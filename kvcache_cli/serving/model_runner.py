@@ -13,13 +13,14 @@ layouts, measured against each other (`scripts/serve_layouts.py`):
   alone is per row: the one-token rows in one batched call, each chunk in its own;
 - `padded`: a (B, T) batch, every row padded to the longest, through one attention
   call under a per-row mask; the matmuls do B x T rows, padding included.
-Both walk the model's own modules (`GPT.forward` takes rows of one length); only
-real tokens write the cache, so padding never lands on a live slot.
+Both run the model's own layers through its `hidden` (`GPT.forward` takes rows of one
+length), which hands each layer's q, k, v to the runner's attention: any family, GPT-2's
+heads or Llama's rotated, grouped ones (the pool holds the KV heads; SDPA expands them to
+the query heads). Only real tokens write the cache, so padding never lands on a live slot.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from collections.abc import Sequence as Seqs
 
 import torch
@@ -27,14 +28,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kvcache_cli.caches.paged import PagedCache
-from kvcache_cli.gpt2 import GPT, CausalSelfAttention
+from kvcache_cli.gpt2 import GPT
+from kvcache_cli.models.attention import AttendFn
 from kvcache_cli.serving.scheduler import Chunk
 from kvcache_cli.serving.sequence import Sequence
 
 LAYOUTS = ("packed", "padded")
-
-# How one layer's attention runs: (layer, its module, its input x) -> its output.
-AttendFn = Callable[[int, CausalSelfAttention, Tensor], Tensor]
 
 
 class ModelRunner:
@@ -85,15 +84,10 @@ class ModelRunner:
         return [i if c.samples else None for c, i in zip(chunks, ids, strict=True)]
 
     def _run(self, idx: Tensor, pos: Tensor, attend: AttendFn, last: Tensor) -> Tensor:
-        """GPT-2's forward over idx at positions pos, attention by `attend`; the logits
+        """The model over idx at positions pos, attention by `attend`; the logits
         (B, vocab) of the flat token indices `last`."""
-        t = self.model.transformer
-        x = t.wte(idx) + t.wpe(pos)  # (R, T, C)
-        for layer, block in enumerate(t.h):
-            x = x + attend(layer, block.attn, block.ln_1(x))
-            x = x + block.mlp(block.ln_2(x))
-        x = x.flatten(0, 1)[last]  # (B, C)
-        return self.model.lm_head(t.ln_f(x))  # (B, vocab)
+        x = self.model.hidden(idx, pos, attend)  # (R, T, C)
+        return self.model.head(x.flatten(0, 1)[last])  # (B, vocab)
 
     def _packed(self, chunks: Seqs[Chunk]) -> Tensor:
         dev, bs = self.device, self.cache.block_size
@@ -119,16 +113,11 @@ class ModelRunner:
             single_rows = torch.tensor(singles, device=dev)  # (B1,)
         single_pos = torch.tensor([chunks[b].start for b in singles], device=dev)  # (B1,)
 
-        def attend(layer: int, attn: CausalSelfAttention, x: Tensor) -> Tensor:
-            _, N, C = x.shape
-            nh = attn.n_head
-            hs = C // nh
-            q, k, v = attn.c_attn(x)[0].split(C, dim=1)  # each (N, C)
-            q = q.view(N, nh, hs).transpose(0, 1)  # (nh, N, hs)
-            k = k.view(N, nh, hs).transpose(0, 1)  # (nh, N, hs)
-            v = v.view(N, nh, hs).transpose(0, 1)  # (nh, N, hs)
+        def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            q, k, v = q[0], k[0], v[0]  # (nh, N, hs), and (nkv, N, hs): the one packed row
+            gqa = k.size(0) < q.size(0)
             self.cache.write(layer, blocks, slots, k, v)
-            keys, values = self.cache.gather(layer)  # (B, nh, S, hs), every row's own
+            keys, values = self.cache.gather(layer)  # (B, nkv, S, hs), every row's own
             y = torch.empty_like(q)  # (nh, N, hs)
             if singles:
                 # One query a row, at position start: it may see slots 0 .. start.
@@ -136,19 +125,20 @@ class ModelRunner:
                 S = keys.size(2)
                 mask = torch.arange(S, device=dev) <= single_pos[:, None]  # (B1, S)
                 ys = F.scaled_dot_product_attention(
-                    qs, keys[single_rows], values[single_rows], attn_mask=mask[:, None, None])
+                    qs, keys[single_rows], values[single_rows], attn_mask=mask[:, None, None],
+                    enable_gqa=gqa)
                 y[:, single_at] = ys[:, :, 0].transpose(0, 1)  # (nh, B1, hs)
             for b, c in enumerate(chunks):
                 if c.length == 1:
                     continue
                 end = c.start + c.length  # the chunk's queries see keys 0 .. end - 1
                 qc = q[None, :, offsets[b] : offsets[b] + c.length]  # (1, nh, T, hs)
-                kc, vc = keys[b : b + 1, :, :end], values[b : b + 1, :, :end]  # (1, nh, end, hs)
+                kc, vc = keys[b : b + 1, :, :end], values[b : b + 1, :, :end]  # (1, nkv, end, hs)
                 # Query i sits at start + i: the causal mask aligned bottom right.
                 mask = torch.ones(c.length, end, dtype=torch.bool, device=dev).tril(c.start)
                 y[:, offsets[b] : offsets[b] + c.length] = F.scaled_dot_product_attention(
-                    qc, kc, vc, attn_mask=mask)[0]
-            return attn.c_proj(y.transpose(0, 1).reshape(1, N, C))  # (1, N, C)
+                    qc, kc, vc, attn_mask=mask, enable_gqa=gqa)[0]
+            return y[None]  # (1, nh, N, hs)
 
         last = torch.tensor([o + c.length - 1 for o, c in zip(offsets, chunks)], device=dev)
         return self._run(idx, pos, attend, last)
@@ -169,20 +159,15 @@ class ModelRunner:
         blocks = self.cache.block_tables.gather(1, pos // bs)[real]  # (N,)
         slots = (pos % bs)[real]  # (N,)
 
-        def attend(layer: int, attn: CausalSelfAttention, x: Tensor) -> Tensor:
-            C = x.size(2)
-            nh = attn.n_head
-            hs = C // nh
-            q, k, v = attn.c_attn(x).split(C, dim=2)  # each (B, T, C)
-            q = q.view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
-            k = k.view(B, T, nh, hs).permute(2, 0, 1, 3)[:, real]  # (nh, N, hs): real only
-            v = v.view(B, T, nh, hs).permute(2, 0, 1, 3)[:, real]  # (nh, N, hs)
-            self.cache.write(layer, blocks, slots, k, v)
-            keys, values = self.cache.gather(layer)  # (B, nh, S, hs)
+        def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            # q (B, nh, T, hs); k, v (B, nkv, T, hs), of which the real tokens are written
+            self.cache.write(layer, blocks, slots, k.transpose(0, 1)[:, real],
+                             v.transpose(0, 1)[:, real])  # (nkv, N, hs) each
+            keys, values = self.cache.gather(layer)  # (B, nkv, S, hs)
             S = keys.size(2)
             mask = torch.arange(S, device=dev) <= pos[:, :, None]  # (B, T, S)
-            y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None])
-            return attn.c_proj(y.transpose(1, 2).reshape(B, T, C))  # (B, T, C)
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None],
+                                                  enable_gqa=k.size(1) < q.size(1))
 
         last = torch.arange(B, device=dev) * T + lengths - 1  # (B,) flat indices
         return self._run(idx, pos, attend, last)
