@@ -12,10 +12,22 @@ names without paying for torch. Shapes: `update` takes one call's k, v as
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:  # the interface and the spec parser load without torch
     from torch import Tensor
+
+
+class Rope(Protocol):
+    """A rotary model's position encoding, as a cache that moves kept keys needs it
+    (`:rerotate`, see `kvcache_cli.caches.bounded`): the model's own, so its layout (half
+    split or interleaved), base and scaling are the model's business, not the cache's."""
+
+    def rotate(self, x: Tensor, positions: Tensor) -> Tensor:
+        """x (..., S, hs) rotated by the angles of `positions` (integers broadcastable to
+        x.shape[:-1], negative allowed): rotate(rotate(x, a), b) == rotate(x, a + b), so a
+        key written at position p and rotated by d reads as if written at p + d."""
+        ...
 
 
 def nbytes(t: Tensor) -> int:
@@ -35,6 +47,10 @@ class CacheShape:
     n_kv_head: int
     head_size: int
     context: int  # positions the model can attend over: no cache is built longer
+    # A rotary model's RoPE, for a bounded cache that re-rotates the keys it keeps
+    # (`sink:4+252:rerotate`); None: positions are not rotary (GPT-2's are learned and
+    # added to the input), so no key can be moved to another position.
+    rope: Rope | None = None
 
 
 class RollbackError(ValueError):

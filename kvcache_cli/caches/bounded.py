@@ -7,10 +7,36 @@ Memory stops growing once the cache is full; what it forgets, attention never se
 - `HeavyHitterCache` is `h2o:H+W` (H2O: per layer and head, the H positions that have
   drawn the most attention so far, plus the W most recent).
 
-Positions are GPT-2's: learned absolute embeddings added to the input, so a key keeps the
-position it was computed at, and a bounded cache runs within the model's context window
-(StreamingLLM re-numbers the cached positions of a RoPE model so it can run past it; a
-learned embedding cannot be re-applied to a key already computed).
+Positions, and the rotary position policy (`:text`, the default, or `:rerotate`). Under
+GPT-2's learned embeddings, added to the input, a key keeps the position it was computed
+at: nothing else is possible. A rotary model (Llama) rotates q and k by their positions
+before `update`, so the cache holds keys rotated at their text positions, and an evicting
+cache must decide which position a kept key has:
+
+- `text`: the position it had in the text, what a band mask over the whole text computes:
+  the cache returns the keys as written (transformers' sliding-window layers, Mistral);
+- `rerotate`: its place among the keys the query attends (StreamingLLM): the kept keys
+  numbered 0, 1, ... in text order, the query next. llama.cpp's context shift does this
+  by re-rotating the kept keys in place by the shift, since its cache stores them rotated.
+
+Only differences of positions enter q . k, so `rerotate` needs no new query position: a
+key whose cache place is c_j and text position p_j, seen from a query at p_q (place c_q),
+reads as a key at p_j + (g_q - g_j), where g = p - c is how many positions were evicted
+before it. In a ring every window key has the query's g (nothing is evicted between
+them), so only the S sinks move, by g_q = max(0, p - W + 1 - S): `window:W:rerotate` is
+`window:W` exactly, and `sink:S+W:rerotate` rotates S keys a step, not W. Under H2O every
+kept key has its own g. The rotation is applied to what `update` returns, from the keys as
+written, never to the stored keys: rounding does not accumulate step after step (as an
+in-place shift's does), and `crop` stays exact. The rotation is the model's (`Rope`, from
+`CacheShape.rope`): a cache built for a model without one refuses `:rerotate`.
+
+A chunk whose queries stand at different shifts (a prompt running past S + W in a ring)
+would need the sinks at a different angle for each query, which one key tensor cannot
+hold: `rerotate` refuses it; feed those tokens one at a time (eval's `--chunk 1`). H2O's
+chunks are fine: its chunk queries see everything held, all at one shift.
+
+The cache still never runs past the model's context window (`max_len`): positions within
+the cache would allow it, positions in the text, and GPT-2's, would not.
 
 What a query sees. The query at position p attends to what the cache holds after p is
 written: `window:W` sees positions p-W+1 .. p, `sink:S+W` also positions 0 .. S-1. A chunk
@@ -29,8 +55,20 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kvcache_cli.caches.base import KVCache, RollbackError, nbytes
+from kvcache_cli.caches.base import KVCache, RollbackError, Rope, nbytes
 from kvcache_cli.caches.spec import check_context
+
+
+def _rope_of(spec, shape) -> Rope | None:
+    """The rotation `:rerotate` needs, None for `:text`; refused on a model without one."""
+    if dict(spec.params).get("positions", "text") == "text":
+        return None
+    if shape.rope is None:
+        raise ValueError(f"cache spec {str(spec)!r}: rerotate moves kept keys to their places "
+                         f"in the cache, which needs rotary positions (RoPE); this model's "
+                         f"are learned and added to the input, so a key keeps its own: drop "
+                         f":rerotate")
+    return shape.rope
 
 
 def _check_sequential(cache, layer: int, start_pos, length: int) -> int:
@@ -59,10 +97,11 @@ class RingCache(KVCache):
     """
 
     def __init__(self, shape, sinks: int, window: int, max_len: int, batch: int, device,
-                 dtype: torch.dtype, name: str, spare: int = 0):
+                 dtype: torch.dtype, name: str, spare: int = 0, rope: Rope | None = None):
         if not 0 < max_len <= shape.context:
             raise ValueError(f"max_len {max_len} outside the context window 1..{shape.context}")
         self.name, self.sinks, self.window, self.max_len = name, sinks, window, max_len
+        self.rope = rope  # set: `rerotate`, the sinks moved up to the window (module doc)
         self.ring = window + spare  # slots after the sinks; the band is `window` of them
         self.slots = min(max_len, sinks + self.ring)  # never more than the sequence needs
         dims = (shape.n_layer, batch, shape.n_kv_head, self.slots, shape.head_size)
@@ -76,7 +115,7 @@ class RingCache(KVCache):
         check_context(spec, shape.context)  # a budget it could never fill: refused
         params = dict(spec.params)
         return cls(shape, params.get("sinks", 0), params["window"], max_len, batch, device,
-                   dtype, str(spec), params.get("spare", 0))
+                   dtype, str(spec), params.get("spare", 0), _rope_of(spec, shape))
 
     def reset(self) -> None:
         # Nothing to clear: a slot's position says whether it is filled (-1: empty).
@@ -130,7 +169,7 @@ class RingCache(KVCache):
             self.v[layer, :, :, i] = v[:, :, 0]
             self.bytes_copied += nbytes(k) + nbytes(v)
             n = min(end, self.slots)
-            return self.k[layer, :, :, :n], self.v[layer, :, :, :n]  # (B, nkv, n, hs)
+            return self._moved(self.k[layer, :, :, :n], start, end), self.v[layer, :, :, :n]
         # A chunk: its queries need keys its own later tokens would overwrite, so what the
         # cache held and the chunk are returned together and the band is the mask's job.
         keys = torch.cat([self.k[layer, :, :, :filled], k], dim=2)  # (B, nkv, filled + T, hs)
@@ -141,7 +180,27 @@ class RingCache(KVCache):
         self.k[layer].index_copy_(2, slots, k.index_select(2, rows))
         self.v[layer].index_copy_(2, slots, v.index_select(2, rows))
         self.bytes_copied += nbytes(keys) + nbytes(values) + 2 * len(keep) * nbytes(k[:, :, :1])
-        return keys, values
+        return self._moved(keys, start, end), values
+
+    def _shift(self, pos: int) -> int:
+        """Positions evicted between the sinks and the window of the query at `pos`."""
+        return max(0, pos - self.window + 1 - self.sinks)
+
+    def _moved(self, keys: Tensor, start: int, end: int) -> Tensor:
+        """`rerotate`: keys (B, nkv, n, hs) with the sinks rotated by the queries' shift, a
+        transient copy; the keys as returned otherwise (and before anything is evicted)."""
+        if self.rope is None or self.sinks == 0 or self._shift(end - 1) == 0:
+            return keys
+        shift = self._shift(start)
+        if shift != self._shift(end - 1):
+            raise ValueError(
+                f"{self.name}: the queries at positions {start}..{end - 1} stand at "
+                f"different shifts from the sinks ({shift}..{self._shift(end - 1)}), which "
+                f"one set of keys cannot hold; feed positions past "
+                f"{self.sinks + self.window - 1} one at a time (--chunk 1)")
+        S = self.sinks
+        by = torch.full((S,), shift, device=keys.device)  # (S,): the same for every sink
+        return torch.cat([self.rope.rotate(keys[:, :, :S], by), keys[:, :, S:]], dim=2)
 
     def key_positions(self, layer: int) -> Tensor | None:
         return self._held
@@ -184,10 +243,11 @@ class HeavyHitterCache(KVCache):
     wants_attention = True
 
     def __init__(self, shape, heavy: int, recent: int, max_len: int, batch: int, device,
-                 dtype: torch.dtype, name: str):
+                 dtype: torch.dtype, name: str, rope: Rope | None = None):
         if not 0 < max_len <= shape.context:
             raise ValueError(f"max_len {max_len} outside the context window 1..{shape.context}")
         self.name, self.heavy, self.recent, self.max_len = name, heavy, recent, max_len
+        self.rope = rope  # set: `rerotate`, each kept key moved to its place (module doc)
         self.slots = min(max_len, heavy + recent)
         L, B, nkv = shape.n_layer, batch, shape.n_kv_head
         dims = (L, B, nkv, self.slots, shape.head_size)
@@ -201,7 +261,7 @@ class HeavyHitterCache(KVCache):
     def build(cls, spec, shape, *, max_len: int, batch: int, device, dtype, whole: bool):
         check_context(spec, shape.context)
         return cls(shape, spec["heavy"], spec["recent"], max_len, batch, device, dtype,
-                   str(spec))
+                   str(spec), _rope_of(spec, shape))
 
     def reset(self) -> None:
         self.length = 0
@@ -246,14 +306,28 @@ class HeavyHitterCache(KVCache):
             at = out[..., None].expand(B, nkv, 1, hs)  # (B, nkv, 1, hs)
             self.k[layer].scatter_(2, at, k)
             self.v[layer].scatter_(2, at, v)
-            return self.k[layer], self.v[layer]  # (B, nkv, slots, hs)
+            return self._moved(self.k[layer], self.pos[layer], start, 1), self.v[layer]
         # A chunk: attend over everything held plus the chunk; `observe` then keeps H + W.
         new = torch.arange(start, end, device=k.device).expand(B, nkv, T)  # (B, nkv, T)
         keys = torch.cat([self.k[layer, :, :, :filled], k], dim=2)  # (B, nkv, filled + T, hs)
         values = torch.cat([self.v[layer, :, :, :filled], v], dim=2)
         pos = torch.cat([self.pos[layer, :, :, :filled], new], dim=2)  # (B, nkv, filled + T)
         self._chunk[layer] = keys, values, pos
-        return keys, values
+        if filled + T <= self.slots:  # nothing evicted yet: every place is its position
+            return keys, values
+        return self._moved(keys, pos, start, T), values
+
+    def _moved(self, keys: Tensor, pos: Tensor, start: int, T: int) -> Tensor:
+        """`rerotate`: keys (B, nkv, n, hs) at positions pos (B, nkv, n), T of them (the
+        newest) this step's, each rotated by g_q - g_j (module doc), a transient copy."""
+        if self.rope is None:
+            return keys
+        place = pos.argsort(dim=-1).argsort(dim=-1)  # (B, nkv, n): rank in text order
+        evicted_before = pos - place  # g_j, per head
+        # The step's first query sits at position `start`, at place n - T: every query
+        # of a chunk has the same g, since the chunk evicts nothing until `observe`.
+        query = start - (pos.size(-1) - T)
+        return self.rope.rotate(keys, query - evicted_before)
 
     def key_positions(self, layer: int) -> Tensor | None:
         if layer in self._chunk:

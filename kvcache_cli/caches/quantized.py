@@ -14,15 +14,22 @@ group lies inside the grid and dequantises within scale / 2 of itself.
   transformers' QuantizedCache), and so do the first S (`sN`, the attention sinks);
   with kchan the residual holds R .. R + G - 1 tokens (a group leaves it once complete);
 - codes are bit-packed along the head dimension, 8 / bits per byte, so `bytes_held` is
-  what memory holds: payload + scales + zero points + the full-precision tokens.
+  what memory holds: payload + scales + zero points + the full-precision tokens;
+- `rot` rotates keys and values by a normalised Hadamard matrix H before they are
+  quantised and by H.T after they are dequantised (`rotation`): the same numbers in exact
+  arithmetic, with an outlier channel spread over the whole head before rounding. Only
+  what is quantised is rotated: sinks and the residual stay bit for bit. Per-channel key
+  groups are then groups of rotated channels. H (hs x hs float32, 16 KiB at hs 64) is a
+  constant shared by every layer, like fp8's lookup table, and not in `bytes_held`:
+  the rotation changes no byte of the formula below.
 
 Spec grammar (fields in any order, each at most once):
 
-    int8[:gN][:kchan|ktok][:rN][:sN]   default int8:g32:ktok:r0
-    int4[:gN][:kchan|ktok][:rN][:sN]   default int4:g32:kchan:r128
-    int2[:gN][:kchan|ktok][:rN][:sN]   default int2:g32:kchan:r128
-    fp8-e4m3[:tensor|head][:one|calib] default fp8-e4m3:tensor:one (alias fp8)
-    fp8-e5m2[:tensor|head][:one|calib] default fp8-e5m2:tensor:one
+    int8[:gN][:kchan|ktok][:rN][:sN][:rot]   default int8:g32:ktok:r0 (no rotation)
+    int4[:gN][:kchan|ktok][:rN][:sN][:rot]   default int4:g32:kchan:r128
+    int2[:gN][:kchan|ktok][:rN][:sN][:rot]   default int2:g32:kchan:r128
+    fp8-e4m3[:tensor|head][:one|calib][:rot] default fp8-e4m3:tensor:one (alias fp8)
+    fp8-e5m2[:tensor|head][:one|calib][:rot] default fp8-e5m2:tensor:one
     paged-int8[:bN], paged-int4[:bN], paged-fp8[:bN]: serve's block pool, quantised
 
 Bytes one layer holds for one sequence of n tokens, kv heads, head width hs, model
@@ -39,8 +46,9 @@ fp8 kinds store `x / scale` as torch's float8 (e4m3: 3 mantissa bits, range 448;
 2 bits, range 57344), one float32 scale per tensor (a layer's K, and its V, of one
 sequence) or per head: 1.0 (`one`, vLLM's default) or calibrated on the prompt, the
 first write (`calib`: amax / the format's max). Numbers beyond the range saturate at
-it (vLLM clamps too) and are counted in `saturated`. Bytes: 2 * kv * n * hs + 8 per
-tensor or 8 * kv per head.
+it (vLLM clamps too) and are counted in `saturated` (with `rot`: the rotated numbers,
+which the scales are calibrated on). Bytes: 2 * kv * n * hs + 8 per tensor or 8 * kv
+per head.
 
 `update` returns what attention reads: the sinks, the dequantised codes and the tail,
 at the model's dtype, made afresh every step (a fused kernel would dequantise inside
@@ -65,6 +73,7 @@ from torch import Tensor
 
 from kvcache_cli.caches.base import KVCache, RollbackError, nbytes
 from kvcache_cli.caches.paged import PagedCache
+from kvcache_cli.caches.rotation import Rotation
 from kvcache_cli.caches.spec import check_head_dim
 
 FP8_DTYPES = {"fp8-e4m3": torch.float8_e4m3fn, "fp8-e5m2": torch.float8_e5m2}
@@ -206,21 +215,24 @@ class QuantizedCache(KVCache):
     """Integer keys and values (int8, int4, int2), affine per group, KIVI's layout."""
 
     def __init__(self, shape, batch: int, device, dtype: torch.dtype, *, bits: int,
-                 group: int, key_axis: str, residual: int, sinks: int, name: str = ""):
-        check_head_dim(name or f"int{bits}", {"bits": bits, "group": group}, shape.head_size)
+                 group: int, key_axis: str, residual: int, sinks: int, rotate: bool = False,
+                 name: str = ""):
+        check_head_dim(name or f"int{bits}", {"bits": bits, "group": group, "rotate": rotate},
+                       shape.head_size)
         self.shape, self.batch, self.device, self.dtype = shape, batch, device, dtype
         self.bits, self.group, self.residual, self.sinks = bits, group, residual, sinks
         self.per_channel = key_axis == "kchan"
         # Tokens leave the tail in chunks: a per-channel key group is G tokens.
         self.chunk = group if self.per_channel else 1
         self.keys = _Channels if self.per_channel else _Tokens
+        self.rotation = Rotation(shape.head_size, device) if rotate else None
         self.reset()
 
     @classmethod
     def build(cls, spec, shape, *, max_len: int, batch: int, device, dtype, whole: bool):
         return cls(shape, batch, device, dtype, bits=spec["bits"], group=spec["group"],
                    key_axis=spec["keys"], residual=spec["residual"], sinks=spec["sinks"],
-                   name=str(spec))
+                   rotate=bool(spec["rotate"]), name=str(spec))
 
     def reset(self) -> None:
         c = self.shape
@@ -253,8 +265,11 @@ class QuantizedCache(KVCache):
         if out <= 0:
             return
         bits, G = self.bits, self.group
-        kc, ks, kz = self.keys.encode(L.tail_k[:, :, :out], bits, G)
-        vc, vs, vz = _Tokens.encode(L.tail_v[:, :, :out], bits, G)
+        k, v = L.tail_k[:, :, :out], L.tail_v[:, :, :out]  # (B, nkv, out, hs)
+        if self.rotation is not None:
+            k, v = self.rotation.rotate(k), self.rotation.rotate(v)
+        kc, ks, kz = self.keys.encode(k, bits, G)
+        vc, vs, vz = _Tokens.encode(v, bits, G)
         L.k_codes, L.k_scale, L.k_zero = (_cat(a, b) for a, b in
                                           zip((L.k_codes, L.k_scale, L.k_zero), (kc, ks, kz)))
         L.v_codes, L.v_scale, L.v_zero = (_cat(a, b) for a, b in
@@ -273,10 +288,15 @@ class QuantizedCache(KVCache):
         values = L.tail_v.new_empty(B, nkv, n, hs)
         for out, sink, tail in ((keys, L.sink_k, L.tail_k), (values, L.sink_v, L.tail_v)):
             out[:, :, :s], out[:, :, s + q:] = sink, tail
-        self.keys.decode_into(keys[:, :, s:s + q], L.k_codes, L.k_scale, L.k_zero,
-                              self.bits, self.group)
-        _Tokens.decode_into(values[:, :, s:s + q], L.v_codes, L.v_scale, L.v_zero,
-                            self.bits, self.group)
+        for out, axis, codes, scale, zero in (
+                (keys, self.keys, L.k_codes, L.k_scale, L.k_zero),
+                (values, _Tokens, L.v_codes, L.v_scale, L.v_zero)):
+            if self.rotation is None:
+                axis.decode_into(out[:, :, s:s + q], codes, scale, zero, self.bits, self.group)
+            else:  # decoded in float32, un-rotated, then cast once to the model's dtype
+                rotated = out.new_empty(B, nkv, q, hs, dtype=torch.float32)
+                axis.decode_into(rotated, codes, scale, zero, self.bits, self.group)
+                out[:, :, s:s + q] = self.rotation.unrotate(rotated)
         return keys, values
 
     def crop(self, length: int) -> None:
@@ -327,8 +347,10 @@ class Fp8Cache(KVCache):
     """Keys and values stored as float8 (e4m3 or e5m2) over a float32 scale."""
 
     def __init__(self, shape, batch: int, device, dtype: torch.dtype, *, fmt: str,
-                 per_head: bool, calibrate: bool):
+                 per_head: bool, calibrate: bool, rotate: bool = False):
+        check_head_dim(fmt, {"rotate": rotate}, shape.head_size)
         self.shape, self.batch, self.device, self.dtype = shape, batch, device, dtype
+        self.rotation = Rotation(shape.head_size, device) if rotate else None
         self.store = FP8_DTYPES[fmt]
         self.max = fp8_range(self.store)
         # Every float8 value by its bits: a lookup reads them twice as fast as a cast.
@@ -339,7 +361,7 @@ class Fp8Cache(KVCache):
     @classmethod
     def build(cls, spec, shape, *, max_len: int, batch: int, device, dtype, whole: bool):
         return cls(shape, batch, device, dtype, fmt=spec.kind, per_head=spec["scale"] == "head",
-                   calibrate=spec["init"] == "calib")
+                   calibrate=spec["init"] == "calib", rotate=bool(spec["rotate"]))
 
     def reset(self) -> None:
         c = self.shape
@@ -369,6 +391,8 @@ class Fp8Cache(KVCache):
         if isinstance(start_pos, Tensor) or start_pos != self.k[layer].size(2):
             raise ValueError(f"a quantised cache appends: layer {layer} holds "
                              f"{self.k[layer].size(2)} positions, asked to write at {start_pos}")
+        if self.rotation is not None:  # the scales then fit the rotated numbers
+            k, v = self.rotation.rotate(k), self.rotation.rotate(v)
         if self.calibrate and start_pos == 0:  # the prompt sets the scales
             self._calibrate(layer, 0, k)
             self._calibrate(layer, 1, v)
@@ -380,7 +404,10 @@ class Fp8Cache(KVCache):
 
     def _decode(self, layer: int, which: int, x: Tensor) -> Tensor:
         values = self.table.take(x.view(torch.uint8).long())  # (B, nkv, S, hs) float32
-        return (values * self.scales[layer, which][:, :, None, None]).to(self.dtype)
+        values = values * self.scales[layer, which][:, :, None, None]
+        if self.rotation is not None:
+            values = self.rotation.unrotate(values)
+        return values.to(self.dtype)
 
     def crop(self, length: int) -> None:
         if not 0 <= length <= self.length:

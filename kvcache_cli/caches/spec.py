@@ -7,13 +7,14 @@ same mistakes the same way. A spec is a kind's name, then its fields, colon-sepa
     static                  the exact cache, every position kept (alias: full)
     concat                  the exact cache, appended with torch.cat
     paged[:bN]              blocks of N tokens in a pool (vLLM), N = 16 unless given
-    int8[:gN][:kchan|ktok][:rN][:sN]    integer codes, affine per group of N (default 32),
-    int4[...], int2[...]                keys per channel (kchan) or per token (ktok), the
-                                        newest rN tokens and the first sN at full
-                                        precision; int8 = int8:g32:ktok:r0,
+    int8[:gN][:kchan|ktok][:rN][:sN][:rot]  integer codes, affine per group of N (default
+    int4[...], int2[...]                32), keys per channel (kchan) or per token (ktok),
+                                        the newest rN tokens and the first sN at full
+                                        precision, rot: Hadamard-rotated before rounding;
+                                        int8 = int8:g32:ktok:r0,
                                         int4 = int4:g32:kchan:r128, int2 likewise
-    fp8-e4m3[:tensor|head][:one|calib]  float8 over a scale per tensor or per head, 1.0
-    fp8-e5m2[...]                       or calibrated on the prompt (alias fp8 = e4m3)
+    fp8-e4m3[:tensor|head][:one|calib][:rot]  float8 over a scale per tensor or per head,
+    fp8-e5m2[...]                       1.0 or calibrated on the prompt (alias fp8 = e4m3)
     paged-int8[:bN], paged-int4[:bN], paged-fp8[:bN]   serve's pool, quantised blocks
     quanto-int4[:gN][:rN], quanto-int2[...]   the peer: transformers' QuantizedCache
                                         (quanto backend), default g64:r128
@@ -29,6 +30,9 @@ same mistakes the same way. A spec is a kind's name, then its fields, colon-sepa
                                        L2 norm (kvpress's KnormPress)
     recent:B[:sN][:pyramid]            the prompt compressed once to its B newest keys
                                        (the first N kept too, as sinks; default s0)
+    ...[:text|rerotate]     a bounded kind's rotary positions: a kept key keeps its
+                            position in the text (text, the default), or takes its place
+                            in the cache, re-rotated (rerotate: StreamingLLM's choice)
 
 Each kind declares what it is (help text, grammar), how many bytes a layer holds for a
 sequence of n tokens, and what it supports (a paged pool, rollback, a compiled step);
@@ -170,6 +174,8 @@ def _int_parser(bits: int) -> Parse:
         for f in fields:
             if f in ("kchan", "ktok"):
                 what, value = "keys", f
+            elif f == "rot":
+                what, value = "rotate", 1
             elif f[:1] in ("g", "r", "s") and f[1:]:
                 what = {"g": "group", "r": "residual", "s": "sinks"}[f[0]]
                 low = 2 if what == "group" else 0
@@ -179,16 +185,22 @@ def _int_parser(bits: int) -> Parse:
                 raise CacheSpecError(
                     f"cache spec {spec!r}: unknown field {f!r}; expected gN (group size), "
                     f"kchan or ktok (keys per channel or per token), rN (residual tokens), "
-                    f"sN (sink tokens), e.g. int{bits}:g32:kchan:r128")
+                    f"sN (sink tokens), rot (a Hadamard rotation), e.g. "
+                    f"int{bits}:g32:kchan:r128")
             _give_once(spec, given, what, value)
         return {"bits": bits, "group": 32, "keys": keys, "residual": residual, "sinks": 0,
-                **given}
+                "rotate": 0, **given}
     return parse
 
 
 def _int_spell(p: dict) -> str:
     sinks = f":s{p['sinks']}" if p["sinks"] else ""
-    return f"int{p['bits']}:g{p['group']}:{p['keys']}:r{p['residual']}{sinks}"
+    return f"int{p['bits']}:g{p['group']}:{p['keys']}:r{p['residual']}{sinks}{_rot(p)}"
+
+
+def _rot(p: dict) -> str:
+    """The rotation's field as spelled: absent when off (the default)."""
+    return ":rot" if p["rotate"] else ""
 
 
 def quantised_split(p: dict, tokens: int) -> tuple[int, int]:
@@ -212,14 +224,15 @@ def _int_bytes(p: dict, tokens: int, kv_heads: int, head_dim: int, element: int)
 def _fp8_parse(spec: str, fields: tuple[str, ...]) -> dict:
     given: dict = {}
     for f in fields:
-        what = {"tensor": "scale", "head": "scale", "one": "init", "calib": "init"}.get(f)
+        what = {"tensor": "scale", "head": "scale", "one": "init", "calib": "init",
+                "rot": "rotate"}.get(f)
         if what is None:
             raise CacheSpecError(
                 f"cache spec {spec!r}: unknown field {f!r}; expected tensor or head (one "
-                f"scale per tensor or per head) and one or calib (scale 1.0 or calibrated "
-                f"on the prompt), e.g. fp8-e4m3:head:calib")
-        _give_once(spec, given, what, f)
-    return {"scale": "tensor", "init": "one", **given}
+                f"scale per tensor or per head), one or calib (scale 1.0 or calibrated "
+                f"on the prompt) and rot (a Hadamard rotation), e.g. fp8-e4m3:head:calib")
+        _give_once(spec, given, what, 1 if what == "rotate" else f)
+    return {"scale": "tensor", "init": "one", "rotate": 0, **given}
 
 
 def _fp8_bytes(p: dict, tokens: int, kv_heads: int, head_dim: int, element: int) -> int:
@@ -266,13 +279,18 @@ def _quanto_bytes(p: dict, tokens: int, kv_heads: int, head_dim: int, element: i
 
 
 def check_head_dim(spec: str, params: dict, head_dim: int) -> None:
-    """Refuse a quantised spec whose groups or packing do not fit heads `head_dim` wide."""
+    """Refuse a quantised spec whose groups, packing or rotation do not fit heads
+    `head_dim` wide."""
     group, bits = params.get("group"), params.get("bits")
     if group is not None and head_dim % group:
         fits = [g for g in (16, 32, 64, 128) if head_dim % g == 0]
         hint = f"; try g{fits[-1]}" if fits else ""
         raise CacheSpecError(f"cache spec {spec!r}: group size {group} does not divide the "
                              f"head width {head_dim}{hint}")
+    if params.get("rotate") and head_dim & (head_dim - 1):
+        raise CacheSpecError(f"cache spec {spec!r}: rot needs a head width that is a power "
+                             f"of two (a Sylvester-Hadamard matrix), not {head_dim}; drop "
+                             f":rot for this model")
     if bits is not None and head_dim * bits % 8:
         raise CacheSpecError(f"cache spec {spec!r}: {bits}-bit codes of a {head_dim}-wide head "
                              f"do not fill whole bytes (the head width must be a multiple of "
@@ -289,8 +307,9 @@ def _int_kind(bits: int) -> CacheKind:
     return CacheKind(
         name=f"int{bits}",
         summary=f"{bits}-bit integer codes, affine per group (float16 scale and zero); "
-                f"keys per channel or token, a full-precision residual (KIVI)",
-        grammar=f"int{bits}[:gN][:kchan|ktok][:rN][:sN] (default "
+                f"keys per channel or token, a full-precision residual (KIVI); rot: "
+                f"Hadamard-rotated first (llama.cpp)",
+        grammar=f"int{bits}[:gN][:kchan|ktok][:rN][:sN][:rot] (default "
                 f"int{bits}:g32:{keys}:r{residual})",
         factory="kvcache_cli.caches.quantized:QuantizedCache",
         parse=_int_parser(bits),
@@ -309,8 +328,9 @@ def _fp8_kind(fmt: str, aliases: tuple[str, ...] = ()) -> CacheKind:
     return CacheKind(
         name=fmt,
         summary=f"float8 {fmt[4:]} codes over a float32 scale per tensor or head, 1.0 or "
-                f"calibrated on the prompt; saturation counted (vLLM's fp8 cache)",
-        grammar=f"{fmt}[:tensor|head][:one|calib]",
+                f"calibrated on the prompt; saturation counted (vLLM's fp8 cache); rot: "
+                f"Hadamard-rotated first",
+        grammar=f"{fmt}[:tensor|head][:one|calib][:rot]",
         factory="kvcache_cli.caches.quantized:Fp8Cache",
         parse=_fp8_parse,
         layer_bytes=_fp8_bytes,
@@ -319,7 +339,7 @@ def _fp8_kind(fmt: str, aliases: tuple[str, ...] = ()) -> CacheKind:
         rollback_bytes="none at the crop (views); the next append copies the kept "
                        "codes, as every append does",
         aliases=aliases,
-        spell=lambda p: f"{fmt}:{p['scale']}:{p['init']}",
+        spell=lambda p: f"{fmt}:{p['scale']}:{p['init']}{_rot(p)}",
     )
 
 
@@ -402,9 +422,40 @@ def _parse_h2o(spec: str, fields: tuple[str, ...]) -> dict:
     return {"heavy": heavy, "recent": recent}
 
 
+# A bounded kind's rotary position policy (`kvcache_cli.caches.bounded` says what each is).
+POSITION_POLICIES = ("text", "rerotate")
+
+
+def _with_positions(parse: Parse) -> Parse:
+    """A bounded kind's parser that also takes `text` or `rerotate`, anywhere, once."""
+    def parsed(spec: str, fields: tuple[str, ...]) -> dict:
+        chosen = [f for f in fields if f in POSITION_POLICIES]
+        if len(chosen) > 1:
+            raise CacheSpecError(f"cache spec {spec!r}: positions given twice ({chosen[0]}, "
+                                 f"{chosen[1]}); expected text or rerotate, once")
+        params = parse(spec, tuple(f for f in fields if f not in POSITION_POLICIES))
+        return {**params, "positions": chosen[0] if chosen else "text"}
+    return parsed
+
+
+def _positions(params: dict) -> str:
+    """The policy's field as spelled: absent for text (the default)."""
+    return "" if params["positions"] == "text" else f":{params['positions']}"
+
+
+def _check_evicts(spec: str, kind: CacheKind, fields: tuple[str, ...]) -> None:
+    """Refuse a position policy on a kind that keeps every key where the text put it."""
+    policy = next((f for f in fields if f in POSITION_POLICIES), None)
+    if policy is not None and not kind.bounded:
+        raise CacheSpecError(
+            f"cache spec {spec!r}: a rotary position policy ({policy}) is for a cache that "
+            f"evicts (window, sink, h2o); {kind.name} keeps every key at its position in "
+            f"the text")
+
+
 def _held(params: dict) -> int:
     """The most positions a bounded kind holds."""
-    return sum(params.values())
+    return sum(n for name, n in params.items() if name != "positions")
 
 
 def _bounded_bytes(params: dict, tokens: int, kv_heads: int, head_dim: int, element: int
@@ -648,46 +699,49 @@ KINDS: dict[str, CacheKind] = {
         CacheKind(
             name="window",
             summary="the W newest positions in a ring of W slots (Mistral's rolling "
-                    "buffer); keys keep their absolute positions; kN: N spare slots a "
-                    "crop can reach back into",
-            grammar="window:W[:kN]",
+                    "buffer); keys keep their text positions (rerotate: the same, "
+                    "without sinks); kN: N spare slots a crop can reach back into",
+            grammar="window:W[:kN][:text|rerotate]",
             factory="kvcache_cli.caches.bounded:RingCache",
-            parse=_parse_window,
+            parse=_with_positions(_parse_window),
             layer_bytes=_bounded_bytes,
             exact=False, bounded=True, pages=False, compiles=False,
             rollback=_RING_ROLLBACK,
             rollback_bytes=_RING_ROLLBACK_BYTES,
-            spell=lambda p: f"window:{p['window']}" + (f":k{p['spare']}" if p["spare"] else ""),
+            spell=lambda p: (f"window:{p['window']}" + (f":k{p['spare']}" if p["spare"] else "")
+                             + _positions(p)),
             budget=_held,
         ),
         CacheKind(
             name="sink",
             summary="the first S positions for good, then the W newest in a ring "
-                    "(StreamingLLM's attention sinks)",
-            grammar="sink:S+W[:kN]",
+                    "(StreamingLLM's attention sinks); rerotate: rotary keys at their "
+                    "places in the cache",
+            grammar="sink:S+W[:kN][:text|rerotate]",
             factory="kvcache_cli.caches.bounded:RingCache",
-            parse=_parse_sink,
+            parse=_with_positions(_parse_sink),
             layer_bytes=_bounded_bytes,
             exact=False, bounded=True, pages=False, compiles=False,
             rollback=_RING_ROLLBACK,
             rollback_bytes=_RING_ROLLBACK_BYTES,
             spell=lambda p: (f"sink:{p['sinks']}+{p['window']}"
-                             + (f":k{p['spare']}" if p["spare"] else "")),
+                             + (f":k{p['spare']}" if p["spare"] else "") + _positions(p)),
             budget=_held,
         ),
         CacheKind(
             name="h2o",
             summary="per layer and head, the H positions with the most attention so far "
-                    "plus the W newest (H2O); attention computes explicit weights",
-            grammar="h2o:H+W",
+                    "plus the W newest (H2O); attention computes explicit weights; "
+                    "rerotate: rotary keys at their places",
+            grammar="h2o:H+W[:text|rerotate]",
             factory="kvcache_cli.caches.bounded:HeavyHitterCache",
-            parse=_parse_h2o,
+            parse=_with_positions(_parse_h2o),
             layer_bytes=_h2o_bytes,
             exact=False, bounded=True, pages=False, compiles=False,
             # It cannot: the attention later tokens drew is summed into the scores, and the
             # evictions those scores decided cannot be taken back (crop refuses, one line).
             rollback="",
-            spell=lambda p: f"h2o:{p['heavy']}+{p['recent']}",
+            spell=lambda p: f"h2o:{p['heavy']}+{p['recent']}{_positions(p)}",
             budget=_held,
         ),
         _compressed_kind(
@@ -725,6 +779,7 @@ def parse_cache_spec(text: str) -> CacheSpec:
         raise CacheSpecError(
             f"unknown cache {spec!r}: expected one of {', '.join(KINDS)}{hint}")
     kind = KINDS[key]
+    _check_evicts(spec, kind, tuple(f.lower() for f in fields))
     params = kind.parse(spec, tuple(f.lower() for f in fields))
     return CacheSpec(kind.name, tuple(params.items()), kind.canonical(params), spec)
 

@@ -67,7 +67,9 @@ class LlamaConfig:
 
     @property
     def cache_shape(self) -> CacheShape:
-        return CacheShape(self.n_layer, self.n_kv_head, self.head_size, self.context)
+        # The rotation too: a bounded cache under `:rerotate` moves kept keys with it.
+        return CacheShape(self.n_layer, self.n_kv_head, self.head_size, self.context,
+                          rope=RopeShift(self.head_size, self.rope_theta))
 
     def param_count(self) -> int:
         """Parameters of a Llama of this shape (a tied head counted once)."""
@@ -129,6 +131,27 @@ class Rotary(nn.Module):
         half = x.size(-1) // 2
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)  # rotate_half
         return x * cos + rotated * sin
+
+
+@dataclass(frozen=True)
+class RopeShift:
+    """`Rotary`'s rotation by any positions, as a cache that moves kept keys calls it
+    (`caches.base.Rope`): angles computed from the positions given, not read from the
+    table, so a shift can be negative or past the context. The rotation of p then d is
+    that of p + d up to float32 rounding of the angles (about 1e-6 of a key)."""
+
+    head_size: int
+    theta: float
+
+    def rotate(self, x: Tensor, positions: Tensor) -> Tensor:
+        """x (..., S, hs) rotated by positions broadcastable to x.shape[:-1]."""
+        hs = self.head_size
+        inv_freq = 1.0 / (self.theta ** (torch.arange(0, hs, 2, device=x.device).float() / hs))
+        angles = positions.float()[..., None] * inv_freq  # (..., hs/2)
+        angles = torch.cat([angles, angles], dim=-1)  # (..., hs)
+        half = hs // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)  # rotate_half
+        return (x.float() * angles.cos() + rotated.float() * angles.sin()).to(x.dtype)
 
 
 class LlamaAttention(nn.Module):
