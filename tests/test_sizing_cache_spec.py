@@ -79,8 +79,8 @@ def test_size_shows_the_parts_and_what_fits():
 
 
 @pytest.mark.parametrize("args, message", [
-    (("--cache", "int4:g48"), "error: cache spec 'int4:g48:kchan:r128': group size 48 does "
-                              "not divide the head width 128"),
+    (("--cache", "int4:g48"), "error: cache spec 'int4:g48': group size 48 does not "
+                              "divide the head width 128"),
     (("--cache", "int4:q8"), "unknown field 'q8'"),
     (("--dtype", "fp16", "--residual", "64"), "expected --dtype int8 or int4, got 'fp16'"),
     (("--cache", "int8", "--tp", "2"), "--tp is not counted for a cache spec"),

@@ -75,7 +75,7 @@ def test_a_range_with_no_value_says_so_rather_than_from_1_to_0():
 # --- every numeric field of every cache kind -------------------------------------------
 
 # A value each placeholder of a grammar parses with, when another is the one tried.
-FILL = {"N": "16", "W": "252", "S": "4", "H": "128"}
+FILL = {"N": "16", "W": "252", "S": "4", "H": "128", "B": "256"}
 
 
 def numeric_fields(kind) -> list[str]:
@@ -83,11 +83,11 @@ def numeric_fields(kind) -> list[str]:
     placeholder of the kind's grammar in turn, the others filled in."""
     grammar = kind.grammar.split(" (")[0]
     templates = []
-    for i, m in enumerate(re.finditer(r"[NWSH]\b", grammar)):
+    for i, m in enumerate(re.finditer(r"[NWSHB]\b", grammar)):
         text = grammar[:m.start()] + "\0" + grammar[m.end():]
         # Keep the optional group holding the placeholder tried; drop the others.
         text = re.sub(r"\[([^\]]*)\]", lambda g: g[1] if "\0" in g[1] else "", text)
-        text = re.sub(r"[NWSH]\b", lambda p: FILL[p[0]], text).replace("\0", "{}")
+        text = re.sub(r"[NWSHB]\b", lambda p: FILL[p[0]], text).replace("\0", "{}")
         templates.append(text)
         assert i < 8
     return templates

@@ -493,17 +493,16 @@ POSITION_BYTES = 8
 
 def _budget(spec: str, text: str) -> int | float:
     """'256' -> 256 tokens; '0.25' -> a share of the prompt; CacheSpecError otherwise."""
+    from kvcache_cli import numbers
+
     if "." in text:
-        try:
-            ratio = float(text)
-        except ValueError:
-            ratio = None
+        ratio = float(text) if numbers.is_decimal(text) else None  # ASCII digits only
         if ratio is None or not 0 < ratio <= 1:
             raise CacheSpecError(f"cache spec {spec!r}: ratio {text!r} is outside (0, 1]; "
                                  "expected a share of the prompt's keys such as 0.25, or a "
                                  "whole number of tokens such as 256")
         return ratio
-    if text.isdigit() and int(text) == 0:
+    if numbers.is_whole(text) and int(text) == 0:
         raise CacheSpecError(f"cache spec {spec!r}: a budget of 0 keeps no key; expected a "
                              "whole number of tokens from 1 (e.g. 256) or a ratio in (0, 1]")
     return whole_number(spec, "budget", text)

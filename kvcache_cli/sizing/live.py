@@ -98,12 +98,16 @@ class LiveKinds:
 
 
 def default_specs(context: int) -> list[str]:
-    """Every kind's default spelling; the bounded ones at BOUNDED_BUDGET positions."""
+    """Every kind's default spelling; the bounded and compressing ones at BOUNDED_BUDGET
+    positions."""
     from kvcache_cli.caches.spec import KINDS
 
     budget = min(BOUNDED_BUDGET, context)
+    # The prompt-compressing kinds keep the same budget of the prompt's keys.
     bounded = {"window": f"window:{budget}", "sink": f"sink:{SINKS}+{budget - SINKS}",
-               "h2o": f"h2o:{budget // 4}+{budget - budget // 4}"}
+               "h2o": f"h2o:{budget // 4}+{budget - budget // 4}",
+               "snapkv": f"snapkv:{budget}", "knorm": f"knorm:{budget}",
+               "recent": f"recent:{budget}"}
     return [bounded.get(name, name) for name in KINDS if name not in LEFT_OUT]
 
 
