@@ -493,8 +493,6 @@ POSITION_BYTES = 8
 
 def _budget(spec: str, text: str) -> int | float:
     """'256' -> 256 tokens; '0.25' -> a share of the prompt; CacheSpecError otherwise."""
-    from kvcache_cli import numbers
-
     if "." in text:
         ratio = float(text) if numbers.is_decimal(text) else None  # ASCII digits only
         if ratio is None or not 0 < ratio <= 1:
