@@ -71,15 +71,20 @@ def _rope_of(spec, shape) -> Rope | None:
     return shape.rope
 
 
-def _check_sequential(cache, layer: int, start_pos, length: int) -> int:
-    """The step's first position: bounded caches write positions in order, one row."""
+def _check_step(cache, layer: int, start_pos, T: int) -> tuple[int, int]:
+    """The step's first position and the one past its last: bounded caches write positions
+    in order, one row, and no further than the `max_len` they were built for."""
     if isinstance(start_pos, Tensor):
         raise ValueError(f"{cache.name} keeps one position per slot for every row: rows at "
                          "different positions (serve's batches) need a paged or static cache")
-    if layer == 0 and start_pos != length:
-        raise ValueError(f"{cache.name} writes positions in order: expected position {length}, "
-                         f"got {start_pos} (crop first to rewrite)")
-    return start_pos
+    if layer == 0 and start_pos != cache.length:
+        raise ValueError(f"{cache.name} writes positions in order: expected position "
+                         f"{cache.length}, got {start_pos} (crop first to rewrite)")
+    end = start_pos + T
+    if end > cache.max_len:
+        raise IndexError(f"position {end - 1} past the {cache.name} cache's max_len "
+                         f"{cache.max_len}")
+    return start_pos, end
 
 
 class RingCache(KVCache):
@@ -145,12 +150,8 @@ class RingCache(KVCache):
         return max(0, self.length - self.sinks - self.ring)
 
     def update(self, layer: int, start_pos: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        start = _check_sequential(self, layer, start_pos, self.length)
         T = k.size(2)
-        end = start + T
-        if end > self.max_len:
-            raise IndexError(f"position {end - 1} past the {self.name} cache's max_len "
-                             f"{self.max_len}")
+        start, end = _check_step(self, layer, start_pos, T)
         filled = min(start, self.slots)  # slots in use before this step
         if layer == 0:
             self.length = end
@@ -276,12 +277,8 @@ class HeavyHitterCache(KVCache):
         return max(0, self.length - self.slots)
 
     def update(self, layer: int, start_pos: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        start = _check_sequential(self, layer, start_pos, self.length)
         B, nkv, T, hs = k.shape
-        end = start + T
-        if end > self.max_len:
-            raise IndexError(f"position {end - 1} past the {self.name} cache's max_len "
-                             f"{self.max_len}")
+        start, end = _check_step(self, layer, start_pos, T)
         filled = self.filled if layer == 0 else self._filled_before
         if layer == 0:
             self._filled_before = filled

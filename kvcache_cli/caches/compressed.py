@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kvcache_cli.caches.base import KVCache, RollbackError, nbytes
-from kvcache_cli.caches.bounded import _check_sequential
+from kvcache_cli.caches.bounded import _check_step
 from kvcache_cli.caches.spec import layer_budgets
 
 
@@ -87,12 +87,8 @@ class PromptCompressedCache(KVCache):
         self.wants_attention = self.needs_weights  # until the last layer has compressed
 
     def update(self, layer: int, start_pos: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        start = _check_sequential(self, layer, start_pos, self.length)
         T = k.size(2)
-        end = start + T
-        if end > self.max_len:
-            raise IndexError(f"position {end - 1} past the {self.name} cache's max_len "
-                             f"{self.max_len}")
+        start, end = _check_step(self, layer, start_pos, T)
         if layer == 0:
             self.length = end
         if start == 0:
