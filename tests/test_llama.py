@@ -270,3 +270,19 @@ def test_a_llama_folder_with_what_the_model_cannot_run_is_refused(tmp_path):
     (tmp_path / "tokenizer.json").write_text("{}")
     with pytest.raises(ValueError, match="rope scaling"):
         model_config(str(tmp_path))
+
+
+def test_llama_cpp_on_the_models_own_gguf_needs_a_model_read_from_one(no_model_loads):
+    from typer.testing import CliRunner
+
+    from kvcache_cli.cli import app
+
+    pytest.importorskip("llama_cpp", reason="needs the llama extra")
+    # refused before any weights load
+    out = CliRunner().invoke(app, ["bench", "-m", "stdlib-bytes", "--modes",
+                                   "static,llama.cpp-gguf", "--repeats", "1",
+                                   "--new-tokens", "4", "--prompt-len", "4"])
+    assert out.exit_code == 2
+    assert out.output == ("error: mode 'llama.cpp-gguf' runs the GGUF file the model was read "
+                          "from, and 'stdlib-bytes' was not read from one: expected -m smollm2 "
+                          "or a .gguf\n")

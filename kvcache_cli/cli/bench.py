@@ -110,6 +110,7 @@ def bench(
             check_cache_for(spec, model)  # a window past the context, before the weights
     check_weights_dtype(weights_dtype, model, str(dev))
     _check_heads(modes, model)
+    _check_own_gguf(mode_names, model)
     _check_config(ctx, model, mode_names, prompt_len, new_tokens, repeats, threads,
                   naive_samples)
     try:
@@ -320,6 +321,22 @@ def _check_heads(modes: str, model: str) -> None:
         fail(str(err))
 
 
+def _check_own_gguf(mode_names: list[str], model: str) -> None:
+    """llama.cpp-gguf runs the file the model was read from: refused, before the weights
+    load, for a model that was not read from a GGUF."""
+    from kvcache_cli.models import model_config
+
+    if "llama.cpp-gguf" not in mode_names:
+        return
+    try:
+        source = getattr(model_config(model), "gguf", None)
+    except ValueError:
+        return  # not a model: the loader says so in its own words
+    if source is None:
+        fail(f"mode 'llama.cpp-gguf' runs the GGUF file the model was read from, and "
+             f"{model!r} was not read from one: expected -m smollm2 or a .gguf")
+
+
 @contextlib.contextmanager
 def _progress():
     """A bar on stderr while the run lasts, and a line per finished run off a terminal.
@@ -352,5 +369,8 @@ def _progress():
         if not err_console.is_terminal:
             typer.echo(f"{label}: {tokens_per_s:.1f} tokens/s", err=True)
 
+    if not err_console.is_terminal:  # no bar to draw: rich would still end it with a newline
+        yield (lambda label, done, total: None), on_finished
+        return
     with progress:
         yield on_progress, on_finished
