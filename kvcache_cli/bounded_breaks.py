@@ -122,7 +122,7 @@ def run_bounded_break(name: str, model: GPT, prompt_ids: list[int] | None = None
         fix_spec, window, sinks = f"window:{W}", W, 0
         bug = SlotMaskedRing if name == "ring-mask" else LateRing
         fix = make_cache(fix_spec, model, n)
-        broken = bug(model.config, 0, W, n, 1, model.device, model.dtype, f"window:{W}")
+        broken = bug(model.config.cache_shape, 0, W, n, 1, model.device, model.dtype, f"window:{W}")
 
     def greedy(logits: Tensor) -> Tensor:
         return logits.argmax(dim=-1)
@@ -144,7 +144,8 @@ def run_bounded_break(name: str, model: GPT, prompt_ids: list[int] | None = None
     if name == "evict-sink":
         again = make_cache(f"window:{W}", model, n)
     else:
-        again = type(broken)(model.config, 0, W, n, 1, model.device, model.dtype, f"window:{W}")
+        again = type(broken)(model.config.cache_shape, 0, W, n, 1, model.device, model.dtype,
+                             f"window:{W}")
     spoiled = _forced(model, again, text, len(prompt))
     return BoundedBreakResult(
         name=name, bug=BOUNDED_BREAKS[name], mode=fix_spec, prompt_ids=tuple(prompt),
