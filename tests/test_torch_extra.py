@@ -30,8 +30,11 @@ def invoke(*args: str):
 
 @pytest.mark.parametrize("args, missing, names", [
     (["generate", "--ids", "1,2"], ["torch"], "kvcache generate needs torch, which is"),
-    (["generate", "hello"], ["tiktoken"], "kvcache generate needs tiktoken, which is"),
-    (["generate", "hello"], ["torch", "tiktoken"], "needs torch and tiktoken, which are"),
+    # GPT-2's BPE is tiktoken's (SmolLM2, the default where installed, reads its own file)
+    (["generate", "-m", "gpt2", "hello"], ["tiktoken"],
+     "kvcache generate needs tiktoken, which is"),
+    (["generate", "-m", "gpt2", "hello"], ["torch", "tiktoken"],
+     "needs torch and tiktoken, which are"),
     (["bench", "--device", "cpu"], ["transformers"], "kvcache bench needs transformers"),
     (["bench"], ["torch", "safetensors"], "kvcache bench needs torch and safetensors"),
     (["serve", "--device", "cpu"], ["torch"], "kvcache serve needs torch, which is"),

@@ -38,6 +38,8 @@ def tokenizer_name(name_or_path: str) -> str:
             return model_config(name_or_path).tokenizer
         except ValueError:
             return "gpt2"  # the loader refuses it in its own words
+        except ImportError:  # a GGUF is converted with torch: its command says torch is missing
+            return "file:"
 
     directory = shipped_dir(name_or_path) or Path(name_or_path)
     if not (directory / "config.json").is_file():

@@ -50,7 +50,7 @@ COMMANDS = {
     "serve": _Command("serve", "serve",
                       "Serve a workload: paged + continuous batching, and others."),
     "generate": _Command("generate", "generate",
-                         "Generate with GPT-2 and its KV cache, streaming tokens."),
+                         "Generate with a model and its KV cache, streaming tokens."),
     "eval": _Command("eval", "eval_",
                      "Score caches against the exact one: perplexity, KL, bytes."),
 }
