@@ -32,6 +32,7 @@ from kvcache_cli.generate import (
     _Diff,
     _steps,
     check_request,
+    compared,
 )
 from kvcache_cli.gpt2 import GPT
 
@@ -149,10 +150,7 @@ def run_bounded_break(name: str, model: GPT, prompt_ids: list[int] | None = None
     spoiled = _forced(model, again, text, len(prompt))
     return BoundedBreakResult(
         name=name, bug=BOUNDED_BREAKS[name], mode=fix_spec, prompt_ids=tuple(prompt),
-        earlier_ids=(), correct=tuple(diff.a), broken=tuple(diff.b),
-        first_divergence=diff.first, max_logit_diff=max(diff.gaps),
-        step_logit_diff=tuple(diff.gaps), naive_logit_diff=max(control.gaps),
-        max_abs_logit=control.scale, naive_agrees=control.first is None,
+        earlier_ids=(), **compared(diff, control),
         budget=W, first_wrong_step=wrong,
         kl_fix=_mean_kl(full, fixed, W), kl_broken=_mean_kl(full, spoiled, W),
     )

@@ -358,15 +358,16 @@ def run_break(
         mode=mode,
         prompt_ids=tuple(prompt),
         earlier_ids=used,
-        correct=tuple(bug.a),
-        broken=tuple(bug.b),
-        first_divergence=bug.first,
-        max_logit_diff=max(bug.gaps),
-        step_logit_diff=tuple(bug.gaps),
-        naive_logit_diff=max(control.gaps),
-        max_abs_logit=control.scale,
-        naive_agrees=control.first is None,
+        **compared(bug, control),
     )
+
+
+def compared(bug: _Diff, control: _Diff) -> dict:
+    """The fields every break's result takes from its two comparisons (`side_by_side`)."""
+    return dict(correct=tuple(bug.a), broken=tuple(bug.b), first_divergence=bug.first,
+                max_logit_diff=max(bug.gaps), step_logit_diff=tuple(bug.gaps),
+                naive_logit_diff=max(control.gaps), max_abs_logit=control.scale,
+                naive_agrees=control.first is None)
 
 
 def side_by_side(model: GPT, prompt: list[int], correct: Iterator[tuple[int, Tensor]],

@@ -379,12 +379,12 @@ class GPT(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.transformer.wte.weight.device
+        return self.embedding.weight.device
 
     @property
     def dtype(self) -> torch.dtype:
         """Activations' and the cache's; the products' matrices may differ (weights_format)."""
-        return self.transformer.wte.weight.dtype
+        return self.embedding.weight.dtype
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())  # tied weights counted once

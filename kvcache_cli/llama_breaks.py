@@ -41,6 +41,7 @@ from kvcache_cli.generate import (
     _greedy,
     _steps,
     check_request,
+    compared,
     encoding_for,
     side_by_side,
 )
@@ -196,10 +197,7 @@ def run_llama_break(name: str, model, max_new_tokens: int = 24,
     bug, control = side_by_side(model, prompt, correct, broken)
     return LlamaBreakResult(
         name=name, bug=LLAMA_BREAKS[name], mode=mode, prompt_ids=tuple(prompt),
-        earlier_ids=(), correct=tuple(bug.a), broken=tuple(bug.b),
-        first_divergence=bug.first, max_logit_diff=max(bug.gaps),
-        step_logit_diff=tuple(bug.gaps), naive_logit_diff=max(control.gaps),
-        max_abs_logit=control.scale, naive_agrees=control.first is None,
+        earlier_ids=(), **compared(bug, control),
         kv_heads=model.config.n_kv_head, broken_kv_heads=broken_model.config.n_kv_head,
         tokens_held=correct_cache.length, bytes_held=correct_cache.bytes_held,
         broken_bytes_held=broken_cache.bytes_held,

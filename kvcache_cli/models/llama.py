@@ -270,11 +270,11 @@ class Llama(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.model.embed_tokens.weight.device
+        return self.embedding.weight.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.model.embed_tokens.weight.dtype
+        return self.embedding.weight.dtype
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())  # tied weights counted once

@@ -112,16 +112,7 @@ def _hf_config(folder: Path) -> LlamaConfig:
     tokenizer = folder / "tokenizer.json"
     if not tokenizer.is_file():
         raise ValueError(f"no tokenizer.json in {folder}; expected the model's tokenizer")
-    template = None
-    for name in ("chat_template.jinja", "tokenizer_config.json"):
-        path = folder / name
-        if path.is_file() and path.stat().st_size < 2**20:
-            text = path.read_text(encoding="utf-8", errors="replace")
-            template = text if name.endswith(".jinja") else json.loads(text).get(
-                "chat_template") if text.strip().startswith("{") else None
-            if isinstance(template, str):
-                break
-            template = None
+    template = _chat_template(folder)
     return LlamaConfig(
         n_layer=number("num_hidden_layers", 1000), n_head=n_head,
         n_kv_head=number("num_key_value_heads", 1024, n_head),
@@ -135,6 +126,24 @@ def _hf_config(folder: Path) -> LlamaConfig:
         tokenizer=f"file:{tokenizer}", chat_template=template,
         bos_id=raw.get("bos_token_id"), eos_ids=eos_ids, name=folder.name,
     )
+
+
+def _chat_template(folder: Path) -> str | None:
+    """A folder's chat template: chat_template.jinja, else tokenizer_config.json's entry
+    (read as config.json is, size-capped; a broken one is refused in one line)."""
+    from kvcache_cli.sizing.config import ConfigError, load_config
+
+    jinja = folder / "chat_template.jinja"
+    if jinja.is_file() and jinja.stat().st_size < 2**20:
+        return jinja.read_text(encoding="utf-8", errors="replace")
+    if not (folder / "tokenizer_config.json").is_file():
+        return None
+    try:
+        template = load_config(folder / "tokenizer_config.json").get("chat_template")
+    except (ConfigError, AttributeError) as err:
+        raise ValueError(str(err) if isinstance(err, ConfigError) else
+                         f"{folder / 'tokenizer_config.json'}: not a JSON object") from None
+    return template if isinstance(template, str) else None
 
 
 def _hub_folder(repo: str) -> Path:
