@@ -184,23 +184,62 @@ def _cat(a: Tensor, b: Tensor) -> Tensor:
 # ---------------------------------------------------------------------------- integer
 
 
+class _Rows:
+    """A (B, nkv, n, width) tensor that grows along its rows in place: the capacity
+    doubles when full, so appending a token copies that token and not the history (a
+    torch.cat of the codes copied all of them at every step). `t` is the filled part, a
+    view; crop keeps the storage and forgets the rows past the cut."""
+
+    def __init__(self, B: int, nkv: int, width: int, device, dtype):
+        self.buf = torch.empty(B, nkv, 0, width, device=device, dtype=dtype)  # (B, nkv, cap, w)
+        self.n = 0
+
+    @property
+    def t(self) -> Tensor:
+        return self.buf[:, :, :self.n]  # (B, nkv, n, width)
+
+    def append(self, x: Tensor) -> int:
+        """Write x (B, nkv, T, width) after the filled rows; the bytes this moved."""
+        need, moved = self.n + x.size(2), nbytes(x)
+        if need > self.buf.size(2):
+            B, nkv, cap, width = self.buf.shape
+            grown = self.buf.new_empty(B, nkv, max(need, 2 * cap, 64), width)
+            grown[:, :, :self.n] = self.t
+            moved += nbytes(self.t)
+            self.buf = grown
+        self.buf[:, :, self.n:need] = x
+        self.n = need
+        return moved
+
+    def crop(self, n: int) -> None:
+        self.n = n
+
+
 class _IntLayer:
     """One layer's store: sinks, quantised keys and values, the full-precision tail."""
 
-    def __init__(self, B: int, nkv: int, hs: int, bits: int, G: int, device, dtype):
+    def __init__(self, B: int, nkv: int, hs: int, bits: int, G: int, per_channel: bool,
+                 device, dtype):
         fp = dict(device=device, dtype=dtype)
-        sc = dict(device=device, dtype=SCALE_DTYPE)
         width = hs * bits // 8
         self.sink_k = torch.empty(B, nkv, 0, hs, **fp)  # (B, nkv, s, hs)
         self.sink_v = torch.empty(B, nkv, 0, hs, **fp)
         self.tail_k = torch.empty(B, nkv, 0, hs, **fp)  # (B, nkv, t, hs)
         self.tail_v = torch.empty(B, nkv, 0, hs, **fp)
-        self.k_codes = torch.empty(B, nkv, 0, width, device=device, dtype=torch.uint8)
-        self.v_codes = torch.empty(B, nkv, 0, width, device=device, dtype=torch.uint8)
-        self.k_scale = torch.empty(B, nkv, 0, hs, **sc)  # per channel: (B, nkv, Tq/G, hs) ...
-        self.k_zero = torch.empty(B, nkv, 0, hs, **sc)
-        self.v_scale = torch.empty(B, nkv, 0, hs // G, **sc)  # per token: (B, nkv, Tq, hs/G)
-        self.v_zero = torch.empty(B, nkv, 0, hs // G, **sc)
+        self.codes = {w: _Rows(B, nkv, width, device, torch.uint8) for w in "kv"}
+        # Keys per channel: (B, nkv, Tq/G, hs); per token, as values: (B, nkv, Tq, hs/G).
+        key_width = hs if per_channel else hs // G
+        self.scales = {name: _Rows(B, nkv, key_width if name[0] == "k" else hs // G, device,
+                                   SCALE_DTYPE)
+                       for name in ("k_scale", "k_zero", "v_scale", "v_zero")}
+
+    # The filled parts, as views: what bytes_held counts and attention reads.
+    k_codes = property(lambda self: self.codes["k"].t)
+    v_codes = property(lambda self: self.codes["v"].t)
+    k_scale = property(lambda self: self.scales["k_scale"].t)
+    k_zero = property(lambda self: self.scales["k_zero"].t)
+    v_scale = property(lambda self: self.scales["v_scale"].t)
+    v_zero = property(lambda self: self.scales["v_zero"].t)
 
     def tensors(self) -> list[Tensor]:
         return [self.sink_k, self.sink_v, self.tail_k, self.tail_v, self.k_codes,
@@ -237,7 +276,8 @@ class QuantizedCache(KVCache):
     def reset(self) -> None:
         c = self.shape
         self.layers = [_IntLayer(self.batch, c.n_kv_head, c.head_size, self.bits, self.group,
-                                 self.device, self.dtype) for _ in range(c.n_layer)]
+                                 self.per_channel, self.device, self.dtype)
+                       for _ in range(c.n_layer)]
         self.lengths = [0] * c.n_layer
         self.length = 0
         self.bytes_copied = 0
@@ -270,13 +310,12 @@ class QuantizedCache(KVCache):
             k, v = self.rotation.rotate(k), self.rotation.rotate(v)
         kc, ks, kz = self.keys.encode(k, bits, G)
         vc, vs, vz = _Tokens.encode(v, bits, G)
-        L.k_codes, L.k_scale, L.k_zero = (_cat(a, b) for a, b in
-                                          zip((L.k_codes, L.k_scale, L.k_zero), (kc, ks, kz)))
-        L.v_codes, L.v_scale, L.v_zero = (_cat(a, b) for a, b in
-                                          zip((L.v_codes, L.v_scale, L.v_zero), (vc, vs, vz)))
+        self.bytes_copied += L.codes["k"].append(kc) + L.codes["v"].append(vc)
+        for name, new in zip(("k_scale", "k_zero", "v_scale", "v_zero"), (ks, kz, vs, vz)):
+            self.bytes_copied += L.scales[name].append(new)
         # clone: a slice would keep the whole old tail alive behind it.
         L.tail_k, L.tail_v = L.tail_k[:, :, out:].clone(), L.tail_v[:, :, out:].clone()
-        self.bytes_copied += sum(nbytes(t) for t in L.tensors()[2:])
+        self.bytes_copied += nbytes(L.tail_k) + nbytes(L.tail_v)
 
     def _read(self, L: _IntLayer) -> tuple[Tensor, Tensor]:
         """What attention reads: sinks, dequantised codes, tail, (B, nkv, n, hs)."""
@@ -323,13 +362,15 @@ class QuantizedCache(KVCache):
         keep_t = max(0, length - s - q)
         L.sink_k, L.sink_v = L.sink_k[:, :, :keep_s], L.sink_v[:, :, :keep_s]
         L.tail_k, L.tail_v = L.tail_k[:, :, :keep_t], L.tail_v[:, :, :keep_t]
-        if keep_q < q:  # whole groups only (checked): slicing keeps them bit for bit
+        if keep_q < q:  # whole groups only (checked): the kept rows stay bit for bit
             kg = keep_q // self.group if self.per_channel else keep_q
-            L.k_codes, L.v_codes = L.k_codes[:, :, :keep_q], L.v_codes[:, :, :keep_q]
-            L.k_scale, L.k_zero = L.k_scale[:, :, :kg], L.k_zero[:, :, :kg]
-            L.v_scale, L.v_zero = L.v_scale[:, :, :keep_q], L.v_zero[:, :, :keep_q]
-        # Views, no copy: the next append concatenates the tail afresh anyway, and the
-        # next flush the codes, which frees the dropped groups behind them.
+            L.codes["k"].crop(keep_q)
+            L.codes["v"].crop(keep_q)
+            for name, n in (("k_scale", kg), ("k_zero", kg), ("v_scale", keep_q),
+                            ("v_zero", keep_q)):
+                L.scales[name].crop(n)
+        # No copy: the tail is a view the next append concatenates afresh, and the codes'
+        # storage is written over by the next flush.
 
     @property
     def bytes_held(self) -> int:
