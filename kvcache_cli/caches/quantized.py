@@ -50,9 +50,13 @@ it (vLLM clamps too) and are counted in `saturated` (with `rot`: the rotated num
 which the scales are calibrated on). Bytes: 2 * kv * n * hs + 8 per tensor or 8 * kv
 per head.
 
-`update` returns what attention reads: the sinks, the dequantised codes and the tail,
-at the model's dtype, made afresh every step (a fused kernel would dequantise inside
-attention instead; this copy is transient and not counted in `bytes_held`).
+`update` returns the sinks, the dequantised codes and the tail at the model's dtype, made
+afresh (transient, not counted in `bytes_held`): what a prefill, a chunk of draft tokens
+or a caller outside attention reads. A decoding token's attention does not: `attend`
+reads the codes a chunk at a time, their scales folded into the query and the weights,
+so no float copy of the history is made at every step (`QuantizedCache._attend`). The
+integer kinds' codes and scales grow in place (`_Rows`); fp8 and the paged pool still
+read the whole copy.
 
 `crop(n)` (speculative decoding's rollback): exact when the forgotten tokens are all
 full-precision; it may also cut into the quantised part where a cut leaves every kept
@@ -68,6 +72,8 @@ scale 1.0. Its block bytes come from the same `layer_bytes`.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -79,6 +85,12 @@ from kvcache_cli.caches.spec import check_head_dim
 FP8_DTYPES = {"fp8-e4m3": torch.float8_e4m3fn, "fp8-e5m2": torch.float8_e5m2}
 # Scales and zero points of the integer kinds.
 SCALE_DTYPE = torch.float16
+# Quantised tokens one decoding step converts to float at a time (`QuantizedCache._attend`):
+# SmolLM2's 3 KV heads of 64 make a chunk 1.5 MiB of float32, inside a core's 2 MiB L2
+# here. Fewer, larger chunks cost less dispatch (30 layers, two passes each); 1,024 to
+# 8,192 were tried on one layer at 8,192 tokens (1 thread, a loaded machine, so only to
+# choose) and 2,048 was among the fastest for int8 and int4. Rounded to whole groups.
+ATTEND_CHUNK = 2048
 
 # ---------------------------------------------------------------------------- packing
 
@@ -175,6 +187,53 @@ class _Channels:
         q = unpack(codes, bits).view(B, nkv, T // G, G, hs)  # (B, nkv, T/G, G, hs)
         torch.addcmul(zero[:, :, :, None].float(), q.float(), scale[:, :, :, None].float(),
                       out=out.view(B, nkv, T // G, G, hs))
+
+
+class _KeyFold:
+    """q.k for affine keys without dequantising them: k = c * s + z per group, so
+    q.k = sum over groups of s * (q_group . c_group) + z * sum(q_group). Made once a
+    step per layer from the (scaled) queries qr (B, nkv, g, hs)."""
+
+    def __init__(self, qr: Tensor, G: int, per_channel: bool):
+        B, nkv, g, hs = qr.shape
+        self.qr, self.G, self.per_channel = qr, G, per_channel
+        if not per_channel:
+            J = hs // G  # groups in a key
+            parts = qr.view(B, nkv, g, J, G)
+            # (B, nkv, hs, J*g): group j's queries in rows j*G.., columns j*g..; zeros off
+            # the diagonal, so one product gives every group's partial dot products.
+            eye = torch.eye(J, device=qr.device)
+            self.blocks = torch.einsum("bkgjd,jl->bkjdlg", parts, eye).reshape(B, nkv, hs, J * g)
+            self.sums = parts.sum(-1)  # (B, nkv, g, J)
+
+    def scores(self, codes: Tensor, scale: Tensor, zero: Tensor) -> Tensor:
+        """(B, nkv, g, c) for codes (B, nkv, c, hs) float32 and their key scales."""
+        B, nkv, c, hs = codes.shape
+        g, G = self.qr.size(2), self.G
+        if self.per_channel:  # scale, zero (B, nkv, c/G, hs): one per channel and G tokens
+            folded = self.qr[:, :, None] * scale[:, :, :, None].float()  # (B, nkv, c/G, g, hs)
+            raw = codes.view(B, nkv, c // G, G, hs) @ folded.transpose(-1, -2)  # (.., G, g)
+            offset = zero.float() @ self.qr.transpose(-1, -2)  # (B, nkv, c/G, g)
+            return (raw + offset[:, :, :, None]).view(B, nkv, c, g).transpose(-1, -2)
+        J = hs // G  # scale, zero (B, nkv, c, J): one per token and G channels
+        parts = (codes @ self.blocks).view(B, nkv, c, J, g)  # each group's q . c
+        raw = (parts * scale.float()[..., None]).sum(-2)  # (B, nkv, c, g)
+        return (raw + zero.float() @ self.sums.transpose(-1, -2)).transpose(-1, -2)
+
+
+def _value_sum(p: Tensor, codes: Tensor, scale: Tensor, zero: Tensor, G: int) -> Tensor:
+    """sum over tokens of p * v for per-token affine values v = c * s + z, without
+    dequantising them: the scales fold into the weights, p * s (a few numbers a token).
+    p (B, nkv, g, c), codes (B, nkv, c, hs) float32, scale and zero (B, nkv, c, hs/G)."""
+    B, nkv, g, c = p.shape
+    hs = codes.size(-1)
+    J = hs // G
+    weighted = p[..., None] * scale.float()[:, :, None]  # (B, nkv, g, c, J)
+    weighted = weighted.transpose(-1, -2).reshape(B, nkv, g * J, c)  # rows (g, j)
+    full = (weighted @ codes).view(B, nkv, g, J, J, G)  # row j's weights times every group
+    out = full.diagonal(dim1=3, dim2=4).transpose(-1, -2)  # (B, nkv, g, J, G): j with j
+    offset = p @ zero.float()  # (B, nkv, g, J)
+    return (out + offset[..., None]).reshape(B, nkv, g, hs)
 
 
 def _cat(a: Tensor, b: Tensor) -> Tensor:
@@ -283,6 +342,19 @@ class QuantizedCache(KVCache):
         self.bytes_copied = 0
 
     def update(self, layer: int, start_pos: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        return self._read(self._store(layer, start_pos, k, v))
+
+    def attend(self, layer: int, start_pos: int | Tensor, q: Tensor, k: Tensor,
+               v: Tensor) -> Tensor | None:
+        """One decoding token's attention over the history, the quantised part read a
+        chunk at a time (`_attend`); None for a chunk of tokens (a prefill, a draft's
+        verification) or before anything is quantised: those read `update`'s copy."""
+        if q.size(2) != 1 or isinstance(start_pos, Tensor) or \
+                self.layers[layer].quantised == 0:
+            return None
+        return self._attend(self._store(layer, start_pos, k, v), q)
+
+    def _store(self, layer: int, start_pos: int, k: Tensor, v: Tensor) -> _IntLayer:
         if isinstance(start_pos, Tensor) or start_pos != self.lengths[layer]:
             raise ValueError(f"a quantised cache appends: layer {layer} holds "
                              f"{self.lengths[layer]} positions, asked to write at {start_pos}")
@@ -297,7 +369,7 @@ class QuantizedCache(KVCache):
         self._flush(L)
         self.lengths[layer] = start_pos + T
         self.length = self.lengths[layer]
-        return self._read(L)
+        return L
 
     def _flush(self, L: _IntLayer) -> None:
         """Quantise the oldest tail tokens beyond the residual, whole chunks only."""
@@ -337,6 +409,54 @@ class QuantizedCache(KVCache):
                 axis.decode_into(rotated, codes, scale, zero, self.bits, self.group)
                 out[:, :, s:s + q] = self.rotation.unrotate(rotated)
         return keys, values
+
+    def _attend(self, L: _IntLayer, q: Tensor) -> Tensor:
+        """Attention output (B, nh, 1, hs) of one query q (B, nh, 1, hs) over sinks,
+        codes and tail, in float32; what SDPA over `_read`'s copy computes, up to the
+        order of the sums.
+
+        No float copy of the history is made: the codes are converted ATTEND_CHUNK
+        tokens at a time into one small float32 buffer, which the products read while
+        it is still in the CPU's cache, so memory is read as codes (a quarter or an
+        eighth of float32's bytes). Nor are they dequantised: the scales and zero points
+        are folded into the query and the attention weights instead (`_key_scores`,
+        `_value_sum`), which are a few numbers a token where a key is hs. The scores of
+        every position are kept (nh floats a token) and softmaxed once, then the values
+        are read chunk by chunk the same way. With `rot` the query is rotated instead of
+        every key (q.(k H^T) = (q H).k), and the values' sum unrotated once.
+        """
+        B, nh, _, hs = q.shape
+        nkv = L.tail_k.size(1)
+        g = nh // nkv  # query heads per KV head
+        qg = q.float().view(B, nkv, g, hs) / math.sqrt(hs)  # (B, nkv, g, hs)
+        qr = qg if self.rotation is None else self.rotation.rotate(qg)  # for rotated codes
+        s, n_q = L.sink_k.size(2), L.quantised
+        tail = s + n_q  # where the tail's positions start
+        scores = qg.new_empty(B, nkv, g, tail + L.tail_k.size(2))  # (B, nkv, g, n)
+        scores[..., :s] = qg @ L.sink_k.float().transpose(-1, -2)
+        scores[..., tail:] = qg @ L.tail_k.float().transpose(-1, -2)
+        G, bits = self.group, self.bits
+        chunk = max(ATTEND_CHUNK // G, 1) * G  # whole groups: per-channel keys stay whole
+        flat = qg.new_empty(B * nkv * min(chunk, n_q) * hs)  # one chunk's codes, as floats
+        kg = G if self.per_channel else 1  # tokens per row of key scales
+        keys = _KeyFold(qr, G, self.per_channel)
+        for a in range(0, n_q, chunk):
+            b = min(a + chunk, n_q)
+            codes = flat[:B * nkv * (b - a) * hs].view(B, nkv, b - a, hs)
+            codes.copy_(unpack(L.k_codes[:, :, a:b], bits))  # (B, nkv, c, hs) float32
+            scores[..., s + a:s + b] = keys.scores(codes, L.k_scale[:, :, a // kg:b // kg],
+                                                   L.k_zero[:, :, a // kg:b // kg])
+        p = scores.softmax(dim=-1)  # (B, nkv, g, n)
+        y = p[..., :s] @ L.sink_v.float() + p[..., tail:] @ L.tail_v.float()  # (B, nkv, g, hs)
+        yq = torch.zeros_like(y)
+        for a in range(0, n_q, chunk):
+            b = min(a + chunk, n_q)
+            codes = flat[:B * nkv * (b - a) * hs].view(B, nkv, b - a, hs)
+            codes.copy_(unpack(L.v_codes[:, :, a:b], bits))
+            yq += _value_sum(p[..., s + a:s + b], codes, L.v_scale[:, :, a:b],
+                             L.v_zero[:, :, a:b], G)
+        y += yq if self.rotation is None else self.rotation.unrotate(yq)
+        return y.view(B, nh, 1, hs).to(q.dtype)
 
     def crop(self, length: int) -> None:
         if not 0 <= length <= self.length:
