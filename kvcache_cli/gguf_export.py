@@ -235,7 +235,8 @@ def write_llama(state: dict, config, path: Path, quant: str = "F32") -> Path:
     """A Llama-family state dict (transformers' names, float32) as llama.cpp's converter
     writes it: the shape's metadata, a synthetic byte-level vocabulary (ids are fed
     directly), the chat template, q and k rows permuted, 2-D weights in F32 or Q8_0
-    (gguf's own quantiser). A tied head is left out, as in the converter."""
+    (gguf's own quantiser; Q4_0 and Q4_1 too, for the tests of the q4 weight format).
+    A tied head is left out, as in the converter."""
     from gguf import GGMLQuantizationType, GGUFWriter
     from gguf.quants import quantize
 
@@ -271,8 +272,8 @@ def write_llama(state: dict, config, path: Path, quant: str = "F32") -> Path:
                 w = permute_for_rope(w, config.n_head)
             elif name.endswith("k_proj.weight"):
                 w = permute_for_rope(w, config.n_kv_head)
-            if quant == "Q8_0" and w.ndim == 2:
-                kind = GGMLQuantizationType.Q8_0
+            if quant in ("Q8_0", "Q4_0", "Q4_1") and w.ndim == 2:
+                kind = GGMLQuantizationType[quant]
                 writer.add_tensor(llama_tensor_name(name), quantize(w, kind), raw_dtype=kind)
             else:
                 writer.add_tensor(llama_tensor_name(name), np.ascontiguousarray(w))

@@ -419,23 +419,36 @@ def pin_threads(model: GPT) -> GPT:
 
 # How the matrices of the products may be stored. A float format other than the
 # model's dtype keeps activations, norms and cache in the model's dtype and casts the
-# one row in and out of each product; int8 is `Int8Linear`.
+# one row in and out of each product; int8 is `Int8Linear`; q4 is a GGUF's own 4-bit
+# blocks (`models.gguf_blocks.Int4Linear`, packed two to a byte), for a Llama read from one.
 WEIGHT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
-                 "int8": torch.int8}  # fmt: skip
+                 "int8": torch.int8, "q4": torch.quint4x2}  # fmt: skip
 
 
-def check_weights_dtype(name: str, config: GPTConfig, device: str | torch.device) -> None:
-    """Refuse, before any weights load, a weight format this model or device cannot run."""
+def check_weights_dtype(name: str, config: GPTConfig, device: str | torch.device,
+                        source_types: dict[str, str] | None = None) -> None:
+    """Refuse, before any weights load, a weight format this model or device cannot run.
+    source_types: the GGUF type each tensor was stored in, for a model read from a GGUF
+    (q4 runs only those blocks)."""
     if name not in WEIGHT_DTYPES:
         raise ValueError(f"unknown weights dtype {name!r}; expected {', '.join(WEIGHT_DTYPES)}")
-    if name != "int8":
+    if name not in ("int8", "q4"):
         return
+    kernel = "_weight_int8pack_mm" if name == "int8" else "_weight_int4pack_mm_for_cpu"
     if torch.device(device).type != "cpu":
-        raise ValueError(f"int8 weights run on the CPU only (torch's _weight_int8pack_mm); "
+        raise ValueError(f"{name} weights run on the CPU only (torch's {kernel}); "
                          f"got device {torch.device(device).type}: use --device cpu")
-    if not hasattr(torch.ops.aten, "_weight_int8pack_mm"):
-        raise ValueError(f"int8 weights need torch >= 2.3 (_weight_int8pack_mm); "
-                         f"this is torch {torch.__version__}")
+    if not hasattr(torch.ops.aten, kernel):
+        raise ValueError(f"{name} weights need torch's {kernel} (torch >= "
+                         f"{'2.3' if name == 'int8' else '2.6'}); this is torch "
+                         f"{torch.__version__}")
+    if name == "q4":
+        from kvcache_cli.models.gguf_blocks import q4_problem
+
+        problem = q4_problem(config, source_types)
+        if problem:
+            raise ValueError(problem)
+        return
     if config.n_embd % 16:
         raise ValueError(f"int8 weights need n_embd a multiple of 16 (the int8 kernel's "
                          f"block); this model's is {config.n_embd}")
@@ -449,6 +462,11 @@ def set_weights_dtype(model: GPT, name: str) -> GPT:
     """
     dtype = WEIGHT_DTYPES[name]
     if dtype == model.dtype:
+        return model
+    if name == "q4":
+        from kvcache_cli.models.gguf_blocks import set_q4
+
+        set_q4(model)
         return model
     for parent in list(model.modules()):
         for child_name, child in list(parent.named_children()):
@@ -467,7 +485,11 @@ def set_weights_dtype(model: GPT, name: str) -> GPT:
 
 def weights_format(model: GPT) -> str:
     """The name in WEIGHT_DTYPES of how the model's product matrices are stored."""
+    from kvcache_cli.models.gguf_blocks import Int4Linear
+
     head = model.lm_head
+    if isinstance(head, Int4Linear):
+        return "q4"
     dtype = torch.int8 if isinstance(head, Int8Linear) else head.weight.dtype
     return next(name for name, d in WEIGHT_DTYPES.items() if d == dtype)
 
@@ -475,10 +497,13 @@ def weights_format(model: GPT) -> str:
 def float_state(model: GPT) -> dict[str, Tensor]:
     """Every weight as float32, nn.Linear's (out, in) order, under its parameter name:
     what the model computes with, int8 matrices dequantised (for export to GGUF)."""
+    from kvcache_cli.models.gguf_blocks import Int4Linear
+
+    packed = tuple(f".{kind}{i}" for kind in ("packed", "scales") for i in range(2))
     state = {name: t.detach().float() for name, t in model.state_dict().items()
-             if not name.endswith(".scales")}  # fmt: skip
+             if not name.endswith((".scales", *packed))}  # fmt: skip
     for name, module in model.named_modules():
-        if isinstance(module, Int8Linear):
+        if isinstance(module, Int8Linear | Int4Linear):
             state[f"{name}.weight"] = module.dequantized()
     return state
 

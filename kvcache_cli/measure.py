@@ -53,7 +53,8 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
     Every tensor of every product whole (an int8 one's scales included), each once, so
     the tied `wte`/`lm_head` counts once (the head reads all of it); an embedding not
-    tied to a product counts one row, the only one a step looks up; norms whole.
+    tied to a product counts one row, the only one a step looks up, and so does a table
+    of rotary angles (a module marking itself `lookup`); norms whole.
     """
     import torch
 
@@ -61,7 +62,7 @@ def weight_bytes(model: torch.nn.Module) -> int:
     total = 0
     products = linears(model)
     for module in (*products, *model.modules()):
-        embedding = isinstance(module, torch.nn.Embedding)
+        embedding = isinstance(module, torch.nn.Embedding) or getattr(module, "lookup", False)
         for tensor in (*module.parameters(recurse=False), *module.buffers(recurse=False)):
             if tensor.data_ptr() in seen:
                 continue
@@ -114,8 +115,10 @@ def linears(model: torch.nn.Module) -> list[torch.nn.Module]:
     import torch
 
     from kvcache_cli.gpt2 import Int8Linear
+    from kvcache_cli.models.gguf_blocks import Int4Linear
 
-    return [m for m in model.modules() if isinstance(m, torch.nn.Linear | Int8Linear)]
+    kinds = torch.nn.Linear | Int8Linear | Int4Linear
+    return [m for m in model.modules() if isinstance(m, kinds)]
 
 
 @contextlib.contextmanager

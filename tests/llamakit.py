@@ -62,5 +62,5 @@ def tiny_config(hf, **fields) -> LlamaConfig:
 
 def write_tiny_gguf(hf, path: Path, quant: str = "F32", **fields) -> Path:
     """The GGUF llama.cpp's converter writes of `hf` (q and k rows permuted), 2-D weights
-    in `quant` (F32 or Q8_0); `fields` change the config it is written with."""
+    in `quant` (F32, Q8_0, Q4_0 or Q4_1); `fields` change the config it is written with."""
     return write_llama(hf.state_dict(), tiny_config(hf, **fields), path, quant)

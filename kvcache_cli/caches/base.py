@@ -95,6 +95,15 @@ class KVCache:
                ) -> tuple[Tensor, Tensor]:
         raise NotImplementedError
 
+    def attend(self, layer: int, start_pos: int | Tensor, q: Tensor, k: Tensor,
+               v: Tensor) -> Tensor | None:
+        """Store k, v as `update` does and return attention's output (B, nh, T, hs) for
+        queries q (B, nh, T, hs), computed by the cache over what it holds (a quantised
+        cache reads its codes a chunk at a time); or None, storing nothing: then attention
+        calls `update` and reads what it returns. Only asked where `wants_attention` is
+        False and `key_positions` None."""
+        return None
+
     def key_positions(self, layer: int) -> Tensor | None:
         """The position of each key the last `update` of `layer` returned: (S,), (B, S)
         or (B, nkv, S), -1 for an empty slot; None when key j is position j."""

@@ -50,9 +50,13 @@ it (vLLM clamps too) and are counted in `saturated` (with `rot`: the rotated num
 which the scales are calibrated on). Bytes: 2 * kv * n * hs + 8 per tensor or 8 * kv
 per head.
 
-`update` returns what attention reads: the sinks, the dequantised codes and the tail,
-at the model's dtype, made afresh every step (a fused kernel would dequantise inside
-attention instead; this copy is transient and not counted in `bytes_held`).
+`update` returns the sinks, the dequantised codes and the tail at the model's dtype, made
+afresh (transient, not counted in `bytes_held`): what a prefill, a chunk of draft tokens
+or a caller outside attention reads. A decoding token's attention does not: `attend`
+reads the codes a chunk at a time, their scales folded into the query and the weights,
+so no float copy of the history is made at every step (`QuantizedCache._attend`). The
+integer kinds' codes and scales grow in place (`_Rows`); fp8 and the paged pool still
+read the whole copy.
 
 `crop(n)` (speculative decoding's rollback): exact when the forgotten tokens are all
 full-precision; it may also cut into the quantised part where a cut leaves every kept
@@ -68,6 +72,8 @@ scale 1.0. Its block bytes come from the same `layer_bytes`.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -79,6 +85,12 @@ from kvcache_cli.caches.spec import check_head_dim
 FP8_DTYPES = {"fp8-e4m3": torch.float8_e4m3fn, "fp8-e5m2": torch.float8_e5m2}
 # Scales and zero points of the integer kinds.
 SCALE_DTYPE = torch.float16
+# Quantised tokens one decoding step converts to float at a time (`QuantizedCache._attend`):
+# SmolLM2's 3 KV heads of 64 make a chunk 1.5 MiB of float32, inside a core's 2 MiB L2
+# here. Fewer, larger chunks cost less dispatch (30 layers, two passes each); 1,024 to
+# 8,192 were tried on one layer at 8,192 tokens (1 thread, a loaded machine, so only to
+# choose) and 2,048 was among the fastest for int8 and int4. Rounded to whole groups.
+ATTEND_CHUNK = 2048
 
 # ---------------------------------------------------------------------------- packing
 
@@ -177,6 +189,53 @@ class _Channels:
                       out=out.view(B, nkv, T // G, G, hs))
 
 
+class _KeyFold:
+    """q.k for affine keys without dequantising them: k = c * s + z per group, so
+    q.k = sum over groups of s * (q_group . c_group) + z * sum(q_group). Made once a
+    step per layer from the (scaled) queries qr (B, nkv, g, hs)."""
+
+    def __init__(self, qr: Tensor, G: int, per_channel: bool):
+        B, nkv, g, hs = qr.shape
+        self.qr, self.G, self.per_channel = qr, G, per_channel
+        if not per_channel:
+            J = hs // G  # groups in a key
+            parts = qr.view(B, nkv, g, J, G)
+            # (B, nkv, hs, J*g): group j's queries in rows j*G.., columns j*g..; zeros off
+            # the diagonal, so one product gives every group's partial dot products.
+            eye = torch.eye(J, device=qr.device)
+            self.blocks = torch.einsum("bkgjd,jl->bkjdlg", parts, eye).reshape(B, nkv, hs, J * g)
+            self.sums = parts.sum(-1)  # (B, nkv, g, J)
+
+    def scores(self, codes: Tensor, scale: Tensor, zero: Tensor) -> Tensor:
+        """(B, nkv, g, c) for codes (B, nkv, c, hs) float32 and their key scales."""
+        B, nkv, c, hs = codes.shape
+        g, G = self.qr.size(2), self.G
+        if self.per_channel:  # scale, zero (B, nkv, c/G, hs): one per channel and G tokens
+            folded = self.qr[:, :, None] * scale[:, :, :, None].float()  # (B, nkv, c/G, g, hs)
+            raw = codes.view(B, nkv, c // G, G, hs) @ folded.transpose(-1, -2)  # (.., G, g)
+            offset = zero.float() @ self.qr.transpose(-1, -2)  # (B, nkv, c/G, g)
+            return (raw + offset[:, :, :, None]).view(B, nkv, c, g).transpose(-1, -2)
+        J = hs // G  # scale, zero (B, nkv, c, J): one per token and G channels
+        parts = (codes @ self.blocks).view(B, nkv, c, J, g)  # each group's q . c
+        raw = (parts * scale.float()[..., None]).sum(-2)  # (B, nkv, c, g)
+        return (raw + zero.float() @ self.sums.transpose(-1, -2)).transpose(-1, -2)
+
+
+def _value_sum(p: Tensor, codes: Tensor, scale: Tensor, zero: Tensor, G: int) -> Tensor:
+    """sum over tokens of p * v for per-token affine values v = c * s + z, without
+    dequantising them: the scales fold into the weights, p * s (a few numbers a token).
+    p (B, nkv, g, c), codes (B, nkv, c, hs) float32, scale and zero (B, nkv, c, hs/G)."""
+    B, nkv, g, c = p.shape
+    hs = codes.size(-1)
+    J = hs // G
+    weighted = p[..., None] * scale.float()[:, :, None]  # (B, nkv, g, c, J)
+    weighted = weighted.transpose(-1, -2).reshape(B, nkv, g * J, c)  # rows (g, j)
+    full = (weighted @ codes).view(B, nkv, g, J, J, G)  # row j's weights times every group
+    out = full.diagonal(dim1=3, dim2=4).transpose(-1, -2)  # (B, nkv, g, J, G): j with j
+    offset = p @ zero.float()  # (B, nkv, g, J)
+    return (out + offset[..., None]).reshape(B, nkv, g, hs)
+
+
 def _cat(a: Tensor, b: Tensor) -> Tensor:
     return b if a.size(2) == 0 else torch.cat([a, b], dim=2)
 
@@ -184,23 +243,62 @@ def _cat(a: Tensor, b: Tensor) -> Tensor:
 # ---------------------------------------------------------------------------- integer
 
 
+class _Rows:
+    """A (B, nkv, n, width) tensor that grows along its rows in place: the capacity
+    doubles when full, so appending a token copies that token and not the history (a
+    torch.cat of the codes copied all of them at every step). `t` is the filled part, a
+    view; crop keeps the storage and forgets the rows past the cut."""
+
+    def __init__(self, B: int, nkv: int, width: int, device, dtype):
+        self.buf = torch.empty(B, nkv, 0, width, device=device, dtype=dtype)  # (B, nkv, cap, w)
+        self.n = 0
+
+    @property
+    def t(self) -> Tensor:
+        return self.buf[:, :, :self.n]  # (B, nkv, n, width)
+
+    def append(self, x: Tensor) -> int:
+        """Write x (B, nkv, T, width) after the filled rows; the bytes this moved."""
+        need, moved = self.n + x.size(2), nbytes(x)
+        if need > self.buf.size(2):
+            B, nkv, cap, width = self.buf.shape
+            grown = self.buf.new_empty(B, nkv, max(need, 2 * cap, 64), width)
+            grown[:, :, :self.n] = self.t
+            moved += nbytes(self.t)
+            self.buf = grown
+        self.buf[:, :, self.n:need] = x
+        self.n = need
+        return moved
+
+    def crop(self, n: int) -> None:
+        self.n = n
+
+
 class _IntLayer:
     """One layer's store: sinks, quantised keys and values, the full-precision tail."""
 
-    def __init__(self, B: int, nkv: int, hs: int, bits: int, G: int, device, dtype):
+    def __init__(self, B: int, nkv: int, hs: int, bits: int, G: int, per_channel: bool,
+                 device, dtype):
         fp = dict(device=device, dtype=dtype)
-        sc = dict(device=device, dtype=SCALE_DTYPE)
         width = hs * bits // 8
         self.sink_k = torch.empty(B, nkv, 0, hs, **fp)  # (B, nkv, s, hs)
         self.sink_v = torch.empty(B, nkv, 0, hs, **fp)
         self.tail_k = torch.empty(B, nkv, 0, hs, **fp)  # (B, nkv, t, hs)
         self.tail_v = torch.empty(B, nkv, 0, hs, **fp)
-        self.k_codes = torch.empty(B, nkv, 0, width, device=device, dtype=torch.uint8)
-        self.v_codes = torch.empty(B, nkv, 0, width, device=device, dtype=torch.uint8)
-        self.k_scale = torch.empty(B, nkv, 0, hs, **sc)  # per channel: (B, nkv, Tq/G, hs) ...
-        self.k_zero = torch.empty(B, nkv, 0, hs, **sc)
-        self.v_scale = torch.empty(B, nkv, 0, hs // G, **sc)  # per token: (B, nkv, Tq, hs/G)
-        self.v_zero = torch.empty(B, nkv, 0, hs // G, **sc)
+        self.codes = {w: _Rows(B, nkv, width, device, torch.uint8) for w in "kv"}
+        # Keys per channel: (B, nkv, Tq/G, hs); per token, as values: (B, nkv, Tq, hs/G).
+        key_width = hs if per_channel else hs // G
+        self.scales = {name: _Rows(B, nkv, key_width if name[0] == "k" else hs // G, device,
+                                   SCALE_DTYPE)
+                       for name in ("k_scale", "k_zero", "v_scale", "v_zero")}
+
+    # The filled parts, as views: what bytes_held counts and attention reads.
+    k_codes = property(lambda self: self.codes["k"].t)
+    v_codes = property(lambda self: self.codes["v"].t)
+    k_scale = property(lambda self: self.scales["k_scale"].t)
+    k_zero = property(lambda self: self.scales["k_zero"].t)
+    v_scale = property(lambda self: self.scales["v_scale"].t)
+    v_zero = property(lambda self: self.scales["v_zero"].t)
 
     def tensors(self) -> list[Tensor]:
         return [self.sink_k, self.sink_v, self.tail_k, self.tail_v, self.k_codes,
@@ -237,12 +335,26 @@ class QuantizedCache(KVCache):
     def reset(self) -> None:
         c = self.shape
         self.layers = [_IntLayer(self.batch, c.n_kv_head, c.head_size, self.bits, self.group,
-                                 self.device, self.dtype) for _ in range(c.n_layer)]
+                                 self.per_channel, self.device, self.dtype)
+                       for _ in range(c.n_layer)]
         self.lengths = [0] * c.n_layer
         self.length = 0
         self.bytes_copied = 0
 
     def update(self, layer: int, start_pos: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        return self._read(self._store(layer, start_pos, k, v))
+
+    def attend(self, layer: int, start_pos: int | Tensor, q: Tensor, k: Tensor,
+               v: Tensor) -> Tensor | None:
+        """One decoding token's attention over the history, the quantised part read a
+        chunk at a time (`_attend`); None for a chunk of tokens (a prefill, a draft's
+        verification) or before anything is quantised: those read `update`'s copy."""
+        if q.size(2) != 1 or isinstance(start_pos, Tensor) or \
+                self.layers[layer].quantised == 0:
+            return None
+        return self._attend(self._store(layer, start_pos, k, v), q)
+
+    def _store(self, layer: int, start_pos: int, k: Tensor, v: Tensor) -> _IntLayer:
         if isinstance(start_pos, Tensor) or start_pos != self.lengths[layer]:
             raise ValueError(f"a quantised cache appends: layer {layer} holds "
                              f"{self.lengths[layer]} positions, asked to write at {start_pos}")
@@ -257,7 +369,7 @@ class QuantizedCache(KVCache):
         self._flush(L)
         self.lengths[layer] = start_pos + T
         self.length = self.lengths[layer]
-        return self._read(L)
+        return L
 
     def _flush(self, L: _IntLayer) -> None:
         """Quantise the oldest tail tokens beyond the residual, whole chunks only."""
@@ -270,13 +382,12 @@ class QuantizedCache(KVCache):
             k, v = self.rotation.rotate(k), self.rotation.rotate(v)
         kc, ks, kz = self.keys.encode(k, bits, G)
         vc, vs, vz = _Tokens.encode(v, bits, G)
-        L.k_codes, L.k_scale, L.k_zero = (_cat(a, b) for a, b in
-                                          zip((L.k_codes, L.k_scale, L.k_zero), (kc, ks, kz)))
-        L.v_codes, L.v_scale, L.v_zero = (_cat(a, b) for a, b in
-                                          zip((L.v_codes, L.v_scale, L.v_zero), (vc, vs, vz)))
+        self.bytes_copied += L.codes["k"].append(kc) + L.codes["v"].append(vc)
+        for name, new in zip(("k_scale", "k_zero", "v_scale", "v_zero"), (ks, kz, vs, vz)):
+            self.bytes_copied += L.scales[name].append(new)
         # clone: a slice would keep the whole old tail alive behind it.
         L.tail_k, L.tail_v = L.tail_k[:, :, out:].clone(), L.tail_v[:, :, out:].clone()
-        self.bytes_copied += sum(nbytes(t) for t in L.tensors()[2:])
+        self.bytes_copied += nbytes(L.tail_k) + nbytes(L.tail_v)
 
     def _read(self, L: _IntLayer) -> tuple[Tensor, Tensor]:
         """What attention reads: sinks, dequantised codes, tail, (B, nkv, n, hs)."""
@@ -298,6 +409,54 @@ class QuantizedCache(KVCache):
                 axis.decode_into(rotated, codes, scale, zero, self.bits, self.group)
                 out[:, :, s:s + q] = self.rotation.unrotate(rotated)
         return keys, values
+
+    def _attend(self, L: _IntLayer, q: Tensor) -> Tensor:
+        """Attention output (B, nh, 1, hs) of one query q (B, nh, 1, hs) over sinks,
+        codes and tail, in float32; what SDPA over `_read`'s copy computes, up to the
+        order of the sums.
+
+        No float copy of the history is made: the codes are converted ATTEND_CHUNK
+        tokens at a time into one small float32 buffer, which the products read while
+        it is still in the CPU's cache, so memory is read as codes (a quarter or an
+        eighth of float32's bytes). Nor are they dequantised: the scales and zero points
+        are folded into the query and the attention weights instead (`_key_scores`,
+        `_value_sum`), which are a few numbers a token where a key is hs. The scores of
+        every position are kept (nh floats a token) and softmaxed once, then the values
+        are read chunk by chunk the same way. With `rot` the query is rotated instead of
+        every key (q.(k H^T) = (q H).k), and the values' sum unrotated once.
+        """
+        B, nh, _, hs = q.shape
+        nkv = L.tail_k.size(1)
+        g = nh // nkv  # query heads per KV head
+        qg = q.float().view(B, nkv, g, hs) / math.sqrt(hs)  # (B, nkv, g, hs)
+        qr = qg if self.rotation is None else self.rotation.rotate(qg)  # for rotated codes
+        s, n_q = L.sink_k.size(2), L.quantised
+        tail = s + n_q  # where the tail's positions start
+        scores = qg.new_empty(B, nkv, g, tail + L.tail_k.size(2))  # (B, nkv, g, n)
+        scores[..., :s] = qg @ L.sink_k.float().transpose(-1, -2)
+        scores[..., tail:] = qg @ L.tail_k.float().transpose(-1, -2)
+        G, bits = self.group, self.bits
+        chunk = max(ATTEND_CHUNK // G, 1) * G  # whole groups: per-channel keys stay whole
+        flat = qg.new_empty(B * nkv * min(chunk, n_q) * hs)  # one chunk's codes, as floats
+        kg = G if self.per_channel else 1  # tokens per row of key scales
+        keys = _KeyFold(qr, G, self.per_channel)
+        for a in range(0, n_q, chunk):
+            b = min(a + chunk, n_q)
+            codes = flat[:B * nkv * (b - a) * hs].view(B, nkv, b - a, hs)
+            codes.copy_(unpack(L.k_codes[:, :, a:b], bits))  # (B, nkv, c, hs) float32
+            scores[..., s + a:s + b] = keys.scores(codes, L.k_scale[:, :, a // kg:b // kg],
+                                                   L.k_zero[:, :, a // kg:b // kg])
+        p = scores.softmax(dim=-1)  # (B, nkv, g, n)
+        y = p[..., :s] @ L.sink_v.float() + p[..., tail:] @ L.tail_v.float()  # (B, nkv, g, hs)
+        yq = torch.zeros_like(y)
+        for a in range(0, n_q, chunk):
+            b = min(a + chunk, n_q)
+            codes = flat[:B * nkv * (b - a) * hs].view(B, nkv, b - a, hs)
+            codes.copy_(unpack(L.v_codes[:, :, a:b], bits))
+            yq += _value_sum(p[..., s + a:s + b], codes, L.v_scale[:, :, a:b],
+                             L.v_zero[:, :, a:b], G)
+        y += yq if self.rotation is None else self.rotation.unrotate(yq)
+        return y.view(B, nh, 1, hs).to(q.dtype)
 
     def crop(self, length: int) -> None:
         if not 0 <= length <= self.length:
@@ -323,13 +482,15 @@ class QuantizedCache(KVCache):
         keep_t = max(0, length - s - q)
         L.sink_k, L.sink_v = L.sink_k[:, :, :keep_s], L.sink_v[:, :, :keep_s]
         L.tail_k, L.tail_v = L.tail_k[:, :, :keep_t], L.tail_v[:, :, :keep_t]
-        if keep_q < q:  # whole groups only (checked): slicing keeps them bit for bit
+        if keep_q < q:  # whole groups only (checked): the kept rows stay bit for bit
             kg = keep_q // self.group if self.per_channel else keep_q
-            L.k_codes, L.v_codes = L.k_codes[:, :, :keep_q], L.v_codes[:, :, :keep_q]
-            L.k_scale, L.k_zero = L.k_scale[:, :, :kg], L.k_zero[:, :, :kg]
-            L.v_scale, L.v_zero = L.v_scale[:, :, :keep_q], L.v_zero[:, :, :keep_q]
-        # Views, no copy: the next append concatenates the tail afresh anyway, and the
-        # next flush the codes, which frees the dropped groups behind them.
+            L.codes["k"].crop(keep_q)
+            L.codes["v"].crop(keep_q)
+            for name, n in (("k_scale", kg), ("k_zero", kg), ("v_scale", keep_q),
+                            ("v_zero", keep_q)):
+                L.scales[name].crop(n)
+        # No copy: the tail is a view the next append concatenates afresh, and the codes'
+        # storage is written over by the next flush.
 
     @property
     def bytes_held(self) -> int:

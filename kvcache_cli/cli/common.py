@@ -179,8 +179,9 @@ TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 # A str, not an Enum, so an unknown value gets the project's one line (with the choices).
 WeightsDTypeOption = Annotated[str | None, typer.Option(
     "--weights-dtype",
-    help="How the products' matrices are stored: fp32, bf16, fp16, or int8 (weight-only, "
-    "one scale per output channel, gpt-fast's; CPU only). Default: --dtype's. Another "
+    help="How the products' matrices are stored: fp32, bf16, fp16, int8 (weight-only, "
+    "one scale per output channel, gpt-fast's; CPU only), or q4 (a GGUF's own Q4_0/Q4_1 "
+    "blocks, not re-quantised; CPU only). Default: --dtype's. Another "
     "format than float32 is checked against float32: logits' error, greedy tokens.")]
 
 # OpenMP allocates per thread up front: a billion threads aborts the process.
@@ -309,10 +310,15 @@ def check_weights_dtype(weights_dtype: str | None, model: str, device: str) -> N
     if weights_dtype is None:
         return
     from kvcache_cli import gpt2
-    from kvcache_cli.models import model_config
+    from kvcache_cli.models import family_of, model_config
 
     try:
-        gpt2.check_weights_dtype(weights_dtype, model_config(model), device)
+        types = None
+        if weights_dtype == "q4" and family_of(model) == "llama":
+            from kvcache_cli.models.loading import source_types
+
+            types = source_types(model)
+        gpt2.check_weights_dtype(weights_dtype, model_config(model), device, types)
     except ValueError as err:
         fail(f"--weights-dtype: {err}")
 

@@ -38,6 +38,10 @@ def cached_attention(q: Tensor, k: Tensor, v: Tensor, layer: int, start_pos: int
     `force_is_causal` exists only for the article's bug 2 (`kvcache break causal-decode`).
     """
     B, nh, T, hs = q.shape
+    if cache is not None and not cache.wants_attention and not force_is_causal:
+        y = cache.attend(layer, start_pos, q, k, v)  # a cache's own reading of its store
+        if y is not None:
+            return y  # (B, nh, T, hs)
     if cache is not None:
         k, v = cache.update(layer, start_pos, k, v)  # (B, nkv, S, hs), ours included
     nkv, S = k.size(1), k.size(2)

@@ -111,6 +111,8 @@ class Rotary(nn.Module):
     and the loader restores this order).
     """
 
+    lookup = True  # a step reads one row of each table (`measure.weight_bytes`)
+
     def __init__(self, config: LlamaConfig):
         super().__init__()
         hs = config.head_size

@@ -195,6 +195,16 @@ def llama_config(name_or_path: str) -> LlamaConfig:
     return _hf_config(folder)
 
 
+def source_types(name_or_path: str) -> dict[str, str] | None:
+    """The GGUF type each tensor of a model read from a GGUF was stored in (None for a
+    safetensors folder), read from the converted folder without the weights."""
+    folder, _ = _folder(name_or_path)
+    config_file = folder / "config.json"
+    if not _is_converted(config_file):
+        return None
+    return json.loads(config_file.read_text())["source_types"]
+
+
 def _is_converted(config_file: Path) -> bool:
     try:
         return "source_types" in json.loads(config_file.read_text())
