@@ -267,28 +267,6 @@ def test_serve_and_bench_name_lists_are_read_in_any_case():
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 
-def test_a_table_too_wide_for_the_terminal_is_stacked_with_every_number_whole():
-    from rich.table import Table
-
-    from kvcache_cli.cli.common import fit_width, rendered
-
-    table = Table(title="wide")
-    for heading in ("cache", *(f"figure {i}" for i in range(12))):
-        table.add_column(heading)
-    table.add_row("int4:g32:kchan:r128", *(f"{13.6421 * 10**i:,.4f}" for i in range(12)))
-    assert "…" in rendered(table, 80)  # rich cuts it as it stands
-    text = rendered(fit_width(_console(), table, 80), 80)
-    assert "…" not in text
-    for i in range(12):
-        assert f"{13.6421 * 10**i:,.4f}" in text
-
-
-def _console():
-    from rich.console import Console
-
-    return Console(width=80)
-
-
 @pytest.mark.parametrize("args", [
     ["models"],
     ["caches"],

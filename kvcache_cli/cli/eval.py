@@ -17,11 +17,14 @@ from kvcache_cli.cli.common import (
     DeviceOption,
     Weights,
     check_plot,
+    columns,
     complete_cache_list,
+    console,
     fail,
     load_model,
     need_torch_extra,
     parse_cache_list_option,
+    progress_bar,
     show_then_plot,
     threads_error,
 )
@@ -116,9 +119,9 @@ def eval_(
     from kvcache_cli.quality_plot import save_plot
     from kvcache_cli.views.quality import plain, render
 
-    # The rich view on a terminal; plain text in a pipe or a file (no boxes to parse, no
-    # lines wrapped at 80 columns).
-    view = render if sys.stdout.isatty() else plain
+    # The rich view on a terminal; plain text in a pipe or a file (no boxes to parse), at
+    # the width every view is laid out at.
+    view = render if sys.stdout.isatty() else (lambda r: plain(r, columns()))
     show_then_plot(result, view, as_json, save_plot, plot, "plot")
 
 
@@ -183,8 +186,8 @@ def _retrieval(cache, model, weights, lengths, device, threads, plot, as_json) -
         fail(str(err), code=1)
     from kvcache_cli.views.retrieval import plain, render, save_plot
 
-    show_then_plot(result, render if sys.stdout.isatty() else plain, as_json, save_plot, plot,
-                   "plot")
+    view = render if sys.stdout.isatty() else (lambda r: plain(r, columns()))
+    show_then_plot(result, view, as_json, save_plot, plot, "plot")
 
 
 def _heldout(model: str) -> Path:
@@ -209,17 +212,14 @@ def _heldout(model: str) -> Path:
 @contextlib.contextmanager
 def _progress(what: str = "scoring", unit: str = "tokens"):
     """A transient bar on stderr when it is a terminal; nothing at all off one."""
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+    from rich.progress import BarColumn, MofNCompleteColumn, TimeElapsedColumn
 
-    console = Console(stderr=True)
-    if not console.is_terminal:
+    err_console = console(stderr=True)
+    if not err_console.is_terminal:
         yield None
         return
-    # Redrawn twice a second: the redraw thread shares the CPUs being timed.
-    progress = Progress(what, BarColumn(), MofNCompleteColumn(), unit,
-                        TimeElapsedColumn(), console=console, transient=True,
-                        refresh_per_second=2)
+    progress = progress_bar(err_console, what, BarColumn(), MofNCompleteColumn(), unit,
+                            TimeElapsedColumn())
     bar = progress.add_task(what, total=None)
     with progress:
         yield lambda done, total: progress.update(bar, completed=done, total=total)
