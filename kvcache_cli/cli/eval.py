@@ -4,7 +4,6 @@ it and scored against the exact cache on the same tokens."""
 from __future__ import annotations
 
 import contextlib
-import sys
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any
@@ -121,7 +120,7 @@ def eval_(
 
     # The rich view on a terminal; plain text in a pipe or a file (no boxes to parse), at
     # the width every view is laid out at.
-    view = render if sys.stdout.isatty() else (lambda r: plain(r, columns()))
+    view = render if console().is_terminal else (lambda r: plain(r, columns()))
     show_then_plot(result, view, as_json, save_plot, plot, "plot")
 
 
@@ -186,7 +185,7 @@ def _retrieval(cache, model, weights, lengths, device, threads, plot, as_json) -
         fail(str(err), code=1)
     from kvcache_cli.views.retrieval import plain, render, save_plot
 
-    view = render if sys.stdout.isatty() else (lambda r: plain(r, columns()))
+    view = render if console().is_terminal else (lambda r: plain(r, columns()))
     show_then_plot(result, view, as_json, save_plot, plot, "plot")
 
 
