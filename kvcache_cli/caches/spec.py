@@ -305,6 +305,20 @@ def check_head_dim(spec: str, params: dict, head_dim: int) -> None:
                              f"{8 // bits})")
 
 
+def fitted(spec: CacheSpec, head_dim: int) -> CacheSpec:
+    """A default spec (one the user did not type) laid out for heads HEAD_DIM wide: where
+    its group size does not divide them, the largest that does. A spec the user typed is
+    refused instead, naming it (`check_head_dim`); a default must not be."""
+    group = dict(spec.params).get("group")
+    if not isinstance(group, int) or head_dim % group == 0:
+        return spec
+    fits = [g for g in range(group, 1, -1) if head_dim % g == 0]
+    if not fits:
+        return spec
+    others = [f for f in str(spec).split(":") if f != f"g{group}"]
+    return parse_cache_spec(":".join([*others, f"g{fits[0]}"]))
+
+
 def check_spec(spec: CacheSpec, head_dim: int) -> None:
     """`check_head_dim` for a parsed spec: call it before a model loads."""
     check_head_dim(spec.typed or str(spec), dict(spec.params), head_dim)

@@ -132,11 +132,15 @@ def _check_options(cache, model, text, tokens, prompt_len, chunk, device, thread
     from kvcache_cli.measure import resolve_device
     from kvcache_cli.models import model_config
 
-    specs = quality.default_caches() if cache is None else cache
+    from kvcache_cli.caches.spec import fitted
+
     problem = threads_error(threads)
     if problem is not None:
         raise ValueError(problem)
     config = model_config(model)
+    # The defaults laid out for this model's heads: a refusal names only what was typed.
+    specs = ([fitted(s, config.head_size) for s in quality.default_caches()] if cache is None
+             else cache)
     # --tokens, when given, against the context window; the text's length comes next.
     quality.check_eval(config.context, tokens, prompt_len, chunk)
     path = text if text is not None else _heldout(model)
