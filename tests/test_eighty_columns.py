@@ -138,3 +138,70 @@ def test_every_command_is_whole_at_80_columns_in_a_terminal_and_piped(case, mode
         # notes may be longer than the width: a terminal wraps them).
         stderr = ANSI.sub("", result.stderr)
         assert not CUT_NUMBER.search(stderr), (case, where, stderr)
+
+
+# --- the rule itself -----------------------------------------------------------------------
+
+
+def _wide_table():
+    from rich.table import Table
+
+    table = Table(title="wide")
+    for heading in ("cache", *(f"figure {i}" for i in range(12))):
+        table.add_column(heading)
+    table.add_row("[bold]int4:g32:kchan:r128[/]", *(f"{13.6421 * 10**i:,.4f}" for i in range(12)))
+    return table
+
+
+def test_a_table_too_wide_is_split_by_columns_each_part_naming_the_row():
+    from kvcache_cli.views.layout import fit, rendered
+
+    assert "…" in rendered(_wide_table(), WIDTH)  # rich cuts it as it stands
+    text = rendered(fit(_wide_table(), WIDTH), WIDTH)
+    assert "…" not in text and max(len(line) for line in text.splitlines()) <= WIDTH
+    for i in range(12):
+        assert f"{13.6421 * 10**i:,.4f}" in text
+    assert text.count("int4:g32:kchan:r128") > 1  # the row's name in every part
+
+
+def test_a_column_too_wide_even_beside_the_name_stacks_the_table_one_record_a_row():
+    from rich.table import Table
+
+    from kvcache_cli.views.layout import fit, rendered
+
+    table = Table("cache", "figure")
+    table.add_row("[bold]int4[/]", "9" * 60 + ".5")
+    text = rendered(fit(table, 50), 50)
+    assert "[bold]" not in text and "int4" in text  # markup read, not printed
+    assert "9" * 30 in text.replace("\n", "") and "…" not in text
+
+
+def test_a_plain_text_table_too_wide_is_split_into_blocks_that_fit():
+    from kvcache_cli.views.layout import text_table
+
+    rows = [("cache", *(f"figure {i}" for i in range(12))),
+            ("int4", *(f"{13.6421 * 10**i:,.4f}" for i in range(12)))]
+    lines = text_table(rows, WIDTH)
+    assert max(len(line) for line in lines) <= WIDTH
+    assert sum(line.startswith("int4") for line in lines) > 1
+    for i in range(12):
+        assert any(f"{13.6421 * 10**i:,.4f}" in line for line in lines)
+
+
+def test_a_formula_breaks_only_before_an_operator_and_reads_the_same():
+    from kvcache_cli.views.layout import Formula
+
+    line = "  bytes = layers × (kv_lora_rank + qk_rope_head_dim) × seq_len × dtype_bytes"
+    for width in range(20, len(line) + 2):
+        pieces = Formula.broken(line, width)
+        assert " ".join(p.strip() for p in pieces) == line.strip(), (width, pieces)
+        assert all(p.lstrip().startswith(("×", "+")) for p in pieces[1:]), pieces
+
+
+@pytest.mark.parametrize("columns, width", [("80", 80), ("200", 200), ("5", 50), ("0", 50),
+                                            ("²", 100), ("٨٠", 100), ("wide", 100)])
+def test_every_console_is_columns_wide_and_a_bad_columns_is_no_traceback(columns, width):
+    # Off a terminal: COLUMNS where it is ASCII digits (at least 50), else 100.
+    result = CliRunner().invoke(app, ["models"], env={"COLUMNS": columns})
+    assert result.exit_code == 0, result.output
+    assert max(len(line) for line in result.stdout.splitlines()) <= width

@@ -262,28 +262,6 @@ def test_serve_and_bench_name_lists_are_read_in_any_case():
     assert parse_policy("Decode-First") == ("decode-first",)
 
 
-# --- tables whole at 80 columns ----------------------------------------------------------
-
-ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
-
-
-@pytest.mark.parametrize("args", [
-    ["models"],
-    ["caches"],
-    ["size", "--model", "gemma-2-9b", "--seq", "8192"],
-    ["size", "--model", "gpt2", "--seq", "1024", "--cache", "int4"],
-    ["size", "--model", "llama-3-70b", "--seq", "128k", "--batch", "8", "--params", "70B",
-     "--gpu-mem", "80GiB", "--tp", "8"],
-    ["demo"],
-])
-def test_every_table_is_whole_in_an_80_column_terminal(args):
-    result = runner.invoke(app, args, env={"COLUMNS": "80", "FORCE_COLOR": "1"})
-    assert result.exit_code == 0, result.output
-    text = ANSI.sub("", result.stdout)
-    assert "…" not in text, text
-    assert max(len(line) for line in text.splitlines()) <= 80
-
-
 @pytest.mark.parametrize("argv", [["--bogus"], ["--demo"], ["--break"], ["stray"]])
 def test_the_reference_script_refuses_bad_arguments_in_one_line(argv, capsys):
     import kv_cache_from_scratch as ref
