@@ -2,7 +2,8 @@
 
 `save_plot` writes it as a PNG with matplotlib (an optional extra, imported only
 here and only when asked for); `sparkline` draws the same curve in one line of
-text, so the terminal shows its shape without matplotlib.
+text, so the terminal shows its shape without matplotlib. `plain_log_ticks` is every
+plot's one tick format on a log axis.
 """
 
 from __future__ import annotations
@@ -59,6 +60,34 @@ def sparkline(values: Sequence[float], width: int = 48) -> str:
     if top <= 0:
         return BARS[0] * width
     return "".join(BARS[min(len(BARS) - 1, int(h / top * len(BARS)))] for h in heights)
+
+
+def plain_number(v: float) -> str:
+    """A tick as a plain number: 1,000, 600 and 0.05, never 10³, 6×10² or 5×10⁻²."""
+    return f"{v:,.0f}" if v >= 1 else f"{v:g}"
+
+
+def plain_log_ticks(ax, which: str = "y") -> None:
+    """One tick format on a log axis of AX ('x' or 'y'), major and minor ticks alike: plain
+    numbers, where matplotlib writes its minor ticks as 6×10² beside a major 100. Between
+    two powers of ten only 2 and 5 are labelled where the axis spans a decade or more, so
+    the labels do not overprint; all of them where it spans less."""
+    import math
+
+    from matplotlib.ticker import FuncFormatter
+
+    low, high = ax.get_ylim() if which == "y" else ax.get_xlim()  # after the data: autoscaled
+    wide = low > 0 and high / low >= 10
+
+    def minor(v: float, _position=None) -> str:
+        if v <= 0:
+            return ""
+        lead = round(v / 10 ** math.floor(math.log10(v)))
+        return plain_number(v) if not wide or lead in (2, 5) else ""
+
+    axis = ax.yaxis if which == "y" else ax.xaxis
+    axis.set_major_formatter(FuncFormatter(lambda v, _position=None: plain_number(v)))
+    axis.set_minor_formatter(FuncFormatter(minor))
 
 
 def save_plot(result: BenchResult, path: str | Path) -> Path:

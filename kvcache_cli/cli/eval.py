@@ -128,11 +128,10 @@ def _check_options(cache, model, text, tokens, prompt_len, chunk, device, thread
     """(specs, text path, its ids, tokens to read, device), or a ValueError naming the
     value, or TokenizerUnavailable."""
     from kvcache_cli import quality
+    from kvcache_cli.caches.spec import fitted
     from kvcache_cli.evaltext import eval_text, read_text
     from kvcache_cli.measure import resolve_device
     from kvcache_cli.models import model_config
-
-    from kvcache_cli.caches.spec import fitted
 
     problem = threads_error(threads)
     if problem is not None:
