@@ -187,6 +187,7 @@ STRING_OPTIONS = [
     (["generate", "-m", "stdlib-bytes", "--draft", "lookup:{}", "hi"], "lookup:"),
     (["generate", "-m", "stdlib-bytes", "--cache", "window:{}", "hi"], "window:"),
     (["eval", "-m", "stdlib-bytes", "--cache", "static,sink:4+{}"], "sink:4+"),
+    (["eval", "-m", "stdlib-bytes", "--task", "retrieval", "--lengths", "64,{}"], "--lengths"),
 ]
 
 
