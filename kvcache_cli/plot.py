@@ -2,7 +2,8 @@
 
 `save_plot` writes it as a PNG with matplotlib (an optional extra, imported only
 here and only when asked for); `sparkline` draws the same curve in one line of
-text, so the terminal shows its shape without matplotlib.
+text, so the terminal shows its shape without matplotlib. `plain_log_ticks` is every
+plot's one tick format on a log axis.
 """
 
 from __future__ import annotations
@@ -59,6 +60,43 @@ def sparkline(values: Sequence[float], width: int = 48) -> str:
     if top <= 0:
         return BARS[0] * width
     return "".join(BARS[min(len(BARS) - 1, int(h / top * len(BARS)))] for h in heights)
+
+
+def plain_number(v: float, tiny: bool = False) -> str:
+    """A tick as a plain number: 1,000, 600 and 0.05, never 10³, 6×10² or 5×10⁻²; on an
+    axis reaching below a thousandth (TINY), every tick under 1 as 5e-5, so 0.0001 and
+    5e-05 never stand side by side."""
+    if v >= 1:
+        return f"{v:,.0f}"
+    if tiny:
+        mantissa, exponent = f"{v:.0e}".split("e")
+        return f"{mantissa}e{int(exponent)}"
+    return f"{v:g}"
+
+
+def plain_log_ticks(ax, which: str = "y") -> None:
+    """One tick format on a log axis of AX ('x' or 'y'), major and minor ticks alike:
+    plain numbers (`plain_number`), where matplotlib writes its minor ticks as 6×10² beside
+    a major 100. Between two powers of ten every tick is labelled on an axis spanning less
+    than a decade, 2 and 5 on one spanning less than three, none on a wider one, so the
+    labels never overprint."""
+    import math
+
+    from matplotlib.ticker import FuncFormatter
+
+    low, high = ax.get_ylim() if which == "y" else ax.get_xlim()  # after the data: autoscaled
+    decades = math.log10(high / low) if low > 0 else math.inf
+    tiny = 0 < low < 1e-3
+
+    def minor(v: float, _position=None) -> str:
+        if v <= 0 or decades >= 3:
+            return ""
+        lead = round(v / 10 ** math.floor(math.log10(v)))
+        return plain_number(v, tiny) if decades < 1 or lead in (2, 5) else ""
+
+    axis = ax.yaxis if which == "y" else ax.xaxis
+    axis.set_major_formatter(FuncFormatter(lambda v, _position=None: plain_number(v, tiny)))
+    axis.set_minor_formatter(FuncFormatter(minor))
 
 
 def save_plot(result: BenchResult, path: str | Path) -> Path:

@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from kvcache_cli import numbers
 from kvcache_cli.caches.spec import CacheSpec, check_prompt, parse_cache_spec
 
 INTRO = ("There is a pass key hidden inside a lot of irrelevant text. Find it and memorize "
@@ -33,6 +34,7 @@ QUESTION = "\n\nWhat is the pass key?"
 DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)  # where the key sits in the filler: start .. end
 KEYS_PER_CELL = 2  # prompts per (length, depth): different keys, the same filler
 MAX_NEW_TOKENS = 12  # "The pass key is 12345." and an end of turn
+MAX_LENGTH = 1 << 20  # a filler longer than any model's context: refused before it is built
 REFERENCE = "static"
 # Without --cache: each compressing kind at a quarter of the prompt's keys.
 DEFAULT_CACHES = ("snapkv:0.25", "knorm:0.25", "recent:0.25")
@@ -143,11 +145,13 @@ def is_correct(reply: str, key: str) -> bool:
 
 
 def parse_lengths(text: str) -> tuple[int, ...]:
-    """'512,1024' -> (512, 1024), or a ValueError naming the value."""
+    """'512,1024' -> (512, 1024), or a ValueError naming the value. Each is read by
+    `numbers` (ASCII digits, bounded: no model's context reaches MAX_LENGTH, and the
+    context check that follows names the model's own)."""
     parts = [p.strip() for p in text.split(",") if p.strip()]
-    if not parts or not all(p.isdigit() and int(p) > 0 for p in parts):
+    if not parts or not all(numbers.is_whole(p) and 0 < int(p) <= MAX_LENGTH for p in parts):
         raise ValueError(f"--lengths {text!r}: expected filler lengths in tokens, "
-                         "comma-separated, each 1 or more (e.g. 512,1024)")
+                         f"comma-separated, each {numbers.span(1, MAX_LENGTH)} (e.g. 512,1024)")
     return tuple(int(p) for p in parts)
 
 

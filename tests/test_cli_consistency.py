@@ -128,14 +128,21 @@ def test_off_a_terminal_the_models_table_keeps_one_row_per_preset():
     assert "attention" in rows[0] and "KV / token" in rows[0]
 
 
-def test_off_a_terminal_a_long_formula_stays_on_one_line(tmp_path):
+def test_a_formula_too_long_for_the_width_breaks_only_before_an_operator(tmp_path):
     cfg = {"model_type": "deepseek_v32", "num_hidden_layers": 4, "num_attention_heads": 8,
            "hidden_size": 512, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
            "qk_nope_head_dim": 128, "v_head_dim": 128, "index_head_dim": 128,
            "max_position_embeddings": 4096}
     path = Path(tmp_path) / "config.json"
     path.write_text(json.dumps(cfg))
-    result = runner.invoke(app, ["size", "--config", str(path)], env={"COLUMNS": None})
-    assert result.exit_code == 0, result.output
-    assert ("bytes = layers × (kv_lora_rank + qk_rope_head_dim + index_head_dim) × seq_len × "
-            "dtype_bytes × batch") in result.stdout
+    whole = ("bytes = layers × (kv_lora_rank + qk_rope_head_dim + index_head_dim) × seq_len × "
+             "dtype_bytes × batch")
+    for columns in ("100", "80", "50"):
+        result = runner.invoke(app, ["size", "--config", str(path)], env={"COLUMNS": columns})
+        assert result.exit_code == 0, result.output
+        lines = result.stdout.splitlines()
+        first = next(i for i, line in enumerate(lines) if "bytes = layers" in line)
+        pieces = lines[first:first + 1 + sum(
+            1 for line in lines[first + 1:first + 6] if line.lstrip().startswith(("×", "+")))]
+        assert all(len(line) <= int(columns) for line in pieces), pieces
+        assert " ".join(p.strip() for p in pieces) == whole, pieces

@@ -187,6 +187,7 @@ STRING_OPTIONS = [
     (["generate", "-m", "stdlib-bytes", "--draft", "lookup:{}", "hi"], "lookup:"),
     (["generate", "-m", "stdlib-bytes", "--cache", "window:{}", "hi"], "window:"),
     (["eval", "-m", "stdlib-bytes", "--cache", "static,sink:4+{}"], "sink:4+"),
+    (["eval", "-m", "stdlib-bytes", "--task", "retrieval", "--lengths", "64,{}"], "--lengths"),
 ]
 
 
@@ -260,50 +261,6 @@ def test_serve_and_bench_name_lists_are_read_in_any_case():
     assert parse_modes("NAIVE,Static") == ("naive", "static")
     assert parse_engines("Sequential,PAGED") == ("sequential", "paged")
     assert parse_policy("Decode-First") == ("decode-first",)
-
-
-# --- tables whole at 80 columns ----------------------------------------------------------
-
-ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
-
-
-def test_a_table_too_wide_for_the_terminal_is_stacked_with_every_number_whole():
-    from rich.table import Table
-
-    from kvcache_cli.cli.common import fit_width, rendered
-
-    table = Table(title="wide")
-    for heading in ("cache", *(f"figure {i}" for i in range(12))):
-        table.add_column(heading)
-    table.add_row("int4:g32:kchan:r128", *(f"{13.6421 * 10**i:,.4f}" for i in range(12)))
-    assert "…" in rendered(table, 80)  # rich cuts it as it stands
-    text = rendered(fit_width(_console(), table, 80), 80)
-    assert "…" not in text
-    for i in range(12):
-        assert f"{13.6421 * 10**i:,.4f}" in text
-
-
-def _console():
-    from rich.console import Console
-
-    return Console(width=80)
-
-
-@pytest.mark.parametrize("args", [
-    ["models"],
-    ["caches"],
-    ["size", "--model", "gemma-2-9b", "--seq", "8192"],
-    ["size", "--model", "gpt2", "--seq", "1024", "--cache", "int4"],
-    ["size", "--model", "llama-3-70b", "--seq", "128k", "--batch", "8", "--params", "70B",
-     "--gpu-mem", "80GiB", "--tp", "8"],
-    ["demo"],
-])
-def test_every_table_is_whole_in_an_80_column_terminal(args):
-    result = runner.invoke(app, args, env={"COLUMNS": "80", "FORCE_COLOR": "1"})
-    assert result.exit_code == 0, result.output
-    text = ANSI.sub("", result.stdout)
-    assert "…" not in text, text
-    assert max(len(line) for line in text.splitlines()) <= 80
 
 
 @pytest.mark.parametrize("argv", [["--bogus"], ["--demo"], ["--break"], ["stray"]])

@@ -120,6 +120,14 @@ def whole_number(spec: str, what: str, text: str, low: int = 1, high: int = 1 <<
         raise CacheSpecError(f"cache spec {spec!r}: {err}") from None
 
 
+def lettered(field: str, letters) -> str:
+    """The letter of a field such as g32, r128 or b16 (among LETTERS; the number may be
+    missing or wrong, its refusal names it), or '' where FIELD is not one: 'rot2' is an
+    unknown word, not a residual of 'ot2', and is refused whole."""
+    word = field[1:2].isascii() and field[1:2].isalpha()
+    return field[0] if field[:1] and field[0] in letters and not word else ""
+
+
 def no_fields(spec: str, fields: tuple[str, ...]) -> dict:
     if fields:
         name = spec.split(":", 1)[0]
@@ -139,7 +147,7 @@ DEFAULT_BLOCK_SIZE = 16
 def _parse_paged(spec: str, fields: tuple[str, ...]) -> dict:
     given: dict = {}
     for f in fields:
-        if not f.startswith("b"):
+        if not lettered(f, "b"):
             raise CacheSpecError(f"cache spec {spec!r}: unknown field {f!r}; expected bN, "
                                  "the block size in tokens (e.g. paged:b16)")
         _give_once(spec, given, "block size", whole_number(spec, "block size", f[1:], 1, 4096))
@@ -176,7 +184,7 @@ def _int_parser(bits: int) -> Parse:
                 what, value = "keys", f
             elif f == "rot":
                 what, value = "rotate", 1
-            elif f[:1] in ("g", "r", "s") and f[1:]:
+            elif lettered(f, "grs"):
                 what = {"g": "group", "r": "residual", "s": "sinks"}[f[0]]
                 low = 2 if what == "group" else 0
                 label = {"group": "group size", "residual": "residual", "sinks": "sinks"}[what]
@@ -259,7 +267,7 @@ def _quanto_parser(bits: int) -> Parse:
         params = {"bits": bits, "group": 64, "residual": 128}
         seen: set[str] = set()
         for f in fields:
-            what = {"g": "group", "r": "residual"}.get(f[:1]) if f[1:] else None
+            what = {"g": "group", "r": "residual"}.get(lettered(f, "gr"))
             if what is None or what in seen:
                 why = f"{what} given twice" if what else f"unknown field {f!r}; expected gN " \
                     f"(group size) or rN (residual tokens), e.g. quanto-int{bits}:g64:r128"
@@ -295,6 +303,20 @@ def check_head_dim(spec: str, params: dict, head_dim: int) -> None:
         raise CacheSpecError(f"cache spec {spec!r}: {bits}-bit codes of a {head_dim}-wide head "
                              f"do not fill whole bytes (the head width must be a multiple of "
                              f"{8 // bits})")
+
+
+def fitted(spec: CacheSpec, head_dim: int) -> CacheSpec:
+    """A default spec (one the user did not type) laid out for heads HEAD_DIM wide: where
+    its group size does not divide them, the largest that does. A spec the user typed is
+    refused instead, naming it (`check_head_dim`); a default must not be."""
+    group = dict(spec.params).get("group")
+    if not isinstance(group, int) or head_dim % group == 0:
+        return spec
+    fits = [g for g in range(group, 1, -1) if head_dim % g == 0]
+    if not fits:
+        return spec
+    others = [f for f in str(spec).split(":") if f != f"g{group}"]
+    return parse_cache_spec(":".join([*others, f"g{fits[0]}"]))
 
 
 def check_spec(spec: CacheSpec, head_dim: int) -> None:
@@ -367,9 +389,9 @@ def _spare(spec: str, fields: tuple[str, ...], grammar: str) -> int:
     """The optional `kN` after a ring's counts: N spare slots for rollback (default 0)."""
     if not fields:
         return 0
-    if len(fields) > 1 and all(f.startswith("k") for f in fields):
+    if len(fields) > 1 and all(lettered(f, "k") for f in fields):
         raise CacheSpecError(f"cache spec {spec!r}: spare slots given twice")
-    if len(fields) > 1 or not fields[0].startswith("k"):
+    if len(fields) > 1 or not lettered(fields[0], "k"):
         raise CacheSpecError(f"cache spec {spec!r}: unknown field {fields[0]!r}; expected "
                              f"{grammar}, kN the spare slots a crop can reach back into "
                              "(e.g. k8 for speculative decoding's k of 8)")
@@ -525,7 +547,7 @@ def _compressed_parser(name: str, own: dict[str, str]) -> Parse:
                 _give_once(spec, given, "layers", f)
             elif name == "snapkv" and f in ("max", "avg"):
                 _give_once(spec, given, "pool", f)
-            elif f[:1] in own and f[1:]:
+            elif lettered(f, "".join(own)):
                 what = own[f[0]]
                 low = 0 if what == "sinks" else 1
                 _give_once(spec, given, what, whole_number(spec, what, f[1:], low, 1 << 16))
@@ -768,6 +790,10 @@ def names() -> list[str]:
 def parse_cache_spec(text: str) -> CacheSpec:
     """'int4:g32:kchan' -> CacheSpec, or a CacheSpecError naming what is wrong."""
     spec = text.strip()
+    if "," in spec:  # a list where one spec goes: say so, not "unknown field 'rot,window'"
+        first = spec.split(",")[0].strip() or "static"
+        raise CacheSpecError(f"cache {spec!r} lists several caches: expected one spec "
+                             f"here, such as {first!r}")
     name, *fields = spec.split(":")
     key = _ALIASES.get(name.lower(), name.lower())
     if key not in KINDS:

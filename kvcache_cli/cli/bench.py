@@ -20,9 +20,11 @@ from kvcache_cli.cli.common import (
     check_cache_for,
     check_plot,
     check_weights_dtype,
+    console,
     defaults_in,
     fail,
     need_torch_extra,
+    progress_bar,
     show_then_plot,
     threads_error,
     with_weights_dtype,
@@ -344,20 +346,17 @@ def _progress():
     On stderr and transient, so stdout holds only the result (and --json stays JSON).
     Redrawn twice a second, not rich's ten: the redraw thread shares the CPUs being timed.
     """
-    from rich.console import Console
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
-        Progress,
         TimeElapsedColumn,
         TimeRemainingColumn,
     )
 
-    err_console = Console(stderr=True)
-    progress = Progress(
-        "{task.description}", BarColumn(), MofNCompleteColumn(), "steps", TimeElapsedColumn(),
-        "ETA", TimeRemainingColumn(), console=err_console, transient=True,
-        refresh_per_second=2,
+    err_console = console(stderr=True)
+    progress = progress_bar(
+        err_console, "{task.description}", BarColumn(), MofNCompleteColumn(), "steps",
+        TimeElapsedColumn(), "ETA", TimeRemainingColumn(),
     )  # fmt: skip
     task = progress.add_task("loading", total=None)
 

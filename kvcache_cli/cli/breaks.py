@@ -13,9 +13,11 @@ import typer
 from kvcache_cli.break_registry import QUANT_BREAK_TOKENS
 from kvcache_cli.cli.common import (
     GPT2_MODULES,
+    console,
     fail,
     load_model,
     print_view,
+    progress_bar,
     torch_device,
     torch_extra_missing,
 )
@@ -214,16 +216,14 @@ def _progress(name: str):
     """A bar on stderr while a break runs; off a terminal, for a long break (LOG_TOKENS
     tokens or more: --max-new-tokens 40 and up), a line every tenth of the tokens and as
     each of its runs ends, so it shows it is alive in a log too. A short one stays quiet."""
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+    from rich.progress import BarColumn, MofNCompleteColumn, TimeElapsedColumn
 
-    console = Console(stderr=True)
+    err_console = console(stderr=True)
     # The bar on a terminal only: off one, rich would still end it with a blank line.
     bar = task = None
-    if console.is_terminal:
-        bar = Progress(f"{name}: {{task.description}}", BarColumn(), MofNCompleteColumn(),
-                       "tokens", TimeElapsedColumn(), console=console, transient=True,
-                       refresh_per_second=2)
+    if err_console.is_terminal:
+        bar = progress_bar(err_console, f"{name}: {{task.description}}", BarColumn(),
+                           MofNCompleteColumn(), "tokens", TimeElapsedColumn())
         task = bar.add_task("", total=None)
     state = {"label": None, "start": time.perf_counter(), "tokens": 0, "log": False}
 
@@ -237,7 +237,7 @@ def _progress(name: str):
             ended()
             state.update(label=label, start=time.perf_counter(), tokens=0)
         state["tokens"] += 1
-        state["log"] = not console.is_terminal and total >= LOG_TOKENS
+        state["log"] = not err_console.is_terminal and total >= LOG_TOKENS
         if bar is not None:
             bar.update(task, description=label, completed=done, total=total)
         if state["log"] and done * 10 // total > (done - 1) * 10 // total:

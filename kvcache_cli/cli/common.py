@@ -346,121 +346,77 @@ def with_weights_dtype(loaded, weights_dtype: str | None):
     return loaded, reference
 
 
-# --- printing ----------------------------------------------------------------------------
+# --- printing ---------------------------------------------------------------------------
 
-# Off a terminal (a file, a pipe, CI) there is no edge to fit: lay out at the README's
-# width, wider where a table's headings and words or an unbreakable line (a formula) need it.
+# Off a terminal (a file, a pipe, CI) with no COLUMNS there is no edge to fit: lay out at
+# the README's width, so what a user saves matches what the README shows.
 OFF_TERMINAL_COLUMNS = 100
+# Click lays out its help at no fewer columns; a narrower COLUMNS (0, 5) could not hold a
+# heading beside its figure. Far wider than any screen: rich pads every line to the width.
+MIN_COLUMNS, MAX_COLUMNS = 50, 1_000
 
 
-def print_view(renderable) -> None:
-    """Print a view on stdout: as rich lays it out on a terminal; off one, at least
-    COLUMNS (else OFF_TERMINAL_COLUMNS) wide and wider where a table or a formula needs it,
-    and no line ending in spaces, so what a user saves matches what the README shows."""
+def columns(stream=None) -> int:
+    """The width every view is laid out at, one rule for every command and stream: COLUMNS
+    where it is set (ASCII digits, kept within MIN_COLUMNS..MAX_COLUMNS), else the
+    terminal's width, else OFF_TERMINAL_COLUMNS."""
     import os
+    import sys
+
+    from kvcache_cli import numbers
+
+    text = os.environ.get("COLUMNS", "").strip()
+    if numbers.is_whole(text):
+        return min(max(int(text), MIN_COLUMNS), MAX_COLUMNS)
+    stream = sys.stdout if stream is None else stream
+    try:
+        if stream.isatty():
+            return max(os.get_terminal_size(stream.fileno()).columns, MIN_COLUMNS)
+    except (AttributeError, ValueError, OSError):  # no file behind it (a test's buffer)
+        pass
+    return OFF_TERMINAL_COLUMNS
+
+
+def console(stderr: bool = False):
+    """The one rich console a command prints with, on stdout or stderr, COLUMNS wide by
+    `columns`' rule. Its size is given, never read by rich from COLUMNS and LINES itself,
+    which ends in a traceback for COLUMNS=² (str.isdigit passes it, int() does not)."""
     import sys
 
     from rich.console import Console
 
-    console = Console()
-    if console.is_terminal:
-        console.print(fit_width(console, renderable, console.width))
+    return Console(stderr=stderr, width=columns(sys.stderr if stderr else sys.stdout),
+                   height=25)
+
+
+def progress_bar(console, *columns_):
+    """A transient rich Progress on CONSOLE, redrawn twice a second (the redraw thread shares
+    the CPUs being timed). Its text columns wrap at a narrow width, so the counts and
+    times beside them stay whole, where rich would cut them ('0:00:…')."""
+    from rich.progress import Progress, TextColumn
+    from rich.table import Column
+
+    shown = [TextColumn(c, table_column=Column(overflow="fold")) if isinstance(c, str) else c
+             for c in columns_]
+    return Progress(*shown, console=console, transient=True, refresh_per_second=2)
+
+
+def print_view(renderable) -> None:
+    """Print a view on stdout at `columns()`, in a terminal or not: every table laid out to
+    fit (views.layout: split by columns or stacked, no number cut); off a terminal without
+    colour, and no line ending in spaces, so what a user saves matches the README."""
+    import sys
+
+    from kvcache_cli.views.layout import fit
+
+    out = console()
+    shown = fit(renderable, out.width)
+    if out.is_terminal:
+        out.print(shown)
         return
-    columns = os.environ.get("COLUMNS", "")
-    least = int(columns) if columns.isascii() and columns.isdigit() else OFF_TERMINAL_COLUMNS
-    console = Console(width=max(least, _widest(console, renderable)))
-    with console.capture() as captured:
-        console.print(renderable)
+    with out.capture() as captured:
+        out.print(shown)
     sys.stdout.write("\n".join(line.rstrip() for line in captured.get().split("\n")))
-
-
-def fit_width(console, renderable, width: int):
-    """RENDERABLE with every table too wide for WIDTH columns stacked, one record per row:
-    rich would cut its words and numbers ('13.6…'), or wrap its prose a word a line.
-    Groups and panels are walked; anything else is returned as it is."""
-    import copy
-
-    from rich.console import Group
-    from rich.measure import Measurement
-    from rich.panel import Panel
-    from rich.table import Table
-
-    if isinstance(renderable, Group):
-        return Group(*(fit_width(console, r, width) for r in renderable.renderables))
-    if isinstance(renderable, Panel):
-        panel = copy.copy(renderable)
-        panel.renderable = fit_width(console, renderable.renderable, width - 4)
-        return panel
-    if not isinstance(renderable, Table) or not renderable.columns:
-        return renderable
-    need = Measurement.get(console, console.options.update(max_width=10_000), renderable)
-    # A column of single words (its prose has half the room it wants), or cut: rich marks
-    # what it cuts with '…', which no cell of ours holds.
-    if need.maximum <= 2 * width and "…" not in rendered(renderable, width):
-        return renderable
-    return stacked(renderable)
-
-
-def rendered(renderable, width: int) -> str:
-    """RENDERABLE as plain text at WIDTH columns, as a terminal that wide would show it."""
-    import io
-
-    from rich.console import Console
-
-    console = Console(width=width, file=io.StringIO(), color_system=None, force_terminal=False)
-    with console.capture() as captured:
-        console.print(renderable)
-    return captured.get()
-
-
-def stacked(table):
-    """A table as one record per row: the first cell as the record's title, then each
-    other column's heading and value on a line, the value wrapping beside its heading."""
-    from rich.console import Group
-    from rich.table import Table
-    from rich.text import Text
-
-    def plain(cell) -> str:
-        return cell.plain if isinstance(cell, Text) else str(cell)
-
-    headings = [plain(c.header).replace("\n", " ") for c in table.columns]
-    columns = [list(c.cells) for c in table.columns]
-    records = []
-    if table.title:
-        records.append(Text(plain(table.title), style="bold"))
-    for r in range(table.row_count):
-        grid = Table.grid(padding=(0, 2))
-        grid.add_column(no_wrap=True, style="dim")
-        grid.add_column(overflow="fold")
-        for heading, cells in zip(headings[1:], columns[1:], strict=True):
-            if plain(cells[r]).strip():
-                grid.add_row(heading, cells[r])
-        records += [Text(""), Text(plain(columns[0][r]), style="bold"), grid]
-    if table.caption:
-        records += [Text(""), Text(plain(table.caption))]
-    return Group(*records)
-
-
-def _widest(console, renderable) -> int:
-    """Columns the tables (every word whole) and unbreakable texts (every line whole) inside
-    RENDERABLE need."""
-    from rich.console import Group
-    from rich.measure import Measurement
-    from rich.panel import Panel
-    from rich.table import Table
-    from rich.text import Text
-
-    if isinstance(renderable, Group):
-        return max((_widest(console, r) for r in renderable.renderables), default=0)
-    if isinstance(renderable, Panel):
-        return _widest(console, renderable.renderable) + 4  # borders and padding
-    options = console.options.update(max_width=10_000)
-    if isinstance(renderable, Table):
-        # Its minimum: every heading and word whole (no "attent…"); prose cells may wrap.
-        return Measurement.get(console, options, renderable).minimum
-    if isinstance(renderable, Text) and renderable.no_wrap:
-        return Measurement.get(console, options, renderable).maximum
-    return 0
 
 
 # --- results and plots ------------------------------------------------------------------
@@ -498,8 +454,6 @@ def show_then_plot(result, view, as_json: bool, save, plot: Path | None, what: s
     """Print a measured result (JSON, or VIEW's rendering: rich, or plain text as it is),
     then write its plot: a plot that fails to save after minutes of measuring loses
     nothing."""
-    from rich.console import Console
-
     if as_json:
         from kvcache_cli.views import to_json
 
@@ -518,4 +472,4 @@ def show_then_plot(result, view, as_json: bool, save, plot: Path | None, what: s
         fail(f"--plot: the plot could not be written to {str(plot)!r} ({err}); the "
              "results are above", code=1)
     if not as_json:
-        Console().print(f"{what} written to {plot}")
+        console().print(f"{what} written to {plot}")

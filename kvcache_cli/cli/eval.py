@@ -4,7 +4,6 @@ it and scored against the exact cache on the same tokens."""
 from __future__ import annotations
 
 import contextlib
-import sys
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any
@@ -17,11 +16,14 @@ from kvcache_cli.cli.common import (
     DeviceOption,
     Weights,
     check_plot,
+    columns,
     complete_cache_list,
+    console,
     fail,
     load_model,
     need_torch_extra,
     parse_cache_list_option,
+    progress_bar,
     show_then_plot,
     threads_error,
 )
@@ -116,9 +118,9 @@ def eval_(
     from kvcache_cli.quality_plot import save_plot
     from kvcache_cli.views.quality import plain, render
 
-    # The rich view on a terminal; plain text in a pipe or a file (no boxes to parse, no
-    # lines wrapped at 80 columns).
-    view = render if sys.stdout.isatty() else plain
+    # The rich view on a terminal; plain text in a pipe or a file (no boxes to parse), at
+    # the width every view is laid out at.
+    view = render if console().is_terminal else (lambda r: plain(r, columns()))
     show_then_plot(result, view, as_json, save_plot, plot, "plot")
 
 
@@ -126,15 +128,18 @@ def _check_options(cache, model, text, tokens, prompt_len, chunk, device, thread
     """(specs, text path, its ids, tokens to read, device), or a ValueError naming the
     value, or TokenizerUnavailable."""
     from kvcache_cli import quality
+    from kvcache_cli.caches.spec import fitted
     from kvcache_cli.evaltext import eval_text, read_text
     from kvcache_cli.measure import resolve_device
     from kvcache_cli.models import model_config
 
-    specs = quality.default_caches() if cache is None else cache
     problem = threads_error(threads)
     if problem is not None:
         raise ValueError(problem)
     config = model_config(model)
+    # The defaults laid out for this model's heads: a refusal names only what was typed.
+    specs = ([fitted(s, config.head_size) for s in quality.default_caches()] if cache is None
+             else cache)
     # --tokens, when given, against the context window; the text's length comes next.
     quality.check_eval(config.context, tokens, prompt_len, chunk)
     path = text if text is not None else _heldout(model)
@@ -183,8 +188,8 @@ def _retrieval(cache, model, weights, lengths, device, threads, plot, as_json) -
         fail(str(err), code=1)
     from kvcache_cli.views.retrieval import plain, render, save_plot
 
-    show_then_plot(result, render if sys.stdout.isatty() else plain, as_json, save_plot, plot,
-                   "plot")
+    view = render if console().is_terminal else (lambda r: plain(r, columns()))
+    show_then_plot(result, view, as_json, save_plot, plot, "plot")
 
 
 def _heldout(model: str) -> Path:
@@ -209,17 +214,14 @@ def _heldout(model: str) -> Path:
 @contextlib.contextmanager
 def _progress(what: str = "scoring", unit: str = "tokens"):
     """A transient bar on stderr when it is a terminal; nothing at all off one."""
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+    from rich.progress import BarColumn, MofNCompleteColumn, TimeElapsedColumn
 
-    console = Console(stderr=True)
-    if not console.is_terminal:
+    err_console = console(stderr=True)
+    if not err_console.is_terminal:
         yield None
         return
-    # Redrawn twice a second: the redraw thread shares the CPUs being timed.
-    progress = Progress(what, BarColumn(), MofNCompleteColumn(), unit,
-                        TimeElapsedColumn(), console=console, transient=True,
-                        refresh_per_second=2)
+    progress = progress_bar(err_console, what, BarColumn(), MofNCompleteColumn(), unit,
+                            TimeElapsedColumn())
     bar = progress.add_task(what, total=None)
     with progress:
         yield lambda done, total: progress.update(bar, completed=done, total=total)

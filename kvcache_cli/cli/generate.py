@@ -18,6 +18,7 @@ from kvcache_cli.cli.common import (
     WeightsDTypeOption,
     check_cache_for,
     check_weights_dtype,
+    console,
     fail,
     load_model,
     need_torch_extra,
@@ -233,21 +234,19 @@ def _encode(gpt, prompt: str | None, prompt_ids: list[int], encoding):
 def _run(loaded, prompt_ids: list[int], encoding, as_json: bool, device: str, mode: str,
          max_new_tokens: int, **sampling) -> None:
     """Generate, streaming the tokens to the terminal, or print the whole result as JSON."""
-    from rich.console import Console
-
     from kvcache_cli import generate as gen
     from kvcache_cli.gpt2 import weights_format
     from kvcache_cli.views.generate import TokenStream, generation_view, header
 
     gpt = loaded.model
-    console = Console()
-    stream = None if as_json else TokenStream(console, encoding)
+    out = console()
+    stream = None if as_json else TokenStream(out, encoding)
     if stream is not None:
         dtype = str(gpt.dtype).removeprefix("torch.")
         fmt = weights_format(gpt)
         if fmt != {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(dtype):
             dtype += f", {fmt} weights"
-        console.print(header(loaded.source, gpt.num_params(), device, dtype, mode))
+        print_view(header(loaded.source, gpt.num_params(), device, dtype, mode))
         stream.prompt(prompt_ids)
     try:
         result = gen.generate(gpt, prompt_ids, max_new_tokens, mode, on_token=stream, **sampling)
@@ -272,8 +271,6 @@ def _speculate(loaded, prompt_ids: list[int], encoding, as_json: bool, device: s
                max_new_tokens: int, draft, k: int, temperature: float, top_k: int | None,
                seed: int) -> None:
     """Speculative and plain decoding of the prompt in one run; the tokens, then the figures."""
-    from rich.console import Console
-
     from kvcache_cli import speculative as sp
     from kvcache_cli.views.generate import TokenStream, header
     from kvcache_cli.views.speculative import spec_run_view
@@ -293,15 +290,14 @@ def _speculate(loaded, prompt_ids: list[int], encoding, as_json: bool, device: s
         typer.echo(to_json({"model": loaded.source, "note": loaded.note, **vars(run),
                             "text": text}))
         return
-    console = Console()
-    console.print(header(loaded.source, gpt.num_params(), device,
-                         str(gpt.dtype).removeprefix("torch."), mode))
-    stream = TokenStream(console, encoding)
+    print_view(header(loaded.source, gpt.num_params(), device,
+                      str(gpt.dtype).removeprefix("torch."), mode))
+    stream = TokenStream(console(), encoding)
     stream.prompt(prompt_ids)
     for token in tokens:
         stream(token)
     stream.end()
-    console.print(spec_run_view(run))
+    print_view(spec_run_view(run))
 
 
 def _parse_ids(text: str) -> list[int]:

@@ -16,10 +16,12 @@ from kvcache_cli.cli.common import (
     WeightsDTypeOption,
     check_plot,
     check_weights_dtype,
+    console,
     defaults_in,
     fail,
     load_model,
     need_torch_extra,
+    progress_bar,
     show_then_plot,
     threads_error,
 )
@@ -94,8 +96,6 @@ def serve(
     run. The default (24 requests, 4 runs) takes about 2 minutes on 2 quiet cores.
     """
     need_torch_extra("kvcache serve needs", *GPT2_MODULES, "transformers")
-    from rich.console import Console
-
     from kvcache_cli.serving import batching
     from kvcache_cli.serving import engines as serving
     from kvcache_cli.serving.plot import save_plot
@@ -117,7 +117,7 @@ def serve(
         from kvcache_cli.gpt2 import set_weights_dtype
 
         set_weights_dtype(loaded.model, weights_dtype)
-    status = Console(stderr=True)
+    status = console(stderr=True)
     try:
         if batch is not None:
             with status.status("decode steps at each batch size"):
@@ -213,25 +213,22 @@ def _with_kv_dtypes(engines: str, kv_dtype: str | None, batch: str | None) -> st
     return ",".join([engines, *(f"paged-{n}" for n in dict.fromkeys(names))])
 
 
-def _progress(console, total: int, several: bool):
+def _progress(err_console, total: int, several: bool):
     """On a terminal, the live line on stderr: the engine's requests done, running,
     waiting, KV in use, and the whole run's time left. Either way, one line per engine
     (and rate) as it finishes."""
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
-        Progress,
         TimeElapsedColumn,
         TimeRemainingColumn,
     )
 
-    # Redrawn twice a second: the redraw thread shares the CPUs being timed.
-    progress = Progress("{task.description}", BarColumn(), MofNCompleteColumn(), "requests",
-                        TimeElapsedColumn(), console=console, transient=True,
-                        refresh_per_second=2)
+    progress = progress_bar(err_console, "{task.description}", BarColumn(),
+                            MofNCompleteColumn(), "requests", TimeElapsedColumn())
     task = progress.add_task("set-up", total=None)
-    overall = Progress("the whole run", BarColumn(), TimeRemainingColumn(), "left",
-                       console=console, transient=True, refresh_per_second=2)
+    overall = progress_bar(err_console, "the whole run", BarColumn(), TimeRemainingColumn(),
+                           "left")
     whole = overall.add_task("run", total=total)
     finished = [0]  # requests of the engines (and rates) already done
 
@@ -245,19 +242,19 @@ def _progress(console, total: int, several: bool):
         finished[0] += e.latency.requests
         rate = "" if not several else (
             ", all at once" if e.rate is None else f" at {e.rate:g} req/s")
-        console.print(f"{e.engine}{rate}: {e.tokens_per_s:,.1f} tok/s, {e.total_s:,.1f} s, "
-                      f"p99 TTFT {e.latency.ttft.p99:,.0f} ms, p99 ITL "
-                      f"{e.latency.itl.p99:,.0f} ms", highlight=False)
+        err_console.print(f"{e.engine}{rate}: {e.tokens_per_s:,.1f} tok/s, {e.total_s:,.1f} s, "
+                          f"p99 TTFT {e.latency.ttft.p99:,.0f} ms, p99 ITL "
+                          f"{e.latency.itl.p99:,.0f} ms", highlight=False)
 
     @contextlib.contextmanager
     def live():
-        if not console.is_terminal:
+        if not err_console.is_terminal:
             yield on_step, on_done
             return
         from rich.console import Group
         from rich.live import Live
 
-        with Live(Group(progress, overall), console=console, transient=True,
+        with Live(Group(progress, overall), console=err_console, transient=True,
                   refresh_per_second=2):
             yield on_step, on_done
 

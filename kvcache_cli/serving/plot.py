@@ -6,9 +6,9 @@ and only when a plot is asked for."""
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
+from kvcache_cli.plot import plain_log_ticks
 from kvcache_cli.serving.batching import SweepResult
 from kvcache_cli.serving.engines import ServeResult
 
@@ -41,13 +41,8 @@ def figure(result: ServeResult | SweepResult):
     return fig
 
 
-def _plain(v: float, _position=None) -> str:
-    """A log axis's tick as a plain number: 1,000 and 0.5, not 10³ or 5×10⁻¹."""
-    return f"{v:,.0f}" if v >= 1 else f"{v:g}"
-
-
 def _sweep(fig, result: SweepResult) -> None:
-    from matplotlib.ticker import FuncFormatter, NullFormatter
+    from matplotlib.ticker import NullFormatter
 
     ax = fig.add_subplot()
     batches = [p.batch for p in result.points]
@@ -56,13 +51,12 @@ def _sweep(fig, result: SweepResult) -> None:
             label="roofline")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
-    # Plain numbers on the log axes (1, 4, 16 and 100, 1000), not 2⁰, 2² or 10²: the
-    # batch sizes measured are the ticks.
+    # Plain numbers on both log axes (1, 4, 16 and 100, 600, 1,000), not 2², 10² or 6×10²:
+    # the batch sizes measured are the x ticks.
     ax.set_xticks(batches)
-    plain = FuncFormatter(_plain)
-    ax.xaxis.set_major_formatter(plain)
+    plain_log_ticks(ax, "x")
     ax.xaxis.set_minor_formatter(NullFormatter())
-    ax.yaxis.set_major_formatter(plain)
+    plain_log_ticks(ax, "y")
     ax.set_xlabel("batch (sequences decoded at once)")
     ax.set_ylabel("tokens/s")
     ax.set_title(f"{result.model} · {result.device} ({result.threads} threads)", fontsize=9)
@@ -102,8 +96,6 @@ def _timelines(fig, result: ServeResult) -> None:
 
 
 def _curve(fig, result: ServeResult) -> None:
-    from matplotlib.ticker import FuncFormatter
-
     ttft, tpot = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
     names = list(dict.fromkeys(e.engine for e in result.engines))
     styles = ["o-", "s--", "^-.", "v:", "D-", "P--"]
@@ -123,18 +115,12 @@ def _curve(fig, result: ServeResult) -> None:
     rates = ", ".join("inf" if r is None else f"{r:g}" for r in result.rates)
     fig.suptitle(f"{result.model} · {result.device} · arrival rates {rates} requests/s",
                  fontsize=9)
-    # Plain milliseconds on the log axes (200, 500, 1,000), not 2×10² or 10³; between the
-    # powers of ten only 2 and 5 are labelled, so several decades stay legible.
-    plain = FuncFormatter(_plain)
-    twos_fives = FuncFormatter(
-        lambda v, _: _plain(v) if v >= 1 and round(v / 10 ** math.floor(math.log10(v))) in (2, 5)
-        else "")
     for ax, what, key in ((ttft, "p99 TTFT", "ttft"), (tpot, "p99 TPOT", "tpot")):
         ax.set_xlabel("output tokens/s")
         ax.set_ylabel(f"{what} (ms)")
         ax.set_yscale("log")
-        ax.yaxis.set_major_formatter(plain)
-        ax.yaxis.set_minor_formatter(twos_fives)
+        # Plain milliseconds (200, 500, 1,000), not 2×10² or 10³.
+        plain_log_ticks(ax, "y")
         target = (result.goodput or {}).get(key)
         if target is not None:
             ax.axhline(target, color="grey", ls=":", lw=1, label=f"target {target:g} ms")

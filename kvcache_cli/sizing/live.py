@@ -113,11 +113,12 @@ def default_specs(context: int) -> list[str]:
 
 def live_kinds(shape: ModelShape, seq: int, dtype: str = "fp32") -> LiveKinds:
     """Bytes every cache kind holds for `shape` at `seq` tokens, keeping `dtype` numbers."""
-    from kvcache_cli.caches.spec import parse_cache_spec
+    from kvcache_cli.caches.spec import fitted, parse_cache_spec
     from kvcache_cli.sizing.cache_spec import size_spec
 
     def held(spec: str, of: ModelShape, static_bytes: int | None) -> KindHeld:
-        s = size_spec(of, parse_cache_spec(spec), seq, 1, dtype)
+        # Each kind's default, its groups laid out for this model's heads.
+        s = size_spec(of, fitted(parse_cache_spec(spec), of.head_dim), seq, 1, dtype)
         base = static_bytes or s.bytes_per_sequence
         return KindHeld(s.spec, of.kv_heads, s.bytes_per_sequence, s.bytes_per_token,
                         s.bytes_per_sequence / base)

@@ -5,6 +5,7 @@ from the result untouched but for formatting."""
 from __future__ import annotations
 
 import math
+import textwrap
 
 from rich.console import Group, RenderableType
 from rich.table import Table
@@ -12,6 +13,7 @@ from rich.table import Table
 from kvcache_cli.plot import BARS
 from kvcache_cli.quality import CacheQuality, QualityResult
 from kvcache_cli.views.bench import _bytes
+from kvcache_cli.views.layout import text_line, text_table
 from kvcache_cli.views.style import figures_table, label_grid
 
 # The rich view splits the row in two tables (quality; memory and time) so each fits
@@ -117,25 +119,22 @@ def render(r: QualityResult) -> RenderableType:
     return Group(_header(r), _quality(r), _cost(r))
 
 
-def plain(r: QualityResult) -> str:
-    """The same figures as text: aligned columns, no colour, no box."""
+def plain(r: QualityResult, width: int) -> str:
+    """The same figures as text at WIDTH columns: aligned columns (split into blocks that
+    fit, each naming the cache), no colour, no box."""
     rows = [QUALITY + COST, *(quality_cells(c) + cost_cells(c) for c in r.caches)]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    table = [
-        "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w)
-                  for i, (cell, w) in enumerate(zip(row, widths, strict=True))).rstrip()
-        for row in rows
-    ]
-    lines = [f"model: {r.model}"]
+    lines = text_line("model", r.model, width)
     if r.weights_note:
-        lines.append(f"note: {r.weights_note}")
-    lines += [f"device: {r.device} ({r.machine}), {r.dtype}, {r.threads} threads, torch "
-              f"{r.torch_version}", f"run: {_run_line(r)}",
-              f"sink: first token's share of attention, per layer: {_sink_line(r)}", "",
-              *table]
+        lines += text_line("note", r.weights_note, width)
+    lines += [*text_line("device", f"{r.device} ({r.machine}), {r.dtype}, {r.threads} "
+                         f"threads, torch {r.torch_version}", width),
+              *text_line("run", _run_line(r), width),
+              *text_line("sink", f"first token's share of attention, per layer: "
+                         f"{_sink_line(r)}", width), "",
+              *text_table(rows, width)]
     lines_by_cache, top = excess_lines(r, 2 * SPARK_WIDTH)
-    lines += ["", f"loss above the exact cache's at positions {r.prompt_len}→{r.tokens - 1}, "
-              f"one scale from 0 to {top:.2g} nats:"]
+    lines += ["", *textwrap.wrap(f"loss above the exact cache's at positions {r.prompt_len}→"
+                                 f"{r.tokens - 1}, one scale from 0 to {top:.2g} nats:", width)]
     name = max(len(c.cache) for c in r.caches)
     lines += [f"{c.cache.ljust(name)}  {lines_by_cache[c.cache]}" for c in r.caches]
     return "\n".join(lines)

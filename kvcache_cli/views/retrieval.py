@@ -10,6 +10,7 @@ from pathlib import Path
 from rich.console import Group, RenderableType
 
 from kvcache_cli.retrieval import CacheScore, RetrievalResult
+from kvcache_cli.views.layout import text_line, text_table
 from kvcache_cli.views.style import figures_table, label_grid
 
 
@@ -49,13 +50,11 @@ def render(r: RetrievalResult) -> RenderableType:
     return Group(grid, table)
 
 
-def plain(r: RetrievalResult) -> str:
+def plain(r: RetrievalResult, width: int) -> str:
+    """The same figures as text at WIDTH columns (the table split into blocks that fit)."""
     rows = [columns(r), *(cells(s) for s in r.scores)]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    table = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w)
-                       for i, (c, w) in enumerate(zip(row, widths, strict=True))).rstrip()
-             for row in rows]
-    return "\n".join([f"model: {r.model} on {r.device}", f"run: {_run_line(r)}", "", *table])
+    return "\n".join([*text_line("model", f"{r.model} on {r.device}", width),
+                      *text_line("run", _run_line(r), width), "", *text_table(rows, width)])
 
 
 def save_plot(r: RetrievalResult, path: str | Path) -> Path:

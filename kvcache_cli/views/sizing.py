@@ -18,6 +18,7 @@ from kvcache_cli.sizing import (
     format_bytes,
     format_gib,
 )
+from kvcache_cli.views.layout import Formula
 
 if TYPE_CHECKING:
     from kvcache_cli.sizing.cache_spec import SpecSize
@@ -170,12 +171,8 @@ def size_view(r: SizeResult) -> RenderableType:
     """Everything `kvcache size` shows, in reading order."""
     parts: list[RenderableType] = [_headline(r)]
     if r.formula:
-        # Never wrapped: a formula broken mid-expression reads as two wrong ones.
-        # (Off a terminal the page widens to fit it; on a narrower terminal it folds.)
-        formula = Text("formula\n", style="bold", no_wrap=True, overflow="fold")
-        for line in r.formula:
-            formula.append(f"  {line}\n", style="cyan")
-        parts.append(formula)
+        parts += [Text("formula", style="bold"),
+                  Formula([f"  {line}" for line in r.formula], style="cyan")]
     parts.append(_kinds_table(r))
     if r.live is not None:
         parts.append(_live_table(r.live))
