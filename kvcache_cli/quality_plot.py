@@ -1,7 +1,7 @@
 """`kvcache eval --plot`: the frontier (perplexity against bytes per token, one point per
-cache) beside the loss above the exact cache's by position (one smoothed line per cache, so
-a collapse shows where it starts). matplotlib is imported only here, and only when a plot
-is asked for."""
+cache, a peer library's hollow) beside the loss above the exact cache's by position (one
+smoothed line per cache, a peer's dashed, so a collapse shows where it starts). matplotlib
+is imported only here, and only when a plot is asked for."""
 
 from __future__ import annotations
 
@@ -45,10 +45,18 @@ def save_plot(result: QualityResult, path: str | Path) -> Path:
     reference = result.caches[0]
     frontier.axhline(0.0, color="black", lw=0.8, ls="--", zorder=2)
     for row, color, marker in zip(result.caches, colors, markers, strict=True):
-        frontier.scatter(row.bytes_per_token, 100 * row.perplexity_change, color=color,
-                         marker=marker, zorder=3, label=row.cache)
+        # A peer's point is hollow, ringed in its colour: another library's cache, its
+        # change taken against that library's own exact cache.
+        style = dict(facecolors="none", edgecolors=color, linewidths=1.4) if row.peer else \
+            dict(color=color)
+        label = row.cache if row.cache.startswith(row.peer) else f"{row.cache} ({row.peer})"
+        frontier.scatter(row.bytes_per_token, 100 * row.perplexity_change, marker=marker,
+                         zorder=3, label=label, **style)
     frontier.set_xlabel("bytes held per token of context")
-    frontier.set_ylabel(f"perplexity change vs {reference.cache}, % (symmetric log)")
+    peers = any(row.peer for row in result.caches)
+    frontier.set_ylabel(f"perplexity change vs {reference.cache}"
+                        + (" (peers: vs their own exact cache)" if peers else "")
+                        + ", % (symmetric log)")
     # Symmetric log: +0.001% (int8) and +8% (a window) on one axis, and fp8's small
     # negative changes below the line; linear within ±0.01%.
     frontier.set_yscale("symlog", linthresh=0.01)
@@ -65,11 +73,14 @@ def save_plot(result: QualityResult, path: str | Path) -> Path:
     # (all lines on top of each other); the excess shows where one starts to fail.
     window = max(1, result.scored // SMOOTH_POINTS)
     positions = range(result.prompt_len, result.tokens)
-    exact = reference.loss_by_position
     by_position.axhline(0.0, color="black", lw=0.8, ls="--", label=f"exact ({reference.cache})")
-    for row, color, marker in zip(result.caches[1:], colors[1:], markers[1:], strict=True):
+    for row, color, marker in zip(result.caches, colors, markers, strict=True):
+        if row.reference:  # flat at 0 against itself: the dashed line
+            continue
+        exact = result.against(row).loss_by_position
         excess = [a - b for a, b in zip(row.loss_by_position, exact, strict=True)]
         by_position.plot(positions, moving_average(excess, window), color=color, lw=1.1,
+                         ls="--" if row.peer else "-",
                          marker=marker, markevery=max(1, len(excess) // 8), ms=4,
                          label=row.cache)
     by_position.set_xlabel("token position")

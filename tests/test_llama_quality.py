@@ -134,3 +134,26 @@ def test_peer_rows_join_kvcache_s_table_and_bars_measure_from_their_own_referenc
     lines, _ = excess_lines(result)
     # llama.cpp's exact row is flat against itself, not against kvcache's static.
     assert set(lines["llama.cpp:f32"]) == {"▁"}
+
+
+def test_the_plot_marks_the_peers_and_measures_them_from_their_own_reference(tiny_gguf,
+                                                                          tmp_path):
+    pytest.importorskip("matplotlib")
+    import dataclasses
+    import random
+
+    import torch
+
+    from kvcache_cli import quality
+    from kvcache_cli.llama_quality import evaluate
+    from kvcache_cli.models import load_model
+    from kvcache_cli.quality_plot import save_plot
+
+    model = load_model(str(tiny_gguf)).model
+    ids = random.Random(1).choices(range(300), k=60)
+    torch.manual_seed(0)
+    ours = quality.evaluate(model, ids, ["window:16"], prompt_len=8)
+    peers = evaluate(str(tiny_gguf), ids, [parse_llama_cpp("llama.cpp:q8_0")], model.config,
+                     prompt_len=8)
+    path = save_plot(dataclasses.replace(ours, caches=ours.caches + peers), tmp_path / "f.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
