@@ -5,6 +5,7 @@ is imported only here, and only when a plot is asked for."""
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -89,8 +90,9 @@ def save_plot(result: QualityResult, path: str | Path) -> Path:
                           fontsize=9)
     by_position.grid(alpha=0.3)
     by_position.legend(fontsize=7, ncol=2)
-    fig.suptitle(f"{result.model} · {result.text} · {result.tokens:,} tokens, prompt "
-                 f"{result.prompt_len}, {result.device} {result.dtype}", fontsize=9)
+    title = (f"{result.model} · {result.text} · {result.tokens:,} tokens, prompt "
+             f"{result.prompt_len}, {result.device} {result.dtype}")
+    fig.suptitle("\n".join(textwrap.wrap(title, 170)), fontsize=9)  # a long path wraps
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, format="png")

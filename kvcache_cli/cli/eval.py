@@ -133,7 +133,8 @@ def eval_(
             result = quality.evaluate(
                 loaded.model, ids.ids[:n], specs, prompt_len=prompt_len, chunk=chunk,
                 threads=threads, model_name=loaded.source, weights_note=loaded.note,
-                text_name=f"{path.name} ({ids.tokenizer})", progress=on_progress)
+                text_name=f"{path.name} ({_tokenizer_label(ids.tokenizer)})",
+                progress=on_progress)
             if peers:
                 result = _with_llama_cpp(result, loaded.model, ids.ids[:n], peers, prompt_len,
                                          threads, on_progress)
@@ -192,6 +193,15 @@ def _with_llama_cpp(result, model, ids, peers, prompt_len, threads, on_progress)
                                   prompt_len=prompt_len, threads=result.threads,
                                   progress=on_progress)
     return dataclasses.replace(result, caches=result.caches + rows)
+
+
+def _tokenizer_label(tokenizer: str) -> str:
+    """'bytes', 'gpt2', or the name of a model's own tokenizer file (its folder says which
+    model: a converted GGUF's is named after the GGUF)."""
+    if not tokenizer.startswith("file:"):
+        return tokenizer
+    path = Path(tokenizer.removeprefix("file:"))
+    return f"{path.parent.name}/{path.name}"
 
 
 def _retrieval(cache, model, weights, lengths, device, threads, plot, as_json) -> None:
