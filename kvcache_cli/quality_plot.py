@@ -14,6 +14,7 @@ from kvcache_cli.quality import QualityResult
 
 SMOOTH_POINTS = 60  # the loss curve is averaged over windows of about scored / this tokens
 MARKERS = "osD^vP*Xh<>p"
+CROWDED = 12  # caches past which the legend leaves the axes
 
 
 def moving_average(values: Sequence[float], window: int) -> list[float]:
@@ -34,7 +35,11 @@ def save_plot(result: QualityResult, path: str | Path) -> Path:
     from matplotlib.figure import Figure
     from matplotlib.ticker import FuncFormatter
 
-    fig = Figure(figsize=(11, 4.5), dpi=120)
+    # Past CROWDED rows one legend goes below both plots (the colours are shared), and the
+    # figure grows to hold it: inside the axes it would hide the points.
+    crowded = len(result.caches) > CROWDED
+    rows = -(-len(result.caches) // 4)
+    fig = Figure(figsize=(11, 4.5 + (0.2 * rows if crowded else 0)), dpi=120)
     FigureCanvasAgg(fig)
     frontier, by_position = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
     # A colour and a marker per cache, named in the legend: quantised caches crowd one
@@ -56,8 +61,7 @@ def save_plot(result: QualityResult, path: str | Path) -> Path:
     frontier.set_xlabel("bytes held per token of context")
     peers = any(row.peer for row in result.caches)
     frontier.set_ylabel(f"perplexity change vs {reference.cache}"
-                        + (" (peers: vs their own exact cache)" if peers else "")
-                        + ", % (symmetric log)")
+                        + (" (a peer: its own)" if peers else "") + ", % (symlog)")
     # Symmetric log: +0.001% (int8) and +8% (a window) on one axis, and fp8's small
     # negative changes below the line; linear within ±0.01%.
     frontier.set_yscale("symlog", linthresh=0.01)
@@ -65,7 +69,8 @@ def save_plot(result: QualityResult, path: str | Path) -> Path:
     frontier.yaxis.set_major_formatter(FuncFormatter(
         lambda v, _: "0" if v == 0 else f"{v:+g}%"))
     frontier.set_xlim(0, 1.1 * max(row.bytes_per_token for row in result.caches))
-    frontier.legend(fontsize=7, ncol=2)
+    if not crowded:
+        frontier.legend(fontsize=7, ncol=2)
     frontier.set_title("the frontier: quality against memory (lower left is better)",
                        fontsize=9)
     frontier.grid(alpha=0.3)
@@ -89,11 +94,16 @@ def save_plot(result: QualityResult, path: str | Path) -> Path:
     by_position.set_title("loss above the exact cache's: where a cache starts to fail",
                           fontsize=9)
     by_position.grid(alpha=0.3)
-    by_position.legend(fontsize=7, ncol=2)
+    if crowded:
+        handles, labels = frontier.get_legend_handles_labels()
+        fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=7)
+    else:
+        by_position.legend(fontsize=7, ncol=2)
     title = (f"{result.model} · {result.text} · {result.tokens:,} tokens, prompt "
              f"{result.prompt_len}, {result.device} {result.dtype}")
     fig.suptitle("\n".join(textwrap.wrap(title, 170)), fontsize=9)  # a long path wraps
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.2 * rows / (4.5 + 0.2 * rows) + 0.02, 1, 1) if crowded
+                     else None)
     path = Path(path)
     fig.savefig(path, format="png")
     return path
