@@ -1,4 +1,4 @@
-"""The bounded caches' three breaks, each a correct loop and a loop with one thing wrong.
+"""The bounded caches' four breaks, each a correct loop and a loop with one thing wrong.
 
 - `evict-sink`: a window of W that evicts the first tokens, against StreamingLLM's fix,
   4 sinks + a window of W - 4 (the same budget);
@@ -6,7 +6,13 @@
   once it wraps, the query in slot p mod W hides every later slot, which holds the
   older half of its window;
 - `ring-off-by-one`: decode writes the newest token one slot late, into the slot of the
-  oldest key the query still needs.
+  oldest key the query still needs;
+- `evict-rope-slot` (a rotary model): a sink ring that evicts without deciding which
+  position a kept key has: each key handed to attention is read at its slot index, as a
+  cache that stores keys unrotated and rotates them by their index would, against the
+  same ring keeping every key at its text position (`:text`). Until the ring wraps the
+  slot index is the position and nothing differs; after, the window's keys are rotated
+  out of order, by up to W positions.
 
 Both loops decode greedily on the same model (`generate._steps`); the control is the
 correct loop against a recompute that holds every position and hides the ones out of the
@@ -27,7 +33,6 @@ from kvcache_cli.caches import make_cache
 from kvcache_cli.caches.bounded import RingCache
 from kvcache_cli.caches.exact import ConcatCache
 from kvcache_cli.generate import (
-    DEFAULT_PROMPT_IDS,
     BreakResult,
     _Diff,
     _steps,
@@ -43,6 +48,9 @@ BOUNDED_BREAKS = {
                  "after its own, the older half of its window",
     "ring-off-by-one": "decode writes the newest token one slot late, over the oldest key "
                        "the query still needs",
+    "evict-rope-slot": "a sink ring under rotary positions that never decides a kept key's "
+                       "position: each key is read at its slot index, against its text "
+                       "position (:text)",
 }
 SINKS = 4  # StreamingLLM's
 
@@ -91,6 +99,29 @@ class LateRing(RingCache):
         return self.k[layer], self.v[layer]  # every slot; -1 marks an empty one
 
 
+class SlotRotatedRing(RingCache):
+    """`evict-rope-slot`: a ring whose keys are read at their slot index. The model
+    rotates a key by its text position before `update`; this ring hands attention each
+    key rotated on by (slot index - text position), so the key at slot i reads as
+    position i, as it would from a cache that kept keys unrotated and rotated them by where
+    they sit. The mask still bands by text position: only the rotation is wrong."""
+
+    def __init__(self, shape, sinks: int, window: int, max_len: int, batch: int, device,
+                 dtype, name: str):
+        if shape.rope is None:
+            raise ValueError("evict-rope-slot needs rotary positions (a Llama); this "
+                             "model's are learned embeddings")
+        super().__init__(shape, sinks, window, max_len, batch, device, dtype, name)
+        self.turn = shape.rope
+
+    def update(self, layer: int, start_pos: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        keys, values = super().update(layer, start_pos, k, v)  # (B, nkv, n, hs)
+        held = self._held  # (n,) each returned key's text position, -1 an empty slot
+        index = torch.arange(held.numel(), device=held.device)
+        by = torch.where(held >= 0, index - held, 0)  # (n,): an empty slot is masked anyway
+        return self.turn.rotate(keys, by), values
+
+
 class BandedFull(ConcatCache):
     """The control: every position kept, the band applied by the mask alone."""
 
@@ -111,19 +142,30 @@ def run_bounded_break(name: str, model: GPT, prompt_ids: list[int] | None = None
     """
     if name not in BOUNDED_BREAKS:
         raise ValueError(f"unknown break {name!r}: expected {', '.join(BOUNDED_BREAKS)}")
-    V = model.config.vocab_size
-    prompt = list(prompt_ids) if prompt_ids is not None else [t % V for t in DEFAULT_PROMPT_IDS]
+    from kvcache_cli.llama_breaks import default_prompt
+
+    # The model's own tokenizer's prompt where it has one (SmolLM2): a real text, whose
+    # continuation a sink or a wrong rotation can spoil; GPT-2's ids otherwise.
+    prompt = list(prompt_ids) if prompt_ids is not None else default_prompt(model)
     check_request(model, prompt, max_new_tokens)
     n = len(prompt) + max_new_tokens
     W = max(2 * SINKS, n // 2)
-    if name == "evict-sink":
+    shape = model.config.cache_shape
+    if name in ("evict-sink", "evict-rope-slot"):
         fix_spec, window, sinks = f"sink:{SINKS}+{W - SINKS}", W - SINKS, SINKS
-        fix, broken = make_cache(fix_spec, model, n), make_cache(f"window:{W}", model, n)
     else:
         fix_spec, window, sinks = f"window:{W}", W, 0
+
+    def make_broken():
+        if name == "evict-sink":
+            return make_cache(f"window:{W}", model, n)
+        if name == "evict-rope-slot":
+            return SlotRotatedRing(shape, SINKS, W - SINKS, n, 1, model.device, model.dtype,
+                                   fix_spec)
         bug = SlotMaskedRing if name == "ring-mask" else LateRing
-        fix = make_cache(fix_spec, model, n)
-        broken = bug(model.config.cache_shape, 0, W, n, 1, model.device, model.dtype, f"window:{W}")
+        return bug(shape, 0, W, n, 1, model.device, model.dtype, f"window:{W}")
+
+    fix, broken = make_cache(fix_spec, model, n), make_broken()
 
     def greedy(logits: Tensor) -> Tensor:
         return logits.argmax(dim=-1)
@@ -142,12 +184,7 @@ def run_bounded_break(name: str, model: GPT, prompt_ids: list[int] | None = None
     text = torch.tensor([prompt + list(diff.a)], device=model.device)  # (1, n)
     full = _forced(model, None, text, len(prompt))
     fixed = _forced(model, make_cache(fix_spec, model, n), text, len(prompt))
-    if name == "evict-sink":
-        again = make_cache(f"window:{W}", model, n)
-    else:
-        again = type(broken)(model.config.cache_shape, 0, W, n, 1, model.device, model.dtype,
-                             f"window:{W}")
-    spoiled = _forced(model, again, text, len(prompt))
+    spoiled = _forced(model, make_broken(), text, len(prompt))
     return BoundedBreakResult(
         name=name, bug=BOUNDED_BREAKS[name], mode=fix_spec, prompt_ids=tuple(prompt),
         earlier_ids=(), **compared(diff, control),

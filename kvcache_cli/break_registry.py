@@ -16,6 +16,10 @@ default model it loads without `-m`):
 - `llama`: the Llama family only (rotary positions, grouped-query attention), SmolLM2
   unless `-m` names another Llama.
 
+A break whose symptom needs trained attention (`real`: kv-sink-token, evict-sink, whose
+sink must exist to be lost) runs on SmolLM2 without `-m` where it is installed, though it
+is listed under GPT-2, where it also runs.
+
 A runner is `module:function`, called `function(name, model, max_new_tokens=..., progress=...)`
 with the loaded model; it returns the frozen result that the views render and --json dumps.
 """
@@ -36,6 +40,9 @@ class Break:
     runs_on: tuple[str, ...]  # the model families it runs on (FAMILIES), its own first
     title: str  # one line: --list, completion's help
     runner: str  # 'module:function'; '' for the toy's, which the reference script runs
+    # Its symptom needs trained attention (a real sink): without -m it runs on SmolLM2
+    # where that is installed, on its family's default otherwise.
+    real: bool = False
 
     @property
     def family(self) -> str:
@@ -46,8 +53,9 @@ class Break:
 ANY = ("gpt2", "llama")  # a break of the loop or the cache: every family has one
 
 
-def _torch(runs_on: tuple[str, ...], runner: str, *rows: tuple[str, str]) -> list[Break]:
-    return [Break(name, runs_on, title, runner) for name, title in rows]
+def _torch(runs_on: tuple[str, ...], runner: str, *rows: tuple[str, str],
+           real: bool = False) -> list[Break]:
+    return [Break(name, runs_on, title, runner, real) for name, title in rows]
 
 
 _TORCH_BREAKS = (
@@ -67,16 +75,19 @@ _TORCH_BREAKS = (
     *_torch(("gpt2",), "kvcache_cli.gpt2_breaks:quantised",
             ("kv-outlier-keys", "GPT-2, int4 cache: outlier key channels under one scale per "
                                 "key vector, against per-channel scales")),
+    # kv-sink-token and evict-sink need a real sink: SmolLM2's first token draws half
+    # the attention of its later layers; GPT-2's tiny checkpoints have none to lose.
     *_torch(ANY, "kvcache_cli.gpt2_breaks:quantised",
-            ("kv-sink-token", "GPT-2, int2 cache: the attention-sink token quantised, "
-                              "against kept")),
+            ("kv-sink-token", "int2 cache: the attention-sink token quantised, against kept "
+                              "(SmolLM2 where installed)"), real=True),
     *_torch(("gpt2",), "kvcache_cli.gpt2_breaks:quantised",
             ("fp8-range", "GPT-2, fp8 cache: scale 1.0 on values beyond the range, against "
                           "calibrated")),
     # The bounded caches' (kvcache_cli.bounded_breaks, reached through run_break).
     *_torch(ANY, "kvcache_cli.generate:run_break",
-            ("evict-sink", "GPT-2: a window that evicts the first tokens, against sinks + "
-                           "window"),
+            ("evict-sink", "a window that evicts the first tokens, against sinks + window "
+                           "(SmolLM2 where installed)"), real=True),
+    *_torch(ANY, "kvcache_cli.generate:run_break",
             ("ring-mask", "GPT-2: a ring buffer masked by slot index instead of position"),
             ("ring-off-by-one", "GPT-2: the newest token written one slot late, over a live "
                                 "key")),
@@ -89,6 +100,10 @@ _TORCH_BREAKS = (
             ("gqa-interleave", "Llama: query heads grouped with the wrong KV heads "
                                "(h % nkv, not h // (nh/nkv))"),
             ("rope-twice", "Llama: the cached key rotated again when read from the cache")),
+    # A bounded cache under rotary positions (kvcache_cli.bounded_breaks).
+    *_torch(("llama",), "kvcache_cli.generate:run_break",
+            ("evict-rope-slot", "Llama: a sink ring evicts with no position decided: each "
+                                "kept key read at its slot index")),
 )
 
 

@@ -82,6 +82,11 @@ class CacheQuality:
     compress_ms: float  # of which the compression of the prompt (0: a kind that keeps it)
     decode_ms_per_token: float  # median over decode steps of step time / tokens in the step
     loss_by_position: tuple[float, ...] = field(repr=False)  # NLL (nats) of tokens prompt_len..
+    # The exact cache this row is scored against: `static`, or a peer engine's own
+    # (llama.cpp's f32 cache), whose row is in the same table.
+    against: str = REFERENCE
+    # The library whose cache this is ('' for kvcache's own): transformers, llama.cpp.
+    peer: str = ""
 
 
 @dataclass(frozen=True)
@@ -109,6 +114,10 @@ class QualityResult:
     @property
     def scored(self) -> int:
         return self.tokens - self.prompt_len
+
+    def against(self, row: CacheQuality) -> CacheQuality:
+        """The exact row `row` is scored against (itself for a reference)."""
+        return self.cache(row.against) if not row.reference else row
 
     def cache(self, name: str) -> CacheQuality:
         for row in self.caches:
@@ -351,9 +360,21 @@ def _summarise(tallies: list[_Tally], prompt_len: int) -> tuple[CacheQuality, ..
             bytes_ratio=per_token(t) / per_token(reference), prefill_ms=t.prefill_ms,
             compress_ms=t.compress_ms,
             decode_ms_per_token=statistics.median(t.step_ms) if t.step_ms else math.nan,
-            loss_by_position=tuple(t.nll),
+            loss_by_position=tuple(t.nll), peer=_peer(t.name),
         ))  # fmt: skip
     return tuple(rows)
+
+
+def _peer(name: str) -> str:
+    """'transformers' for a spec of transformers' QuantizedCache; '' for kvcache's own kinds
+    and a CacheMaker's (a test's cache, named by no spec)."""
+    from kvcache_cli.caches.spec import CacheSpecError
+
+    try:
+        factory = parse_cache_spec(name).info.factory
+    except CacheSpecError:
+        return ""
+    return "transformers" if factory.startswith("kvcache_cli.caches.peer:") else ""
 
 
 # ---------------------------------------------------------------------------- the sink

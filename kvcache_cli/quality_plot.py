@@ -1,11 +1,12 @@
 """`kvcache eval --plot`: the frontier (KL divergence from the exact cache against bytes
-per token, one point per cache) beside the loss above the exact cache's by position (one
-smoothed line per cache, so a collapse shows where it starts). A colour per kind (every
-int4 layout one colour), a marker per layout within it. matplotlib is imported only here,
-and only when a plot is asked for."""
+per token, one point per cache, a peer library's hollow) beside the loss above the exact
+cache's by position (one smoothed line per cache, a peer's dashed, so a collapse shows
+where it starts). A colour per kind (every int4 layout one colour), a marker per layout
+within it. matplotlib is imported only here, and only when a plot is asked for."""
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from kvcache_cli.quality import QualityResult
 
 SMOOTH_POINTS = 60  # the loss curve is averaged over windows of about scored / this tokens
 MARKERS = "osD^vP*Xh<>p"
+CROWDED = 12  # caches past which the legend leaves the axes
 # Qualitative colours no two alike (tab10, then Dark2's): a kind's colour never repeats
 # another's, where a cycle of ten (or tab20's light-dark pairs) would.
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
@@ -55,7 +57,11 @@ def save_plot(result: QualityResult, path: str | Path) -> Path:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(11, 4.5), dpi=120)
+    # Past CROWDED rows one legend goes below both plots (the colours are shared), and the
+    # figure grows to hold it: inside the axes it would hide the points.
+    crowded = len(result.caches) > CROWDED
+    rows = -(-len(result.caches) // 4)
+    fig = Figure(figsize=(11, 4.5 + (0.2 * rows if crowded else 0)), dpi=120)
     FigureCanvasAgg(fig)
     frontier, by_position = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
     # Named in the legend: quantised caches crowd one corner of the frontier, where labels
@@ -72,15 +78,22 @@ def save_plot(result: QualityResult, path: str | Path) -> Path:
     frontier.annotate("KL 0: the exact distribution", (0, floor), xycoords=(
         "axes fraction", "data"), xytext=(4, 3), textcoords="offset points", fontsize=7)
     for row, color, marker in zip(result.caches, colors, markers, strict=True):
-        frontier.scatter(row.bytes_per_token, max(row.kl_mean, floor), color=color,
-                         marker=marker, zorder=3, label=row.cache)
+        # A peer's point is hollow, ringed in its colour: another library's cache, its
+        # change taken against that library's own exact cache.
+        style = dict(facecolors="none", edgecolors=color, linewidths=1.4) if row.peer else \
+            dict(color=color)
+        label = row.cache if row.cache.startswith(row.peer) else f"{row.cache} ({row.peer})"
+        frontier.scatter(row.bytes_per_token, max(row.kl_mean, floor), marker=marker,
+                         zorder=3, label=label, **style)
     frontier.set_xlabel("bytes held per token of context")
-    frontier.set_ylabel(f"mean KL from {reference.cache}'s next-token distribution, "
-                        "nats (log)")
+    peers = any(row.peer for row in result.caches)
+    frontier.set_ylabel(f"mean KL from {reference.cache}'s next-token distribution"
+                        + (" (a peer: its own)" if peers else "") + ", nats (log)")
     frontier.set_yscale("log")
     plain_log_ticks(frontier, "y")
     frontier.set_xlim(0, 1.1 * max(row.bytes_per_token for row in result.caches))
-    frontier.legend(fontsize=7, ncol=2)
+    if not crowded:
+        frontier.legend(fontsize=7, ncol=2)
     frontier.set_title("the frontier: quality against memory (lower left is better)",
                        fontsize=9)
     frontier.grid(alpha=0.3)
@@ -89,11 +102,14 @@ def save_plot(result: QualityResult, path: str | Path) -> Path:
     # (all lines on top of each other); the excess shows where one starts to fail.
     window = max(1, result.scored // SMOOTH_POINTS)
     positions = range(result.prompt_len, result.tokens)
-    exact = reference.loss_by_position
     by_position.axhline(0.0, color="black", lw=0.8, ls="--", label=f"exact ({reference.cache})")
-    for row, color, marker in zip(result.caches[1:], colors[1:], markers[1:], strict=True):
+    for row, color, marker in zip(result.caches, colors, markers, strict=True):
+        if row.reference:  # flat at 0 against itself: the dashed line
+            continue
+        exact = result.against(row).loss_by_position
         excess = [a - b for a, b in zip(row.loss_by_position, exact, strict=True)]
         by_position.plot(positions, moving_average(excess, window), color=color, lw=1.1,
+                         ls="--" if row.peer else "-",
                          marker=marker, markevery=max(1, len(excess) // 8), ms=4,
                          label=row.cache)
     by_position.set_xlabel("token position")
@@ -101,10 +117,16 @@ def save_plot(result: QualityResult, path: str | Path) -> Path:
     by_position.set_title("loss above the exact cache's: where a cache starts to fail",
                           fontsize=9)
     by_position.grid(alpha=0.3)
-    by_position.legend(fontsize=7, ncol=2)
-    fig.suptitle(f"{result.model} · {result.text} · {result.tokens:,} tokens, prompt "
-                 f"{result.prompt_len}, {result.device} {result.dtype}", fontsize=9)
-    fig.tight_layout()
+    if crowded:
+        handles, labels = frontier.get_legend_handles_labels()
+        fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=7)
+    else:
+        by_position.legend(fontsize=7, ncol=2)
+    title = (f"{result.model} · {result.text} · {result.tokens:,} tokens, prompt "
+             f"{result.prompt_len}, {result.device} {result.dtype}")
+    fig.suptitle("\n".join(textwrap.wrap(title, 170)), fontsize=9)  # a long path wraps
+    fig.tight_layout(rect=(0, 0.2 * rows / (4.5 + 0.2 * rows) + 0.02, 1, 1) if crowded
+                     else None)
     path = Path(path)
     fig.savefig(path, format="png")
     return path

@@ -159,7 +159,45 @@ def test_every_registered_torch_break_has_a_runner_that_knows_it():
             continue
         params = inspect.signature(runner(name)).parameters
         assert {"max_new_tokens", "progress"} <= set(params), name
-    assert set(LLAMA_BREAKS) == {n for n, b in registry().items() if b.family == "llama"}
+    # The Llama family's: these four, and a bounded cache's under rotary positions.
+    assert set(LLAMA_BREAKS) | {"evict-rope-slot"} == {
+        n for n, b in registry().items() if b.family == "llama"}
+
+
+def test_evict_rope_slot_goes_wrong_only_once_the_ring_wraps(model):
+    from kvcache_cli.generate import run_break
+
+    r = run_break("evict-rope-slot", model, max_new_tokens=16)
+    # budget 12 (sink:4+8); step i reads position len(prompt) - 1 + i, and position 12 is
+    # the first a wrapped ring holds in a slot (4) other than its index.
+    wraps = 12 - (len(r.prompt_ids) - 1)
+    assert r.naive_agrees  # the fix (text positions) equals its band, recomputed
+    assert r.first_wrong_step == wraps
+    assert max(r.step_logit_diff[:wraps]) <= 1e-4 * r.max_abs_logit  # slot index = position
+    assert r.step_logit_diff[wraps] > 0.1
+    assert r.kl_broken > r.kl_fix
+
+
+def test_evict_rope_slot_refuses_a_model_without_rotary_positions():
+    from kvcache_cli.generate import run_break
+    from kvcache_cli.gpt2 import GPT, GPTConfig
+
+    gpt = GPT(GPTConfig(block_size=64, vocab_size=32, n_layer=1, n_head=2, n_embd=8))
+    with pytest.raises(ValueError, match="needs rotary positions"):
+        run_break("evict-rope-slot", gpt, max_new_tokens=8)
+
+
+def test_breaks_that_need_a_real_sink_run_on_smollm2_where_installed(monkeypatch, tmp_path):
+    from kvcache_cli.cli.breaks import _models_for
+
+    names = ["evict-sink", "kv-sink-token", "ring-mask", "evict-rope-slot"]
+    monkeypatch.setattr(models, "smollm2_gguf", lambda: tmp_path / "smollm2.gguf")
+    runs, _ = _models_for(names, None, "evict-sink")
+    assert runs == {"smollm2": ["evict-sink", "kv-sink-token", "evict-rope-slot"],
+                    "gpt2": ["ring-mask"]}
+    monkeypatch.setattr(models, "smollm2_gguf", lambda: None)  # then GPT-2's, as before
+    runs, _ = _models_for(names[:3], None, "evict-sink")
+    assert runs == {"gpt2": names[:3]}
 
 
 # ---------------------------------------------------------------- SmolLM2, where installed

@@ -323,3 +323,24 @@ def test_rope_shift_composes_with_the_models_own_rotation():
     torch.testing.assert_close(rope.rotate(m.rotary(x, pos), torch.tensor(9)),
                                m.rotary(x, pos + 9), rtol=0, atol=1e-5)
     torch.testing.assert_close(rope.rotate(x, pos), m.rotary(x, pos), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("spec, sinks, window", [("window:10", 0, 10), ("sink:2+10", 2, 10)])
+def test_eval_s_bounded_rows_equal_the_band_mask_fed_a_token_or_a_chunk_a_step(
+        spec, sinks, window, monkeypatch):
+    """The figures docs/eval.md publishes at 4,096 tokens were fed 32 tokens a step: the
+    loss of every scored token is the literal band's, one token a step or a chunk."""
+    from kvcache_cli import quality
+
+    m = llama()
+    ids = torch.randint(0, LLAMA.vocab_size, (48,), generator=torch.Generator().manual_seed(1))
+    stepped = quality.evaluate(m, ids.tolist(), [spec], prompt_len=8).cache(spec)
+    chunked = quality.evaluate(m, ids.tolist(), [spec], prompt_len=8, chunk=8).cache(spec)
+    monkeypatch.setattr(LlamaAttention, "forward", literal_attention(sinks, window, "text"))
+    logits = logits_through(m, RawKeys(), ids[None, :47], prompt=8)  # (1, 47, vocab)
+    want = -logits[0, 7:].double().log_softmax(-1).gather(1, ids[8:, None])[:, 0]  # (40,)
+    # float64 throughout; float32's tolerance all the same, the one the docs claim.
+    for row in (stepped, chunked):
+        torch.testing.assert_close(torch.tensor(row.loss_by_position, dtype=torch.float64),
+                                   want, rtol=0, atol=1e-6)
+    assert stepped.kl_mean > 1e-3  # the band is narrower than the text: not the exact row

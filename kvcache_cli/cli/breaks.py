@@ -121,7 +121,8 @@ def _models_for(names: list[str], model: str | None, asked: str
     """({model to load: the breaks to run on it}, notes on what `all` skipped).
 
     With -m, every break runs on that model, if its family is one the break runs on;
-    without, each loads its own family's default (gpt2, smollm2). A break that cannot run
+    without, each loads its own family's default (gpt2, smollm2), and a break that needs
+    trained attention (`Break.real`) SmolLM2 where installed. A break that cannot run
     (a Llama break asked of GPT-2, a GPT-2-only break of a Llama, SmolLM2 not installed) is
     bad input; under `all` the ones that cannot are skipped, in one note line (there is one
     reason at most: -m names one family, and without -m only SmolLM2 can be missing)."""
@@ -138,6 +139,8 @@ def _models_for(names: list[str], model: str | None, asked: str
             cannot.append(n)
         elif family is None and b.family == "llama" and models.smollm2_gguf() is None:
             cannot.append(n)
+        elif family is None and b.real and models.smollm2_gguf() is not None:
+            runs.setdefault(models.SMOLLM2, []).append(n)  # a real sink to lose
         else:
             runs.setdefault(model or default[b.family], []).append(n)
     if not cannot:
@@ -278,5 +281,6 @@ def _show_torch_breaks(loaded, device: str, results: dict) -> None:
             print_view(rollback_shared_view(result, piece))
         elif isinstance(result, LlamaBreakResult):
             print_view(llama_break_view(result, piece))
-        else:
-            print_view(break_view(result, piece))
+        else:  # the loop's and the bounded caches' breaks, on either family
+            family = "Llama" if config.tokenizer.startswith("file:") else "GPT-2"
+            print_view(break_view(result, piece, family=family))

@@ -22,8 +22,11 @@ from kvcache_cli.cli.common import (
     fail,
     load_model,
     need_torch_extra,
+<<<<<<< HEAD
     parse_cache_list_option,
     progress_bar,
+=======
+>>>>>>> cutting
     show_then_plot,
     threads_error,
 )
@@ -34,6 +37,29 @@ EVAL_MODEL = TRAINED
 HELDOUT = "heldout.txt"  # the text a checkpoint was not trained on, in its directory
 
 
+def parse_eval_caches(value):
+    """--cache as eval reads it: kvcache's specs (`caches.spec`) and llama.cpp's cache
+    types (`llama.cpp:q4_0`, `llama_quality`) in one comma list, each once."""
+    from kvcache_cli.caches.spec import CacheSpecError, parse_cache_list
+    from kvcache_cli.llama_quality import is_llama_cpp, parse_llama_cpp
+
+    if isinstance(value, list):
+        return value
+    parts = [part for part in value.split(",") if part.strip()]
+    try:
+        ours = [part for part in parts if not is_llama_cpp(part)]
+        peers = [parse_llama_cpp(part) for part in parts if is_llama_cpp(part)]
+        specs = parse_cache_list(",".join(ours) if peers else value) if ours or not peers \
+            else []
+    except (CacheSpecError, ValueError) as err:
+        raise typer.BadParameter(str(err)) from None
+    names = [str(s) for s in peers]
+    twice = next((n for n in names if names.count(n) > 1), None)
+    if twice:
+        raise typer.BadParameter(f"cache {twice!r} is listed twice in {value!r}")
+    return specs + peers
+
+
 class Task(str, Enum):
     text = "text"
     retrieval = "retrieval"
@@ -41,13 +67,16 @@ class Task(str, Enum):
 
 def eval_(
     cache: Annotated[Any, typer.Option(
-        "--cache", parser=parse_cache_list_option, metavar="SPECS",
+        "--cache", parser=parse_eval_caches, metavar="SPECS",
         autocompletion=complete_cache_list,
         help="Comma-separated cache specs, e.g. static,paged:b16 or "
         "full,window:256,sink:4+252,h2o:128+128,snapkv:0.25,knorm:0.25 (every kind: "
         "'kvcache caches'); the exact "
         "'static' (alias full) is always run as the reference. Default: "
-        "static,int8,int4,int2,fp8-e4m3, each format at its default layout.")] = None,
+        "static,int8,int4,int2,fp8-e4m3, each format at its default layout. "
+        "llama.cpp's own cache types run the model's GGUF in llama.cpp on the same ids: "
+        "llama.cpp:q4_0, llama.cpp:kq8_0:vq4_0, ...:norot (LLAMA_ATTN_ROT_DISABLE=1), "
+        "scored against llama.cpp's f32 cache.")] = None,
     model: Annotated[str, typer.Option(
         "--model", "-m", help=f"{EVAL_MODEL} (the trained checkpoint), gpt2, gpt2-medium, "
         "gpt2-large, gpt2-xl, smollm2 or a checkpoint dir.")] = EVAL_MODEL,
@@ -96,8 +125,8 @@ def eval_(
 
     # Everything a user can get wrong is refused before a model loads.
     try:
-        specs, path, ids, n, dev = _check_options(cache, model, text, tokens, prompt_len,
-                                                  chunk, device, threads)
+        specs, peers, path, ids, n, dev = _check_options(cache, model, text, tokens,
+                                                         prompt_len, chunk, device, threads)
     except ValueError as err:
         fail(str(err))
     except TokenizerUnavailable as err:
@@ -110,7 +139,11 @@ def eval_(
             result = quality.evaluate(
                 loaded.model, ids.ids[:n], specs, prompt_len=prompt_len, chunk=chunk,
                 threads=threads, model_name=loaded.source, weights_note=loaded.note,
-                text_name=f"{path.name} ({ids.tokenizer})", progress=on_progress)
+                text_name=f"{path.name} ({_tokenizer_label(ids.tokenizer)})",
+                progress=on_progress)
+            if peers:
+                result = _with_llama_cpp(result, loaded.model, ids.ids[:n], peers, prompt_len,
+                                         threads, on_progress)
     except (ValueError, IndexError) as err:
         fail(str(err))
     except RuntimeError as err:
@@ -125,14 +158,21 @@ def eval_(
 
 
 def _check_options(cache, model, text, tokens, prompt_len, chunk, device, threads):
-    """(specs, text path, its ids, tokens to read, device), or a ValueError naming the
-    value, or TokenizerUnavailable."""
+    """(kvcache's specs, llama.cpp's, text path, its ids, tokens to read, device), or a
+    ValueError naming the value, or TokenizerUnavailable."""
     from kvcache_cli import quality
     from kvcache_cli.caches.spec import fitted
     from kvcache_cli.evaltext import eval_text, read_text
+    from kvcache_cli.llama_quality import LlamaCppSpec, check_installed
     from kvcache_cli.measure import resolve_device
     from kvcache_cli.models import model_config
 
+<<<<<<< HEAD
+=======
+    given = quality.default_caches() if cache is None else cache
+    specs = [s for s in given if not isinstance(s, LlamaCppSpec)]
+    peers = [s for s in given if isinstance(s, LlamaCppSpec)]
+>>>>>>> cutting
     problem = threads_error(threads)
     if problem is not None:
         raise ValueError(problem)
@@ -147,7 +187,34 @@ def _check_options(cache, model, text, tokens, prompt_len, chunk, device, thread
     n = quality.tokens_to_read(len(ids.ids), config.context, tokens, prompt_len,
                                f"--text {str(path)!r}")
     quality.check_caches(specs, config, n - 1, model, prompt_len)
-    return specs, path, ids, n, resolve_device(device)
+    check_installed(peers, getattr(config, "gguf", None), model)
+    dev = resolve_device(device)
+    if peers and dev.type != "cpu":
+        raise ValueError(f"cache {str(peers[0])!r} runs llama.cpp on the CPU, where the extra "
+                         f"builds it; got device {dev.type}: use --device cpu")
+    return specs, peers, path, ids, n, dev
+
+
+def _with_llama_cpp(result, model, ids, peers, prompt_len, threads, on_progress):
+    """`result` with llama.cpp's rows after kvcache's: the same ids through llama.cpp's
+    caches, on the GGUF the model was read from."""
+    import dataclasses
+
+    from kvcache_cli import llama_quality
+
+    rows = llama_quality.evaluate(model.config.gguf, ids, peers, model.config,
+                                  prompt_len=prompt_len, threads=result.threads,
+                                  progress=on_progress)
+    return dataclasses.replace(result, caches=result.caches + rows)
+
+
+def _tokenizer_label(tokenizer: str) -> str:
+    """'bytes', 'gpt2', or the name of a model's own tokenizer file (its folder says which
+    model: a converted GGUF's is named after the GGUF)."""
+    if not tokenizer.startswith("file:"):
+        return tokenizer
+    path = Path(tokenizer.removeprefix("file:"))
+    return f"{path.parent.name}/{path.name}"
 
 
 def _retrieval(cache, model, weights, lengths, device, threads, plot, as_json) -> None:

@@ -26,15 +26,16 @@ SPARK_WIDTH = 24
 def excess_lines(r: QualityResult, width: int = SPARK_WIDTH) -> tuple[dict[str, str], float]:
     """Each cache's loss above the exact cache's, by position, as bars (each the mean of its
     share of the tokens) on one scale from 0 to the highest bar of any; and that highest,
-    in nats. The exact row is all lowest bars; a cache that collapses rises where it does."""
-    reference = r.caches[0].loss_by_position
+    in nats. The exact row is all lowest bars; a cache that collapses rises where it does.
+    A peer's row is measured from its own exact cache's loss (llama.cpp's f32 cache)."""
 
     def bars(values: list[float]) -> list[float]:
         n = min(width, len(values))
         return [sum(b) / len(b) for b in
                 (values[i * len(values) // n:(i + 1) * len(values) // n] for i in range(n))]
 
-    means = {c.cache: bars([a - b for a, b in zip(c.loss_by_position, reference, strict=True)])
+    means = {c.cache: bars([a - b for a, b in zip(c.loss_by_position,
+                                                  r.against(c).loss_by_position, strict=True)])
              for c in r.caches}
     top = max(max(m) for m in means.values())
     scale = len(BARS) / top if top > 0 else 0.0
@@ -63,14 +64,25 @@ def cost_cells(c: CacheQuality) -> tuple[str, ...]:
     """What one cache holds, its prefill (and the prompt's compression, '-' for a kind
     that keeps the prompt) and how fast it decodes, in COST's order."""
     compress = f"{c.compress_ms:.1f}" if c.compress_ms else "-"
+    # '-' where a row has no time: llama.cpp's rows are fed in chunks, not timed.
+    timed = lambda ms, fmt: "-" if math.isnan(ms) else format(ms, fmt)  # noqa: E731
     return (f"{c.bytes_per_token:,.0f}", f"{c.bytes_ratio:.3f}", _bytes(c.bytes_held),
-            f"{c.prefill_ms:.1f}", compress, f"{c.decode_ms_per_token:.2f}")
+            timed(c.prefill_ms, ".1f"), compress, timed(c.decode_ms_per_token, ".2f"))
 
 
 def _run_line(r: QualityResult) -> str:
     return (f"{r.tokens:,} tokens of {r.text}: a prompt of {r.prompt_len} prefilled, then "
             f"{r.chunk} token{'s' if r.chunk > 1 else ''} a step; {r.scored:,} predictions "
             f"scored against the exact {r.reference} cache, every cache fed the same tokens")
+
+
+def _peer_line(r: QualityResult) -> str | None:
+    """What the peers' rows are scored against, when there are any."""
+    own = sorted({c.against for c in r.caches if c.peer and c.against != r.reference})
+    if not own:
+        return None
+    return (f"llama.cpp's rows run the model's GGUF in llama.cpp, on the same ids, each scored "
+            f"against its own exact {', '.join(own)} cache (chunks of 256 tokens: no ms/tok)")
 
 
 def _sink_line(r: QualityResult) -> str:
@@ -88,6 +100,8 @@ def _header(r: QualityResult) -> Table:
     grid.add_row("device", f"[bold]{r.device}[/] ({r.machine}), [bold]{r.dtype}[/], "
                  f"{r.threads} threads, torch {r.torch_version}")
     grid.add_row("run", _run_line(r))
+    if _peer_line(r):
+        grid.add_row("peers", _peer_line(r))
     grid.add_row("sink", "first token's share of attention, per layer: " + _sink_line(r))
     return grid
 
@@ -129,6 +143,7 @@ def plain(r: QualityResult, width: int) -> str:
     lines += [*text_line("device", f"{r.device} ({r.machine}), {r.dtype}, {r.threads} "
                          f"threads, torch {r.torch_version}", width),
               *text_line("run", _run_line(r), width),
+              *(text_line("peers", _peer_line(r), width) if _peer_line(r) else []),
               *text_line("sink", f"first token's share of attention, per layer: "
                          f"{_sink_line(r)}", width), "",
               *text_table(rows, width)]
