@@ -129,7 +129,7 @@ def test_peer_rows_join_kvcache_s_table_and_bars_measure_from_their_own_referenc
     peers = evaluate(str(tiny_gguf), ids, [parse_llama_cpp("llama.cpp:q4_0")], model.config,
                      prompt_len=16)
     result = dataclasses.replace(ours, caches=ours.caches + peers)
-    text = plain(result)
+    text = plain(result, 200)
     assert "llama.cpp:q4_0" in text and "against its own exact llama.cpp:f32 cache" in text
     lines, _ = excess_lines(result)
     # llama.cpp's exact row is flat against itself, not against kvcache's static.

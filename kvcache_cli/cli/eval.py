@@ -22,11 +22,7 @@ from kvcache_cli.cli.common import (
     fail,
     load_model,
     need_torch_extra,
-<<<<<<< HEAD
-    parse_cache_list_option,
     progress_bar,
-=======
->>>>>>> cutting
     show_then_plot,
     threads_error,
 )
@@ -167,19 +163,15 @@ def _check_options(cache, model, text, tokens, prompt_len, chunk, device, thread
     from kvcache_cli.measure import resolve_device
     from kvcache_cli.models import model_config
 
-<<<<<<< HEAD
-=======
-    given = quality.default_caches() if cache is None else cache
-    specs = [s for s in given if not isinstance(s, LlamaCppSpec)]
-    peers = [s for s in given if isinstance(s, LlamaCppSpec)]
->>>>>>> cutting
     problem = threads_error(threads)
     if problem is not None:
         raise ValueError(problem)
     config = model_config(model)
     # The defaults laid out for this model's heads: a refusal names only what was typed.
-    specs = ([fitted(s, config.head_size) for s in quality.default_caches()] if cache is None
+    given = ([fitted(s, config.head_size) for s in quality.default_caches()] if cache is None
              else cache)
+    specs = [s for s in given if not isinstance(s, LlamaCppSpec)]
+    peers = [s for s in given if isinstance(s, LlamaCppSpec)]
     # --tokens, when given, against the context window; the text's length comes next.
     quality.check_eval(config.context, tokens, prompt_len, chunk)
     path = text if text is not None else _heldout(model)
