@@ -85,6 +85,12 @@ def check_spec(spec: WorkloadSpec, window: int) -> None:
     if spec.max_concurrency is not None and spec.max_concurrency < 1:
         raise ValueError(f"--max-concurrency {spec.max_concurrency}: expected at least 1 "
                          "request in flight (omit it: no cap)")
+    if spec.longest > window and spec.kind == "chat":
+        raise ValueError(
+            f"the longest chat request, a shared system turn of {spec.shared_prefix} + a user "
+            f"turn of {spec.prompt_len[1]} + a reply cap (--output-len) of "
+            f"{spec.output_len[1]} = {spec.longest} positions, is past the context window "
+            f"{window}")
     if spec.longest > window:
         raise ValueError(
             f"the longest request, shared prefix {spec.shared_prefix} + prompt "
