@@ -1,9 +1,9 @@
 """Speculative decoding on a chat model's own tasks: the whole table, one cache per run.
 
 Two task sets ship with the package (`kvcache_cli/data/speculative_tasks.json`): `copy`,
-whose replies copy from the prompt (fix the spelling of a paragraph, rename a variable,
-add a docstring or type hints, correct the grammar, replace a word), and `other`, whose replies are new text. Each task is rendered by
-the model's chat template; plain greedy decoding runs to the end-of-turn token (or --cap),
+whose replies copy from the prompt (add a docstring or type hints to a function, correct
+a paragraph's grammar, replace a word in a story), and `other`, whose replies are new
+text. Each task is rendered by the model's chat template; plain greedy decoding runs to the end-of-turn token (or --cap),
 then every draft at every K generates exactly that many tokens with the same cache and
 must give the same tokens. Per (set, draft, K): acceptance (accepted / proposed draft
 tokens), the target's forwards per token (1.0 is plain decoding) and the speed-up (plain

@@ -20,7 +20,7 @@ from kvcache_cli.serving.sequence import Request, Sequence
 
 MIB = 1 << 20
 # The small pool holds about this share of the workload's tokens at the served model's
-# bytes a token (whole MiB): small enough that the scheduler must preempt.
+# bytes a token (whole blocks): small enough that the scheduler must preempt.
 SMALL_SHARE = 4
 
 
@@ -78,7 +78,7 @@ def figures(requests: Seqs[Request], replies: dict[int, list[int]], bytes_per_to
     lengths = [len(r.prompt) + len(replies[r.id]) for r in requests]
     # Twice the longest request at least: GPT-2 small's bytes (1.6x SmolLM2's) still fit it.
     tokens = max(sum(lengths) // SMALL_SHARE, 2 * max(lengths))
-    small = -(-tokens * bytes_per_token // MIB) * MIB  # whole MiB
+    small = -(-tokens // block_size) * block_size * bytes_per_token  # whole blocks
 
     def at(pool: int, per_token: int) -> Replay:
         return replay(requests, replies, pool // (per_token * block_size), block_size,
