@@ -3,12 +3,13 @@
 Two task sets ship with the package (`kvcache_cli/data/speculative_tasks.json`): `copy`,
 whose replies copy from the prompt (add a docstring or type hints to a function, correct
 a paragraph's grammar, replace a word in a story), and `other`, whose replies are new
-text. Each task is rendered by the model's chat template; plain greedy decoding runs to the end-of-turn token (or --cap),
-then every draft at every K generates exactly that many tokens with the same cache and
-must give the same tokens. Per (set, draft, K): acceptance (accepted / proposed draft
-tokens), the target's forwards per token (1.0 is plain decoding) and the speed-up (plain
-greedy's seconds over speculation's, summed over the set's tasks). Acceptance, forwards and
-identity are exact on any machine; the speed-up needs a quiet one.
+text. Each task is rendered by the model's chat template; plain greedy decoding runs to
+the end-of-turn token (or --cap), then every draft at every K generates exactly that many
+tokens with the same cache and must give the same tokens. Per (set, draft, K):
+acceptance (accepted / proposed draft tokens), the target's forwards per token (1.0 is
+plain decoding) and the speed-up (plain greedy's seconds over speculation's, summed over
+the set's tasks). Acceptance, forwards and identity are exact on any machine; the
+speed-up needs a quiet one.
 
     python scripts/speculative_chat.py [-m smollm2] [--cache static] \\
         [--drafts lookup,layers:10,layers:20,layers:26] [--speculate 2,4] [--sets copy,other] \\
