@@ -13,6 +13,9 @@
 - `hf`: transformers' continuous batching (the manager behind
   `model.generate_batch`, with its own paged cache), on the same weights.
 
+A request with stop ids (a chat workload's end-of-turn token) ends at the first one it
+makes, in every engine and in its solo reference; else at its count.
+
 `kv_mem` bounds every engine's KV memory alike: the paged pool, the padded slabs
 (so it decides how many rows a group has), transformers' block count. One-time
 set-up (pools, transformers' manager, a short untimed warm-up request) is timed
