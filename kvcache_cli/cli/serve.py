@@ -9,6 +9,7 @@ from typing import Annotated
 
 import typer
 
+from kvcache_cli import numbers
 from kvcache_cli.cli.common import (
     GPT2_MODULES,
     DeviceOption,
@@ -34,14 +35,21 @@ def serve(
     weights: Annotated[str, typer.Option(
         help="auto (real if available, else random), pretrained, random.")] = "auto",
     weights_dtype: WeightsDTypeOption = None,
-    requests: Annotated[int, typer.Option(help="Requests in the workload.")] = 24,
+    workload: Annotated[str | None, typer.Option(
+        help="chat (prompts through the model's chat template: one system prompt, user "
+        "turns from a shipped set, replies to the end-of-turn token or --output-len), "
+        "random (random ids), or a JSON file {\"system\": ..., \"prompts\": [...]} "
+        "(default: chat for a model with a chat template, else random).")] = None,
+    requests: Annotated[int | None, typer.Option(
+        help="Requests in the workload (default: 24 random, 16 chat).")] = None,
     prompt_len: Annotated[str, typer.Option(
-        help="Prompt lengths MIN:MAX (after the shared prefix), drawn per request.")
+        help="random: prompt lengths MIN:MAX (after the shared prefix), drawn per request.")
     ] = "16:256",
-    output_len: Annotated[str, typer.Option(help="Output lengths MIN:MAX, drawn per request.")
-    ] = "16:128",
+    output_len: Annotated[str | None, typer.Option(
+        help="random: output lengths MIN:MAX, drawn per request (default 16:128); chat: the "
+        "cap on a reply, N (default 128).")] = None,
     shared_prefix: Annotated[int, typer.Option(
-        help="Tokens every prompt starts with (a system prompt).")] = 64,
+        help="random: tokens every prompt starts with (a system prompt).")] = 64,
     rate: Annotated[str | None, typer.Option(
         help="Arrivals, requests/s; several, e.g. 1,2,4,8,inf, run the workload at each "
         "and draw the curve (default: all at once, inf).")] = None,
@@ -93,11 +101,13 @@ def serve(
 
     Latency as vLLM measures it (TTFT, TPOT, ITL, E2E; p50/p90/p99). Each request's
     tokens are checked against its solo generation; set-up is timed apart from the
-    run. The default (24 requests, 4 runs) takes about 2 minutes on 2 quiet cores.
+    run. The default (24 random requests on GPT-2, or 16 chat requests on SmolLM2, 4 runs)
+    takes about 2 minutes on 2 quiet cores.
     """
     need_torch_extra("kvcache serve needs", *GPT2_MODULES, "transformers")
     from kvcache_cli.serving import batching
     from kvcache_cli.serving import engines as serving
+    from kvcache_cli.serving.chat import requests as chat_requests
     from kvcache_cli.serving.plot import save_plot
     from kvcache_cli.views.serve import render
 
@@ -105,9 +115,11 @@ def serve(
     layout = layout.strip().lower()  # names in any case, as every option reads them
     try:
         engines = _with_kv_dtypes(engines, kv_dtype, batch)
+        chat = _chat_workload(ctx, workload, model, requests, output_len, seed, batch)
         dev, what = _check(device, model, requests, prompt_len, output_len, shared_prefix, rate,
                            seed, engines, kv_mem, block_size, max_batch, threads, batch,
-                           burstiness, max_concurrency, goodput, policy, token_budget, layout)
+                           burstiness, max_concurrency, goodput, policy, token_budget, layout,
+                           chat)
     except ValueError as err:
         fail(defaults_in(ctx, str(err)))
     check_plot(plot)
@@ -130,7 +142,9 @@ def serve(
                 result = serving.run_serve(
                     loaded.model, spec, variants, memory, block_size, max_batch,
                     prefix_sharing, threads, loaded.source, loaded.note, on_step, rates=rates,
-                    targets=targets, layout=layout, done=on_done)
+                    targets=targets, layout=layout, done=on_done,
+                    prompts=None if chat is None else chat_requests(chat, spec.output_len[1]),
+                    stop_names=() if chat is None else chat.stop_names)
     except (ValueError, IndexError) as err:
         fail(str(err))
     except RuntimeError as err:
@@ -138,9 +152,51 @@ def serve(
     show_then_plot(result, render, as_json, save_plot, plot, "plot")
 
 
+DEFAULT_REQUESTS = {"random": 24, "chat": 16}
+DEFAULT_OUTPUT = {"random": "16:128", "chat": "128"}
+# What only a random workload reads: refused by name with a chat one, not silently ignored.
+RANDOM_ONLY = ("prompt_len", "shared_prefix")
+
+
+def _chat_workload(ctx, workload, model, requests, output_len, seed, batch):
+    """A chat workload's rendered prompts (`serving.chat.ChatRequests`), or None for random
+    ids; the template, the tokenizer and a workload file all read before any weights."""
+    from kvcache_cli.models import model_config
+    from kvcache_cli.serving import chat
+    from kvcache_cli.serving import workload as limits
+
+    if batch is not None:
+        if workload is not None:
+            raise ValueError("--workload serves requests: not with --batch (decode steps only)")
+        return None
+    kind = (workload or "").strip()
+    if not kind:
+        has_template = bool(getattr(model_config(model), "chat_template", None))
+        kind = "chat" if has_template else "random"
+    if kind.lower() == "random":
+        return None
+    path = None if kind.lower() == "chat" else Path(kind)
+    for name in RANDOM_ONLY:
+        if getattr(ctx.get_parameter_source(name), "name", "") == "COMMANDLINE":
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(f"{flag}: a chat workload's prompts are its template's and its "
+                             "prompt set's; expected --workload random with it")
+    cap = output_len or DEFAULT_OUTPUT["chat"]
+    if not numbers.is_whole(cap.strip()):
+        raise ValueError(f"--output-len {cap!r}: a chat reply ends at the end-of-turn token; "
+                         "expected the cap on its length, N, e.g. 128")
+    n = requests if requests is not None else DEFAULT_REQUESTS["chat"]
+    if not 1 <= n <= limits.MAX_REQUESTS:  # before rendering that many
+        raise ValueError(f"--requests {n}: expected a whole number "
+                         f"{numbers.span(1, limits.MAX_REQUESTS)}")
+    config = model_config(model)
+    chat.check_template(config, model)
+    return chat.build(chat.load_set(path), config, model, n, seed)
+
+
 def _check(device, model, requests, prompt_len, output_len, shared_prefix, rate, seed, engines,
            kv_mem, block_size, max_batch, threads, batch, burstiness, max_concurrency, goodput,
-           policy, token_budget, layout):
+           policy, token_budget, layout, chat=None):
     """The device, and the batch sizes to sweep or (workload, engine variants, KV bytes,
     rates, goodput targets); raises ValueError for anything a user can get wrong."""
     import torch
@@ -160,10 +216,14 @@ def _check(device, model, requests, prompt_len, output_len, shared_prefix, rate,
         batching.check_sweep(config)
     else:
         rates = metrics.parse_rates(rate) if rate is not None else (None,)
-        spec = workload.WorkloadSpec(
-            requests, workload.parse_range(prompt_len, "--prompt-len"),
-            workload.parse_range(output_len, "--output-len"), shared_prefix, rates[0], seed,
-            burstiness, max_concurrency)
+        if chat is None:
+            spec = workload.WorkloadSpec(
+                requests if requests is not None else DEFAULT_REQUESTS["random"],
+                workload.parse_range(prompt_len, "--prompt-len"),
+                workload.parse_range(output_len or DEFAULT_OUTPUT["random"], "--output-len"),
+                shared_prefix, rates[0], seed, burstiness, max_concurrency)
+        else:
+            spec = _chat_spec(chat, output_len, rates[0], seed, burstiness, max_concurrency)
         workload.check_spec(spec, config.context)
         if not 1 <= block_size <= config.context:  # before the budgets counted in blocks
             raise ValueError(f"--block-size {block_size:,}: expected a whole number from 1 to "
@@ -186,6 +246,17 @@ def _check(device, model, requests, prompt_len, output_len, shared_prefix, rate,
         what = (spec, serving.variants(engine_names, policies, budgets), memory, rates,
                 targets)
     return dev, what
+
+
+def _chat_spec(chat, output_len, rate, seed, burstiness, max_concurrency):
+    """The WorkloadSpec that describes a chat workload's rendered prompts."""
+    from kvcache_cli.serving import workload
+
+    cap = workload.parse_range(output_len or DEFAULT_OUTPUT["chat"], "--output-len")[1]
+    users = [len(p) - chat.shared_prefix for p in chat.prompts]
+    return workload.WorkloadSpec(
+        len(chat.prompts), (min(users), max(users)), (1, cap), chat.shared_prefix, rate, seed,
+        burstiness, max_concurrency, kind="chat", stop_ids=chat.stop_ids, source=chat.source)
 
 
 def _device_memory(device: str) -> int:

@@ -101,6 +101,8 @@ class BlockManager:
                 self.free_blocks.remove(block)
             self.refcount[block] += 1
         self.prefix_hits += len(hits)
+        if seq.admitted_hits is None:
+            seq.admitted_hits = len(hits)
         seq.block_table = hits + [self._take() for _ in
                                   range(self.blocks_for(len(seq.tokens)) - len(hits))]
         seq.num_cached = len(hits) * self.block_size

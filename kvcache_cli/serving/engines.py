@@ -13,6 +13,9 @@
 - `hf`: transformers' continuous batching (the manager behind
   `model.generate_batch`, with its own paged cache), on the same weights.
 
+A request with stop ids (a chat workload's end-of-turn token) ends at the first one it
+makes, in every engine and in its solo reference; else at its count.
+
 `kv_mem` bounds every engine's KV memory alike: the paged pool, the padded slabs
 (so it decides how many rows a group has), transformers' block count. One-time
 set-up (pools, transformers' manager, a short untimed warm-up request) is timed
@@ -39,6 +42,7 @@ from kvcache_cli.caches.paged import PagedCache, block_bytes
 from kvcache_cli.caches.quantized import POOLS, make_pool
 from kvcache_cli.gpt2 import GPT
 from kvcache_cli.serving.block_manager import BlockManager
+from kvcache_cli.serving.gqa_pool import PoolFigures
 from kvcache_cli.serving.metrics import Latency, RequestTimes, summarise
 from kvcache_cli.serving.model_runner import ModelRunner
 from kvcache_cli.serving.scheduler import Scheduler, Step
@@ -161,6 +165,32 @@ class EngineResult:
     over_sequential: float | None = None  # tokens/s ratios, filled in by run_serve
     over_padded: float | None = None
     over_hf: float | None = None
+    # paged: the share of the shared prefix's full blocks served from the prefix cache to
+    # every request after the first (the system prompt's, in a chat workload)
+    shared_hit_rate: float | None = None
+
+
+@dataclass(frozen=True)
+class Replies:
+    """A chat workload's replies, as every request made alone made them."""
+
+    stop_names: tuple[str, ...]  # the end-of-turn token(s), e.g. <|im_end|>
+    cap: int
+    shortest: int
+    median: float
+    longest: int
+    stopped: int  # replies that ended at a stop token
+    capped: int  # replies cut at the cap
+
+
+def replies_of(requests: Sequence[Request], tokens: dict[int, list[int]],
+               stop_names: Sequence[str]) -> Replies:
+    import statistics
+
+    lengths = [len(tokens[r.id]) for r in requests]
+    stopped = sum(1 for r in requests if tokens[r.id] and tokens[r.id][-1] in r.stop_ids)
+    return Replies(tuple(stop_names), max(r.max_new_tokens for r in requests), min(lengths),
+                   statistics.median(lengths), max(lengths), stopped, len(requests) - stopped)
 
 
 @dataclass(frozen=True)
@@ -189,6 +219,8 @@ class ServeResult:
     engines: tuple[EngineResult, ...]  # every variant at every rate, rate by rate
     rates: tuple[float | None, ...] = (None,)
     goodput: dict[str, float] | None = None  # targets, ms
+    replies: Replies | None = None  # a chat workload's reply lengths and stops
+    pool: PoolFigures | None = None  # the pool under GQA, beside GPT-2 small's
 
     def at(self, rate: float | None) -> tuple[EngineResult, ...]:
         return tuple(e for e in self.engines if e.rate == rate)
@@ -389,6 +421,8 @@ def _run_sequential(model: GPT, requests, rec: _Recorder) -> None:
             rec.token(r.id, rec.now())
             rec.sample(1, rec.arrived - len(rec.finish) - 1, cache.bytes_held,
                        cache.length * per_token)
+            if r.finished(tokens):  # a stop token: the reply is over
+                break
         rec.done(r.id, rec.now())
 
 
@@ -406,27 +440,29 @@ def _run_padded(model: GPT, requests, rec: _Recorder, plan: Plan) -> None:
             continue
         group, queue = queue[: plan.padded_rows], queue[plan.padded_rows :]
         seqs = [Seq(r, block_table=[row]) for row, r in enumerate(group)]
+        replies: dict[int, list[int]] = {}  # each row's reply, to its cap or stop token
         for s in seqs:
             s.tokens.append(runner.prefill(s))
             rec.token(s.request.id, rec.now())
             if s.done:
+                replies[s.request.id] = s.generated
                 rec.done(s.request.id, rec.times[s.request.id][0])
-        for _ in range(max(r.max_new_tokens for r in group) - 1):
+        while len(replies) < len(seqs):
             # Every row, done or not, as a padded batch does: the group's shape is fixed.
             tokens = runner.decode(tuple(seqs))
             t = rec.now()
             for s, token in zip(seqs, tokens, strict=True):
                 s.tokens.append(token)
-                if len(s.generated) <= s.request.max_new_tokens:
+                if s.request.id not in replies:
                     rec.token(s.request.id, t)
-                if len(s.generated) == s.request.max_new_tokens:
-                    rec.done(s.request.id, t)
+                    if s.done:
+                        replies[s.request.id] = s.generated
+                        rec.done(s.request.id, t)
             queue += rec.arrivals()
-            real = sum(min(s.num_cached, len(s.request.prompt) + s.request.max_new_tokens)
-                       for s in seqs)
+            real = sum(min(s.num_cached, len(s.request.prompt) + len(replies.get(
+                s.request.id, s.generated))) for s in seqs)
             rec.sample(len(seqs), len(queue), cache.bytes_held, real * per_token)
-        for s in seqs:
-            rec.tokens[s.request.id] = s.generated[: s.request.max_new_tokens]
+        rec.tokens.update(replies)
 
 
 @dataclass
@@ -435,6 +471,18 @@ class _PagedState:
     scheduler: Scheduler
     steps: list[Step]
     times: list[tuple[float, float]]  # per step: (scheduling s, forwards s)
+    seqs: list[Seq]  # in arrival order
+
+
+def shared_hit_rate(seqs: Sequence[Seq], shared_prefix: int, block_size: int) -> float | None:
+    """The share of the shared prefix's full blocks that every request admitted after the
+    first took from the prefix cache; None without a full block to share or a second one."""
+    full = shared_prefix // block_size
+    later = sorted((s for s in seqs if s.admitted_hits is not None),
+                   key=lambda s: s.request.arrival_s)[1:]
+    if not full or not later:
+        return None
+    return sum(min(s.admitted_hits, full) for s in later) / (full * len(later))
 
 
 def _step_stats(steps: Sequence[Step], times: Sequence[tuple[float, float]],
@@ -458,14 +506,15 @@ def _run_paged(model: GPT, requests, rec: _Recorder, plan: Plan, block_size: int
                layout: str = "packed") -> _PagedState:
     blocks = BlockManager(plan.n_blocks, block_size, prefix_sharing)
     scheduler = Scheduler(blocks, max_batch, policy, token_budget)
-    state = _PagedState(blocks, scheduler, [], [])
+    state = _PagedState(blocks, scheduler, [], [], [])
     runner = ModelRunner(model, cache, layout)
     one_block = cache.bytes_held // plan.n_blocks  # full-precision or quantised blocks
     per_token = one_block // block_size
     rec.reserved = cache.bytes_held
     while len(rec.finish) < len(requests):
         for r in rec.arrivals():
-            scheduler.add(Seq(r))
+            state.seqs.append(Seq(r))
+            scheduler.add(state.seqs[-1])
         if scheduler.idle:
             rec.wait_for_arrival()
             continue
@@ -541,9 +590,11 @@ def _hf_collect(manager, requests, rec: _Recorder | None) -> None:
         else:
             due = list(rec.arrivals())
         for r in due:
+            # -1: no stop (transformers' "disabled"), so a random-ids reply runs to its count.
+            stop = list(r.stop_ids) if r.stop_ids else -1
             pending[manager.add_request(list(r.prompt), request_id=f"r{r.id}",
                                         max_new_tokens=r.max_new_tokens,
-                                        record_timestamps=True, eos_token_id=-1)] = r
+                                        record_timestamps=True, eos_token_id=stop)] = r
         added += len(due)
         result = manager.get_result(timeout=0.01 if added < len(requests) else 1.0)
         if result is None:
@@ -615,6 +666,7 @@ def _summarise(engine: str, setup_s: float, rec: _Recorder, model: GPT,
         kv_utilisation=utilisation,
         peak_running=max((s.running for s in samples), default=None),
         prefix_blocks_hit=memory.get("prefix_hits"),
+        shared_hit_rate=memory.get("shared_hit_rate"),
         preemptions=memory.get("preemptions"),
         pool_tokens=memory.get("pool_tokens"),
         requests_exact=len(rec.requests) - len(mismatches),
@@ -658,6 +710,8 @@ def _prepare(variant: Variant, model: GPT, spec: WorkloadSpec, plan: Plan, block
             state = _run_paged(model, requests, rec, plan, block_size, max_batch,
                                prefix_sharing, cache, **policy)
             return dict(prefix_hits=state.blocks.prefix_hits,
+                        shared_hit_rate=shared_hit_rate(state.seqs, spec.shared_prefix,
+                                                        block_size),
                         preemptions=state.scheduler.preemptions,
                         pool_tokens=plan.n_blocks * block_size,
                         steps=_step_stats(state.steps, state.times, variant.token_budget))
@@ -722,8 +776,14 @@ def solo_tokens(model: GPT, requests: Sequence[Request]) -> dict[int, list[int]]
     """Every request generated alone with the static cache: the reference, untimed."""
     from kvcache_cli.generate import stream_tokens
 
-    return {r.id: list(stream_tokens(model, list(r.prompt), r.max_new_tokens, "static"))
-            for r in requests}
+    out: dict[int, list[int]] = {}
+    for r in requests:
+        tokens = out[r.id] = []
+        for token in stream_tokens(model, list(r.prompt), r.max_new_tokens, "static"):
+            tokens.append(token)
+            if r.finished(tokens):
+                break
+    return out
 
 
 def run_serve(model: GPT, spec: WorkloadSpec, engines: Sequence[str | Variant], kv_mem: int,
@@ -731,12 +791,15 @@ def run_serve(model: GPT, spec: WorkloadSpec, engines: Sequence[str | Variant], 
               threads: int | None = None, model_name: str = "", weights_note: str | None = None,
               progress: ProgressFn | None = None, rates: Sequence[float | None] | None = None,
               targets: dict[str, float] | None = None, layout: str = "packed",
-              done: Callable[[EngineResult], None] | None = None) -> ServeResult:
+              done: Callable[[EngineResult], None] | None = None,
+              prompts: Sequence[Request] | None = None,
+              stop_names: Sequence[str] = ()) -> ServeResult:
     """The workload through each engine in turn, at each rate; one comparison.
 
     `rates` (requests/s, None for all at once) replace the spec's own rate; the
     workload is otherwise the same seeded one at every rate. `done` hears of each
-    engine's result at each rate as it finishes.
+    engine's result at each rate as it finishes. `prompts`: a chat workload's requests
+    (`serving.chat`) instead of random ids; `stop_names` their stop tokens' text.
     """
     import dataclasses
 
@@ -745,7 +808,7 @@ def run_serve(model: GPT, spec: WorkloadSpec, engines: Sequence[str | Variant], 
     rates = tuple(rates) if rates else (spec.rate,)
     plan = plan_memory(model.config, model.dtype, spec, kv_mem, block_size, max_batch)
     workloads = [(rate, make_requests(dataclasses.replace(spec, rate=rate),
-                                      model.config.vocab_size)) for rate in rates]
+                                      model.config.vocab_size, prompts)) for rate in rates]
     requests = workloads[0][1]
     chosen = [v if isinstance(v, Variant) else Variant(v) for v in engines]
     plan = fit_padded(plan, requests, model.config, model.dtype, kv_mem, max_batch)
@@ -787,10 +850,23 @@ def run_serve(model: GPT, spec: WorkloadSpec, engines: Sequence[str | Variant], 
                               if any(v.engine == "hf" for v in chosen) else None),
         workload=dataclasses.replace(spec, rate=rates[0]),
         prompt_tokens=sum(len(r.prompt) for r in requests),
-        output_tokens=sum(r.max_new_tokens for r in requests), kv_mem_bytes=kv_mem,
+        output_tokens=sum(len(reference[r.id]) for r in requests), kv_mem_bytes=kv_mem,
         block_size=block_size, n_blocks=plan.n_blocks,
         bytes_per_token=block_bytes(model.config.cache_shape, 1, model.dtype),
         padded_rows=plan.padded_rows, slab_len=plan.slab_len, max_batch=max_batch,
         prefix_sharing=prefix_sharing, engines=ordered, rates=rates,
         goodput=dict(targets) if targets else None,
+        replies=replies_of(requests, reference, stop_names) if spec.kind == "chat" else None,
+        pool=_pool_figures(model, requests, reference, kv_mem, block_size, max_batch),
     )
+
+
+def _pool_figures(model: GPT, requests, replies, kv_mem: int, block_size: int,
+                  max_batch: int) -> PoolFigures:
+    from kvcache_cli.models import model_config
+    from kvcache_cli.serving import gqa_pool
+
+    gpt2 = block_bytes(model_config("gpt2").cache_shape, 1, model.dtype)
+    return gqa_pool.figures(requests, replies, block_bytes(model.config.cache_shape, 1,
+                                                           model.dtype),
+                            gpt2, kv_mem, block_size, max_batch)

@@ -14,6 +14,13 @@ class Request:
     prompt: tuple[int, ...]
     max_new_tokens: int
     arrival_s: float  # seconds after the workload starts
+    # A chat reply ends at its end-of-turn token (the last one made) or at max_new_tokens.
+    stop_ids: tuple[int, ...] = ()
+
+    def finished(self, generated: list[int]) -> bool:
+        """Whether a reply of these tokens is complete: the cap, or a stop token last."""
+        return len(generated) >= self.max_new_tokens or bool(
+            generated and generated[-1] in self.stop_ids)
 
 
 class Status(Enum):
@@ -37,6 +44,9 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_cached: int = 0
     status: Status = Status.WAITING
+    # Prefix blocks taken by reference when first admitted (a recomputation's are not
+    # counted): how much of a shared system prompt the prefix cache served.
+    admitted_hits: int | None = None
 
     def __post_init__(self) -> None:
         if not self.tokens:
@@ -58,4 +68,4 @@ class Sequence:
 
     @property
     def done(self) -> bool:
-        return len(self.generated) >= self.request.max_new_tokens
+        return self.request.finished(self.generated)

@@ -12,6 +12,7 @@ Standard library only: a bad workload is refused before torch loads.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass
 
@@ -38,6 +39,12 @@ class WorkloadSpec:
     seed: int
     burstiness: float = 1.0  # the gamma shape of the gaps between arrivals
     max_concurrency: int | None = None  # requests in flight at most; None: no cap
+    # "random" ids, or "chat": prompts made by a chat template (`serving.chat`), whose
+    # shared_prefix is the system turn's tokens, prompt_len the rest's range, and whose
+    # replies end at a stop token or at output_len[1].
+    kind: str = "random"
+    stop_ids: tuple[int, ...] = ()
+    source: str | None = None  # a chat workload's prompt set: "the shipped set" or a file
 
     @property
     def longest(self) -> int:
@@ -78,6 +85,12 @@ def check_spec(spec: WorkloadSpec, window: int) -> None:
     if spec.max_concurrency is not None and spec.max_concurrency < 1:
         raise ValueError(f"--max-concurrency {spec.max_concurrency}: expected at least 1 "
                          "request in flight (omit it: no cap)")
+    if spec.longest > window and spec.kind == "chat":
+        raise ValueError(
+            f"the longest chat request, a shared system turn of {spec.shared_prefix} + a user "
+            f"turn of {spec.prompt_len[1]} + a reply cap (--output-len) of "
+            f"{spec.output_len[1]} = {spec.longest} positions, is past the context window "
+            f"{window}")
     if spec.longest > window:
         raise ValueError(
             f"the longest request, shared prefix {spec.shared_prefix} + prompt "
@@ -85,17 +98,27 @@ def check_spec(spec: WorkloadSpec, window: int) -> None:
             f"is past the context window {window}")
 
 
-def make_requests(spec: WorkloadSpec, vocab_size: int) -> tuple[Request, ...]:
-    rng = random.Random(spec.seed)
+def make_requests(spec: WorkloadSpec, vocab_size: int,
+                  prompts: tuple[Request, ...] | None = None) -> tuple[Request, ...]:
+    """The seeded random requests, or `prompts` (a chat workload's), timed by the spec."""
+    if prompts is None:
+        rng = random.Random(spec.seed)
+        prefix = [rng.randrange(vocab_size) for _ in range(spec.shared_prefix)]
+        prompts = []
+        for i in range(spec.requests):
+            user = [rng.randrange(vocab_size) for _ in range(rng.randint(*spec.prompt_len))]
+            prompts.append(Request(i, tuple(prefix + user), rng.randint(*spec.output_len), 0.0))
+    return with_arrivals(prompts, spec)
+
+
+def with_arrivals(requests, spec: WorkloadSpec) -> tuple[Request, ...]:
+    """The requests arriving at the spec's rate (all at once without one)."""
     # The gaps come from a stream of their own: every rate serves the same requests.
     gaps = random.Random(f"{spec.seed}:arrivals")
-    prefix = [rng.randrange(vocab_size) for _ in range(spec.shared_prefix)]
-    requests, t = [], 0.0
-    for i in range(spec.requests):
-        user = [rng.randrange(vocab_size) for _ in range(rng.randint(*spec.prompt_len))]
-        n_out = rng.randint(*spec.output_len)
+    out, t = [], 0.0
+    for i, r in enumerate(requests):
         if spec.rate is not None and i > 0:
             # Mean 1 / rate whatever the shape; shape 1 is the exponential (Poisson).
             t += gaps.gammavariate(spec.burstiness, 1 / (spec.rate * spec.burstiness))
-        requests.append(Request(i, tuple(prefix + user), n_out, t))
-    return tuple(requests)
+        out.append(dataclasses.replace(r, arrival_s=t))
+    return tuple(out)

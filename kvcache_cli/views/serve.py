@@ -6,6 +6,7 @@ Numbers come from the result untouched; `--json` prints the same object.
 from __future__ import annotations
 
 from rich.console import Group, RenderableType
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
@@ -43,15 +44,27 @@ def _header(r: ServeResult) -> Table:
     if w.max_concurrency is not None:
         arrivals += f", at most {w.max_concurrency} in flight"
     prefix = f"a shared {w.shared_prefix}-token prefix + " if w.shared_prefix else ""
-    grid.add_row("workload", f"{w.requests} requests, {prefix}prompts "
-                 f"{w.prompt_len[0]}:{w.prompt_len[1]} and outputs "
-                 f"{w.output_len[0]}:{w.output_len[1]} tokens (seed {w.seed}), {arrivals}: "
-                 f"{r.prompt_tokens:,} prompt + {r.output_tokens:,} output tokens, greedy")
+    if w.kind == "chat" and r.replies is not None:
+        grid.add_row("workload", _chat_line(r, arrivals))
+    else:
+        grid.add_row("workload", f"{w.requests} requests, {prefix}prompts "
+                     f"{w.prompt_len[0]}:{w.prompt_len[1]} and outputs "
+                     f"{w.output_len[0]}:{w.output_len[1]} tokens (seed {w.seed}), {arrivals}: "
+                     f"{r.prompt_tokens:,} prompt + {r.output_tokens:,} output tokens, greedy")
+    hits = [e for e in r.at(r.rates[0]) if e.shared_hit_rate is not None]
+    if hits:
+        what = "system prompt" if w.kind == "chat" else "shared prefix"
+        rates = ", ".join(f"{e.engine} [bold]{e.shared_hit_rate:.0%}[/]" for e in hits)
+        grid.add_row("prefix cache", f"the {what}'s {w.shared_prefix // r.block_size} full "
+                     f"blocks, served from the prefix cache to every request after the first: "
+                     f"{rates}")
     sharing = "prefix sharing on" if r.prefix_sharing else "prefix sharing off"
     grid.add_row("KV memory", f"[bold]{_bytes(r.kv_mem_bytes)}[/] for every engine "
                  f"({_bytes(r.bytes_per_token)} a token): paged {r.n_blocks:,} blocks of "
                  f"{r.block_size} tokens, {sharing}; padded {r.padded_rows} rows of "
                  f"{r.slab_len} positions; at most {r.max_batch} sequences at once")
+    if r.pool is not None and r.pool.bytes_per_token != r.pool.gpt2_bytes_per_token:
+        grid.add_row("pool, GQA", _pool_line(r))
     if any(e.policy for e in r.engines):
         grid.add_row("policies", "paged pf: prefill-first (each prompt whole, alone; decodes "
                      "wait); paged df N: decode-first (decodes, then prompt chunks, N tokens "
@@ -61,6 +74,33 @@ def _header(r: ServeResult) -> Table:
         grid.add_row("targets", f"{targets}: goodput counts the requests meeting every one; "
                      f"a run meets them when {ATTAINMENT:.0%} of its requests do")
     return grid
+
+
+def _chat_line(r: ServeResult, arrivals: str) -> str:
+    w, rp = r.workload, r.replies
+    stops = "/".join(rp.stop_names)
+    return (f"{w.requests} chat requests through the model's chat template ({w.source}, seed "
+            f"{w.seed}): a shared {w.shared_prefix}-token system turn + user turns "
+            f"{w.prompt_len[0]}:{w.prompt_len[1]} tokens; replies to {escape(stops)} or "
+            f"{rp.cap} tokens: {rp.stopped} stopped, {rp.capped} capped, "
+            f"{rp.shortest}:{rp.longest} tokens (median {rp.median:g}); {arrivals}: "
+            f"{r.prompt_tokens:,} prompt + {r.output_tokens:,} output tokens, greedy")
+
+
+def _pool_line(r: ServeResult) -> str:
+    p = r.pool
+
+    def batch(x) -> str:
+        if x.peak_running is None:
+            return "the longest request does not fit"
+        return f"batch {x.peak_running}, {x.preemptions:,} preemptions"
+
+    return (f"{p.bytes_per_token:,} B a token: [bold]{p.tokens_per_mib:,.1f}[/] tokens a MiB "
+            f"against GPT-2 small's {p.gpt2_tokens_per_mib:,.1f} ({p.gpt2_bytes_per_token:,} B); "
+            f"this workload, all at once, prefill-first, replayed: in {_bytes(p.pool_bytes)} "
+            f"{batch(p.at_pool)} (GPT-2 small: {batch(p.gpt2_at_pool)}); in a small "
+            f"{_bytes(p.small_pool_bytes)} {batch(p.at_small)} (GPT-2 small: "
+            f"{batch(p.gpt2_at_small)})")
 
 
 def _rate(rate: float | None) -> str:

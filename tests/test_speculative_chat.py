@@ -1,0 +1,100 @@
+"""Speculative decoding on chat tasks (`speculative.run_task`, `scripts/speculative_chat.py`):
+every draft at every K gives plain greedy's reply exactly, the counts the table sums are
+the runs' own, and what cannot run is refused in one line before the weights load.
+Timings are never asserted."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import random
+from pathlib import Path
+
+import pytest
+from llamakit import smollm2_or_skip
+from servingkit import tiny_model
+
+from kvcache_cli import speculative as S
+from kvcache_cli.generate import generate
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "speculative_chat.py"
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("speculative_chat", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _task(model, kind: str, seed: int) -> tuple[S.ChatTask, tuple[int]]:
+    """A prompt that repeats itself (what lookup finds), and a stop token the model makes."""
+    rng = random.Random(seed)
+    part = [rng.randrange(model.config.vocab_size) for _ in range(8)]
+    prompt = tuple(part * 3)
+    plain = generate(model, list(prompt), 20).tokens
+    return S.ChatTask(kind, seed, prompt), (plain[12],)
+
+
+def test_every_draft_at_every_k_gives_plain_greedys_reply_to_its_stop_token():
+    model = tiny_model()
+    drafts = [S.LookupDraft(3), S.ModelDraft(S.layer_draft(model, 1), 128, "layers:1")]
+    for cache in ("static", "paged", "int8:g8"):  # the tiny heads are 8 wide
+        task, stop = _task(model, "copy", 1)
+        run = S.run_task(model, task, drafts, [1, 3], cache, 20, stop)
+        plain = generate(model, list(task.prompt_ids), 20, cache, stop_ids=stop)
+        assert run.reply_tokens == len(plain.tokens) and run.stopped == plain.stopped
+        assert all(run.identical), (cache, run.identical)
+        assert [(s.draft, s.k) for s in run.runs] == [
+            ("lookup:3", 1), ("lookup:3", 3), ("layers:1", 1), ("layers:1", 3)]
+
+
+def test_the_table_sums_each_sets_proposals_acceptances_and_forwards():
+    model = tiny_model()
+    runs = []
+    for kind, seed in (("copy", 1), ("copy", 2), ("other", 3)):
+        task, stop = _task(model, kind, seed)
+        runs.append(S.run_task(model, task, [S.LookupDraft(3)], [2], "static", 16, stop))
+    rows = {r.kind: r for r in S.task_rows(runs)}
+    copy = [t.runs[0] for t in runs if t.kind == "copy"]
+    assert rows["copy"].tasks == 2 and rows["other"].tasks == 1
+    assert rows["copy"].proposed == sum(s.proposed for s in copy) > 0
+    assert rows["copy"].accepted == sum(s.accepted for s in copy)
+    assert rows["copy"].forwards_per_token == (sum(s.target_forwards for s in copy)
+                                               / sum(len(s.tokens) for s in copy))
+    assert rows["copy"].identical == 2
+
+
+def test_the_shipped_tasks_hold_both_sets_through_the_chat_template():
+    config = smollm2_config()
+    tasks = S.chat_tasks(config, "smollm2")
+    kinds = [t.kind for t in tasks]
+    assert kinds.count("copy") >= 3 and kinds.count("other") >= 3
+    data = json.loads(S.TASKS.read_text())
+    # A copying task gives the passage or function it asks to edit: most of its words.
+    assert all(len(p.split()) > 25 for p in data["copy"])
+    assert all(len(p.split()) < 15 for p in data["other"])
+
+
+def smollm2_config():
+    smollm2_or_skip()
+    from kvcache_cli.models import model_config
+
+    return model_config("smollm2")
+
+
+@pytest.mark.parametrize("args, said", [
+    (["-m", "gpt2"], "model 'gpt2' has no chat template"),
+    (["--drafts", "layers:30"], "the target has 30 layers; expected layers:N with N from 1 to 29"),
+    (["--cache", "h2o:8+8"], "cannot roll back"),
+    (["--sets", "poems"], "--sets 'poems': expected copy or other"),
+    (["--speculate", "2,x"], "--speculate 'x'"),
+])
+def test_the_table_refuses_what_cannot_run_in_one_line_exit_2(capsys, args, said):
+    if args[:2] != ["-m", "gpt2"]:
+        smollm2_or_skip()
+    with pytest.raises(SystemExit) as stop:
+        _script().main(args)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and said in err and len(err.strip().splitlines()) == 1
