@@ -2,7 +2,7 @@
 quantised cache, beside llama.cpp with its f16, q8_0 and q4_0 caches on the same weights.
 
     python scripts/long_context.py [--threads 2] [--weights-dtype fp16]
-        [--contexts 256,1024,2048,4096,6144,8192] [--steps 8] [--caches static,int8,int4]
+        [--contexts 256,1024,2048,4096,6144,8176] [--steps 8] [--caches static,int8,int4]
         [--no-llama] [--plot docs/long_context.png] [--json]
 
 For each cache the context is filled once per point (ours: every layer's cache written
@@ -46,7 +46,7 @@ def fill(model, cache, start: int, end: int, seed: int) -> None:
 
 @torch.inference_mode()
 def ours(model, spec: str, contexts: list[int], steps: int) -> list[dict]:
-    cache = make_cache(spec, model, contexts[-1] + steps * len(contexts) + 1)
+    cache = make_cache(spec, model, contexts[-1] + steps + 1)  # each point crops back to n
     rows, filled = [], 0
     token = torch.tensor([[1]])
     for n in contexts:
@@ -90,7 +90,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--weights-dtype", default="fp16")
-    ap.add_argument("--contexts", default="256,1024,2048,4096,6144,8192")
+    # The last point leaves room inside SmolLM2's 8,192 positions for the timed steps.
+    ap.add_argument("--contexts", default="256,1024,2048,4096,6144,8176")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--caches", default="static,int8,int4")
     ap.add_argument("--no-llama", action="store_true")
@@ -103,6 +104,10 @@ def main() -> None:
     loaded = load_model("smollm2")
     model = set_weights_dtype(loaded.model, args.weights_dtype)
     c = model.config
+    if contexts[-1] + args.steps + 1 > c.context:
+        raise SystemExit(f"--contexts {args.contexts}: the last point and its {args.steps} "
+                         f"steps need {contexts[-1] + args.steps + 1} positions; SmolLM2 has "
+                         f"{c.context}")
     w_bytes = weight_bytes(model)
     kv_token = 2 * c.n_layer * c.n_kv_head * c.head_size * 4  # the float32 cache's
     result = {"threads": args.threads, "weights": args.weights_dtype, "weight_bytes": w_bytes,
