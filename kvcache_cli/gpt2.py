@@ -269,7 +269,26 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
-class GPT(nn.Module):
+class FamilyModel(nn.Module):
+    """What every model family derives from its token embedding (`embedding`, which each
+    family names its own way): where it runs, its activations' dtype, its size."""
+
+    embedding: nn.Embedding
+
+    @property
+    def device(self) -> torch.device:
+        return self.embedding.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Activations' and the cache's; the products' matrices may differ (weights_format)."""
+        return self.embedding.weight.dtype
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())  # tied weights counted once
+
+
+class GPT(FamilyModel):
     def __init__(self, config: GPTConfig, init_std: float = 0.02, seed: int = 0):
         super().__init__()
         self.config = config
@@ -377,17 +396,6 @@ class GPT(nn.Module):
         """The token embedding (every family has one; the LM head may share its weight)."""
         return self.transformer.wte
 
-    @property
-    def device(self) -> torch.device:
-        return self.embedding.weight.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """Activations' and the cache's; the products' matrices may differ (weights_format)."""
-        return self.embedding.weight.dtype
-
-    def num_params(self) -> int:
-        return sum(p.numel() for p in self.parameters())  # tied weights counted once
 
 
 def arrange_weights(model: GPT) -> GPT:

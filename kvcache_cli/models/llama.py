@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kvcache_cli.caches.base import CacheShape, KVCache
-from kvcache_cli.gpt2 import Linear, merge_heads
+from kvcache_cli.gpt2 import FamilyModel, Linear, merge_heads
 from kvcache_cli.models.attention import AttendFn, cached_attention
 
 
@@ -210,7 +210,7 @@ class LlamaBlock(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class Llama(nn.Module):
+class Llama(FamilyModel):
     def __init__(self, config: LlamaConfig):
         super().__init__()
         self.config = config
@@ -269,17 +269,6 @@ class Llama(nn.Module):
     @property
     def embedding(self) -> nn.Embedding:
         return self.model.embed_tokens
-
-    @property
-    def device(self) -> torch.device:
-        return self.embedding.weight.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.embedding.weight.dtype
-
-    def num_params(self) -> int:
-        return sum(p.numel() for p in self.parameters())  # tied weights counted once
 
 
 def positions(start_pos: int | Tensor, T: int, context: int, device) -> Tensor:
