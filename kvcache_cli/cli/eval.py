@@ -147,8 +147,12 @@ def eval_(
     from kvcache_cli.quality_plot import save_plot
     from kvcache_cli.views.quality import plain, render
 
-    # The rich view on a terminal; plain text in a pipe or a file (no boxes to parse), at
-    # the width every view is laid out at.
+    _show(result, render, plain, save_plot, as_json, plot)
+
+
+def _show(result, render, plain, save_plot, as_json: bool, plot) -> None:
+    """The rich view on a terminal; plain text in a pipe or a file (no boxes to parse), at
+    the width every view is laid out at; then the plot, if asked for."""
     view = render if console().is_terminal else (lambda r: plain(r, columns()))
     show_then_plot(result, view, as_json, save_plot, plot, "plot")
 
@@ -247,8 +251,7 @@ def _retrieval(cache, model, weights, lengths, device, threads, plot, as_json) -
         fail(str(err), code=1)
     from kvcache_cli.views.retrieval import plain, render, save_plot
 
-    view = render if console().is_terminal else (lambda r: plain(r, columns()))
-    show_then_plot(result, view, as_json, save_plot, plot, "plot")
+    _show(result, render, plain, save_plot, as_json, plot)
 
 
 def _heldout(model: str) -> Path:
