@@ -59,13 +59,15 @@ if TYPE_CHECKING:
     from kvcache_cli.weight_check import TokenMargin, WeightCheck
 
 # hf-static is transformers' generate() with its static cache; a "-compiled" mode is
-# the same under torch.compile (the compile is paid in the untimed warm-up).
+# the same under torch.compile (the compile is paid in the untimed warm-up). hf-quanto is
+# generate() with its QuantizedCache (quanto, int4, groups of 64, residual 128: its
+# defaults), the peer of kvcache's quantised caches as a transformers user runs it.
 # llama.cpp, llama.cpp-f16, llama.cpp-q8_0 run llama.cpp (the `llama` extra) on the
 # same weights written to GGUF: the engine a CPU user would pick, as a peer;
 # llama.cpp-gguf runs the very file a Llama-family model was read from.
 MODES = (
     "naive", "concat", "static", "hf", "hf-static", "static-compiled", "hf-static-compiled",
-    *LLAMA_MODES,
+    "hf-quanto", *LLAMA_MODES,
 )  # fmt: skip
 # The project's own loops; every other mode is a peer it is measured against.
 OURS = ("naive", "concat", "static", "static-compiled")
@@ -494,6 +496,14 @@ def _run_hf(
                          pad_token_id=0)  # fmt: skip
     if mode.startswith("hf-static"):
         options["cache_implementation"] = "static"
+    cache = {}
+    if mode == "hf-quanto":  # a fresh one each run: generate() appends to what it is given
+        from transformers import QuantizedCache
+
+        from kvcache_cli.hf_quality import cache_keyword
+
+        cache[cache_keyword(hf_model)] = QuantizedCache(backend="quanto",
+                                                        config=hf_model.config, nbits=4)
     if mode.endswith("-compiled"):
         compile_config = CompileConfig(mode=COMPILE_MODE[device.type])
         # generate() compiles only on accelerators unless told to compile everywhere.
@@ -508,6 +518,7 @@ def _run_hf(
             attention_mask=torch.ones_like(ids),
             generation_config=GenerationConfig(**options),
             stopping_criteria=StoppingCriteriaList([ClockCriterion(clock)]),
+            **cache,
         )
     return _from_timeline(out[0, len(prompt_ids) :].tolist(), clock.timeline)
 
@@ -699,6 +710,12 @@ def check_bench(
     hf_modes = [m for m in modes if m.startswith("hf")]
     if hf_modes and transformers_version() is None:
         raise RuntimeError(f"mode {hf_modes[0]!r} needs transformers: {TORCH_INSTALL}")
+    if "hf-quanto" in modes:
+        from kvcache_cli.caches.peer import quanto_missing
+
+        missing = quanto_missing()
+        if missing:
+            raise RuntimeError(f"mode 'hf-quanto': {missing}")
 
 
 def run_bench(

@@ -287,6 +287,10 @@ class FamilyModel(nn.Module):
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())  # tied weights counted once
 
+    def checkpoint_names(self, state: dict[str, Tensor]) -> None:
+        """Weights named as the model holds them renamed, in place, as its checkpoints
+        name them (a family that fuses products splits them here)."""
+
 
 class GPT(FamilyModel):
     def __init__(self, config: GPTConfig, init_std: float = 0.02, seed: int = 0):
@@ -513,6 +517,7 @@ def float_state(model: GPT) -> dict[str, Tensor]:
     for name, module in model.named_modules():
         if isinstance(module, Int8Linear | Int4Linear):
             state[f"{name}.weight"] = module.dequantized()
+    model.checkpoint_names(state)
     return state
 
 

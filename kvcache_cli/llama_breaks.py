@@ -75,18 +75,18 @@ class LlamaBreakResult(BreakResult):
 class RopeAtZeroOnDecode(LlamaAttention):
     """`rope-decode`: a one-token call (decode) rotates q and k to position 0."""
 
-    def forward(self, x, start_pos, pos, rotary, cache, force_is_causal=False):
+    def forward(self, x, start_pos, rope, cache, force_is_causal=False):
         if x.size(1) == 1:
-            pos = torch.zeros_like(pos)  # the bug: the token's position forgotten
-        return super().forward(x, start_pos, pos, rotary, cache, force_is_causal)
+            rope = rope.moved_to(torch.zeros_like(rope.pos))  # the bug: position forgotten
+        return super().forward(x, start_pos, rope, cache, force_is_causal)
 
 
 class ExpandBeforeCache(LlamaAttention):
     """`kv-expand-early`: each KV head copied to its query heads, then cached."""
 
-    def forward(self, x, start_pos, pos, rotary, cache, force_is_causal=False):
+    def forward(self, x, start_pos, rope, cache, force_is_causal=False):
         B, T, _ = x.shape
-        q, k, v = self.project(x, pos, rotary)  # q (B, nh, T, hs); k, v (B, nkv, T, hs)
+        q, k, v = self.project(x, rope)  # q (B, nh, T, hs); k, v (B, nkv, T, hs)
         g = self.n_head // self.n_kv_head
         k = k.repeat_interleave(g, dim=1)  # (B, nh, T, hs): the bug, before the cache
         v = v.repeat_interleave(g, dim=1)  # (B, nh, T, hs)
@@ -99,9 +99,9 @@ class InterleavedGroups(LlamaAttention):
     heads are put in the slots so that head h lands on KV head h % nkv, and the outputs
     put back in head order for o_proj."""
 
-    def forward(self, x, start_pos, pos, rotary, cache, force_is_causal=False):
+    def forward(self, x, start_pos, rope, cache, force_is_causal=False):
         B, T, _ = x.shape
-        q, k, v = self.project(x, pos, rotary)
+        q, k, v = self.project(x, rope)
         nh, nkv = self.n_head, self.n_kv_head
         # Slot s holds the head order[s], whose h % nkv is s // g.
         order = torch.tensor(sorted(range(nh), key=lambda h: (h % nkv, h // nkv)),

@@ -19,6 +19,7 @@ BARS = "▁▂▃▄▅▆▇█"
 COLORS = {
     "naive": "tab:blue", "concat": "tab:orange", "static": "tab:green", "hf": "tab:red",
     "hf-static": "tab:purple", "static-compiled": "tab:olive", "hf-static-compiled": "tab:pink",
+    "hf-quanto": "darkgoldenrod",
 }  # fmt: skip
 # Any other cache spec is coloured by its kind, whatever its fields (window:128, window:256).
 KIND_COLORS = {"paged": "tab:gray", "window": "tab:cyan", "sink": "tab:brown", "h2o": "black"}

@@ -497,3 +497,22 @@ def test_bounded_caches_bench_beside_the_exact_ones_with_their_own_bytes(checkpo
     assert r.tokens_agree and static.same_tokens
     with pytest.raises(ValueError, match="beyond the model's context window of 64"):
         _run(checkpoint, modes=("window:65",))
+
+
+def test_hf_quanto_runs_transformers_own_quantised_cache_in_its_own_model(tmp_path):
+    """generate() through transformers' QuantizedCache (quanto int4, g64, r128) on the
+    transformers copy of the model: the same tokens as that quantiser's layers run inside
+    kvcache's Llama (`quanto-int4`), whose greedy path it is."""
+    pytest.importorskip("optimum.quanto")
+    from llamakit import tiny_hf, write_tiny_gguf
+
+    from kvcache_cli.models import load_model
+
+    hf = tiny_hf(seed=1, hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
+                 max_position_embeddings=256)
+    model = load_model(str(write_tiny_gguf(hf, tmp_path / "tiny.gguf"))).model
+    result = bench.run_bench(model, modes=("quanto-int4", "hf-quanto"), prompt_len=8,
+                             new_tokens=140, repeats=1, bandwidth_mib=4)
+    ours, theirs = result.mode("quanto-int4:g64:r128"), result.mode("hf-quanto")
+    assert len(theirs.tokens) == 140  # past its residual of 128: the codes were read
+    assert theirs.tokens == ours.tokens and theirs.tokens_per_s_median > 0

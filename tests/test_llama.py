@@ -286,3 +286,25 @@ def test_llama_cpp_on_the_models_own_gguf_needs_a_model_read_from_one(no_model_l
     assert out.output == ("error: mode 'llama.cpp-gguf' runs the GGUF file the model was read "
                           "from, and 'stdlib-bytes' was not read from one: expected -m smollm2 "
                           "or a .gguf\n")
+
+
+def test_the_fused_products_speak_the_checkpoint_s_names_in_and_out():
+    hf = tiny_hf(seed=5)
+    config = LlamaConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=64, intermediate=96,
+                         vocab_size=300, context=128, tie_word_embeddings=True)
+    ours = Llama(config)
+    ours.load_state_dict(hf.state_dict(), strict=False)
+    # One product for q, k, v and one for gate, up; their rows are the checkpoint's.
+    attn, mlp = ours.model.layers[1].self_attn, ours.model.layers[1].mlp
+    assert attn.qkv_proj.weight.shape == ((4 + 2 * 2) * 16, 64)
+    assert torch.equal(attn.qkv_proj.weight[64:96],
+                       hf.state_dict()["model.layers.1.self_attn.k_proj.weight"])
+    assert torch.equal(mlp.gate_up_proj.weight[96:],
+                       hf.state_dict()["model.layers.1.mlp.up_proj.weight"])
+    state = ours.state_dict()
+    assert not any("qkv_proj" in k or "gate_up_proj" in k for k in state)
+    assert set(state) == set(hf.state_dict())
+    assert all(torch.equal(state[k], t) for k, t in hf.state_dict().items())
+    again = Llama(config)
+    again.load_state_dict(state)  # strict: every name accounted for
+    assert all(torch.equal(a, b) for a, b in zip(again.parameters(), ours.parameters()))

@@ -40,6 +40,24 @@ def _planes_float(planes) -> torch.Tensor:
     return w
 
 
+def test_a_fused_product_of_q4_and_q8_blocks_is_its_parts_side_by_side():
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    from kvcache_cli.models.gguf_blocks import _stacked
+
+    rng = np.random.default_rng(1)
+    q4 = quantize(rng.normal(size=(32, 64)).astype(np.float32), GGMLQuantizationType.Q4_1)
+    q8 = quantize(rng.normal(size=(16, 64)).astype(np.float32), GGMLQuantizationType.Q8_0)
+    parts = [planes_of(q4, "Q4_1"), planes_of(q8, "Q8_0")]  # one plane, then two
+    fused = Int4Linear(_stacked(parts))
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
+    expected = torch.cat([Int4Linear(p)(x) for p in parts], dim=-1)  # (3, 48)
+    assert torch.equal(fused(x), expected)  # the padding plane adds exactly nothing
+    torch.testing.assert_close(fused.dequantized(), torch.cat([_planes_float(p) for p in parts]),
+                               rtol=0, atol=0.05)
+
+
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
 def test_the_planes_hold_the_files_own_numbers(kind):
     from gguf import GGMLQuantizationType

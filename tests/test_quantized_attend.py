@@ -52,9 +52,10 @@ def test_chunked_attention_gives_the_whole_copys_logits(spec, monkeypatch):
     _whole_copy(monkeypatch)
     whole = decoding.decode_logits(m, make_cache(spec, m, 100), idx, 10)
     # Float32 noise of one attention (below) carried through two layers of std-0.3
-    # weights, whose sharp softmaxes amplify it: up to ~2e-3 of logits of size ~10; a
-    # chunk misplaced or a scale off by a group moves them by units.
-    torch.testing.assert_close(chunked, whole, atol=5e-3, rtol=1e-3)
+    # weights, whose sharp softmaxes amplify it: up to ~2e-3 of logits of size ~10 on an
+    # Intel Xeon, 6.5e-3 on an AMD EPYC (its kernels sum in another order); a chunk
+    # misplaced or a scale off by a group moves them by units.
+    torch.testing.assert_close(chunked, whole, atol=2e-2, rtol=1e-3)
 
 
 @pytest.mark.usefixtures("small_chunks")

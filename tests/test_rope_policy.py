@@ -266,12 +266,12 @@ def literal_attention(sinks: int, window: int, policy: str):
     """LlamaAttention.forward written out from the definitions: query p attends positions
     0..S-1 and max(S, p-W+1)..p, each key rotated (by the model's own table) at its text
     position or at its place among them, the query at its own."""
-    def forward(self, x, start_pos, pos, rotary, cache, force_is_causal=False):
+    def forward(self, x, start_pos, rope, cache, force_is_causal=False):
         B, T, _ = x.shape
         nh, nkv, hs = self.n_head, self.n_kv_head, self.head_size
-        q = self.q_proj(x).view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs), unrotated
-        k = self.k_proj(x).view(B, T, nkv, hs).transpose(1, 2)  # (B, nkv, T, hs)
-        v = self.v_proj(x).view(B, T, nkv, hs).transpose(1, 2)
+        rotary = rope.table
+        qkv = self.qkv_proj(x).view(B, T, nh + 2 * nkv, hs).transpose(1, 2)  # unrotated
+        q, k, v = qkv.split([nh, nkv, nkv], dim=1)  # (B, nh|nkv, T, hs)
         k, v = cache.append(self.layer, k, v)  # (B, nkv, p + 1, hs)
         out = []
         for t in range(T):

@@ -20,7 +20,7 @@ from torch import Tensor
 from kvcache_cli.caches.base import KVCache, RollbackError, nbytes
 
 
-def _quanto_missing() -> str | None:
+def quanto_missing() -> str | None:
     from importlib.util import find_spec
 
     if find_spec("optimum") is None or find_spec("optimum.quanto") is None:
@@ -32,7 +32,7 @@ def _quanto_missing() -> str | None:
 class QuantoCache(KVCache):
     def __init__(self, shape, batch: int, device, dtype, *, bits: int, group: int,
                  residual: int):
-        missing = _quanto_missing()
+        missing = quanto_missing()
         if missing:
             raise ValueError(missing)
         self.shape, self.bits, self.group, self.residual = shape, bits, group, residual

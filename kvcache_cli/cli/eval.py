@@ -34,17 +34,24 @@ HELDOUT = "heldout.txt"  # the text a checkpoint was not trained on, in its dire
 
 
 def parse_eval_caches(value):
-    """--cache as eval reads it: kvcache's specs (`caches.spec`) and llama.cpp's cache
-    types (`llama.cpp:q4_0`, `llama_quality`) in one comma list, each once."""
+    """--cache as eval reads it: kvcache's specs (`caches.spec`), llama.cpp's cache types
+    (`llama.cpp:q4_0`, `llama_quality`) and transformers' own model with its quantised
+    cache (`transformers:quanto-int4`, `hf_quality`) in one comma list, each once."""
     from kvcache_cli.caches.spec import CacheSpecError, parse_cache_list
+    from kvcache_cli.hf_quality import is_transformers, parse_transformers
     from kvcache_cli.llama_quality import is_llama_cpp, parse_llama_cpp
 
     if isinstance(value, list):
         return value
     parts = [part for part in value.split(",") if part.strip()]
+
+    def peer(part: str):
+        return parse_llama_cpp(part) if is_llama_cpp(part) else parse_transformers(part)
+
     try:
-        ours = [part for part in parts if not is_llama_cpp(part)]
-        peers = [parse_llama_cpp(part) for part in parts if is_llama_cpp(part)]
+        is_peer = [is_llama_cpp(part) or is_transformers(part) for part in parts]
+        ours = [part for part, p in zip(parts, is_peer) if not p]
+        peers = [peer(part) for part, p in zip(parts, is_peer) if p]
         specs = parse_cache_list(",".join(ours) if peers else value) if ours or not peers \
             else []
     except (CacheSpecError, ValueError) as err:
@@ -72,7 +79,9 @@ def eval_(
         "static,int8,int4,int2,fp8-e4m3, each format at its default layout. "
         "llama.cpp's own cache types run the model's GGUF in llama.cpp on the same ids: "
         "llama.cpp:q4_0, llama.cpp:kq8_0:vq4_0, ...:norot (LLAMA_ATTN_ROT_DISABLE=1), "
-        "scored against llama.cpp's f32 cache.")] = None,
+        "scored against llama.cpp's f32 cache. transformers:quanto-int4[:gN][:rN] runs "
+        "transformers' own LlamaForCausalLM with its QuantizedCache, scored against its "
+        "DynamicCache.")] = None,
     model: Annotated[str, typer.Option(
         "--model", "-m", help=f"{EVAL_MODEL} (the trained checkpoint), gpt2, gpt2-medium, "
         "gpt2-large, gpt2-xl, smollm2 or a checkpoint dir.")] = EVAL_MODEL,
@@ -138,8 +147,8 @@ def eval_(
                 text_name=f"{path.name} ({_tokenizer_label(ids.tokenizer)})",
                 progress=on_progress)
             if peers:
-                result = _with_llama_cpp(result, loaded.model, ids.ids[:n], peers, prompt_len,
-                                         threads, on_progress)
+                result = _with_peers(result, loaded.model, ids.ids[:n], peers, prompt_len,
+                                     on_progress)
     except (ValueError, IndexError) as err:
         fail(str(err))
     except RuntimeError as err:
@@ -158,11 +167,12 @@ def _show(result, render, plain, save_plot, as_json: bool, plot) -> None:
 
 
 def _check_options(cache, model, text, tokens, prompt_len, chunk, device, threads):
-    """(kvcache's specs, llama.cpp's, text path, its ids, tokens to read, device), or a
+    """(kvcache's specs, the peers', text path, its ids, tokens to read, device), or a
     ValueError naming the value, or TokenizerUnavailable."""
-    from kvcache_cli import quality
+    from kvcache_cli import hf_quality, quality
     from kvcache_cli.caches.spec import fitted
     from kvcache_cli.evaltext import eval_text, read_text
+    from kvcache_cli.hf_quality import HFCacheSpec
     from kvcache_cli.llama_quality import LlamaCppSpec, check_installed
     from kvcache_cli.measure import resolve_device
     from kvcache_cli.models import model_config
@@ -174,8 +184,9 @@ def _check_options(cache, model, text, tokens, prompt_len, chunk, device, thread
     # The defaults laid out for this model's heads: a refusal names only what was typed.
     given = ([fitted(s, config.head_size) for s in quality.default_caches()] if cache is None
              else cache)
-    specs = [s for s in given if not isinstance(s, LlamaCppSpec)]
-    peers = [s for s in given if isinstance(s, LlamaCppSpec)]
+    specs = [s for s in given if not isinstance(s, LlamaCppSpec | HFCacheSpec)]
+    peers = [s for s in given if isinstance(s, LlamaCppSpec | HFCacheSpec)]
+    llama_cpp = [s for s in peers if isinstance(s, LlamaCppSpec)]
     # --tokens, when given, against the context window; the text's length comes next.
     quality.check_eval(config.context, tokens, prompt_len, chunk)
     path = text if text is not None else _heldout(model)
@@ -183,24 +194,34 @@ def _check_options(cache, model, text, tokens, prompt_len, chunk, device, thread
     n = quality.tokens_to_read(len(ids.ids), config.context, tokens, prompt_len,
                                f"--text {str(path)!r}")
     quality.check_caches(specs, config, n - 1, model, prompt_len)
-    check_installed(peers, getattr(config, "gguf", None), model)
+    check_installed(llama_cpp, getattr(config, "gguf", None), model)
+    hf_quality.check_installed([s for s in peers if isinstance(s, HFCacheSpec)], config, model)
     dev = resolve_device(device)
-    if peers and dev.type != "cpu":
-        raise ValueError(f"cache {str(peers[0])!r} runs llama.cpp on the CPU, where the extra "
-                         f"builds it; got device {dev.type}: use --device cpu")
+    if llama_cpp and dev.type != "cpu":
+        raise ValueError(f"cache {str(llama_cpp[0])!r} runs llama.cpp on the CPU, where the "
+                         f"extra builds it; got device {dev.type}: use --device cpu")
     return specs, peers, path, ids, n, dev
 
 
-def _with_llama_cpp(result, model, ids, peers, prompt_len, threads, on_progress):
-    """`result` with llama.cpp's rows after kvcache's: the same ids through llama.cpp's
-    caches, on the GGUF the model was read from."""
+def _with_peers(result, model, ids, peers, prompt_len, on_progress):
+    """`result` with the peers' rows after kvcache's, the same ids through each: llama.cpp's
+    caches on the GGUF the model was read from, transformers' in its own LlamaForCausalLM."""
     import dataclasses
 
-    from kvcache_cli import llama_quality
+    from kvcache_cli import hf_quality, llama_quality
+    from kvcache_cli.hf_quality import HFCacheSpec
+    from kvcache_cli.llama_quality import LlamaCppSpec
 
-    rows = llama_quality.evaluate(model.config.gguf, ids, peers, model.config,
-                                  prompt_len=prompt_len, threads=result.threads,
-                                  progress=on_progress)
+    rows = ()
+    llama_cpp = [s for s in peers if isinstance(s, LlamaCppSpec)]
+    if llama_cpp:
+        rows += llama_quality.evaluate(model.config.gguf, ids, llama_cpp, model.config,
+                                       prompt_len=prompt_len, threads=result.threads,
+                                       progress=on_progress)
+    transformers = [s for s in peers if isinstance(s, HFCacheSpec)]
+    if transformers:
+        rows += hf_quality.evaluate(model, ids, transformers, prompt_len=prompt_len,
+                                    progress=on_progress)
     return dataclasses.replace(result, caches=result.caches + rows)
 
 

@@ -121,25 +121,54 @@ def read_blocks(path: str | Path, names: set[str], n_head: int,
 
 def set_q4(model) -> None:
     """Every product of a Llama read from a GGUF, the LM head included, as Int4Linear
-    built from the file's own blocks, in place (check_q4 has refused what it cannot)."""
+    built from the file's own blocks, in place (check_q4 has refused what it cannot); a
+    fused product (`llama.FUSED`) from its parts' blocks, row after row."""
     from kvcache_cli.gpt2 import Linear
+    from kvcache_cli.models.llama import FUSED
 
-    products = {f"{name}.weight": (parent, child_name)
+    products = {name: (parent, child_name)
                 for parent_name, parent in model.named_modules()
                 for child_name, child in parent.named_children()
                 if isinstance(child, Linear)
                 for name in [f"{parent_name}.{child_name}".lstrip(".")]}
     # A tied head is the embedding's tensor in the file (llama.cpp's converter drops it).
     tied = model.config.tie_word_embeddings
-    wanted = {("model.embed_tokens.weight" if tied and n == "lm_head.weight" else n)
-              for n in products}
+    sources = {name: _sources(name, tied, FUSED) for name in products}
     c = model.config
-    blocks = read_blocks(c.gguf, wanted, c.n_head, c.n_kv_head)
+    blocks = read_blocks(c.gguf, {s for names in sources.values() for s in names},
+                         c.n_head, c.n_kv_head)
     with torch.no_grad():
         for name, (parent, child_name) in products.items():
-            source = "model.embed_tokens.weight" if tied and name == "lm_head.weight" else name
-            raw, kind = blocks[source]
-            setattr(parent, child_name, Int4Linear(planes_of(raw, kind)))
+            parts = [planes_of(*blocks[source]) for source in sources[name]]
+            setattr(parent, child_name, Int4Linear(_stacked(parts)))
+
+
+def _sources(product: str, tied: bool, fused: dict[str, tuple[str, ...]]) -> list[str]:
+    """The file's tensors (transformers' names) whose rows make up a product."""
+    if tied and product == "lm_head":
+        return ["model.embed_tokens.weight"]
+    for name, parts in fused.items():
+        if product.endswith(f".{name}"):  # model.layers.N.<name>
+            return [f"{product[:-len(name)]}{part}.weight" for part in parts]
+    return [f"{product}.weight"]
+
+
+def _stacked(parts: list[list[tuple[Tensor, Tensor]]]) -> list[tuple[Tensor, Tensor]]:
+    """Several products' planes as one product's, rows after rows. A part with fewer
+    planes (a Q4 tensor beside a Q8_0 one) gets planes that add nothing: q = 8 and s = z = 0."""
+    planes = max(len(p) for p in parts)
+    stacked = []
+    for i in range(planes):
+        qs, szs = [], []
+        for part in parts:
+            if i < len(part):
+                q, sz = part[i]
+            else:
+                q, sz = torch.full_like(part[0][0], 8), torch.zeros_like(part[0][1])
+            qs.append(q)
+            szs.append(sz)
+        stacked.append((torch.cat(qs), torch.cat(szs, dim=1)))  # (out, in), (in/32, out, 2)
+    return stacked
 
 
 def q4_problem(config, types: dict[str, str] | None) -> str | None:

@@ -125,14 +125,38 @@ class Rotary(nn.Module):
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin(), persistent=False)
 
-    def forward(self, x: Tensor, pos: Tensor) -> Tensor:
-        """x (B, h, T, hs) rotated to positions pos: (T,) for every row, or (B, T)."""
-        cos, sin = self.cos[pos].to(x.dtype), self.sin[pos].to(x.dtype)  # (T|B,T, hs)
+    def at(self, pos: Tensor, dtype: torch.dtype) -> RotaryAt:
+        """The rotation to positions pos, (T,) for every row or (B, T), looked up once: a
+        forward makes it once and its 30 layers share it (SmolLM2 looked the table up
+        120 times a step, four small ops each)."""
+        cos, sin = self.cos[pos].to(dtype), self.sin[pos].to(dtype)  # (T|B,T, hs)
         if pos.dim() == 2:  # per row: one more axis for the heads
             cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, hs)
+        return RotaryAt(self, pos, cos, sin)
+
+    def forward(self, x: Tensor, pos: Tensor) -> Tensor:
+        """x (B, h, T, hs) rotated to positions pos: (T,) for every row, or (B, T)."""
+        return self.at(pos, x.dtype)(x)
+
+
+@dataclass(frozen=True)
+class RotaryAt:
+    """`Rotary` looked up at the positions of one forward's tokens."""
+
+    table: Rotary
+    pos: Tensor  # (T,) or (B, T)
+    cos: Tensor  # (T, hs) or (B, 1, T, hs)
+    sin: Tensor
+
+    def __call__(self, x: Tensor) -> Tensor:
+        """x (B, h, T, hs) rotated to these positions."""
         half = x.size(-1) // 2
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)  # rotate_half
-        return x * cos + rotated * sin
+        return x * self.cos + rotated * self.sin
+
+    def moved_to(self, pos: Tensor) -> RotaryAt:
+        """The same table at other positions."""
+        return self.table.at(pos, self.cos.dtype)
 
 
 @dataclass(frozen=True)
@@ -163,23 +187,22 @@ class LlamaAttention(nn.Module):
         self.n_head, self.n_kv_head, self.head_size = (config.n_head, config.n_kv_head,
                                                        config.head_size)
         C, hs = config.n_embd, config.head_size
-        self.q_proj = Linear(C, config.n_head * hs, bias=False)
-        self.k_proj = Linear(C, config.n_kv_head * hs, bias=False)
-        self.v_proj = Linear(C, config.n_kv_head * hs, bias=False)
+        # q, k and v of one input in one product (GPT-2's c_attn); the checkpoint's
+        # q_proj, k_proj and v_proj are its rows (`FUSED`).
+        self.qkv_proj = Linear(C, (config.n_head + 2 * config.n_kv_head) * hs, bias=False)
         self.o_proj = Linear(config.n_head * hs, C, bias=False)
 
-    def project(self, x: Tensor, pos: Tensor, rotary: Rotary) -> tuple[Tensor, Tensor, Tensor]:
-        """q (B, nh, T, hs) and k, v (B, nkv, T, hs) of x (B, T, C), q and k rotated to pos."""
+    def project(self, x: Tensor, rope: RotaryAt) -> tuple[Tensor, Tensor, Tensor]:
+        """q (B, nh, T, hs) and k, v (B, nkv, T, hs) of x (B, T, C), q and k rotated."""
         B, T, _ = x.shape
-        hs = self.head_size
-        q = self.q_proj(x).view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
-        k = self.k_proj(x).view(B, T, self.n_kv_head, hs).transpose(1, 2)  # (B, nkv, T, hs)
-        v = self.v_proj(x).view(B, T, self.n_kv_head, hs).transpose(1, 2)  # (B, nkv, T, hs)
-        return rotary(q, pos), rotary(k, pos), v
+        nh, nkv = self.n_head, self.n_kv_head
+        qkv = self.qkv_proj(x).view(B, T, nh + 2 * nkv, self.head_size).transpose(1, 2)
+        qk = rope(qkv[:, :nh + nkv])  # (B, nh + nkv, T, hs): q's and k's heads at once
+        return qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv:]
 
-    def forward(self, x: Tensor, start_pos: int | Tensor, pos: Tensor, rotary: Rotary,
+    def forward(self, x: Tensor, start_pos: int | Tensor, rope: RotaryAt,
                 cache: KVCache | None, force_is_causal: bool = False) -> Tensor:
-        q, k, v = self.project(x, pos, rotary)
+        q, k, v = self.project(x, rope)
         y = cached_attention(q, k, v, self.layer, start_pos, cache, force_is_causal)
         return self.o_proj(merge_heads(y))  # (B, T, C)
 
@@ -187,12 +210,15 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, config: LlamaConfig):
         super().__init__()
-        self.gate_proj = Linear(config.n_embd, config.intermediate, bias=False)
-        self.up_proj = Linear(config.n_embd, config.intermediate, bias=False)
+        self.intermediate = config.intermediate
+        # gate and up of one input in one product; the checkpoint's gate_proj and
+        # up_proj are its rows (`FUSED`).
+        self.gate_up_proj = Linear(config.n_embd, 2 * config.intermediate, bias=False)
         self.down_proj = Linear(config.intermediate, config.n_embd, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)  # (B, T, I) each
+        return self.down_proj(F.silu(gate) * up)  # SwiGLU
 
 
 class LlamaBlock(nn.Module):
@@ -203,11 +229,54 @@ class LlamaBlock(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.n_embd, config.rms_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, x: Tensor, start_pos: int | Tensor, pos: Tensor, rotary: Rotary,
+    def forward(self, x: Tensor, start_pos: int | Tensor, rope: RotaryAt,
                 cache: KVCache | None, force_is_causal: bool = False) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), start_pos, pos, rotary, cache,
+        x = x + self.self_attn(self.input_layernorm(x), start_pos, rope, cache,
                                force_is_causal)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# The products that read one input, each run as one matrix whose rows are the
+# checkpoint's matrices, in this order: what a decode step dispatches per layer falls
+# from 7 products to 4. state_dict() and load_state_dict() speak the checkpoint's names
+# (`split_fused`, `join_fused`), so transformers, GGUF files and exports never see these.
+FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+         "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+
+
+def fused_rows(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """Each fused product's rows per part, in `FUSED`'s order."""
+    q, kv = config.n_head * config.head_size, config.n_kv_head * config.head_size
+    return {"self_attn.qkv_proj": (q, kv, kv),
+            "mlp.gate_up_proj": (config.intermediate, config.intermediate)}
+
+
+def join_fused(state: dict, config: LlamaConfig, prefix: str = "") -> None:
+    """A checkpoint's q/k/v and gate/up matrices, in place, as the fused products' rows;
+    names of layers that have none of a group's parts are left alone."""
+    for layer in range(config.n_layer):
+        block = f"{prefix}model.layers.{layer}."
+        for fused, parts in FUSED.items():
+            names = [f"{block}{part}.weight" for part in parts]
+            if not all(name in state for name in names):
+                continue
+            state[f"{block}{fused}.weight"] = torch.cat([state.pop(n) for n in names])
+
+
+def split_fused(state: dict, config: LlamaConfig, prefix: str = "") -> None:
+    """The fused products' matrices, in place, under the checkpoint's names: each tensor
+    of a fused product whose first axis is its rows (a weight; an int8 product's
+    scales) cut into its parts. Packed 4-bit planes are left whole."""
+    rows = fused_rows(config)
+    for layer in range(config.n_layer):
+        block = f"{prefix}model.layers.{layer}."
+        for fused, parts in FUSED.items():
+            for field in ("weight", "scales"):
+                name = f"{block}{fused}.{field}"
+                if name not in state or state[name].size(0) != sum(rows[fused]):
+                    continue
+                for part, t in zip(parts, state.pop(name).split(rows[fused])):
+                    state[f"{block}{part}.{field}"] = t
 
 
 class Llama(FamilyModel):
@@ -226,6 +295,11 @@ class Llama(FamilyModel):
         self.lm_head = Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # The checkpoint's names in and out (`FUSED`).
+        self._register_state_dict_hook(
+            lambda module, state, prefix, meta: split_fused(state, module.config, prefix))
+        self._register_load_state_dict_pre_hook(
+            lambda state, prefix, *rest: join_fused(state, self.config, prefix))
 
     def forward(self, idx: Tensor, start_pos: int | Tensor, cache: KVCache | None = None, *,
                 last_only: bool = False, force_is_causal: bool = False) -> Tensor:
@@ -234,8 +308,9 @@ class Llama(FamilyModel):
         B, T = idx.shape
         pos = positions(start_pos, T, self.config.context, idx.device)  # (T,) or (B, T)
         x = self.model.embed_tokens(idx)  # (B, T, C)
+        rope = self.rotary.at(pos, x.dtype)
         for block in self.model.layers:
-            x = block(x, start_pos, pos, self.rotary, cache, force_is_causal)
+            x = block(x, start_pos, rope, cache, force_is_causal)
         if last_only:
             x = x[:, -1:, :]  # (B, 1, C): the LM head is the largest matmul
         return self.lm_head(self.model.norm(x))  # (B, T, vocab), or (B, 1, vocab)
@@ -244,15 +319,19 @@ class Llama(FamilyModel):
         """The residual stream after every block, (B, T, C), attention's core given by
         `attend(layer, q, k, v)` (`gpt2.GPT.hidden`'s contract); q and k rotated to pos."""
         x = self.model.embed_tokens(idx)  # (B, T, C)
+        rope = self.rotary.at(pos, x.dtype)
         for layer, block in enumerate(self.model.layers):
             a = block.self_attn
-            y = attend(layer, *a.project(block.input_layernorm(x), pos, self.rotary))
+            y = attend(layer, *a.project(block.input_layernorm(x), rope))
             x = x + a.o_proj(merge_heads(y))
             x = x + block.mlp(block.post_attention_layernorm(x))
         return x
 
     def head(self, x: Tensor) -> Tensor:
         return self.lm_head(self.model.norm(x))
+
+    def checkpoint_names(self, state: dict[str, Tensor]) -> None:
+        split_fused(state, self.config)
 
     def first_layers(self, n_layer: int) -> Llama:
         """The first n_layer blocks, the final norm and the head, sharing this model's

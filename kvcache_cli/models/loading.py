@@ -242,7 +242,11 @@ def _weights_file(folder: Path) -> Path:
 def _assign_state(model: Llama, state: dict, folder: Path) -> None:
     """The checkpoint's tensors become the model's parameters (assigned, not copied: the
     meta-device model has no memory of its own), each checked against the config."""
-    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    # The checkpoint's names (state_dict splits the fused products); a tied head is the
+    # embedding's tensor.
+    tied = model.config.tie_word_embeddings
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()
+              if not (tied and name == "lm_head.weight")}
     for name, shape in shapes.items():
         if name not in state:
             raise ValueError(f"{folder}: checkpoint has no {name!r}")

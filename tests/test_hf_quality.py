@@ -1,0 +1,84 @@
+"""transformers' own LlamaForCausalLM with its QuantizedCache as eval rows: the spelling, the
+refusals before a model loads, and rows that agree with the same quantiser run inside
+kvcache's Llama (`quanto-int4`), each scored against its own exact cache."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from llamakit import tiny_hf, write_tiny_gguf
+from typer.testing import CliRunner
+
+from kvcache_cli.cli import app
+from kvcache_cli.hf_quality import HFCacheSpec, parse_transformers
+
+runner = CliRunner()
+
+
+@pytest.mark.parametrize(("text", "spec", "canonical"), [
+    ("transformers:quanto-int4", HFCacheSpec(4, 64, 128), "transformers:quanto-int4:g64:r128"),
+    ("TRANSFORMERS:quanto-int2:g32:r16", HFCacheSpec(2, 32, 16),
+     "transformers:quanto-int2:g32:r16"),
+])
+def test_a_transformers_spec_names_bits_group_and_residual(text, spec, canonical):
+    assert parse_transformers(text) == spec and str(spec) == canonical
+
+
+@pytest.mark.parametrize(("text", "words"), [
+    ("transformers:quanto-int3", "expected transformers:quanto-int4 or"),
+    ("transformers:quanto-int4:x9", "unknown field 'x9'"),
+    ("transformers:quanto-int4:g32:g16", "gN given twice"),
+    ("transformers:quanto-int4:r0", "at least 1"),
+])
+def test_a_malformed_transformers_spec_is_one_line(text, words):
+    with pytest.raises(ValueError, match=words):
+        parse_transformers(text)
+
+
+@pytest.mark.parametrize(("args", "words"), [
+    (["--cache", "transformers:quanto-int4"], "is not a Llama"),  # the byte-level GPT
+    (["--cache", "transformers:quanto-int4:g5"], "do not divide the head size 64"),
+    (["--cache", "int8,transformers:quanto-int4,transformers:quanto-int4"], "listed twice"),
+])
+def test_bad_transformers_caches_are_one_line_exit_2_before_a_model_loads(
+        no_model_loads, tiny_llama, args, words):
+    pytest.importorskip("torch")
+    model = [] if "is not a Llama" in words else ["-m", str(tiny_llama)]
+    text = tiny_llama.parent / "t.txt"
+    text.write_text("a b c d " * 100)
+    result = runner.invoke(app, ["eval", *model, *(["--text", str(text)] if model else []),
+                                 *args], env={"COLUMNS": "100"})
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and words in lines[0], result.stderr
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    pytest.importorskip("transformers")
+    hf = tiny_hf(seed=1, hidden_size=128, num_attention_heads=2, num_key_value_heads=1)
+    return write_tiny_gguf(hf, tmp_path_factory.mktemp("gguf") / "tiny.gguf", "F32")
+
+
+def test_transformers_rows_equal_its_quantiser_inside_kvcache_s_llama(tiny_llama):
+    pytest.importorskip("optimum.quanto")
+    from kvcache_cli import quality
+    from kvcache_cli.hf_quality import REFERENCE, evaluate
+    from kvcache_cli.models import load_model
+
+    model = load_model(str(tiny_llama)).model
+    ids = random.Random(0).choices(range(300), k=60)
+    ours = quality.evaluate(model, ids, ["quanto-int4:g32:r8"], prompt_len=16)
+    ref, peer = evaluate(model, ids, [HFCacheSpec(4, 32, 8)], prompt_len=16)
+    assert ref.cache == REFERENCE and ref.reference and ref.kl_mean == 0
+    assert peer.against == REFERENCE and peer.peer == "transformers"
+    assert len(peer.loss_by_position) == len(ours.caches[0].loss_by_position)
+    # The same quantiser on the same weights and ids: transformers' whole model with its
+    # cache agrees with kvcache's Llama holding transformers' cache layers, up to float32
+    # rounding of two implementations of the same attention.
+    quanto = ours.caches[1]
+    assert quanto.kl_mean > 1e-4  # the quantiser did round something
+    assert peer.kl_mean == pytest.approx(quanto.kl_mean, rel=0.05, abs=1e-5)
+    assert peer.perplexity == pytest.approx(quanto.perplexity, rel=1e-3)
+    assert peer.bytes_held == quanto.bytes_held
