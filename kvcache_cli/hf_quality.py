@@ -22,9 +22,9 @@ Needs transformers and optimum-quanto; nothing here imports them until a run.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -91,23 +91,6 @@ def check_installed(specs: Sequence[HFCacheSpec], config, model: str) -> None:
         raise ValueError(missing)
 
 
-class _Scores:
-    """What one cache predicted, position by position, against the exact cache."""
-
-    def __init__(self, name: str):
-        self.name = name
-        self.nll: list[float] = []
-        self.kl: list[float] = []
-        self.agree: list[bool] = []
-        self.decode_s: list[float] = []
-
-    def score(self, logp, targets, exact) -> None:
-        """logp, exact (n, vocab) float64 log-probabilities; targets (n,) ids."""
-        self.nll += (-logp.gather(-1, targets[:, None])[:, 0]).tolist()
-        self.kl += (exact.exp() * (exact - logp)).sum(-1).clamp_min(0).tolist()
-        self.agree += (logp.argmax(-1) == exact.argmax(-1)).tolist()
-
-
 def evaluate(model, tokens: Sequence[int], specs: Sequence[HFCacheSpec], *, prompt_len: int,
              progress: Callable[[int, int], None] | None = None) -> tuple:
     """transformers' exact DynamicCache, then each spec's QuantizedCache, in lockstep over
@@ -118,34 +101,33 @@ def evaluate(model, tokens: Sequence[int], specs: Sequence[HFCacheSpec], *, prom
 
     from kvcache_cli.measure import quiet_transformers
     from kvcache_cli.models import to_hf
+    from kvcache_cli.quality import Tally, summarise
 
     hf = to_hf(model)
     cache_arg = cache_keyword(hf)
     fed = len(tokens) - 1
     ids = torch.tensor([tokens[:fed]], device=model.device)  # (1, fed)
     targets = torch.tensor(tokens[1:], device=model.device)  # (fed,)
-    wanted = [None, *dict.fromkeys(specs)]  # None: the reference
-    caches = [DynamicCache(config=hf.config) if s is None else
-              QuantizedCache(backend="quanto", config=hf.config, nbits=s.bits,
-                             q_group_size=s.group, residual_length=s.residual)
-              for s in wanted]
-    scores = [_Scores(REFERENCE if s is None else str(s)) for s in wanted]
+    tallies = [Tally(REFERENCE, _Held(DynamicCache(config=hf.config)))]
+    tallies += [Tally(str(s), _Held(QuantizedCache(
+        backend="quanto", config=hf.config, nbits=s.bits, q_group_size=s.group,
+        residual_length=s.residual))) for s in dict.fromkeys(specs)]
     with torch.inference_mode(), quiet_transformers():
         for start, end in [(0, prompt_len)] + [(p, p + 1) for p in range(prompt_len, fed)]:
             exact = None
-            for cache, row in zip(caches, scores):
+            for tally in tallies:
                 began = time.perf_counter()
                 logits = hf(ids[:, start:end], use_cache=True, logits_to_keep=1,
-                            **{cache_arg: cache}).logits[0]  # (1, vocab): the last position
+                            **{cache_arg: tally.cache.cache}).logits[0]  # (1, vocab): the last
                 if start:
-                    row.decode_s.append(time.perf_counter() - began)
+                    tally.step_ms.append((time.perf_counter() - began) * 1e3)
                 logp = logits.double().log_softmax(-1)
                 exact = logp if exact is None else exact
-                row.score(logp, targets[end - 1:end], exact)
+                tally.score(logp, targets[end - 1:end], exact)
             if progress is not None:
-                progress(len(scores[0].nll), fed - prompt_len + 1)
-    held = [_bytes_held(cache) for cache in caches]
-    return _rows(scores, held, prompt_len, fed)
+                progress(len(tallies[0].nll), fed - prompt_len + 1)
+    return tuple(dataclasses.replace(row, against=REFERENCE, peer=NAME, prefill_ms=math.nan)
+                 for row in summarise(tallies, prompt_len))
 
 
 def cache_keyword(hf_model) -> str:
@@ -155,42 +137,19 @@ def cache_keyword(hf_model) -> str:
         "past_key_values"
 
 
-def _bytes_held(cache) -> int:
-    """Bytes a transformers cache holds: tensors of every layer, codes, scales and
-    shifts of a quantised one included."""
-    from kvcache_cli.caches.base import nbytes
+class _Held:
+    """A transformers cache as eval counts a cache: the bytes it holds (every layer's
+    tensors; a quantised layer's codes, scales and shifts) and the positions."""
 
-    total = 0
-    for layer in cache.layers:
-        if not layer.is_initialized:
-            continue
-        quantised = getattr(layer, "_quantized_keys", None)
-        if quantised is not None:
-            for q in (layer._quantized_keys, layer._quantized_values):
-                total += nbytes(q._data._data) + nbytes(q._scale) + nbytes(q._shift)
-        if layer.keys is not None and layer.keys.dim() == 4:
-            total += nbytes(layer.keys) + nbytes(layer.values)
-    return total
+    def __init__(self, cache):
+        self.cache = cache
 
+    @property
+    def length(self) -> int:
+        return self.cache.get_seq_length()
 
-def _rows(scores: list[_Scores], held: list[int], prompt_len: int, fed: int) -> tuple:
-    from kvcache_cli.quality import CacheQuality
+    @property
+    def bytes_held(self) -> int:
+        from kvcache_cli.caches.peer import layer_bytes
 
-    reference = scores[0]
-    ref_nll = statistics.fmean(reference.nll)
-    rows = []
-    for row, nbytes in zip(scores, held, strict=True):
-        nll = statistics.fmean(row.nll)
-        worst = max(range(len(row.kl)), key=row.kl.__getitem__)
-        decode = statistics.median(row.decode_s) * 1e3 if row.decode_s else math.nan
-        rows.append(CacheQuality(
-            cache=row.name, reference=row is reference, perplexity=math.exp(nll),
-            bits_per_token=nll / math.log(2), perplexity_change=math.expm1(nll - ref_nll),
-            kl_mean=statistics.fmean(row.kl), kl_max=row.kl[worst],
-            kl_max_position=prompt_len + worst,
-            top1_agreement=statistics.fmean(row.agree), bytes_held=nbytes, positions=fed,
-            bytes_per_token=nbytes / fed, bytes_ratio=nbytes / held[0], prefill_ms=math.nan,
-            compress_ms=0.0, decode_ms_per_token=decode, loss_by_position=tuple(row.nll),
-            against=REFERENCE, peer=NAME,
-        ))  # fmt: skip
-    return tuple(rows)
+        return sum(layer_bytes(layer) for layer in self.cache.layers)

@@ -215,8 +215,9 @@ def _makers(caches: Sequence[str | CacheSpec | CacheMaker]) -> list[CacheMaker]:
 
 
 @dataclass
-class _Tally:
-    """One cache's running figures, one entry per scored position."""
+class Tally:
+    """One cache's running figures, one entry per scored position; a peer's evaluation
+    (`hf_quality`) keeps its rows with it. `cache` is anything with bytes_held and length."""
 
     name: str
     cache: KVCache
@@ -275,7 +276,7 @@ def evaluate(
         used_threads = torch.get_num_threads()
     finally:
         torch.set_num_threads(saved_threads)
-    rows = _summarise(tallies, prompt_len)
+    rows = summarise(tallies, prompt_len)
     return QualityResult(
         model=model_name, weights_note=weights_note, text=text_name, tokens=n,
         prompt_len=prompt_len, chunk=chunk, device=str(model.device),
@@ -286,7 +287,7 @@ def evaluate(
 
 
 def _run(model: GPT, tokens: Sequence[int], makers: list[CacheMaker], prompt_len: int,
-         chunk: int, progress: Callable[[int, int], None] | None) -> list[_Tally]:
+         chunk: int, progress: Callable[[int, int], None] | None) -> list[Tally]:
     """Prefill, then decode steps, every cache in turn on each step (the reference first,
     so its log-probabilities are there to score the others against)."""
     import torch
@@ -297,10 +298,10 @@ def _run(model: GPT, tokens: Sequence[int], makers: list[CacheMaker], prompt_len
     device = model.device
     ids = torch.tensor(tokens, device=device)[None]  # (1, n)
     fed = ids.size(1) - 1  # the last token is only ever a target
-    tallies = [_Tally(m.name, m.build(model, fed)) for m in makers]
+    tallies = [Tally(m.name, m.build(model, fed)) for m in makers]
     total = fed - prompt_len + 1
 
-    def forward(tally: _Tally, start: int, end: int, last_only: bool) -> tuple[Tensor, float]:
+    def forward(tally: Tally, start: int, end: int, last_only: bool) -> tuple[Tensor, float]:
         synchronize(device)
         began = time.perf_counter()
         logits = model(ids[:, start:end], start, tally.cache, last_only=last_only)
@@ -340,8 +341,8 @@ def _run(model: GPT, tokens: Sequence[int], makers: list[CacheMaker], prompt_len
     return tallies
 
 
-def _summarise(tallies: list[_Tally], prompt_len: int) -> tuple[CacheQuality, ...]:
-    def per_token(t: _Tally) -> float:
+def summarise(tallies: list[Tally], prompt_len: int) -> tuple[CacheQuality, ...]:
+    def per_token(t: Tally) -> float:
         return t.cache.bytes_held / t.cache.length
 
     reference = tallies[0]

@@ -4,10 +4,12 @@
 #
 #   scripts/smollm2_speed.sh [OUTDIR]      (default: smollm2-speed/)
 #
-# 1. At each matched format, ours against llama.cpp on the same weights in one run:
-#    float32 (and transformers' generate()), float16 ↔ F16, int8 ↔ Q8_0, q4 ↔ the file's Q4_1;
-#    each non-float32 format also checked against float32 (logits, greedy tokens).
-# 2. The compiled path (torch.compile on the CPU), beside eager static.
+# 1. At each matched format, ours eager and compiled (torch.compile on the CPU) against
+#    llama.cpp on the same weights in one run: float32 (and transformers' generate()),
+#    float16 ↔ F16, int8 ↔ Q8_0, q4 ↔ the file's Q4_1; each non-float32 format also checked
+#    against float32 (logits, greedy tokens).
+# 2. Transformers' QuantizedCache (quanto int4) in its own LlamaForCausalLM beside our
+#    quantised caches, at a 1,024-token prompt.
 # 3. Decode-step time from 256 to 8,192 cached tokens: float, int8 and int4 caches beside
 #    llama.cpp's f16/q8_0/q4_0 caches, float16 weights (long_context.py).
 # 4. One step's profile in every weight format (step_profile.py).
@@ -15,12 +17,14 @@
 set -euo pipefail
 out=${1:-smollm2-speed}
 mkdir -p "$out"
-run="kvcache bench -m smollm2 --device cpu --threads 2 --repeats 3 --prompt-len 32 --new-tokens 64"
-$run --weights-dtype fp32 --modes static,hf,llama.cpp --json > "$out/fp32.json"
-$run --weights-dtype fp16 --modes static,llama.cpp-f16 --json > "$out/fp16.json"
-$run --weights-dtype int8 --modes static,llama.cpp-q8_0 --json > "$out/int8.json"
-$run --weights-dtype q4 --modes static,llama.cpp-gguf --json > "$out/q4.json"
-$run --weights-dtype q4 --modes static,static-compiled --json > "$out/q4-compiled.json"
+run="kvcache bench -m smollm2 --device cpu --threads 2 --repeats 5 --prompt-len 32 --new-tokens 64"
+$run --weights-dtype fp32 --modes static,static-compiled,hf,llama.cpp --json > "$out/fp32.json"
+$run --weights-dtype fp16 --modes static,static-compiled,llama.cpp-f16 --json > "$out/fp16.json"
+$run --weights-dtype int8 --modes static,static-compiled,llama.cpp-q8_0 --json > "$out/int8.json"
+$run --weights-dtype q4 --modes static,static-compiled,llama.cpp-gguf --json > "$out/q4.json"
+kvcache bench -m smollm2 --device cpu --threads 2 --repeats 3 --prompt-len 1024 \
+  --new-tokens 128 --modes static,hf-quanto --cache int4,int4:ktok:r0,int8,quanto-int4 \
+  --json > "$out/quantised-1024.json"
 python scripts/long_context.py --threads 2 --weights-dtype fp16 \
   --plot "$out/long_context.png" > "$out/long_context.txt"
 python scripts/step_profile.py --model smollm2 --threads 2 --steps 16 \
@@ -29,7 +33,7 @@ python - "$out" <<'PY' | tee "$out/summary.txt"
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
 tps = {}
-for name in ("fp32", "fp16", "int8", "q4", "q4-compiled"):
+for name in ("fp32", "fp16", "int8", "q4", "quantised-1024"):
     r = json.loads((out / f"{name}.json").read_text())
     modes = {m["mode"]: m for m in r["modes"]}
     for mode, m in modes.items():
@@ -41,10 +45,16 @@ for name in ("fp32", "fp16", "int8", "q4", "q4-compiled"):
 peer = {"fp32": "llama.cpp", "fp16": "llama.cpp-f16", "int8": "llama.cpp-q8_0",
         "q4": "llama.cpp-gguf"}
 for name, mode in peer.items():
-    print(f"static {name} / {mode}: {tps[name]['static'] / tps[name][mode]:.2f} (target >= 1.0)")
+    for ours in ("static", "static-compiled"):
+        print(f"{ours} {name} / {mode}: {tps[name][ours] / tps[name][mode]:.2f} "
+              "(target >= 1.0)")
 print(f"static / hf (float32): {tps['fp32']['static'] / tps['fp32']['hf']:.2f} (target >= 2)")
 for name in ("fp16", "q4"):
     print(f"static {name} / static fp32: {tps[name]['static'] / tps['fp32']['static']:.2f} "
           "(target >= 2 for one of them)")
+quant = tps["quantised-1024"]
+for mode in ("int4:g32:kchan:r128", "int4:g32:ktok:r0", "int8:g32:ktok:r0", "quanto-int4:g64:r128"):
+    print(f"{mode} / hf-quanto at 1,024 cached: {quant[mode] / quant['hf-quanto']:.2f} "
+          "(target >= 1.0)")
 print(open(out / "long_context.txt").read())
 PY

@@ -68,12 +68,18 @@ class QuantoCache(KVCache):
 
     @property
     def bytes_held(self) -> int:
-        total = 0
-        for layer in self.layers:
-            if not layer.is_initialized:
-                continue
-            for q in (layer._quantized_keys, layer._quantized_values):
-                total += nbytes(q._data._data) + nbytes(q._scale) + nbytes(q._shift)
-            if layer.keys.dim() == 4:  # the residual, at the model's dtype
-                total += nbytes(layer.keys) + nbytes(layer.values)
-        return total
+        return sum(layer_bytes(layer) for layer in self.layers)
+
+
+def layer_bytes(layer) -> int:
+    """Bytes one transformers cache layer holds: a quantised layer's codes, scales and
+    shifts and its full-precision residual; any other layer's keys and values."""
+    if not layer.is_initialized:
+        return 0
+    total = 0
+    if getattr(layer, "_quantized_keys", None) is not None:
+        for q in (layer._quantized_keys, layer._quantized_values):
+            total += nbytes(q._data._data) + nbytes(q._scale) + nbytes(q._shift)
+    if layer.keys is not None and layer.keys.dim() == 4:  # at the model's dtype
+        total += nbytes(layer.keys) + nbytes(layer.values)
+    return total
