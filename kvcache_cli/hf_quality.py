@@ -10,6 +10,8 @@ Spec (the `--cache` grammar's conventions):
 
     transformers:quanto-int4[:gN][:rN]    QuantizedCache, quanto backend, 4 bits
     transformers:quanto-int2[:gN][:rN]    the same at 2 bits
+    transformers:hqq-int4[:gN][:rN]       QuantizedCache, HQQ backend (half-quadratic
+    transformers:hqq-int2[:gN][:rN]       quantisation: zero points fitted, not min-max)
 
 gN: channels per group (transformers' q_group_size, default 64); rN: tokens kept at full
 precision before they are quantised (residual_length, default 128).
@@ -17,7 +19,7 @@ precision before they are quantised (residual_length, default 128).
 The protocol is eval's: the prompt prefilled as one forward (its last position scored),
 then one token a step, every step's logits read: a QuantizedCache quantises as tokens leave
 its residual, so only one-token steps reproduce what generate() does.
-Needs transformers and optimum-quanto; nothing here imports them until a run.
+Needs transformers and optimum-quanto (quanto) or hqq; nothing here imports them until a run.
 """
 
 from __future__ import annotations
@@ -31,18 +33,24 @@ from dataclasses import dataclass
 
 NAME = "transformers"
 REFERENCE = f"{NAME}:dynamic"  # its exact cache: DynamicCache
-BACKENDS = {"quanto-int4": 4, "quanto-int2": 2}
-GRAMMAR = "transformers:quanto-int4 or transformers:quanto-int2, then :gN and :rN"
+# The spec's kind -> (transformers' backend, bits).
+KINDS = {"quanto-int4": ("quanto", 4), "quanto-int2": ("quanto", 2),
+         "hqq-int4": ("hqq", 4), "hqq-int2": ("hqq", 2)}
+GRAMMAR = (f"transformers:KIND ({', '.join(KINDS)}), then :gN (channels a group) and :rN "
+           "(tokens kept exact)")
+HQQ_INSTALL = ("DISABLE_CUDA=1 pip install hqq (it builds from source; the CPU needs no CUDA "
+               "kernels)")
 
 
 @dataclass(frozen=True)
 class HFCacheSpec:
+    backend: str  # transformers' QuantizedCache backend: quanto or hqq
     bits: int
     group: int = 64  # transformers' q_group_size default
     residual: int = 128  # transformers' residual_length default
 
     def __str__(self) -> str:
-        return f"{NAME}:quanto-int{self.bits}:g{self.group}:r{self.residual}"
+        return f"{NAME}:{self.backend}-int{self.bits}:g{self.group}:r{self.residual}"
 
 
 def is_transformers(text: str) -> bool:
@@ -53,7 +61,7 @@ def parse_transformers(text: str) -> HFCacheSpec:
     """'transformers:quanto-int4:g32' -> HFCacheSpec, or a ValueError naming the spec."""
     spec = text.strip()
     _, *fields = spec.lower().split(":")
-    if not fields or fields[0] not in BACKENDS:
+    if not fields or fields[0] not in KINDS:
         raise ValueError(f"cache spec {spec!r}: expected {GRAMMAR}, e.g. "
                          "transformers:quanto-int4")
     given: dict[str, int] = {}
@@ -67,15 +75,14 @@ def parse_transformers(text: str) -> HFCacheSpec:
     group, residual = given.get("g", 64), given.get("r", 128)
     if group < 1 or residual < 1:
         raise ValueError(f"cache spec {spec!r}: group and residual must be at least 1")
-    return HFCacheSpec(BACKENDS[fields[0]], group, residual)
+    return HFCacheSpec(*KINDS[fields[0]], group, residual)
 
 
 def check_installed(specs: Sequence[HFCacheSpec], config, model: str) -> None:
     """Refuse rows that cannot run, before any weights load: a model transformers' Llama
-    cannot hold, a group that does not divide its head, or no optimum-quanto."""
+    cannot hold, a group that does not divide its head, a backend not installed."""
     if not specs:
         return
-    from kvcache_cli.caches.peer import quanto_missing
     from kvcache_cli.models.llama import LlamaConfig
 
     if not isinstance(config, LlamaConfig):
@@ -86,9 +93,23 @@ def check_installed(specs: Sequence[HFCacheSpec], config, model: str) -> None:
         if config.head_size % spec.group:
             raise ValueError(f"cache {str(spec)!r}: groups of {spec.group} channels do not "
                              f"divide the head size {config.head_size}")
-    missing = quanto_missing()
-    if missing:
-        raise ValueError(missing)
+    for spec in specs:
+        missing = backend_missing(spec.backend)
+        if missing:
+            raise ValueError(f"cache {str(spec)!r}: {missing}")
+
+
+def backend_missing(backend: str) -> str | None:
+    """Why transformers' QuantizedCache cannot run this backend here (one line), or None."""
+    from importlib.util import find_spec
+
+    from kvcache_cli.caches.peer import quanto_missing
+
+    if backend == "quanto":
+        return quanto_missing()
+    if find_spec("hqq") is None:
+        return f"transformers' QuantizedCache with the hqq backend needs hqq: {HQQ_INSTALL}"
+    return None
 
 
 def evaluate(model, tokens: Sequence[int], specs: Sequence[HFCacheSpec], *, prompt_len: int,
@@ -110,7 +131,7 @@ def evaluate(model, tokens: Sequence[int], specs: Sequence[HFCacheSpec], *, prom
     targets = torch.tensor(tokens[1:], device=model.device)  # (fed,)
     tallies = [Tally(REFERENCE, _Held(DynamicCache(config=hf.config)))]
     tallies += [Tally(str(s), _Held(QuantizedCache(
-        backend="quanto", config=hf.config, nbits=s.bits, q_group_size=s.group,
+        backend=s.backend, config=hf.config, nbits=s.bits, q_group_size=s.group,
         residual_length=s.residual))) for s in dict.fromkeys(specs)]
     with torch.inference_mode(), quiet_transformers():
         for start, end in [(0, prompt_len)] + [(p, p + 1) for p in range(prompt_len, fed)]:

@@ -73,13 +73,18 @@ class QuantoCache(KVCache):
 
 def layer_bytes(layer) -> int:
     """Bytes one transformers cache layer holds: a quantised layer's codes, scales and
-    shifts and its full-precision residual; any other layer's keys and values."""
+    shifts (quanto) or zeros (HQQ) and its full-precision residual; any other layer's keys
+    and values."""
     if not layer.is_initialized:
         return 0
     total = 0
     if getattr(layer, "_quantized_keys", None) is not None:
         for q in (layer._quantized_keys, layer._quantized_values):
-            total += nbytes(q._data._data) + nbytes(q._scale) + nbytes(q._shift)
+            if isinstance(q, tuple):  # HQQ: (packed codes, meta holding scale and zero)
+                codes, meta = q
+                total += nbytes(codes) + nbytes(meta["scale"]) + nbytes(meta["zero"])
+            else:  # quanto's QBitsTensor
+                total += nbytes(q._data._data) + nbytes(q._scale) + nbytes(q._shift)
     if layer.keys is not None and layer.keys.dim() == 4:  # at the model's dtype
         total += nbytes(layer.keys) + nbytes(layer.values)
     return total

@@ -79,9 +79,9 @@ def eval_(
         "static,int8,int4,int2,fp8-e4m3, each format at its default layout. "
         "llama.cpp's own cache types run the model's GGUF in llama.cpp on the same ids: "
         "llama.cpp:q4_0, llama.cpp:kq8_0:vq4_0, ...:norot (LLAMA_ATTN_ROT_DISABLE=1), "
-        "scored against llama.cpp's f32 cache. transformers:quanto-int4[:gN][:rN] runs "
-        "transformers' own LlamaForCausalLM with its QuantizedCache, scored against its "
-        "DynamicCache.")] = None,
+        "scored against llama.cpp's f32 cache. transformers:quanto-int4[:gN][:rN] (or "
+        "quanto-int2, hqq-int4, hqq-int2) runs transformers' own LlamaForCausalLM with its "
+        "QuantizedCache, scored against its DynamicCache.")] = None,
     model: Annotated[str, typer.Option(
         "--model", "-m", help=f"{EVAL_MODEL} (the trained checkpoint), gpt2, gpt2-medium, "
         "gpt2-large, gpt2-xl, smollm2 or a checkpoint dir.")] = EVAL_MODEL,

@@ -252,8 +252,9 @@ def fused_rows(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
 
 
 def join_fused(state: dict, config: LlamaConfig, prefix: str = "") -> None:
-    """A checkpoint's q/k/v and gate/up matrices, in place, as the fused products' rows;
-    names of layers that have none of a group's parts are left alone."""
+    """A checkpoint's q/k/v and gate/up matrices, in place, as the fused products' rows. A
+    layer missing any of a group's parts keeps what it has under the checkpoint's names,
+    so load_state_dict names what is missing and what it did not expect."""
     for layer in range(config.n_layer):
         block = f"{prefix}model.layers.{layer}."
         for fused, parts in FUSED.items():
