@@ -87,8 +87,10 @@ def save_plot(result: QualityResult, path: str | Path) -> Path:
                          zorder=3, label=label, **style)
     frontier.set_xlabel("bytes held per token of context")
     peers = any(row.peer for row in result.caches)
-    frontier.set_ylabel(f"mean KL from {reference.cache}'s next-token distribution"
-                        + (" (a peer: its own)" if peers else "") + ", nats (log)")
+    # Two lines at most: one line of this overran the axes' height and was cut.
+    frontier.set_ylabel(textwrap.fill(
+        f"mean KL from {reference.cache}'s next-token distribution"
+        + (" (a peer: its own)" if peers else "") + ", nats (log)", 48))
     frontier.set_yscale("log")
     plain_log_ticks(frontier, "y")
     frontier.set_xlim(0, 1.1 * max(row.bytes_per_token for row in result.caches))
@@ -124,7 +126,8 @@ def save_plot(result: QualityResult, path: str | Path) -> Path:
         by_position.legend(fontsize=7, ncol=2)
     title = (f"{result.model} · {result.text} · {result.tokens:,} tokens, prompt "
              f"{result.prompt_len}, {result.device} {result.dtype}")
-    fig.suptitle("\n".join(textwrap.wrap(title, 170)), fontsize=9)  # a long path wraps
+    # A long path wraps: 140 characters of 9-point text fill the 11-inch figure.
+    fig.suptitle("\n".join(textwrap.wrap(title, 140)), fontsize=9)
     fig.tight_layout(rect=(0, 0.2 * rows / (4.5 + 0.2 * rows) + 0.02, 1, 1) if crowded
                      else None)
     path = Path(path)
