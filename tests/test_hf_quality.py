@@ -39,22 +39,32 @@ def test_a_malformed_transformers_spec_is_one_line(text, words):
         parse_transformers(text)
 
 
-@pytest.mark.parametrize(("args", "words"), [
-    (["--cache", "transformers:quanto-int4"], "is not a Llama"),  # the byte-level GPT
-    (["--cache", "transformers:quanto-int4:g5"], "do not divide the head size 64"),
-    (["--cache", "int8,transformers:quanto-int4,transformers:quanto-int4"], "listed twice"),
-])
-def test_bad_transformers_caches_are_one_line_exit_2_before_a_model_loads(
-        no_model_loads, tiny_llama, args, words):
-    pytest.importorskip("torch")
-    model = [] if "is not a Llama" in words else ["-m", str(tiny_llama)]
-    text = tiny_llama.parent / "t.txt"
-    text.write_text("a b c d " * 100)
-    result = runner.invoke(app, ["eval", *model, *(["--text", str(text)] if model else []),
-                                 *args], env={"COLUMNS": "100"})
+def refusal(*args: str) -> str:
+    """The one line eval refuses args with (exit 2), asserted to be one."""
+    result = runner.invoke(app, ["eval", *args], env={"COLUMNS": "100"})
     assert result.exit_code == 2, result.output
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and words in lines[0], result.stderr
+    assert len(lines) == 1, result.stderr
+    return lines[0]
+
+
+def on_tiny_llama(tiny_llama, *args: str) -> list[str]:
+    """eval's arguments for the tiny Llama and a text of its vocabulary."""
+    text = tiny_llama.parent / "t.txt"
+    text.write_text("a b c d " * 100)
+    return ["-m", str(tiny_llama), "--text", str(text), *args]
+
+
+@pytest.mark.parametrize(("llama", "cache", "words"), [
+    (False, "transformers:quanto-int4", "is not a Llama"),  # the byte-level GPT
+    (True, "transformers:quanto-int4:g5", "do not divide the head size 64"),
+    (True, "int8,transformers:quanto-int4,transformers:quanto-int4", "listed twice"),
+])
+def test_bad_transformers_caches_are_one_line_exit_2_before_a_model_loads(
+        no_model_loads, tiny_llama, llama, cache, words):
+    pytest.importorskip("torch")
+    args = on_tiny_llama(tiny_llama, "--cache", cache) if llama else ["--cache", cache]
+    assert words in refusal(*args)
 
 
 @pytest.fixture(scope="module")
@@ -94,13 +104,8 @@ def test_a_backend_not_installed_is_one_line_exit_2_before_a_model_loads(
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "hqq" else find_spec(name, *a))
-    text = tiny_llama.parent / "t.txt"
-    text.write_text("a b c d " * 100)
-    result = runner.invoke(app, ["eval", "-m", str(tiny_llama), "--text", str(text), "--cache",
-                                 "transformers:hqq-int4"], env={"COLUMNS": "100"})
-    assert result.exit_code == 2, result.output
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and "DISABLE_CUDA=1 pip install hqq" in lines[0], result.stderr
+    line = refusal(*on_tiny_llama(tiny_llama, "--cache", "transformers:hqq-int4"))
+    assert "DISABLE_CUDA=1 pip install hqq" in line
 
 
 def test_hqq_rows_are_scored_against_transformers_exact_cache_with_their_bytes(tiny_llama):
