@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from kvcache_cli.caches import KVCache, make_cache
-from kvcache_cli.gpt2 import GPT, GPTConfig
+from kvcache_cli.models.gpt2 import GPT, GPTConfig
 
 MODES = ("naive", "concat", "static")
 
@@ -306,7 +306,7 @@ def run_break(
     filled prefix.) The bounded caches' breaks (`bounded_breaks`) bring their own.
     `progress` hears of every token made, with the run it belongs to.
     """
-    from kvcache_cli.bounded_breaks import BOUNDED_BREAKS, run_bounded_break
+    from kvcache_cli.breaks.bounded import BOUNDED_BREAKS, run_bounded_break
 
     if name in BOUNDED_BREAKS:  # their own caches, a fix and a break
         return run_bounded_break(name, model, prompt_ids, max_new_tokens)

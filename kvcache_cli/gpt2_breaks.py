@@ -6,14 +6,14 @@ Every runner is called `runner(name, model, max_new_tokens=..., progress=...)`.
 
 from __future__ import annotations
 
-from kvcache_cli.break_registry import QUANT_BREAK_TOKENS
+from kvcache_cli.breaks.registry import QUANT_BREAK_TOKENS
 from kvcache_cli.generate import DEFAULT_PROMPT_IDS, stream_tokens
 
 
 def no_rollback(name: str, model, max_new_tokens: int = 16, progress=None):
     """The target's first half drafts for it: every step proposes K tokens, and the
     rejected ones are what the broken loop keeps."""
-    from kvcache_cli import speculative as sp
+    from kvcache_cli.speculative import decode as sp
 
     half = model.config.n_layer // 2
     prompt = [t % model.config.vocab_size for t in DEFAULT_PROMPT_IDS]
@@ -23,7 +23,7 @@ def no_rollback(name: str, model, max_new_tokens: int = 16, progress=None):
 
 
 def rollback_shared(name: str, model, max_new_tokens: int = 16, progress=None):
-    from kvcache_cli.speculative import run_rollback_shared
+    from kvcache_cli.speculative.decode import run_rollback_shared
 
     return run_rollback_shared(model, max_new_tokens)
 
@@ -31,7 +31,7 @@ def rollback_shared(name: str, model, max_new_tokens: int = 16, progress=None):
 def quantised(name: str, model, max_new_tokens: int = 16, progress=None):
     """A quantised-cache break, scored on the default prompt and the exact cache's greedy
     continuation of it (a text every model has, offline)."""
-    from kvcache_cli.quant_breaks import run_quant_break
+    from kvcache_cli.breaks.quantized import run_quant_break
 
     V = model.config.vocab_size
     prompt = [t % V for t in DEFAULT_PROMPT_IDS]

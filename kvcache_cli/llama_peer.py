@@ -68,8 +68,8 @@ def prepare(model, mode: str, directory: Path | None = None) -> LlamaFile:
     """Write (or find in the cache) `model`'s GGUF for `mode`, and count its bytes."""
     from gguf import GGUFReader
 
-    from kvcache_cli.gguf_export import GGUFFile, export_gguf
-    from kvcache_cli.gpt2 import float_state
+    from kvcache_cli.models.gguf.export import GGUFFile, export_gguf
+    from kvcache_cli.models.gpt2 import float_state
 
     cfg = model.config
     if LLAMA_MODES[mode] == "gguf":

@@ -12,8 +12,8 @@ import json
 import sys
 from pathlib import Path
 
-from kvcache_cli.quality import CacheQuality, QualityResult
-from kvcache_cli.quality_plot import save_plot
+from kvcache_cli.eval.quality import CacheQuality, QualityResult
+from kvcache_cli.views.eval_plot import save_plot
 
 
 def load(path: Path) -> QualityResult:

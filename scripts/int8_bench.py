@@ -29,7 +29,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from kvcache_cli.gpt2 import PRESETS, Int8Linear, Linear
+from kvcache_cli.models.gpt2 import PRESETS, Int8Linear, Linear
 
 
 def _shapes(name: str) -> list[tuple[int, int]]:

@@ -21,7 +21,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kvcache_cli.gpt2 import PRESETS
+from kvcache_cli.models.gpt2 import PRESETS
 
 
 def _split_out_in(x, w_out_in):

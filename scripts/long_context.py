@@ -27,9 +27,9 @@ import time
 import torch
 
 from kvcache_cli.caches import make_cache
-from kvcache_cli.gpt2 import set_weights_dtype
 from kvcache_cli.measure import OtherProcesses, weight_bytes
 from kvcache_cli.models import load_model, smollm2_gguf
+from kvcache_cli.models.gpt2 import set_weights_dtype
 
 LLAMA_CACHES = {"f16": 1, "q8_0": 8, "q4_0": 2}  # ggml type ids for type_k / type_v
 
@@ -116,8 +116,8 @@ def main() -> None:
     for spec in args.caches.split(","):
         result["ours"][spec] = ours(model, spec, contexts, args.steps)
     if not args.no_llama:
-        from kvcache_cli.gguf_export import export_gguf
-        from kvcache_cli.gpt2 import float_state
+        from kvcache_cli.models.gguf.export import export_gguf
+        from kvcache_cli.models.gpt2 import float_state
 
         fmt = {"fp16": "f16", "fp32": "f32", "int8": "q8_0"}.get(args.weights_dtype)
         path = (str(smollm2_gguf()) if fmt is None else

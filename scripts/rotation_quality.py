@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from kvcache_cli import quality
 from kvcache_cli.caches.spec import parse_cache_list
+from kvcache_cli.eval import quality
 from kvcache_cli.models import load_model, model_config
 from kvcache_cli.models.tokenizer import bpe_encoding
 

@@ -51,8 +51,8 @@ def loads() -> dict:
 
 def bytes_a_token() -> dict:
     from kvcache_cli.caches.spec import layer_bytes, parse_cache_spec
-    from kvcache_cli.gpt2 import PRESETS
     from kvcache_cli.models import model_config
+    from kvcache_cli.models.gpt2 import PRESETS
 
     shapes = {"smollm2": model_config("smollm2"), "gpt2": PRESETS["gpt2"]}
     table = {}

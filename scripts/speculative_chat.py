@@ -53,7 +53,7 @@ def _checked(a: argparse.Namespace):
     """(draft specs, Ks, sets, cap, threads, tasks, stop ids); one line and exit 2 else."""
     from kvcache_cli.caches import CacheSpecError
     from kvcache_cli.models import model_config
-    from kvcache_cli.speculative import TASK_SETS, chat_tasks, check_speculation, parse_draft
+    from kvcache_cli.speculative.decode import TASK_SETS, chat_tasks, check_speculation, parse_draft
 
     try:
         cap = numbers.whole(a.cap, "--cap", 1, 4096)
@@ -89,7 +89,7 @@ def main(argv=None) -> None:
     import torch
 
     from kvcache_cli import models
-    from kvcache_cli.speculative import TaskTable, make_draft, run_task, task_rows
+    from kvcache_cli.speculative.decode import TaskTable, make_draft, run_task, task_rows
 
     torch.set_num_threads(threads)
     model = models.load_model(a.model, "auto", "cpu", torch.float32).model

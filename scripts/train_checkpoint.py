@@ -4,7 +4,7 @@
     python scripts/train_checkpoint.py --out /tmp/t --steps 20 --n-layer 1 --n-embd 32
     python scripts/train_checkpoint.py --replot docs/stdlib-bytes-curve.png
 
-The first line is the recipe as shipped (its defaults are `kvcache_cli.training.Recipe`);
+The first line is the recipe as shipped (its defaults are `kvcache_cli.models.training.Recipe`);
 any Recipe field can be overridden (`--steps`, `--lr`, `--n-embd`, ...). The curve is
 printed as it grows and saved with the checkpoint (curve.json, recipe.json); `--replot`
 only draws an existing checkpoint's curve.
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from kvcache_cli.training import Recipe, save_checkpoint, stdlib_corpus, train
+from kvcache_cli.models.training import Recipe, save_checkpoint, stdlib_corpus, train
 
 SHIPPED = Path(__file__).resolve().parent.parent / "kvcache_cli/checkpoints/stdlib-bytes"
 
@@ -81,7 +81,7 @@ def main() -> None:
 
     init = parent = None
     if args.init:
-        from kvcache_cli.gpt2 import load_gpt2
+        from kvcache_cli.models.gpt2 import load_gpt2
 
         init = load_gpt2(str(args.init), weights="pretrained").model
         parent = json.loads((args.init / "recipe.json").read_text())

@@ -8,7 +8,7 @@ from pathlib import Path
 def write_byte_checkpoint(directory: Path, block_size: int, n_embd: int, text: str) -> Path:
     from safetensors.torch import save_file
 
-    from kvcache_cli.gpt2 import _CONV1D, GPT, GPTConfig
+    from kvcache_cli.models.gpt2 import _CONV1D, GPT, GPTConfig
 
     config = GPTConfig(block_size=block_size, vocab_size=256, n_layer=2, n_head=2,
                        n_embd=n_embd)

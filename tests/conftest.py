@@ -25,4 +25,4 @@ def no_model_loads(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded before the bad input was refused")
 
-    monkeypatch.setattr("kvcache_cli.gpt2.load_gpt2", refuse)
+    monkeypatch.setattr("kvcache_cli.models.gpt2.load_gpt2", refuse)

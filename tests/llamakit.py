@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvcache_cli.gguf_export import write_llama
+from kvcache_cli.models.gguf.export import write_llama
 from kvcache_cli.models.llama import LlamaConfig
 
 TINY = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,

@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 from kvcache_cli.caches.paged import block_bytes
 from kvcache_cli.cli import app
-from kvcache_cli.gpt2 import GPT, GPTConfig, to_hf
+from kvcache_cli.models.gpt2 import GPT, GPTConfig, to_hf
 from kvcache_cli.serving.sequence import Request, Sequence
 from kvcache_cli.serving.workload import WorkloadSpec
 

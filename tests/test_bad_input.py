@@ -214,12 +214,12 @@ TINY = {"model_type": "gpt2", "n_layer": 1, "n_head": 2, "n_embd": 8, "vocab_siz
 @pytest.fixture(scope="module")
 def tiny_state():
     torch = pytest.importorskip("torch")
-    from kvcache_cli.gpt2 import GPT, GPTConfig
+    from kvcache_cli.models.gpt2 import GPT, GPTConfig
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=16, vocab_size=16, n_layer=1, n_head=2, n_embd=8))
     # Hugging Face names and layout: Conv1D weights transposed, the tied lm_head left out.
-    from kvcache_cli.gpt2 import _CONV1D
+    from kvcache_cli.models.gpt2 import _CONV1D
 
     return {k: (t.t() if k.endswith(_CONV1D) else t).contiguous()
             for k, t in model.state_dict().items() if k != "lm_head.weight"}

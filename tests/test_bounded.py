@@ -15,7 +15,7 @@ from decoding import decode_logits
 
 from kvcache_cli.caches import RollbackError, make_cache
 from kvcache_cli.caches.spec import CacheSpecError, check_context, layer_bytes, parse_cache_spec
-from kvcache_cli.gpt2 import GPT, GPTConfig
+from kvcache_cli.models.gpt2 import GPT, GPTConfig
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -369,7 +369,7 @@ def test_a_bad_spare_field_is_refused_in_one_line(text, message):
 
 
 def test_speculative_decoding_runs_on_a_window_with_spare_slots():
-    from kvcache_cli.speculative import make_draft, parse_draft, plain_greedy, speculate
+    from kvcache_cli.speculative.decode import make_draft, parse_draft, plain_greedy, speculate
 
     m = model()
     prompt = [5, 9, 2, 33, 7, 5, 9, 2, 40, 11, 5, 9, 2]

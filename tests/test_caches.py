@@ -14,7 +14,7 @@ from kvcache_cli.caches.spec import (
     parse_cache_list,
     parse_cache_spec,
 )
-from kvcache_cli.gpt2 import GPT, GPTConfig
+from kvcache_cli.models.gpt2 import GPT, GPTConfig
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

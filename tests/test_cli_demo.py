@@ -9,7 +9,7 @@ import typer
 from typer.testing import CliRunner
 
 import kv_cache_from_scratch as ref
-from kvcache_cli.break_registry import FAMILIES, registry
+from kvcache_cli.breaks.registry import FAMILIES, registry
 from kvcache_cli.cli import app
 
 runner = CliRunner()

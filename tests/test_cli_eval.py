@@ -35,7 +35,7 @@ def invoke(*args: str):
 
 def test_eval_scores_the_default_caches_against_the_exact_cache(checkpoint):
     from kvcache_cli.caches.spec import parse_cache_spec
-    from kvcache_cli.quality import DEFAULT_CACHES
+    from kvcache_cli.eval.quality import DEFAULT_CACHES
 
     # Past int4's and int2's default residual of 128 full-precision tokens.
     result = invoke("--model", str(checkpoint), "--prompt-len", "16", "--tokens", "200",
@@ -54,7 +54,7 @@ def test_eval_scores_the_default_caches_against_the_exact_cache(checkpoint):
 
 
 def test_eval_s_help_names_the_default_caches():
-    from kvcache_cli.quality import DEFAULT_CACHES
+    from kvcache_cli.eval.quality import DEFAULT_CACHES
 
     result = runner.invoke(app, ["eval", "--help"], env={"COLUMNS": "200"})
     assert f"Default: {','.join(DEFAULT_CACHES)}," in " ".join(result.stdout.split())

@@ -20,7 +20,7 @@ from kvcache_cli.caches.spec import (
     parse_cache_spec,
 )
 from kvcache_cli.cli import app
-from kvcache_cli.gpt2 import GPT, GPTConfig
+from kvcache_cli.models.gpt2 import GPT, GPTConfig
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -256,7 +256,7 @@ def test_a_crop_into_the_compressed_prompt_is_refused_in_one_line():
 
 
 def test_eval_times_the_compression_and_scores_it_against_the_exact_cache():
-    from kvcache_cli.quality import evaluate
+    from kvcache_cli.eval.quality import evaluate
 
     model, x = model64(), ids(60, seed=2)[0].tolist()
     result = evaluate(model, x, ["snapkv:0.25", "recent:0.25"], prompt_len=40)
@@ -294,7 +294,7 @@ def test_eval_refuses_a_budget_the_prompt_cannot_fill_in_one_line(checkpoint, ca
 
 
 def test_the_key_sits_at_its_depth_and_the_question_ends_the_message():
-    from kvcache_cli.retrieval import FILLER, QUESTION, message
+    from kvcache_cli.eval.retrieval import FILLER, QUESTION, message
 
     first, last = message(10, 0.0, "12345"), message(10, 1.0, "12345")
     assert first.index("12345") < first.index(FILLER)
@@ -303,7 +303,7 @@ def test_the_key_sits_at_its_depth_and_the_question_ends_the_message():
 
 
 def test_cases_cover_every_length_and_depth_with_distinct_keys():
-    from kvcache_cli.retrieval import FILLER, cases
+    from kvcache_cli.eval.retrieval import FILLER, cases
 
     # Bytes as tokens: a filler of 92 bytes, so 920 tokens of filler are 10 of them.
     got = cases([920, 1840], lambda s: list(s.encode()), depths=(0.0, 0.5, 1.0), per_cell=2)
@@ -315,13 +315,13 @@ def test_cases_cover_every_length_and_depth_with_distinct_keys():
     ("The pass key is 12345.", True), ("12345", True), ("It is 1234.", False),
     ("The pass key is 54321. Not 12345.", False), ("I do not know.", False)])
 def test_a_reply_is_correct_when_its_first_number_is_the_key(reply, correct):
-    from kvcache_cli.retrieval import is_correct
+    from kvcache_cli.eval.retrieval import is_correct
 
     assert is_correct(reply, "12345") is correct
 
 
 def test_retrieval_runs_every_cache_on_the_same_prompts():
-    from kvcache_cli.retrieval import Prompter, run_retrieval
+    from kvcache_cli.eval.retrieval import Prompter, run_retrieval
 
     model = model64()
     prompter = Prompter("test", lambda s: [b % CONFIG.vocab_size for b in s.encode()][-60:],

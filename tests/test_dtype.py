@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 from kvcache_cli.caches import make_cache
 from kvcache_cli.cli import app
 from kvcache_cli.generate import generate
-from kvcache_cli.gpt2 import load_gpt2
+from kvcache_cli.models.gpt2 import load_gpt2
 
 PROMPT = [17, 200, 3, 91, 45]
 

@@ -77,9 +77,9 @@ CASES = {
 NEEDS_LLAMA_CPP = {"bench-llama.cpp"}
 # The measuring runs behind the slow commands: computed in the terminal run, replayed in the
 # piped one, whose rendering is all that differs.
-SLOW = ("kvcache_cli.quality.evaluate", "kvcache_cli.retrieval.run_retrieval",
+SLOW = ("kvcache_cli.eval.quality.evaluate", "kvcache_cli.eval.retrieval.run_retrieval",
         "kvcache_cli.serving.engines.run_serve", "kvcache_cli.serving.batching.run_sweep",
-        "kvcache_cli.bench.run_bench", "kvcache_cli.gpt2_breaks.quantised")
+        "kvcache_cli.bench.run.run_bench", "kvcache_cli.gpt2_breaks.quantised")
 
 
 @pytest.fixture(scope="module")

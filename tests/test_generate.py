@@ -24,7 +24,7 @@ from kvcache_cli.generate import (
     run_break,
     stream_tokens,
 )
-from kvcache_cli.gpt2 import load_gpt2
+from kvcache_cli.models.gpt2 import load_gpt2
 
 PROMPT = [17, 200, 3, 91, 45]
 N_NEW = 24
@@ -388,7 +388,7 @@ def test_cli_break_all_json_is_one_document_of_every_break(checkpoint):
                     "--json")
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
-    from kvcache_cli.break_registry import names
+    from kvcache_cli.breaks.registry import names
 
     # A GPT-2 checkpoint: the Llama breaks are skipped, in one note line.
     assert list(data) == ["no-mask", "no-append", "cache-q", "overflow", "wrong-cache",

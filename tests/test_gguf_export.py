@@ -12,8 +12,8 @@ import pytest
 torch = pytest.importorskip("torch")
 gguf = pytest.importorskip("gguf")
 
-from kvcache_cli import gguf_export  # noqa: E402
-from kvcache_cli.gpt2 import GPT, GPTConfig, float_state, set_weights_dtype  # noqa: E402
+from kvcache_cli.models.gguf import export as gguf_export  # noqa: E402
+from kvcache_cli.models.gpt2 import GPT, GPTConfig, float_state, set_weights_dtype  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

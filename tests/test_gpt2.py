@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvcache_cli import gpt2
 from kvcache_cli.caches import make_cache
 from kvcache_cli.caches.exact import ConcatCache, StaticCache
-from kvcache_cli.gpt2 import GPT, GPTConfig, load_gpt2, to_hf
+from kvcache_cli.models import gpt2
+from kvcache_cli.models.gpt2 import GPT, GPTConfig, load_gpt2, to_hf
 
 # float32 has a 1.2e-7 unit roundoff; ours and transformers sum the same products in a
 # different order (nn.Linear vs Conv1D, different SDPA kernels) through 2 layers, so

@@ -12,7 +12,7 @@ from llamakit import tiny_hf, write_tiny_gguf
 from typer.testing import CliRunner
 
 from kvcache_cli.cli import app
-from kvcache_cli.hf_quality import HFCacheSpec, parse_transformers
+from kvcache_cli.eval.peer_hf import HFCacheSpec, parse_transformers
 
 runner = CliRunner()
 
@@ -76,8 +76,8 @@ def tiny_llama(tmp_path_factory):
 
 def test_transformers_rows_equal_its_quantiser_inside_kvcache_s_llama(tiny_llama):
     pytest.importorskip("optimum.quanto")
-    from kvcache_cli import quality
-    from kvcache_cli.hf_quality import REFERENCE, evaluate
+    from kvcache_cli.eval import quality
+    from kvcache_cli.eval.peer_hf import REFERENCE, evaluate
     from kvcache_cli.models import load_model
 
     model = load_model(str(tiny_llama)).model
@@ -112,7 +112,7 @@ def test_hqq_rows_are_scored_against_transformers_exact_cache_with_their_bytes(t
     """HQQ's rows through transformers' own model: scored against its exact cache, the
     bytes of its codes, scales and zeros counted, more bits costing less KL."""
     pytest.importorskip("hqq")
-    from kvcache_cli.hf_quality import evaluate
+    from kvcache_cli.eval.peer_hf import evaluate
     from kvcache_cli.models import load_model
 
     model = load_model(str(tiny_llama)).model

@@ -12,7 +12,7 @@ from llamakit import smollm2_or_skip, tiny_hf, write_tiny_gguf
 from kvcache_cli.caches import make_cache
 from kvcache_cli.caches.spec import KINDS
 from kvcache_cli.models import family_of, load_model, model_config
-from kvcache_cli.models.gguf_file import read_gguf
+from kvcache_cli.models.gguf.reader import read_gguf
 from kvcache_cli.models.llama import Llama, LlamaConfig, to_hf
 
 # Logits of one float32 model computed two ways (different kernels, a different order of
@@ -165,7 +165,7 @@ def test_smollm2_tokenizer_splits_digits_and_keeps_special_tokens_whole(smollm2)
 def test_a_converted_gguf_is_read_from_the_cache_the_second_time(tmp_path, monkeypatch):
     path = write_tiny_gguf(tiny_hf(), tmp_path / "tiny.gguf")
     first = load_model(str(path)).model
-    monkeypatch.setattr("kvcache_cli.models.gguf_file.read_gguf",
+    monkeypatch.setattr("kvcache_cli.models.gguf.reader.read_gguf",
                         lambda p: pytest.fail("the GGUF was parsed again"))
     second = load_model(str(path)).model
     assert all(torch.equal(a, b) for a, b in zip(first.state_dict().values(),
@@ -241,7 +241,7 @@ def test_smollm2_absent_says_how_to_install_it(monkeypatch):
 
 
 def test_a_safetensors_folder_loads_with_its_tokenizer_and_chat_template(tmp_path):
-    from kvcache_cli.gguf_export import synthetic_vocab
+    from kvcache_cli.models.gguf.export import synthetic_vocab
     from kvcache_cli.models.tokenizer import from_gguf
 
     hf = tiny_hf(seed=5)

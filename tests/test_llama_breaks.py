@@ -10,9 +10,9 @@ import torch
 from typer.testing import CliRunner
 
 from kvcache_cli import models
+from kvcache_cli.breaks.llama import LLAMA_BREAKS, broken_copy, run_llama_break
 from kvcache_cli.cli import app
 from kvcache_cli.generate import stream_tokens
-from kvcache_cli.llama_breaks import LLAMA_BREAKS, broken_copy, run_llama_break
 from kvcache_cli.models.llama import Llama, LlamaAttention, LlamaConfig, init_random
 
 N_NEW = 12
@@ -90,7 +90,7 @@ def test_the_broken_copy_shares_the_weights_and_leaves_the_model_alone(model):
 
 
 def test_a_llama_break_refuses_a_gpt2_model():
-    from kvcache_cli.gpt2 import GPT, GPTConfig
+    from kvcache_cli.models.gpt2 import GPT, GPTConfig
 
     gpt = GPT(GPTConfig(block_size=16, vocab_size=32, n_layer=1, n_head=2, n_embd=8))
     with pytest.raises(ValueError, match="runs on the Llama family"):
@@ -112,7 +112,7 @@ def test_cli_llama_break_without_smollm2_says_how_to_install(monkeypatch, no_mod
 
 
 def test_all_without_smollm2_plans_the_gpt2_breaks_and_one_note(monkeypatch):
-    from kvcache_cli.break_registry import names
+    from kvcache_cli.breaks.registry import names
     from kvcache_cli.cli.breaks import _models_for
 
     monkeypatch.setattr(models, "smollm2_gguf", lambda: None)
@@ -123,7 +123,7 @@ def test_all_without_smollm2_plans_the_gpt2_breaks_and_one_note(monkeypatch):
 
 
 def test_all_with_a_llama_model_runs_the_torch_breaks_on_it_but_the_gpt2_only_ones():
-    from kvcache_cli.break_registry import names
+    from kvcache_cli.breaks.registry import names
     from kvcache_cli.cli.breaks import _models_for
 
     gpt2_only = ["kv-outlier-keys", "fp8-range"]  # outliers planted in GPT-2's c_attn
@@ -142,7 +142,7 @@ def test_cli_gpt2_only_break_of_a_llama_is_one_line(no_model_loads):
 @pytest.mark.parametrize("name", ["position-offset", "stale-cache", "kv-sink-token",
                                   "ring-mask"])
 def test_a_break_of_the_loop_or_the_cache_runs_on_a_llama_too(model, name):
-    from kvcache_cli.break_registry import registry, runner
+    from kvcache_cli.breaks.registry import registry, runner
 
     assert "llama" in registry()[name].runs_on
     r = runner(name)(name, model, max_new_tokens=8, progress=None)
@@ -152,7 +152,7 @@ def test_a_break_of_the_loop_or_the_cache_runs_on_a_llama_too(model, name):
 def test_every_registered_torch_break_has_a_runner_that_knows_it():
     import inspect
 
-    from kvcache_cli.break_registry import registry, runner
+    from kvcache_cli.breaks.registry import registry, runner
 
     for name, entry in registry().items():
         if entry.family == "toy":
@@ -180,7 +180,7 @@ def test_evict_rope_slot_goes_wrong_only_once_the_ring_wraps(model):
 
 def test_evict_rope_slot_refuses_a_model_without_rotary_positions():
     from kvcache_cli.generate import run_break
-    from kvcache_cli.gpt2 import GPT, GPTConfig
+    from kvcache_cli.models.gpt2 import GPT, GPTConfig
 
     gpt = GPT(GPTConfig(block_size=64, vocab_size=32, n_layer=1, n_head=2, n_embd=8))
     with pytest.raises(ValueError, match="needs rotary positions"):

@@ -14,9 +14,10 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from kvcache_cli import bench, llama_peer
+from kvcache_cli import llama_peer
+from kvcache_cli.bench import run as bench
 from kvcache_cli.cli import app
-from kvcache_cli.gpt2 import GPT, GPTConfig, arrange_weights
+from kvcache_cli.models.gpt2 import GPT, GPTConfig, arrange_weights
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -8,7 +8,7 @@ from llamakit import tiny_hf, write_tiny_gguf
 from typer.testing import CliRunner
 
 from kvcache_cli.cli import app
-from kvcache_cli.llama_quality import LlamaCppSpec, parse_llama_cpp
+from kvcache_cli.eval.peer_llama_cpp import LlamaCppSpec, parse_llama_cpp
 
 runner = CliRunner()
 
@@ -41,7 +41,7 @@ def test_a_malformed_llama_cpp_spec_is_one_line(text, words):
 
 
 def test_bytes_a_token_follow_ggml_s_blocks():
-    from kvcache_cli.llama_quality import layer_bytes
+    from kvcache_cli.eval.peer_llama_cpp import layer_bytes
 
     # q8_0: 34 bytes a block of 32; q4_0: 18; f16: 2 an element. One KV head 64 wide.
     assert layer_bytes(LlamaCppSpec("q8_0", "q4_0", True), 10, 1, 64) == 10 * (2 * 34 + 2 * 18)
@@ -92,7 +92,7 @@ def test_a_cache_type_the_installed_build_lacks_is_one_line_exit_2(tiny_gguf, mo
 def test_llama_cpp_rows_are_scored_against_llama_cpp_s_exact_cache(tiny_gguf):
     import random
 
-    from kvcache_cli.llama_quality import evaluate
+    from kvcache_cli.eval.peer_llama_cpp import evaluate
     from kvcache_cli.models import model_config
 
     config = model_config(str(tiny_gguf))
@@ -117,8 +117,8 @@ def test_peer_rows_join_kvcache_s_table_and_bars_measure_from_their_own_referenc
 
     import torch
 
-    from kvcache_cli import quality
-    from kvcache_cli.llama_quality import evaluate
+    from kvcache_cli.eval import quality
+    from kvcache_cli.eval.peer_llama_cpp import evaluate
     from kvcache_cli.models import load_model
     from kvcache_cli.views.quality import excess_lines, plain
 
@@ -144,10 +144,10 @@ def test_the_plot_marks_the_peers_and_measures_them_from_their_own_reference(tin
 
     import torch
 
-    from kvcache_cli import quality
-    from kvcache_cli.llama_quality import evaluate
+    from kvcache_cli.eval import quality
+    from kvcache_cli.eval.peer_llama_cpp import evaluate
     from kvcache_cli.models import load_model
-    from kvcache_cli.quality_plot import save_plot
+    from kvcache_cli.views.eval_plot import save_plot
 
     model = load_model(str(tiny_gguf)).model
     ids = random.Random(1).choices(range(300), k=60)

@@ -13,14 +13,13 @@ import torch
 from llamakit import smollm2_or_skip, tiny_hf, write_tiny_gguf
 from typer.testing import CliRunner
 
-from kvcache_cli import gpt2
 from kvcache_cli.cli import app
 from kvcache_cli.generate import stream_tokens
-from kvcache_cli.gpt2 import set_weights_dtype
 from kvcache_cli.measure import weight_bytes
-from kvcache_cli.models import load_model
-from kvcache_cli.models.gguf_blocks import Int4Linear, planes_of
-from kvcache_cli.models.loading import source_types
+from kvcache_cli.models import gpt2, load_model
+from kvcache_cli.models.gguf.q4 import Int4Linear, planes_of
+from kvcache_cli.models.gpt2 import set_weights_dtype
+from kvcache_cli.models.llama_loading import source_types
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -44,7 +43,7 @@ def test_a_fused_product_of_q4_and_q8_blocks_is_its_parts_side_by_side():
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
 
-    from kvcache_cli.models.gguf_blocks import _stacked
+    from kvcache_cli.models.gguf.q4 import _stacked
 
     rng = np.random.default_rng(1)
     q4 = quantize(rng.normal(size=(32, 64)).astype(np.float32), GGMLQuantizationType.Q4_1)

@@ -9,8 +9,8 @@ import torch
 
 from kvcache_cli.caches import KVCache
 from kvcache_cli.caches.exact import StaticCache
-from kvcache_cli.gpt2 import GPT, GPTConfig
-from kvcache_cli.quality import CacheMaker, check_eval, evaluate, first_token_share
+from kvcache_cli.eval.quality import CacheMaker, check_eval, evaluate, first_token_share
+from kvcache_cli.models.gpt2 import GPT, GPTConfig
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -211,7 +211,7 @@ def test_a_token_outside_the_vocabulary_is_refused():
 
 def test_caches_are_built_for_the_model_s_shape_without_allocating_before_it_loads():
     from kvcache_cli.caches.spec import parse_cache_list
-    from kvcache_cli.quality import check_caches
+    from kvcache_cli.eval.quality import check_caches
 
     check_caches(parse_cache_list("static,concat,paged:b16"), CONFIG, N - 1)  # meta: no bytes
     with pytest.raises(ValueError, match="outside the context window 1..128"):
@@ -219,7 +219,7 @@ def test_caches_are_built_for_the_model_s_shape_without_allocating_before_it_loa
 
 
 def test_a_text_cut_at_the_read_limit_loses_only_its_split_last_character(tmp_path, monkeypatch):
-    from kvcache_cli import evaltext
+    from kvcache_cli.eval import text as evaltext
 
     monkeypatch.setattr(evaltext, "MAX_TEXT_BYTES", 8)
     path = tmp_path / "t.txt"
@@ -231,7 +231,7 @@ def test_a_text_cut_at_the_read_limit_loses_only_its_split_last_character(tmp_pa
 
 
 def test_the_view_draws_the_exact_cache_flat_and_a_damaged_one_rising():
-    from kvcache_cli.plot import BARS
+    from kvcache_cli.views.plot import BARS
     from kvcache_cli.views.quality import excess_lines
 
     result = evaluate(tiny_model(), text_ids(), [CacheMaker("noisy", noisy)], prompt_len=PROMPT)

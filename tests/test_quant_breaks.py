@@ -4,9 +4,9 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from kvcache_cli.breaks.quantized import run_quant_break, with_outliers
 from kvcache_cli.cli import app
-from kvcache_cli.gpt2 import GPT, GPTConfig
-from kvcache_cli.quant_breaks import run_quant_break, with_outliers
+from kvcache_cli.models.gpt2 import GPT, GPTConfig
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -49,7 +49,7 @@ def test_the_sink_token_is_read_exactly_only_when_kept():
 
 
 def test_the_break_command_shows_the_fix_beside_the_damage(tmp_path):
-    from kvcache_cli.gpt2 import to_hf
+    from kvcache_cli.models.gpt2 import to_hf
 
     to_hf(model()).save_pretrained(tmp_path / "tiny")
     out = CliRunner().invoke(app, ["break", "fp8-range", "--model", str(tmp_path / "tiny"),

@@ -15,7 +15,7 @@ from kvcache_cli.caches.spec import (
     parse_cache_spec,
     quantised_split,
 )
-from kvcache_cli.gpt2 import GPT, GPTConfig
+from kvcache_cli.models.gpt2 import GPT, GPTConfig
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from kvcache_cli.caches import make_cache
 from kvcache_cli.caches import quantized as quantized_module
 from kvcache_cli.caches.quantized import QuantizedCache
-from kvcache_cli.gpt2 import GPT, GPTConfig
-from kvcache_cli.quality import evaluate
+from kvcache_cli.eval.quality import evaluate
+from kvcache_cli.models.gpt2 import GPT, GPTConfig
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -5,9 +5,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from kvcache_cli import bench
+from kvcache_cli.bench import run as bench
 from kvcache_cli.cli import app
-from kvcache_cli.gpt2 import GPT, GPTConfig, load_gpt2, to_hf
+from kvcache_cli.models.gpt2 import GPT, GPTConfig, load_gpt2, to_hf
 
 
 @pytest.fixture

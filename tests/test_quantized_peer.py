@@ -5,7 +5,7 @@ import torch
 
 from kvcache_cli.caches import RollbackError, make_cache
 from kvcache_cli.caches.spec import parse_cache_spec
-from kvcache_cli.gpt2 import GPT, GPTConfig
+from kvcache_cli.models.gpt2 import GPT, GPTConfig
 
 pytest.importorskip("optimum.quanto")
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

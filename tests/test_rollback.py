@@ -8,7 +8,7 @@ from cachekinds import example_spec
 from kvcache_cli.caches import RollbackError, make_cache
 from kvcache_cli.caches.paged import PagedCache, block_bytes
 from kvcache_cli.caches.spec import KINDS, parse_cache_spec
-from kvcache_cli.gpt2 import GPT, GPTConfig
+from kvcache_cli.models.gpt2 import GPT, GPTConfig
 from kvcache_cli.serving.block_manager import BlockManager
 from kvcache_cli.serving.pooled import PooledSequence
 from kvcache_cli.serving.sequence import Request, Sequence

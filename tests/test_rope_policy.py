@@ -18,7 +18,7 @@ from kvcache_cli.caches.base import CacheShape
 from kvcache_cli.caches.bounded import HeavyHitterCache, RingCache
 from kvcache_cli.caches.spec import CacheSpecError, parse_cache_spec
 from kvcache_cli.cli import app
-from kvcache_cli.gpt2 import GPT, GPTConfig
+from kvcache_cli.models.gpt2 import GPT, GPTConfig
 from kvcache_cli.models.llama import Llama, LlamaAttention, LlamaConfig, init_random
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -330,7 +330,7 @@ def test_eval_s_bounded_rows_equal_the_band_mask_fed_a_token_or_a_chunk_a_step(
         spec, sinks, window, monkeypatch):
     """The figures docs/eval.md publishes at 4,096 tokens were fed 32 tokens a step: the
     loss of every scored token is the literal band's, one token a step or a chunk."""
-    from kvcache_cli import quality
+    from kvcache_cli.eval import quality
 
     m = llama()
     ids = torch.randint(0, LLAMA.vocab_size, (48,), generator=torch.Generator().manual_seed(1))

@@ -16,7 +16,7 @@ from kvcache_cli.caches.quantized import Fp8Cache, QuantizedCache
 from kvcache_cli.caches.rotation import Rotation, hadamard
 from kvcache_cli.caches.spec import CacheSpecError, check_spec, layer_bytes, parse_cache_spec
 from kvcache_cli.cli import app
-from kvcache_cli.gpt2 import GPT, GPTConfig
+from kvcache_cli.models.gpt2 import GPT, GPTConfig
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

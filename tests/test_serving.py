@@ -24,7 +24,7 @@ from servingkit import tiny_model as _model
 
 from kvcache_cli.caches.exact import StaticCache
 from kvcache_cli.caches.paged import PagedCache, block_bytes
-from kvcache_cli.gpt2 import GPTConfig
+from kvcache_cli.models.gpt2 import GPTConfig
 from kvcache_cli.serving import batching
 from kvcache_cli.serving import engines as E
 from kvcache_cli.serving.block_manager import BlockManager
@@ -333,7 +333,7 @@ def test_the_sweep_times_every_batch_against_the_roofline():
 
 def test_the_sweep_plot_ticks_are_the_batch_sizes_as_plain_numbers():
     pytest.importorskip("matplotlib")
-    from kvcache_cli.serving.plot import figure
+    from kvcache_cli.views.serve_plot import figure
 
     result = batching.run_sweep(_model(), (1, 4, 16), bandwidth_mib=4, matmul_n=256)
     fig = figure(result)
@@ -347,7 +347,7 @@ def test_the_curve_plot_reads_in_plain_milliseconds_and_names_the_rates_once():
     pytest.importorskip("matplotlib")
     import dataclasses
 
-    from kvcache_cli.serving.plot import figure
+    from kvcache_cli.views.serve_plot import figure
 
     result = E.run_serve(_model(), SPEC, ["paged"], ROOMY, 4, 64)
     fig = figure(dataclasses.replace(result, rates=(1.0, None)))
@@ -363,7 +363,7 @@ def test_the_serve_plot_draws_steps_and_notes_the_engine_it_cannot_draw():
     pytest.importorskip("matplotlib")
     import dataclasses
 
-    from kvcache_cli.serving.plot import figure
+    from kvcache_cli.views.serve_plot import figure
 
     result = E.run_serve(_model(), SPEC, ["sequential", "paged"], ROOMY, 4, 64)
     # transformers' engine reports no timeline: stand it in with the paged result emptied.

@@ -26,7 +26,7 @@ from servingkit import serve_cli as _cli
 from servingkit import tiny_model as _model
 
 from kvcache_cli.caches.paged import PagedCache
-from kvcache_cli.gpt2 import GPT
+from kvcache_cli.models.gpt2 import GPT
 from kvcache_cli.serving import engines as E
 from kvcache_cli.serving.block_manager import BlockManager
 from kvcache_cli.serving.metrics import RequestTimes, Stats, parse_goodput, parse_rates, summarise

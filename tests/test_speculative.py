@@ -13,11 +13,11 @@ from hypothesis import strategies as st
 from kvcache_cli.caches import RollbackError, make_cache
 from kvcache_cli.caches.paged import PagedCache
 from kvcache_cli.caches.spec import KINDS
-from kvcache_cli.gpt2 import GPT, GPTConfig
+from kvcache_cli.models.gpt2 import GPT, GPTConfig
 from kvcache_cli.serving.block_manager import BlockManager
 from kvcache_cli.serving.pooled import PooledSequence
 from kvcache_cli.serving.sequence import Request, Sequence
-from kvcache_cli.speculative import (
+from kvcache_cli.speculative.decode import (
     Draft,
     LookupDraft,
     Sampling,

@@ -14,8 +14,8 @@ import pytest
 from llamakit import smollm2_or_skip
 from servingkit import tiny_model
 
-from kvcache_cli import speculative as S
 from kvcache_cli.generate import generate
+from kvcache_cli.speculative import decode as S
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "speculative_chat.py"

@@ -65,7 +65,7 @@ def test_break_all_without_torch_runs_the_numpy_breaks_then_says_what_was_skippe
     for scenario in ref.BREAKS.values():
         assert scenario.title in result.stdout
     assert result.stderr.count("\n") == 1, result.stderr
-    from kvcache_cli.break_registry import names
+    from kvcache_cli.breaks.registry import names
 
     assert result.stderr.startswith(
         f"note: the GPT-2 breaks ({', '.join(names('gpt2'))}) and the Llama breaks "

@@ -9,10 +9,10 @@ import copy
 import pytest
 import torch
 
-from kvcache_cli import gpt2
 from kvcache_cli.generate import stream_tokens
-from kvcache_cli.gpt2 import GPT, GPTConfig, Int8Linear, float_state, set_weights_dtype
 from kvcache_cli.measure import weight_bytes
+from kvcache_cli.models import gpt2
+from kvcache_cli.models.gpt2 import GPT, GPTConfig, Int8Linear, float_state, set_weights_dtype
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -123,7 +123,7 @@ def test_int8_is_refused_off_the_cpu_and_for_widths_its_kernel_cannot_run():
 
 
 def test_float32_checked_against_itself_has_no_error_and_the_same_tokens():
-    from kvcache_cli.weight_check import check_weights
+    from kvcache_cli.bench.weight_check import check_weights
 
     model = tiny()
     check = check_weights(model, copy.deepcopy(model), prompt()[0].tolist(), 12)
@@ -132,7 +132,7 @@ def test_float32_checked_against_itself_has_no_error_and_the_same_tokens():
 
 
 def test_a_flip_is_a_near_tie_only_within_the_measured_logit_error():
-    from kvcache_cli.weight_check import token_margin
+    from kvcache_cli.bench.weight_check import token_margin
 
     model = tiny()
     ids = prompt()[0].tolist()

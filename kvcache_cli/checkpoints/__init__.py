@@ -1,7 +1,7 @@
 """Checkpoints shipped with the package, by name, and their held-out text.
 
 `stdlib-bytes` is a small byte-level GPT-2 trained on the Python standard library's
-sources (`kvcache_cli.training`, `scripts/train_checkpoint.py`): a model whose predictions
+sources (`kvcache_cli.models.training`, `scripts/train_checkpoint.py`): a model whose predictions
 mean something on machines that cannot download GPT-2. Its `heldout.txt` is the text of
 the standard-library files it never trained on (listed in its `recipe.json`), the default
 text to evaluate it on. Torch-free, so `size` can resolve the names too.

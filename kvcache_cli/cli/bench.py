@@ -98,10 +98,10 @@ def bench(
     need_torch_extra("kvcache bench needs", *GPT2_MODULES, "transformers")
     import torch
 
-    from kvcache_cli import bench as bench_
+    from kvcache_cli.bench import run as bench_
     from kvcache_cli.models import load_model
-    from kvcache_cli.plot import save_plot
     from kvcache_cli.views.bench import bench as bench_view
+    from kvcache_cli.views.plot import save_plot
 
     # Everything a user can get wrong is checked before minutes of benchmarking.
     if cache is not None:
@@ -153,7 +153,7 @@ def _speculative(ctx, draft: str, speculate: str, cache: str, prompt_file: Path 
     ks = drafts.parse_ks(speculate)
     if threads_error(threads):
         fail(threads_error(threads))
-    from kvcache_cli.bench import MAX_REPEATS
+    from kvcache_cli.bench.run import MAX_REPEATS
 
     if not 1 <= repeats <= MAX_REPEATS:
         fail(f"--repeats {repeats:,}: expected a whole number from 1 to {MAX_REPEATS:,}")
@@ -167,11 +167,11 @@ def _speculative(ctx, draft: str, speculate: str, cache: str, prompt_file: Path 
     _check_lengths(ctx, model, prompt_len, new_tokens)
     import torch
 
-    from kvcache_cli import bench as bench_
-    from kvcache_cli import speculative as sp
+    from kvcache_cli.bench import run as bench_
     from kvcache_cli.cli.common import load_model
     from kvcache_cli.generate import check_request
     from kvcache_cli.measure import resolve_device
+    from kvcache_cli.speculative import decode as sp
     from kvcache_cli.views.speculative import spec_run_view
 
     try:
@@ -221,7 +221,7 @@ def _check_lengths(ctx, model: str, prompt_len: int, new_tokens: int) -> None:
 def _check_config(ctx, model: str, mode_names, prompt_len, new_tokens, repeats, threads,
                   naive_samples) -> None:
     """`bench.check_bench_config` before the weights load: the model's config alone."""
-    from kvcache_cli import bench as bench_
+    from kvcache_cli.bench import run as bench_
     from kvcache_cli.models import model_config
 
     try:
@@ -251,7 +251,7 @@ def _read_prompt(path: Path | None) -> str | None:
 def _tokenize(gpt, text: str) -> list[int]:
     """The text's token ids for the model: bytes for a byte-level model, else GPT-2's BPE."""
     from kvcache_cli.generate import gpt2_encoding
-    from kvcache_cli.gpt2 import GPT2_VOCAB_SIZE
+    from kvcache_cli.models.gpt2 import GPT2_VOCAB_SIZE
 
     if gpt.config.tokenizer == "bytes":
         return list(text.encode("utf-8"))
@@ -267,7 +267,7 @@ def _tokenize(gpt, text: str) -> list[int]:
 def _with_caches(modes: str, caches: str) -> str:
     """--modes with --cache's specs after it, each once (a spec already there stays put),
     spelled as typed so that a later refusal names the user's text."""
-    from kvcache_cli.bench import _mode_name
+    from kvcache_cli.bench.run import _mode_name
     from kvcache_cli.caches.spec import CacheSpecError, parse_cache_list
 
     try:
@@ -283,7 +283,7 @@ def _check_options(modes: str, compile_: bool, device: str, threads: int | None,
                    plot: Path | None) -> tuple[list[str], str]:
     """The mode names (with their compiled twins under --compile) and the device; bad input
     fails here, before the model loads."""
-    from kvcache_cli import bench as bench_
+    from kvcache_cli.bench import run as bench_
     from kvcache_cli.llama_peer import check_llama_modes
     from kvcache_cli.measure import resolve_device
 
@@ -307,7 +307,7 @@ def _check_options(modes: str, compile_: bool, device: str, threads: int | None,
 def _check_heads(modes: str, model: str) -> None:
     """Quantised specs whose groups or packing do not fit the model's heads, refused before
     the weights load, naming each as the user typed it in --modes or --cache."""
-    from kvcache_cli import bench as bench_
+    from kvcache_cli.bench import run as bench_
     from kvcache_cli.caches.spec import CacheSpecError, check_spec, parse_cache_spec
     from kvcache_cli.models import model_config
 

@@ -1,6 +1,6 @@
 """`kvcache break`: break the cache on purpose, on the NumPy toy, on GPT-2 and on the Llama
 family in PyTorch. Which breaks there are, what each runs on and what runs it:
-`kvcache_cli.break_registry`."""
+`kvcache_cli.breaks.registry`."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Annotated
 
 import typer
 
-from kvcache_cli.break_registry import QUANT_BREAK_TOKENS
+from kvcache_cli.breaks.registry import QUANT_BREAK_TOKENS
 from kvcache_cli.cli.common import (
     GPT2_MODULES,
     console,
@@ -26,7 +26,7 @@ from kvcache_cli.cli.demo import pick, show, show_list
 
 def _by_family(names: list[str]) -> tuple[list[str], list[str]]:
     """(the GPT-2 breaks; the Llama breaks) among `names`, by the family each is listed under."""
-    from kvcache_cli.break_registry import registry
+    from kvcache_cli.breaks.registry import registry
 
     return ([n for n in names if registry()[n].family == "gpt2"],
             [n for n in names if registry()[n].family == "llama"])
@@ -34,7 +34,7 @@ def _by_family(names: list[str]) -> tuple[list[str], list[str]]:
 
 # Shell completion of names: runs only when the shell asks, never at start-up.
 def _complete_break(incomplete: str) -> list[str]:
-    from kvcache_cli.break_registry import registry
+    from kvcache_cli.breaks.registry import registry
 
     return [n for n in ["all", *registry()] if n.startswith(incomplete)]
 
@@ -71,7 +71,7 @@ def break_(
     where it is not.
     """
     import kv_cache_from_scratch as ref
-    from kvcache_cli.break_registry import registry
+    from kvcache_cli.breaks.registry import registry
 
     breaks = registry()
     if list_:
@@ -127,7 +127,7 @@ def _models_for(names: list[str], model: str | None, asked: str
     bad input; under `all` the ones that cannot are skipped, in one note line (there is one
     reason at most: -m names one family, and without -m only SmolLM2 can be missing)."""
     from kvcache_cli import models
-    from kvcache_cli.break_registry import registry
+    from kvcache_cli.breaks.registry import registry
 
     default = {"gpt2": "gpt2", "llama": models.SMOLLM2}
     runs: dict[str, list[str]] = {}
@@ -195,7 +195,7 @@ def _refuse_given(ctx: typer.Context, params: tuple[str, ...], why: str) -> None
 def _torch_breaks(names: list[str], model: str, weights: str, device: str,
                   max_new_tokens: int):
     """Load the model once and run each named torch break (correct and broken loop)."""
-    from kvcache_cli.break_registry import runner
+    from kvcache_cli.breaks.registry import runner
 
     torch_device(device)
     loaded = load_model(model, weights, device)
@@ -252,11 +252,11 @@ def _progress(name: str):
 
 
 def _show_torch_breaks(loaded, device: str, results: dict) -> None:
+    from kvcache_cli.breaks.llama import LlamaBreakResult
+    from kvcache_cli.breaks.quantized import QuantBreakResult
     from kvcache_cli.generate import encoding_for
-    from kvcache_cli.gpt2 import GPT2_VOCAB_SIZE
-    from kvcache_cli.llama_breaks import LlamaBreakResult
-    from kvcache_cli.quant_breaks import QuantBreakResult
-    from kvcache_cli.speculative import NoRollbackResult, SharedRollbackResult
+    from kvcache_cli.models.gpt2 import GPT2_VOCAB_SIZE
+    from kvcache_cli.speculative.decode import NoRollbackResult, SharedRollbackResult
     from kvcache_cli.views.generate import break_view, header, llama_break_view
     from kvcache_cli.views.quant import quant_break_view
     from kvcache_cli.views.speculative import no_rollback_view, rollback_shared_view

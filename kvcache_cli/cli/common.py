@@ -309,13 +309,12 @@ def check_weights_dtype(weights_dtype: str | None, model: str, device: str) -> N
     """Refuse an unknown or unrunnable --weights-dtype before any weights load."""
     if weights_dtype is None:
         return
-    from kvcache_cli import gpt2
-    from kvcache_cli.models import family_of, model_config
+    from kvcache_cli.models import family_of, gpt2, model_config
 
     try:
         types = None
         if weights_dtype == "q4" and family_of(model) == "llama":
-            from kvcache_cli.models.loading import source_types
+            from kvcache_cli.models.llama_loading import source_types
 
             types = source_types(model)
         gpt2.check_weights_dtype(weights_dtype, model_config(model), device, types)
@@ -333,7 +332,7 @@ def with_weights_dtype(loaded, weights_dtype: str | None):
 
     import torch
 
-    from kvcache_cli import gpt2
+    from kvcache_cli.models import gpt2
 
     model = loaded.model
     fmt = weights_dtype or gpt2.weights_format(model)
@@ -441,7 +440,7 @@ def check_plot(plot: Path | None) -> None:
     """matplotlib present and the path writable, before minutes of measuring."""
     if plot is None:
         return
-    from kvcache_cli.plot import PlotUnavailable, require_matplotlib
+    from kvcache_cli.views.plot import PlotUnavailable, require_matplotlib
 
     try:
         require_matplotlib()

@@ -38,8 +38,8 @@ def parse_eval_caches(value):
     (`llama.cpp:q4_0`, `llama_quality`) and transformers' own model with its quantised
     cache (`transformers:quanto-int4`, `hf_quality`) in one comma list, each once."""
     from kvcache_cli.caches.spec import CacheSpecError, parse_cache_list
-    from kvcache_cli.hf_quality import is_transformers, parse_transformers
-    from kvcache_cli.llama_quality import is_llama_cpp, parse_llama_cpp
+    from kvcache_cli.eval.peer_hf import is_transformers, parse_transformers
+    from kvcache_cli.eval.peer_llama_cpp import is_llama_cpp, parse_llama_cpp
 
     if isinstance(value, list):
         return value
@@ -125,8 +125,8 @@ def eval_(
     if task is Task.retrieval:
         _retrieval(cache, model, weights, lengths, device, threads, plot, as_json)
         return
-    from kvcache_cli import quality
-    from kvcache_cli.evaltext import TokenizerUnavailable
+    from kvcache_cli.eval import quality
+    from kvcache_cli.eval.text import TokenizerUnavailable
 
     # Everything a user can get wrong is refused before a model loads.
     try:
@@ -153,7 +153,7 @@ def eval_(
         fail(str(err))
     except RuntimeError as err:
         fail(str(err), code=1)
-    from kvcache_cli.quality_plot import save_plot
+    from kvcache_cli.views.eval_plot import save_plot
     from kvcache_cli.views.quality import plain, render
 
     _show(result, render, plain, save_plot, as_json, plot)
@@ -169,11 +169,12 @@ def _show(result, render, plain, save_plot, as_json: bool, plot) -> None:
 def _check_options(cache, model, text, tokens, prompt_len, chunk, device, threads):
     """(kvcache's specs, the peers', text path, its ids, tokens to read, device), or a
     ValueError naming the value, or TokenizerUnavailable."""
-    from kvcache_cli import hf_quality, quality
     from kvcache_cli.caches.spec import fitted
-    from kvcache_cli.evaltext import eval_text, read_text
-    from kvcache_cli.hf_quality import HFCacheSpec
-    from kvcache_cli.llama_quality import LlamaCppSpec, check_installed
+    from kvcache_cli.eval import peer_hf as hf_quality
+    from kvcache_cli.eval import quality
+    from kvcache_cli.eval.peer_hf import HFCacheSpec
+    from kvcache_cli.eval.peer_llama_cpp import LlamaCppSpec, check_installed
+    from kvcache_cli.eval.text import eval_text, read_text
     from kvcache_cli.measure import resolve_device
     from kvcache_cli.models import model_config
 
@@ -208,9 +209,10 @@ def _with_peers(result, model, ids, peers, prompt_len, on_progress):
     caches on the GGUF the model was read from, transformers' in its own LlamaForCausalLM."""
     import dataclasses
 
-    from kvcache_cli import hf_quality, llama_quality
-    from kvcache_cli.hf_quality import HFCacheSpec
-    from kvcache_cli.llama_quality import LlamaCppSpec
+    from kvcache_cli.eval import peer_hf as hf_quality
+    from kvcache_cli.eval import peer_llama_cpp as llama_quality
+    from kvcache_cli.eval.peer_hf import HFCacheSpec
+    from kvcache_cli.eval.peer_llama_cpp import LlamaCppSpec
 
     rows = ()
     llama_cpp = [s for s in peers if isinstance(s, LlamaCppSpec)]
@@ -236,7 +238,7 @@ def _tokenizer_label(tokenizer: str) -> str:
 
 def _retrieval(cache, model, weights, lengths, device, threads, plot, as_json) -> None:
     """`--task retrieval`: the pass-key set through every cache, one table and a plot."""
-    from kvcache_cli import retrieval
+    from kvcache_cli.eval import retrieval
     from kvcache_cli.measure import resolve_device
     from kvcache_cli.models import model_config
 
@@ -282,8 +284,8 @@ def _heldout(model: str) -> Path:
     which every Python user has and SmolLM2 tokenizes to 25,850 tokens.
     """
     from kvcache_cli.checkpoints import TRAINED
-    from kvcache_cli.gpt2 import PRESETS, checkpoint_dir
     from kvcache_cli.models import family_of
+    from kvcache_cli.models.gpt2 import PRESETS, checkpoint_dir
 
     if family_of(model) == "llama":
         return checkpoint_dir(TRAINED) / HELDOUT

@@ -154,7 +154,7 @@ def generate(
         typer.echo(f"note: {note}", err=True)
     loaded = load_model(model, weights, device, dtype.value)
     if weights_dtype is not None:
-        from kvcache_cli.gpt2 import set_weights_dtype
+        from kvcache_cli.models.gpt2 import set_weights_dtype
 
         set_weights_dtype(loaded.model, weights_dtype)
     prompt_ids, encoding = _encode(loaded.model, prompt, prompt_ids, encoding)
@@ -208,7 +208,7 @@ _USE_IDS = ("give the prompt as token ids, e.g. --ids 464,2068,7586, or run offl
 def _readable(config) -> bool:
     """A checkpoint that names no tokenizer is read with GPT-2's BPE only if it has GPT-2's
     vocabulary."""
-    from kvcache_cli.gpt2 import GPT2_VOCAB_SIZE
+    from kvcache_cli.models.gpt2 import GPT2_VOCAB_SIZE
 
     return (config.tokenizer == "bytes" or config.tokenizer.startswith("file:")
             or config.vocab_size == GPT2_VOCAB_SIZE)
@@ -235,7 +235,7 @@ def _run(loaded, prompt_ids: list[int], encoding, as_json: bool, device: str, mo
          max_new_tokens: int, **sampling) -> None:
     """Generate, streaming the tokens to the terminal, or print the whole result as JSON."""
     from kvcache_cli import generate as gen
-    from kvcache_cli.gpt2 import weights_format
+    from kvcache_cli.models.gpt2 import weights_format
     from kvcache_cli.views.generate import TokenStream, generation_view, header
 
     gpt = loaded.model
@@ -271,7 +271,7 @@ def _speculate(loaded, prompt_ids: list[int], encoding, as_json: bool, device: s
                max_new_tokens: int, draft, k: int, temperature: float, top_k: int | None,
                seed: int) -> None:
     """Speculative and plain decoding of the prompt in one run; the tokens, then the figures."""
-    from kvcache_cli import speculative as sp
+    from kvcache_cli.speculative import decode as sp
     from kvcache_cli.views.generate import TokenStream, header
     from kvcache_cli.views.speculative import spec_run_view
 

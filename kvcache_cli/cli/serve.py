@@ -108,8 +108,8 @@ def serve(
     from kvcache_cli.serving import batching
     from kvcache_cli.serving import engines as serving
     from kvcache_cli.serving.chat import requests as chat_requests
-    from kvcache_cli.serving.plot import save_plot
     from kvcache_cli.views.serve import render
+    from kvcache_cli.views.serve_plot import save_plot
 
     # Everything a user can get wrong is refused before a model loads.
     layout = layout.strip().lower()  # names in any case, as every option reads them
@@ -126,7 +126,7 @@ def serve(
     check_weights_dtype(weights_dtype, model, dev)
     loaded = load_model(model, weights, dev)
     if weights_dtype is not None:
-        from kvcache_cli.gpt2 import set_weights_dtype
+        from kvcache_cli.models.gpt2 import set_weights_dtype
 
         set_weights_dtype(loaded.model, weights_dtype)
     status = console(stderr=True)

@@ -74,7 +74,7 @@ def size(
 
     from kvcache_cli import sizing
     from kvcache_cli.hub import HubUnavailable
-    from kvcache_cli.sizing.live import is_live, live_kinds
+    from kvcache_cli.models.live import is_live, live_kinds
 
     try:
         tokens = None if seq is None else sizing.parse_tokens(seq)
@@ -153,7 +153,7 @@ def size(
 def _live_shape(model: str, config, *shape_flags):
     """(shape, config dict) of a model kvcache loads itself; ValueError with --config or
     shape flags beside it."""
-    from kvcache_cli.sizing.live import live_shape
+    from kvcache_cli.models.live import live_shape
 
     if config is not None or any(flag is not None for flag in shape_flags):
         raise ValueError(f"--model {model} gives the shape: expected no --config, --layers, "

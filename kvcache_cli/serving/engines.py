@@ -40,7 +40,7 @@ from kvcache_cli import numbers
 from kvcache_cli.caches.exact import StaticCache
 from kvcache_cli.caches.paged import PagedCache, block_bytes
 from kvcache_cli.caches.quantized import POOLS, make_pool
-from kvcache_cli.gpt2 import GPT
+from kvcache_cli.models.gpt2 import GPT
 from kvcache_cli.serving.block_manager import BlockManager
 from kvcache_cli.serving.gqa_pool import PoolFigures
 from kvcache_cli.serving.metrics import Latency, RequestTimes, summarise

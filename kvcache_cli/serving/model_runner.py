@@ -28,8 +28,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kvcache_cli.caches.paged import PagedCache
-from kvcache_cli.gpt2 import GPT
 from kvcache_cli.models.attention import AttendFn
+from kvcache_cli.models.gpt2 import GPT
 from kvcache_cli.serving.scheduler import Chunk
 from kvcache_cli.serving.sequence import Sequence
 

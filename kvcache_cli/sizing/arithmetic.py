@@ -19,7 +19,7 @@ from kvcache_cli.sizing.units import (
 )
 
 if TYPE_CHECKING:
-    from kvcache_cli.sizing.live import LiveKinds
+    from kvcache_cli.models.live import LiveKinds
     from kvcache_cli.sizing.verify import Verification
 
 

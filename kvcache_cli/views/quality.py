@@ -10,10 +10,10 @@ import textwrap
 from rich.console import Group, RenderableType
 from rich.table import Table
 
-from kvcache_cli.plot import BARS
-from kvcache_cli.quality import CacheQuality, QualityResult
+from kvcache_cli.eval.quality import CacheQuality, QualityResult
 from kvcache_cli.views.bench import _bytes
 from kvcache_cli.views.layout import text_line, text_table
+from kvcache_cli.views.plot import BARS
 from kvcache_cli.views.style import figures_table, label_grid
 
 # The rich view splits the row in two tables (quality; memory and time) so each fits

@@ -6,7 +6,7 @@ from rich.console import Group, RenderableType
 from rich.panel import Panel
 from rich.text import Text
 
-from kvcache_cli.quant_breaks import QuantBreakResult
+from kvcache_cli.breaks.quantized import QuantBreakResult
 from kvcache_cli.views.style import figures_table
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from rich.console import Group, RenderableType
 
-from kvcache_cli.retrieval import CacheScore, RetrievalResult
+from kvcache_cli.eval.retrieval import CacheScore, RetrievalResult
 from kvcache_cli.views.layout import text_line, text_table
 from kvcache_cli.views.style import figures_table, label_grid
 
@@ -59,7 +59,7 @@ def plain(r: RetrievalResult, width: int) -> str:
 
 def save_plot(r: RetrievalResult, path: str | Path) -> Path:
     """Accuracy against bytes held per token, one point per cache, and accuracy by depth."""
-    from kvcache_cli.plot import require_matplotlib
+    from kvcache_cli.views.plot import require_matplotlib
 
     require_matplotlib()
     from matplotlib.backends.backend_agg import FigureCanvasAgg

@@ -21,8 +21,8 @@ from kvcache_cli.sizing import (
 from kvcache_cli.views.layout import Formula
 
 if TYPE_CHECKING:
+    from kvcache_cli.models.live import LiveKinds
     from kvcache_cli.sizing.cache_spec import SpecSize
-    from kvcache_cli.sizing.live import LiveKinds
     from kvcache_cli.sizing.verify import Verification
 
 _KIND_LABEL = {

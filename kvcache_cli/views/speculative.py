@@ -1,6 +1,6 @@
 """Rich views of speculative decoding and its two breaks.
 
-They render the frozen results of `kvcache_cli.speculative` (the same objects `--json`
+They render the frozen results of `kvcache_cli.speculative.decode` (the same objects `--json`
 dumps).
 """
 

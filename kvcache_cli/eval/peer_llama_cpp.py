@@ -237,7 +237,7 @@ def evaluate(path: str, tokens: Sequence[int], specs: Sequence[LlamaCppSpec], co
 
 
 def _rows(contexts: list[_Context], config, prompt_len: int, fed: int) -> tuple:
-    from kvcache_cli.quality import CacheQuality
+    from kvcache_cli.eval.quality import CacheQuality
 
     reference = contexts[0]
     ref_nll = statistics.fmean(reference.nll)

@@ -64,13 +64,13 @@ _TORCH_BREAKS = (
             ("position-offset", "GPT-2: every decode token gets position 0"),
             ("causal-decode", "GPT-2: is_causal=True for a one-row query against the cache"),
             ("stale-cache", "GPT-2: a cache reused across requests without a reset")),
-    # Speculative decoding's rollback (kvcache_cli.speculative).
+    # Speculative decoding's rollback (kvcache_cli.speculative.decode).
     *_torch(ANY, "kvcache_cli.gpt2_breaks:no_rollback",
             ("no-rollback", "GPT-2: speculative decoding keeps the rejected keys and values")),
     *_torch(ANY, "kvcache_cli.gpt2_breaks:rollback_shared",
             ("rollback-shared", "GPT-2: a paged rollback frees a block another sequence "
                                 "still reads")),
-    # The quantised caches' known failures, each beside its fix (kvcache_cli.quant_breaks).
+    # The quantised caches' known failures, each beside its fix (kvcache_cli.breaks.quantized).
     # kv-outlier-keys and fp8-range plant their outliers in GPT-2's fused c_attn weights.
     *_torch(("gpt2",), "kvcache_cli.gpt2_breaks:quantised",
             ("kv-outlier-keys", "GPT-2, int4 cache: outlier key channels under one scale per "
@@ -83,7 +83,7 @@ _TORCH_BREAKS = (
     *_torch(("gpt2",), "kvcache_cli.gpt2_breaks:quantised",
             ("fp8-range", "GPT-2, fp8 cache: scale 1.0 on values beyond the range, against "
                           "calibrated")),
-    # The bounded caches' (kvcache_cli.bounded_breaks, reached through run_break).
+    # The bounded caches' (kvcache_cli.breaks.bounded, reached through run_break).
     *_torch(ANY, "kvcache_cli.generate:run_break",
             ("evict-sink", "a window that evicts the first tokens, against sinks + window "
                            "(SmolLM2 where installed)"), real=True),
@@ -91,8 +91,8 @@ _TORCH_BREAKS = (
             ("ring-mask", "GPT-2: a ring buffer masked by slot index instead of position"),
             ("ring-off-by-one", "GPT-2: the newest token written one slot late, over a live "
                                 "key")),
-    # Rotary positions and grouped-query attention (kvcache_cli.llama_breaks).
-    *_torch(("llama",), "kvcache_cli.llama_breaks:run_llama_break",
+    # Rotary positions and grouped-query attention (kvcache_cli.breaks.llama).
+    *_torch(("llama",), "kvcache_cli.breaks.llama:run_llama_break",
             ("rope-decode", "Llama: the rotary position forgotten at decode (every new key "
                             "and query rotated as position 0)"),
             ("kv-expand-early", "Llama: KV heads expanded to query heads before the cache: "
@@ -100,7 +100,7 @@ _TORCH_BREAKS = (
             ("gqa-interleave", "Llama: query heads grouped with the wrong KV heads "
                                "(h % nkv, not h // (nh/nkv))"),
             ("rope-twice", "Llama: the cached key rotated again when read from the cache")),
-    # A bounded cache under rotary positions (kvcache_cli.bounded_breaks).
+    # A bounded cache under rotary positions (kvcache_cli.breaks.bounded).
     *_torch(("llama",), "kvcache_cli.generate:run_break",
             ("evict-rope-slot", "Llama: a sink ring evicts with no position decided: each "
                                 "kept key read at its slot index")),

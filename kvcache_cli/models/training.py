@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kvcache_cli.gpt2 import _CONV1D, GPT, GPTConfig
+from kvcache_cli.models.gpt2 import _CONV1D, GPT, GPTConfig
 
 HELDOUT_EVERY = 16  # files 0, 16, 32, ... of the sorted list are held out
 
@@ -263,7 +263,7 @@ def save_checkpoint(
     (out / "heldout.txt").write_bytes(corpus.heldout)
     (out / "curve.json").write_text(json.dumps([asdict(p) for p in curve], indent=1) + "\n")
     # The loss of the weights as saved (rounded to `dtype`), the figure tests check against.
-    from kvcache_cli.gpt2 import load_gpt2
+    from kvcache_cli.models.gpt2 import load_gpt2
 
     saved = load_gpt2(str(out), weights="pretrained").model
     heldout = torch.frombuffer(bytearray(corpus.heldout), dtype=torch.uint8)

@@ -39,7 +39,7 @@ from kvcache_cli.generate import (
     check_request,
     compared,
 )
-from kvcache_cli.gpt2 import GPT
+from kvcache_cli.models.gpt2 import GPT
 
 BOUNDED_BREAKS = {
     "evict-sink": "a window that evicts the first tokens, against 4 sinks + a window at "
@@ -142,7 +142,7 @@ def run_bounded_break(name: str, model: GPT, prompt_ids: list[int] | None = None
     """
     if name not in BOUNDED_BREAKS:
         raise ValueError(f"unknown break {name!r}: expected {', '.join(BOUNDED_BREAKS)}")
-    from kvcache_cli.llama_breaks import default_prompt
+    from kvcache_cli.breaks.llama import default_prompt
 
     # The model's own tokenizer's prompt where it has one (SmolLM2): a real text, whose
     # continuation a sink or a wrong rotation can spoil; GPT-2's ids otherwise.

@@ -37,7 +37,7 @@ from torch import Tensor
 from kvcache_cli import numbers
 from kvcache_cli.caches import KVCache, RollbackError, make_cache, parse_cache_spec
 from kvcache_cli.generate import _steps, check_request
-from kvcache_cli.gpt2 import GPT, GPTConfig
+from kvcache_cli.models.gpt2 import GPT, GPTConfig
 
 # transformers' prompt lookup matches up to 3-grams by default (max_matching_ngram_size=2
 # in its docs' example; 3 catches more repeated code without many false starts).

@@ -10,8 +10,8 @@ import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvcache_cli.plot import plain_log_ticks, require_matplotlib
-from kvcache_cli.quality import QualityResult
+from kvcache_cli.eval.quality import QualityResult
+from kvcache_cli.views.plot import plain_log_ticks, require_matplotlib
 
 SMOOTH_POINTS = 60  # the loss curve is averaged over windows of about scored / this tokens
 MARKERS = "osD^vP*Xh<>p"

@@ -42,7 +42,7 @@ def live_config(model: str) -> dict:
     """A transformers-style Llama config of `model` (smollm2, a .gguf): read from its
     converted folder without torch, or converted now (with torch) the first time."""
     from kvcache_cli.models import resolve_llama
-    from kvcache_cli.models.converted import converted_dir
+    from kvcache_cli.models.gguf.converted import converted_dir
 
     path = Path(resolve_llama(model)).expanduser()  # ValueError: how to install SmolLM2
     if not path.is_file():

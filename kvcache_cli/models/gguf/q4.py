@@ -103,7 +103,7 @@ def read_blocks(path: str | Path, names: set[str], n_head: int,
     one row's run of 32 inputs, so moving whole rows keeps every block."""
     from gguf import GGUFReader
 
-    from kvcache_cli.models.gguf_file import _unpermute, hf_name
+    from kvcache_cli.models.gguf.reader import _unpermute, hf_name
 
     found = {}
     for t in GGUFReader(path).tensors:
@@ -123,7 +123,7 @@ def set_q4(model) -> None:
     """Every product of a Llama read from a GGUF, the LM head included, as Int4Linear
     built from the file's own blocks, in place (check_q4 has refused what it cannot); a
     fused product (`llama.FUSED`) from its parts' blocks, row after row."""
-    from kvcache_cli.gpt2 import Linear
+    from kvcache_cli.models.gpt2 import Linear
     from kvcache_cli.models.llama import FUSED
 
     products = {name: (parent, child_name)

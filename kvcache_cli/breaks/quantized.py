@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from kvcache_cli.caches import make_cache
-from kvcache_cli.gpt2 import GPT
+from kvcache_cli.models.gpt2 import GPT
 
 
 @dataclass(frozen=True)

@@ -20,9 +20,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvcache_cli.gpt2 import LoadedModel, _read_weights, arrange_weights
 from kvcache_cli.models import SMOLLM2, SMOLLM2_HUB, resolve_llama
-from kvcache_cli.models.converted import converted_dir
+from kvcache_cli.models.gguf.converted import converted_dir
+from kvcache_cli.models.gpt2 import LoadedModel, _read_weights, arrange_weights
 from kvcache_cli.models.llama import Llama, LlamaConfig, init_random
 
 _CONFIG_FIELDS = {f.name for f in dataclasses.fields(LlamaConfig)}
@@ -40,7 +40,7 @@ def _convert(gguf: Path) -> Path:
     """The converted folder for a GGUF file, made now if it is not there yet."""
     from safetensors.torch import save_file
 
-    from kvcache_cli.models.gguf_file import read_gguf
+    from kvcache_cli.models.gguf.reader import read_gguf
     from kvcache_cli.models.tokenizer import from_gguf
 
     folder = converted_dir(gguf)

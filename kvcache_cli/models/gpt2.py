@@ -455,7 +455,7 @@ def check_weights_dtype(name: str, config: GPTConfig, device: str | torch.device
                          f"{'2.3' if name == 'int8' else '2.6'}); this is torch "
                          f"{torch.__version__}")
     if name == "q4":
-        from kvcache_cli.models.gguf_blocks import q4_problem
+        from kvcache_cli.models.gguf.q4 import q4_problem
 
         problem = q4_problem(config, source_types)
         if problem:
@@ -476,7 +476,7 @@ def set_weights_dtype(model: GPT, name: str) -> GPT:
     if dtype == model.dtype:
         return model
     if name == "q4":
-        from kvcache_cli.models.gguf_blocks import set_q4
+        from kvcache_cli.models.gguf.q4 import set_q4
 
         set_q4(model)
         return model
@@ -497,7 +497,7 @@ def set_weights_dtype(model: GPT, name: str) -> GPT:
 
 def weights_format(model: GPT) -> str:
     """The name in WEIGHT_DTYPES of how the model's product matrices are stored."""
-    from kvcache_cli.models.gguf_blocks import Int4Linear
+    from kvcache_cli.models.gguf.q4 import Int4Linear
 
     head = model.lm_head
     if isinstance(head, Int4Linear):
@@ -509,7 +509,7 @@ def weights_format(model: GPT) -> str:
 def float_state(model: GPT) -> dict[str, Tensor]:
     """Every weight as float32, nn.Linear's (out, in) order, under its parameter name:
     what the model computes with, int8 matrices dequantised (for export to GGUF)."""
-    from kvcache_cli.models.gguf_blocks import Int4Linear
+    from kvcache_cli.models.gguf.q4 import Int4Linear
 
     packed = tuple(f".{kind}{i}" for kind in ("packed", "scales") for i in range(2))
     state = {name: t.detach().float() for name, t in model.state_dict().items()

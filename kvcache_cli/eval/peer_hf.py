@@ -120,9 +120,9 @@ def evaluate(model, tokens: Sequence[int], specs: Sequence[HFCacheSpec], *, prom
     import torch
     from transformers import DynamicCache, QuantizedCache
 
+    from kvcache_cli.eval.quality import Tally, summarise
     from kvcache_cli.measure import quiet_transformers
     from kvcache_cli.models import to_hf
-    from kvcache_cli.quality import Tally, summarise
 
     hf = to_hf(model)
     cache_arg = cache_keyword(hf)

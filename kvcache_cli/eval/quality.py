@@ -43,7 +43,7 @@ from kvcache_cli.caches.spec import CacheSpec, check_prompt, parse_cache_spec
 if TYPE_CHECKING:
     from torch import Tensor
 
-    from kvcache_cli.gpt2 import GPT
+    from kvcache_cli.models.gpt2 import GPT
 
 REFERENCE = "static"  # the exact full-precision cache every other one is compared with
 DEFAULT_PROMPT_LEN = 64

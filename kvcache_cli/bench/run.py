@@ -55,8 +55,8 @@ from kvcache_cli.measure import (
 if TYPE_CHECKING:
     import torch
 
+    from kvcache_cli.bench.weight_check import TokenMargin, WeightCheck
     from kvcache_cli.llama_peer import LlamaFile, LlamaRunner
-    from kvcache_cli.weight_check import TokenMargin, WeightCheck
 
 # hf-static is transformers' generate() with its static cache; a "-compiled" mode is
 # the same under torch.compile (the compile is paid in the untimed warm-up). hf-quanto is
@@ -500,7 +500,7 @@ def _run_hf(
     if mode == "hf-quanto":  # a fresh one each run: generate() appends to what it is given
         from transformers import QuantizedCache
 
-        from kvcache_cli.hf_quality import cache_keyword
+        from kvcache_cli.eval.peer_hf import cache_keyword
 
         cache[cache_keyword(hf_model)] = QuantizedCache(backend="quanto",
                                                         config=hf_model.config, nbits=4)
@@ -625,7 +625,7 @@ def _with_margins(model, prompt: list[int], reference: list[int],
     own choice was where it left: a near-tie, or a real difference."""
     from dataclasses import replace
 
-    from kvcache_cli.weight_check import token_margin
+    from kvcache_cli.bench.weight_check import token_margin
 
     out = []
     for r in results:
@@ -759,7 +759,7 @@ def run_bench(
         counter = _Counter(plan.total, progress)
         check = None
         if reference is not None:
-            from kvcache_cli.weight_check import check_weights
+            from kvcache_cli.bench.weight_check import check_weights
 
             counter.show("checking the weights against float32")
             check = check_weights(reference, model, plan.prompt, new_tokens)
@@ -872,7 +872,7 @@ def _measure_with(model, plan: _Plan, bandwidth_mib: int | None, counter: _Count
                   finished: FinishedFn | None, llama: dict[str, LlamaRunner]) -> _Measured:
     import torch
 
-    from kvcache_cli.gpt2 import pin_threads
+    from kvcache_cli.models.gpt2 import pin_threads
 
     device = next(model.parameters()).device
     modes = plan.modes
@@ -925,7 +925,7 @@ def _result(model, plan: _Plan, measured: _Measured, threads: int, others_share:
     """Each mode summarised against the reference's tokens and the measured limit."""
     import torch
 
-    from kvcache_cli.gpt2 import weights_format
+    from kvcache_cli.models.gpt2 import weights_format
 
     cfg = model.config
     param = next(model.parameters())
