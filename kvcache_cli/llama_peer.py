@@ -69,7 +69,7 @@ def prepare(model, mode: str, directory: Path | None = None) -> LlamaFile:
     from gguf import GGUFReader
 
     from kvcache_cli.models.gguf.export import GGUFFile, export_gguf
-    from kvcache_cli.models.gpt2 import float_state
+    from kvcache_cli.models.linear import float_state
 
     cfg = model.config
     if LLAMA_MODES[mode] == "gguf":

@@ -114,8 +114,7 @@ def linears(model: torch.nn.Module) -> list[torch.nn.Module]:
     """Every matrix a decode step multiplies by, each once (the tied head is one of them)."""
     import torch
 
-    from kvcache_cli.models.gguf.q4 import Int4Linear
-    from kvcache_cli.models.gpt2 import Int8Linear
+    from kvcache_cli.models.linear import Int4Linear, Int8Linear
 
     kinds = torch.nn.Linear | Int8Linear | Int4Linear
     return [m for m in model.modules() if isinstance(m, kinds)]

@@ -3,10 +3,10 @@
 One pass of one-row products over a whole model's distinct matrices (every layer's four
 and the LM head), as `layout_bench.py` does for float layouts, comparing:
 
-- fp32: the float32 product as `gpt2.Linear` runs it (the baseline);
+- fp32: the float32 product as `linear.Linear` runs it (the baseline);
 - bf16: nn.Linear's product on bfloat16 weights and activations;
 - int8pack bf16: `torch.ops.aten._weight_int8pack_mm` with bfloat16 activations
-  (one scale per output channel; what `gpt2.Int8Linear` runs);
+  (one scale per output channel; what `linear.Int8Linear` runs);
 - int8pack fp32: the same kernel handed float32 activations;
 - int8 dequant: the int8 weight turned back into float32 each call, then multiplied
   (what a product without an int8 kernel has to do);
@@ -29,7 +29,8 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from kvcache_cli.models.gpt2 import PRESETS, Int8Linear, Linear
+from kvcache_cli.models.gpt2 import PRESETS
+from kvcache_cli.models.linear import Int8Linear, Linear
 
 
 def _shapes(name: str) -> list[tuple[int, int]]:

@@ -9,7 +9,7 @@ patch of a shared machine lands on all of them; each figure is the median pass.
 
     python scripts/layout_bench.py [--passes 15] [--model gpt2]
 
-The choice made from these figures is written where it is made, in `gpt2.Linear`.
+The choice made from these figures is written where it is made, in `linear.Linear`.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from kvcache_cli.models.gpt2 import PRESETS
 
 
 def _split_out_in(x, w_out_in):
-    """One block of output rows per thread, run as one bmm (gpt2.Linear before issue 11)."""
+    """One block of output rows per thread, run as one bmm (linear.Linear before issue 11)."""
     n = torch.get_num_threads()
     N, K = w_out_in.shape
     rows = N // n * n

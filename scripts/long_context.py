@@ -28,8 +28,8 @@ import torch
 
 from kvcache_cli.caches import make_cache
 from kvcache_cli.measure import OtherProcesses, weight_bytes
-from kvcache_cli.models import load_model, smollm2_gguf
-from kvcache_cli.models.gpt2 import set_weights_dtype
+from kvcache_cli.models import load_model, set_weights_dtype
+from kvcache_cli.models.smollm2 import smollm2_gguf
 
 LLAMA_CACHES = {"f16": 1, "q8_0": 8, "q4_0": 2}  # ggml type ids for type_k / type_v
 
@@ -117,7 +117,7 @@ def main() -> None:
         result["ours"][spec] = ours(model, spec, contexts, args.steps)
     if not args.no_llama:
         from kvcache_cli.models.gguf.export import export_gguf
-        from kvcache_cli.models.gpt2 import float_state
+        from kvcache_cli.models.linear import float_state
 
         fmt = {"fp16": "f16", "fp32": "f32", "int8": "q8_0"}.get(args.weights_dtype)
         path = (str(smollm2_gguf()) if fmt is None else

@@ -24,7 +24,8 @@ import time
 import torch
 
 from kvcache_cli.caches.paged import PagedCache
-from kvcache_cli.models.gpt2 import GPT, PRESETS, arrange_weights
+from kvcache_cli.models.gpt2 import GPT, PRESETS
+from kvcache_cli.models.linear import arrange_weights
 from kvcache_cli.serving.model_runner import LAYOUTS, ModelRunner
 from kvcache_cli.serving.scheduler import Chunk
 from kvcache_cli.serving.sequence import Request, Sequence

@@ -22,8 +22,7 @@ import torch
 from kvcache_cli.caches import make_cache
 from kvcache_cli.generate import stream_tokens
 from kvcache_cli.measure import OtherProcesses
-from kvcache_cli.models import load_model
-from kvcache_cli.models.gpt2 import set_weights_dtype
+from kvcache_cli.models import load_model, set_weights_dtype
 
 
 def decode_tokens_per_s(model, prompt: list[int], new_tokens: int) -> float:

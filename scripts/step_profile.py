@@ -27,8 +27,7 @@ import torch
 
 from kvcache_cli.caches import make_cache
 from kvcache_cli.generate import stream_tokens
-from kvcache_cli.models import family_of, load_model
-from kvcache_cli.models.gpt2 import set_weights_dtype
+from kvcache_cli.models import family_of, load_model, set_weights_dtype
 
 KINDS = {
     "products": ("aten::bmm", "aten::mm", "aten::addmm", "aten::_weight_int8pack_mm",

@@ -25,7 +25,7 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['cont
 
 
 def smollm2_or_skip():
-    from kvcache_cli.models import SMOLLM2_INSTALL, smollm2_gguf
+    from kvcache_cli.models.smollm2 import SMOLLM2_INSTALL, smollm2_gguf
 
     path = smollm2_gguf()
     if path is None:

@@ -299,9 +299,9 @@ def test_other_processes_share_is_their_busy_time_over_all_cpus(monkeypatch):
 @pytest.mark.parametrize("in_out", [True, False])
 @pytest.mark.parametrize(("out_features", "threads"), [(96, 2), (97, 2), (97, 3), (5, 8)])
 def test_one_row_linear_equals_nn_linear_in_either_layout(out_features, threads, in_out):
-    # gpt2.Linear stored (in, out) splits a one-row product into a block of columns per
+    # linear.Linear stored (in, out) splits a one-row product into a block of columns per
     # thread; columns that do not divide evenly go on their own. (out, in) is nn.Linear.
-    from kvcache_cli.models.gpt2 import Linear
+    from kvcache_cli.models.linear import Linear
 
     torch.manual_seed(0)
     layer = Linear(32, out_features)
@@ -327,7 +327,8 @@ def test_one_row_linear_equals_nn_linear_in_either_layout(out_features, threads,
 def test_a_compiled_product_splits_for_the_threads_pinned_before_compiling(monkeypatch):
     # Under torch.compile the forward cannot ask torch for its thread count: pin_threads
     # fixes it beforehand, and the split then runs on those blocks with no torch call.
-    from kvcache_cli.models.gpt2 import GPT, GPTConfig, Linear, arrange_weights, pin_threads
+    from kvcache_cli.models.gpt2 import GPT, GPTConfig
+    from kvcache_cli.models.linear import Linear, arrange_weights, pin_threads
 
     model = arrange_weights(GPT(GPTConfig(block_size=16, vocab_size=32, n_layer=1, n_head=2,
                                           n_embd=32)))
@@ -353,7 +354,7 @@ def test_a_compiled_product_splits_for_the_threads_pinned_before_compiling(monke
 def test_float32_cpu_weights_are_stored_in_out_and_load_the_same_values(checkpoint):
     from transformers import GPT2LMHeadModel
 
-    from kvcache_cli.models.gpt2 import Linear
+    from kvcache_cli.models.linear import Linear
 
     model = load_gpt2(str(checkpoint), weights="pretrained").model
     hf = GPT2LMHeadModel.from_pretrained(checkpoint)

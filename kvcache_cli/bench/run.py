@@ -872,7 +872,7 @@ def _measure_with(model, plan: _Plan, bandwidth_mib: int | None, counter: _Count
                   finished: FinishedFn | None, llama: dict[str, LlamaRunner]) -> _Measured:
     import torch
 
-    from kvcache_cli.models.gpt2 import pin_threads
+    from kvcache_cli.models.linear import pin_threads
 
     device = next(model.parameters()).device
     modes = plan.modes
@@ -925,7 +925,7 @@ def _result(model, plan: _Plan, measured: _Measured, threads: int, others_share:
     """Each mode summarised against the reference's tokens and the measured limit."""
     import torch
 
-    from kvcache_cli.models.gpt2 import weights_format
+    from kvcache_cli.models.linear import weights_format
 
     cfg = model.config
     param = next(model.parameters())

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from kvcache_cli.generate import stream_tokens
-from kvcache_cli.models.gpt2 import GPT, weights_format
+from kvcache_cli.models.gpt2 import GPT
+from kvcache_cli.models.linear import weights_format
 
 # A flip is a near-tie when the reference's margin is within what the other side's
 # rounding is known to do to a logit: twice the largest logit error measured for a weight

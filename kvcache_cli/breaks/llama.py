@@ -42,11 +42,11 @@ from kvcache_cli.generate import (
     _steps,
     check_request,
     compared,
-    encoding_for,
     side_by_side,
 )
 from kvcache_cli.models.attention import cached_attention
 from kvcache_cli.models.llama import Llama, LlamaAttention, Rotary
+from kvcache_cli.models.tokenizer import encoding_for
 
 LLAMA_BREAKS = {
     "rope-decode": "decode rotates each new query and key as position 0: the cache slot is "

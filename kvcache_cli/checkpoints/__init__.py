@@ -21,36 +21,6 @@ def shipped_dir(name: str) -> Path | None:
     return HERE / name if name in SHIPPED else None
 
 
-def tokenizer_name(name_or_path: str) -> str:
-    """The tokenizer a model's config.json names ("bytes" or "gpt2"), read without torch;
-    a Llama-family model's own tokenizer file as "file:PATH".
-
-    Presets, folders without a readable config.json, and configs that name none are
-    "gpt2"; the loader refuses whatever is wrong with them, later, in its own words.
-    """
-    from kvcache_cli.models import family_of
-    from kvcache_cli.sizing.config import ConfigError, load_config
-
-    if family_of(name_or_path) == "llama":
-        from kvcache_cli.models import model_config
-
-        try:
-            return model_config(name_or_path).tokenizer
-        except ValueError:
-            return "gpt2"  # the loader refuses it in its own words
-        except ImportError:  # a GGUF is converted with torch: its command says torch is missing
-            return "file:"
-
-    directory = shipped_dir(name_or_path) or Path(name_or_path)
-    if not (directory / "config.json").is_file():
-        return "gpt2"
-    try:
-        name = load_config(directory).get("tokenizer", "gpt2")
-    except (ConfigError, AttributeError):
-        return "gpt2"
-    return name if name == "bytes" else "gpt2"
-
-
 def heldout_bytes(name: str = TRAINED) -> bytes:
     """The held-out text of a shipped checkpoint as bytes: its token ids, for `bytes`."""
     directory = shipped_dir(name)

@@ -250,8 +250,8 @@ def _read_prompt(path: Path | None) -> str | None:
 
 def _tokenize(gpt, text: str) -> list[int]:
     """The text's token ids for the model: bytes for a byte-level model, else GPT-2's BPE."""
-    from kvcache_cli.generate import gpt2_encoding
     from kvcache_cli.models.gpt2 import GPT2_VOCAB_SIZE
+    from kvcache_cli.models.tokenizer import gpt2_encoding
 
     if gpt.config.tokenizer == "bytes":
         return list(text.encode("utf-8"))

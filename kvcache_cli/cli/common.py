@@ -309,7 +309,7 @@ def check_weights_dtype(weights_dtype: str | None, model: str, device: str) -> N
     """Refuse an unknown or unrunnable --weights-dtype before any weights load."""
     if weights_dtype is None:
         return
-    from kvcache_cli.models import family_of, gpt2, model_config
+    from kvcache_cli.models import family_of, linear, model_config
 
     try:
         types = None
@@ -317,7 +317,7 @@ def check_weights_dtype(weights_dtype: str | None, model: str, device: str) -> N
             from kvcache_cli.models.llama_loading import source_types
 
             types = source_types(model)
-        gpt2.check_weights_dtype(weights_dtype, model_config(model), device, types)
+        linear.check_weights_dtype(weights_dtype, model_config(model), device, types)
     except ValueError as err:
         fail(f"--weights-dtype: {err}")
 
@@ -332,16 +332,16 @@ def with_weights_dtype(loaded, weights_dtype: str | None):
 
     import torch
 
-    from kvcache_cli.models import gpt2
+    from kvcache_cli.models import linear, set_weights_dtype
 
     model = loaded.model
-    fmt = weights_dtype or gpt2.weights_format(model)
+    fmt = weights_dtype or linear.weights_format(model)
     if fmt == "fp32" and model.dtype == torch.float32:
         return loaded, None
     reference = copy.deepcopy(model).float()  # the float32 original the format rounds
-    reference = gpt2.arrange_weights(reference)
+    reference = linear.arrange_weights(reference)
     if weights_dtype is not None:
-        gpt2.set_weights_dtype(model, weights_dtype)
+        set_weights_dtype(model, weights_dtype)
     return loaded, reference
 
 

@@ -116,7 +116,7 @@ def generate(
         draft_spec, note = drafts.check(model, draft, [speculate], mode, positions)
     # A text prompt needs the tokenizer; token ids are shown as text only when it is there.
     # A byte-level model's tokenizer is UTF-8 itself: only GPT-2's BPE needs tiktoken.
-    from kvcache_cli.checkpoints import tokenizer_name
+    from kvcache_cli.models import tokenizer_name
 
     tokenizer = tokenizer_name(model)
     bpe = prompt is not None and tokenizer == "gpt2"
@@ -134,13 +134,14 @@ def generate(
     import torch
 
     from kvcache_cli import generate as gen
+    from kvcache_cli.models.tokenizer import encoding_for
 
     stop_ids: tuple[int, ...] = ()
     if chat is not None:
         prompt, stop_ids = _chat_prompt(model, chat)
     encoding = None
     if prompt is not None:  # before loading a model: a text prompt needs the tokenizer
-        encoding, why = gen.encoding_for(tokenizer)
+        encoding, why = encoding_for(tokenizer)
         if encoding is None:
             fail(f"{why}: {_USE_IDS}", code=1)
     known = prompt_ids or (encoding.encode(prompt, disallowed_special=())
@@ -154,7 +155,7 @@ def generate(
         typer.echo(f"note: {note}", err=True)
     loaded = load_model(model, weights, device, dtype.value)
     if weights_dtype is not None:
-        from kvcache_cli.models.gpt2 import set_weights_dtype
+        from kvcache_cli.models import set_weights_dtype
 
         set_weights_dtype(loaded.model, weights_dtype)
     prompt_ids, encoding = _encode(loaded.model, prompt, prompt_ids, encoding)
@@ -196,7 +197,7 @@ def _chat_prompt(model: str, question: str) -> tuple[str, tuple[int, ...]]:
 def default_model() -> str:
     """SmolLM2 where it is installed, so a first `kvcache generate "Hello"` reads like a
     real model (a warm load is 2.7 s); GPT-2 otherwise, as before."""
-    from kvcache_cli.models import SMOLLM2, smollm2_gguf
+    from kvcache_cli.models.smollm2 import SMOLLM2, smollm2_gguf
 
     return SMOLLM2 if smollm2_gguf() is not None else "gpt2"
 
@@ -216,7 +217,7 @@ def _readable(config) -> bool:
 
 def _encode(gpt, prompt: str | None, prompt_ids: list[int], encoding):
     """The prompt's token ids, and the encoding to show tokens as text (None: as ids)."""
-    from kvcache_cli.generate import encoding_for
+    from kvcache_cli.models.tokenizer import encoding_for
 
     config = gpt.config
     readable = _readable(config)
@@ -235,7 +236,7 @@ def _run(loaded, prompt_ids: list[int], encoding, as_json: bool, device: str, mo
          max_new_tokens: int, **sampling) -> None:
     """Generate, streaming the tokens to the terminal, or print the whole result as JSON."""
     from kvcache_cli import generate as gen
-    from kvcache_cli.models.gpt2 import weights_format
+    from kvcache_cli.models.linear import weights_format
     from kvcache_cli.views.generate import TokenStream, generation_view, header
 
     gpt = loaded.model

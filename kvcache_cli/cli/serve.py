@@ -126,7 +126,7 @@ def serve(
     check_weights_dtype(weights_dtype, model, dev)
     loaded = load_model(model, weights, dev)
     if weights_dtype is not None:
-        from kvcache_cli.models.gpt2 import set_weights_dtype
+        from kvcache_cli.models import set_weights_dtype
 
         set_weights_dtype(loaded.model, weights_dtype)
     status = console(stderr=True)

@@ -174,7 +174,7 @@ def prompter_for(config) -> Prompter:
 
         encoding = bpe_encoding(tokenizer.removeprefix("file:"))
     else:
-        from kvcache_cli.generate import encoding_for
+        from kvcache_cli.models.tokenizer import encoding_for
 
         encoding, why = encoding_for(tokenizer)
         if encoding is None:

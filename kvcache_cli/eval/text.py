@@ -72,7 +72,7 @@ def encode(text: str, tokenizer: str) -> tuple[int, ...]:
     """Token ids of `text`; TokenizerUnavailable when GPT-2's BPE cannot be loaded."""
     if tokenizer == "bytes":
         return tuple(text.encode("utf-8"))
-    from kvcache_cli.generate import encoding_for
+    from kvcache_cli.models.tokenizer import encoding_for
 
     encoding, why = encoding_for(tokenizer)
     if encoding is None:

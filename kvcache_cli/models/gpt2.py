@@ -17,7 +17,6 @@ Reference: the GPT-2 KV-cache article in `seeds/003_*` ("Build it, break it, mea
 from __future__ import annotations
 
 import math
-import pickle
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
@@ -29,6 +28,9 @@ from torch import Tensor
 
 from kvcache_cli.caches.base import CacheShape, KVCache
 from kvcache_cli.models.attention import AttendFn, cached_attention
+from kvcache_cli.models.base import FamilyModel, LoadedModel, merge_heads
+from kvcache_cli.models.linear import Linear, arrange_weights, float_state
+from kvcache_cli.models.weights_file import read_weights
 
 # ---------------------------------------------------------------------------- config
 
@@ -99,117 +101,6 @@ PRESETS = {
 # ---------------------------------------------------------------------------- model
 
 
-class Linear(nn.Linear):
-    """nn.Linear whose weight may be stored (in, out), splitting its products by thread.
-
-    A decode step multiplies one row by every weight matrix: it reads each weight once
-    and does almost no arithmetic, so its speed is how fast the weights stream from
-    memory, and that depends on the order they are stored in and on how the product is
-    shared among threads. `scripts/layout_bench.py` timed one pass of one-row products
-    over GPT-2 small's 48 matrices and its LM head (ms, median of 9 interleaved passes;
-    AMD EPYC, 2 cores, torch 2.13):
-
-        layout, product          fp32 1 thr  fp32 2 thr  bf16 1 thr  bf16 2 thr  fp16 1 / 2 thr
-        (out, in) F.linear          29.0        28.9        16.3        10.5       10.4 / 6.6
-        (out, in) split by rows     29.1        16.7        16.4        10.2       10.4 / 6.9
-        (in, out) x @ W             21.2        21.0        23.7        13.9        154 / 156
-        (in, out) split by columns  21.9        15.0        24.4        34.3        157 / 157
-
-    So in float32 on the CPU the weights are stored (in, out), as Hugging Face's Conv1D
-    keeps them (`arrange_weights`), and with several threads the product runs one block
-    of output columns per thread as one batched matmul: MKL gives a one-row product a
-    single core, which cannot pull the bandwidth two can. Half precision keeps
-    nn.Linear's (out, in) and its plain product, which already uses every thread and is
-    there the faster order. Either way the parameter keeps its (out, in) shape and its
-    name; only its strides differ, so state dicts and checkpoints are as before.
-
-    The split serves any number of rows, not only one: a batched decode step (`serve`)
-    is a few-row product, and F.linear on the (in, out) weight gave those rows far less
-    bandwidth. One 768x3072 weight x 40, ms, 2 threads: rows 1 / 8 / 64 / 512 took
-    15.2 / 37.0 / 84.9 / 118 with F.linear and 11.6 / 22.1 / 70.7 / 113 split.
-    """
-
-    threads = 1  # the thread count a compiled forward splits for (`pin_threads`)
-
-    def forward(self, x: Tensor) -> Tensor:
-        w = self.weight  # (out, in); stored (in, out) when its first stride is 1
-        if w.dtype != x.dtype:  # a weight format of its own (set_weights_dtype)
-            return self.forward(x.to(w.dtype)).to(x.dtype)
-        if x.device.type != "cpu":
-            return F.linear(x, w, self.bias)
-        # Under torch.compile, asking for the thread count would break the graph at every
-        # layer: there the count pinned before compiling (`pin_threads`) is a constant.
-        compiling = torch.compiler.is_compiling()
-        n = self.threads if compiling else torch.get_num_threads()
-        N, K = w.shape
-        if n < 2 or N < n or w.stride(0) != 1:
-            return F.linear(x, w, self.bias)
-        cols = N // n * n  # n equal blocks; the few columns left over go on their own
-        # (n, K, N/n) and (n, 1, N/n): views, kept between eager calls
-        blocks, bias = self._split(n, cols) if compiling else self._blocks(n, cols)
-        rows = x.reshape(1, -1, K).expand(n, -1, K)  # (n, R, K): every row, once per block
-        # The bias added by the product itself (baddbmm): one op fewer a layer.
-        y = torch.bmm(rows, blocks) if bias is None else torch.baddbmm(bias, rows, blocks)
-        y = y.transpose(0, 1).reshape(*x.shape[:-1], cols)  # (..., cols): the blocks in order
-        if cols < N:
-            rest = F.linear(x, w[cols:], None if self.bias is None else self.bias[cols:])
-            y = torch.cat([y, rest], dim=-1)  # (..., N)
-        return y
-
-    def _split(self, n: int, cols: int) -> tuple[Tensor, Tensor | None]:
-        """The weight and bias cut into n column blocks, as views."""
-        K = self.weight.shape[1]
-        blocks = self.weight.t()[:, :cols].view(K, n, cols // n).transpose(0, 1)  # (n, K, N/n)
-        bias = None if self.bias is None else self.bias[:cols].view(n, 1, cols // n)
-        return blocks, bias
-
-    def _blocks(self, n: int, cols: int) -> tuple[Tensor, Tensor | None]:
-        """`_split`'s views, made once per thread count and storage: a decode step calls
-        49 products, and four view ops each cost more dispatch than they are worth."""
-        w = self.weight
-        key = (n, w.data_ptr(), None if self.bias is None else self.bias.data_ptr())
-        if getattr(self, "_block_key", None) != key:
-            self._block_key, self._block_views = key, self._split(n, cols)
-        return self._block_views
-
-
-class Int8Linear(nn.Module):
-    """A Linear whose weight is int8 with one scale per output channel (gpt-fast's
-    weight-only scheme): w ≈ weight_int8 * scales[:, None].
-
-    The product is `torch.ops.aten._weight_int8pack_mm`, which reads the int8 weight once
-    and scales each output column, so a decode step streams a quarter of float32's
-    bytes. Its activations are bfloat16 whatever the model's dtype: on an AVX-512 CPU
-    (AMD EPYC, torch 2.13, one row, 768 -> 3,072) it took 68 µs with bfloat16 activations
-    and 1,075 µs with float32 ones, against 159 µs for the float32 product; the row is
-    cast in and the result cast back, which costs nothing next to the weight. The kernel
-    needs the input width to be a multiple of 16 (other widths give wrong numbers or
-    crash), which `check_weights_dtype` asks before a model loads.
-    """
-
-    def __init__(self, linear: nn.Linear):
-        super().__init__()
-        w = linear.weight.detach().float()  # (out, in)
-        # Symmetric, one scale per output channel: the largest |w| of each row maps to 127.
-        scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127  # (out,)
-        q = torch.round(w / scales[:, None]).clamp(-128, 127).to(torch.int8)  # (out, in)
-        self.in_features, self.out_features = w.shape[1], w.shape[0]
-        self.register_buffer("weight", q.contiguous())  # (out, in): the kernel's order
-        self.register_buffer("scales", scales.to(torch.bfloat16))  # (out,)
-        bias = linear.bias
-        self.register_buffer("bias", None if bias is None else bias.detach().clone())
-
-    def forward(self, x: Tensor) -> Tensor:
-        rows = x.reshape(-1, self.in_features).to(torch.bfloat16)  # (R, in)
-        y = torch.ops.aten._weight_int8pack_mm(rows, self.weight, self.scales)  # (R, out)
-        y = y.view(*x.shape[:-1], self.out_features).to(x.dtype)  # (..., out)
-        return y if self.bias is None else y + self.bias
-
-    def dequantized(self) -> Tensor:
-        """The float32 weight this module computes with, (out, in)."""
-        return self.weight.float() * self.scales.float()[:, None]
-
-
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig, layer: int):
         super().__init__()
@@ -234,12 +125,6 @@ class CausalSelfAttention(nn.Module):
     ) -> Tensor:
         y = cached_attention(*self.project(x), self.layer, start_pos, cache, force_is_causal)
         return self.c_proj(merge_heads(y))
-
-
-def merge_heads(y: Tensor) -> Tensor:
-    """Attention's output (B, nh, T, hs) as the rows its output projection reads, (B, T, C)."""
-    B, nh, T, hs = y.shape
-    return y.transpose(1, 2).reshape(B, T, nh * hs)
 
 
 class MLP(nn.Module):
@@ -267,29 +152,6 @@ class Block(nn.Module):
     ) -> Tensor:
         x = x + self.attn(self.ln_1(x), start_pos, cache, force_is_causal)
         return x + self.mlp(self.ln_2(x))
-
-
-class FamilyModel(nn.Module):
-    """What every model family derives from its token embedding (`embedding`, which each
-    family names its own way): where it runs, its activations' dtype, its size."""
-
-    embedding: nn.Embedding
-
-    @property
-    def device(self) -> torch.device:
-        return self.embedding.weight.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """Activations' and the cache's; the products' matrices may differ (weights_format)."""
-        return self.embedding.weight.dtype
-
-    def num_params(self) -> int:
-        return sum(p.numel() for p in self.parameters())  # tied weights counted once
-
-    def checkpoint_names(self, state: dict[str, Tensor]) -> None:
-        """Weights named as the model holds them renamed, in place, as its checkpoints
-        name them (a family that fuses products splits them here)."""
 
 
 class GPT(FamilyModel):
@@ -401,124 +263,7 @@ class GPT(FamilyModel):
         return self.transformer.wte
 
 
-
-def arrange_weights(model: GPT) -> GPT:
-    """Store every Linear weight in the order its one-row product reads fastest.
-
-    (in, out) for float32 on the CPU, (out, in) otherwise: the figures that decided it
-    are in `Linear`'s docstring. Shapes, names and values are unchanged; the tied
-    embedding follows the LM head (a lookup reads one strided row, which costs nothing).
-    """
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, Linear):
-                w = module.weight
-                in_out = w.device.type == "cpu" and w.dtype == torch.float32
-                w.data = w.t().contiguous().t() if in_out else w.contiguous()
-    return model
-
-
-def pin_threads(model: GPT) -> GPT:
-    """Fix the thread count the products split for, before torch.compile traces them: the
-    compiled graph holds it as a constant (it would break at every layer asking torch)."""
-    for module in model.modules():
-        if isinstance(module, Linear):
-            module.threads = torch.get_num_threads()
-    return model
-
-
 # ---------------------------------------------------------------------------- weight formats
-
-# How the matrices of the products may be stored. A float format other than the
-# model's dtype keeps activations, norms and cache in the model's dtype and casts the
-# one row in and out of each product; int8 is `Int8Linear`; q4 is a GGUF's own 4-bit
-# blocks (`models.gguf_blocks.Int4Linear`, packed two to a byte), for a Llama read from one.
-WEIGHT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
-                 "int8": torch.int8, "q4": torch.quint4x2}  # fmt: skip
-
-
-def check_weights_dtype(name: str, config: GPTConfig, device: str | torch.device,
-                        source_types: dict[str, str] | None = None) -> None:
-    """Refuse, before any weights load, a weight format this model or device cannot run.
-    source_types: the GGUF type each tensor was stored in, for a model read from a GGUF
-    (q4 runs only those blocks)."""
-    if name not in WEIGHT_DTYPES:
-        raise ValueError(f"unknown weights dtype {name!r}; expected {', '.join(WEIGHT_DTYPES)}")
-    if name not in ("int8", "q4"):
-        return
-    kernel = "_weight_int8pack_mm" if name == "int8" else "_weight_int4pack_mm_for_cpu"
-    if torch.device(device).type != "cpu":
-        raise ValueError(f"{name} weights run on the CPU only (torch's {kernel}); "
-                         f"got device {torch.device(device).type}: use --device cpu")
-    if not hasattr(torch.ops.aten, kernel):
-        raise ValueError(f"{name} weights need torch's {kernel} (torch >= "
-                         f"{'2.3' if name == 'int8' else '2.6'}); this is torch "
-                         f"{torch.__version__}")
-    if name == "q4":
-        from kvcache_cli.models.gguf.q4 import q4_problem
-
-        problem = q4_problem(config, source_types)
-        if problem:
-            raise ValueError(problem)
-        return
-    if config.n_embd % 16:
-        raise ValueError(f"int8 weights need n_embd a multiple of 16 (the int8 kernel's "
-                         f"block); this model's is {config.n_embd}")
-
-
-def set_weights_dtype(model: GPT, name: str) -> GPT:
-    """Store every product's matrix (the LM head included) in `name`, in place.
-
-    The tied LM head gets a copy of its own in the new format; the token embedding stays
-    in the model's dtype, where a lookup reads one row of it per step.
-    """
-    dtype = WEIGHT_DTYPES[name]
-    if dtype == model.dtype:
-        return model
-    if name == "q4":
-        from kvcache_cli.models.gguf.q4 import set_q4
-
-        set_q4(model)
-        return model
-    for parent in list(model.modules()):
-        for child_name, child in list(parent.named_children()):
-            if not isinstance(child, Linear):
-                continue
-            if dtype == torch.int8:
-                setattr(parent, child_name, Int8Linear(child))
-                continue
-            tied = child.weight is model.embedding.weight
-            weight = child.weight.detach().to(dtype)
-            child.weight = nn.Parameter(weight.clone() if tied else weight, requires_grad=False)
-            if child.bias is not None:
-                child.bias = nn.Parameter(child.bias.detach().to(dtype), requires_grad=False)
-    return arrange_weights(model)
-
-
-def weights_format(model: GPT) -> str:
-    """The name in WEIGHT_DTYPES of how the model's product matrices are stored."""
-    from kvcache_cli.models.gguf.q4 import Int4Linear
-
-    head = model.lm_head
-    if isinstance(head, Int4Linear):
-        return "q4"
-    dtype = torch.int8 if isinstance(head, Int8Linear) else head.weight.dtype
-    return next(name for name, d in WEIGHT_DTYPES.items() if d == dtype)
-
-
-def float_state(model: GPT) -> dict[str, Tensor]:
-    """Every weight as float32, nn.Linear's (out, in) order, under its parameter name:
-    what the model computes with, int8 matrices dequantised (for export to GGUF)."""
-    from kvcache_cli.models.gguf.q4 import Int4Linear
-
-    packed = tuple(f".{kind}{i}" for kind in ("packed", "scales") for i in range(2))
-    state = {name: t.detach().float() for name, t in model.state_dict().items()
-             if not name.endswith((".scales", *packed))}  # fmt: skip
-    for name, module in model.named_modules():
-        if isinstance(module, Int8Linear | Int4Linear):
-            state[f"{name}.weight"] = module.dequantized()
-    model.checkpoint_names(state)
-    return state
 
 
 # ---------------------------------------------------------------------------- loading
@@ -532,13 +277,6 @@ _IGNORED = (".attn.bias", ".attn.masked_bias")
 # untrained model's greedy tokens repeat one id forever, so no bug could show in them.
 RANDOM_INIT_STD = 0.2
 _HUB_REPO = "openai-community/{name}"
-
-
-@dataclass(frozen=True)
-class LoadedModel:
-    model: GPT
-    source: str  # "pretrained gpt2 (cached)", "checkpoint /path", "random weights (gpt2 ...)"
-    note: str | None = None  # one line when `auto` fell back to random weights
 
 
 def load_gpt2(
@@ -567,12 +305,12 @@ def load_gpt2(
                 raise RuntimeError(f"pretrained {name} weights unavailable: {why}")
             note = f"pretrained {name} weights unavailable ({why}): using random weights"
             return _random(config, _random_source(name), device, dtype, note)
-        state = _read_weights(Path(path))
+        state = read_weights(Path(path))
         return LoadedModel(_from_state(config, state, device, dtype), f"pretrained {name} ({how})")
     directory = checkpoint_dir(name_or_path)
     if weights == "random":
         return _random(config, _random_source(name_or_path), device, dtype)
-    state = _read_weights(_weights_file(directory))
+    state = read_weights(_weights_file(directory))
     source = (f"checkpoint {name_or_path} (shipped)" if directory != Path(name_or_path)
               else f"checkpoint {directory}")
     return LoadedModel(_from_state(config, state, device, dtype), source)
@@ -675,66 +413,6 @@ def _weights_file(directory: Path) -> Path:
         if (directory / name).is_file():
             return directory / name
     raise ValueError(f"no model.safetensors or pytorch_model.bin in {directory}")
-
-
-def _read_weights(path: Path) -> dict[str, Tensor]:
-    """Tensors only: safetensors, or a pickle restricted to tensors (weights_only).
-
-    Whatever the file holds, the outcome is a {name: tensor} dict or a ValueError naming the
-    file: never a traceback from the parser, never a read outside the checkpoint directory.
-    """
-    if not path.is_file():  # a FIFO or device would block or never end
-        raise ValueError(f"{path}: not a regular file; expected a checkpoint file")
-    if path.stat().st_size == 0:
-        raise ValueError(f"{path} is empty; expected a checkpoint file")
-    if path.name.endswith(".index.json"):  # a sharded safetensors checkpoint
-        return _read_shards(path)
-    if path.suffix == ".safetensors":
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
-
-        try:
-            state = load_file(path)
-        except (SafetensorError, OSError, ValueError) as error:
-            first = (str(error).strip().splitlines() or [""])[0][:120]
-            raise ValueError(f"{path}: not a readable safetensors file ({first})") from None
-    else:
-        try:
-            # weights_only=True unpickles tensors and plain containers and refuses any other
-            # object, so a .bin that would run code on load fails here instead.
-            state = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as error:  # noqa: BLE001 - bytes that are no pickle make the
-            # unpickler raise whatever its first opcode hits: plain text is a KeyError
-            # (an unknown memo key), other bytes an IndexError, a struct.error, ...
-            first = (str(error).strip().splitlines() or [""])[0][:120]
-            if not isinstance(error, (pickle.UnpicklingError, RuntimeError, EOFError,
-                                      ValueError, OSError)):
-                first = f"not a pickle: {type(error).__name__}"
-            raise ValueError(f"refusing {path}: not a plain tensor file ({first})") from None
-    if not isinstance(state, dict) or not all(
-            isinstance(k, str) and isinstance(t, Tensor) for k, t in state.items()):
-        kind = type(state).__name__ if not isinstance(state, dict) else "a dict of other values"
-        raise ValueError(f"{path} holds {kind}, not a state dict of named tensors")
-    return state
-
-
-def _read_shards(index: Path) -> dict[str, Tensor]:
-    """The shards an index names, each inside the index's own directory."""
-    from kvcache_cli.sizing.config import load_config  # regular files only, size-capped
-
-    weight_map = load_config(index).get("weight_map")
-    if not isinstance(weight_map, dict) or not all(
-            isinstance(v, str) for v in weight_map.values()):
-        raise ValueError(f"{index}: no weight_map of tensor name → shard file")
-    root = index.parent.resolve()
-    state: dict[str, Tensor] = {}
-    for shard in sorted(set(weight_map.values())):
-        path = (root / shard).resolve()
-        if path.parent != root:  # '../x', '/etc/x' or a link out: never read outside
-            raise ValueError(f"{index}: shard {shard!r} is outside the checkpoint directory; "
-                             "expected a file name next to the index")
-        state.update(_read_weights(path))
-    return state
 
 
 def _from_state(config: GPTConfig, state: dict[str, Tensor], device, dtype) -> GPT:

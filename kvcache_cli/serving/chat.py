@@ -98,8 +98,7 @@ def check_template(config, model: str) -> str:
 
 def build(chat: ChatSet, config, model: str, n: int, seed: int) -> ChatRequests:
     """n requests through the model's template and tokenizer (ValueError in one line)."""
-    from kvcache_cli.generate import encoding_for
-    from kvcache_cli.models.tokenizer import render_chat
+    from kvcache_cli.models.tokenizer import encoding_for, render_chat
 
     template = check_template(config, model)
     encoding, why = encoding_for(config.tokenizer)

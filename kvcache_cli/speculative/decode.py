@@ -500,8 +500,7 @@ def chat_tasks(config, model: str, sets: Sequence[str] = TASK_SETS) -> tuple[Cha
     ValueError in one line for a model without a template."""
     import json
 
-    from kvcache_cli.generate import encoding_for
-    from kvcache_cli.models.tokenizer import render_chat
+    from kvcache_cli.models.tokenizer import encoding_for, render_chat
 
     template = getattr(config, "chat_template", None)
     if not template:

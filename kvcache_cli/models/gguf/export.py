@@ -86,7 +86,7 @@ def gguf_tensors(state: dict, n_layer: int) -> Iterator[tuple[str, np.ndarray]]:
     """(llama.cpp name, float32 array) for every tensor of a GPT-2 state dict.
 
     `state` maps our parameter names to tensors in nn.Linear's (out, in) order, as
-    `gpt2.float_state` gives them; the LM head is left out (tied, see above).
+    `linear.float_state` gives them; the LM head is left out (tied, see above).
     """
     for ours, theirs in _names().items():
         layers = range(n_layer) if "{bid}" in ours else (None,)

@@ -11,7 +11,7 @@ bfloat16 scales (one 576 -> 1,536 row product, 1 thread: 135 µs in bfloat16, 2,
 float32, 4,738 µs in float16), so d and m + 8d are rounded from float16's 11 significant
 bits to bfloat16's 8: a weight moves by at most 2^-9 of |s*(q - 8)| + 2^-9 of |z|, under
 1/32 of its block's step d where a fresh 4-bit rounding moves it by up to d/2. The row is
-rounded to bfloat16 on the way in, as `gpt2.Int8Linear` does.
+rounded to bfloat16 on the way in, as `linear.Int8Linear` does.
 
 A tensor the file keeps at 8 bits (SmolLM2's token embedding, which is also its tied LM
 head, is Q8_0: w = d*q8, q8 in -128..127) runs as two 4-bit planes of the same kernel, the
@@ -27,79 +27,15 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn as nn
 from torch import Tensor
 
-GROUP = 32  # weights per block: GGUF's Q4_0/Q4_1/Q8_0 block, the kernel's group size
-BLOCK_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # the types q4 runs without re-quantising
-
-
-class Int4Linear(nn.Module):
-    """A bias-free Linear whose (out, in) weight is one or two planes of 4-bit groups:
-    w = sum over planes of (q - 8) * s + z, s and z one pair per group of 32 inputs."""
-
-    def __init__(self, planes: list[tuple[Tensor, Tensor]]):
-        """planes: (q (out, in) int32 in 0..15, scales_and_zeros (in/32, out, 2) float32)."""
-        super().__init__()
-        self.out_features, self.in_features = planes[0][0].shape
-        for i, (q, sz) in enumerate(planes):
-            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
-            self.register_buffer(f"packed{i}", packed)  # (out, in/2) uint8: two q a byte
-            self.register_buffer(f"scales{i}", sz.to(torch.bfloat16).contiguous())
-        self.planes = len(planes)
-
-    def forward(self, x: Tensor) -> Tensor:
-        rows = x.reshape(-1, self.in_features).to(torch.bfloat16)  # (R, in)
-        y = None
-        for i in range(self.planes):
-            part = torch.ops.aten._weight_int4pack_mm_for_cpu(
-                rows, getattr(self, f"packed{i}"), GROUP, getattr(self, f"scales{i}"))
-            y = part.float() if y is None else y + part.float()  # (R, out)
-        return y.view(*x.shape[:-1], self.out_features).to(x.dtype)  # (..., out)
-
-    def dequantized(self) -> Tensor:
-        """The float32 weight this module computes with, (out, in)."""
-        eye = torch.eye(self.in_features, dtype=torch.bfloat16)  # (in, in): one input each
-        w = None
-        for i in range(self.planes):
-            part = torch.ops.aten._weight_int4pack_mm_for_cpu(
-                eye, getattr(self, f"packed{i}"), GROUP, getattr(self, f"scales{i}")).float()
-            w = part if w is None else w + part  # (in, out)
-        return w.t().contiguous()
-
-
-def planes_of(blocks: np.ndarray, kind: str) -> list[tuple[Tensor, Tensor]]:
-    """A GGUF tensor's raw blocks, (out, in/32 * block bytes) uint8, as Int4Linear planes."""
-    out = blocks.shape[0]
-    if kind == "Q8_0":  # 2-byte d, 32 int8
-        raw = blocks.reshape(out, -1, 34)  # (out, in/32, 34)
-        d = raw[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)  # (out, in/32)
-        q8 = raw[..., 2:].view(np.int8).astype(np.int32) + 128  # (out, in/32, 32) in 0..255
-        s = torch.from_numpy(d)
-        hi, lo = torch.from_numpy(q8 >> 4), torch.from_numpy(q8 & 15)
-        return [(hi.reshape(out, -1), _scales_and_zeros(16 * s, torch.zeros_like(s))),
-                (lo.reshape(out, -1), _scales_and_zeros(s, 8 * s))]
-    if kind not in ("Q4_0", "Q4_1"):
-        raise ValueError(f"q4 runs {', '.join(BLOCK_TYPES)} blocks, not {kind}")
-    head = 4 if kind == "Q4_1" else 2  # d (and m), float16 each
-    raw = blocks.reshape(out, -1, head + 16)  # (out, in/32, block bytes)
-    scalars = raw[..., :head].copy().view(np.float16).astype(np.float32)  # (out, in/32, 1|2)
-    qs = raw[..., head:]  # (out, in/32, 16): weight j in the low nibble, j + 16 in the high
-    q = np.concatenate([qs & 15, qs >> 4], axis=-1).astype(np.int32)  # (out, in/32, 32)
-    d = torch.from_numpy(scalars[..., 0])
-    z = torch.from_numpy(scalars[..., 1]) + 8 * d if kind == "Q4_1" else torch.zeros_like(d)
-    return [(torch.from_numpy(q).reshape(out, -1), _scales_and_zeros(d, z))]
-
-
-def _scales_and_zeros(s: Tensor, z: Tensor) -> Tensor:
-    """(out, groups) scales and zeros as the kernel reads them, (groups, out, 2)."""
-    return torch.stack([s.t(), z.t()], dim=-1)
+from kvcache_cli.models.linear import Int4Linear, planes_of
 
 
 def read_blocks(path: str | Path, names: set[str], n_head: int,
                 n_kv: int) -> dict[str, tuple[np.ndarray, str]]:
     """transformers' name → (its raw blocks (out, bytes), GGUF type), for the names asked,
-    rows of q and k restored to transformers' order (`gguf_file._unpermute`): a block is
+    rows of q and k restored to transformers' order (`reader._unpermute`): a block is
     one row's run of 32 inputs, so moving whole rows keeps every block."""
     from gguf import GGUFReader
 
@@ -123,7 +59,7 @@ def set_q4(model) -> None:
     """Every product of a Llama read from a GGUF, the LM head included, as Int4Linear
     built from the file's own blocks, in place (check_q4 has refused what it cannot); a
     fused product (`llama.FUSED`) from its parts' blocks, row after row."""
-    from kvcache_cli.models.gpt2 import Linear
+    from kvcache_cli.models.linear import Linear
     from kvcache_cli.models.llama import FUSED
 
     products = {name: (parent, child_name)
@@ -171,25 +107,3 @@ def _stacked(parts: list[list[tuple[Tensor, Tensor]]]) -> list[tuple[Tensor, Ten
     return stacked
 
 
-def q4_problem(config, types: dict[str, str] | None) -> str | None:
-    """Why a model cannot run q4 (one line), or None: it must come from a GGUF whose
-    product tensors are all blocks of 32 that the int4 kernel can take."""
-    if getattr(config, "gguf", None) is None or types is None:
-        name = getattr(config, "name", "this model")
-        return (f"q4 weights are a GGUF's own 4-bit blocks; {name} was not read from a "
-                "GGUF file (expected -m smollm2 or a .gguf)")
-    c = config
-    widths = {"hidden size": (c.n_embd, GROUP), "MLP width": (c.intermediate, GROUP),
-              "vocabulary": (c.vocab_size, 16), "KV width": (c.n_kv_head * c.head_size, 16),
-              "query width": (c.n_head * c.head_size, GROUP)}
-    for what, (n, multiple) in widths.items():
-        if n % multiple:  # the kernel's packing: rows in 16s, inputs in groups of 32
-            return (f"q4 weights need the {what} a multiple of {multiple} (torch's int4 "
-                    f"packing); this model's is {n}")
-    for name, kind in sorted(types.items()):
-        product = name.endswith("proj.weight") or name == "lm_head.weight" or (
-            name == "model.embed_tokens.weight" and config.tie_word_embeddings)
-        if product and kind not in BLOCK_TYPES:
-            return (f"q4 runs {', '.join(BLOCK_TYPES)} blocks without re-quantising; "
-                    f"{name} is {kind} in {Path(config.gguf).name}")
-    return None

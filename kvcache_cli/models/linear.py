@@ -1,0 +1,328 @@
+"""How the matrices of a model's products are stored: every `--weights-dtype`.
+
+`Linear` (float, stored in the order its one-row product reads fastest), `Int8Linear`
+(int8, one scale per output channel) and `Int4Linear` (a GGUF's own 4-bit blocks); the
+checks that refuse a format before weights load, and the switch between formats.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+from kvcache_cli.models.base import FamilyConfig, FamilyModel
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose weight may be stored (in, out), splitting its products by thread.
+
+    A decode step multiplies one row by every weight matrix: it reads each weight once
+    and does almost no arithmetic, so its speed is how fast the weights stream from
+    memory, and that depends on the order they are stored in and on how the product is
+    shared among threads. `scripts/layout_bench.py` timed one pass of one-row products
+    over GPT-2 small's 48 matrices and its LM head (ms, median of 9 interleaved passes;
+    AMD EPYC, 2 cores, torch 2.13):
+
+        layout, product          fp32 1 thr  fp32 2 thr  bf16 1 thr  bf16 2 thr  fp16 1 / 2 thr
+        (out, in) F.linear          29.0        28.9        16.3        10.5       10.4 / 6.6
+        (out, in) split by rows     29.1        16.7        16.4        10.2       10.4 / 6.9
+        (in, out) x @ W             21.2        21.0        23.7        13.9        154 / 156
+        (in, out) split by columns  21.9        15.0        24.4        34.3        157 / 157
+
+    So in float32 on the CPU the weights are stored (in, out), as Hugging Face's Conv1D
+    keeps them (`arrange_weights`), and with several threads the product runs one block
+    of output columns per thread as one batched matmul: MKL gives a one-row product a
+    single core, which cannot pull the bandwidth two can. Half precision keeps
+    nn.Linear's (out, in) and its plain product, which already uses every thread and is
+    there the faster order. Either way the parameter keeps its (out, in) shape and its
+    name; only its strides differ, so state dicts and checkpoints are as before.
+
+    The split serves any number of rows, not only one: a batched decode step (`serve`)
+    is a few-row product, and F.linear on the (in, out) weight gave those rows far less
+    bandwidth. One 768x3072 weight x 40, ms, 2 threads: rows 1 / 8 / 64 / 512 took
+    15.2 / 37.0 / 84.9 / 118 with F.linear and 11.6 / 22.1 / 70.7 / 113 split.
+    """
+
+    threads = 1  # the thread count a compiled forward splits for (`pin_threads`)
+
+    def forward(self, x: Tensor) -> Tensor:
+        w = self.weight  # (out, in); stored (in, out) when its first stride is 1
+        if w.dtype != x.dtype:  # a weight format of its own (set_weights_dtype)
+            return self.forward(x.to(w.dtype)).to(x.dtype)
+        if x.device.type != "cpu":
+            return F.linear(x, w, self.bias)
+        # Under torch.compile, asking for the thread count would break the graph at every
+        # layer: there the count pinned before compiling (`pin_threads`) is a constant.
+        compiling = torch.compiler.is_compiling()
+        n = self.threads if compiling else torch.get_num_threads()
+        N, K = w.shape
+        if n < 2 or N < n or w.stride(0) != 1:
+            return F.linear(x, w, self.bias)
+        cols = N // n * n  # n equal blocks; the few columns left over go on their own
+        # (n, K, N/n) and (n, 1, N/n): views, kept between eager calls
+        blocks, bias = self._split(n, cols) if compiling else self._blocks(n, cols)
+        rows = x.reshape(1, -1, K).expand(n, -1, K)  # (n, R, K): every row, once per block
+        # The bias added by the product itself (baddbmm): one op fewer a layer.
+        y = torch.bmm(rows, blocks) if bias is None else torch.baddbmm(bias, rows, blocks)
+        y = y.transpose(0, 1).reshape(*x.shape[:-1], cols)  # (..., cols): the blocks in order
+        if cols < N:
+            rest = F.linear(x, w[cols:], None if self.bias is None else self.bias[cols:])
+            y = torch.cat([y, rest], dim=-1)  # (..., N)
+        return y
+
+    def _split(self, n: int, cols: int) -> tuple[Tensor, Tensor | None]:
+        """The weight and bias cut into n column blocks, as views."""
+        K = self.weight.shape[1]
+        blocks = self.weight.t()[:, :cols].view(K, n, cols // n).transpose(0, 1)  # (n, K, N/n)
+        bias = None if self.bias is None else self.bias[:cols].view(n, 1, cols // n)
+        return blocks, bias
+
+    def _blocks(self, n: int, cols: int) -> tuple[Tensor, Tensor | None]:
+        """`_split`'s views, made once per thread count and storage: a decode step calls
+        49 products, and four view ops each cost more dispatch than they are worth."""
+        w = self.weight
+        key = (n, w.data_ptr(), None if self.bias is None else self.bias.data_ptr())
+        if getattr(self, "_block_key", None) != key:
+            self._block_key, self._block_views = key, self._split(n, cols)
+        return self._block_views
+
+
+class Int8Linear(nn.Module):
+    """A Linear whose weight is int8 with one scale per output channel (gpt-fast's
+    weight-only scheme): w ≈ weight_int8 * scales[:, None].
+
+    The product is `torch.ops.aten._weight_int8pack_mm`, which reads the int8 weight once
+    and scales each output column, so a decode step streams a quarter of float32's
+    bytes. Its activations are bfloat16 whatever the model's dtype: on an AVX-512 CPU
+    (AMD EPYC, torch 2.13, one row, 768 -> 3,072) it took 68 µs with bfloat16 activations
+    and 1,075 µs with float32 ones, against 159 µs for the float32 product; the row is
+    cast in and the result cast back, which costs nothing next to the weight. The kernel
+    needs the input width to be a multiple of 16 (other widths give wrong numbers or
+    crash), which `check_weights_dtype` asks before a model loads.
+    """
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        w = linear.weight.detach().float()  # (out, in)
+        # Symmetric, one scale per output channel: the largest |w| of each row maps to 127.
+        scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127  # (out,)
+        q = torch.round(w / scales[:, None]).clamp(-128, 127).to(torch.int8)  # (out, in)
+        self.in_features, self.out_features = w.shape[1], w.shape[0]
+        self.register_buffer("weight", q.contiguous())  # (out, in): the kernel's order
+        self.register_buffer("scales", scales.to(torch.bfloat16))  # (out,)
+        bias = linear.bias
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+
+    def forward(self, x: Tensor) -> Tensor:
+        rows = x.reshape(-1, self.in_features).to(torch.bfloat16)  # (R, in)
+        y = torch.ops.aten._weight_int8pack_mm(rows, self.weight, self.scales)  # (R, out)
+        y = y.view(*x.shape[:-1], self.out_features).to(x.dtype)  # (..., out)
+        return y if self.bias is None else y + self.bias
+
+    def dequantized(self) -> Tensor:
+        """The float32 weight this module computes with, (out, in)."""
+        return self.weight.float() * self.scales.float()[:, None]
+
+
+def arrange_weights(model: FamilyModel) -> FamilyModel:
+    """Store every Linear weight in the order its one-row product reads fastest.
+
+    (in, out) for float32 on the CPU, (out, in) otherwise: the figures that decided it
+    are in `Linear`'s docstring. Shapes, names and values are unchanged; the tied
+    embedding follows the LM head (a lookup reads one strided row, which costs nothing).
+    """
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, Linear):
+                w = module.weight
+                in_out = w.device.type == "cpu" and w.dtype == torch.float32
+                w.data = w.t().contiguous().t() if in_out else w.contiguous()
+    return model
+
+
+def pin_threads(model: FamilyModel) -> FamilyModel:
+    """Fix the thread count the products split for, before torch.compile traces them: the
+    compiled graph holds it as a constant (it would break at every layer asking torch)."""
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.threads = torch.get_num_threads()
+    return model
+
+
+# How the matrices of the products may be stored. A float format other than the
+# model's dtype keeps activations, norms and cache in the model's dtype and casts the
+# one row in and out of each product; int8 is `Int8Linear`; q4 is a GGUF's own 4-bit
+# blocks (`Int4Linear`, packed two to a byte), for a Llama read from one.
+WEIGHT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+                 "int8": torch.int8, "q4": torch.quint4x2}  # fmt: skip
+
+
+def check_weights_dtype(name: str, config: FamilyConfig, device: str | torch.device,
+                        source_types: dict[str, str] | None = None) -> None:
+    """Refuse, before any weights load, a weight format this model or device cannot run.
+    source_types: the GGUF type each tensor was stored in, for a model read from a GGUF
+    (q4 runs only those blocks)."""
+    if name not in WEIGHT_DTYPES:
+        raise ValueError(f"unknown weights dtype {name!r}; expected {', '.join(WEIGHT_DTYPES)}")
+    if name not in ("int8", "q4"):
+        return
+    kernel = "_weight_int8pack_mm" if name == "int8" else "_weight_int4pack_mm_for_cpu"
+    if torch.device(device).type != "cpu":
+        raise ValueError(f"{name} weights run on the CPU only (torch's {kernel}); "
+                         f"got device {torch.device(device).type}: use --device cpu")
+    if not hasattr(torch.ops.aten, kernel):
+        raise ValueError(f"{name} weights need torch's {kernel} (torch >= "
+                         f"{'2.3' if name == 'int8' else '2.6'}); this is torch "
+                         f"{torch.__version__}")
+    if name == "q4":
+        problem = q4_problem(config, source_types)
+        if problem:
+            raise ValueError(problem)
+        return
+    if config.n_embd % 16:
+        raise ValueError(f"int8 weights need n_embd a multiple of 16 (the int8 kernel's "
+                         f"block); this model's is {config.n_embd}")
+
+
+def set_weights_dtype(model: FamilyModel, name: str) -> FamilyModel:
+    """Store every product's matrix (the LM head included) in `name`, a float format or
+    int8, in place (q4 reads a GGUF's blocks: `models.set_weights_dtype` dispatches).
+
+    The tied LM head gets a copy of its own in the new format; the token embedding stays
+    in the model's dtype, where a lookup reads one row of it per step.
+    """
+    dtype = WEIGHT_DTYPES[name]
+    if dtype == model.dtype:
+        return model
+    for parent in list(model.modules()):
+        for child_name, child in list(parent.named_children()):
+            if not isinstance(child, Linear):
+                continue
+            if dtype == torch.int8:
+                setattr(parent, child_name, Int8Linear(child))
+                continue
+            tied = child.weight is model.embedding.weight
+            weight = child.weight.detach().to(dtype)
+            child.weight = nn.Parameter(weight.clone() if tied else weight, requires_grad=False)
+            if child.bias is not None:
+                child.bias = nn.Parameter(child.bias.detach().to(dtype), requires_grad=False)
+    return arrange_weights(model)
+
+
+def weights_format(model: FamilyModel) -> str:
+    """The name in WEIGHT_DTYPES of how the model's product matrices are stored."""
+    head = model.lm_head
+    if isinstance(head, Int4Linear):
+        return "q4"
+    dtype = torch.int8 if isinstance(head, Int8Linear) else head.weight.dtype
+    return next(name for name, d in WEIGHT_DTYPES.items() if d == dtype)
+
+
+def float_state(model: FamilyModel) -> dict[str, Tensor]:
+    """Every weight as float32, nn.Linear's (out, in) order, under its parameter name:
+    what the model computes with, int8 matrices dequantised (for export to GGUF)."""
+    packed = tuple(f".{kind}{i}" for kind in ("packed", "scales") for i in range(2))
+    state = {name: t.detach().float() for name, t in model.state_dict().items()
+             if not name.endswith((".scales", *packed))}  # fmt: skip
+    for name, module in model.named_modules():
+        if isinstance(module, Int8Linear | Int4Linear):
+            state[f"{name}.weight"] = module.dequantized()
+    model.checkpoint_names(state)
+    return state
+
+
+GROUP = 32  # weights per block: GGUF's Q4_0/Q4_1/Q8_0 block, the kernel's group size
+
+
+BLOCK_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # the types q4 runs without re-quantising
+
+
+class Int4Linear(nn.Module):
+    """A bias-free Linear whose (out, in) weight is one or two planes of 4-bit groups:
+    w = sum over planes of (q - 8) * s + z, s and z one pair per group of 32 inputs."""
+
+    def __init__(self, planes: list[tuple[Tensor, Tensor]]):
+        """planes: (q (out, in) int32 in 0..15, scales_and_zeros (in/32, out, 2) float32)."""
+        super().__init__()
+        self.out_features, self.in_features = planes[0][0].shape
+        for i, (q, sz) in enumerate(planes):
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
+            self.register_buffer(f"packed{i}", packed)  # (out, in/2) uint8: two q a byte
+            self.register_buffer(f"scales{i}", sz.to(torch.bfloat16).contiguous())
+        self.planes = len(planes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        rows = x.reshape(-1, self.in_features).to(torch.bfloat16)  # (R, in)
+        y = None
+        for i in range(self.planes):
+            part = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                rows, getattr(self, f"packed{i}"), GROUP, getattr(self, f"scales{i}"))
+            y = part.float() if y is None else y + part.float()  # (R, out)
+        return y.view(*x.shape[:-1], self.out_features).to(x.dtype)  # (..., out)
+
+    def dequantized(self) -> Tensor:
+        """The float32 weight this module computes with, (out, in)."""
+        eye = torch.eye(self.in_features, dtype=torch.bfloat16)  # (in, in): one input each
+        w = None
+        for i in range(self.planes):
+            part = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                eye, getattr(self, f"packed{i}"), GROUP, getattr(self, f"scales{i}")).float()
+            w = part if w is None else w + part  # (in, out)
+        return w.t().contiguous()
+
+
+def planes_of(blocks: np.ndarray, kind: str) -> list[tuple[Tensor, Tensor]]:
+    """A GGUF tensor's raw blocks, (out, in/32 * block bytes) uint8, as Int4Linear planes."""
+    out = blocks.shape[0]
+    if kind == "Q8_0":  # 2-byte d, 32 int8
+        raw = blocks.reshape(out, -1, 34)  # (out, in/32, 34)
+        d = raw[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)  # (out, in/32)
+        q8 = raw[..., 2:].view(np.int8).astype(np.int32) + 128  # (out, in/32, 32) in 0..255
+        s = torch.from_numpy(d)
+        hi, lo = torch.from_numpy(q8 >> 4), torch.from_numpy(q8 & 15)
+        return [(hi.reshape(out, -1), _scales_and_zeros(16 * s, torch.zeros_like(s))),
+                (lo.reshape(out, -1), _scales_and_zeros(s, 8 * s))]
+    if kind not in ("Q4_0", "Q4_1"):
+        raise ValueError(f"q4 runs {', '.join(BLOCK_TYPES)} blocks, not {kind}")
+    head = 4 if kind == "Q4_1" else 2  # d (and m), float16 each
+    raw = blocks.reshape(out, -1, head + 16)  # (out, in/32, block bytes)
+    scalars = raw[..., :head].copy().view(np.float16).astype(np.float32)  # (out, in/32, 1|2)
+    qs = raw[..., head:]  # (out, in/32, 16): weight j in the low nibble, j + 16 in the high
+    q = np.concatenate([qs & 15, qs >> 4], axis=-1).astype(np.int32)  # (out, in/32, 32)
+    d = torch.from_numpy(scalars[..., 0])
+    z = torch.from_numpy(scalars[..., 1]) + 8 * d if kind == "Q4_1" else torch.zeros_like(d)
+    return [(torch.from_numpy(q).reshape(out, -1), _scales_and_zeros(d, z))]
+
+
+def _scales_and_zeros(s: Tensor, z: Tensor) -> Tensor:
+    """(out, groups) scales and zeros as the kernel reads them, (groups, out, 2)."""
+    return torch.stack([s.t(), z.t()], dim=-1)
+
+
+def q4_problem(config, types: dict[str, str] | None) -> str | None:
+    """Why a model cannot run q4 (one line), or None: it must come from a GGUF whose
+    product tensors are all blocks of 32 that the int4 kernel can take."""
+    if getattr(config, "gguf", None) is None or types is None:
+        name = getattr(config, "name", "this model")
+        return (f"q4 weights are a GGUF's own 4-bit blocks; {name} was not read from a "
+                "GGUF file (expected -m smollm2 or a .gguf)")
+    c = config
+    widths = {"hidden size": (c.n_embd, GROUP), "MLP width": (c.intermediate, GROUP),
+              "vocabulary": (c.vocab_size, 16), "KV width": (c.n_kv_head * c.head_size, 16),
+              "query width": (c.n_head * c.head_size, GROUP)}
+    for what, (n, multiple) in widths.items():
+        if n % multiple:  # the kernel's packing: rows in 16s, inputs in groups of 32
+            return (f"q4 weights need the {what} a multiple of {multiple} (torch's int4 "
+                    f"packing); this model's is {n}")
+    for name, kind in sorted(types.items()):
+        product = name.endswith("proj.weight") or name == "lm_head.weight" or (
+            name == "model.embed_tokens.weight" and config.tie_word_embeddings)
+        if product and kind not in BLOCK_TYPES:
+            return (f"q4 runs {', '.join(BLOCK_TYPES)} blocks without re-quantising; "
+                    f"{name} is {kind} in {Path(config.gguf).name}")
+    return None
