@@ -271,9 +271,9 @@ def gpt2_vocab_checkpoint(tmp_path_factory) -> Path:
 
 
 def test_cli_text_prompt_is_encoded_and_streamed_as_text(gpt2_vocab_checkpoint, monkeypatch):
-    import kvcache_cli.generate as gen
+    import kvcache_cli.models.tokenizer as tokenizer
 
-    monkeypatch.setattr(gen, "gpt2_encoding", lambda: (ByteEncoding(), None))
+    monkeypatch.setattr(tokenizer, "gpt2_encoding", lambda: (ByteEncoding(), None))
     path = str(gpt2_vocab_checkpoint)
     result = invoke("generate", "héllo", "--model", path, "-n", "8", "--json")
     assert result.exit_code == 0, result.output
@@ -305,9 +305,9 @@ def test_token_stream_holds_a_split_character_until_it_is_whole():
 
 def test_cli_text_prompt_without_a_tokenizer_says_use_ids_or_the_offline_model(
         checkpoint, monkeypatch):
-    import kvcache_cli.generate as gen
+    import kvcache_cli.models.tokenizer as tokenizer
 
-    monkeypatch.setattr(gen, "gpt2_encoding", lambda: (None, "tiktoken is not installed"))
+    monkeypatch.setattr(tokenizer, "gpt2_encoding", lambda: (None, "tiktoken is not installed"))
     result = invoke("generate", "hello", "--model", str(checkpoint[0]))
     assert result.exit_code == 1, result.output
     assert result.stderr == (
@@ -317,9 +317,9 @@ def test_cli_text_prompt_without_a_tokenizer_says_use_ids_or_the_offline_model(
 
 
 def test_cli_text_prompt_for_a_non_gpt2_vocabulary_is_refused(checkpoint, monkeypatch):
-    import kvcache_cli.generate as gen
+    import kvcache_cli.models.tokenizer as tokenizer
 
-    monkeypatch.setattr(gen, "gpt2_encoding", lambda: (ByteEncoding(), None))
+    monkeypatch.setattr(tokenizer, "gpt2_encoding", lambda: (ByteEncoding(), None))
     result = invoke("generate", "hello", "--model", str(checkpoint[0]))
     assert result.exit_code == 2, result.output
     assert result.stderr.startswith("error: the model's vocabulary (256) is not GPT-2's")

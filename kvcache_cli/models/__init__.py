@@ -132,7 +132,8 @@ def set_weights_dtype(model, name: str):
     if name == "q4":
         from kvcache_cli.models.gguf.q4 import set_q4
 
-        return set_q4(model)
+        set_q4(model)
+        return model
     from kvcache_cli.models.linear import set_weights_dtype as set_linear
 
     return set_linear(model, name)
