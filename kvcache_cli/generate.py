@@ -18,15 +18,10 @@ import torch
 from torch import Tensor
 
 from kvcache_cli.caches import KVCache, make_cache
-from kvcache_cli.models.gpt2 import GPT, GPTConfig
+from kvcache_cli.models.base import FamilyConfig, FamilyModel
 
 MODES = ("naive", "concat", "static")
 
-# "The quick brown fox jumps over the lazy dog" and "Once upon a time" in GPT-2's BPE,
-# so the breaks have prompts even where tiktoken's files cannot be fetched.
-DEFAULT_PROMPT_IDS = (464, 2068, 7586, 21831, 18045, 625, 262, 16931, 3290)
-OTHER_PROMPT_IDS = (7454, 2402, 257, 640)
-DEFAULT_PROMPT_TEXTS = ("The quick brown fox jumps over the lazy dog", "Once upon a time")
 
 # A step's forward: (tokens (B, T), start_pos, cache, **options) -> logits (B, T', vocab),
 # GPT.forward itself or a broken stand-in for it.
@@ -49,12 +44,12 @@ def check_mode(mode: str) -> None:
                          f"spec ({err})") from None
 
 
-def check_request(model: GPT, prompt_ids: list[int], max_new_tokens: int) -> None:
+def check_request(model: FamilyModel, prompt_ids: list[int], max_new_tokens: int) -> None:
     """Refuse, before any work, a request the model cannot serve."""
     check_request_config(model.config, prompt_ids, max_new_tokens)
 
 
-def check_request_config(config: GPTConfig, prompt_ids: list[int], max_new_tokens: int
+def check_request_config(config: FamilyConfig, prompt_ids: list[int], max_new_tokens: int
                          ) -> None:
     """`check_request` from the model's config alone: callable before the weights load."""
     if not prompt_ids:
@@ -98,8 +93,8 @@ def _last_logits(forward: Forward, idx: Tensor, start_pos: int, cache: KVCache |
     return forward(idx, start_pos, cache, last_only=True)[:, -1, :]  # (B, vocab)
 
 
-def _steps(
-    model: GPT,
+def token_steps(
+    model: FamilyModel,
     prompt_ids: list[int],
     max_new_tokens: int,
     mode: str,
@@ -130,7 +125,7 @@ def _steps(
 
 
 def stream_tokens(
-    model: GPT,
+    model: FamilyModel,
     prompt_ids: list[int],
     max_new_tokens: int,
     mode: str,
@@ -161,7 +156,7 @@ def stream_tokens(
     def choose(logits: Tensor) -> Tensor:
         return sample(logits, temperature, top_k, generator)
 
-    steps = _steps(model, list(prompt_ids), max_new_tokens, mode, cache, choose)
+    steps = token_steps(model, list(prompt_ids), max_new_tokens, mode, cache, choose)
     return (token for token, _ in steps)
 
 
@@ -181,7 +176,7 @@ class Generation:
 
 
 def generate(
-    model: GPT,
+    model: FamilyModel,
     prompt_ids: list[int],
     max_new_tokens: int,
     mode: str = "static",
@@ -233,183 +228,6 @@ def generate(
 
 
 # ---------------------------------------------------------------------------- breaks
-
-
-@dataclass(frozen=True)
-class BreakResult:
-    name: str
-    bug: str  # what the broken loop does differently
-    mode: str  # the cache both loops use
-    prompt_ids: tuple[int, ...]
-    earlier_ids: tuple[int, ...]  # stale-cache: the request whose cache is reused
-    correct: tuple[int, ...]  # tokens from the correct loop
-    broken: tuple[int, ...]  # tokens from the broken loop
-    first_divergence: int | None  # first step whose tokens differ (0: the first new token)
-    max_logit_diff: float  # largest |broken - correct| logit while both saw the same tokens
-    step_logit_diff: tuple[float, ...]  # per step, up to and including the divergence
-    naive_logit_diff: float  # the correct loop against a full recompute: rounding noise
-    max_abs_logit: float  # the scale that noise is relative to
-    naive_agrees: bool  # ... and its tokens equal the full recompute's
-
-
-BREAKS = {
-    "position-offset": "decode forgets the offset: every new token gets position 0",
-    "causal-decode": "is_causal=True for a one-token query: the mask hides all but key 0",
-    "stale-cache": "the cache of an earlier request is reused without a reset",
-}
-
-
-class _Diff:
-    """Two runs step by step: their tokens, the first differing step, the logit gaps.
-
-    Logits are compared up to and including the first differing step: after it the
-    two loops are fed different tokens, so later gaps say nothing about the bug.
-    """
-
-    def __init__(self) -> None:
-        self.a: list[int] = []
-        self.b: list[int] = []
-        self.first: int | None = None
-        self.gaps: list[float] = []
-        self.scale = 0.0
-
-    def add(self, ta: int, la: Tensor, tb: int, lb: Tensor) -> None:
-        if self.first is None:
-            self.gaps.append((la - lb).abs().max().item())
-            self.scale = max(self.scale, la.abs().max().item())
-            if ta != tb:
-                self.first = len(self.a)
-        self.a.append(ta)
-        self.b.append(tb)
-
-
-# A break's progress: (which run, tokens done in all, tokens in all).
-BreakProgress = Callable[[str, int, int], None]
-
-
-def run_break(
-    name: str,
-    model: GPT,
-    prompt_ids: list[int] | None = None,
-    max_new_tokens: int = 24,
-    *,
-    mode: str = "concat",
-    earlier_ids: list[int] | None = None,
-    progress: BreakProgress | None = None,
-) -> BreakResult:
-    """Run the correct and the broken loop of one break on the same model, greedily.
-
-    The default cache is `concat`, the article's. (With `static`, `stale-cache` does
-    not break: explicit positions overwrite the old request and reads stop at the
-    filled prefix.) The bounded caches' breaks (`bounded_breaks`) bring their own.
-    `progress` hears of every token made, with the run it belongs to.
-    """
-    from kvcache_cli.breaks.bounded import BOUNDED_BREAKS, run_bounded_break
-
-    if name in BOUNDED_BREAKS:  # their own caches, a fix and a break
-        return run_bounded_break(name, model, prompt_ids, max_new_tokens)
-    if name not in BREAKS:
-        raise ValueError(f"unknown break {name!r}: expected "
-                         f"{', '.join([*BREAKS, *BOUNDED_BREAKS])}")
-    if mode not in ("concat", "static"):
-        raise ValueError(f"breaks need a cache: mode concat or static, got {mode!r}")
-    V = model.config.vocab_size
-    # The default prompts are GPT-2 ids; a byte-level model reads the same two texts as
-    # bytes, and any other vocabulary (a test's) wraps the ids.
-    if model.config.tokenizer == "bytes":
-        prompts = [list(text.encode()) for text in DEFAULT_PROMPT_TEXTS]
-    else:
-        prompts = [[t % V for t in ids] for ids in (DEFAULT_PROMPT_IDS, OTHER_PROMPT_IDS)]
-    prompt = list(prompt_ids) if prompt_ids is not None else prompts[0]
-    earlier = list(earlier_ids) if earlier_ids is not None else prompts[1]
-    check_request(model, prompt, max_new_tokens)
-    if name == "stale-cache":
-        check_request(model, earlier, max_new_tokens)
-    counter = _BreakCounter(progress, (3 if name == "stale-cache" else 2) * max_new_tokens)
-    both = "correct and broken loops"  # side by side, a token of each in turn
-
-    def run(label: str, forward: Forward | None = None, cache: KVCache | None = None,
-            ids=prompt):
-        cache = cache if cache is not None else make_cache(mode, model, len(ids) + max_new_tokens)
-        return counter.count(label, _steps(model, ids, max_new_tokens, mode, cache,
-                                           _greedy, forward))
-
-    used: tuple[int, ...] = ()
-    if name == "position-offset":
-        # The one change: start_pos is 0 on every call instead of the token's position.
-        broken = run(both, lambda idx, pos, cache, **kw: model(idx, 0, cache, **kw))
-    elif name == "causal-decode":
-        # The one change: SDPA's is_causal=True on every call, the decode steps included.
-        broken = run(both, lambda idx, pos, cache, **kw: model(idx, pos, cache, **kw,
-                                                               force_is_causal=True))
-    else:  # stale-cache
-        window = len(earlier) + len(prompt) + 2 * max_new_tokens
-        cache = make_cache(mode, model, min(window, model.config.context))
-        for _ in run("request 1, filling the cache", cache=cache, ids=earlier):
-            pass
-        broken = run(both, cache=cache)  # request 2 on the same cache, no reset
-        used = tuple(earlier)
-    bug, control = side_by_side(model, prompt, run(both), broken)
-    return BreakResult(
-        name=name,
-        bug=BREAKS[name],
-        mode=mode,
-        prompt_ids=tuple(prompt),
-        earlier_ids=used,
-        **compared(bug, control),
-    )
-
-
-def compared(bug: _Diff, control: _Diff) -> dict:
-    """The fields every break's result takes from its two comparisons (`side_by_side`)."""
-    return dict(correct=tuple(bug.a), broken=tuple(bug.b), first_divergence=bug.first,
-                max_logit_diff=max(bug.gaps), step_logit_diff=tuple(bug.gaps),
-                naive_logit_diff=max(control.gaps), max_abs_logit=control.scale,
-                naive_agrees=control.first is None)
-
-
-def side_by_side(model: GPT, prompt: list[int], correct: Iterator[tuple[int, Tensor]],
-                 broken: Iterator[tuple[int, Tensor]]) -> tuple[_Diff, _Diff]:
-    """(correct against broken, correct against a full recompute): the two loops a step of
-    each in turn, then the control that says the correct loop's gaps are rounding."""
-    control, bug = _Diff(), _Diff()
-    correct_logits = []  # each (1, vocab): compared with the full recompute below
-    for (tc, lc), (tb, lb) in zip(correct, broken, strict=True):
-        bug.add(tc, lc, tb, lb)
-        correct_logits.append(lc)
-    recomputed = _full_recompute(model, prompt, bug.a)  # (max_new_tokens, vocab)
-    for i, (tc, lc) in enumerate(zip(bug.a, correct_logits)):
-        ln = recomputed[i : i + 1]  # (1, vocab)
-        control.add(tc, lc, int(ln.argmax()), ln)
-    return bug, control
-
-
-def _greedy(logits: Tensor) -> Tensor:
-    return logits.argmax(dim=-1)
-
-
-@torch.inference_mode()
-def _full_recompute(model: GPT, prompt: list[int], tokens: list[int]) -> Tensor:
-    """The logits a full recompute (the naive loop) chooses each token from, all in one
-    forward: causal attention makes row t of a forward over the whole sequence exactly the
-    last row of a fresh forward over its first t + 1 tokens. One forward, not one per token:
-    the naive loop's cost grows with the square of the length (minutes at 1,000 tokens)."""
-    ids = torch.tensor([prompt + tokens[:-1]], dtype=torch.long, device=model.device)  # (1, T)
-    return model(ids, 0, None)[0, len(prompt) - 1 :]  # (len(tokens), vocab)
-
-
-class _BreakCounter:
-    """Counts the tokens of a break's runs for `progress` (which may be None)."""
-
-    def __init__(self, progress: BreakProgress | None, total: int):
-        self.progress, self.total, self.done = progress, total, 0
-
-    def count(self, label: str, steps: Iterator[tuple[int, Tensor]]):
-        for step in steps:
-            self.done += 1
-            if self.progress is not None:
-                self.progress(label, self.done, self.total)
-            yield step
 
 
 # ---------------------------------------------------------------------------- tokenizer

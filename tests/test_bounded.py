@@ -308,10 +308,10 @@ def test_sdpa_and_explicit_weights_agree_for_the_mask_a_ring_reports():
     # 8 + i (step 0: the prompt's last).
     ("evict-sink", 4), ("ring-mask", 4), ("ring-off-by-one", 3)])
 def test_each_bounded_break_goes_wrong_where_the_ring_first_loses_a_key(name, wrong):
-    from kvcache_cli.generate import run_break
+    from kvcache_cli.breaks.bounded import run_bounded_break
 
     m = model(torch.float32)
-    r = run_break(name, m, max_new_tokens=16)
+    r = run_bounded_break(name, m, max_new_tokens=16)
     assert r.budget == 12 and r.naive_agrees  # the fix equals its band, recomputed
     assert r.naive_logit_diff <= FLOAT32 * r.max_abs_logit
     assert r.first_wrong_step == wrong
@@ -324,11 +324,12 @@ def test_each_bounded_break_goes_wrong_where_the_ring_first_loses_a_key(name, wr
 def test_bounded_breaks_render_their_budget_and_kl():
     from rich.console import Console
 
-    from kvcache_cli.generate import run_break
+    from kvcache_cli.breaks.bounded import run_bounded_break
     from kvcache_cli.views.generate import break_view
 
     console = Console(width=120, record=True)
-    console.print(break_view(run_break("ring-mask", model(torch.float32), max_new_tokens=16)))
+    result = run_bounded_break("ring-mask", model(torch.float32), max_new_tokens=16)
+    console.print(break_view(result))
     text = console.export_text()
     assert "budget 12 positions; logits first move past rounding at step 4" in text
     assert "every position under the band mask" in text

@@ -79,7 +79,7 @@ NEEDS_LLAMA_CPP = {"bench-llama.cpp"}
 # piped one, whose rendering is all that differs.
 SLOW = ("kvcache_cli.eval.quality.evaluate", "kvcache_cli.eval.retrieval.run_retrieval",
         "kvcache_cli.serving.engines.run_serve", "kvcache_cli.serving.batching.run_sweep",
-        "kvcache_cli.bench.run.run_bench", "kvcache_cli.gpt2_breaks.quantised")
+        "kvcache_cli.bench.run.run_bench", "kvcache_cli.breaks.quantized.quantised")
 
 
 @pytest.fixture(scope="module")

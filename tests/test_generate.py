@@ -15,15 +15,10 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from kvcache_cli.breaks.loop import BREAKS, run_break
 from kvcache_cli.caches import make_cache
 from kvcache_cli.cli import app
-from kvcache_cli.generate import (
-    BREAKS,
-    MODES,
-    generate,
-    run_break,
-    stream_tokens,
-)
+from kvcache_cli.generate import MODES, generate, stream_tokens
 from kvcache_cli.models.gpt2 import load_gpt2
 
 PROMPT = [17, 200, 3, 91, 45]

@@ -33,7 +33,7 @@ def _hf_from_gguf(path):
                                             dtype=torch.float32).eval()
 
 
-def _greedy(model, prompt: list[int], n: int, spec: str) -> list[int]:
+def greedy(model, prompt: list[int], n: int, spec: str) -> list[int]:
     cache = make_cache(spec, model, len(prompt) + n)
     with torch.no_grad():
         logits = model(torch.tensor([prompt]), 0, cache, last_only=True)
@@ -74,7 +74,7 @@ def test_every_exact_cache_kind_decodes_the_full_forwards_tokens(spec, tmp_path)
     path = write_tiny_gguf(tiny_hf(seed=3), tmp_path / "tiny.gguf")
     model = load_model(str(path)).model
     prompt = list(range(5, 25))
-    tokens = _greedy(model, prompt, 24, spec)
+    tokens = greedy(model, prompt, 24, spec)
     ids = prompt[:]
     with torch.no_grad():
         for _ in range(24):  # no cache at all: every position recomputed
@@ -130,7 +130,7 @@ def test_smollm2_is_exact_against_transformers_on_its_own_gguf(smollm2):
         hf_tokens = theirs.generate(torch.tensor([prompt]), max_new_tokens=128,
                                     do_sample=False)[0, 16:].tolist()
     for spec in ("static", "concat", "paged:b16"):
-        assert _greedy(ours, prompt, 128, spec) == hf_tokens, spec
+        assert greedy(ours, prompt, 128, spec) == hf_tokens, spec
 
 
 def test_smollm2_has_its_published_shape_and_answers_through_its_chat_template(smollm2):

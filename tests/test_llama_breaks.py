@@ -165,9 +165,9 @@ def test_every_registered_torch_break_has_a_runner_that_knows_it():
 
 
 def test_evict_rope_slot_goes_wrong_only_once_the_ring_wraps(model):
-    from kvcache_cli.generate import run_break
+    from kvcache_cli.breaks.bounded import run_bounded_break
 
-    r = run_break("evict-rope-slot", model, max_new_tokens=16)
+    r = run_bounded_break("evict-rope-slot", model, max_new_tokens=16)
     # budget 12 (sink:4+8); step i reads position len(prompt) - 1 + i, and position 12 is
     # the first a wrapped ring holds in a slot (4) other than its index.
     wraps = 12 - (len(r.prompt_ids) - 1)
@@ -179,12 +179,12 @@ def test_evict_rope_slot_goes_wrong_only_once_the_ring_wraps(model):
 
 
 def test_evict_rope_slot_refuses_a_model_without_rotary_positions():
-    from kvcache_cli.generate import run_break
+    from kvcache_cli.breaks.bounded import run_bounded_break
     from kvcache_cli.models.gpt2 import GPT, GPTConfig
 
     gpt = GPT(GPTConfig(block_size=64, vocab_size=32, n_layer=1, n_head=2, n_embd=8))
     with pytest.raises(ValueError, match="needs rotary positions"):
-        run_break("evict-rope-slot", gpt, max_new_tokens=8)
+        run_bounded_break("evict-rope-slot", gpt, max_new_tokens=8)
 
 
 def test_breaks_that_need_a_real_sink_run_on_smollm2_where_installed(monkeypatch, tmp_path):

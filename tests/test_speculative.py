@@ -10,6 +10,7 @@ from cachekinds import example_spec, rollback_specs
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvcache_cli.breaks.speculative import run_no_rollback, run_rollback_shared
 from kvcache_cli.caches import RollbackError, make_cache
 from kvcache_cli.caches.paged import PagedCache
 from kvcache_cli.caches.spec import KINDS
@@ -28,8 +29,6 @@ from kvcache_cli.speculative.decode import (
     make_draft,
     parse_draft,
     plain_greedy,
-    run_no_rollback,
-    run_rollback_shared,
     speculate,
 )
 

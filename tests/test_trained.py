@@ -15,8 +15,9 @@ import json
 import pytest
 import torch
 
+from kvcache_cli.breaks.loop import run_break
 from kvcache_cli.checkpoints import TRAINED, heldout_bytes, heldout_text, shipped_dir
-from kvcache_cli.generate import generate, run_break
+from kvcache_cli.generate import generate
 from kvcache_cli.models.gpt2 import load_gpt2, model_config
 from kvcache_cli.models.tokenizer import ByteEncoding, encoding_for
 from kvcache_cli.models.training import Recipe, bits_per_byte, save_checkpoint, stdlib_corpus, train

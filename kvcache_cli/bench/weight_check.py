@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from kvcache_cli.generate import stream_tokens
-from kvcache_cli.models.gpt2 import GPT
+from kvcache_cli.models.base import FamilyModel
 from kvcache_cli.models.linear import weights_format
 
 # A flip is a near-tie when the reference's margin is within what the other side's
@@ -48,7 +48,7 @@ class WeightCheck:
 
 
 @torch.inference_mode()
-def token_margin(reference: GPT, prompt_ids: Sequence[int], tokens: Sequence[int],
+def token_margin(reference: FamilyModel, prompt_ids: Sequence[int], tokens: Sequence[int],
                  other: Sequence[int], logit_error: float | None = None) -> TokenMargin | None:
     """Where `other` first leaves `tokens` (the reference's greedy tokens), how close the
     reference's own choice was there; None when they agree. `logit_error`: the largest
@@ -66,7 +66,7 @@ def token_margin(reference: GPT, prompt_ids: Sequence[int], tokens: Sequence[int
 
 
 @torch.inference_mode()
-def check_weights(reference: GPT, model: GPT, prompt_ids: Sequence[int],
+def check_weights(reference: FamilyModel, model: FamilyModel, prompt_ids: Sequence[int],
                   new_tokens: int) -> WeightCheck:  # fmt: skip
     """`model` (any weight format) against `reference` (float32, the same weights)."""
     ref_tokens = list(stream_tokens(reference, list(prompt_ids), new_tokens, "static"))

@@ -14,7 +14,7 @@
   slot index is the position and nothing differs; after, the window's keys are rotated
   out of order, by up to W positions.
 
-Both loops decode greedily on the same model (`generate._steps`); the control is the
+Both loops decode greedily on the same model (`generate.token_steps`); the control is the
 correct loop against a recompute that holds every position and hides the ones out of the
 band by mask alone (no ring). The damage is measured twice: the first step whose logits
 move (and whose token changes), and, teacher-forced on the correct loop's text, the mean
@@ -29,17 +29,19 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from kvcache_cli.breaks.base import (
+    BreakCounter,
+    BreakProgress,
+    BreakResult,
+    StepDiff,
+    compared,
+    greedy,
+)
 from kvcache_cli.caches import make_cache
 from kvcache_cli.caches.bounded import RingCache
 from kvcache_cli.caches.exact import ConcatCache
-from kvcache_cli.generate import (
-    BreakResult,
-    _Diff,
-    _steps,
-    check_request,
-    compared,
-)
-from kvcache_cli.models.gpt2 import GPT
+from kvcache_cli.generate import check_request, token_steps
+from kvcache_cli.models.base import FamilyModel
 
 BOUNDED_BREAKS = {
     "evict-sink": "a window that evicts the first tokens, against 4 sinks + a window at "
@@ -125,7 +127,7 @@ class SlotRotatedRing(RingCache):
 class BandedFull(ConcatCache):
     """The control: every position kept, the band applied by the mask alone."""
 
-    def __init__(self, model: GPT, window: int, sinks: int):
+    def __init__(self, model: FamilyModel, window: int, sinks: int):
         super().__init__(model.config, 1, model.device, model.dtype)
         self.window, self.sinks = window, sinks
 
@@ -133,16 +135,18 @@ class BandedFull(ConcatCache):
         return torch.arange(self.k[layer].size(2), device=self.device)
 
 
-def run_bounded_break(name: str, model: GPT, prompt_ids: list[int] | None = None,
-                      max_new_tokens: int = 24) -> BoundedBreakResult:
+def run_bounded_break(name: str, model: FamilyModel, prompt_ids: list[int] | None = None,
+                      max_new_tokens: int = 24, *, progress: BreakProgress | None = None
+                      ) -> BoundedBreakResult:
     """The correct and the broken loop of one bounded break, greedily, on one model.
 
     The budget is half the positions the run writes (at least 8), so the window fills
-    and wraps in the middle of the generation.
+    and wraps in the middle of the generation. `progress` hears of every step made (the
+    band, the fix and the break a token each).
     """
     if name not in BOUNDED_BREAKS:
         raise ValueError(f"unknown break {name!r}: expected {', '.join(BOUNDED_BREAKS)}")
-    from kvcache_cli.breaks.llama import default_prompt
+    from kvcache_cli.breaks.base import default_prompt
 
     # The model's own tokenizer's prompt where it has one (SmolLM2): a real text, whose
     # continuation a sink or a wrong rotation can spoil; GPT-2's ids otherwise.
@@ -167,15 +171,13 @@ def run_bounded_break(name: str, model: GPT, prompt_ids: list[int] | None = None
 
     fix, broken = make_cache(fix_spec, model, n), make_broken()
 
-    def greedy(logits: Tensor) -> Tensor:
-        return logits.argmax(dim=-1)
-
     def run(cache):
-        return _steps(model, prompt, max_new_tokens, "bounded", cache, greedy)
+        return token_steps(model, prompt, max_new_tokens, "bounded", cache, greedy)
 
-    control, diff = _Diff(), _Diff()
-    both = zip(run(BandedFull(model, window, sinks)), run(fix), run(broken), strict=True)
-    for (tn, ln), (tc, lc), (tb, lb) in both:
+    control, diff = StepDiff(), StepDiff()
+    counter = BreakCounter(progress, max_new_tokens)
+    steps = zip(run(BandedFull(model, window, sinks)), run(fix), run(broken), strict=True)
+    for (tn, ln), (tc, lc), (tb, lb) in counter.count("band, fixed and broken loops", steps):
         control.add(tc, lc, tn, ln)
         diff.add(tc, lc, tb, lb)
     # A logit moves by more than the control's rounding: the first wrong step.
@@ -194,7 +196,7 @@ def run_bounded_break(name: str, model: GPT, prompt_ids: list[int] | None = None
 
 
 @torch.inference_mode()
-def _forced(model: GPT, cache, text: Tensor, prompt: int) -> Tensor:
+def _forced(model: FamilyModel, cache, text: Tensor, prompt: int) -> Tensor:
     """Logits (n, vocab) of every position of `text` as the loops ran it: the prompt
     in one forward, then one token a step (all at once without a cache)."""
     if cache is None:

@@ -30,23 +30,20 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kvcache_cli.caches import make_cache
-from kvcache_cli.caches.base import KVCache
-from kvcache_cli.generate import (
-    DEFAULT_PROMPT_IDS,
-    DEFAULT_PROMPT_TEXTS,
+from kvcache_cli.breaks.base import (
+    BreakCounter,
     BreakProgress,
     BreakResult,
-    _BreakCounter,
-    _greedy,
-    _steps,
-    check_request,
     compared,
+    default_prompt,
+    greedy,
     side_by_side,
 )
+from kvcache_cli.caches import make_cache
+from kvcache_cli.caches.base import KVCache
+from kvcache_cli.generate import check_request, token_steps
 from kvcache_cli.models.attention import cached_attention
 from kvcache_cli.models.llama import Llama, LlamaAttention, Rotary
-from kvcache_cli.models.tokenizer import encoding_for
 
 LLAMA_BREAKS = {
     "rope-decode": "decode rotates each new query and key as position 0: the cache slot is "
@@ -159,16 +156,6 @@ def broken_copy(model: Llama, attention: type[LlamaAttention]) -> Llama:
     return broken
 
 
-def default_prompt(model: Llama) -> list[int]:
-    """The breaks' prompt in the model's own tokenizer; a model without one (a test's,
-    random weights) wraps GPT-2's ids into its vocabulary."""
-    if model.config.tokenizer.startswith("file:"):
-        encoding, _ = encoding_for(model.config.tokenizer)
-        if encoding is not None:
-            return encoding.encode(DEFAULT_PROMPT_TEXTS[0])
-    return [t % model.config.vocab_size for t in DEFAULT_PROMPT_IDS]
-
-
 def run_llama_break(name: str, model, max_new_tokens: int = 24,
                     progress: BreakProgress | None = None, *, prompt_ids: list[int] | None = None,
                     mode: str = "concat") -> LlamaBreakResult:
@@ -188,12 +175,12 @@ def run_llama_break(name: str, model, max_new_tokens: int = 24,
     broken_cache = make_cache(mode, broken_model, n)  # 9 KV heads for kv-expand-early
     if name == "rope-twice":
         broken_cache = RotatedOnRead(broken_cache, model.rotary)
-    counter = _BreakCounter(progress, 2 * max_new_tokens)
+    counter = BreakCounter(progress, 2 * max_new_tokens)
     both = "correct and broken loops"  # side by side, a token of each in turn
-    correct = counter.count(both, _steps(model, prompt, max_new_tokens, mode, correct_cache,
-                                         _greedy))
-    broken = counter.count(both, _steps(model, prompt, max_new_tokens, mode, broken_cache,
-                                        _greedy, broken_model))
+    correct = counter.count(both, token_steps(model, prompt, max_new_tokens, mode, correct_cache,
+                                         greedy))
+    broken = counter.count(both, token_steps(model, prompt, max_new_tokens, mode, broken_cache,
+                                        greedy, broken_model))
     bug, control = side_by_side(model, prompt, correct, broken)
     return LlamaBreakResult(
         name=name, bug=LLAMA_BREAKS[name], mode=mode, prompt_ids=tuple(prompt),

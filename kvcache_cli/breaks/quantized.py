@@ -27,8 +27,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from kvcache_cli.breaks.base import DEFAULT_PROMPT_IDS
+from kvcache_cli.breaks.registry import QUANT_BREAK_TOKENS
 from kvcache_cli.caches import make_cache
-from kvcache_cli.models.gpt2 import GPT
+from kvcache_cli.generate import stream_tokens
+from kvcache_cli.models.base import FamilyModel
 
 
 @dataclass(frozen=True)
@@ -101,7 +104,7 @@ def _specs(name: str, head_size: int) -> tuple[str, str]:
     return "fp8-e4m3:tensor:one", "fp8-e4m3:tensor:calib"
 
 
-def with_outliers(model: GPT, which: str, scale: float) -> GPT:
+def with_outliers(model: FamilyModel, which: str, scale: float) -> FamilyModel:
     """A copy of `model` computing the same function, whose cached keys ('k') or values
     ('v') carry OUTLIER_CHANNELS channels per head `scale` times larger."""
     out = copy.deepcopy(model)
@@ -140,7 +143,7 @@ class _FirstToken:
         return keys, values
 
 
-def _logits(model: GPT, spec: str, idx: Tensor, prompt_len: int):
+def _logits(model: FamilyModel, spec: str, idx: Tensor, prompt_len: int):
     """Next-token logits at every position from the prompt's last on, and the cache."""
     cache = _FirstToken(make_cache(spec, model, idx.size(1)))
     with torch.no_grad():
@@ -162,7 +165,7 @@ def _damage(spec: str, logits: Tensor, cache, exact: Tensor, exact_cache) -> Dam
                               for i in cache.first))
 
 
-def run_quant_break(name: str, model: GPT, tokens: list[int], prompt_len: int
+def run_quant_break(name: str, model: FamilyModel, tokens: list[int], prompt_len: int
                     ) -> QuantBreakResult:
     """The broken and the fixed spec of break `name` against the exact cache, teacher-forced
     on `tokens` (the first `prompt_len` prefilled)."""
@@ -184,3 +187,14 @@ def run_quant_break(name: str, model: GPT, tokens: list[int], prompt_len: int
     return QuantBreakResult(name, info.title, info.outliers, info.broken, info.fixed,
                             exact.size(0), prompt_len, broken, fixed)
 
+
+def quantised(name: str, model, max_new_tokens: int = 16, progress=None):
+    """A quantised-cache break, scored on the default prompt and the exact cache's greedy
+    continuation of it (a text every model has, offline)."""
+    from kvcache_cli.breaks.quantized import run_quant_break
+
+    V = model.config.vocab_size
+    prompt = [t % V for t in DEFAULT_PROMPT_IDS]
+    n = min(max(max_new_tokens, QUANT_BREAK_TOKENS), model.config.context - len(prompt))
+    text = prompt + list(stream_tokens(model, prompt, n, "static"))
+    return run_quant_break(name, model, text, len(prompt))

@@ -59,35 +59,35 @@ def _torch(runs_on: tuple[str, ...], runner: str, *rows: tuple[str, str],
 
 
 _TORCH_BREAKS = (
-    # The article's three: a correct loop with one call changed (kvcache_cli.generate).
-    *_torch(ANY, "kvcache_cli.generate:run_break",
+    # The article's three: a correct loop with one call changed (kvcache_cli.breaks.loop).
+    *_torch(ANY, "kvcache_cli.breaks.loop:run_break",
             ("position-offset", "GPT-2: every decode token gets position 0"),
             ("causal-decode", "GPT-2: is_causal=True for a one-row query against the cache"),
             ("stale-cache", "GPT-2: a cache reused across requests without a reset")),
     # Speculative decoding's rollback (kvcache_cli.speculative.decode).
-    *_torch(ANY, "kvcache_cli.gpt2_breaks:no_rollback",
+    *_torch(ANY, "kvcache_cli.breaks.speculative:no_rollback",
             ("no-rollback", "GPT-2: speculative decoding keeps the rejected keys and values")),
-    *_torch(ANY, "kvcache_cli.gpt2_breaks:rollback_shared",
+    *_torch(ANY, "kvcache_cli.breaks.speculative:rollback_shared",
             ("rollback-shared", "GPT-2: a paged rollback frees a block another sequence "
                                 "still reads")),
     # The quantised caches' known failures, each beside its fix (kvcache_cli.breaks.quantized).
     # kv-outlier-keys and fp8-range plant their outliers in GPT-2's fused c_attn weights.
-    *_torch(("gpt2",), "kvcache_cli.gpt2_breaks:quantised",
+    *_torch(("gpt2",), "kvcache_cli.breaks.quantized:quantised",
             ("kv-outlier-keys", "GPT-2, int4 cache: outlier key channels under one scale per "
                                 "key vector, against per-channel scales")),
     # kv-sink-token and evict-sink need a real sink: SmolLM2's first token draws half
     # the attention of its later layers; GPT-2's tiny checkpoints have none to lose.
-    *_torch(ANY, "kvcache_cli.gpt2_breaks:quantised",
+    *_torch(ANY, "kvcache_cli.breaks.quantized:quantised",
             ("kv-sink-token", "int2 cache: the attention-sink token quantised, against kept "
                               "(SmolLM2 where installed)"), real=True),
-    *_torch(("gpt2",), "kvcache_cli.gpt2_breaks:quantised",
+    *_torch(("gpt2",), "kvcache_cli.breaks.quantized:quantised",
             ("fp8-range", "GPT-2, fp8 cache: scale 1.0 on values beyond the range, against "
                           "calibrated")),
-    # The bounded caches' (kvcache_cli.breaks.bounded, reached through run_break).
-    *_torch(ANY, "kvcache_cli.generate:run_break",
+    # The bounded caches' (kvcache_cli.breaks.bounded).
+    *_torch(ANY, "kvcache_cli.breaks.bounded:run_bounded_break",
             ("evict-sink", "a window that evicts the first tokens, against sinks + window "
                            "(SmolLM2 where installed)"), real=True),
-    *_torch(ANY, "kvcache_cli.generate:run_break",
+    *_torch(ANY, "kvcache_cli.breaks.bounded:run_bounded_break",
             ("ring-mask", "GPT-2: a ring buffer masked by slot index instead of position"),
             ("ring-off-by-one", "GPT-2: the newest token written one slot late, over a live "
                                 "key")),
@@ -101,7 +101,7 @@ _TORCH_BREAKS = (
                                "(h % nkv, not h // (nh/nkv))"),
             ("rope-twice", "Llama: the cached key rotated again when read from the cache")),
     # A bounded cache under rotary positions (kvcache_cli.breaks.bounded).
-    *_torch(("llama",), "kvcache_cli.generate:run_break",
+    *_torch(("llama",), "kvcache_cli.breaks.bounded:run_bounded_break",
             ("evict-rope-slot", "Llama: a sink ring evicts with no position decided: each "
                                 "kept key read at its slot index")),
 )

@@ -255,9 +255,9 @@ def _progress(name: str):
 def _show_torch_breaks(loaded, device: str, results: dict) -> None:
     from kvcache_cli.breaks.llama import LlamaBreakResult
     from kvcache_cli.breaks.quantized import QuantBreakResult
+    from kvcache_cli.breaks.speculative import NoRollbackResult, SharedRollbackResult
     from kvcache_cli.models.gpt2 import GPT2_VOCAB_SIZE
     from kvcache_cli.models.tokenizer import encoding_for
-    from kvcache_cli.speculative.decode import NoRollbackResult, SharedRollbackResult
     from kvcache_cli.views.generate import break_view, header, llama_break_view
     from kvcache_cli.views.quant import quant_break_view
     from kvcache_cli.views.speculative import no_rollback_view, rollback_shared_view

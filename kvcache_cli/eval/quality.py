@@ -43,7 +43,7 @@ from kvcache_cli.caches.spec import CacheSpec, check_prompt, parse_cache_spec
 if TYPE_CHECKING:
     from torch import Tensor
 
-    from kvcache_cli.models.gpt2 import GPT
+    from kvcache_cli.models.base import FamilyModel
 
 REFERENCE = "static"  # the exact full-precision cache every other one is compared with
 DEFAULT_PROMPT_LEN = 64
@@ -60,7 +60,7 @@ class CacheMaker:
     `build(model, max_len)` makes a fresh one."""
 
     name: str
-    build: Callable[[GPT, int], KVCache]
+    build: Callable[[FamilyModel, int], KVCache]
 
 
 @dataclass(frozen=True)
@@ -237,7 +237,7 @@ class Tally:
 
 
 def evaluate(
-    model: GPT,
+    model: FamilyModel,
     tokens: Sequence[int],
     caches: Sequence[str | CacheSpec | CacheMaker],
     *,
@@ -286,7 +286,7 @@ def evaluate(
     )  # fmt: skip
 
 
-def _run(model: GPT, tokens: Sequence[int], makers: list[CacheMaker], prompt_len: int,
+def _run(model: FamilyModel, tokens: Sequence[int], makers: list[CacheMaker], prompt_len: int,
          chunk: int, progress: Callable[[int, int], None] | None) -> list[Tally]:
     """Prefill, then decode steps, every cache in turn on each step (the reference first,
     so its log-probabilities are there to score the others against)."""
@@ -413,7 +413,7 @@ class _FirstTokenWatch(KVCache):
         self.inner.reset()
 
 
-def first_token_share(model: GPT, tokens: Sequence[int], prompt_len: int
+def first_token_share(model: FamilyModel, tokens: Sequence[int], prompt_len: int
                       ) -> tuple[tuple[float, ...], float]:
     """(per layer, the mean attention share of the first token over heads and the scored
     queries; the share uniform attention would give it), from one pass with explicit

@@ -24,7 +24,7 @@ import torch
 
 from kvcache_cli import numbers
 from kvcache_cli.caches.exact import StaticCache
-from kvcache_cli.models.gpt2 import GPT, GPTConfig
+from kvcache_cli.models.base import FamilyConfig, FamilyModel
 
 CONTEXT = 128  # tokens cached per row when the timed steps start (less in a shorter window)
 STEPS = 8  # timed decode steps per batch size
@@ -79,11 +79,11 @@ def parse_sizes(text: str) -> tuple[int, ...]:
     return tuple(sorted({1, *sizes}))  # batch 1 is what every other size is compared with
 
 
-def _context(config: GPTConfig) -> int:
+def _context(config: FamilyConfig) -> int:
     return min(CONTEXT, config.context - WARMUP_STEPS - STEPS)
 
 
-def check_sweep(config: GPTConfig) -> None:
+def check_sweep(config: FamilyConfig) -> None:
     if _context(config) < 1:
         raise ValueError(f"the sweep needs more than {WARMUP_STEPS + STEPS} positions; the "
                          f"model's window is {config.context}")
@@ -106,7 +106,7 @@ def measure_peak_flops(device: torch.device, n: int = MATMUL_N) -> float:
     return 2 * n**3 / best
 
 
-def _step_ms(model: GPT, batch: int, context: int) -> float:
+def _step_ms(model: FamilyModel, batch: int, context: int) -> float:
     from kvcache_cli.measure import synchronize
 
     c, device = model.config, model.device
@@ -134,7 +134,7 @@ def _knee(batches: Sequence[float], times: Sequence[float]) -> float | None:
     return None
 
 
-def run_sweep(model: GPT, sizes: Sequence[int], threads: int | None = None,
+def run_sweep(model: FamilyModel, sizes: Sequence[int], threads: int | None = None,
               model_name: str = "", bandwidth_mib: int | None = None,
               matmul_n: int = MATMUL_N) -> SweepResult:
     from kvcache_cli.caches.paged import block_bytes

@@ -40,7 +40,7 @@ from kvcache_cli import numbers
 from kvcache_cli.caches.exact import StaticCache
 from kvcache_cli.caches.paged import PagedCache, block_bytes
 from kvcache_cli.caches.quantized import POOLS, make_pool
-from kvcache_cli.models.gpt2 import GPT
+from kvcache_cli.models.base import FamilyModel
 from kvcache_cli.serving.block_manager import BlockManager
 from kvcache_cli.serving.gqa_pool import PoolFigures
 from kvcache_cli.serving.metrics import Latency, RequestTimes, summarise
@@ -403,7 +403,7 @@ class _Recorder:
 # ---------------------------------------------------------------------------- engines
 
 
-def _run_sequential(model: GPT, requests, rec: _Recorder) -> None:
+def _run_sequential(model: FamilyModel, requests, rec: _Recorder) -> None:
     from kvcache_cli.generate import stream_tokens
 
     per_token = block_bytes(model.config.cache_shape, 1, model.dtype)
@@ -426,7 +426,7 @@ def _run_sequential(model: GPT, requests, rec: _Recorder) -> None:
         rec.done(r.id, rec.now())
 
 
-def _run_padded(model: GPT, requests, rec: _Recorder, plan: Plan) -> None:
+def _run_padded(model: FamilyModel, requests, rec: _Recorder, plan: Plan) -> None:
     cache = PagedCache(model.config.cache_shape, plan.padded_rows, plan.slab_len, model.device,
                        model.dtype)
     runner = ModelRunner(model, cache)  # one block per row: a contiguous slab
@@ -500,7 +500,7 @@ def _step_stats(steps: Sequence[Step], times: Sequence[tuple[float, float]],
         decode_forward_s=sum(f for st, (_, f) in zip(steps, times) if not st.prompt_tokens))
 
 
-def _run_paged(model: GPT, requests, rec: _Recorder, plan: Plan, block_size: int,
+def _run_paged(model: FamilyModel, requests, rec: _Recorder, plan: Plan, block_size: int,
                max_batch: int, prefix_sharing: bool, cache: PagedCache,
                policy: str = "prefill-first", token_budget: int | None = None,
                layout: str = "packed") -> _PagedState:
@@ -553,7 +553,7 @@ def _run_paged(model: GPT, requests, rec: _Recorder, plan: Plan, block_size: int
     return state
 
 
-def _hf_manager(model: GPT, plan: Plan, block_size: int, max_batch: int, spec: WorkloadSpec,
+def _hf_manager(model: FamilyModel, plan: Plan, block_size: int, max_batch: int, spec: WorkloadSpec,
                 prefix_sharing: bool):
     """transformers' continuous-batching manager on our weights, started and warmed up."""
     from transformers import GenerationConfig
@@ -621,7 +621,7 @@ def _hf_collect(manager, requests, rec: _Recorder | None) -> None:
 # ---------------------------------------------------------------------------- summary
 
 
-def _mismatches(model: GPT, requests, tokens: dict[int, list[int]],
+def _mismatches(model: FamilyModel, requests, tokens: dict[int, list[int]],
                 reference: dict[int, list[int]]) -> tuple[Mismatch, ...]:
     out = []
     for r in requests:
@@ -641,7 +641,7 @@ def _mismatches(model: GPT, requests, tokens: dict[int, list[int]],
     return tuple(out)
 
 
-def _summarise(engine: str, setup_s: float, rec: _Recorder, model: GPT,
+def _summarise(engine: str, setup_s: float, rec: _Recorder, model: FamilyModel,
                reference: dict[int, list[int]], targets: dict[str, float] | None,
                **memory) -> EngineResult:
     total = max(rec.finish.values())
@@ -682,7 +682,7 @@ def _warmup_request(longest: int) -> Request:
     return Request(-1, (0,) * prompt, max(1, min(4, longest - prompt)), 0.0)
 
 
-def _prepare(variant: Variant, model: GPT, spec: WorkloadSpec, plan: Plan, block_size: int,
+def _prepare(variant: Variant, model: FamilyModel, spec: WorkloadSpec, plan: Plan, block_size: int,
              max_batch: int, prefix_sharing: bool, stack: contextlib.ExitStack,
              layout: str = "packed") -> Callable[[Sequence[Request], _Recorder], dict]:
     """The engine's one-time set-up, warm-up included; returns how to run it."""
@@ -726,7 +726,7 @@ def _prepare(variant: Variant, model: GPT, spec: WorkloadSpec, plan: Plan, block
     return lambda requests, rec: _hf_collect(manager, requests, rec) or dict(reserved=reserved)
 
 
-def run_variant(variant: Variant | str, model: GPT,
+def run_variant(variant: Variant | str, model: FamilyModel,
                 workloads: Sequence[tuple[float | None, Sequence[Request]]], spec: WorkloadSpec,
                 plan: Plan, block_size: int, max_batch: int, prefix_sharing: bool,
                 reference: dict[int, list[int]] | None, progress: ProgressFn | None = None,
@@ -762,7 +762,7 @@ def run_variant(variant: Variant | str, model: GPT,
     return out
 
 
-def run_engine(engine: Variant | str, model: GPT, requests: Sequence[Request],
+def run_engine(engine: Variant | str, model: FamilyModel, requests: Sequence[Request],
                spec: WorkloadSpec, plan: Plan, block_size: int, max_batch: int,
                prefix_sharing: bool, reference: dict[int, list[int]] | None,
                progress: ProgressFn | None = None, targets: dict[str, float] | None = None,
@@ -772,7 +772,7 @@ def run_engine(engine: Variant | str, model: GPT, requests: Sequence[Request],
                        max_batch, prefix_sharing, reference, progress, targets, layout)[0]
 
 
-def solo_tokens(model: GPT, requests: Sequence[Request]) -> dict[int, list[int]]:
+def solo_tokens(model: FamilyModel, requests: Sequence[Request]) -> dict[int, list[int]]:
     """Every request generated alone with the static cache: the reference, untimed."""
     from kvcache_cli.generate import stream_tokens
 
@@ -786,7 +786,7 @@ def solo_tokens(model: GPT, requests: Sequence[Request]) -> dict[int, list[int]]
     return out
 
 
-def run_serve(model: GPT, spec: WorkloadSpec, engines: Sequence[str | Variant], kv_mem: int,
+def run_serve(model: FamilyModel, spec: WorkloadSpec, engines: Sequence[str | Variant], kv_mem: int,
               block_size: int = BLOCK_SIZE, max_batch: int = 256, prefix_sharing: bool = True,
               threads: int | None = None, model_name: str = "", weights_note: str | None = None,
               progress: ProgressFn | None = None, rates: Sequence[float | None] | None = None,
@@ -861,7 +861,7 @@ def run_serve(model: GPT, spec: WorkloadSpec, engines: Sequence[str | Variant], 
     )
 
 
-def _pool_figures(model: GPT, requests, replies, kv_mem: int, block_size: int,
+def _pool_figures(model: FamilyModel, requests, replies, kv_mem: int, block_size: int,
                   max_batch: int) -> PoolFigures:
     from kvcache_cli.models import model_config
     from kvcache_cli.serving import gqa_pool

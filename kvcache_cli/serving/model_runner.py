@@ -4,7 +4,7 @@ The model never sees the scheduler: it gets token ids, the position of each row 
 a `PagedCache` bound to the rows' block tables. Greedy choice, as the bench's solo
 runs make, so every request can be checked against its solo generation.
 
-`prefill` and `decode` serve the prefill-first policy through `GPT.forward`. `step`
+`prefill` and `decode` serve the prefill-first policy through `FamilyModel.forward`. `step`
 serves decode-first, whose one forward mixes one-token decodes with prompt chunks of
 hundreds: rows at different positions with different numbers of new tokens. Two
 layouts, measured against each other (`scripts/serve_layouts.py`):
@@ -13,7 +13,7 @@ layouts, measured against each other (`scripts/serve_layouts.py`):
   alone is per row: the one-token rows in one batched call, each chunk in its own;
 - `padded`: a (B, T) batch, every row padded to the longest, through one attention
   call under a per-row mask; the matmuls do B x T rows, padding included.
-Both run the model's own layers through its `hidden` (`GPT.forward` takes rows of one
+Both run the model's own layers through its `hidden` (`FamilyModel.forward` takes rows of one
 length), which hands each layer's q, k, v to the runner's attention: any family, GPT-2's
 heads or Llama's rotated, grouped ones (the pool holds the KV heads; SDPA expands them to
 the query heads). Only real tokens write the cache, so padding never lands on a live slot.
@@ -29,7 +29,7 @@ from torch import Tensor
 
 from kvcache_cli.caches.paged import PagedCache
 from kvcache_cli.models.attention import AttendFn
-from kvcache_cli.models.gpt2 import GPT
+from kvcache_cli.models.base import FamilyModel
 from kvcache_cli.serving.scheduler import Chunk
 from kvcache_cli.serving.sequence import Sequence
 
@@ -37,7 +37,7 @@ LAYOUTS = ("packed", "padded")
 
 
 class ModelRunner:
-    def __init__(self, model: GPT, cache: PagedCache, layout: str = "packed"):
+    def __init__(self, model: FamilyModel, cache: PagedCache, layout: str = "packed"):
         if layout not in LAYOUTS:
             raise ValueError(f"unknown layout {layout!r}; valid layouts: {', '.join(LAYOUTS)}")
         self.model, self.cache, self.layout = model, cache, layout

@@ -16,9 +16,10 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from kvcache_cli.breaks.base import BreakResult
 from kvcache_cli.breaks.bounded import BoundedBreakResult
 from kvcache_cli.breaks.llama import LlamaBreakResult
-from kvcache_cli.generate import BreakResult, Generation
+from kvcache_cli.generate import Generation
 from kvcache_cli.views.style import BAD, OK
 
 

@@ -161,7 +161,7 @@ def _latency(r: ServeResult, engines: tuple[EngineResult, ...]) -> Table:
     return table
 
 
-def _steps(r: ServeResult) -> Table | None:
+def token_steps(r: ServeResult) -> Table | None:
     """The ablation's step columns: what each paged policy's forwards carried."""
     rows = [e for e in r.engines if e.steps is not None and e.rate == r.rates[0]]
     if not rows:
@@ -287,5 +287,5 @@ def render(r: ServeResult | SweepResult) -> RenderableType:
     if isinstance(r, SweepResult):
         return _sweep(r)
     per_rate = [t for rate in r.rates for t in (_speed(r, r.at(rate)), _latency(r, r.at(rate)))]
-    parts = [_header(r), *per_rate, _steps(r), _curve(r), _memory(r), _verdict(r)]
+    parts = [_header(r), *per_rate, token_steps(r), _curve(r), _memory(r), _verdict(r)]
     return Group(*(p for p in parts if p is not None))
