@@ -1,7 +1,7 @@
 """The Llama family's four breaks: rotary positions and grouped-query attention done wrong.
 
 Each is a correct loop and a broken one, greedily, side by side on the same weights
-(`generate.side_by_side`), shown as the GPT-2 breaks are: the first step whose tokens
+(`breaks.base.side_by_side`), shown as the GPT-2 breaks are: the first step whose tokens
 differ and the largest logit gap up to there, with the correct loop against a full
 recompute as the control. Nothing here touches the model's own code path: the broken loop
 runs a copy of the model whose attention modules are broken subclasses, sharing every

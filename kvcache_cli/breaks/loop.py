@@ -1,4 +1,6 @@
-"""TODO docstring."""
+"""The article's three loop breaks on any family: a correct cached loop with one call
+changed (every decode token at position 0; is_causal on a one-row query; a cache reused
+without a reset), run side by side with the correct loop (GPT-2 article, section 5)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""TODO docstring."""
+"""Speculative decoding's two rollback breaks: a loop that keeps the rejected keys and
+values (`no-rollback`), and a paged rollback that frees a block another sequence still
+reads (`rollback-shared`); each beside its fix, with the registry's runners."""
 
 from __future__ import annotations
 
@@ -11,7 +13,14 @@ from kvcache_cli.breaks.base import DEFAULT_PROMPT_IDS
 from kvcache_cli.caches import RollbackError
 from kvcache_cli.generate import check_request
 from kvcache_cli.models.base import FamilyModel
-from kvcache_cli.speculative.decode import Draft, LookupDraft, plain_greedy, speculate
+from kvcache_cli.speculative.decode import (
+    Draft,
+    LookupDraft,
+    make_draft,
+    parse_draft,
+    plain_greedy,
+    speculate,
+)
 
 SPEC_BREAKS = {
     "no-rollback": "speculative decoding that keeps the rejected keys and values",
@@ -182,16 +191,12 @@ def _refusal(block_size: int) -> str:
 def no_rollback(name: str, model, max_new_tokens: int = 16, progress=None):
     """The target's first half drafts for it: every step proposes K tokens, and the
     rejected ones are what the broken loop keeps."""
-    from kvcache_cli.speculative import decode as sp
-
     half = model.config.n_layer // 2
     prompt = [t % model.config.vocab_size for t in DEFAULT_PROMPT_IDS]
-    draft = (sp.make_draft(sp.parse_draft(f"layers:{half}"), model,
-                           len(prompt) + max_new_tokens) if half else sp.LookupDraft())
-    return sp.run_no_rollback(model, prompt, max_new_tokens, draft)
+    draft = (make_draft(parse_draft(f"layers:{half}"), model, len(prompt) + max_new_tokens)
+             if half else LookupDraft())
+    return run_no_rollback(model, prompt, max_new_tokens, draft)
 
 
 def rollback_shared(name: str, model, max_new_tokens: int = 16, progress=None):
-    from kvcache_cli.breaks.speculative import run_rollback_shared
-
     return run_rollback_shared(model, max_new_tokens)

@@ -167,15 +167,15 @@ def _models_for(names: list[str], model: str | None, asked: str
 def _check_tokens(model: str, max_new_tokens: int) -> None:
     """--max-new-tokens against the model's context window less the breaks' longest
     default prompt, from its config alone."""
-    from kvcache_cli import generate as gen
+    from kvcache_cli.breaks.base import DEFAULT_PROMPT_IDS, DEFAULT_PROMPT_TEXTS, OTHER_PROMPT_IDS
     from kvcache_cli.models import model_config
 
     try:
         config = model_config(model)
     except ValueError:
         return  # not a model: the loader says so in its own words
-    prompts = ([t.encode() for t in gen.DEFAULT_PROMPT_TEXTS] if config.tokenizer == "bytes"
-               else [gen.DEFAULT_PROMPT_IDS, gen.OTHER_PROMPT_IDS])
+    prompts = ([t.encode() for t in DEFAULT_PROMPT_TEXTS] if config.tokenizer == "bytes"
+               else [DEFAULT_PROMPT_IDS, OTHER_PROMPT_IDS])
     room = max(len(p) for p in prompts)
     high = config.context - room
     if max_new_tokens < 1 or max_new_tokens > high:
