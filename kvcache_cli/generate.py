@@ -1,10 +1,9 @@
-"""Generation with GPT-2: prefill, decode, three cache modes, and the three torch breaks.
+"""Generation with any family's model: prefill, decode, the naive loop and every cache.
 
 Modes: `naive` runs the full forward over the whole sequence for every token;
 `concat` and `static` prefill the prompt once and then decode one token per forward
 against a cache (`caches.ConcatCache`, `caches.StaticCache`). All three pick the same
-greedy tokens; the breaks are the article's three bugs, each a correct loop with one
-call changed, run side by side with the correct loop on the same model.
+greedy tokens (the breaks, in `breaks/`, change one call of this loop).
 Reference: the GPT-2 KV-cache article in `seeds/003_*`, section 5.
 """
 

@@ -1,6 +1,6 @@
 """Speculative decoding on a chat model's own tasks: the whole table, one cache per run.
 
-Two task sets ship with the package (`kvcache_cli/data/speculative_tasks.json`): `copy`,
+Two task sets ship with the package (`kvcache_cli/speculative/data/speculative_tasks.json`): `copy`,
 whose replies copy from the prompt (add a docstring or type hints to a function, correct
 a paragraph's grammar, replace a word in a story), and `other`, whose replies are new
 text. Each task is rendered by the model's chat template; plain greedy decoding runs to
@@ -53,7 +53,9 @@ def _checked(a: argparse.Namespace):
     """(draft specs, Ks, sets, cap, threads, tasks, stop ids); one line and exit 2 else."""
     from kvcache_cli.caches import CacheSpecError
     from kvcache_cli.models import model_config
-    from kvcache_cli.speculative.decode import TASK_SETS, chat_tasks, check_speculation, parse_draft
+    from kvcache_cli.speculative.decode import check_speculation
+    from kvcache_cli.speculative.drafts import parse_draft
+    from kvcache_cli.speculative.tasks import TASK_SETS, chat_tasks
 
     try:
         cap = numbers.whole(a.cap, "--cap", 1, 4096)
@@ -89,7 +91,8 @@ def main(argv=None) -> None:
     import torch
 
     from kvcache_cli import models
-    from kvcache_cli.speculative.decode import TaskTable, make_draft, run_task, task_rows
+    from kvcache_cli.speculative.drafts import make_draft
+    from kvcache_cli.speculative.tasks import TaskTable, run_task, task_rows
 
     torch.set_num_threads(threads)
     model = models.load_model(a.model, "auto", "cpu", torch.float32).model

@@ -370,7 +370,8 @@ def test_a_bad_spare_field_is_refused_in_one_line(text, message):
 
 
 def test_speculative_decoding_runs_on_a_window_with_spare_slots():
-    from kvcache_cli.speculative.decode import make_draft, parse_draft, plain_greedy, speculate
+    from kvcache_cli.speculative.decode import plain_greedy, speculate
+    from kvcache_cli.speculative.drafts import make_draft, parse_draft
 
     m = model()
     prompt = [5, 9, 2, 33, 7, 5, 9, 2, 40, 11, 5, 9, 2]

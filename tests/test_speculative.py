@@ -19,17 +19,19 @@ from kvcache_cli.serving.block_manager import BlockManager
 from kvcache_cli.serving.pooled import PooledSequence
 from kvcache_cli.serving.sequence import Request, Sequence
 from kvcache_cli.speculative.decode import (
-    Draft,
-    LookupDraft,
-    Sampling,
     _verify_sampled,
     check_speculation,
     compare,
+    plain_greedy,
+    speculate,
+)
+from kvcache_cli.speculative.drafts import (
+    Draft,
+    LookupDraft,
+    Sampling,
     layer_draft,
     make_draft,
     parse_draft,
-    plain_greedy,
-    speculate,
 )
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -15,7 +15,8 @@ from llamakit import smollm2_or_skip
 from servingkit import tiny_model
 
 from kvcache_cli.generate import generate
-from kvcache_cli.speculative import decode as S
+from kvcache_cli.speculative import drafts as D
+from kvcache_cli.speculative import tasks as S
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "speculative_chat.py"
@@ -39,7 +40,7 @@ def _task(model, kind: str, seed: int) -> tuple[S.ChatTask, tuple[int]]:
 
 def test_every_draft_at_every_k_gives_plain_greedys_reply_to_its_stop_token():
     model = tiny_model()
-    drafts = [S.LookupDraft(3), S.ModelDraft(S.layer_draft(model, 1), 128, "layers:1")]
+    drafts = [D.LookupDraft(3), D.ModelDraft(D.layer_draft(model, 1), 128, "layers:1")]
     for cache in ("static", "paged", "int8:g8"):  # the tiny heads are 8 wide
         task, stop = _task(model, "copy", 1)
         run = S.run_task(model, task, drafts, [1, 3], cache, 20, stop)
@@ -55,7 +56,7 @@ def test_the_table_sums_each_sets_proposals_acceptances_and_forwards():
     runs = []
     for kind, seed in (("copy", 1), ("copy", 2), ("other", 3)):
         task, stop = _task(model, kind, seed)
-        runs.append(S.run_task(model, task, [S.LookupDraft(3)], [2], "static", 16, stop))
+        runs.append(S.run_task(model, task, [D.LookupDraft(3)], [2], "static", 16, stop))
     rows = {r.kind: r for r in S.task_rows(runs)}
     copy = [t.runs[0] for t in runs if t.kind == "copy"]
     assert rows["copy"].tasks == 2 and rows["other"].tasks == 1

@@ -13,14 +13,8 @@ from kvcache_cli.breaks.base import DEFAULT_PROMPT_IDS
 from kvcache_cli.caches import RollbackError
 from kvcache_cli.generate import check_request
 from kvcache_cli.models.base import FamilyModel
-from kvcache_cli.speculative.decode import (
-    Draft,
-    LookupDraft,
-    make_draft,
-    parse_draft,
-    plain_greedy,
-    speculate,
-)
+from kvcache_cli.speculative.decode import plain_greedy, speculate
+from kvcache_cli.speculative.drafts import Draft, LookupDraft, make_draft, parse_draft
 
 SPEC_BREAKS = {
     "no-rollback": "speculative decoding that keeps the rejected keys and values",

@@ -35,7 +35,8 @@ def check(model: str, draft: str, ks: list[int], cache: str, positions: int | No
     given the request's `positions`), the draft's vocabulary."""
     from kvcache_cli.caches import CacheSpecError
     from kvcache_cli.models import model_config
-    from kvcache_cli.speculative.decode import check_speculation, parse_draft
+    from kvcache_cli.speculative.decode import check_speculation
+    from kvcache_cli.speculative.drafts import parse_draft
 
     try:
         spec = parse_draft(draft)
@@ -49,7 +50,7 @@ def check(model: str, draft: str, ks: list[int], cache: str, positions: int | No
 
 def build(spec, loaded, weights: str, device: str, dtype: str, max_len: int):
     """The draft for a loaded target: a model draft's weights load now."""
-    from kvcache_cli.speculative.decode import make_draft
+    from kvcache_cli.speculative.drafts import make_draft
 
     draft_model = None
     if spec.kind == "model":

@@ -272,15 +272,15 @@ def _speculate(loaded, prompt_ids: list[int], encoding, as_json: bool, device: s
                max_new_tokens: int, draft, k: int, temperature: float, top_k: int | None,
                seed: int) -> None:
     """Speculative and plain decoding of the prompt in one run; the tokens, then the figures."""
-    from kvcache_cli.speculative import decode as sp
+    from kvcache_cli.speculative.decode import compare
+    from kvcache_cli.speculative.drafts import Sampling
     from kvcache_cli.views.generate import TokenStream, header
     from kvcache_cli.views.speculative import spec_run_view
 
     gpt = loaded.model
     try:
-        run = sp.compare(gpt, prompt_ids, max_new_tokens, draft, [k], cache=mode,
-                         sampling=sp.Sampling(temperature, top_k), seed=seed,
-                         target=loaded.source)
+        run = compare(gpt, prompt_ids, max_new_tokens, draft, [k], cache=mode,
+                      sampling=Sampling(temperature, top_k), seed=seed, target=loaded.source)
     except (ValueError, IndexError) as err:  # a RollbackError included
         fail(str(err))
     tokens = run.runs[0].tokens

@@ -28,9 +28,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -38,46 +36,9 @@ from kvcache_cli import numbers
 from kvcache_cli.caches import KVCache, RollbackError, make_cache, parse_cache_spec
 from kvcache_cli.generate import check_request, token_steps
 from kvcache_cli.models.base import FamilyConfig, FamilyModel
-
-# transformers' prompt lookup matches up to 3-grams by default (max_matching_ngram_size=2
-# in its docs' example; 3 catches more repeated code without many false starts).
-DEFAULT_NGRAM = 3
-MAX_NGRAM = 16
-DRAFT_GRAMMAR = ("a GPT-2 preset or checkpoint directory (e.g. gpt2), layers:N (the "
-                 "target's first N layers), or lookup[:n] (n-gram matches in the context)")
-
+from kvcache_cli.speculative.drafts import Draft, DraftSpec, Sampling
 
 # ---------------------------------------------------------------------------- draft specs
-
-
-@dataclass(frozen=True)
-class DraftSpec:
-    kind: str  # "model", "layers" or "lookup"
-    model: str = ""  # the preset or checkpoint directory of a model draft
-    n: int = 0  # layers: how many of the target's; lookup: the longest n-gram matched
-
-    def __str__(self) -> str:
-        if self.kind == "model":
-            return self.model
-        return f"{self.kind}:{self.n}"
-
-
-def parse_draft(text: str) -> DraftSpec:
-    """'lookup:3', 'layers:4', 'gpt2', a checkpoint dir -> DraftSpec, or a one-line ValueError."""
-    name, _, field = text.strip().partition(":")
-    if name in ("lookup", "layers"):
-        if name == "lookup" and not field:
-            return DraftSpec("lookup", n=DEFAULT_NGRAM)
-        high = MAX_NGRAM if name == "lookup" else 1000
-        what = "the longest n-gram" if name == "lookup" else "the number of layers"
-        try:
-            n = numbers.whole(field, what, 1, high)
-        except numbers.NumberError as err:
-            raise ValueError(f"draft {text!r}: {err}; expected {name}:N") from None
-        return DraftSpec(name, n=n)
-    if not text.strip():
-        raise ValueError(f"empty draft: expected {DRAFT_GRAMMAR}")
-    return DraftSpec("model", model=text.strip())
 
 
 def check_speculation(target: FamilyConfig, draft: DraftSpec, draft_config: FamilyConfig | None,
@@ -149,124 +110,7 @@ def rollback_kinds() -> list[str]:
 # ---------------------------------------------------------------------------- sampling
 
 
-@dataclass(frozen=True)
-class Sampling:
-    temperature: float = 0.0  # 0: greedy
-    top_k: int | None = None
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    def probs(self, logits: Tensor) -> Tensor:
-        """(n, vocab) logits -> (n, vocab) probabilities, in float64 so p / q stays exact."""
-        logits = logits.double() / self.temperature
-        if self.top_k is not None:
-            kth = torch.topk(logits, min(self.top_k, logits.size(-1))).values[:, -1:]  # (n, 1)
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        return torch.softmax(logits, dim=-1)
-
-
 # ---------------------------------------------------------------------------- drafts
-
-
-class Draft:
-    """Proposes up to k next tokens for a context; forgets what verification rejected."""
-
-    name: str
-
-    def propose(self, tokens: list[int], k: int, sampling: Sampling,
-                generator: torch.Generator | None) -> tuple[list[int], Tensor | None]:
-        """(up to k tokens, their draft probabilities (m, vocab) or None when the draft
-        is deterministic: a proposal with q = 1 for its own token)."""
-        raise NotImplementedError
-
-    def rollback(self, valid: int) -> None:
-        """Only the first `valid` tokens of the context stand."""
-
-    def reset(self) -> None:
-        """A new request."""
-
-
-class ModelDraft(Draft):
-    """A model (a smaller one, or the target's first layers) decoding k tokens ahead."""
-
-    def __init__(self, model: FamilyModel, max_len: int, name: str):
-        self.model, self.name = model, name
-        self.cache = make_cache("static", model, max_len)
-
-    def reset(self) -> None:
-        self.cache.reset()
-
-    @torch.inference_mode()
-    def propose(self, tokens, k, sampling, generator):
-        fed = self.cache.length  # the draft has seen tokens[:fed]; catch up on the rest
-        idx = torch.tensor([tokens[fed:]], device=self.model.device)  # (1, T)
-        logits = self.model(idx, fed, self.cache, last_only=True)[:, -1]  # (1, vocab)
-        out, qs = [], []
-        for i in range(k):
-            if sampling.greedy:
-                nxt = logits.argmax(dim=-1)  # (1,)
-            else:
-                q = sampling.probs(logits)  # (1, vocab)
-                nxt = torch.multinomial(q, 1, generator=generator)[:, 0]  # (1,)
-                qs.append(q[0])
-            out.append(int(nxt))
-            if i + 1 < k:  # the last proposal is never fed: verification decides on it
-                logits = self.model(nxt.view(1, 1), len(tokens) + i, self.cache,
-                                    last_only=True)[:, -1]
-        return out, (torch.stack(qs) if qs else None)
-
-    def rollback(self, valid: int) -> None:
-        if self.cache.length > valid:
-            self.cache.crop(valid)
-
-
-class LookupDraft(Draft):
-    """Prompt lookup: the longest of the last n..1 tokens seen earlier in the context,
-    and the (up to) k tokens that followed it there, from its latest occurrence with the
-    most of them. No model, no cache."""
-
-    def __init__(self, max_ngram: int = DEFAULT_NGRAM):
-        self.max_ngram = max_ngram
-        self.name = f"lookup:{max_ngram}"
-
-    def propose(self, tokens, k, sampling, generator):
-        a = np.asarray(tokens)
-        L = len(a)
-        for n in range(min(self.max_ngram, L - 1), 0, -1):
-            # Every n-gram that ends before the last token (so a continuation follows it).
-            windows = np.lib.stride_tricks.sliding_window_view(a[: L - 1], n)  # (L - n, n)
-            hits = np.flatnonzero((windows == a[L - n:]).all(axis=1))
-            if hits.size:
-                # The latest match with the longest continuation: in a run ("    ") the
-                # latest match sits one token back and has a single token after it.
-                ahead = np.minimum(k, L - (hits + n))
-                start = int(hits[ahead == ahead.max()][-1]) + n
-                return a[start:start + k].tolist(), None
-        return [], None
-
-
-def layer_draft(model: FamilyModel, n_layer: int) -> FamilyModel:
-    """The target's first n_layer blocks, its final LayerNorm and its head: no copy."""
-    if not 1 <= n_layer < model.config.n_layer:
-        raise ValueError(f"layers:{n_layer}: expected 1 to {model.config.n_layer - 1}")
-    return model.first_layers(n_layer).eval()
-
-
-def make_draft(spec: DraftSpec, target: FamilyModel, max_len: int,
-               draft_model: FamilyModel | None = None) -> Draft:
-    """The draft a spec names; a model draft's weights are loaded by the caller."""
-    if spec.kind == "lookup":
-        return LookupDraft(spec.n)
-    if spec.kind == "layers":
-        return ModelDraft(layer_draft(target, spec.n), max_len, str(spec))
-    if draft_model is None:
-        raise ValueError(f"draft {spec}: load its model first")
-    if draft_model.config.vocab_size != target.config.vocab_size:
-        raise ValueError(f"draft {spec} has a vocabulary of {draft_model.config.vocab_size:,} "
-                         f"tokens, the target {target.config.vocab_size:,}")
-    return ModelDraft(draft_model, max_len, str(spec))
 
 
 # ---------------------------------------------------------------------------- verification
@@ -483,125 +327,6 @@ def compare(
 
 
 # ---------------------------------------------------------------------------- chat tasks
-
-TASKS = Path(__file__).parent / "data" / "speculative_tasks.json"
-TASK_SETS = ("copy", "other")
-
-
-@dataclass(frozen=True)
-class ChatTask:
-    kind: str  # "copy": the reply copies from the prompt (edit, fix); "other": new text
-    index: int  # its place in its set
-    prompt_ids: tuple[int, ...]  # through the model's chat template
-
-
-def chat_tasks(config, model: str, sets: Sequence[str] = TASK_SETS) -> tuple[ChatTask, ...]:
-    """The shipped tasks, rendered by the model's chat template and encoded (torch-free);
-    ValueError in one line for a model without a template."""
-    import json
-
-    from kvcache_cli.models.tokenizer import encoding_for, render_chat
-
-    template = getattr(config, "chat_template", None)
-    if not template:
-        raise ValueError(f"model {model!r} has no chat template; expected a chat model "
-                         "such as smollm2")
-    encoding, why = encoding_for(config.tokenizer)
-    if encoding is None:
-        raise ValueError(f"model {model!r}'s tokenizer: {why}")
-    data = json.loads(TASKS.read_text(encoding="utf-8"))
-    out = []
-    for kind in sets:
-        for i, user in enumerate(data[kind]):
-            text = render_chat(template, [{"role": "system", "content": data["system"]},
-                                          {"role": "user", "content": user}])
-            out.append(ChatTask(kind, i, tuple(encoding.encode(text))))
-    return tuple(out)
-
-
-@dataclass(frozen=True)
-class TaskRun:
-    """One task, one cache: plain greedy to the end of turn, then each draft at each K
-    for exactly as many tokens."""
-
-    kind: str
-    index: int
-    cache: str
-    prompt_tokens: int
-    reply_tokens: int  # plain greedy's reply, its end-of-turn token included
-    stopped: bool  # the reply ended at the end-of-turn token, not the cap
-    plain_s: float
-    runs: tuple[Speculation, ...]
-    identical: tuple[bool, ...]  # per run: its tokens are plain greedy's
-
-
-@dataclass(frozen=True)
-class TaskRow:
-    """One (task set, cache, draft, K) over the set's tasks, summed."""
-
-    kind: str
-    cache: str
-    draft: str
-    k: int
-    tasks: int
-    tokens: int
-    proposed: int
-    accepted: int
-    acceptance: float  # accepted / proposed
-    forwards_per_token: float  # the target's: 1.0 is plain decoding
-    speedup: float  # plain's seconds over speculation's, summed over the tasks
-    identical: int  # tasks whose tokens are plain greedy's
-
-
-@dataclass(frozen=True)
-class TaskTable:
-    model: str
-    cap: int
-    threads: int
-    runs: tuple[TaskRun, ...]
-    rows: tuple[TaskRow, ...]
-
-    @property
-    def all_identical(self) -> bool:
-        return all(all(r.identical) for r in self.runs)
-
-
-def run_task(model: FamilyModel, task: ChatTask, drafts: Sequence[Draft], ks: Sequence[int],
-             cache: str, cap: int, stop_ids: Sequence[int]) -> TaskRun:
-    """Plain greedy to the end of turn (or `cap`), then every draft at every K for exactly
-    that many tokens: the same tokens, or a bug. A dropped warm-up runs first."""
-    from kvcache_cli.generate import generate
-
-    prompt = list(task.prompt_ids)
-    plain_greedy(model, prompt, min(cap, 8), cache)  # dropped: first-call allocations
-    start = time.perf_counter()
-    reply = generate(model, prompt, cap, cache, stop_ids=stop_ids)
-    plain_s = time.perf_counter() - start
-    n = len(reply.tokens)
-    runs = tuple(speculate(model, prompt, n, d, k, cache=cache) for d in drafts for k in ks)
-    return TaskRun(task.kind, task.index, cache, len(prompt), n, reply.stopped, plain_s, runs,
-                   tuple(r.tokens == reply.tokens for r in runs))
-
-
-def task_rows(runs: Sequence[TaskRun]) -> tuple[TaskRow, ...]:
-    """Each (set, cache, draft, K) summed over its tasks: acceptance over every proposal,
-    forwards over every token, seconds over every task."""
-    groups: dict[tuple, list[tuple[TaskRun, Speculation, bool]]] = {}
-    for t in runs:
-        for s, same in zip(t.runs, t.identical, strict=True):
-            groups.setdefault((t.kind, t.cache, s.draft, s.k), []).append((t, s, same))
-    rows = []
-    for (kind, cache, draft, k), members in groups.items():
-        tokens = sum(len(s.tokens) for _, s, _ in members)
-        proposed = sum(s.proposed for _, s, _ in members)
-        accepted = sum(s.accepted for _, s, _ in members)
-        rows.append(TaskRow(
-            kind, cache, draft, k, len(members), tokens, proposed, accepted,
-            accepted / proposed if proposed else float("nan"),
-            sum(s.target_forwards for _, s, _ in members) / tokens,
-            sum(t.plain_s for t, _, _ in members) / sum(s.seconds for _, s, _ in members),
-            sum(same for _, _, same in members)))
-    return tuple(rows)
 
 
 # ---------------------------------------------------------------------------- breaks
