@@ -16,7 +16,11 @@ import torch
 from typer.testing import CliRunner
 
 from kvcache_cli import measure
-from kvcache_cli.bench import run as bench
+from kvcache_cli.bench import modes as bench_modes
+from kvcache_cli.bench import results as bench_results
+from kvcache_cli.bench import run as bench_run
+from kvcache_cli.bench import runners as bench_runners
+from kvcache_cli.bench import summary as bench_summary
 from kvcache_cli.cli import app
 from kvcache_cli.models.gpt2 import load_gpt2
 from kvcache_cli.views.plot import sparkline
@@ -42,10 +46,10 @@ def checkpoint(tmp_path: Path) -> Path:
     return tmp_path / "tiny"
 
 
-def _run(checkpoint: Path, **kwargs) -> bench.BenchResult:
+def _run(checkpoint: Path, **kwargs) -> bench_results.BenchResult:
     model = load_gpt2(str(checkpoint), weights="pretrained").model
     options = dict(prompt_len=PROMPT, new_tokens=NEW, repeats=REPEATS, bandwidth_mib=4)
-    return bench.run_bench(model, **{**options, **kwargs})
+    return bench_run.run_bench(model, **{**options, **kwargs})
 
 
 def _cli(*args: str):
@@ -54,7 +58,7 @@ def _cli(*args: str):
 
 def test_every_mode_runs_and_generates_the_same_varied_tokens(checkpoint):
     result = _run(checkpoint)
-    assert [m.mode for m in result.modes] == list(bench.DEFAULT_MODES)
+    assert [m.mode for m in result.modes] == list(bench_modes.DEFAULT_MODES)
     naive = result.mode("naive").tokens
     assert len(set(naive)) > 2, f"a tiny model stuck on one token proves nothing: {naive}"
     for m in result.modes:
@@ -74,7 +78,7 @@ def test_steps_and_tokens_are_counted_per_repeat(checkpoint):
         assert len(m.median_step_ms) == NEW - 1, m.mode
         assert len(m.ttft_ms) == len(m.tokens_per_s) == REPEATS, m.mode
         assert all(ms > 0 for steps in m.step_ms for ms in steps), m.mode
-    assert result.warmup_tokens == min(bench.WARMUP_TOKENS, NEW)
+    assert result.warmup_tokens == min(bench_runners.WARMUP_TOKENS, NEW)
     assert result.profile_lengths[0] == PROMPT + 1
     assert result.profile_lengths[-1] == PROMPT + NEW - 1
 
@@ -158,17 +162,17 @@ def test_the_clock_synchronises_cuda_before_every_reading(monkeypatch):
     # torch.cuda.synchronize replaced by a recorder.
     events: list[str] = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: events.append("sync"))
-    monkeypatch.setattr(bench.time, "perf_counter", lambda: events.append("clock") or 0.0)
-    clock = bench._Clock(torch.device("cuda"), on_token=lambda: events.append("token"))
+    monkeypatch.setattr(bench_runners.time, "perf_counter", lambda: events.append("clock") or 0.0)
+    clock = bench_runners._Clock(torch.device("cuda"), on_token=lambda: events.append("token"))
     clock.tick()
     assert events == ["sync", "clock", "sync", "clock", "token", "clock"]
     events.clear()
-    bench._Clock(torch.device("cpu"), on_token=lambda: None).tick()
+    bench_runners._Clock(torch.device("cpu"), on_token=lambda: None).tick()
     assert "sync" not in events
 
 
 def test_bookkeeping_between_tokens_is_not_timed():
-    timeline = bench._Timeline(start=0.0, marks=[1.0, 3.0, 6.0], resumes=[1.5, 3.5, 6.5])
+    timeline = bench_runners._Timeline(start=0.0, marks=[1.0, 3.0, 6.0], resumes=[1.5, 3.5, 6.5])
     assert timeline.ttft_ms() == 1000.0
     assert timeline.step_ms() == [1500.0, 2500.0]
 
@@ -184,16 +188,16 @@ def test_bandwidth_counts_the_read_and_the_write():
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("naive,bogus", f"unknown mode 'bogus'; valid modes: {', '.join(bench.MODES)}, "
+        ("naive,bogus", f"unknown mode 'bogus'; valid modes: {', '.join(bench_modes.MODES)}, "
                         "or a cache spec such as window:128, sink:4+124, h2o:64+64"),
-        ("", f"no modes given; valid modes: {', '.join(bench.MODES)}, or a cache spec such "
+        ("", f"no modes given; valid modes: {', '.join(bench_modes.MODES)}, or a cache spec such "
              "as window:128, sink:4+124, h2o:64+64"),
         ("static,static", "mode 'static' given twice"),
     ],
 )
 def test_parse_modes_rejects_bad_lists(text, message):
     with pytest.raises(ValueError) as err:
-        bench.parse_modes(text)
+        bench_modes.parse_modes(text)
     assert str(err.value) == message
 
 
@@ -229,7 +233,7 @@ def test_cli_json_has_every_key(checkpoint):
     for probe in data["probes"]:
         assert set(probe) == {"name", "what", "bytes_per_run", "seconds", "best_gbps",
                               "median_gbps"}
-    assert [m["mode"] for m in data["modes"]] == list(bench.DEFAULT_MODES)
+    assert [m["mode"] for m in data["modes"]] == list(bench_modes.DEFAULT_MODES)
     for m in data["modes"]:
         assert set(m) == {
             "mode", "tokens", "tokens_generated", "same_tokens", "first_difference", "ttft_ms",
@@ -265,7 +269,8 @@ def test_cli_table_and_plot(checkpoint, tmp_path):
 def test_cli_bad_modes_is_one_line_and_exit_2():
     out = _cli("--modes", "naive,fast", "--device", "cpu")
     assert out.exit_code == 2, out.output
-    assert out.stderr == (f"error: unknown mode 'fast'; valid modes: {', '.join(bench.MODES)}, "
+    valid = ', '.join(bench_modes.MODES)
+    assert out.stderr == (f"error: unknown mode 'fast'; valid modes: {valid}, "
                           "or a cache spec such as window:128, sink:4+124, h2o:64+64\n")
 
 
@@ -377,15 +382,15 @@ def test_cli_lengths_past_the_window_are_one_line_and_exit_2(checkpoint):
 
 
 def test_first_difference_is_the_first_differing_token():
-    assert bench._first_difference([1, 2, 3], [1, 2, 3]) is None
-    assert bench._first_difference([1, 9, 3], [1, 2, 3]) == 1
-    assert bench._first_difference([1, 2], [1, 2, 3]) == 2  # a run that stopped early
+    assert bench_summary._first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert bench_summary._first_difference([1, 9, 3], [1, 2, 3]) == 1
+    assert bench_summary._first_difference([1, 2], [1, 2, 3]) == 2  # a run that stopped early
 
 
 def test_naive_is_timed_at_sampled_steps_fed_the_reference_tokens(checkpoint):
     result = _run(checkpoint, modes=("naive", "static"), naive_samples=4)
     naive, static = result.mode("naive"), result.mode("static")
-    steps = bench.sampled_steps(NEW - 1, 4)
+    steps = bench_runners.sampled_steps(NEW - 1, 4)
     assert steps == [0, 3, 7, 10]
     assert naive.steps == tuple(steps) and static.steps == tuple(range(NEW - 1))
     assert all(len(ms) == len(steps) for ms in naive.step_ms)
@@ -408,18 +413,18 @@ def test_naive_samples_zero_or_alone_times_every_step(checkpoint):
 
 
 def test_sampled_steps_spread_evenly_from_first_to_last():
-    steps = bench.sampled_steps(255, 16)
+    steps = bench_runners.sampled_steps(255, 16)
     assert len(steps) == 16 and steps[0] == 0 and steps[-1] == 254
     assert steps == sorted(steps)
-    assert bench.sampled_steps(10, 0) == list(range(10))
-    assert bench.sampled_steps(10, 20) == list(range(10))
+    assert bench_runners.sampled_steps(10, 0) == list(range(10))
+    assert bench_runners.sampled_steps(10, 20) == list(range(10))
 
 
 def test_a_sampled_run_names_the_position_of_its_first_different_token():
-    run = bench._Run(tokens=[5, 6, 0], ttft_ms=1.0, steps=[0, 4], step_ms=[2.0, 3.0],
+    run = bench_results.TimedRun(tokens=[5, 6, 0], ttft_ms=1.0, steps=[0, 4], step_ms=[2.0, 3.0],
                      cache_bytes_held=None, bytes_copied=None)
     reference = [5, 6, 1, 1, 1, 9]  # the token at position 5 (after step 4) is 9, not 0
-    result = bench._summarise("naive", [run], reference, [100] * 5, 1.0, None, 100)
+    result = bench_summary._summarise("naive", [run], reference, [100] * 5, 1.0, None, 100)
     assert not result.same_tokens and result.first_difference == 5
 
 
@@ -450,7 +455,7 @@ def test_compiled_modes_compile_once_and_report_the_compile_apart(checkpoint, mo
     assert whole and all(whole), whole
     ours = [fn for fn, _ in compiled if isinstance(fn, torch.nn.Module)]
     assert len(ours) == 1 and ours[0].config.n_layer == 2  # our GPT, compiled once
-    assert all(mode == bench.COMPILE_MODE["cpu"] for _, mode in compiled)
+    assert all(mode == bench_modes.COMPILE_MODE["cpu"] for _, mode in compiled)
     assert len(compiled) >= 2, "transformers' generate() did not compile its forward"
     for m in result.modes:
         assert m.compile_s is not None and m.compile_s > 0, m.mode
@@ -485,13 +490,14 @@ def test_cpu_half_support_reads_the_flags(monkeypatch, tmp_path):
     real_open = open
     monkeypatch.setattr("builtins.open", lambda path, *a, **k: real_open(
         cpuinfo if path == "/proc/cpuinfo" else path, *a, **k))
-    assert bench.cpu_half_support() == "has avx512_bf16; lacks amx_bf16, avx512_fp16, amx_fp16"
+    support = bench_modes.cpu_half_support()
+    assert support == "has avx512_bf16; lacks amx_bf16, avx512_fp16, amx_fp16"
 
 
 def test_bounded_caches_bench_beside_the_exact_ones_with_their_own_bytes(checkpoint):
     r = _run(checkpoint, modes=("static", "window:8", "h2o:4+4"), new_tokens=24, repeats=1)
     window, static = r.mode("window:8"), r.mode("static")
-    assert bench.parse_modes("static, WINDOW:8") == ("static", "window:8")
+    assert bench_modes.parse_modes("static, WINDOW:8") == ("static", "window:8")
     # 2 layers x K and V x 8 slots x 32 wide x 4 bytes, whatever the length
     assert window.cache_bytes_held == 2 * 2 * 8 * 32 * 4 < static.cache_bytes_held
     assert len(window.median_step_ms) == 23
@@ -513,7 +519,7 @@ def test_hf_quanto_runs_transformers_own_quantised_cache_in_its_own_model(tmp_pa
     hf = tiny_hf(seed=1, hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
                  max_position_embeddings=256)
     model = load_model(str(write_tiny_gguf(hf, tmp_path / "tiny.gguf"))).model
-    result = bench.run_bench(model, modes=("quanto-int4", "hf-quanto"), prompt_len=8,
+    result = bench_run.run_bench(model, modes=("quanto-int4", "hf-quanto"), prompt_len=8,
                              new_tokens=140, repeats=1, bandwidth_mib=4)
     ours, theirs = result.mode("quanto-int4:g64:r128"), result.mode("hf-quanto")
     assert len(theirs.tokens) == 140  # past its residual of 128: the codes were read

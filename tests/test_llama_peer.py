@@ -15,7 +15,7 @@ import torch
 from typer.testing import CliRunner
 
 from kvcache_cli import llama_peer
-from kvcache_cli.bench import run as bench
+from kvcache_cli.bench import run as bench_run
 from kvcache_cli.cli import app
 from kvcache_cli.models.gpt2 import GPT, GPTConfig
 from kvcache_cli.models.linear import arrange_weights
@@ -128,7 +128,7 @@ def _tiny() -> GPT:
 @has_llama
 def test_llama_cpp_f32_runs_the_same_function_and_q8_0_reads_fewer_bytes(tmp_path):
     model = _tiny()
-    result = bench.run_bench(model, modes=("static", "llama.cpp", "llama.cpp-q8_0"),
+    result = bench_run.run_bench(model, modes=("static", "llama.cpp", "llama.cpp-q8_0"),
                              prompt_len=PROMPT, new_tokens=NEW, repeats=1, bandwidth_mib=4,
                              gguf_dir=tmp_path)  # fmt: skip
     static, f32, q8 = (result.mode(m) for m in ("static", "llama.cpp", "llama.cpp-q8_0"))

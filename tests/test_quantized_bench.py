@@ -5,7 +5,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from kvcache_cli.bench import run as bench
+from kvcache_cli.bench import modes as bench_modes
+from kvcache_cli.bench import run as bench_run
 from kvcache_cli.cli import app
 from kvcache_cli.models.gpt2 import GPT, GPTConfig, load_gpt2, to_hf
 
@@ -18,13 +19,13 @@ def checkpoint(tmp_path: Path) -> Path:
 
 
 def test_cache_specs_are_modes_spelled_canonically():
-    assert bench.parse_modes("static,int4,fp8") == ("static", "int4:g32:kchan:r128",
+    assert bench_modes.parse_modes("static,int4,fp8") == ("static", "int4:g32:kchan:r128",
                                                     "fp8-e4m3:tensor:one")
 
 
 def test_a_quantised_cache_is_timed_and_counted_beside_static(checkpoint):
     model = load_gpt2(str(checkpoint), weights="pretrained").model
-    result = bench.run_bench(model, modes=("static", "int8:g32:ktok:r0", "int4:g8:kchan:r4"),
+    result = bench_run.run_bench(model, modes=("static", "int8:g32:ktok:r0", "int4:g8:kchan:r4"),
                              prompt_len=20, new_tokens=10, repeats=1, bandwidth_mib=4)
     static, int8, int4 = (result.mode(m) for m in ("static", "int8:g32:ktok:r0",
                                                     "int4:g8:kchan:r4"))

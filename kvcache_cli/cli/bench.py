@@ -98,6 +98,7 @@ def bench(
     need_torch_extra("kvcache bench needs", *GPT2_MODULES, "transformers")
     import torch
 
+    from kvcache_cli.bench import modes as bench_modes
     from kvcache_cli.bench import run as bench_
     from kvcache_cli.models import load_model
     from kvcache_cli.views.bench import bench as bench_view
@@ -109,7 +110,7 @@ def bench(
         modes = _with_caches(modes if given else "static", cache)
     mode_names, dev = _check_options(modes, compile_, device, threads, plot)
     for name in mode_names:
-        if (spec := bench_.bounded_spec(name)) is not None:
+        if (spec := bench_modes.bounded_spec(name)) is not None:
             check_cache_for(spec, model)  # a window past the context, before the weights
     check_weights_dtype(weights_dtype, model, str(dev))
     _check_heads(modes, model)
@@ -167,7 +168,7 @@ def _speculative(ctx, draft: str, speculate: str, cache: str, prompt_file: Path 
     _check_lengths(ctx, model, prompt_len, new_tokens)
     import torch
 
-    from kvcache_cli.bench import run as bench_
+    from kvcache_cli.bench import modes as bench_modes
     from kvcache_cli.cli.common import load_model
     from kvcache_cli.generate import check_request
     from kvcache_cli.measure import resolve_device
@@ -183,7 +184,7 @@ def _speculative(ctx, draft: str, speculate: str, cache: str, prompt_file: Path 
     loaded = load_model(model, weights, dev, dtype.value)
     gpt = loaded.model
     prompt = (_tokenize(gpt, text)[:prompt_len] if text is not None
-              else bench_.random_prompt(gpt.config.vocab_size, prompt_len))
+              else bench_modes.random_prompt(gpt.config.vocab_size, prompt_len))
     try:
         check_request(gpt, prompt, new_tokens)
     except (ValueError, IndexError) as err:
@@ -267,7 +268,7 @@ def _tokenize(gpt, text: str) -> list[int]:
 def _with_caches(modes: str, caches: str) -> str:
     """--modes with --cache's specs after it, each once (a spec already there stays put),
     spelled as typed so that a later refusal names the user's text."""
-    from kvcache_cli.bench.run import _mode_name
+    from kvcache_cli.bench.modes import mode_name
     from kvcache_cli.caches.spec import CacheSpecError, parse_cache_list
 
     try:
@@ -275,7 +276,7 @@ def _with_caches(modes: str, caches: str) -> str:
     except CacheSpecError as err:
         fail(f"--cache: {err}")
     names = [m.strip() for m in modes.split(",") if m.strip()]
-    there = {_mode_name(n) for n in names}
+    there = {mode_name(n) for n in names}
     return ",".join([*names, *(s.typed for s in specs if str(s) not in there)])
 
 
@@ -283,17 +284,17 @@ def _check_options(modes: str, compile_: bool, device: str, threads: int | None,
                    plot: Path | None) -> tuple[list[str], str]:
     """The mode names (with their compiled twins under --compile) and the device; bad input
     fails here, before the model loads."""
-    from kvcache_cli.bench import run as bench_
+    from kvcache_cli.bench import modes as bench_modes
     from kvcache_cli.llama_peer import check_llama_modes
     from kvcache_cli.measure import resolve_device
 
     try:
-        mode_names = bench_.parse_modes(modes)
+        mode_names = bench_modes.parse_modes(modes)
         if compile_:
-            extra = [bench_.COMPILED[m] for m in mode_names if m in bench_.COMPILED]
+            extra = [bench_modes.COMPILED[m] for m in mode_names if m in bench_modes.COMPILED]
             if not extra:
                 raise ValueError("--compile needs mode static or hf-static in --modes")
-            mode_names = bench_.parse_modes(",".join((*mode_names, *extra)))
+            mode_names = bench_modes.parse_modes(",".join((*mode_names, *extra)))
         dev = resolve_device(device)
         check_llama_modes(mode_names, dev.type)
     except ValueError as err:
@@ -307,12 +308,12 @@ def _check_options(modes: str, compile_: bool, device: str, threads: int | None,
 def _check_heads(modes: str, model: str) -> None:
     """Quantised specs whose groups or packing do not fit the model's heads, refused before
     the weights load, naming each as the user typed it in --modes or --cache."""
-    from kvcache_cli.bench import run as bench_
+    from kvcache_cli.bench import modes as bench_modes
     from kvcache_cli.caches.spec import CacheSpecError, check_spec, parse_cache_spec
     from kvcache_cli.models import model_config
 
     parts = [m.strip() for m in modes.split(",") if m.strip()]
-    specs = [parse_cache_spec(m) for m in parts if m.lower() not in bench_.MODES]
+    specs = [parse_cache_spec(m) for m in parts if m.lower() not in bench_modes.MODES]
     try:
         head_size = model_config(model).head_size if specs else 0
     except ValueError:

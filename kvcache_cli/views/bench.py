@@ -10,7 +10,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from kvcache_cli.bench.run import BenchResult, ModeResult
+from kvcache_cli.bench.results import BenchResult, ModeResult
 from kvcache_cli.views.plot import sparkline
 from kvcache_cli.views.style import BAD, OK, figures_table, label_grid
 
@@ -189,7 +189,7 @@ def _profile(r: BenchResult) -> Table:
 
 def _bounded(mode: str) -> bool:
     """A bounded cache's mode (window, sink, h2o): its tokens may part from the exact ones."""
-    from kvcache_cli.bench.run import bounded_spec
+    from kvcache_cli.bench.modes import bounded_spec
 
     return bounded_spec(mode) is not None
 

@@ -12,7 +12,7 @@ import statistics
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvcache_cli.bench.run import BenchResult
+from kvcache_cli.bench.results import BenchResult
 
 BARS = "▁▂▃▄▅▆▇█"
 # One colour per mode whatever subset ran, so plots from different runs compare.
