@@ -82,7 +82,7 @@ def copy_probe(bandwidth: Bandwidth) -> Probe:
                   bandwidth.bytes_moved, bandwidth.seconds)  # fmt: skip
 
 
-def pooled(probes: Sequence[Probe]) -> Probe:
+def pool_probes(probes: Sequence[Probe]) -> Probe:
     """One figure from several probes of one kind: every run's time counts."""
     first = probes[0]
     seconds = [t for probe in probes for t in probe.seconds]

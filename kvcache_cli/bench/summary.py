@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kv_cache_from_scratch import kv_cache_bytes
-from kvcache_cli.bench.bandwidth import pooled
+from kvcache_cli.bench.bandwidth import pool_probes
 from kvcache_cli.bench.modes import bounded_spec, cpu_half_support
 from kvcache_cli.bench.results import BenchPlan, BenchResult, Measured, ModeResult
 from kvcache_cli.bench.runners import TimedRun
@@ -153,7 +153,7 @@ def bench_result(model, plan: BenchPlan, measured: Measured, threads: int,
     param = next(model.parameters())
     device, element = param.device, param.element_size()
     prompt_len, n_steps = len(plan.prompt), plan.n_steps
-    pooled = tuple(pooled(p) for p in measured.probes.values())
+    pooled = tuple(pool_probes(p) for p in measured.probes.values())
     best = max(pooled, key=lambda p: p.best_gbps)
     w_bytes = weight_bytes(model)
     # The reference script's formula at seq 1, over the KV heads the cache holds.
