@@ -271,7 +271,7 @@ def test_percentiles_interpolate_as_numpy_does_and_empty_is_nan():
 
 def test_a_concurrency_cap_sends_a_request_when_a_slot_frees():
     requests = [Request(i, (1,), 1, 0.1 * i) for i in range(3)]
-    rec = E._Recorder("x", requests, torch.device("cpu"), None, max_concurrency=1)
+    rec = E.Recorder("x", requests, torch.device("cpu"), None, max_concurrency=1)
     rec.t0 -= 10  # every request has arrived
     assert [r.id for r in rec.arrivals()] == [0]  # the cap holds the others back
     rec.done(0, 4.0)

@@ -255,7 +255,7 @@ def test_names_are_read_in_any_case(args):
 
 def test_serve_and_bench_name_lists_are_read_in_any_case():
     from kvcache_cli.bench.modes import parse_modes
-    from kvcache_cli.serving.engines import parse_engines
+    from kvcache_cli.serving.plan import parse_engines
     from kvcache_cli.serving.scheduler import parse_policy
 
     assert parse_modes("NAIVE,Static") == ("naive", "static")

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvcache_cli import numbers
+from kvcache_cli.serving.sequence import Sequence as Seq
 
 GOODPUT_KEYS = ("ttft", "tpot", "e2el")
 # A run meets the targets when at least this share of its requests meets every one
@@ -160,3 +161,14 @@ def parse_rates(text: str) -> tuple[float | None, ...]:
             raise ValueError(f"--rate {text!r}: the rate {part} given twice")
         rates.append(value)
     return tuple(sorted(rates, key=lambda x: math.inf if x is None else x))
+
+
+def shared_hit_rate(seqs: Sequence[Seq], shared_prefix: int, block_size: int) -> float | None:
+    """The share of the shared prefix's full blocks that every request admitted after the
+    first took from the prefix cache; None without a full block to share or a second one."""
+    full = shared_prefix // block_size
+    later = sorted((s for s in seqs if s.admitted_hits is not None),
+                   key=lambda s: s.request.arrival_s)[1:]
+    if not full or not later:
+        return None
+    return sum(min(s.admitted_hits, full) for s in later) / (full * len(later))

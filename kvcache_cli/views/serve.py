@@ -11,8 +11,8 @@ from rich.table import Table
 from rich.text import Text
 
 from kvcache_cli.serving.batching import SweepResult
-from kvcache_cli.serving.engines import EngineResult, ServeResult
 from kvcache_cli.serving.metrics import ATTAINMENT
+from kvcache_cli.serving.results import EngineResult, ServeResult
 from kvcache_cli.views.bench import _bytes, load_line
 from kvcache_cli.views.style import BAD, OK, figures_table, label_grid
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvcache_cli.serving.batching import SweepResult
-from kvcache_cli.serving.engines import ServeResult
+from kvcache_cli.serving.results import ServeResult
 from kvcache_cli.views.plot import plain_log_ticks
 
 COLORS = {"sequential": "tab:blue", "padded": "tab:orange", "paged": "tab:green",
