@@ -27,6 +27,8 @@ from kvcache_cli.caches.paged import PagedCache, block_bytes
 from kvcache_cli.models.gpt2 import GPTConfig
 from kvcache_cli.serving import batching
 from kvcache_cli.serving import engines as E
+from kvcache_cli.serving import plan as serving_plan
+from kvcache_cli.serving import results as serving_results
 from kvcache_cli.serving.block_manager import BlockManager
 from kvcache_cli.serving.model_runner import ModelRunner
 from kvcache_cli.serving.scheduler import Scheduler
@@ -39,7 +41,7 @@ checkpoint = servingkit.checkpoint  # the fixture, found by its name in this mod
 
 def _serve(model, spec, engine, kv_mem, block_size=4, max_batch=64, sharing=True):
     requests = make_requests(spec, model.config.vocab_size)
-    plan = E.plan_memory(model.config, model.dtype, spec, kv_mem, block_size, max_batch)
+    plan = serving_plan.plan_memory(model.config, model.dtype, spec, kv_mem, block_size, max_batch)
     reference = E.solo_tokens(model, requests)
     result, _ = E.run_engine(engine, model, requests, spec, plan, block_size, max_batch,
                              sharing, reference)
@@ -230,9 +232,9 @@ def test_the_padded_engine_is_sized_to_the_workload_not_the_whole_budget():
     model = _model()
     spec = WorkloadSpec(4, (2, 40), (2, 30), 0, None, 0)
     requests = make_requests(spec, model.config.vocab_size)
-    plan = E.plan_memory(model.config, model.dtype, spec, ROOMY * 64, 4, 256)
+    plan = serving_plan.plan_memory(model.config, model.dtype, spec, ROOMY * 64, 4, 256)
     assert plan.padded_rows > 4 and plan.slab_len == spec.longest
-    fitted = E.fit_padded(plan, requests, model.config, model.dtype, ROOMY * 64, 256)
+    fitted = serving_plan.fit_padded(plan, requests, model.config, model.dtype, ROOMY * 64, 256)
     # Every row decodes until its group's longest output is done.
     longest = max(len(r.prompt) for r in requests) + max(r.max_new_tokens for r in requests)
     assert (fitted.padded_rows, fitted.slab_len) == (4, longest) and longest < spec.longest
@@ -263,8 +265,8 @@ def test_a_differing_token_is_reported_with_its_step_and_the_solo_gap():
 
 
 def test_a_near_tie_is_a_gap_within_float32_noise_of_the_logits_size():
-    assert E.Mismatch(0, 1, top2_gap=0.003, logit_scale=1000.0).near_tie
-    assert not E.Mismatch(0, 1, top2_gap=0.5, logit_scale=10.0).near_tie
+    assert serving_results.Mismatch(0, 1, top2_gap=0.003, logit_scale=1000.0).near_tie
+    assert not serving_results.Mismatch(0, 1, top2_gap=0.5, logit_scale=10.0).near_tie
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -418,7 +420,7 @@ def test_a_quantised_pools_lost_tokens_are_one_line_not_a_bug_report():
     from kvcache_cli.views.serve import render
 
     result = E.run_serve(_model(), SPEC, ["paged"], ROOMY, 4, 64)
-    flips = tuple(E.Mismatch(request=i, step=3 + i, top2_gap=2.0, logit_scale=10.0)
+    flips = tuple(serving_results.Mismatch(request=i, step=3 + i, top2_gap=2.0, logit_scale=10.0)
                   for i in range(4))
     lossy = dataclasses.replace(result.engines[0], engine="paged-int8 pf", mismatches=flips,
                                 requests_exact=2)

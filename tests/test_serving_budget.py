@@ -28,6 +28,8 @@ from servingkit import tiny_model as _model
 from kvcache_cli.caches.paged import PagedCache
 from kvcache_cli.models.gpt2 import GPT
 from kvcache_cli.serving import engines as E
+from kvcache_cli.serving import plan as serving_plan
+from kvcache_cli.serving import recorder as serving_recorder
 from kvcache_cli.serving.block_manager import BlockManager
 from kvcache_cli.serving.metrics import RequestTimes, Stats, parse_goodput, parse_rates, summarise
 from kvcache_cli.serving.model_runner import LAYOUTS, ModelRunner
@@ -41,11 +43,11 @@ checkpoint = servingkit.checkpoint  # the fixture, found by its name in this mod
 BLOCK = 4
 
 
-def _serve(variant: E.Variant, kv_mem: int, layout: str = "packed", spec: WorkloadSpec = SPEC,
-           sharing: bool = True):
+def _serve(variant: serving_plan.Variant, kv_mem: int, layout: str = "packed",
+           spec: WorkloadSpec = SPEC, sharing: bool = True):
     model = _model()
     requests = make_requests(spec, CONFIG.vocab_size)
-    plan = E.plan_memory(CONFIG, model.dtype, spec, kv_mem, BLOCK, 64)
+    plan = serving_plan.plan_memory(CONFIG, model.dtype, spec, kv_mem, BLOCK, 64)
     reference = E.solo_tokens(model, requests)
     result, tokens = E.run_engine(variant, model, requests, spec, plan, BLOCK, 64, sharing,
                                   reference, layout=layout)
@@ -57,11 +59,12 @@ def _serve(variant: E.Variant, kv_mem: int, layout: str = "packed", spec: Worklo
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("variant", [
-    E.Variant("paged", "prefill-first"),
-    E.Variant("paged", "decode-first", 4),  # one block a forward: every prompt is chunked
-    E.Variant("paged", "decode-first", 12),  # chunks end mid-block
-    E.Variant("paged", "decode-first", 256),  # several whole prompts share a forward
-], ids=lambda v: v.name if isinstance(v, E.Variant) else v)
+    serving_plan.Variant("paged", "prefill-first"),
+    # one block a forward: every prompt is chunked
+    serving_plan.Variant("paged", "decode-first", 4),
+    serving_plan.Variant("paged", "decode-first", 12),  # chunks end mid-block
+    serving_plan.Variant("paged", "decode-first", 256),  # several whole prompts share a forward
+], ids=lambda v: v.name if isinstance(v, serving_plan.Variant) else v)
 @pytest.mark.parametrize("kv_mem", [ROOMY, TIGHT], ids=["roomy", "tight"])
 def test_every_policy_budget_and_layout_gives_every_request_its_solo_tokens(
         variant, layout, kv_mem):
@@ -74,7 +77,7 @@ def test_every_policy_budget_and_layout_gives_every_request_its_solo_tokens(
 
 
 def test_a_small_budget_splits_prompts_across_forwards_and_never_exceeds_itself():
-    result, tokens, reference = _serve(E.Variant("paged", "decode-first", 4), ROOMY)
+    result, tokens, reference = _serve(serving_plan.Variant("paged", "decode-first", 4), ROOMY)
     assert tokens == reference
     prompt = sum(len(r.prompt) for r in make_requests(SPEC, CONFIG.vocab_size))
     # Every prompt token computed once, less the prefix hits: more forwards than prompts.
@@ -84,8 +87,8 @@ def test_a_small_budget_splits_prompts_across_forwards_and_never_exceeds_itself(
 
 
 def test_decode_first_never_stalls_a_decode_and_prefill_first_does():
-    first, _, _ = _serve(E.Variant("paged", "prefill-first"), ROOMY)
-    budget, _, _ = _serve(E.Variant("paged", "decode-first", 8), ROOMY)
+    first, _, _ = _serve(serving_plan.Variant("paged", "prefill-first"), ROOMY)
+    budget, _, _ = _serve(serving_plan.Variant("paged", "decode-first", 8), ROOMY)
     # All 6 arrive at once and are admitted together: prompt k's forward keeps the k
     # prompts before it waiting for their second token, 0 + 1 + ... + 5 in all.
     assert first.steps.stalled >= 15 and budget.steps.stalled == 0
@@ -96,7 +99,7 @@ def test_decode_first_never_stalls_a_decode_and_prefill_first_does():
 def test_prefix_hits_survive_chunk_boundaries():
     # A 10-token shared prefix, blocks of 4, a budget of 6: the first request's prefix
     # blocks are entered when scheduled, chunk by chunk, and later requests hit them.
-    result, tokens, reference = _serve(E.Variant("paged", "decode-first", 6), ROOMY)
+    result, tokens, reference = _serve(serving_plan.Variant("paged", "decode-first", 6), ROOMY)
     assert tokens == reference
     assert result.prefix_blocks_hit >= 2 * (SPEC.requests - 1)  # 2 full blocks each
 
@@ -271,7 +274,7 @@ def test_percentiles_interpolate_as_numpy_does_and_empty_is_nan():
 
 def test_a_concurrency_cap_sends_a_request_when_a_slot_frees():
     requests = [Request(i, (1,), 1, 0.1 * i) for i in range(3)]
-    rec = E.Recorder("x", requests, torch.device("cpu"), None, max_concurrency=1)
+    rec = serving_recorder.Recorder("x", requests, torch.device("cpu"), None, max_concurrency=1)
     rec.t0 -= 10  # every request has arrived
     assert [r.id for r in rec.arrivals()] == [0]  # the cap holds the others back
     rec.done(0, 4.0)

@@ -18,6 +18,7 @@ from servingkit import tiny_model as _model
 
 from kvcache_cli.serving import chat, gqa_pool
 from kvcache_cli.serving import engines as E
+from kvcache_cli.serving import plan as serving_plan
 from kvcache_cli.serving.sequence import Request
 from kvcache_cli.serving.workload import WorkloadSpec
 
@@ -123,7 +124,7 @@ def test_the_replayed_scheduler_preempts_as_often_as_the_paged_engine_does():
     model = _model()
     requests, _ = _with_stop(model, n=8)
     spec = _chat_spec(requests, 9, 12)
-    plan = E.plan_memory(model.config, model.dtype, spec, TIGHT, 4, 64)
+    plan = serving_plan.plan_memory(model.config, model.dtype, spec, TIGHT, 4, 64)
     result, tokens = E.run_engine("paged", model, requests, spec, plan, 4, 64, True,
                                   E.solo_tokens(model, requests))
     replayed = gqa_pool.replay(requests, tokens, plan.n_blocks, 4, 64)

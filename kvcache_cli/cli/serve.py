@@ -205,7 +205,7 @@ def _check(device, model, requests, prompt_len, output_len, shared_prefix, rate,
     from kvcache_cli.measure import resolve_device
     from kvcache_cli.models import model_config
     from kvcache_cli.serving import batching, metrics, model_runner, scheduler, workload
-    from kvcache_cli.serving import engines as serving
+    from kvcache_cli.serving import plan as serving_plan
 
     if threads_error(threads):  # first: it needs no model, no transformers
         raise ValueError(threads_error(threads))
@@ -228,10 +228,10 @@ def _check(device, model, requests, prompt_len, output_len, shared_prefix, rate,
         if not 1 <= block_size <= config.context:  # before the budgets counted in blocks
             raise ValueError(f"--block-size {block_size:,}: expected a whole number from 1 to "
                              f"{config.context:,} (the context window)")
-        engine_names = serving.parse_engines(engines)
-        serving.check_hf_block_size(engine_names, block_size)
+        engine_names = serving_plan.parse_engines(engines)
+        serving_plan.check_hf_block_size(engine_names, block_size)
         policies = scheduler.parse_policy(policy)
-        budgets = serving.parse_budgets(token_budget, block_size)
+        budgets = serving_plan.parse_budgets(token_budget, block_size)
         if layout not in model_runner.LAYOUTS:
             raise ValueError(f"--layout {layout!r}: expected one of "
                              f"{', '.join(model_runner.LAYOUTS)}")
@@ -242,8 +242,8 @@ def _check(device, model, requests, prompt_len, output_len, shared_prefix, rate,
             raise ValueError(f"--kv-mem {kv_mem!r} is {sizing.format_bytes(memory)}, more than "
                              f"this {dev.split(':')[0].upper()}'s {sizing.format_bytes(held)} "
                              "of memory: expected at most that")
-        serving.plan_memory(config, torch.float32, spec, memory, block_size, max_batch)
-        what = (spec, serving.variants(engine_names, policies, budgets), memory, rates,
+        serving_plan.plan_memory(config, torch.float32, spec, memory, block_size, max_batch)
+        what = (spec, serving_plan.variants(engine_names, policies, budgets), memory, rates,
                 targets)
     return dev, what
 

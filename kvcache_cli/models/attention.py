@@ -111,3 +111,13 @@ def attention_mask(start_pos: int | Tensor, T: int, S: int, cache: KVCache | Non
         # and may see keys 0 .. S - T + i (the mask aligned bottom right).
         return torch.ones(T, S, dtype=torch.bool, device=device).tril(S - T), False
     return None, False  # one query, the newest token: every cached key is in its past
+
+
+def attend_in_order(q: Tensor, k: Tensor, v: Tensor, positions: Tensor) -> Tensor:
+    """Attention (B, nh, T, hs) for queries q (B, nh, T, hs) at `positions` (B, T) over
+    keys and values (B, nkv, S, hs) held in position order, key j at slot j: the query at
+    position p sees slots 0 .. p. How a paged pool, gathered per row, is read."""
+    slots = torch.arange(k.size(2), device=q.device)  # (S,)
+    mask = slots <= positions[:, :, None]  # (B, T, S)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None],
+                                          enable_gqa=k.size(1) < q.size(1))

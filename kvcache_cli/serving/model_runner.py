@@ -24,11 +24,10 @@ from __future__ import annotations
 from collections.abc import Sequence as Seqs
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from kvcache_cli.caches.paged import PagedCache
-from kvcache_cli.models.attention import AttendFn
+from kvcache_cli.models.attention import AttendFn, attend_in_order
 from kvcache_cli.models.base import FamilyModel
 from kvcache_cli.serving.scheduler import Chunk
 from kvcache_cli.serving.sequence import Sequence
@@ -115,18 +114,14 @@ class ModelRunner:
 
         def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             q, k, v = q[0], k[0], v[0]  # (nh, N, hs), and (nkv, N, hs): the one packed row
-            gqa = k.size(0) < q.size(0)
             self.cache.write(layer, blocks, slots, k, v)
             keys, values = self.cache.gather(layer)  # (B, nkv, S, hs), every row's own
             y = torch.empty_like(q)  # (nh, N, hs)
             if singles:
                 # One query a row, at position start: it may see slots 0 .. start.
                 qs = q[:, single_at].transpose(0, 1)[:, :, None]  # (B1, nh, 1, hs)
-                S = keys.size(2)
-                mask = torch.arange(S, device=dev) <= single_pos[:, None]  # (B1, S)
-                ys = F.scaled_dot_product_attention(
-                    qs, keys[single_rows], values[single_rows], attn_mask=mask[:, None, None],
-                    enable_gqa=gqa)
+                ys = attend_in_order(qs, keys[single_rows], values[single_rows],
+                                     single_pos[:, None])  # (B1, nh, 1, hs)
                 y[:, single_at] = ys[:, :, 0].transpose(0, 1)  # (nh, B1, hs)
             for b, c in enumerate(chunks):
                 if c.length == 1:
@@ -134,10 +129,8 @@ class ModelRunner:
                 end = c.start + c.length  # the chunk's queries see keys 0 .. end - 1
                 qc = q[None, :, offsets[b] : offsets[b] + c.length]  # (1, nh, T, hs)
                 kc, vc = keys[b : b + 1, :, :end], values[b : b + 1, :, :end]  # (1, nkv, end, hs)
-                # Query i sits at start + i: the causal mask aligned bottom right.
-                mask = torch.ones(c.length, end, dtype=torch.bool, device=dev).tril(c.start)
-                y[:, offsets[b] : offsets[b] + c.length] = F.scaled_dot_product_attention(
-                    qc, kc, vc, attn_mask=mask, enable_gqa=gqa)[0]
+                at = torch.arange(c.start, end, device=dev)[None]  # (1, T): query i at start + i
+                y[:, offsets[b] : offsets[b] + c.length] = attend_in_order(qc, kc, vc, at)[0]
             return y[None]  # (1, nh, N, hs)
 
         last = torch.tensor([o + c.length - 1 for o, c in zip(offsets, chunks)], device=dev)
@@ -164,10 +157,7 @@ class ModelRunner:
             self.cache.write(layer, blocks, slots, k.transpose(0, 1)[:, real],
                              v.transpose(0, 1)[:, real])  # (nkv, N, hs) each
             keys, values = self.cache.gather(layer)  # (B, nkv, S, hs)
-            S = keys.size(2)
-            mask = torch.arange(S, device=dev) <= pos[:, :, None]  # (B, T, S)
-            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None],
-                                                  enable_gqa=k.size(1) < q.size(1))
+            return attend_in_order(q, keys, values, pos)
 
         last = torch.arange(B, device=dev) * T + lengths - 1  # (B,) flat indices
         return self._run(idx, pos, attend, last)
