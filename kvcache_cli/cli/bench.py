@@ -102,7 +102,7 @@ def bench(
     from kvcache_cli.bench import run as bench_
     from kvcache_cli.models import load_model
     from kvcache_cli.views.bench import bench as bench_view
-    from kvcache_cli.views.plot import save_plot
+    from kvcache_cli.views.bench_plot import save_plot
 
     # Everything a user can get wrong is checked before minutes of benchmarking.
     if cache is not None:

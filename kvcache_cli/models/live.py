@@ -15,10 +15,11 @@ saving on a real model (the toy's `kvcache demo gqa`).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 from kvcache_cli.sizing.config import shape_from_config
+from kvcache_cli.sizing.reports import KindHeld, LiveKinds
 from kvcache_cli.sizing.shape import ModelShape
 from kvcache_cli.sizing.units import SizingError
 
@@ -74,27 +75,6 @@ def live_shape(model: str) -> tuple[ModelShape, dict]:
     shape = shape_from_config(cfg, model, params_from_config(cfg))
     return replace(shape, name=model, source=f"{model}: the converted GGUF's config.json, "
                    "the shape kvcache runs"), cfg
-
-
-@dataclass(frozen=True)
-class KindHeld:
-    spec: str  # the kind, as --cache spells it in full (int4:g32:kchan:r128)
-    kv_heads: int
-    bytes_held: int  # one sequence of `seq` tokens, every layer
-    bytes_per_token: float  # bytes_held / seq
-    ratio_to_static: float
-
-
-@dataclass(frozen=True)
-class LiveKinds:
-    """What every cache kind holds for one sequence of a model kvcache runs."""
-
-    model: str
-    dtype: str  # what the caches keep at full precision
-    seq: int
-    kinds: tuple[KindHeld, ...]
-    mha: KindHeld  # the static cache of the same model with a KV head per query head
-    left_out: tuple[str, ...]
 
 
 def default_specs(context: int) -> list[str]:

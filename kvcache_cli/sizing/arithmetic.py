@@ -19,8 +19,7 @@ from kvcache_cli.sizing.units import (
 )
 
 if TYPE_CHECKING:
-    from kvcache_cli.models.live import LiveKinds
-    from kvcache_cli.sizing.verify import Verification
+    from kvcache_cli.sizing.reports import LiveKinds, Verification
 
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import warnings
-from dataclasses import dataclass
 
 from kvcache_cli import TORCH_INSTALL
 from kvcache_cli.sizing.arithmetic import (
@@ -19,39 +18,9 @@ from kvcache_cli.sizing.arithmetic import (
     values_per_token,
 )
 from kvcache_cli.sizing.config import HIDDEN_KEYS, LAYER_KEYS, shape_from_config
+from kvcache_cli.sizing.reports import Verification, VerifyLayer
 from kvcache_cli.sizing.shape import ModelShape
 from kvcache_cli.sizing.units import DTYPE_BITS, bytes_for_values, canonical_dtype
-
-
-@dataclass(frozen=True)
-class VerifyLayer:
-    index: int  # the layer's index in the model that was built (not the original)
-    kind: str
-    key_shape: tuple[int, ...]  # as stored: (B, n_kv, T, hs)
-    value_shape: tuple[int, ...]
-    measured_bytes: int
-    formula_bytes: int
-
-
-@dataclass(frozen=True)
-class Verification:
-    """The bytes a real transformers cache holds beside the formula's, for the same layers."""
-
-    model_type: str
-    dtype: str
-    tokens: int
-    window: int | None  # the window used for the check (shrunk so the check stays fast)
-    layers: tuple[VerifyLayer, ...]
-    measured_bytes: int  # K/V (and indexer keys) in every layer
-    formula_bytes: int
-    state_measured_bytes: int  # recurrent states (conv + SSM) in every layer
-    state_formula_bytes: int
-    matches: bool  # K/V and states both exactly the formula's
-    window_convention_only: bool  # every difference is transformers' window − 1 (see _explain)
-    changes: tuple[str, ...]  # what was shrunk to build it fast; none of it changes the cache
-    explanation: tuple[str, ...]
-
-
 
 
 class VerifyError(RuntimeError):

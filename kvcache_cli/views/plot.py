@@ -1,18 +1,14 @@
-"""The article's one-plot summary: per-step decode latency, one curve per mode.
-
-`save_plot` writes it as a PNG with matplotlib (an optional extra, imported only
-here and only when asked for); `sparkline` draws the same curve in one line of
-text, so the terminal shows its shape without matplotlib. `plain_log_ticks` is every
-plot's one tick format on a log axis.
+"""What every plot shares: matplotlib asked for only when a plot is (an optional extra),
+each mode's one colour, `plain_log_ticks` (every plot's one tick format on a log axis),
+and `sparkline`, which draws a per-step curve in one line of text, so the terminal
+shows its shape without matplotlib. Each command's PNG is drawn in its own module
+(`bench_plot`, `eval_plot`, `serve_plot`).
 """
 
 from __future__ import annotations
 
 import statistics
 from collections.abc import Sequence
-from pathlib import Path
-
-from kvcache_cli.bench.results import BenchResult
 
 BARS = "▁▂▃▄▅▆▇█"
 # One colour per mode whatever subset ran, so plots from different runs compare.
@@ -100,35 +96,3 @@ def plain_log_ticks(ax, which: str = "y") -> None:
     axis.set_minor_formatter(FuncFormatter(minor))
 
 
-def save_plot(result: BenchResult, path: str | Path) -> Path:
-    """Per-step latency (median over repeats) against context length, one line per mode."""
-    require_matplotlib()
-    # The object-oriented API with the Agg canvas: no GUI backend, no pyplot state.
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(8, 4.5), dpi=120)
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    for mode in result.modes:
-        # Decode step i runs at context length prompt + 1 + i.
-        lengths = [result.prompt_len + 1 + i for i in mode.steps]
-        sampled = len(mode.steps) < result.new_tokens - 1  # naive, timed at a few steps
-        ax.plot(lengths, mode.median_step_ms,
-                label=f"{mode.mode} ({mode.tokens_per_s_median:.1f} tok/s"
-                + (f", {len(mode.steps)} steps timed)" if sampled else ")"),
-                lw=1.2, color=color(mode.mode), marker="o" if sampled else None, ms=3)
-    ax.set_xlabel("context length (tokens)")
-    ax.set_ylabel("decode step latency (ms)")
-    ax.set_ylim(bottom=0)
-    ax.set_title(
-        f"{result.model} · {result.device} ({result.dtype}, {result.threads} threads) · "
-        f"median of {result.repeats}",
-        fontsize=9,
-    )
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, format="png")
-    return path

@@ -21,9 +21,8 @@ from kvcache_cli.sizing import (
 from kvcache_cli.views.layout import Formula
 
 if TYPE_CHECKING:
-    from kvcache_cli.models.live import LiveKinds
     from kvcache_cli.sizing.cache_spec import SpecSize
-    from kvcache_cli.sizing.verify import Verification
+    from kvcache_cli.sizing.reports import LiveKinds, Verification
 
 _KIND_LABEL = {
     "full": "full attention",
