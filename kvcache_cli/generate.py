@@ -32,7 +32,8 @@ Forward = Callable[..., Tensor]
 def check_mode(mode: str) -> None:
     """A mode is `naive` (no cache: every position recomputed) or a cache spec (`static`,
     `concat`, `paged:b16`, ...: see caches.spec); anything else is a ValueError."""
-    from kvcache_cli.caches.spec import CacheSpecError, parse_cache_spec
+    from kvcache_cli.caches.grammar import CacheSpecError
+    from kvcache_cli.caches.spec import parse_cache_spec
 
     if mode == "naive":
         return

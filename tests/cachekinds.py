@@ -5,7 +5,8 @@ A quantised kind's group is 4, which divides the narrow heads of the tests' tiny
 
 import re
 
-from kvcache_cli.caches.spec import KINDS, CacheSpecError, parse_cache_spec
+from kvcache_cli.caches.grammar import CacheSpecError
+from kvcache_cli.caches.spec import KINDS, parse_cache_spec
 
 
 def example_spec(kind: str, n: int = 16) -> str:

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from decoding import decode_logits
 
 from kvcache_cli.caches import RollbackError, make_cache
-from kvcache_cli.caches.spec import CacheSpecError, check_context, layer_bytes, parse_cache_spec
+from kvcache_cli.caches.grammar import CacheSpecError
+from kvcache_cli.caches.spec import check_context, layer_bytes, parse_cache_spec
 from kvcache_cli.models.gpt2 import GPT, GPTConfig
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

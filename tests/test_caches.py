@@ -7,13 +7,8 @@ import torch
 from decoding import decode_logits
 
 from kvcache_cli.caches import KVCache, RollbackError, make_cache
-from kvcache_cli.caches.spec import (
-    KINDS,
-    CacheSpecError,
-    layer_bytes,
-    parse_cache_list,
-    parse_cache_spec,
-)
+from kvcache_cli.caches.grammar import CacheSpecError
+from kvcache_cli.caches.spec import KINDS, layer_bytes, parse_cache_list, parse_cache_spec
 from kvcache_cli.models.gpt2 import GPT, GPTConfig
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

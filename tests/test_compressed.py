@@ -12,13 +12,9 @@ from typer.testing import CliRunner
 from kvcache_cli.caches import RollbackError, make_cache
 from kvcache_cli.caches.base import CacheShape
 from kvcache_cli.caches.compressed import KnormCache, RecentCache, SnapKVCache
-from kvcache_cli.caches.spec import (
-    CacheSpecError,
-    check_prompt,
-    layer_budgets,
-    layer_bytes,
-    parse_cache_spec,
-)
+from kvcache_cli.caches.grammar import CacheSpecError
+from kvcache_cli.caches.spec import check_prompt, layer_bytes, parse_cache_spec
+from kvcache_cli.caches.spec_bounded import layer_budgets
 from kvcache_cli.cli import app
 from kvcache_cli.models.gpt2 import GPT, GPTConfig
 

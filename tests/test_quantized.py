@@ -7,14 +7,10 @@ import torch
 from decoding import decode_logits
 
 from kvcache_cli.caches import RollbackError, make_cache
+from kvcache_cli.caches.grammar import CacheSpecError
 from kvcache_cli.caches.quantized import Fp8Cache, pack, quantise, unpack
-from kvcache_cli.caches.spec import (
-    CacheSpecError,
-    check_spec,
-    layer_bytes,
-    parse_cache_spec,
-    quantised_split,
-)
+from kvcache_cli.caches.spec import check_spec, layer_bytes, parse_cache_spec
+from kvcache_cli.caches.spec_quantized import quantised_split
 from kvcache_cli.models.gpt2 import GPT, GPTConfig
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -16,7 +16,8 @@ from typer.testing import CliRunner
 from kvcache_cli.caches import make_cache
 from kvcache_cli.caches.base import CacheShape
 from kvcache_cli.caches.bounded import HeavyHitterCache, RingCache
-from kvcache_cli.caches.spec import CacheSpecError, parse_cache_spec
+from kvcache_cli.caches.grammar import CacheSpecError
+from kvcache_cli.caches.spec import parse_cache_spec
 from kvcache_cli.cli import app
 from kvcache_cli.models.gpt2 import GPT, GPTConfig
 from kvcache_cli.models.llama import Llama, LlamaAttention, LlamaConfig, init_random

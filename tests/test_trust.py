@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from kvcache_cli import numbers
-from kvcache_cli.caches.spec import KINDS, CacheSpecError, parse_cache_spec
+from kvcache_cli.caches.grammar import CacheSpecError
+from kvcache_cli.caches.spec import KINDS, parse_cache_spec
 from kvcache_cli.cli import COMMANDS, app
 
 runner = CliRunner()

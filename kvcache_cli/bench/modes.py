@@ -34,8 +34,9 @@ COMPILE_MODE = {"cpu": "default", "cuda": "reduce-overhead"}
 def parse_modes(text: str) -> tuple[str, ...]:
     """`"naive,static,window:128"` -> `("naive", "static", "window:128")`, in the order
     given: the modes above, or any other cache spec (`caches.spec`), spelled canonically."""
-    from kvcache_cli.caches.spec import CacheSpecError, parse_cache_spec
+    from kvcache_cli.caches.grammar import CacheSpecError
     from kvcache_cli.caches.spec import names as kinds
+    from kvcache_cli.caches.spec import parse_cache_spec
 
     given = [part.strip() for part in text.split(",") if part.strip()]
     for part in given:  # a known kind with a bad field: the spec's own reason, not "unknown"
@@ -58,7 +59,8 @@ def parse_modes(text: str) -> tuple[str, ...]:
 
 def mode_name(text: str) -> str | None:
     """A mode's name, a cache spec's canonical spelling, or None for neither."""
-    from kvcache_cli.caches.spec import CacheSpecError, parse_cache_spec
+    from kvcache_cli.caches.grammar import CacheSpecError
+    from kvcache_cli.caches.spec import parse_cache_spec
 
     if text.lower() in MODES:  # names in any case, as cache specs are read
         return text.lower()

@@ -12,7 +12,8 @@ from __future__ import annotations
 from importlib import import_module
 
 from kvcache_cli.caches.base import KVCache, RollbackError, nbytes
-from kvcache_cli.caches.spec import CacheSpec, CacheSpecError, parse_cache_spec
+from kvcache_cli.caches.grammar import CacheSpecError
+from kvcache_cli.caches.spec import CacheSpec, parse_cache_spec
 
 __all__ = ["KVCache", "RollbackError", "nbytes", "CacheSpec", "CacheSpecError",
            "parse_cache_spec", "make_cache", "cache_class"]

@@ -48,7 +48,7 @@ from torch import Tensor
 
 from kvcache_cli.caches.base import KVCache, RollbackError, nbytes
 from kvcache_cli.caches.bounded import _check_step
-from kvcache_cli.caches.spec import layer_budgets
+from kvcache_cli.caches.spec_bounded import layer_budgets
 
 
 class PromptCompressedCache(KVCache):

@@ -80,7 +80,7 @@ from torch import Tensor
 from kvcache_cli.caches.base import KVCache, RollbackError, nbytes
 from kvcache_cli.caches.paged import PagedCache
 from kvcache_cli.caches.rotation import Rotation
-from kvcache_cli.caches.spec import check_head_dim
+from kvcache_cli.caches.spec_quantized import check_head_dim
 
 FP8_DTYPES = {"fp8-e4m3": torch.float8_e4m3fn, "fp8-e5m2": torch.float8_e5m2}
 # Scales and zero points of the integer kinds.

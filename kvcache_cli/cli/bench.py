@@ -269,7 +269,8 @@ def _with_caches(modes: str, caches: str) -> str:
     """--modes with --cache's specs after it, each once (a spec already there stays put),
     spelled as typed so that a later refusal names the user's text."""
     from kvcache_cli.bench.modes import mode_name
-    from kvcache_cli.caches.spec import CacheSpecError, parse_cache_list
+    from kvcache_cli.caches.grammar import CacheSpecError
+    from kvcache_cli.caches.spec import parse_cache_list
 
     try:
         specs = parse_cache_list(caches)
@@ -309,7 +310,8 @@ def _check_heads(modes: str, model: str) -> None:
     """Quantised specs whose groups or packing do not fit the model's heads, refused before
     the weights load, naming each as the user typed it in --modes or --cache."""
     from kvcache_cli.bench import modes as bench_modes
-    from kvcache_cli.caches.spec import CacheSpecError, check_spec, parse_cache_spec
+    from kvcache_cli.caches.grammar import CacheSpecError
+    from kvcache_cli.caches.spec import check_spec, parse_cache_spec
     from kvcache_cli.models import model_config
 
     parts = [m.strip() for m in modes.split(",") if m.strip()]

@@ -209,7 +209,8 @@ def parse_cache_option(value):
     """--cache's text → a `CacheSpec`, parsed once by `caches.spec` as the option is read, so
     every command refuses the same mistakes with the same line. The registry is imported
     only when the option is given."""
-    from kvcache_cli.caches.spec import CacheSpec, CacheSpecError, parse_cache_spec
+    from kvcache_cli.caches.grammar import CacheSpecError
+    from kvcache_cli.caches.spec import CacheSpec, parse_cache_spec
 
     if isinstance(value, CacheSpec):
         return value
@@ -231,7 +232,8 @@ def check_cache_for(spec, model: str) -> None:
     """Refuse, before the weights load, a bounded cache whose budget passes the model's
     context window, and a quantised one whose groups do not fit its heads (both read from
     its preset or config.json alone)."""
-    from kvcache_cli.caches.spec import CacheSpecError, check_context, check_spec
+    from kvcache_cli.caches.grammar import CacheSpecError
+    from kvcache_cli.caches.spec import check_context, check_spec
     from kvcache_cli.models import model_config
 
     try:
@@ -248,7 +250,8 @@ def check_cache_for(spec, model: str) -> None:
 def parse_cache_list_option(value):
     """A comma list of specs (`eval` compares several caches in one run) → `CacheSpec`s,
     parsed by `caches.spec` as the option is read, refused in the same words as --cache."""
-    from kvcache_cli.caches.spec import CacheSpecError, parse_cache_list
+    from kvcache_cli.caches.grammar import CacheSpecError
+    from kvcache_cli.caches.spec import parse_cache_list
 
     if isinstance(value, list):
         return value

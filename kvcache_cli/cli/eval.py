@@ -37,7 +37,8 @@ def parse_eval_caches(value):
     """--cache as eval reads it: kvcache's specs (`caches.spec`), llama.cpp's cache types
     (`llama.cpp:q4_0`, `llama_quality`) and transformers' own model with its quantised
     cache (`transformers:quanto-int4`, `hf_quality`) in one comma list, each once."""
-    from kvcache_cli.caches.spec import CacheSpecError, parse_cache_list
+    from kvcache_cli.caches.grammar import CacheSpecError
+    from kvcache_cli.caches.spec import parse_cache_list
     from kvcache_cli.eval.peer_hf import is_transformers, parse_transformers
     from kvcache_cli.eval.peer_llama_cpp import is_llama_cpp, parse_llama_cpp
 

@@ -369,7 +369,7 @@ def summarise(tallies: list[Tally], prompt_len: int) -> tuple[CacheQuality, ...]
 def _peer(name: str) -> str:
     """'transformers' for a spec of transformers' QuantizedCache; '' for kvcache's own kinds
     and a CacheMaker's (a test's cache, named by no spec)."""
-    from kvcache_cli.caches.spec import CacheSpecError
+    from kvcache_cli.caches.grammar import CacheSpecError
 
     try:
         factory = parse_cache_spec(name).info.factory

@@ -11,15 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvcache_cli.caches.spec import (
-    CacheSpec,
-    CacheSpecError,
-    check_context,
-    check_spec,
-    every_token,
-    layer_bytes,
-    quantised_split,
-)
+from kvcache_cli.caches.grammar import CacheSpecError, every_token
+from kvcache_cli.caches.spec import CacheSpec, check_context, check_spec, layer_bytes
+from kvcache_cli.caches.spec_quantized import quantised_split
 from kvcache_cli.sizing.arithmetic import _max_tokens, tokens_held
 from kvcache_cli.sizing.shape import ModelShape
 from kvcache_cli.sizing.units import (
