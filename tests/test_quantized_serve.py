@@ -7,7 +7,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from kvcache_cli.caches.quantized import make_pool, pool_block_bytes
+from kvcache_cli.caches.quantized_pool import make_pool, pool_block_bytes
 from kvcache_cli.cli import app
 from kvcache_cli.models.gpt2 import GPT, GPTConfig, to_hf
 

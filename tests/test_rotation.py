@@ -12,8 +12,9 @@ from typer.testing import CliRunner
 
 from kvcache_cli.caches import make_cache
 from kvcache_cli.caches.base import CacheShape
+from kvcache_cli.caches.fp8 import Fp8Cache
 from kvcache_cli.caches.grammar import CacheSpecError
-from kvcache_cli.caches.quantized import Fp8Cache, QuantizedCache
+from kvcache_cli.caches.quantized import QuantizedCache
 from kvcache_cli.caches.rotation import Rotation, hadamard
 from kvcache_cli.caches.spec import check_spec, layer_bytes, parse_cache_spec
 from kvcache_cli.cli import app

@@ -1,4 +1,5 @@
-"""Quantised KV caches: integer (int8, int4, int2) and floating point (fp8), and a paged pool.
+"""Quantised KV caches: integer (int8, int4, int2) here, floating point (fp8) in `fp8`, and a
+paged pool in `quantized_pool`.
 
 Integer kinds store affine codes, x ~ q * scale + zero, with q in 0 .. 2^bits - 1, one
 scale and one zero point per group of G numbers, both in float16 (2 bytes each; KIVI's
@@ -78,11 +79,9 @@ import torch
 from torch import Tensor
 
 from kvcache_cli.caches.base import KVCache, RollbackError, nbytes
-from kvcache_cli.caches.paged import PagedCache
 from kvcache_cli.caches.rotation import Rotation
 from kvcache_cli.caches.spec_quantized import check_head_dim
 
-FP8_DTYPES = {"fp8-e4m3": torch.float8_e4m3fn, "fp8-e5m2": torch.float8_e5m2}
 # Scales and zero points of the integer kinds.
 SCALE_DTYPE = torch.float16
 # Quantised tokens one decoding step converts to float at a time (`QuantizedCache._attend`):
@@ -500,194 +499,6 @@ class QuantizedCache(KVCache):
 # ---------------------------------------------------------------------------- fp8
 
 
-def fp8_range(dtype: torch.dtype) -> float:
-    return float(torch.finfo(dtype).max)
-
-
-class Fp8Cache(KVCache):
-    """Keys and values stored as float8 (e4m3 or e5m2) over a float32 scale."""
-
-    def __init__(self, shape, batch: int, device, dtype: torch.dtype, *, fmt: str,
-                 per_head: bool, calibrate: bool, rotate: bool = False):
-        check_head_dim(fmt, {"rotate": rotate}, shape.head_size)
-        self.shape, self.batch, self.device, self.dtype = shape, batch, device, dtype
-        self.rotation = Rotation(shape.head_size, device) if rotate else None
-        self.store = FP8_DTYPES[fmt]
-        self.max = fp8_range(self.store)
-        # Every float8 value by its bits: a lookup reads them twice as fast as a cast.
-        self.table = torch.arange(256, dtype=torch.uint8).view(self.store).float().to(device)
-        self.per_head, self.calibrate = per_head, calibrate
-        self.reset()
-
-    @classmethod
-    def build(cls, spec, shape, *, max_len: int, batch: int, device, dtype, whole: bool):
-        return cls(shape, batch, device, dtype, fmt=spec.kind, per_head=spec["scale"] == "head",
-                   calibrate=spec["init"] == "calib", rotate=bool(spec["rotate"]))
-
-    def reset(self) -> None:
-        c = self.shape
-        empty = (self.batch, c.n_kv_head, 0, c.head_size)  # (B, nkv, 0, hs)
-        new = dict(device=self.device, dtype=self.store)
-        self.k = [torch.empty(empty, **new) for _ in range(c.n_layer)]
-        self.v = [torch.empty(empty, **new) for _ in range(c.n_layer)]
-        heads = c.n_kv_head if self.per_head else 1
-        # One scale per row (and head): (L, 2, B, heads), K's then V's; 1.0 until calibrated.
-        self.scales = torch.ones(c.n_layer, 2, self.batch, heads, device=self.device)
-        self.saturated = 0  # numbers beyond the range, clamped to it, since the last reset
-        self.length = 0
-        self.bytes_copied = 0
-
-    def _calibrate(self, layer: int, which: int, x: Tensor) -> None:
-        dims = (2, 3) if self.per_head else (1, 2, 3)
-        amax = x.float().abs().amax(dim=dims).view(self.batch, -1)  # (B, heads)
-        self.scales[layer, which] = (amax / self.max).clamp_min(torch.finfo(torch.float32).tiny)
-
-    def _encode(self, layer: int, which: int, x: Tensor) -> Tensor:
-        scale = self.scales[layer, which][:, :, None, None]  # (B, heads, 1, 1)
-        y = x.float() / scale
-        self.saturated += int((y.abs() > self.max).sum())
-        return y.clamp_(-self.max, self.max).to(self.store)
-
-    def update(self, layer: int, start_pos: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        if isinstance(start_pos, Tensor) or start_pos != self.k[layer].size(2):
-            raise ValueError(f"a quantised cache appends: layer {layer} holds "
-                             f"{self.k[layer].size(2)} positions, asked to write at {start_pos}")
-        if self.rotation is not None:  # the scales then fit the rotated numbers
-            k, v = self.rotation.rotate(k), self.rotation.rotate(v)
-        if self.calibrate and start_pos == 0:  # the prompt sets the scales
-            self._calibrate(layer, 0, k)
-            self._calibrate(layer, 1, v)
-        self.k[layer] = _cat(self.k[layer], self._encode(layer, 0, k))  # (B, nkv, S, hs)
-        self.v[layer] = _cat(self.v[layer], self._encode(layer, 1, v))
-        self.bytes_copied += nbytes(self.k[layer]) + nbytes(self.v[layer])
-        self.length = start_pos + k.size(2)
-        return self._decode(layer, 0, self.k[layer]), self._decode(layer, 1, self.v[layer])
-
-    def _decode(self, layer: int, which: int, x: Tensor) -> Tensor:
-        values = self.table.take(x.view(torch.uint8).long())  # (B, nkv, S, hs) float32
-        values = values * self.scales[layer, which][:, :, None, None]
-        if self.rotation is not None:
-            values = self.rotation.unrotate(values)
-        return values.to(self.dtype)
-
-    def crop(self, length: int) -> None:
-        if not 0 <= length <= self.length:
-            raise RollbackError(f"cannot crop to {length} positions: the cache holds "
-                                f"{self.length}; expected 0..{self.length}")
-        # Every token is stored alone: dropping the newest is exact (scales stay). Views,
-        # no copy: the next append concatenates, as every append does.
-        self.k = [k[:, :, :length] for k in self.k]
-        self.v = [v[:, :, :length] for v in self.v]
-        self.length = length
-
-    @property
-    def bytes_held(self) -> int:
-        return sum(nbytes(t) for t in self.k + self.v) + nbytes(self.scales)
-
-
 # ---------------------------------------------------------------------------- paged
 
 
-class QuantPagedCache(PagedCache):
-    """serve's block pool holding int8/int4 codes (one scale and zero point per head and
-    token, float16) or fp8 e4m3 (scale 1.0): `PagedCache` with its write and gather in
-    codes, so bind, update, crop and the serving step's writes are the same."""
-
-    def __init__(self, shape, n_blocks: int, block_size: int, device, dtype: torch.dtype,
-                 fmt: str):
-        self.block_size, self.fmt, self.dtype = block_size, fmt, dtype
-        nkv, hs = shape.n_kv_head, shape.head_size
-        base = (shape.n_layer, nkv, n_blocks, block_size)
-        # Every pool is (L, nkv, n_blocks, bs, X), so PagedCache's gather reads each alike.
-        if fmt == "fp8":
-            self.bits = 8
-            store, width = torch.float8_e4m3fn, hs
-            self.max = fp8_range(store)
-        else:
-            self.bits = int(fmt.removeprefix("int"))
-            store, width = torch.uint8, hs * self.bits // 8
-        self.pools = {"k": torch.zeros(*base, width, device=device, dtype=store),
-                      "v": torch.zeros(*base, width, device=device, dtype=store)}
-        if fmt != "fp8":
-            for name in ("k_scale", "k_zero", "v_scale", "v_zero"):
-                self.pools[name] = torch.zeros(*base, 1, device=device, dtype=SCALE_DTYPE)
-        # (L, nkv, n_blocks, bs, X), as PagedCache
-        self.k, self.v = self.pools["k"], self.pools["v"]
-        self.block_tables = None
-        self._scratch = {name: torch.empty(0, device=device, dtype=p.dtype)
-                         for name, p in self.pools.items()}
-        self.saturated = 0
-        self.reset()
-
-    @classmethod
-    def build(cls, spec, shape, *, max_len: int, batch: int, device, dtype, whole: bool):
-        block_size = spec["block_size"]
-        per_row = -(-max_len // block_size)  # blocks for max_len positions, rounded up
-        cache = cls(shape, batch * per_row, block_size, device, dtype,
-                    spec.kind.removeprefix("paged-"))
-        cache.bind(torch.arange(batch * per_row, device=device).view(batch, per_row))
-        return cache
-
-    def _encode(self, x: Tensor, which: str) -> dict[str, Tensor]:
-        """x (B, nkv, T, hs) -> the parts each pool stores, (B, nkv, T, X)."""
-        if self.fmt == "fp8":
-            self.saturated += int((x.abs() > self.max).sum())
-            return {which: x.float().clamp(-self.max, self.max).to(self.pools[which].dtype)}
-        codes, scale, zero = _Tokens.encode(x, self.bits, x.size(-1))  # one group per head
-        return {which: codes, f"{which}_scale": scale, f"{which}_zero": zero}
-
-    def _read(self, layer: int, table: Tensor, which: str) -> Tensor:
-        got = {name: self._gather(self.pools[name][layer], table, name)
-               for name in self.pools if name.startswith(which)}  # each (B, nkv, S, X)
-        if self.fmt == "fp8":
-            return got[which].to(self.dtype)
-        hs = got[which].size(-1) * 8 // self.bits
-        return _Tokens.decode(got[which], got[f"{which}_scale"], got[f"{which}_zero"],
-                              self.bits, hs, self.dtype)
-
-    def write(self, layer: int, blocks: Tensor, slots: Tensor, k: Tensor, v: Tensor) -> None:
-        """`PagedCache.write` in codes: each token quantised as it is stored, k and v
-        (nkv, *idx, hs) at pool blocks `blocks` and slots `slots` (both *idx)."""
-        nkv, hs, idx = k.size(0), k.size(-1), blocks.shape
-        parts = self._encode(k.reshape(1, nkv, -1, hs), "k") | self._encode(
-            v.reshape(1, nkv, -1, hs), "v")  # each (1, nkv, N, X)
-        for name, part in parts.items():
-            part = part.reshape(nkv, *idx, part.size(-1))  # (nkv, *idx, X)
-            self.pools[name][layer][:, blocks, slots] = part
-            self.bytes_copied += nbytes(part)
-
-    def gather(self, layer: int) -> tuple[Tensor, Tensor]:
-        """Every bound row's keys and values decoded, (B, nkv, S, hs), key j at slot j."""
-        table = self.block_tables
-        return self._read(layer, table, "k"), self._read(layer, table, "v")
-
-    @property
-    def bytes_held(self) -> int:
-        return sum(nbytes(p) for p in self.pools.values())
-
-
-# The pools serve can hold, by engine name: the full-precision one and the quantised ones.
-POOLS = ("paged", "paged-int8", "paged-int4", "paged-fp8")
-
-
-def pool_block_bytes(kind: str, shape, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one block of the pool `kind` (every layer, K and V, scales included),
-    from the spec registry's formula, which `bytes_held` is tested against."""
-    from kvcache_cli.caches.spec import layer_bytes, parse_cache_spec
-
-    element = torch.empty((), dtype=dtype).element_size()
-    spec = parse_cache_spec(f"{kind}:b{block_size}")
-    return shape.n_layer * layer_bytes(spec, block_size, shape.n_kv_head, shape.head_size,
-                                        element)
-
-
-def make_pool(kind: str, shape, kv_mem: int, block_size: int, device,
-              dtype: torch.dtype) -> PagedCache:
-    """serve's pool of kind `kind` ('paged', 'paged-int8', ...): as many blocks as kv_mem
-    holds. The engines choose the kind; the block manager and scheduler are the same."""
-    n_blocks = kv_mem // pool_block_bytes(kind, shape, block_size, dtype)
-    if kind == "paged":
-        return PagedCache(shape, n_blocks, block_size, device, dtype)
-    check_head_dim(kind, {"bits": 4 if kind == "paged-int4" else 8}, shape.head_size)
-    return QuantPagedCache(shape, n_blocks, block_size, device, dtype,
-                           kind.removeprefix("paged-"))

@@ -180,7 +180,7 @@ def fp8_kind(fmt: str, aliases: tuple[str, ...] = ()) -> CacheKind:
                 f"calibrated on the prompt; saturation counted (vLLM's fp8 cache); rot: "
                 f"Hadamard-rotated first",
         grammar=f"{fmt}[:tensor|head][:one|calib][:rot]",
-        factory="kvcache_cli.caches.quantized:Fp8Cache",
+        factory="kvcache_cli.caches.fp8:Fp8Cache",
         parse=_fp8_parse,
         layer_bytes=_fp8_bytes,
         exact=False, bounded=False, pages=False, compiles=False,
@@ -198,7 +198,7 @@ def paged_quant_kind(fmt: str) -> CacheKind:
         summary=f"serve's block pool in {fmt}: every token quantised as written "
                 f"({'scale 1.0' if fmt == 'fp8' else 'a float16 scale and zero per head'})",
         grammar=f"paged-{fmt}[:bN]",
-        factory="kvcache_cli.caches.quantized:QuantPagedCache",
+        factory="kvcache_cli.caches.quantized_pool:QuantPagedCache",
         parse=_paged_quant_parser(fmt),
         layer_bytes=_paged_quant_bytes,
         exact=False, bounded=False, pages=True, compiles=False,

@@ -38,7 +38,7 @@ import torch
 
 from kvcache_cli.caches.exact import StaticCache
 from kvcache_cli.caches.paged import PagedCache, block_bytes
-from kvcache_cli.caches.quantized import POOLS, make_pool
+from kvcache_cli.caches.quantized_pool import POOLS, make_pool
 from kvcache_cli.models.base import FamilyModel
 from kvcache_cli.serving.block_manager import BlockManager
 from kvcache_cli.serving.gqa_pool import PoolFigures

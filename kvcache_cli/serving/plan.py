@@ -11,7 +11,7 @@ import torch
 
 from kvcache_cli import numbers
 from kvcache_cli.caches.paged import block_bytes
-from kvcache_cli.caches.quantized import POOLS
+from kvcache_cli.caches.quantized_pool import POOLS
 from kvcache_cli.serving.sequence import Request
 from kvcache_cli.serving.workload import WorkloadSpec
 
