@@ -16,27 +16,24 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kvcache_cli.sizing.config_fields import (
+    CONTEXT_KEYS,
+    HEAD_DIM_KEYS,
+    HEAD_KEYS,
+    HIDDEN_KEYS,
+    KV_HEAD_KEYS,
+    LAYER_KEYS,
+    first_int,
+    int_list,
+    layer_names,
+    read_int,
+    read_kv_heads,
+)
 from kvcache_cli.sizing.shape import ModelShape
+from kvcache_cli.sizing.states import state_rule
 from kvcache_cli.sizing.units import LIMITS, ConfigError
 
-# Real configs spell the same number several ways; the first present wins.
-# decoder_layers / decoder_attention_heads: TrOCR's decoder (microsoft/trocr-base-handwritten).
-LAYER_KEYS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "decoder_layers")
-# attention_heads: XGLM (facebook/xglm-564M).
-_HEAD_KEYS = ("num_attention_heads", "n_head", "n_heads", "num_heads", "attention_heads",
-              "decoder_attention_heads")
-# multi_query_group_num: ChatGLM (THUDM/chatglm3-6b), 2 KV groups for 32 heads.
-_KV_HEAD_KEYS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_head_kv",
-                 "multi_query_group_num")
-# attention_head_dim: Zamba2 (Zyphra/Zamba2-2.7B), whose shared attention block is twice the
-# model's width and which also carries a kv_channels of half that; kv_channels: ChatGLM
-# (THUDM/chatglm3-6b).
-_HEAD_DIM_KEYS = ("head_dim", "attention_head_dim", "kv_channels")
-HIDDEN_KEYS = ("hidden_size", "n_embd", "d_model", "dim")
-_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len")
-
 _MAX_CONFIG_BYTES = 16 * 2**20  # the largest real config.json is well under 1 MiB
-_MAX_WIDTH = 2**24  # any one width (hidden, state, window...) in a config
 _MAX_WINDOW = LIMITS["--seq"]
 
 # transformers' layer type names (and the older spellings configs still carry) → kind.
@@ -75,47 +72,6 @@ _SLIDING_EVERY = {"gemma2": 2, "gpt_oss": 2, "gemma3": 6, "gemma3_text": 6, "coh
 # --- reading one value --------------------------------------------------------------------------
 
 
-def _int(cfg: dict, key: str, where: str, low: int = 1, high: int = _MAX_WIDTH) -> int:
-    value = cfg[key]
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{where}: {key} is {value!r}; expected a whole number")
-    if not low <= value <= high:
-        raise ConfigError(f"{where}: {key} is {value:,}; expected a whole number from {low:,} "
-                          f"to {high:,}")
-    return value
-
-
-def _first_int(cfg: dict, keys: tuple[str, ...], where: str, required: bool = True,
-               high: int = _MAX_WIDTH) -> int | None:
-    for key in keys:
-        if cfg.get(key) is not None:
-            return _int(cfg, key, where, high=high)
-    if required:
-        raise ConfigError(f"{where}: no {keys[0]} (expected one of {', '.join(keys)})")
-    return None
-
-
-def _int_list(cfg: dict, key: str, where: str, high: int) -> list[int]:
-    value = cfg[key]
-    if not isinstance(value, list):
-        raise ConfigError(f"{where}: {key} is {value!r}; expected a list of layer indices")
-    for item in value:
-        if isinstance(item, bool) or not isinstance(item, int) or not 0 <= item <= high:
-            raise ConfigError(f"{where}: {key} holds {item!r}; expected layer indices from 0 "
-                              f"to {high}")
-    return value
-
-
-def _names(value: Any, key: str, layers: int, where: str) -> list[str]:
-    if not isinstance(value, list) or len(value) != layers:
-        got = f"{len(value)} entries" if isinstance(value, list) else repr(value)
-        raise ConfigError(f"{where}: {key} has {got}; expected a list of {layers}, one per layer")
-    for name in value:
-        if not isinstance(name, str):
-            raise ConfigError(f"{where}: {key} holds {name!r}; expected layer type names")
-    return value
-
-
 # --- the layer pattern: one rule per spelling ---------------------------------------------------
 
 # Each rule returns every layer's transformers layer type, or None when its spelling is absent.
@@ -127,7 +83,7 @@ def _explicit_layer_types(cfg: dict, layers: int, where: str) -> list[str] | Non
     # openai/gpt-oss-20b: one name per layer.
     if cfg.get("layer_types") is None:
         return None
-    return _names(cfg["layer_types"], "layer_types", layers, where)
+    return layer_names(cfg["layer_types"], "layer_types", layers, where)
 
 
 def _indexed_attention(cfg: dict, layers: int, where: str) -> list[str] | None:
@@ -143,7 +99,7 @@ def _layers_block_type(cfg: dict, layers: int, where: str) -> list[str] | None:
     # shared attention block beside it) per layer.
     if cfg.get("layers_block_type") is None:
         return None
-    return _names(cfg["layers_block_type"], "layers_block_type", layers, where)
+    return layer_names(cfg["layers_block_type"], "layers_block_type", layers, where)
 
 
 _PATTERN_KIND = {"M": "mamba", "*": "full_attention", "-": "mlp", "E": "moe"}
@@ -179,7 +135,7 @@ def _attn_layer_indices(cfg: dict, layers: int, where: str) -> list[str] | None:
     # ibm-ai-platform/Bamba-9B: the attention layers listed, Mamba-2 everywhere else.
     if cfg.get("attn_layer_indices") is None:
         return None
-    attention = set(_int_list(cfg, "attn_layer_indices", where, layers - 1))
+    attention = set(int_list(cfg, "attn_layer_indices", where, layers - 1))
     return ["full_attention" if i in attention else "mamba" for i in range(layers)]
 
 
@@ -187,9 +143,9 @@ def _attn_layer_period(cfg: dict, layers: int, where: str) -> list[str] | None:
     # ai21labs/Jamba-v0.1: one attention layer in every 8, at offset 4; Mamba elsewhere.
     if cfg.get("attn_layer_period") is None and cfg.get("model_type") != "jamba":
         return None
-    period = _int(cfg, "attn_layer_period", where, high=LIMITS["--layers"]) \
+    period = read_int(cfg, "attn_layer_period", where, high=LIMITS["--layers"]) \
         if "attn_layer_period" in cfg else 8
-    offset = _int(cfg, "attn_layer_offset", where, low=0, high=period - 1) \
+    offset = read_int(cfg, "attn_layer_offset", where, low=0, high=period - 1) \
         if "attn_layer_offset" in cfg else 4
     if offset >= period:
         raise ConfigError(f"{where}: the default attn_layer_offset 4 is past attn_layer_period "
@@ -206,7 +162,7 @@ def _linear_attn_config(cfg: dict, layers: int, where: str) -> list[str] | None:
     if not isinstance(nested, dict) or nested.get("full_attn_layers") is None:
         raise ConfigError(f"{where}: linear_attn_config is {str(nested)[:60]}; expected an "
                           "object with full_attn_layers")
-    full = {i - 1 for i in _int_list(nested, "full_attn_layers", f"{where} linear_attn_config",
+    full = {i - 1 for i in int_list(nested, "full_attn_layers", f"{where} linear_attn_config",
                                      layers)}
     if -1 in full:
         raise ConfigError(f"{where}: linear_attn_config full_attn_layers holds 0; expected "
@@ -219,7 +175,7 @@ def _full_attention_interval(cfg: dict, layers: int, where: str) -> list[str] | 
     # are Gated DeltaNet.
     if cfg.get("full_attention_interval") is None and cfg.get("model_type") != "qwen3_next":
         return None
-    every = _int(cfg, "full_attention_interval", where, high=layers) \
+    every = read_int(cfg, "full_attention_interval", where, high=layers) \
         if "full_attention_interval" in cfg else 4
     return ["full_attention" if (i + 1) % every == 0 else "linear_attention"
             for i in range(layers)]
@@ -238,7 +194,7 @@ def _chunked_without_layer_types(cfg: dict, layers: int, where: str) -> list[str
     # without RoPE) global, as Llama4TextConfig derives it.
     if cfg.get("attention_chunk_size") is None:
         return None
-    every = _int(cfg, "no_rope_layer_interval", where, high=layers) \
+    every = read_int(cfg, "no_rope_layer_interval", where, high=layers) \
         if "no_rope_layer_interval" in cfg else 4
     return ["full_attention" if (i + 1) % every == 0 else "chunked_attention"
             for i in range(layers)]
@@ -252,7 +208,7 @@ def _sliding_window(cfg: dict, layers: int, where: str) -> list[str] | None:
     model_type = cfg.get("model_type")
     if cfg.get("sliding_window_pattern") is not None:
         # google/gemma-3-4b-pt as first published: every 6th layer global.
-        every = _int(cfg, "sliding_window_pattern", where, high=max(layers, 1))
+        every = read_int(cfg, "sliding_window_pattern", where, high=max(layers, 1))
     else:
         # google/gemma-2-9b: only sliding_window; the family's class alternates.
         every = _SLIDING_EVERY.get(model_type) if isinstance(model_type, str) else None
@@ -261,7 +217,7 @@ def _sliding_window(cfg: dict, layers: int, where: str) -> list[str] | None:
                 for i in range(layers)]
     if cfg.get("max_window_layers") is not None:
         # Qwen2 with the window on: layers from this index slide.
-        first = _int(cfg, "max_window_layers", where, low=0, high=layers)
+        first = read_int(cfg, "max_window_layers", where, low=0, high=layers)
         return ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
     return ["sliding_attention"] * layers  # mistralai/Mistral-7B-v0.1: every layer slides
 
@@ -292,128 +248,6 @@ def layer_type_names(cfg: dict, layers: int, where: str) -> list[str]:
 
 
 # --- the recurrent state: one rule per family ---------------------------------------------------
-
-
-def _get(cfg: dict, where: str, *keys: str, default: int | None = None) -> int:
-    for key in keys:
-        if cfg.get(key) is not None:
-            return _int(cfg, key, where)
-    if default is not None:
-        return default
-    raise ConfigError(f"{where}: no {keys[0]} (expected one of {', '.join(keys)}) for the "
-                      "recurrent layers' state")
-
-
-def _hidden(cfg: dict, where: str) -> int:
-    return _get(cfg, where, *HIDDEN_KEYS)
-
-
-def _mamba1_state(cfg: dict, where: str) -> tuple[int, int]:
-    # state-spaces/mamba-2.8b-hf, tiiuae/falcon-mamba-7b, ai21labs/Jamba-v0.1 (mamba_ prefix):
-    # a conv over the last d_conv inputs and a d_state-wide state per channel.
-    expand = _get(cfg, where, "mamba_expand", "expand", default=2)
-    channels = _get(cfg, where, "intermediate_size", default=expand * _hidden(cfg, where)) \
-        if cfg.get("model_type") != "jamba" else expand * _hidden(cfg, where)
-    conv = _get(cfg, where, "mamba_d_conv", "conv_kernel", default=4)
-    state = _get(cfg, where, "mamba_d_state", "state_size", default=16)
-    return channels * conv, channels * state
-
-
-def _mamba2_state(cfg: dict, where: str) -> tuple[int, int]:
-    # mistralai/Mamba-Codestral-7B-v0.1, ibm-ai-platform/Bamba-9B, nvidia/Nemotron-H-8B,
-    # tiiuae/Falcon-H1-7B, ibm-granite/granite-4.0-h-small, Zyphra/Zamba2-2.7B: the conv runs
-    # over x, B and C together; the state is heads × head_dim × d_state.
-    state = _get(cfg, where, "mamba_d_state", "ssm_state_size", "state_size")
-    groups = _get(cfg, where, "mamba_n_groups", "mamba_ngroups", "n_groups", default=1)
-    head_dim = _get(cfg, where, "mamba_d_head", "mamba_head_dim", "mamba_headdim", "head_dim")
-    if any(cfg.get(k) is not None for k in ("mamba_n_heads", "mamba_num_heads", "num_heads")):
-        heads = _get(cfg, where, "mamba_n_heads", "mamba_num_heads", "num_heads")
-    else:
-        expand = _get(cfg, where, "mamba_expand", "expand", default=2)
-        heads = expand * _hidden(cfg, where) // head_dim
-    channels = heads * head_dim
-    if cfg.get("mamba_d_ssm") is not None:  # Falcon-H1 sets the inner width directly
-        channels = _int(cfg, "mamba_d_ssm", where)
-    conv = _get(cfg, where, "mamba_d_conv", "conv_kernel")
-    return (channels + 2 * groups * state) * conv, heads * head_dim * state
-
-
-def _gated_deltanet_state(cfg: dict, where: str) -> tuple[int, int]:
-    # Qwen/Qwen3-Next-80B-A3B-Instruct: a conv over q, k and v, and a key × value state per
-    # value head.
-    key_heads = _get(cfg, where, "linear_num_key_heads")
-    value_heads = _get(cfg, where, "linear_num_value_heads")
-    key_dim = _get(cfg, where, "linear_key_head_dim")
-    value_dim = _get(cfg, where, "linear_value_head_dim")
-    conv = _get(cfg, where, "linear_conv_kernel_dim")
-    width = 2 * key_heads * key_dim + value_heads * value_dim
-    return width * conv, value_heads * key_dim * value_dim
-
-
-def _delta_attention_state(cfg: dict, where: str) -> tuple[int, int]:
-    # moonshotai/Kimi-Linear-48B-A3B-Instruct, inclusionAI/Ring-mini-linear-2.0: separate short
-    # convs over q, k and v, and a head_dim × head_dim state per head.
-    heads = _get(cfg, where, "linear_num_heads")
-    head_dim = _get(cfg, where, "linear_head_dim")
-    conv = _get(cfg, where, "linear_conv_kernel_dim")
-    return 3 * heads * head_dim * conv, heads * head_dim * head_dim
-
-
-def _lightning_state(cfg: dict, where: str) -> tuple[int, int]:
-    # MiniMaxAI/MiniMax-Text-01: lightning attention keeps one head_dim × head_dim state per
-    # attention head, and no convolution.
-    heads = _first_int(cfg, _HEAD_KEYS, where)
-    head_dim = _first_int(cfg, ("head_dim",), where, required=False) or (
-        _first_int(cfg, HIDDEN_KEYS, where) // heads)
-    return 0, heads * head_dim * head_dim
-
-
-def _cca_state(cfg: dict, where: str) -> tuple[int, int]:
-    # Zyphra/ZAYA1-base: compressed convolutional attention convolves q and k over the last
-    # (cca_time0 − 1) + (cca_time1 − 1) steps, and delays half the value width by one token.
-    heads = _first_int(cfg, _HEAD_KEYS, where)
-    kv_heads = _first_int(cfg, _KV_HEAD_KEYS, where, required=False) or heads
-    head_dim = _first_int(cfg, ("head_dim",), where, required=False) or (
-        _first_int(cfg, HIDDEN_KEYS, where) // heads)
-    steps = _get(cfg, where, "cca_time0", default=2) - 1 + _get(cfg, where, "cca_time1",
-                                                                 default=2) - 1
-    return (heads + kv_heads) * head_dim * steps, kv_heads * head_dim // 2
-
-
-def _rglru_state(cfg: dict, where: str) -> tuple[int, int]:
-    # google/recurrentgemma-2b: a convolution over the last conv1d_width − 1 inputs and one
-    # RG-LRU state, both lru_width wide (the state in fp32, see _state_bits).
-    width = _get(cfg, where, "lru_width", *HIDDEN_KEYS)
-    return width * (_get(cfg, where, "conv1d_width", default=4) - 1), width
-
-
-def _short_conv_state(cfg: dict, where: str) -> tuple[int, int]:
-    # LiquidAI/LFM2-1.2B: a short convolution over the last conv_L_cache inputs, no SSM state.
-    return _hidden(cfg, where) * _get(cfg, where, "conv_L_cache"), 0
-
-
-_MAMBA2_TYPES = {"mamba2", "bamba", "nemotron_h", "falcon_h1", "granitemoehybrid", "zamba2"}
-
-
-def _state_rule(cfg: dict) -> Callable[[dict, str], tuple[int, int]] | None:
-    model_type = cfg.get("model_type")
-    if model_type in _MAMBA2_TYPES:
-        return _mamba2_state
-    if model_type in ("mamba", "falcon_mamba", "jamba"):
-        return _mamba1_state
-    if cfg.get("linear_num_value_heads") is not None:
-        return _gated_deltanet_state
-    if cfg.get("linear_num_heads") is not None:
-        return _delta_attention_state
-    if cfg.get("conv_L_cache") is not None:
-        return _short_conv_state
-    if model_type == "minimax":
-        return _lightning_state
-    if model_type == "zaya":
-        return _cca_state
-    if model_type == "recurrent_gemma":
-        return _rglru_state
-    return None
 
 
 # --- layers with their own widths ----------------------------------------------------------------
@@ -448,7 +282,7 @@ def _layer_overrides(cfg: dict, names: list[str], where: str) -> list[dict[str, 
                                   f"{layers - 1}, each with an object of fields")
             for field, target in _PER_LAYER_FIELDS.items():
                 if fields.get(field) is not None:
-                    overrides[int(key)][target] = _int(fields, field,
+                    overrides[int(key)][target] = read_int(fields, field,
                                                        f"{where} per_layer_config {key}")
     model_type = cfg.get("model_type")
     for i, name in enumerate(names):
@@ -456,46 +290,32 @@ def _layer_overrides(cfg: dict, names: list[str], where: str) -> list[dict[str, 
         if name == "indexed_attention" and cfg.get("index_head_dim") is not None:
             # deepseek-ai/DeepSeek-V3.2-Exp: the lightning indexer caches one more key per
             # token in the layers that use it.
-            overrides[i]["index_head_dim"] = _int(cfg, "index_head_dim", where)
+            overrides[i]["index_head_dim"] = read_int(cfg, "index_head_dim", where)
         if model_type in ("gemma4", "gemma4_text") and name == "full_attention" and (
                 per_layer is None):
             # google/gemma-4 config.json: global layers are global_head_dim wide (512 by
             # default), with num_global_key_value_heads when attention_k_eq_v says so.
-            width = _int(cfg, "global_head_dim", where) if "global_head_dim" in cfg else 512
+            width = read_int(cfg, "global_head_dim", where) if "global_head_dim" in cfg else 512
             overrides[i]["head_dim"] = width
             if cfg.get("attention_k_eq_v") and cfg.get("num_global_key_value_heads") is not None:
-                overrides[i]["kv_heads"] = _int(cfg, "num_global_key_value_heads", where)
+                overrides[i]["kv_heads"] = read_int(cfg, "num_global_key_value_heads", where)
         if kind == "sliding":
             # The Inkling family: sliding layers have their own heads and widths.
             for field, target in (("swa_num_key_value_heads", "kv_heads"),
                                   ("swa_num_attention_heads", "heads"),
                                   ("swa_head_dim", "head_dim")):
                 if cfg.get(field) is not None:
-                    overrides[i][target] = _int(cfg, field, where)
+                    overrides[i][target] = read_int(cfg, field, where)
             if model_type == "mimo_v2_flash":
                 # XiaomiMiMo/MiMo-V2-Flash: sliding layers keep twice the KV heads (its
                 # attention builds them so; the config has no field for it).
-                kv = _first_int(cfg, _KV_HEAD_KEYS, where, required=False) or _first_int(
-                    cfg, _HEAD_KEYS, where)
+                kv = first_int(cfg, KV_HEAD_KEYS, where, required=False) or first_int(
+                    cfg, HEAD_KEYS, where)
                 overrides[i]["kv_heads"] = 2 * kv
     return overrides
 
 
 # --- the shape ----------------------------------------------------------------------------------
-
-
-def _kv_heads(cfg: dict, heads: int, where: str) -> int:
-    nested = cfg.get("attn_config")
-    if isinstance(nested, dict) and nested.get("kv_n_heads") is not None:
-        # databricks/dbrx-base: attn_config.kv_n_heads 8 under 48 heads.
-        return _int(nested, "kv_n_heads", f"{where} attn_config", high=heads)
-    if cfg.get("new_decoder_architecture"):
-        # tiiuae/falcon-40b: num_kv_heads 8, although multi_query is also true.
-        return _first_int(cfg, ("num_kv_heads", "num_key_value_heads"), where, required=False,
-                          high=heads) or heads
-    if cfg.get("multi_query"):  # bigcode/starcoder, tiiuae/falcon-7b: one K/V head
-        return 1
-    return _first_int(cfg, _KV_HEAD_KEYS, where, required=False, high=heads) or heads
 
 
 def shape_from_config(cfg: Any, name: str = "config.json", params: int | None = None) -> ModelShape:
@@ -512,7 +332,7 @@ def shape_from_config(cfg: Any, name: str = "config.json", params: int | None = 
             cfg.get("layers_block_type"), list):
         # nvidia/NVIDIA-Nemotron-Nano-9B-v2 in transformers: the count is the pattern's length.
         cfg = {**cfg, "num_hidden_layers": len(cfg["layers_block_type"])}
-    layers = _first_int(cfg, LAYER_KEYS, where, high=LIMITS["--layers"])
+    layers = first_int(cfg, LAYER_KEYS, where, high=LIMITS["--layers"])
     names = layer_type_names(cfg, layers, where)
     kinds = []
     for type_name in names:
@@ -526,7 +346,7 @@ def shape_from_config(cfg: Any, name: str = "config.json", params: int | None = 
     if cfg.get("num_kv_shared_layers"):
         # google/gemma-3n-E4B-it: the last 15 of 35 layers read the cache of an earlier layer
         # of the same kind and keep none of their own.
-        shared = _int(cfg, "num_kv_shared_layers", where, low=0, high=layers)
+        shared = read_int(cfg, "num_kv_shared_layers", where, low=0, high=layers)
         kinds[layers - shared:] = ["none"] * shared
         notes.append(f"the last {shared} layers reuse earlier layers' K/V (num_kv_shared_layers)")
     if cfg.get("model_type") == "longcat_flash" and cfg.get("num_hidden_layers") is None:
@@ -541,19 +361,19 @@ def shape_from_config(cfg: Any, name: str = "config.json", params: int | None = 
     heads = kv_heads = head_dim = 0
     is_mla = cfg.get("kv_lora_rank") is not None
     if has_kv:
-        heads = _first_int(cfg, _HEAD_KEYS, where, high=LIMITS["--heads"])
-        kv_heads = _kv_heads(cfg, heads, where)
+        heads = first_int(cfg, HEAD_KEYS, where, high=LIMITS["--heads"])
+        kv_heads = read_kv_heads(cfg, heads, where)
         if heads % kv_heads:
             raise ConfigError(f"{where}: {kv_heads} KV heads do not divide {heads} attention "
                               "heads; expected a divisor")
         if is_mla:
             # The width of one query/key head after decompression; the cache holds the latent.
-            head_dim = (_first_int(cfg, ("qk_nope_head_dim",), where)
-                        + _first_int(cfg, ("qk_rope_head_dim",), where))
-        elif any(cfg.get(key) is not None for key in _HEAD_DIM_KEYS):
-            head_dim = _first_int(cfg, _HEAD_DIM_KEYS, where, high=LIMITS["--head-dim"])
+            head_dim = (first_int(cfg, ("qk_nope_head_dim",), where)
+                        + first_int(cfg, ("qk_rope_head_dim",), where))
+        elif any(cfg.get(key) is not None for key in HEAD_DIM_KEYS):
+            head_dim = first_int(cfg, HEAD_DIM_KEYS, where, high=LIMITS["--head-dim"])
         else:
-            hidden = _first_int(cfg, HIDDEN_KEYS, where)
+            hidden = first_int(cfg, HIDDEN_KEYS, where)
             head_dim = hidden // heads  # rounded down, as transformers' attention does
             if hidden % heads:
                 notes.append(f"hidden size {hidden} is not a multiple of {heads} heads and "
@@ -568,21 +388,21 @@ def shape_from_config(cfg: Any, name: str = "config.json", params: int | None = 
             "sliding_window_size") is not None:
         # The Inkling family calls the window sliding_window_size; MiMo-V2-Flash's is the
         # tokens before the query, so its class adds the query itself.
-        window = _int(cfg, "sliding_window_size", where, high=_MAX_WINDOW) + (
+        window = read_int(cfg, "sliding_window_size", where, high=_MAX_WINDOW) + (
             cfg.get("model_type") == "mimo_v2_flash")
     elif "sliding" in kinds:
         # google/recurrentgemma-2b: attention_window_size.
-        window = _first_int(cfg, ("sliding_window", "attention_window_size"), where,
+        window = first_int(cfg, ("sliding_window", "attention_window_size"), where,
                             high=_MAX_WINDOW)
     elif "chunked" in kinds:
-        window = _first_int(cfg, ("attention_chunk_size",), where, high=_MAX_WINDOW)
+        window = first_int(cfg, ("attention_chunk_size",), where, high=_MAX_WINDOW)
     extra: dict[str, int] = {}
     if is_mla and has_kv:
-        extra = {key: _first_int(cfg, (key,), where)
+        extra = {key: first_int(cfg, (key,), where)
                  for key in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")}
     if not is_mla and has_kv and cfg.get("v_head_dim") is not None:
         # XiaomiMiMo/MiMo-V2-Flash: keys 192 wide, values 128.
-        extra["v_head_dim"] = _int(cfg, "v_head_dim", where, high=LIMITS["--head-dim"])
+        extra["v_head_dim"] = read_int(cfg, "v_head_dim", where, high=LIMITS["--head-dim"])
 
     overrides: tuple[tuple[tuple[str, int], ...], ...] = ()
     if has_kv and cfg.get("model_type") != "longcat_flash":
@@ -605,7 +425,7 @@ def shape_from_config(cfg: Any, name: str = "config.json", params: int | None = 
     if cfg.get("model_type") == "falcon_h1":
         state_layers = layers  # tiiuae/Falcon-H1-7B: attention and Mamba-2 side by side
     conv = ssm = ssm_bits = 0
-    rule = _state_rule(cfg)
+    rule = state_rule(cfg)
     if state_layers and rule is not None:
         conv, ssm = rule(cfg, where)
         # nvidia/NVIDIA-Nemotron-Nano-9B-v2: "mamba_ssm_cache_dtype": "float32".
@@ -629,7 +449,7 @@ def shape_from_config(cfg: Any, name: str = "config.json", params: int | None = 
         ssm_state_values=ssm,
         ssm_state_bits=ssm_bits,
         params=params,
-        max_positions=_first_int(cfg, _CONTEXT_KEYS, where, required=False, high=_MAX_WINDOW),
+        max_positions=first_int(cfg, CONTEXT_KEYS, where, required=False, high=_MAX_WINDOW),
         source=where,
         notes=tuple(notes),
         layer_overrides=overrides,
@@ -726,13 +546,13 @@ def _count_params(cfg: dict, where: str) -> int | None:
     if model_type not in _GATED_FAMILIES:
         return None
     norms, qkv_bias, tied = _GATED_FAMILIES[model_type]
-    hidden = _first_int(cfg, HIDDEN_KEYS, where)
-    heads = _first_int(cfg, _HEAD_KEYS, where)
-    kv_heads = _kv_heads(cfg, heads, where)
-    head_dim = (_first_int(cfg, _HEAD_DIM_KEYS, where, required=False) or hidden // heads)
-    inner = _first_int(cfg, ("intermediate_size",), where)
-    vocab = _first_int(cfg, ("vocab_size",), where)
-    layers = _first_int(cfg, LAYER_KEYS, where)
+    hidden = first_int(cfg, HIDDEN_KEYS, where)
+    heads = first_int(cfg, HEAD_KEYS, where)
+    kv_heads = read_kv_heads(cfg, heads, where)
+    head_dim = (first_int(cfg, HEAD_DIM_KEYS, where, required=False) or hidden // heads)
+    inner = first_int(cfg, ("intermediate_size",), where)
+    vocab = first_int(cfg, ("vocab_size",), where)
+    layers = first_int(cfg, LAYER_KEYS, where)
     q, kv = heads * head_dim, kv_heads * head_dim
     bias = (q + 2 * kv) * (qkv_bias or bool(cfg.get("attention_bias")))
     attention = hidden * (q + 2 * kv) + q * hidden + bias
@@ -744,10 +564,10 @@ def _count_params(cfg: dict, where: str) -> int | None:
 def _gpt2_params(cfg: dict, where: str) -> int:
     # openai-community/gpt2: learned positions, LayerNorms with biases, Conv1D weights with
     # biases, a 4 × n_embd MLP unless n_inner says otherwise; the LM head is the embedding.
-    hidden = _first_int(cfg, ("n_embd",), where)
-    inner = _first_int(cfg, ("n_inner",), where, required=False) or 4 * hidden
+    hidden = first_int(cfg, ("n_embd",), where)
+    inner = first_int(cfg, ("n_inner",), where, required=False) or 4 * hidden
     layer = (2 * hidden + hidden * 3 * hidden + 3 * hidden + hidden * hidden + hidden
              + 2 * hidden + hidden * inner + inner + inner * hidden + hidden)
-    return (_first_int(cfg, ("vocab_size",), where) * hidden
-            + _first_int(cfg, ("n_positions",), where) * hidden
-            + _first_int(cfg, ("n_layer",), where) * layer + 2 * hidden)
+    return (first_int(cfg, ("vocab_size",), where) * hidden
+            + first_int(cfg, ("n_positions",), where) * hidden
+            + first_int(cfg, ("n_layer",), where) * layer + 2 * hidden)

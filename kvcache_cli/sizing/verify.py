@@ -17,7 +17,8 @@ from kvcache_cli.sizing.arithmetic import (
     tokens_held,
     values_per_token,
 )
-from kvcache_cli.sizing.config import HIDDEN_KEYS, LAYER_KEYS, shape_from_config
+from kvcache_cli.sizing.config import shape_from_config
+from kvcache_cli.sizing.config_fields import HIDDEN_KEYS, LAYER_KEYS
 from kvcache_cli.sizing.reports import Verification, VerifyLayer
 from kvcache_cli.sizing.shape import ModelShape
 from kvcache_cli.sizing.units import DTYPE_BITS, bytes_for_values, canonical_dtype
