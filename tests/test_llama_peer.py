@@ -14,9 +14,9 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from kvcache_cli import llama_peer
 from kvcache_cli.bench import run as bench_run
 from kvcache_cli.cli import app
+from kvcache_cli.models import llama_cpp as llama_peer
 from kvcache_cli.models.gpt2 import GPT, GPTConfig
 from kvcache_cli.models.linear import arrange_weights
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 
-from kvcache_cli.llama_peer import LLAMA_MODES
+from kvcache_cli.models.llama_cpp import LLAMA_MODES
 
 # hf-static is transformers' generate() with its static cache; a "-compiled" mode is
 # the same under torch.compile (the compile is paid in the untimed warm-up). hf-quanto is

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from kvcache_cli.bench.weight_check import TokenMargin, WeightCheck
-    from kvcache_cli.llama_peer import LlamaFile
+    from kvcache_cli.models.llama_cpp import LlamaFile
 
 
 # A progress callback: (what is running, tokens done so far, tokens in all).

@@ -60,16 +60,16 @@ from kvcache_cli.bench.runners import (
     sampled_steps,
 )
 from kvcache_cli.bench.summary import bench_result
-from kvcache_cli.llama_peer import LLAMA_MODES, check_llama_modes
 from kvcache_cli.measure import (
     OtherProcesses,
     measure_bandwidth,
     transformers_version,
 )
+from kvcache_cli.models.llama_cpp import LLAMA_MODES, check_llama_modes
 
 if TYPE_CHECKING:
 
-    from kvcache_cli.llama_peer import LlamaRunner
+    from kvcache_cli.models.llama_cpp import LlamaRunner
 
 
 # Larger than any last-level cache on either device, so the probes stream DRAM/HBM.
@@ -265,7 +265,7 @@ def _llama_runners(model, plan: BenchPlan, counter: _Counter, gguf_dir,
     closed when the stack unwinds; on torch's thread count, as our modes run."""
     import torch
 
-    from kvcache_cli import llama_peer
+    from kvcache_cli.models import llama_cpp as llama_peer
 
     runners = {}
     for mode in (m for m in plan.modes if m in LLAMA_MODES):

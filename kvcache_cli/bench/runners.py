@@ -15,7 +15,7 @@ from kvcache_cli.measure import quiet_transformers, synchronize
 if TYPE_CHECKING:
     import torch
 
-    from kvcache_cli.llama_peer import LlamaRunner
+    from kvcache_cli.models.llama_cpp import LlamaRunner
 
 
 # The naive loop is timed at this many decode steps spread over the run (0: all).

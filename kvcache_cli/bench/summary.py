@@ -13,8 +13,8 @@ from kvcache_cli.bench.bandwidth import pool_probes
 from kvcache_cli.bench.modes import bounded_spec, cpu_half_support
 from kvcache_cli.bench.results import BenchPlan, BenchResult, Measured, ModeResult
 from kvcache_cli.bench.runners import TimedRun
-from kvcache_cli.llama_peer import llama_version
 from kvcache_cli.measure import device_name, transformers_version, weight_bytes
+from kvcache_cli.models.llama_cpp import llama_version
 
 if TYPE_CHECKING:
     from kvcache_cli.bench.weight_check import WeightCheck

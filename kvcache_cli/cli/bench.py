@@ -286,8 +286,8 @@ def _check_options(modes: str, compile_: bool, device: str, threads: int | None,
     """The mode names (with their compiled twins under --compile) and the device; bad input
     fails here, before the model loads."""
     from kvcache_cli.bench import modes as bench_modes
-    from kvcache_cli.llama_peer import check_llama_modes
     from kvcache_cli.measure import resolve_device
+    from kvcache_cli.models.llama_cpp import check_llama_modes
 
     try:
         mode_names = bench_modes.parse_modes(modes)

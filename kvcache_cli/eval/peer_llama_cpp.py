@@ -109,7 +109,7 @@ def check_installed(specs: Sequence[LlamaCppSpec], gguf: str | None, model: str)
     if gguf is None:
         raise ValueError(f"cache {str(specs[0])!r} runs llama.cpp on the model's GGUF; --model "
                          f"{model} was not read from one (expected -m smollm2 or a .gguf)")
-    from kvcache_cli.llama_peer import INSTALL, llama_available, llama_version
+    from kvcache_cli.models.llama_cpp import INSTALL, llama_available, llama_version
 
     if not llama_available():
         raise ValueError(f"cache {str(specs[0])!r} needs llama-cpp-python: {INSTALL}")
