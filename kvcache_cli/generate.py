@@ -80,12 +80,18 @@ def sample(
     """Next token ids (B,) from last-position logits (B, vocab); temperature 0 is greedy."""
     if temperature == 0.0:
         return logits.argmax(dim=-1)
-    logits = logits.float() / temperature
-    if top_k is not None:
-        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]  # (B, 1)
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
+    probs = probabilities(logits.float(), temperature, top_k)  # (B, vocab)
     return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
+def probabilities(logits: Tensor, temperature: float, top_k: int | None) -> Tensor:
+    """Logits (n, vocab) -> the distribution (n, vocab) sampling draws from, in the logits'
+    dtype: scaled by 1 / temperature, all but the top_k most likely masked out."""
+    logits = logits / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]  # (n, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.softmax(logits, dim=-1)
 
 
 @torch.inference_mode()

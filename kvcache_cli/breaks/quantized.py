@@ -30,6 +30,7 @@ from torch import Tensor
 from kvcache_cli.breaks.base import DEFAULT_PROMPT_IDS
 from kvcache_cli.breaks.registry import QUANT_BREAK_TOKENS
 from kvcache_cli.caches import make_cache
+from kvcache_cli.caches.base import ForwardingCache, KVCache
 from kvcache_cli.generate import stream_tokens
 from kvcache_cli.models.base import FamilyModel
 
@@ -128,14 +129,12 @@ def with_outliers(model: FamilyModel, which: str, scale: float) -> FamilyModel:
     return out
 
 
-class _FirstToken:
+class _FirstToken(ForwardingCache):
     """Wraps a cache and keeps what attention read of position 0 on the last step."""
 
-    def __init__(self, inner):
-        self.inner, self.first = inner, {}
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
+    def __init__(self, inner: KVCache):
+        super().__init__(inner)
+        self.first: dict[int, Tensor] = {}
 
     def update(self, layer, start_pos, k, v):
         keys, values = self.inner.update(layer, start_pos, k, v)  # (B, nh, S, hs)

@@ -124,3 +124,59 @@ class KVCache:
 
     def reset(self) -> None:
         raise NotImplementedError
+
+
+class ForwardingCache(KVCache):
+    """A cache that hands every call to the cache it wraps: a subclass overrides only what
+    it watches (a break's probe of what attention read, eval's attention share)."""
+
+    def __init__(self, inner: KVCache):
+        self.inner = inner
+
+    def update(self, layer: int, start_pos: int | Tensor, k: Tensor, v: Tensor
+               ) -> tuple[Tensor, Tensor]:
+        return self.inner.update(layer, start_pos, k, v)
+
+    def attend(self, layer: int, start_pos: int | Tensor, q: Tensor, k: Tensor,
+               v: Tensor) -> Tensor | None:
+        return self.inner.attend(layer, start_pos, q, k, v)
+
+    def key_positions(self, layer: int) -> Tensor | None:
+        return self.inner.key_positions(layer)
+
+    def observe(self, layer: int, weights: Tensor) -> None:
+        self.inner.observe(layer, weights)
+
+    def crop(self, length: int) -> None:
+        self.inner.crop(length)
+
+    def reset(self) -> None:
+        self.inner.reset()
+
+    @property
+    def length(self) -> int:
+        return self.inner.length
+
+    @property
+    def bytes_held(self) -> int:
+        return self.inner.bytes_held
+
+    @property
+    def bytes_copied(self) -> int:
+        return self.inner.bytes_copied
+
+    @property
+    def whole(self) -> bool:
+        return self.inner.whole
+
+    @property
+    def wants_attention(self) -> bool:
+        return self.inner.wants_attention
+
+    @property
+    def window(self) -> int | None:
+        return self.inner.window
+
+    @property
+    def sinks(self) -> int:
+        return self.inner.sinks

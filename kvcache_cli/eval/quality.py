@@ -37,7 +37,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvcache_cli.caches.base import KVCache
+from kvcache_cli.caches.base import ForwardingCache, KVCache
 from kvcache_cli.caches.spec import CacheSpec, check_prompt, parse_cache_spec
 
 if TYPE_CHECKING:
@@ -381,36 +381,20 @@ def _peer(name: str) -> str:
 # ---------------------------------------------------------------------------- the sink
 
 
-class _FirstTokenWatch(KVCache):
+class _FirstTokenWatch(ForwardingCache):
     """The exact cache, with attention asked to hand back its weights: it records, per
     layer, the share the first key draws from the queries at positions `first_query` on."""
 
     wants_attention = True
 
     def __init__(self, inner: KVCache, n_layer: int, first_query: int):
-        self.inner, self.first_query = inner, first_query
+        super().__init__(inner)
+        self.first_query = first_query
         self.share = [math.nan] * n_layer
-
-    def update(self, layer, start_pos, k, v):
-        return self.inner.update(layer, start_pos, k, v)
-
-    def key_positions(self, layer):
-        return self.inner.key_positions(layer)
 
     def observe(self, layer: int, weights: Tensor) -> None:
         # weights (B, nh, T, S): one pass from position 0, so query i is position i.
         self.share[layer] = weights[0, :, self.first_query:, 0].double().mean().item()
-
-    @property
-    def length(self) -> int:
-        return self.inner.length
-
-    @property
-    def bytes_held(self) -> int:
-        return self.inner.bytes_held
-
-    def reset(self) -> None:
-        self.inner.reset()
 
 
 def first_token_share(model: FamilyModel, tokens: Sequence[int], prompt_len: int

@@ -12,6 +12,7 @@ from torch import Tensor
 
 from kvcache_cli import numbers
 from kvcache_cli.caches import make_cache
+from kvcache_cli.generate import probabilities
 from kvcache_cli.models.base import FamilyModel
 
 # transformers' prompt lookup matches up to 3-grams by default (max_matching_ngram_size=2
@@ -63,11 +64,7 @@ class Sampling:
 
     def probs(self, logits: Tensor) -> Tensor:
         """(n, vocab) logits -> (n, vocab) probabilities, in float64 so p / q stays exact."""
-        logits = logits.double() / self.temperature
-        if self.top_k is not None:
-            kth = torch.topk(logits, min(self.top_k, logits.size(-1))).values[:, -1:]  # (n, 1)
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        return torch.softmax(logits, dim=-1)
+        return probabilities(logits.double(), self.temperature, self.top_k)
 
 
 class Draft:

@@ -87,7 +87,7 @@ def generation_view(g: Generation) -> RenderableType:
     return table
 
 
-def _tokens(tokens, first: int | None = None, piece: Callable[[int], str] | None = None) -> Text:
+def token_text(tokens, first: int | None = None, piece: Callable[[int], str] | None = None) -> Text:
     """Token ids (or pieces), those from step `first` on in red."""
     text = Text()
     for i, t in enumerate(tokens):
@@ -103,11 +103,11 @@ def break_view(r: BreakResult, piece: Callable[[int], str] | None = None,
     tokens = Table(box=box.SIMPLE_HEAD, padding=(0, 1))
     tokens.add_column("loop")
     tokens.add_column("tokens", ratio=1)
-    tokens.add_row("prompt", _tokens(r.prompt_ids, piece=piece))
+    tokens.add_row("prompt", token_text(r.prompt_ids, piece=piece))
     if r.earlier_ids:
-        tokens.add_row("earlier request", _tokens(r.earlier_ids, piece=piece))
-    tokens.add_row("correct", _tokens(r.correct, piece=piece))
-    tokens.add_row("broken", _tokens(r.broken, r.first_divergence, piece))
+        tokens.add_row("earlier request", token_text(r.earlier_ids, piece=piece))
+    tokens.add_row("correct", token_text(r.correct, piece=piece))
+    tokens.add_row("broken", token_text(r.broken, r.first_divergence, piece))
     gaps = " ".join(f"{g:.2f}" for g in r.step_logit_diff)
     if r.first_divergence is None:
         verdict = f"the tokens never diverge in {len(r.correct)} steps"

@@ -14,6 +14,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from kvcache_cli.views.generate import token_text
 from kvcache_cli.views.style import figures_table, mark
 
 
@@ -46,17 +47,6 @@ def spec_run_view(run) -> RenderableType:
     return Group(*lines)
 
 
-def _tokens(tokens, first: int | None = None, piece: Callable[[int], str] | None = None) -> Text:
-    """Token ids (or pieces), those from step `first` on in red."""
-    text = Text()
-    for i, tok in enumerate(tokens):
-        if i:
-            text.append(" ")
-        shown = repr(piece(tok))[1:-1] if piece is not None else str(tok)
-        text.append(shown, style="bold red" if first is not None and i >= first else None)
-    return text
-
-
 def _diverges(first: int | None, n: int, what: str = "plain greedy") -> str:
     if first is None:
         return f"the tokens never diverge in {n} steps"
@@ -66,10 +56,10 @@ def _diverges(first: int | None, n: int, what: str = "plain greedy") -> str:
 
 def no_rollback_view(r, piece: Callable[[int], str] | None = None) -> RenderableType:
     tokens = Table("loop", "tokens", box=box.SIMPLE_HEAD, padding=(0, 1))
-    tokens.add_row("prompt", _tokens(r.prompt_ids, piece=piece))
-    tokens.add_row("plain greedy", _tokens(r.correct, piece=piece))
-    tokens.add_row("with rollback", _tokens(r.fixed, piece=piece))
-    tokens.add_row("no rollback", _tokens(r.broken, r.first_divergence, piece))
+    tokens.add_row("prompt", token_text(r.prompt_ids, piece=piece))
+    tokens.add_row("plain greedy", token_text(r.correct, piece=piece))
+    tokens.add_row("with rollback", token_text(r.fixed, piece=piece))
+    tokens.add_row("no rollback", token_text(r.broken, r.first_divergence, piece))
 
     def rate(x: float) -> str:
         return "—" if x != x else f"{x:.0%}"
@@ -88,9 +78,9 @@ def no_rollback_view(r, piece: Callable[[int], str] | None = None) -> Renderable
 
 def rollback_shared_view(r, piece: Callable[[int], str] | None = None) -> RenderableType:
     tokens = Table("sequence A", "tokens", box=box.SIMPLE_HEAD, padding=(0, 1))
-    tokens.add_row("alone", _tokens(r.reader_solo, piece=piece))
-    tokens.add_row("B's trim drops its reference", _tokens(r.reader_fixed, piece=piece))
-    tokens.add_row("B's trim frees the block", _tokens(r.reader_broken, r.first_divergence,
+    tokens.add_row("alone", token_text(r.reader_solo, piece=piece))
+    tokens.add_row("B's trim drops its reference", token_text(r.reader_fixed, piece=piece))
+    tokens.add_row("B's trim frees the block", token_text(r.reader_broken, r.first_divergence,
                                                        piece))
     lines = Text.from_markup(
         f"block {r.shared_block} (positions {2 * r.block_size}..{3 * r.block_size - 1}) is "
