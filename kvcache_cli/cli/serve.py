@@ -18,6 +18,7 @@ from kvcache_cli.cli.common import (
     check_plot,
     check_weights_dtype,
     console,
+    default_model,
     defaults_in,
     fail,
     load_model,
@@ -31,7 +32,7 @@ from kvcache_cli.cli.common import (
 def serve(
     ctx: typer.Context,
     device: DeviceOption = "auto",
-    model: ModelOption = "gpt2",
+    model: ModelOption = None,
     weights: Annotated[str, typer.Option(
         help="auto (real if available, else random), pretrained, random.")] = "auto",
     weights_dtype: WeightsDTypeOption = None,
@@ -101,9 +102,10 @@ def serve(
 
     Latency as vLLM measures it (TTFT, TPOT, ITL, E2E; p50/p90/p99). Each request's
     tokens are checked against its solo generation; set-up is timed apart from the
-    run. The default (24 random requests on GPT-2, or 16 chat requests on SmolLM2, 4 runs)
-    takes about 2 minutes on 2 quiet cores.
+    run. The default model is SmolLM2 where it is installed (16 chat requests), else the
+    shipped stdlib-bytes (24 random requests); -m gpt2 for GPT-2's shapes.
     """
+    model = model if model is not None else default_model()
     need_torch_extra("kvcache serve needs", *GPT2_MODULES, "transformers")
     from kvcache_cli.serving import batching
     from kvcache_cli.serving import engines as serving

@@ -43,8 +43,9 @@ class TokenStream:
     incremental decoder that holds partial characters back until they are whole.
     """
 
-    def __init__(self, console: Console, encoding=None):
+    def __init__(self, console: Console, encoding=None, stop_ids: tuple[int, ...] = ()):
         self.console, self.encoding = console, encoding
+        self.stop_ids = stop_ids  # the token that ends a turn ends it unseen, as in a chat
         self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def _write(self, text: str, style: str | None = None) -> None:
@@ -57,7 +58,16 @@ class TokenStream:
         else:
             self._write(" ".join(map(str, ids)) + " |", "dim")
 
+    def chat(self, question: str, rendered: str | None = None) -> None:
+        """A chat's turn as a chat user reads it: the question, then the reply streams
+        after "assistant:"; the prompt the template rendered first, when it is asked for."""
+        if rendered is not None:
+            self._write(rendered + "\n", "dim")
+        self._write(f"user: {question}\nassistant: ", "dim")
+
     def __call__(self, token: int) -> None:
+        if token in self.stop_ids:
+            return
         if self.encoding is not None:
             self._write(self.utf8.decode(self.encoding.decode_single_token_bytes(token)), "bold")
         else:
