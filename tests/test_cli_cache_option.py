@@ -22,6 +22,18 @@ def test_cache_option_parses_through_the_registry():
     assert parse_cache_option("full").kind == "static"  # an alias
 
 
+def test_caches_shows_the_kinds_asked_for_by_any_spelling_and_names_the_peers():
+    asked = runner.invoke(app, ["caches", "full", "int4:g64", "--json"])
+    assert asked.exit_code == 0, asked.output
+    assert [r["name"] for r in json.loads(asked.stdout)] == ["static", "int4"]
+    shown = runner.invoke(app, ["caches", "window"], env={"COLUMNS": "100"})
+    assert shown.exit_code == 0 and "window:W" in shown.stdout and "sink:" not in shown.stdout
+    # the peers eval --cache accepts, which are no kind of ours
+    assert "llama.cpp:TYPE" in shown.stdout and "transformers:KIND" in shown.stdout
+    bad = runner.invoke(app, ["caches", "bogus"])
+    assert bad.exit_code == 2 and bad.stderr.startswith("error: unknown cache kind 'bogus'")
+
+
 def test_completion_offers_every_kind_with_its_summary():
     assert [name for name, _ in complete_cache("")] == list(KINDS)
     offered = complete_cache("pa")

@@ -146,3 +146,14 @@ def test_a_formula_too_long_for_the_width_breaks_only_before_an_operator(tmp_pat
             1 for line in lines[first + 1:first + 6] if line.lstrip().startswith(("×", "+")))]
         assert all(len(line) <= int(columns) for line in pieces), pieces
         assert " ".join(p.strip() for p in pieces) == whole, pieces
+
+
+def test_break_help_names_every_break_the_registry_lists():
+    from kvcache_cli.breaks.registry import registry
+
+    result = CliRunner().invoke(app, ["break", "--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    # click wraps the paragraph, breaking after a hyphen: join those back
+    text = re.sub(r"-\s+", "-", " ".join(result.output.split()))
+    missing = [name for name in registry() if name not in text]
+    assert not missing, f"break --help does not name {missing}"

@@ -83,9 +83,9 @@ def bench(
     """Time every decode step of every mode, against transformers and the memory limit.
 
     Warm-up excluded, the device synchronised around each timed step, medians over
-    repeats; the memory bandwidth is probed in the same run. Progress shows the tokens
-    left and an ETA from the tokens timed so far. With --draft: speculative decoding at each K of --speculate
-    against plain decoding with the same cache, interleaved, medians over --repeats.
+    repeats; the memory bandwidth is probed in the same run. Progress shows the steps
+    done and an ETA. With --draft: speculative decoding at each K of --speculate against
+    plain decoding with the same cache, interleaved, medians over --repeats.
     """
     model = model if model is not None else default_model()
     if draft is not None:

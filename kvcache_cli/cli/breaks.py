@@ -65,10 +65,10 @@ def break_(
     causal-decode, stale-cache), speculative decoding's no-rollback and rollback-shared,
     three quantised caches beside their fixes (kv-outlier-keys, kv-sink-token, fp8-range),
     and three bounded caches (evict-sink, ring-mask, ring-off-by-one), whose budget is half
-    the positions the run writes, so the window wraps halfway. Four on the Llama family,
-    SmolLM2 by default (rope-decode, kv-expand-early, gqa-interleave, rope-twice); `all`
-    runs them where SmolLM2 is installed and says in one note line that it skipped them
-    where it is not.
+    the positions the run writes, so the window wraps halfway. Five on the Llama family,
+    SmolLM2 by default (rope-decode, kv-expand-early, gqa-interleave, rope-twice,
+    evict-rope-slot); `all` runs them where SmolLM2 is installed and says in one note line
+    that it skipped them where it is not.
     """
     import kv_cache_from_scratch as ref
     from kvcache_cli.breaks.registry import registry

@@ -9,19 +9,37 @@ import typer
 
 
 def caches(
+    kinds: Annotated[list[str] | None, typer.Argument(
+        help="Kinds to show (e.g. int4 window); default: every kind.", show_default=False)
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the raw rows as JSON.")] = False,
 ) -> None:
     """List the cache kinds: their spelling, whether they are exact, bounded, paged or
     compiled, and whether and how each rolls back k tokens (speculative decoding)."""
-    from kvcache_cli.caches.spec import kinds_table
+    from kvcache_cli.caches.spec import KINDS, kinds_table, names, parse_cache_spec
 
     rows = kinds_table()
+    if kinds:
+        # A kind by any name a spec may start with (full is static), with fields or not.
+        asked = [k.split(":", 1)[0].strip().lower() for k in kinds]
+        unknown = next((k for k in asked if k not in names()), None)
+        if unknown is not None:
+            from kvcache_cli.cli.common import fail
+
+            fail(f"unknown cache kind {unknown!r}: expected one of {', '.join(names())}")
+        wanted = {k if k in KINDS else parse_cache_spec(k).kind for k in asked}
+        rows = tuple(r for r in rows if r.name in wanted)
     if as_json:
         from kvcache_cli.views import to_json
 
         typer.echo(to_json(rows))
         return
     from kvcache_cli.cli.common import print_view
+    from kvcache_cli.eval import peer_hf, peer_llama_cpp
     from kvcache_cli.views.caches import kinds_view
 
-    print_view(kinds_view(rows))
+    peers = (f"eval --cache also takes the peers' own caches, each in its own engine on the "
+             f"same weights: {peer_llama_cpp.GRAMMAR} (TYPE: "
+             f"{', '.join(peer_llama_cpp.KV_TYPES)}; llama.cpp on the model's GGUF), and "
+             f"{peer_hf.GRAMMAR} (transformers' LlamaForCausalLM with its QuantizedCache)",)
+    print_view(kinds_view(rows, peers))

@@ -402,6 +402,40 @@ def console(stderr: bool = False):
                    height=25)
 
 
+class ProgressLines:
+    """Progress off a terminal (a file, a pipe, CI): one line on stderr when a tenth more
+    is done or a minute has passed, with the count, the time so far and an ETA from the
+    rate so far, so a long run says it is alive and when it will end."""
+
+    def __init__(self, what: str, unit: str, every_s: float = 60.0):
+        import time
+
+        self.what, self.unit, self.every_s = what, unit, every_s
+        self.clock = time.monotonic
+        self.began = self.clock()
+        self.shown_at, self.shown_done = self.began, 0
+
+    def __call__(self, done: int, total: int | None) -> None:
+        now = self.clock()
+        step = max(1, (total or 0) // 10)
+        finished = total is not None and done >= total
+        if done == 0 or not (finished or done - self.shown_done >= step
+                             or now - self.shown_at >= self.every_s):
+            return
+        elapsed = now - self.began
+        line = f"{self.what}: {done:,}/{total:,} {self.unit}" if total else f"{self.what}: {done:,}"
+        line += f", {_clock(elapsed)} elapsed"
+        if total and not finished:
+            line += f", ETA {_clock(elapsed / done * (total - done))}"
+        typer.echo(line, err=True)
+        self.shown_at, self.shown_done = now, done
+
+
+def _clock(seconds: float) -> str:
+    minutes, s = divmod(round(seconds), 60)
+    return f"{minutes // 60}:{minutes % 60:02d}:{s:02d}" if minutes >= 60 else f"{minutes}:{s:02d}"
+
+
 def progress_bar(console, *columns_):
     """A transient rich Progress on CONSOLE, redrawn twice a second (the redraw thread shares
     the CPUs being timed). Its text columns wrap at a narrow width, so the counts and

@@ -15,6 +15,7 @@ from kvcache_cli.cli.common import (
     GPT2_MODULES,
     DeviceOption,
     ModelOption,
+    ProgressLines,
     Weights,
     check_plot,
     columns,
@@ -299,15 +300,16 @@ def _heldout(model: str) -> Path:
 
 @contextlib.contextmanager
 def _progress(what: str = "scoring", unit: str = "tokens"):
-    """A transient bar on stderr when it is a terminal; nothing at all off one."""
-    from rich.progress import BarColumn, MofNCompleteColumn, TimeElapsedColumn
+    """A transient bar on stderr in a terminal (the count, elapsed time and ETA); off one,
+    a line now and then (`common.ProgressLines`), so a run into a file is not silent."""
+    from rich.progress import BarColumn, MofNCompleteColumn, TimeElapsedColumn, TimeRemainingColumn
 
     err_console = console(stderr=True)
     if not err_console.is_terminal:
-        yield None
+        yield ProgressLines(what, unit)
         return
     progress = progress_bar(err_console, what, BarColumn(), MofNCompleteColumn(), unit,
-                            TimeElapsedColumn())
+                            TimeElapsedColumn(), "ETA", TimeRemainingColumn())
     bar = progress.add_task(what, total=None)
     with progress:
         yield lambda done, total: progress.update(bar, completed=done, total=total)

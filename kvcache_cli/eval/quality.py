@@ -321,6 +321,8 @@ def _run(model: FamilyModel, tokens: Sequence[int], makers: list[CacheMaker], pr
     steps = [(0, prompt_len, True)] + [
         (start, min(start + chunk, fed), False) for start in range(prompt_len, fed, chunk)]
     done = 0
+    if progress is not None:
+        progress(done, total)  # the count is known before the first step: say it
     for start, end, prefill in steps:
         first = end - 1 if prefill else start  # the first position this step scores
         targets = ids[0, first + 1:end + 1]  # (T,)
