@@ -82,10 +82,11 @@ def test_eval_reads_the_tokens_prompt_and_chunk_asked_for(checkpoint, tmp_path):
     assert [c["cache"] for c in out["caches"]] == ["static", "concat"]
 
 
-def test_off_a_terminal_eval_prints_plain_text_and_nothing_on_stderr(checkpoint):
+def test_off_a_terminal_eval_prints_plain_text_and_only_progress_lines_on_stderr(checkpoint):
     result = invoke("--model", str(checkpoint), "--cache", "concat", "--prompt-len", "16")
     assert result.exit_code == 0, result.output
-    assert result.stderr == ""  # no progress bar, no note
+    # no bar, no note: at most a progress line now and then (a quick run may print none)
+    assert all(line.startswith("scoring: ") for line in result.stderr.splitlines())
     lines = result.stdout.splitlines()
     header = next(line for line in lines if line.startswith("cache"))
     assert "perplexity" in header and "KL mean" in header and "bytes/tok" in header
@@ -204,9 +205,10 @@ def test_a_checkpoint_naming_no_tokenizer_outside_gpt2_s_vocabulary_is_one_line(
 
 
 
-def test_by_default_eval_reads_the_trained_checkpoint_s_held_out_text():
+def test_without_smollm2_eval_reads_the_trained_checkpoint_s_held_out_text(monkeypatch):
     from kvcache_cli.checkpoints import TRAINED
 
+    monkeypatch.setattr("kvcache_cli.models.smollm2.smollm2_gguf", lambda: None)
     result = invoke("--cache", "static,int8", "--tokens", "200", "--json")
     assert result.exit_code == 0, result.output
     out = json.loads(result.stdout)
@@ -216,3 +218,37 @@ def test_by_default_eval_reads_the_trained_checkpoint_s_held_out_text():
     # A trained model predicts Python source far better than uniform over 256 bytes.
     assert static["bits_per_token"] < 6
     assert 0 < int8["kl_mean"] and int8["bytes_per_token"] < static["bytes_per_token"]
+
+
+def test_progress_off_a_terminal_says_the_count_elapsed_and_an_eta_now_and_then(capsys):
+    from kvcache_cli.cli.common import ProgressLines
+
+    progress = ProgressLines("scoring", "tokens")
+    now = iter([0.0, 1.0, 5.0, 20.0, 30.0, 200.0, 201.0])
+    progress.clock = lambda: next(now)
+    progress.began = progress.clock()  # 0 s
+    progress.shown_at = progress.began
+    progress(0, 1000)  # 1 s: nothing done, nothing said
+    progress(50, 1000)  # 5 s: under a tenth, under a minute
+    progress(150, 1000)  # 20 s: a tenth more, 10 s on: a line
+    progress(200, 1000)  # 30 s: 50 more only
+    progress(210, 1000)  # 200 s: a minute since the last line
+    progress(1000, 1000)  # 201 s: done
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == ["scoring: 150/1,000 tokens, 0:20 elapsed, ETA 1:53",
+                     "scoring: 210/1,000 tokens, 3:20 elapsed, ETA 12:32",
+                     "scoring: 1,000/1,000 tokens, 3:21 elapsed"]
+
+
+def test_every_command_defaults_to_smollm2_where_installed_else_the_shipped_checkpoint(
+        monkeypatch):
+    from kvcache_cli.cli.common import default_model
+
+    monkeypatch.setattr("kvcache_cli.models.smollm2.smollm2_gguf", lambda: "SmolLM2.gguf")
+    assert default_model() == "smollm2"
+    monkeypatch.setattr("kvcache_cli.models.smollm2.smollm2_gguf", lambda: None)
+    assert default_model() == "stdlib-bytes"
+    for command in ("generate", "eval", "bench", "serve"):
+        text = " ".join(CliRunner().invoke(app, [command, "--help"],
+                                           env={"COLUMNS": "200"}).output.split())
+        assert "Default: smollm2 where it is installed" in text, command

@@ -1,4 +1,5 @@
-"""The known failures of quantised KV caches, made visible on GPT-2, each beside its fix.
+"""The known failures of quantised KV caches, made visible on a model (SmolLM2 where it is
+installed, GPT-2 or a Llama -m names), each beside its fix.
 
 - `kv-outlier-keys`: a few key channels carry outliers (as in LLaMA-family models); one
   scale for a whole key vector (per token, the head's channels in one group) spends its
@@ -107,26 +108,58 @@ def _specs(name: str, head_size: int) -> tuple[str, str]:
 
 def with_outliers(model: FamilyModel, which: str, scale: float) -> FamilyModel:
     """A copy of `model` computing the same function, whose cached keys ('k') or values
-    ('v') carry OUTLIER_CHANNELS channels per head `scale` times larger."""
+    ('v') carry OUTLIER_CHANNELS channels per KV head `scale` times larger."""
+    from kvcache_cli.models.llama import Llama
+
     out = copy.deepcopy(model)
-    C, nh = model.config.n_embd, model.config.n_head
+    with torch.no_grad():
+        if isinstance(out, Llama):
+            _llama_outliers(out, which, scale)
+        else:
+            _gpt2_outliers(out, which, scale)
+    return out
+
+
+def _gpt2_outliers(out: FamilyModel, which: str, scale: float) -> None:
+    C, nh = out.config.n_embd, out.config.n_head
     hs = C // nh
     channels = torch.tensor([h * hs + c for h in range(nh)
                              for c in range(1, hs, hs // OUTLIER_CHANNELS)])  # (nh * 4,)
-    with torch.no_grad():
-        for block in out.transformer.h:
-            attn = block.attn
-            w, b = attn.c_attn.weight, attn.c_attn.bias  # (3C, C), (3C,): q, k, v rows
-            if which == "k":  # k up, q down: every score q.k is unchanged
-                w[C + channels] *= scale
-                b[C + channels] *= scale
-                w[channels] /= scale
-                b[channels] /= scale
-            else:  # v up, and the output projection's input channels down
-                w[2 * C + channels] *= scale
-                b[2 * C + channels] *= scale
-                attn.c_proj.weight[:, channels] /= scale
-    return out
+    for block in out.transformer.h:
+        attn = block.attn
+        w, b = attn.c_attn.weight, attn.c_attn.bias  # (3C, C), (3C,): q, k, v rows
+        if which == "k":  # k up, q down: every score q.k is unchanged
+            w[C + channels] *= scale
+            b[C + channels] *= scale
+            w[channels] /= scale
+            b[channels] /= scale
+        else:  # v up, and the output projection's input channels down
+            w[2 * C + channels] *= scale
+            b[2 * C + channels] *= scale
+            attn.c_proj.weight[:, channels] /= scale
+
+
+def _llama_outliers(out: FamilyModel, which: str, scale: float) -> None:
+    """The same on a Llama: the fused q, k, v rows, its KV heads shared by groups of query
+    heads (a key channel scaled up means that channel of every query head in its group
+    scaled down), and key channels taken in rotary pairs (c, c + hs/2): RoPE turns a pair
+    as a whole, so scaling both by s commutes with it and q.k stays unchanged."""
+    c = out.config
+    nh, nkv, hs = c.n_head, c.n_kv_head, c.head_size
+    group, half = nh // nkv, hs // 2
+    firsts = list(range(1, half, half // (OUTLIER_CHANNELS // 2)))[:OUTLIER_CHANNELS // 2]
+    pairs = [*firsts, *(f + half for f in firsts)]  # OUTLIER_CHANNELS channels of a head
+    for layer in out.model.layers:
+        attn = layer.self_attn
+        w = attn.qkv_proj.weight  # ((nh + 2 nkv) hs, C): q's heads, k's, v's
+        for j in range(nkv):
+            queries = [h * hs + ch for h in range(j * group, (j + 1) * group) for ch in pairs]
+            if which == "k":
+                w[[(nh + j) * hs + ch for ch in pairs]] *= scale
+                w[queries] /= scale
+            else:  # v up; each query head's output channel through o_proj down
+                w[[(nh + nkv + j) * hs + ch for ch in pairs]] *= scale
+                attn.o_proj.weight[:, queries] /= scale
 
 
 class _FirstToken(ForwardingCache):

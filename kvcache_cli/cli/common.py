@@ -403,14 +403,15 @@ def console(stderr: bool = False):
 
 
 class ProgressLines:
-    """Progress off a terminal (a file, a pipe, CI): one line on stderr when a tenth more
-    is done or a minute has passed, with the count, the time so far and an ETA from the
-    rate so far, so a long run says it is alive and when it will end."""
+    """Progress off a terminal (a file, a pipe, CI): one line on stderr when a tenth more is
+    done (and 10 s have passed since the last line), when a minute has passed, and at the
+    end, with the count, the time so far and an ETA from the rate so far: a long run says
+    it is alive and when it will end, a quick one stays quiet."""
 
-    def __init__(self, what: str, unit: str, every_s: float = 60.0):
+    def __init__(self, what: str, unit: str, every_s: float = 60.0, least_s: float = 10.0):
         import time
 
-        self.what, self.unit, self.every_s = what, unit, every_s
+        self.what, self.unit, self.every_s, self.least_s = what, unit, every_s, least_s
         self.clock = time.monotonic
         self.began = self.clock()
         self.shown_at, self.shown_done = self.began, 0
@@ -419,8 +420,10 @@ class ProgressLines:
         now = self.clock()
         step = max(1, (total or 0) // 10)
         finished = total is not None and done >= total
-        if done == 0 or not (finished or done - self.shown_done >= step
-                             or now - self.shown_at >= self.every_s):
+        since = now - self.shown_at
+        if done == 0 or self.shown_done == done or not (
+                (finished and now - self.began >= self.least_s) or since >= self.every_s
+                or (done - self.shown_done >= step and since >= self.least_s)):
             return
         elapsed = now - self.began
         line = f"{self.what}: {done:,}/{total:,} {self.unit}" if total else f"{self.what}: {done:,}"
