@@ -407,7 +407,7 @@ def test_serve_compares_the_engines_in_json_and_draws_the_plot(checkpoint, tmp_p
 def test_bad_input_is_one_line_and_exit_2_before_any_model_loads(args, message):
     # --weights pretrained for gpt2 would have to load (or fail to find) real weights:
     # refusing first proves the check ran before any loading.
-    out = _cli("--device", "cpu", "--weights", "pretrained", *args)
+    out = _cli("-m", "gpt2", "--device", "cpu", "--weights", "pretrained", *args)
     assert out.exit_code == 2, out.output
     assert message in out.stderr and out.stderr.count("\n") == 1, out.stderr
 
