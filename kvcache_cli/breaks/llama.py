@@ -40,7 +40,7 @@ from kvcache_cli.breaks.base import (
     side_by_side,
 )
 from kvcache_cli.caches import make_cache
-from kvcache_cli.caches.base import KVCache
+from kvcache_cli.caches.base import ForwardingCache, KVCache
 from kvcache_cli.generate import check_request, token_steps
 from kvcache_cli.models.attention import cached_attention
 from kvcache_cli.models.llama import Llama, LlamaAttention, Rotary
@@ -109,7 +109,7 @@ class InterleavedGroups(LlamaAttention):
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, C)
 
 
-class RotatedOnRead(KVCache):
+class RotatedOnRead(ForwardingCache):
     """`rope-twice`: a cache that stores what it is given (keys already rotated to their
     positions) and hands attention every key rotated once more by its position."""
 
@@ -117,27 +117,13 @@ class RotatedOnRead(KVCache):
         if inner.key_positions(0) is not None or inner.whole:
             raise ValueError("rope-twice wraps a cache whose key j is position j: "
                              "expected mode concat or static")
-        self.inner, self.rotary = inner, rotary
+        super().__init__(inner)
+        self.rotary = rotary
 
     def update(self, layer: int, start_pos, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         keys, values = self.inner.update(layer, start_pos, k, v)  # (B, nkv, S, hs)
         pos = torch.arange(keys.size(2), device=keys.device)  # (S,): key j is position j
         return self.rotary(keys, pos), values  # the bug: rotated a second time
-
-    @property
-    def length(self) -> int:
-        return self.inner.length
-
-    @property
-    def bytes_copied(self) -> int:
-        return self.inner.bytes_copied
-
-    @property
-    def bytes_held(self) -> int:
-        return self.inner.bytes_held
-
-    def reset(self) -> None:
-        self.inner.reset()
 
 
 _ATTENTION = {"rope-decode": RopeAtZeroOnDecode, "kv-expand-early": ExpandBeforeCache,
