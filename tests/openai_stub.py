@@ -161,8 +161,8 @@ class StubServer(ThreadingHTTPServer):
     daemon_threads = True
     block_on_close = False  # a slow reply the client gave up on does not hold the close
 
-    def __init__(self):
-        super().__init__(("127.0.0.1", 0), _Handler)
+    def __init__(self, port: int = 0):
+        super().__init__(("127.0.0.1", port), _Handler)
         self.behaviour = Behaviour()
         self.thread = threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.05},
                                        daemon=True)

@@ -377,3 +377,67 @@ def test_vllm_serves_the_chat_workload_and_reports_its_pool(vllm_server):
     # observed pool, which `kvcache size -m smollm2 --engine vllm` predicts.
     assert metrics["num_blocks"] == 1456 and metrics["block_size"] == 16
     assert served["remote"]["prompt_tokens_differ"] == 0
+
+
+FAKE_ENTRY = """
+import argparse, os, signal, sys
+sys.path.insert(0, {tests!r})
+from openai_stub import StubServer
+parser = argparse.ArgumentParser()
+parser.add_argument("--port", type=int)
+parser.add_argument("--model")
+args, _ = parser.parse_known_args()
+print("model", args.model, "space", os.environ.get("VLLM_CPU_KVCACHE_SPACE"), flush=True)
+print("KV cache size: 23,296 tokens, Maximum concurrency for 2,048 tokens per request: 11.38x",
+      flush=True)
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+StubServer(args.port).serve_forever(poll_interval=0.05)
+"""
+
+
+def test_the_vllm_script_starts_waits_for_and_stops_its_server(tmp_path):
+    """scripts/vllm_cpu.sh's start, status and stop, on a venv whose vLLM is the stub."""
+    if shutil.which("bash") is None or shutil.which("setsid") is None:
+        pytest.skip("needs bash and setsid")
+    venv, fake = tmp_path / "venv", tmp_path / "fake"
+    entry = fake / "vllm" / "entrypoints" / "launchers" / "api_server"
+    entry.mkdir(parents=True)
+    for folder in (fake / "vllm", fake / "vllm" / "entrypoints",
+                   fake / "vllm" / "entrypoints" / "launchers", entry):
+        (folder / "__init__.py").write_text("")
+    (entry / "entry.py").write_text(FAKE_ENTRY.format(tests=str(Path(__file__).parent)))
+    (venv / "bin").mkdir(parents=True)
+    python = venv / "bin" / "python"
+    python.write_text(f"#!/bin/sh\nPYTHONPATH={fake} exec {sys.executable} \"$@\"\n")
+    python.chmod(0o755)
+    kvcache_python = tmp_path / "kvcache-python"  # writes no model folder: names one
+    kvcache_python.write_text(
+        "#!/bin/sh\n"
+        f'[ "$2" = kvcache_cli.models.gguf.hf_export ] && echo {tmp_path / "model"} && exit 0\n'
+        f'exec {sys.executable} "$@"\n')
+    kvcache_python.chmod(0o755)
+    env = {**os.environ, "KVCACHE_VLLM_VENV": str(venv), "KVCACHE_VLLM_RUN": str(tmp_path),
+           "KVCACHE_PYTHON": str(kvcache_python), "VLLM_PORT": str(_free_port()),
+           "VLLM_START_TIMEOUT": "30"}
+    script = ["bash", str(ROOT / "scripts" / "vllm_cpu.sh")]
+    try:
+        started = subprocess.run([*script, "start"], env=env, capture_output=True, text=True,
+                                 timeout=60)
+        assert started.returncode == 0, started.stderr
+        assert "serves smollm2 at http://127.0.0.1:" in started.stdout
+        assert "KV cache size: 23,296 tokens" in started.stdout
+        log = (tmp_path / "vllm.log").read_text()
+        assert f"model {tmp_path / 'model'} space 1" in log
+        pid = int((tmp_path / "vllm.pid").read_text())
+        status = subprocess.run([*script, "status"], env=env, capture_output=True, text=True,
+                                timeout=30)
+        assert f"running (PID {pid}), answering" in status.stdout
+        again = subprocess.run([*script, "start"], env=env, capture_output=True, text=True,
+                               timeout=30)
+        assert again.returncode == 1 and f"already running (PID {pid})" in again.stderr
+    finally:
+        stopped = subprocess.run([*script, "stop"], env=env, capture_output=True, text=True,
+                                 timeout=60)
+    assert "stopped vLLM" in stopped.stdout, stopped.stdout + stopped.stderr
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
