@@ -345,7 +345,8 @@ def vllm_server(tmp_path_factory):
     port = _free_port()
     run_dir = tmp_path_factory.mktemp("vllm")
     env = {**os.environ, "KVCACHE_VLLM_VENV": str(venv), "VLLM_PORT": str(port),
-           "KVCACHE_VLLM_RUN": str(run_dir), "VLLM_KV_GIB": "1"}
+           "KVCACHE_VLLM_RUN": str(run_dir), "VLLM_KV_GIB": "1",
+           "KVCACHE_PYTHON": sys.executable}  # this kvcache writes the model's folder
     script = str(ROOT / "scripts" / "vllm_cpu.sh")
     started = subprocess.run(["bash", script, "start"], env=env, capture_output=True,
                              text=True, timeout=900)
