@@ -24,6 +24,8 @@
 #   VLLM_PORT           the port on 127.0.0.1 (default 8000)
 #   VLLM_KV_GIB         VLLM_CPU_KVCACHE_SPACE: GiB for the KV cache (default 1)
 #   VLLM_MAX_MODEL_LEN  the longest request (default 2048)
+#   VLLM_BLOCK_SIZE     tokens a KV block (default 32: vLLM's CPU attention takes only
+#                       multiples of 32 on an AVX2 CPU, "No common block size for 16")
 #   VLLM_START_TIMEOUT  seconds to wait for /v1/models (default 900: the first start compiles)
 set -euo pipefail
 
@@ -35,6 +37,7 @@ VERSION=${VLLM_CPU_VERSION:-0.32.0}
 PORT=${VLLM_PORT:-8000}
 KV_GIB=${VLLM_KV_GIB:-1}
 MAX_LEN=${VLLM_MAX_MODEL_LEN:-2048}
+BLOCK=${VLLM_BLOCK_SIZE:-32}
 TIMEOUT=${VLLM_START_TIMEOUT:-900}
 URL="http://127.0.0.1:$PORT"
 
@@ -93,7 +96,7 @@ start() {
     # its process group, and nothing else.
     VLLM_CPU_KVCACHE_SPACE=$KV_GIB setsid "$VENV/bin/python" -m "$(entry_module)" \
         --model "$model" --served-model-name smollm2 --host 127.0.0.1 --port "$PORT" \
-        --dtype float32 --max-model-len "$MAX_LEN" --block-size 16 \
+        --dtype float32 --max-model-len "$MAX_LEN" --block-size "$BLOCK" \
         >"$RUN/vllm.log" 2>&1 </dev/null &
     echo $! >"$RUN/vllm.pid"
     local pid=$! waited=0
@@ -112,7 +115,7 @@ start() {
     done
     echo "vLLM (PID $pid) serves smollm2 at $URL, ${KV_GIB} GiB of KV cache"
     grep -o "KV cache size: .*" "$RUN/vllm.log" | tail -n 1 || true
-    echo "kvcache predicts it with: kvcache size -m smollm2 --engine vllm --kv-memory ${KV_GIB}GiB --max-model-len $MAX_LEN"
+    echo "kvcache predicts it with: kvcache size -m smollm2 --engine vllm --kv-memory ${KV_GIB}GiB --max-model-len $MAX_LEN --block-size $BLOCK"
 }
 
 stop() {
