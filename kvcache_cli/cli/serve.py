@@ -94,6 +94,20 @@ def serve(
     plot: Annotated[Path | None, typer.Option(
         help="Write KV in use and running sequences over time to this PNG; with several "
         "--rate, the curve: tokens/s against p99 TTFT and TPOT.")] = None,
+    target: Annotated[str | None, typer.Option(
+        help="Also send the workload to a running OpenAI-compatible server (vLLM, SGLang, "
+        "llama.cpp) at this URL, e.g. http://127.0.0.1:8000, timed as 'vllm bench serve' "
+        "times it; its row sits beside the engines.")] = None,
+    target_model: Annotated[str | None, typer.Option(
+        help="The served model's name the requests give (default: the one the server "
+        "serves).")] = None,
+    timeout: Annotated[float, typer.Option(
+        help="--target: seconds one request may take, first byte to the end of its "
+        "stream.")] = 300.0,
+    target_prompt: Annotated[str, typer.Option(
+        help="--target: send each prompt as its token ids (ids: the very tokens the engines "
+        "get) or as text the server tokenizes again (text: for a server that takes only "
+        "text, such as llama-cpp-python's).")] = "ids",
     as_json: Annotated[bool, typer.Option("--json", help="Print the raw result as JSON.")] = False,
 ) -> None:
     """Serve a seeded workload through several engines: paged + continuous batching
@@ -116,6 +130,7 @@ def serve(
     # Everything a user can get wrong is refused before a model loads.
     layout = layout.strip().lower()  # names in any case, as every option reads them
     try:
+        where = _target(ctx, target, target_model, timeout, batch, target_prompt)
         engines = _with_kv_dtypes(engines, kv_dtype, batch)
         chat = _chat_workload(ctx, workload, model, requests, output_len, seed, batch)
         dev, what = _check(device, model, requests, prompt_len, output_len, shared_prefix, rate,
@@ -126,12 +141,14 @@ def serve(
         fail(defaults_in(ctx, str(err)))
     check_plot(plot)
     check_weights_dtype(weights_dtype, model, dev)
+    status = console(stderr=True)
+    remote = () if where is None else _run_target(where, target_model, timeout, model, what,
+                                                   chat, status, target_prompt)
     loaded = load_model(model, weights, dev)
     if weights_dtype is not None:
         from kvcache_cli.models import set_weights_dtype
 
         set_weights_dtype(loaded.model, weights_dtype)
-    status = console(stderr=True)
     try:
         if batch is not None:
             with status.status("decode steps at each batch size"):
@@ -151,7 +168,85 @@ def serve(
         fail(str(err))
     except RuntimeError as err:
         fail(str(err), code=1)
+    if remote:
+        from kvcache_cli.serving.target import beside
+
+        result = beside(result, remote)
     show_then_plot(result, render, as_json, save_plot, plot, "plot")
+
+
+# A request slower than a day is a typing slip, not a run anyone waits for.
+MAX_TIMEOUT_S = 86_400
+
+
+def _target(ctx, url, model, timeout, batch, prompt_form):
+    """The --target URL parsed (None without one); ValueError for what cannot be meant."""
+    from kvcache_cli.serving.target import PROMPT_FORMS, parse_target
+
+    if url is None:
+        def typed(name: str) -> bool:
+            return getattr(ctx.get_parameter_source(name), "name", "") == "COMMANDLINE"
+
+        for flag, given in (("--target-model", model is not None),
+                            ("--timeout", typed("timeout")),
+                            ("--target-prompt", typed("target_prompt"))):
+            if given:
+                raise ValueError(f"{flag} is for a --target server: expected --target URL "
+                                 "with it")
+        return None
+    if batch is not None:
+        raise ValueError("--target serves the workload: not with --batch (decode steps only)")
+    if not 0 < timeout <= MAX_TIMEOUT_S:
+        raise ValueError(f"--timeout {timeout:g}: expected seconds more than 0 and at most "
+                         f"{MAX_TIMEOUT_S:,}")
+    if prompt_form not in PROMPT_FORMS:
+        raise ValueError(f"--target-prompt {prompt_form!r}: expected one of "
+                         f"{', '.join(PROMPT_FORMS)}")
+    return parse_target(url)
+
+
+def _prompt_texts(model, requests) -> dict[int, str]:
+    """Each prompt decoded by the model's own tokenizer (--target-prompt text)."""
+    from kvcache_cli.models import model_config
+    from kvcache_cli.models.tokenizer import encoding_for
+
+    encoding, why = encoding_for(model_config(model).tokenizer)
+    if encoding is None:
+        raise ValueError(f"--target-prompt text: model {model!r}'s tokenizer: {why}")
+    return {r.id: encoding.decode(list(r.prompt)) for r in requests}
+
+
+def _run_target(where, target_model, timeout, model, what, chat, err_console, prompt_form):
+    """The workload against the server at every rate, before any weights load: a server
+    that is down or refuses the model fails the command in seconds, not after the engines."""
+    import dataclasses
+
+    from kvcache_cli.models import model_config
+    from kvcache_cli.serving import target
+    from kvcache_cli.serving.chat import requests as chat_requests
+    from kvcache_cli.serving.workload import make_requests
+
+    spec, _, _, rates, goals = what
+    prompts = None if chat is None else chat_requests(chat, spec.output_len[1])
+    vocab = model_config(model).vocab_size
+    rows = []
+    try:
+        server = target.probe(where, target_model)
+        for rate in rates:
+            requests = make_requests(dataclasses.replace(spec, rate=rate), vocab, prompts)
+            texts = _prompt_texts(model, requests) if prompt_form == "text" else None
+            with _progress(err_console, len(requests), len(rates) > 1) as (on_step, on_done):
+                def step(name, done, total, running, waiting, _step=on_step):
+                    _step(name, done, total, running, waiting, 0, 0)
+
+                rows.append(target.run(server, requests, spec, rate, timeout, goals, step,
+                                       texts))
+                on_done(rows[-1])
+    except ValueError as err:
+        fail(str(err))
+    except target.TargetError as err:
+        fail(str(err), code=1)
+    return tuple(rows)
 
 
 DEFAULT_REQUESTS = {"random": 24, "chat": 16}

@@ -63,6 +63,24 @@ def size(
     verify: Annotated[bool, typer.Option(
         "--verify", help="Build the model small in transformers and measure its real cache.")
     ] = False,
+    engine: Annotated[str | None, typer.Option(
+        help="vllm, sglang or llama.cpp: the cache that engine allocates in --kv-memory (or "
+        "--gpu-mem × --gpu-memory-utilization less the weights), in tokens and blocks, and "
+        "the command that starts it so, each flag's reason in a line.")] = None,
+    kv_memory: Annotated[str | None, typer.Option(
+        help="--engine: the memory for the KV cache alone, e.g. 1GiB (vLLM's "
+        "--kv-cache-memory-bytes; VLLM_CPU_KVCACHE_SPACE on its CPU build).")] = None,
+    gpu_memory_utilization: Annotated[float, typer.Option(
+        help="--engine with --gpu-mem: the share of the GPU the engine may take (vLLM "
+        "0.32's default).")] = 0.92,
+    kv_cache_dtype: Annotated[str, typer.Option(
+        help="--engine: auto (the model's --dtype) or fp8.")] = "auto",
+    max_model_len: Annotated[str | None, typer.Option(
+        help="--engine: the longest request, e.g. 2048 or 32k (default: --seq, else the "
+        "model's context window).")] = None,
+    max_num_batched_tokens: Annotated[int, typer.Option(
+        help="--engine vllm: tokens scheduled a step; a sliding window reserves blocks for "
+        "them.")] = 2048,
     as_json: Annotated[bool, typer.Option("--json", help="Print the raw result as JSON.")] = False,
 ) -> None:
     """How big the KV cache is for a model, a sequence length and a batch, and what fits.
@@ -81,7 +99,12 @@ def size(
         count = None if params is None else sizing.parse_count(params)
         memory = None if gpu_mem is None else sizing.parse_bytes(gpu_mem)
         live = model is not None and is_live(model)
+        dtype_given = dtype is not None or live
         dtype = dtype or ("fp32" if live else "fp16")
+        _check_engine_options(engine, kv_memory, gpu_memory_utilization, kv_cache_dtype,
+                              max_model_len, max_num_batched_tokens, cache, window, verify)
+        if engine is not None and tokens is None and max_model_len is not None:
+            tokens = sizing.parse_tokens(max_model_len)
         if live:  # a model kvcache runs: its shape from the converted GGUF, no torch
             shape, hf_config = _live_shape(model, config, layers, kv_heads, head_dim, heads)
             model = None
@@ -123,9 +146,16 @@ def size(
                                  "expected --seq N")
             result = size_spec(shape, spec, tokens, batch, full, memory, weight_dtype)
         else:
+            paged = None if engine is not None and memory is None else block_size
             result = sizing.size_cache(shape, tokens, batch, dtype, tp, memory, weight_dtype,
-                                       block_size, window, sinks)
-            if live and window is None:
+                                       paged, window, sinks)
+            if engine is not None:
+                result = dataclasses.replace(result, engine=_engine_fit(
+                    shape, engine, dtype, dtype_given, kv_cache_dtype, result.seq, kv_memory,
+                    memory, gpu_memory_utilization, weight_dtype, block_size, tp,
+                    _model_ref(engine, live, shape, hub_config, config),
+                    max_num_batched_tokens))
+            if live and window is None and engine is None:
                 # The caches keep numbers at the model's precision: fp32 unless a float
                 # --dtype says otherwise (fp8 and the int kinds are among the kinds).
                 full = dtype if sizing.dtype_bits(dtype) >= 16 else "fp32"
@@ -148,6 +178,58 @@ def size(
     from kvcache_cli.views.sizing import size_view, spec_size_view
 
     print_view(size_view(result) if spec is None else spec_size_view(result))
+
+
+ENGINE_OPTIONS = ("--kv-memory", "--gpu-memory-utilization", "--kv-cache-dtype",
+                  "--max-model-len", "--max-num-batched-tokens")
+
+
+def _check_engine_options(engine, kv_memory, util, kv_cache_dtype, max_model_len,
+                          batched, cache, window, verify) -> None:
+    """The engine's options only with --engine, and --engine only with the exact cache."""
+    given = [flag for flag, value in zip(ENGINE_OPTIONS, (
+        kv_memory is not None, util != 0.92, kv_cache_dtype != "auto",
+        max_model_len is not None, batched != 2048), strict=True) if value]
+    if engine is None:
+        if given:
+            raise ValueError(f"{given[0]} is for an engine's cache: expected --engine vllm, "
+                             "sglang or llama.cpp with it")
+        return
+    for flag, value in (("--cache", cache), ("--window", window), ("--verify", verify or None)):
+        if value is not None:
+            raise ValueError(f"--engine sizes the engine's own cache: expected no {flag} "
+                             "with it")
+
+
+def _engine_fit(shape, engine, dtype, dtype_given, kv_cache_dtype, max_model_len, kv_memory,
+                gpu_mem, util, weight_dtype, block_size, tp, model, batched):
+    from kvcache_cli import sizing
+    from kvcache_cli.sizing.engines import BLOCK_SIZE, fit_engine
+
+    kv_bytes = None if kv_memory is None else sizing.parse_bytes(kv_memory, "--kv-memory")
+    if kv_bytes is not None and gpu_mem is not None:
+        raise ValueError("--kv-memory and --gpu-mem both give the cache's memory: expected "
+                         "one of them")
+    sizing.check_range("--max-num-batched-tokens", batched)
+    return fit_engine(shape, engine, dtype, kv_cache_dtype, max_model_len, kv_bytes, gpu_mem,
+                      util, weight_dtype, block_size or BLOCK_SIZE, tp, model, batched,
+                      dtype_given)
+
+
+def _model_ref(engine, live, shape, hub_config, config) -> str:
+    """What the printed command names: a Hub id, a folder, SmolLM2's GGUF for llama.cpp."""
+    from kvcache_cli.models.smollm2 import SMOLLM2_HUB, smollm2_gguf
+
+    if live:
+        gguf = smollm2_gguf()
+        return str(gguf) if engine == "llama.cpp" and gguf else SMOLLM2_HUB
+    if engine == "llama.cpp":
+        return "MODEL.gguf"  # llama.cpp reads a GGUF, which a config.json does not name
+    if hub_config is not None:
+        return hub_config.repo_id
+    if config is not None:
+        return str(config)
+    return shape.source if "/" in shape.source else "MODEL"
 
 
 def _live_shape(model: str, config, *shape_flags):

@@ -8,6 +8,9 @@ the moment a slot freed if later) and the time each output token appeared:
   more than one output token only;
 - ITL, inter-token latency: every gap between consecutive tokens; the gaps of all
   requests are pooled before the statistics (one long request weighs more).
+A server's stream (`serving.target`) is timed per chunk, as vLLM's client times it: a
+chunk may carry several tokens, so its ITL gaps are between chunks and its output
+tokens (for TPOT and the throughputs) are the count the server reports.
 Over the run (duration: first arrival to last token): request throughput
 (requests / s), output throughput (output tokens / s), total token throughput
 (prompt + output tokens / s), and goodput: requests / s meeting every given
@@ -56,8 +59,15 @@ class RequestTimes:
     """One request's timeline, seconds on the run's clock."""
 
     sent: float
-    tokens: tuple[float, ...]  # when each output token appeared
+    tokens: tuple[float, ...]  # when each output token (a server's: each chunk) appeared
     prompt_tokens: int
+    # A server's count of the tokens it streamed (its usage), when chunks are not tokens;
+    # None: one token a timestamp.
+    output_tokens: int | None = None
+
+    @property
+    def n_out(self) -> int:
+        return len(self.tokens) if self.output_tokens is None else self.output_tokens
 
     @property
     def ttft_ms(self) -> float:
@@ -69,7 +79,7 @@ class RequestTimes:
 
     @property
     def tpot_ms(self) -> float | None:
-        n = len(self.tokens)
+        n = self.n_out
         return (self.e2e_ms - self.ttft_ms) / (n - 1) if n > 1 else None
 
     @property
@@ -105,7 +115,7 @@ class Latency:
 def summarise(times: Sequence[RequestTimes], duration_s: float,
               targets: Mapping[str, float] | None = None) -> Latency:
     tpot = [t.tpot_ms for t in times if t.tpot_ms is not None]
-    output = sum(len(t.tokens) for t in times)
+    output = sum(t.n_out for t in times)
     prompt = sum(t.prompt_tokens for t in times)
     good = sum(t.meets(targets) for t in times) if targets else None
     return Latency(

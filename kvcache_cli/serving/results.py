@@ -61,6 +61,48 @@ class StepStats:
 
 
 @dataclass(frozen=True)
+class ServerMetrics:
+    """What a server's Prometheus /metrics said about the run (vLLM's names), each None
+    where the server does not export it. Counters are the run's difference (after - before);
+    gauges were read before, sampled during and read after the run."""
+
+    kv_usage_before: float | None  # vllm:kv_cache_usage_perc, 0..1 of its KV blocks
+    kv_usage_peak: float | None  # the largest of the samples taken during the run
+    kv_usage_after: float | None
+    running_peak: int | None  # vllm:num_requests_running, the largest sampled
+    preemptions: int | None  # vllm:num_preemptions_total
+    prefix_queries: int | None  # vllm:prefix_cache_queries_total: prompt tokens looked up
+    prefix_hits: int | None  # vllm:prefix_cache_hits_total: of them, found cached
+    num_blocks: int | None  # vllm:cache_config_info: the KV blocks the server allocated
+    block_size: int | None
+    kv_cache_tokens: int | None  # ... and the tokens it says they hold
+    samples: int  # /metrics reads during the run
+
+    @property
+    def prefix_hit_rate(self) -> float | None:
+        if not self.prefix_queries or self.prefix_hits is None:
+            return None
+        return self.prefix_hits / self.prefix_queries
+
+
+@dataclass(frozen=True)
+class Remote:
+    """What a run against a server (`serve --target`) has beside the figures every engine
+    has: which server, what it streamed, and its own metrics."""
+
+    url: str
+    model: str  # the served model's name
+    server: str | None  # e.g. "vLLM 0.32.0" from its /version; None where it does not say
+    endpoint: str  # the path the requests went to: /v1/completions
+    stopped: int  # replies the server ended itself (finish_reason "stop")
+    capped: int  # replies cut at max_tokens (finish_reason "length")
+    prompt_tokens_differ: int  # requests whose prompt the server counted otherwise
+    chunked: bool  # some chunk carried more than one token: ITL is between chunks
+    metrics: ServerMetrics | None  # None: the server has no /metrics
+    prompt_form: str = "ids"  # the prompts went as token ids, or as text it tokenized
+
+
+@dataclass(frozen=True)
 class EngineResult:
     engine: str  # the variant's name: "paged df 256" (`Variant.name`)
     setup_s: float  # one-time: pools, transformers' manager, a warm-up request
@@ -74,7 +116,9 @@ class EngineResult:
     peak_running: int | None
     prefix_blocks_hit: int | None
     preemptions: int | None
-    requests_exact: int  # requests whose tokens equal their solo generation's
+    # requests whose tokens equal their solo generation's; None for a server (--target):
+    # its replies come as text, and are not checked
+    requests_exact: int | None
     mismatches: tuple[Mismatch, ...]
     timeline: tuple[Sample, ...]
     pool_tokens: int | None = None  # tokens the paged pool holds at once (its blocks x size)
@@ -88,6 +132,7 @@ class EngineResult:
     # paged: the share of the shared prefix's full blocks served from the prefix cache to
     # every request after the first (the system prompt's, in a chat workload)
     shared_hit_rate: float | None = None
+    remote: Remote | None = None  # a server's run (serve --target); None: kvcache's engine
 
 
 @dataclass(frozen=True)

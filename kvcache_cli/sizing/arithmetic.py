@@ -19,6 +19,7 @@ from kvcache_cli.sizing.units import (
 )
 
 if TYPE_CHECKING:
+    from kvcache_cli.sizing.engines import EngineFit
     from kvcache_cli.sizing.reports import LiveKinds, Verification
 
 
@@ -173,6 +174,8 @@ class SizeResult:
     sinks: int = 0  # ... and the first positions it keeps for good (--sinks)
     # A model kvcache runs (-m smollm2): what every cache kind holds for it (sizing.live).
     live: LiveKinds | None = None
+    # --engine: what vLLM, SGLang or llama.cpp allocates, and the command (sizing.engines).
+    engine: EngineFit | None = None
 
 
 def _kind_formula(shape: ModelShape, kind: str, n: int, seq: int, bits: int,

