@@ -19,8 +19,7 @@ from kvcache_cli.sizing.units import (
 )
 
 if TYPE_CHECKING:
-    from kvcache_cli.sizing.engines import EngineFit
-    from kvcache_cli.sizing.reports import LiveKinds, Verification
+    from kvcache_cli.sizing.reports import EngineFit, LiveKinds, Verification
 
 
 

@@ -34,9 +34,9 @@ Torch-free, exact integers, frozen dataclasses; `views.sizing` renders them.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 from kvcache_cli.sizing.arithmetic import _per_gpu_bytes_per_token
+from kvcache_cli.sizing.reports import EngineFit, Flag, SpecGroup
 from kvcache_cli.sizing.shape import ModelShape
 from kvcache_cli.sizing.units import (
     DTYPE_BITS,
@@ -61,46 +61,6 @@ VLLM_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 # 32 int8 and one fp16 scale).
 LLAMA_CPP_TYPES = {"fp32": ("f32", 128), "fp16": ("f16", 64), "bf16": ("bf16", 64),
                    "fp8": ("q8_0", 34), "int8": ("q8_0", 34), "int4": ("q4_0", 18)}
-
-
-@dataclass(frozen=True)
-class Flag:
-    flag: str  # as typed: "--block-size 16", "VLLM_CPU_KVCACHE_SPACE=1"
-    reason: str  # one line: why the fit asks for it
-
-
-@dataclass(frozen=True)
-class SpecGroup:
-    """One of vLLM's KV cache groups: layers sharing a block table."""
-
-    kind: str  # full, sliding, chunked, mla
-    layers: int
-    page_bytes: int  # one block of one layer
-    blocks_per_request: int  # a request at max_model_len, from this group
-
-
-@dataclass(frozen=True)
-class EngineFit:
-    """What ENGINE makes of the memory for the KV cache, and how to start it so."""
-
-    engine: str
-    model: str  # what the command names
-    kv_bytes: int  # memory the KV cache gets
-    memory: str  # where kv_bytes came from, in words
-    cache_dtype: str  # kvcache's name of what a value is stored as: fp32, fp16, fp8, ...
-    bytes_per_token: int  # every layer, one token, one GPU
-    max_model_len: int
-    block_size: int | None  # vLLM's (and the block each llama.cpp slot rounds to: None)
-    groups: tuple[SpecGroup, ...]  # vLLM's; () for the others
-    bytes_per_block: int | None  # one block of the pool, every group's pages
-    num_blocks: int | None
-    tokens: int  # vLLM: "KV cache size"; SGLang: its token pool; llama.cpp: -c
-    max_concurrency: float  # requests of max_model_len tokens at once
-    fits: bool  # one request of max_model_len fits (else the engine refuses to start)
-    log_line: str  # what the engine says at start-up, as it says it (vLLM's)
-    command: str
-    flags: tuple[Flag, ...]
-    notes: tuple[str, ...]
 
 
 def vllm_groups(shape: ModelShape, per_layer: dict[str, int], block_size: int

@@ -55,3 +55,43 @@ class Verification:
     window_convention_only: bool  # every difference is transformers' window − 1 (see _explain)
     changes: tuple[str, ...]  # what was shrunk to build it fast; none of it changes the cache
     explanation: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Flag:
+    flag: str  # as typed: "--block-size 16", "VLLM_CPU_KVCACHE_SPACE=1"
+    reason: str  # one line: why the fit asks for it
+
+
+@dataclass(frozen=True)
+class SpecGroup:
+    """One of vLLM's KV cache groups: layers sharing a block table."""
+
+    kind: str  # full, sliding, chunked, mla
+    layers: int
+    page_bytes: int  # one block of one layer
+    blocks_per_request: int  # a request at max_model_len, from this group
+
+
+@dataclass(frozen=True)
+class EngineFit:
+    """What ENGINE makes of the memory for the KV cache, and how to start it so."""
+
+    engine: str
+    model: str  # what the command names
+    kv_bytes: int  # memory the KV cache gets
+    memory: str  # where kv_bytes came from, in words
+    cache_dtype: str  # kvcache's name of what a value is stored as: fp32, fp16, fp8, ...
+    bytes_per_token: int  # every layer, one token, one GPU
+    max_model_len: int
+    block_size: int | None  # vLLM's (and the block each llama.cpp slot rounds to: None)
+    groups: tuple[SpecGroup, ...]  # vLLM's; () for the others
+    bytes_per_block: int | None  # one block of the pool, every group's pages
+    num_blocks: int | None
+    tokens: int  # vLLM: "KV cache size"; SGLang: its token pool; llama.cpp: -c
+    max_concurrency: float  # requests of max_model_len tokens at once
+    fits: bool  # one request of max_model_len fits (else the engine refuses to start)
+    log_line: str  # what the engine says at start-up, as it says it (vLLM's)
+    command: str
+    flags: tuple[Flag, ...]
+    notes: tuple[str, ...]

@@ -23,8 +23,7 @@ from kvcache_cli.views.layout import Formula
 
 if TYPE_CHECKING:
     from kvcache_cli.sizing.cache_spec import SpecSize
-    from kvcache_cli.sizing.engines import EngineFit
-    from kvcache_cli.sizing.reports import LiveKinds, Verification
+    from kvcache_cli.sizing.reports import EngineFit, LiveKinds, Verification
 
 _KIND_LABEL = {
     "full": "full attention",
