@@ -1,6 +1,7 @@
 """What sizing reports beyond the arithmetic: every cache kind's bytes held by a model
 kvcache runs (`size -m smollm2`), and the bytes transformers' own cache holds, layer by
-layer, against the prediction (`size --verify`). Data only."""
+layer, against the prediction (`size --verify`); what a serving engine allocates and the
+command that starts it so (`size --engine`, computed in `sizing.engines`). Data only."""
 
 from __future__ import annotations
 
