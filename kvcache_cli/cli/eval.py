@@ -75,9 +75,8 @@ def eval_(
     cache: Annotated[Any, typer.Option(
         "--cache", parser=parse_eval_caches, metavar="SPECS",
         autocompletion=complete_cache_list,
-        help="Comma-separated cache specs, e.g. static,paged:b16 or "
-        "full,window:256,sink:4+252,h2o:128+128,snapkv:0.25,knorm:0.25 (every kind: "
-        "'kvcache caches'); the exact "
+        help="Comma-separated cache specs, e.g. int8,int4:rot or full,window:256,"
+        "sink:4+252, h2o:128+128,snapkv:0.25 (every kind: 'kvcache caches'); the exact "
         "'static' (alias full) is always run as the reference. Default: "
         "static,int8,int4,int2,fp8-e4m3, each format at its default layout. "
         "llama.cpp's own cache types run the model's GGUF in llama.cpp on the same ids: "
