@@ -178,7 +178,7 @@ def _chat_prompt(model: str, question: str) -> tuple[str, tuple[int, ...]]:
     """(the prompt the model's chat template makes of one user turn, its end-of-turn ids),
     before the weights load; a model without a template is refused in one line."""
     from kvcache_cli.models import model_config
-    from kvcache_cli.models.tokenizer import render_chat
+    from kvcache_cli.models.chat_template import render_chat
 
     try:
         config = model_config(model)

@@ -118,23 +118,6 @@ def bpe_encoding(path: str) -> BPEEncoding:
     return BPEEncoding(path)
 
 
-def render_chat(template: str, messages: list[dict], bos: str = "", eos: str = "") -> str:
-    """The prompt a chat template makes of `messages`, ready for the assistant's reply.
-
-    Jinja in a sandbox, as transformers renders it: a template is the file's text, and
-    a file is not trusted to run code.
-    """
-    from jinja2 import TemplateError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    try:
-        return env.from_string(template).render(messages=messages, add_generation_prompt=True,
-                                                bos_token=bos, eos_token=eos)
-    except TemplateError as error:
-        raise ValueError(f"the model's chat template does not render: {error}") from None
-
-
 class ByteEncoding:
     """UTF-8 bytes as token ids 0..255, with the part of tiktoken's Encoding we use.
 
