@@ -79,11 +79,13 @@ def _convert(gguf: Path) -> tuple[Path, dict]:
         save_file(state, str(staging / "model.safetensors"))
         (staging / "config.json").write_text(json.dumps(fields, indent=1))
         write_stamp(staging, gguf)  # last: a folder without it was never finished
-        _discard(folder)  # a stale or corrupt one: never read, now gone
-        try:
-            staging.rename(folder)
-        except OSError:  # another process converted it first: theirs is checked below
-            shutil.rmtree(staging, ignore_errors=True)
+        if converted_config(gguf) is None:  # else another process's, finished meanwhile
+            _discard(folder)  # a stale or corrupt one: never read, now gone
+            try:
+                staging.rename(folder)
+            except OSError:  # another process renamed its own first: checked below
+                pass
+        shutil.rmtree(staging, ignore_errors=True)  # unless renamed
     except OSError as err:
         if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)
