@@ -3,6 +3,17 @@
 import pytest
 
 
+@pytest.fixture(scope="session", autouse=True)
+def temporary_conversion_cache(tmp_path_factory):
+    """Every test, and every command a test runs in a subprocess, converts GGUF files into a
+    temporary cache ($KVCACHE_CACHE), never the user's own: the suite once left its tiny-*
+    folders in ~/.cache/kvcache/converted. One for the session, so SmolLM2 is converted once."""
+    root = tmp_path_factory.mktemp("kvcache-cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("KVCACHE_CACHE", str(root))
+        yield root
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """Run a module's torch code on one thread, and restore the count afterwards.

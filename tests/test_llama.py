@@ -135,7 +135,8 @@ def test_smollm2_is_exact_against_transformers_on_its_own_gguf(smollm2):
 
 def test_smollm2_has_its_published_shape_and_answers_through_its_chat_template(smollm2):
     from kvcache_cli.generate import generate
-    from kvcache_cli.models.tokenizer import encoding_for, render_chat
+    from kvcache_cli.models.chat_template import render_chat
+    from kvcache_cli.models.tokenizer import encoding_for
 
     _, model = smollm2
     c = model.config

@@ -20,7 +20,11 @@ def fail(message: str, code: int = 2) -> NoReturn:
     Code 2 is bad input (the user can fix the command line); 1 is a failure at
     run time.
     """
-    typer.echo(f"error: {message}", err=True)
+    # One line, whatever it quotes: a file's name or a model's text may hold a newline or
+    # a terminal's escape codes, shown escaped.
+    line = "".join(repr(c)[1:-1] if ord(c) < 32 or 127 <= ord(c) < 160 or c in "\u2028\u2029"
+                   else c for c in message)
+    typer.echo(f"error: {line}", err=True)
     raise typer.Exit(code)
 
 

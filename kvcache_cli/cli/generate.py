@@ -200,7 +200,7 @@ def _chat_prompt(model: str, question: str) -> str:
     """The prompt the model's chat template makes of one user turn, before the weights
     load; a model without a template is refused in one line."""
     from kvcache_cli.models import model_config
-    from kvcache_cli.models.tokenizer import render_chat
+    from kvcache_cli.models.chat_template import render_chat
 
     try:
         config = model_config(model)

@@ -181,7 +181,7 @@ def prompter_for(config) -> Prompter:
             raise RuntimeError(why)
     template = getattr(config, "chat_template", None)
     if template:
-        from kvcache_cli.models.tokenizer import render_chat
+        from kvcache_cli.models.chat_template import render_chat
 
         def chat(text: str) -> str:
             return render_chat(template, [{"role": "user", "content": text}])

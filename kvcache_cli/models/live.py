@@ -14,7 +14,6 @@ saving on a real model (the toy's `kvcache demo gqa`).
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -42,18 +41,21 @@ def is_live(model: str) -> bool:
 def live_config(model: str) -> dict:
     """A transformers-style Llama config of `model` (smollm2, a .gguf): read from its
     converted folder without torch, or converted now (with torch) the first time."""
-    from kvcache_cli.models.gguf.converted import converted_dir
+    from kvcache_cli.models.gguf.converted import converted_config
     from kvcache_cli.models.smollm2 import resolve_llama
 
     path = Path(resolve_llama(model)).expanduser()  # ValueError: how to install SmolLM2
-    if not path.is_file():
+    if not (path.exists() or path.is_symlink()):
         raise SizingError(f"model {model!r}: no such file; expected smollm2 or a .gguf file")
-    config_file = converted_dir(path) / "config.json"
-    if not config_file.is_file():
+    raw = converted_config(path)  # checked against the file; a ValueError for no GGUF
+    if raw is None:
         from kvcache_cli.models import model_config
 
         model_config(model)  # the one conversion: torch, once per file
-    raw = json.loads(config_file.read_text())
+        raw = converted_config(path)
+        if raw is None:
+            raise SizingError(f"model {model!r}: its converted folder does not read back "
+                              "(changed by another process?)")
     hf = {
         "model_type": "llama", "num_hidden_layers": raw["n_layer"],
         "num_attention_heads": raw["n_head"], "num_key_value_heads": raw["n_kv_head"],

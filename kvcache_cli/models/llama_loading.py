@@ -1,27 +1,36 @@
 """Loading a Llama-family model: a GGUF file, a safetensors folder, or the Hub.
 
-A GGUF is read once (`gguf.reader`: about 5 s for SmolLM2 on 2 cores, most of it parsing
-49,152 vocabulary strings and dequantising 135M weights) and converted into a folder of
-the cache directory: config.json, tokenizer.json, model.safetensors in float32. Every
-later load reads that folder (memory-mapped safetensors), keyed by the file's path, size
-and modification time so an edited file is converted again. The folder is written under a
-temporary name and renamed when complete: an interrupted conversion leaves nothing that
-a later load would trust.
+A GGUF is read once (`gguf.reader`: about 3 s for SmolLM2 on 2 cores, most of it
+dequantising 135M weights) and converted into a folder of the cache directory:
+config.json, tokenizer.json, model.safetensors in float32, and last a stamp of what it was
+made from. Every later load reads that folder (memory-mapped safetensors), keyed by the
+file's path, size and modification time so an edited file is converted again, and only
+once the stamp matches the file and the folder's files (`gguf.converted`): a folder
+half-written, corrupt or stale is converted again, never trusted. The folder is written
+under a temporary name and renamed when complete.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from kvcache_cli.models import bounds
 from kvcache_cli.models.base import LoadedModel
-from kvcache_cli.models.gguf.converted import converted_dir
+from kvcache_cli.models.gguf.converted import (
+    check_config,
+    converted_config,
+    converted_dir,
+    write_stamp,
+)
 from kvcache_cli.models.linear import arrange_weights
 from kvcache_cli.models.llama import Llama, LlamaConfig, init_random
 from kvcache_cli.models.smollm2 import SMOLLM2, SMOLLM2_HUB, resolve_llama
@@ -32,51 +41,82 @@ RANDOM_INIT_STD = 0.02
 
 
 def _config_from(folder: Path, raw: dict) -> LlamaConfig:
+    """A converted folder's config.json as a LlamaConfig, its fields checked first."""
+    check_config(raw, folder / "config.json")
     fields = {k: v for k, v in raw.items() if k in _CONFIG_FIELDS}
     fields["eos_ids"] = tuple(fields.get("eos_ids", ()))
     fields["tokenizer"] = f"file:{folder / 'tokenizer.json'}"
     return LlamaConfig(**fields)
 
 
-def _convert(gguf: Path) -> Path:
-    """The converted folder for a GGUF file, made now if it is not there yet."""
+def _convert(gguf: Path) -> tuple[Path, dict]:
+    """(the converted folder for a GGUF file, its checked config), converted now unless a
+    sound folder from this very file is there."""
     from safetensors.torch import save_file
 
     from kvcache_cli.models.gguf.reader import read_gguf
     from kvcache_cli.models.tokenizer import from_gguf
 
+    raw = converted_config(gguf)
     folder = converted_dir(gguf)
-    if (folder / "model.safetensors").is_file():
-        return folder
+    if raw is not None:
+        return folder, raw
     model = read_gguf(gguf)
     fields = dict(model.fields)
     eos = fields.pop("eos_id", None)
     fields["eos_ids"] = [] if eos is None else [eos]
     fields["gguf"] = str(gguf.resolve())
+    fields["source_types"] = model.types
     tokenizer = from_gguf(model.tokens, model.token_types, model.merges, model.pre)
-    _config_from(folder, fields)  # refuses a shape the model cannot take, before writing
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
+    _config_from(folder, dict(fields))  # refuses a shape the model cannot take, before writing
+    staging = None
     try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
         tokenizer.save(str(staging / "tokenizer.json"))
         state = {name: torch.from_numpy(np.require(w, requirements=["W", "C"]))
                  for name, w in model.tensors.items()}  # memory-mapped F32 ones are read-only
         save_file(state, str(staging / "model.safetensors"))
-        fields["source_types"] = model.types
         (staging / "config.json").write_text(json.dumps(fields, indent=1))
-        try:
-            staging.rename(folder)
-        except OSError:  # another process converted it first: theirs is as good
+        write_stamp(staging, gguf)  # last: a folder without it was never finished
+        if converted_config(gguf) is None:  # else another process's, finished meanwhile
+            _discard(folder)  # a stale or corrupt one: never read, now gone
+            try:
+                staging.rename(folder)
+            except OSError:  # another process renamed its own first: checked below
+                pass
+        shutil.rmtree(staging, ignore_errors=True)  # unless renamed
+    except OSError as err:
+        if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)
+        raise ValueError(f"cannot write the converted model into {folder.parent}: "
+                         f"{err.strerror or err}") from None
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
         raise
-    return folder
+    raw = converted_config(gguf)
+    if raw is None:
+        raise ValueError(f"{folder}: the folder just converted does not read back as written "
+                         "(changed by another process?)")
+    return folder, raw
 
 
-def _gguf_folder(name_or_path: str) -> Path:
+def _discard(folder: Path) -> None:
+    """Whatever is at `folder` (a folder, a file, a link), removed."""
+    try:
+        info = os.lstat(folder)
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(info.st_mode):
+        shutil.rmtree(folder)
+    else:
+        folder.unlink()
+
+
+def _gguf_folder(name_or_path: str) -> tuple[Path, dict]:
     path = Path(resolve_llama(name_or_path))
-    if not path.exists():
+    if not (path.exists() or path.is_symlink()):
         raise ValueError(f"model {name_or_path!r}: no such file; expected {SMOLLM2}, a .gguf "
                          "file, a llama safetensors folder or a Hub id")
     return _convert(path)
@@ -101,32 +141,42 @@ def _hf_config(folder: Path) -> LlamaConfig:
     if scaling:
         raise ValueError(f"{where}: rope scaling {scaling!r} is not supported; expected none")
 
-    def number(key: str, high: int, default=None) -> int:
-        value = raw.get(key, default)
-        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= high:
-            raise ValueError(f"{where}: {key} is {value!r}; expected a whole number from 1 to "
-                             f"{high:,}")
-        return value
-
-    n_head = number("num_attention_heads", 1024)
-    eos = raw.get("eos_token_id")
-    eos_ids = tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    # transformers' names for the fields, and where in config.json each is read.
+    names = {"n_layer": "num_hidden_layers", "n_head": "num_attention_heads",
+             "n_kv_head": "num_key_value_heads", "n_embd": "hidden_size",
+             "intermediate": "intermediate_size", "vocab_size": "vocab_size",
+             "context": "max_position_embeddings", "head_dim": "head_dim",
+             "rope_theta": "rope_theta", "rms_eps": "rms_norm_eps"}
+    values = {**raw, "rope_theta": rope.get("rope_theta", raw.get("rope_theta", 10000.0)),
+              "rms_norm_eps": raw.get("rms_norm_eps", 1e-5)}
+    values.setdefault("num_key_value_heads", raw.get("num_attention_heads"))
+    f = {}
+    try:
+        for field, key in names.items():
+            if key in values and not (field == "head_dim" and values[key] is None):
+                f[field] = bounds.number(bounds.BOUNDS[field], values[key], key)
+            elif field != "head_dim":
+                raise ValueError(f"no {key}; expected a llama config.json")
+        bounds.check_shape(f, names.__getitem__)
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        bos = raw.get("bos_token_id")
+        for i in (*eos_ids, *([] if bos is None else [bos])):
+            if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < f["vocab_size"]:
+                raise ValueError(f"a special token id is {bounds.shown(i)}; expected one of "
+                                 f"the {f['vocab_size']:,} tokens")
+    except ValueError as err:
+        raise ValueError(f"{where}: {err}") from None
+    if f.get("head_dim") == f["n_embd"] // f["n_head"]:
+        del f["head_dim"]  # the width's share: implied
     tokenizer = folder / "tokenizer.json"
     if not tokenizer.is_file():
         raise ValueError(f"no tokenizer.json in {folder}; expected the model's tokenizer")
     template = _chat_template(folder)
     return LlamaConfig(
-        n_layer=number("num_hidden_layers", 1000), n_head=n_head,
-        n_kv_head=number("num_key_value_heads", 1024, n_head),
-        n_embd=number("hidden_size", 2**16), intermediate=number("intermediate_size", 2**18),
-        vocab_size=number("vocab_size", 2**24), context=number("max_position_embeddings", 2**20),
-        rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
-        rms_eps=float(raw.get("rms_norm_eps", 1e-5)),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        head_dim=raw.get("head_dim") if raw.get("head_dim") != raw["hidden_size"] // n_head
-        else None,
+        **f, tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         tokenizer=f"file:{tokenizer}", chat_template=template,
-        bos_id=raw.get("bos_token_id"), eos_ids=eos_ids, name=folder.name,
+        bos_id=bos, eos_ids=eos_ids, name=folder.name,
     )
 
 
@@ -177,48 +227,55 @@ def resolve_hint() -> str:
     return f"{SMOLLM2_INSTALL}, then -m {SMOLLM2}"
 
 
-def _folder(name_or_path: str) -> tuple[Path, str]:
-    """(the folder the model is read from, how it was found)."""
+def _folder(name_or_path: str) -> tuple[Path, str, dict | None]:
+    """(the folder the model is read from, how it was found, and its checked config.json
+    when it was converted from a GGUF)."""
     if name_or_path == SMOLLM2_HUB:
-        return _hub_folder(name_or_path), f"{SMOLLM2_HUB} (Hugging Face cache)"
+        return _hub_folder(name_or_path), f"{SMOLLM2_HUB} (Hugging Face cache)", None
     path = Path(name_or_path)
     if path.is_dir():
-        return path, f"checkpoint {path}"
-    folder = _gguf_folder(name_or_path)
+        return path, f"checkpoint {path}", None
+    folder, raw = _gguf_folder(name_or_path)
     shown = SMOLLM2 if name_or_path == SMOLLM2 else str(path)
-    return folder, f"{shown} (GGUF, converted once into {folder.parent})"
+    return folder, f"{shown} (GGUF, converted once into {folder.parent})", raw
+
+
+def _config(folder: Path, raw: dict | None) -> LlamaConfig:
+    raw = raw if raw is not None else _converted_raw(folder)
+    return _hf_config(folder) if raw is None else _config_from(folder, raw)
+
+
+def _converted_raw(folder: Path) -> dict | None:
+    """The config.json of a converted folder given as a checkpoint folder (None for any
+    other folder)."""
+    from kvcache_cli.sizing.config import ConfigError, load_config
+
+    if not (folder / "tokenizer.json").is_file():
+        return None
+    try:
+        raw = load_config(folder / "config.json")
+    except ConfigError:
+        return None
+    return raw if "source_types" in raw else None
 
 
 def llama_config(name_or_path: str) -> LlamaConfig:
-    folder, _ = _folder(name_or_path)
-    config_file = folder / "config.json"
-    if (folder / "tokenizer.json").is_file() and _is_converted(config_file):
-        return _config_from(folder, json.loads(config_file.read_text()))
-    return _hf_config(folder)
+    return _config(*_folder(name_or_path)[::2])
 
 
 def source_types(name_or_path: str) -> dict[str, str] | None:
     """The GGUF type each tensor of a model read from a GGUF was stored in (None for a
     safetensors folder), read from the converted folder without the weights."""
-    folder, _ = _folder(name_or_path)
-    config_file = folder / "config.json"
-    if not _is_converted(config_file):
-        return None
-    return json.loads(config_file.read_text())["source_types"]
-
-
-def _is_converted(config_file: Path) -> bool:
-    try:
-        return "source_types" in json.loads(config_file.read_text())
-    except (OSError, ValueError):
-        return False
+    folder, _, raw = _folder(name_or_path)
+    raw = raw if raw is not None else _converted_raw(folder)
+    return None if raw is None else raw["source_types"]
 
 
 def load_llama(name_or_path: str, weights: str, device, dtype: torch.dtype) -> LoadedModel:
     if weights not in ("auto", "pretrained", "random"):
         raise ValueError(f"unknown weights {weights!r}: expected auto, pretrained or random")
-    folder, source = _folder(name_or_path)
-    config = llama_config(name_or_path)
+    folder, source, raw = _folder(name_or_path)
+    config = _config(folder, raw)
     with torch.device("meta"):
         model = Llama(config)  # shapes only: no memory, no init to overwrite
     if weights == "random":
@@ -260,5 +317,10 @@ def _assign_state(model: Llama, state: dict, folder: Path) -> None:
     if extra:
         raise ValueError(f"{folder}: checkpoint has weights this Llama lacks: "
                          f"{sorted(extra)[:3]}")
+    for name in shapes:
+        finite = torch.isfinite(state[name])
+        if not finite.all():
+            raise ValueError(f"{folder}: {name} holds {int((~finite).sum()):,} non-finite "
+                             "weights (NaN or infinite); expected finite weights")
     model.load_state_dict({k: t.float() for k, t in state.items() if k in shapes},
                           strict=False, assign=True)

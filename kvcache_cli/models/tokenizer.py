@@ -35,6 +35,21 @@ def _byte_of() -> dict[str, int]:
     return chars
 
 
+def merge_pairs(vocab: dict[str, int], merges: list, what: str = "merge") -> list[tuple]:
+    """Each merge 'a b' as (a, b): two tokens of the vocabulary, one space between, whose
+    join is a token too; else a ValueError naming it (the tokenizers library would panic)."""
+    from kvcache_cli.models.bounds import shown
+
+    pairs = []
+    for i, merge in enumerate(merges):
+        parts = merge.split(" ") if isinstance(merge, str) else ()
+        if len(parts) != 2 or not all(part in vocab for part in (*parts, "".join(parts))):
+            raise ValueError(f"{what}[{i:,}] is {shown(merge)}; expected two tokens of the "
+                             "vocabulary, one space between, whose join is a token too")
+        pairs.append((parts[0], parts[1]))
+    return pairs
+
+
 def from_gguf(tokens: list[str], token_types: list[int], merges: list[str], pre: str):
     """A `tokenizers.Tokenizer` for a GGUF's byte-level BPE vocabulary."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
@@ -43,12 +58,10 @@ def from_gguf(tokens: list[str], token_types: list[int], merges: list[str], pre:
         raise ValueError(f"pre-tokenizer {pre!r}: kvcache splits text as "
                          f"{', '.join(PRE_TOKENIZERS)}")
     vocab = {token: i for i, token in enumerate(tokens)}
-    pairs = []
-    for merge in merges:
-        left, space, right = merge.partition(" ")
-        if not space or left not in vocab or right not in vocab:
-            raise ValueError(f"merge {merge!r} does not join two tokens of the vocabulary")
-        pairs.append((left, right))
+    if len(vocab) != len(tokens):
+        raise ValueError(f"the vocabulary repeats {len(tokens) - len(vocab):,} tokens; "
+                         "expected each token once")
+    pairs = merge_pairs(vocab, merges)
     tok = Tokenizer(models.BPE(vocab, pairs, fuse_unk=False))
     split = [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
     if pre == "smollm":
@@ -103,23 +116,6 @@ class BPEEncoding:
 @functools.cache
 def bpe_encoding(path: str) -> BPEEncoding:
     return BPEEncoding(path)
-
-
-def render_chat(template: str, messages: list[dict], bos: str = "", eos: str = "") -> str:
-    """The prompt a chat template makes of `messages`, ready for the assistant's reply.
-
-    Jinja in a sandbox, as transformers renders it: a template is the file's text, and
-    a file is not trusted to run code.
-    """
-    from jinja2 import TemplateError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    try:
-        return env.from_string(template).render(messages=messages, add_generation_prompt=True,
-                                                bos_token=bos, eos_token=eos)
-    except TemplateError as error:
-        raise ValueError(f"the model's chat template does not render: {error}") from None
 
 
 class ByteEncoding:

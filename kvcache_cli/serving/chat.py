@@ -98,17 +98,17 @@ def check_template(config, model: str) -> str:
 
 def build(chat: ChatSet, config, model: str, n: int, seed: int) -> ChatRequests:
     """n requests through the model's template and tokenizer (ValueError in one line)."""
-    from kvcache_cli.models.tokenizer import encoding_for, render_chat
+    from kvcache_cli.models.chat_template import render_chats
+    from kvcache_cli.models.tokenizer import encoding_for
 
     template = check_template(config, model)
     encoding, why = encoding_for(config.tokenizer)
     if encoding is None:
         raise ValueError(f"--workload chat: model {model!r}'s tokenizer: {why}")
-    prompts = []
-    for user in draw(chat, n, seed):
-        text = render_chat(template, [{"role": "system", "content": chat.system},
-                                      {"role": "user", "content": user}])
-        prompts.append(tuple(encoding.encode(text)))
+    texts = render_chats(template, [[{"role": "system", "content": chat.system},
+                                     {"role": "user", "content": user}]
+                                    for user in draw(chat, n, seed)])
+    prompts = [tuple(encoding.encode(text)) for text in texts]
     stop_ids = tuple(config.eos_ids)
     if not stop_ids:
         raise ValueError(f"--workload chat: model {model!r} names no end-of-turn token; "

@@ -29,7 +29,8 @@ def chat_tasks(config, model: str, sets: Sequence[str] = TASK_SETS) -> tuple[Cha
     ValueError in one line for a model without a template."""
     import json
 
-    from kvcache_cli.models.tokenizer import encoding_for, render_chat
+    from kvcache_cli.models.chat_template import render_chats
+    from kvcache_cli.models.tokenizer import encoding_for
 
     template = getattr(config, "chat_template", None)
     if not template:
@@ -39,13 +40,12 @@ def chat_tasks(config, model: str, sets: Sequence[str] = TASK_SETS) -> tuple[Cha
     if encoding is None:
         raise ValueError(f"model {model!r}'s tokenizer: {why}")
     data = json.loads(TASKS.read_text(encoding="utf-8"))
-    out = []
-    for kind in sets:
-        for i, user in enumerate(data[kind]):
-            text = render_chat(template, [{"role": "system", "content": data["system"]},
-                                          {"role": "user", "content": user}])
-            out.append(ChatTask(kind, i, tuple(encoding.encode(text))))
-    return tuple(out)
+    which = [(kind, i, user) for kind in sets for i, user in enumerate(data[kind])]
+    texts = render_chats(template, [[{"role": "system", "content": data["system"]},
+                                     {"role": "user", "content": user}]
+                                    for _, _, user in which])
+    return tuple(ChatTask(kind, i, tuple(encoding.encode(text)))
+                 for (kind, i, _), text in zip(which, texts))
 
 
 @dataclass(frozen=True)

@@ -2,13 +2,17 @@
 
 llama.cpp's format holds the whole model in one file: metadata (the shape, the tokenizer's
 vocabulary and merges, the chat template) and tensors, most of them quantised in blocks
-(Q4_1: 32 weights as 4-bit integers with a float16 scale and minimum). The `gguf` package
-parses it and dequantises every block type; this module decides what is trusted first.
+(Q4_1: 32 weights as 4-bit integers with a float16 scale and minimum). `layout` parses it,
+the `gguf` package dequantises every block type, and this module decides what is trusted.
 
-A hostile or broken file ends in one ValueError naming the file and what is wrong: before
-the parser sees it, the header's counts and every metadata entry's length are checked
-against the file's size (the parser would loop over an array of 2^60 strings, or slice
-past the end), and after it, every tensor's type, shape and extent.
+A hostile or broken file ends in one ValueError naming the file and what is wrong, before
+anything large is allocated: `layout` checks the file's structure (every count, length,
+string and tensor extent); this module what the values mean to a model. Every number of
+the shape is range-checked and cross-checked (`models.bounds`: heads divide the width, KV
+heads the heads, rotary dimensions are the head's, a static cache of the whole context fits
+in memory); the vocabulary holds distinct, non-empty tokens, every merge joins two of them
+into a third, every special token's id is one of them; every tensor is one of a Llama's,
+of the shape the metadata gives, and holds finite weights once dequantised.
 
 llama.cpp's converter stores the rows of q and k interleaved pair by pair for its rotary
 kernel; the loader restores transformers' order (the halves of each head), as transformers
@@ -17,24 +21,21 @@ does when it reads a GGUF (`reverse_permute_weights`).
 
 from __future__ import annotations
 
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-MAGIC = b"GGUF"
-# Metadata value types (GGUF v2/v3) and the bytes of one value; 8 is a string, 9 an array.
-_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-_STRING, _ARRAY = 8, 9
-_MAX_KEYS = 100_000  # a model has ~40 metadata entries, and tensors a few per layer
-_MAX_TENSORS = 1_000_000
-_MAX_DIMS = 4  # GGML tensors have at most 4 dimensions
+from kvcache_cli.models import bounds
+from kvcache_cli.models.gguf.layout import Layout, open_file, read_layout
 
 # The tensor types kvcache dequantises: float, and llama.cpp's block and K-quant formats.
 TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
-                "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_K")
+                "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 ARCHITECTURES = ("llama",)  # Llama's layout; SmolLM2 is one
+MAX_NAME = 256  # characters of general.name, which the commands print
+# llama.cpp's token types: 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte.
+TOKEN_TYPES = range(0, 7)
 
 # GGUF tensor names → transformers' (the block's index is filled in).
 _BLOCK_TENSORS = {
@@ -60,177 +61,134 @@ class GGUFModel:
     types: dict[str, str]  # transformers' names → the GGUF type they were stored in
 
 
-def _check_layout(path: Path, data: bytes | memoryview, size: int) -> None:
-    """Walk the header and metadata, checking every count and length against the file."""
-
-    def fail(what: str) -> None:
-        raise ValueError(f"{path}: {what}; expected a GGUF model file")
-
-    if size < 24 or bytes(data[:4]) != MAGIC:
-        fail("not a GGUF file (no 'GGUF' magic at its start)")
-    version, n_tensors, n_keys = struct.unpack_from("<IQQ", data, 4)
-    if version not in (2, 3):
-        fail(f"GGUF version {version}, which kvcache does not read (2 or 3)")
-    # A tensor's entry takes at least 33 bytes, a metadata entry at least 13: counts the
-    # file cannot hold are refused before anything is allocated for them.
-    if n_tensors > _MAX_TENSORS or n_keys > _MAX_KEYS or 33 * n_tensors + 13 * n_keys > size:
-        fail(f"the header claims {n_tensors:,} tensors and {n_keys:,} metadata entries, "
-             f"more than its {size:,} bytes can hold")
-    at = 24
-
-    def need(n: int) -> None:
-        if at + n > size:
-            fail(f"truncated: an entry at byte {at:,} runs past the end ({size:,} bytes)")
-
-    def string() -> None:
-        nonlocal at
-        need(8)
-        (n,) = struct.unpack_from("<Q", data, at)
-        need(8 + n)
-        at += 8 + n
-
-    for _ in range(n_keys):
-        string()  # the key
-        need(4)
-        (kind,) = struct.unpack_from("<I", data, at)
-        at += 4
-        if kind == _ARRAY:
-            need(12)
-            item, count = struct.unpack_from("<IQ", data, at)
-            at += 12
-            if item == _STRING:
-                for _ in range(count):
-                    string()
-            elif item in _SCALAR_BYTES:
-                need(count * _SCALAR_BYTES[item])
-                at += count * _SCALAR_BYTES[item]
-            else:
-                fail(f"a metadata array of unknown type {item}")
-        elif kind == _STRING:
-            string()
-        elif kind in _SCALAR_BYTES:
-            need(_SCALAR_BYTES[kind])
-            at += _SCALAR_BYTES[kind]
-        else:
-            fail(f"a metadata value of unknown type {kind}")
-    for _ in range(n_tensors):
-        string()
-        need(4)
-        (n_dims,) = struct.unpack_from("<I", data, at)
-        if not 1 <= n_dims <= _MAX_DIMS:
-            fail(f"a tensor of {n_dims} dimensions (1 to {_MAX_DIMS})")
-        need(4 + 8 * n_dims + 12)
-        at += 4 + 8 * n_dims + 12
-
-
 def read_gguf(path: str | Path) -> GGUFModel:
     """The model a GGUF file holds, every tensor dequantised to float32, or a ValueError."""
-    import mmap
-
     path = Path(path)
-    if not path.is_file():  # a FIFO or device would block or never end
-        raise ValueError(f"{path}: no such file; expected a GGUF model file"
-                         if not path.exists() else f"{path}: not a regular file; expected "
-                         "a GGUF model file")
-    size = path.stat().st_size
-    with path.open("rb") as f:
-        if size < 24:
-            raise ValueError(f"{path}: {size} bytes, too short for a GGUF header; expected a "
-                             "GGUF model file")
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-            _check_layout(path, data, size)
+    data, size = open_file(path)
+    layout = read_layout(path, data, size)
     try:
-        from gguf import GGUFReader
-    except ImportError:
-        raise ValueError(f"{path}: reading GGUF needs the gguf package: pip install gguf"
-                         ) from None
-    try:
-        reader = GGUFReader(path)
-    except Exception as error:  # noqa: BLE001 - the parser's own errors are many and plain
-        first = (str(error).strip().splitlines() or [type(error).__name__])[0][:120]
-        raise ValueError(f"{path}: not a readable GGUF file ({first})") from None
-    return _model(path, reader)
+        fields, tokenizer = _fields(layout.metadata, path.stem)
+        tensors, types = _tensors(layout, data, fields)
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from None
+    fields["tie_word_embeddings"] = "lm_head.weight" not in tensors
+    return GGUFModel(fields, *tokenizer, tensors, types)
 
 
-def _field(path: Path, reader, key: str, kind: type, default=None):
-    field = reader.fields.get(key)
-    if field is None:
-        if default is None:
-            raise ValueError(f"{path}: no {key!r} in its metadata; expected a llama GGUF")
+_ABSENT = object()
+
+
+def _get(meta: dict, key: str, kind: type, default=_ABSENT):
+    """meta[key] if it is a `kind` (str or list), its default if absent, else a ValueError."""
+    value = meta.get(key, _ABSENT)
+    if value is _ABSENT:
+        if default is _ABSENT:
+            raise ValueError(f"no {key} in its metadata; expected a llama GGUF")
         return default
-    try:
-        value = field.contents()
-    except Exception:  # noqa: BLE001 - a value of the wrong type the parser cannot render
-        value = None
-    if kind is int and isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if kind is float and isinstance(value, int):
-        value = float(value)
-    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
-        raise ValueError(f"{path}: {key} is {value!r}; expected a {kind.__name__}")
+    if not isinstance(value, kind):
+        what = "text" if kind is str else "an array"
+        raise ValueError(f"{key} is {bounds.shown(value)}; expected {what}")
     return value
 
 
-def _model(path: Path, reader) -> GGUFModel:
-    arch = _field(path, reader, "general.architecture", str)
+def _fields(meta: dict, stem: str) -> tuple[dict, tuple]:
+    """The config's fields and (tokens, token types, merges, pre) from the metadata."""
+    arch = _get(meta, "general.architecture", str)
     if arch not in ARCHITECTURES:
-        raise ValueError(f"{path}: architecture {arch!r}; kvcache reads "
+        raise ValueError(f"architecture {bounds.shown(arch)}; kvcache reads "
                          f"{', '.join(ARCHITECTURES)} GGUF files")
 
-    def number(key: str, high: int, default=None) -> int:
-        value = _field(path, reader, f"{arch}.{key}", int, default)
-        if not 1 <= value <= high:
-            raise ValueError(f"{path}: {arch}.{key} is {value:,}; expected 1 to {high:,}")
-        return value
+    def key(field: str) -> str:
+        return f"{arch}.{bounds.BOUNDS[field].key}"
 
-    n_embd = number("embedding_length", 2**16)
-    n_head = number("attention.head_count", 1024)
-    fields = dict(
-        n_layer=number("block_count", 1000), n_head=n_head,
-        n_kv_head=number("attention.head_count_kv", 1024, default=n_head),
-        n_embd=n_embd, intermediate=number("feed_forward_length", 2**18),
-        context=number("context_length", 2**20),
-        rope_theta=_field(path, reader, f"{arch}.rope.freq_base", float, 10000.0),
-        rms_eps=_field(path, reader, f"{arch}.attention.layer_norm_rms_epsilon", float, 1e-5),
-    )
-    head_dim = number("attention.key_length", 4096, default=n_embd // n_head)
-    if head_dim != n_embd // n_head:
-        fields["head_dim"] = head_dim
-    if fields["n_head"] % fields["n_kv_head"]:
-        raise ValueError(f"{path}: {n_head} query heads do not share "
-                         f"{fields['n_kv_head']} KV heads evenly")
+    def number(field: str, default=_ABSENT):
+        value = meta.get(key(field), default)
+        if value is _ABSENT:
+            raise ValueError(f"no {key(field)} in its metadata; expected a llama GGUF")
+        return bounds.number(bounds.BOUNDS[field], value, key(field))
 
-    model_kind = _field(path, reader, "tokenizer.ggml.model", str)
+    f = {name: number(name) for name in ("n_layer", "n_head", "n_embd", "intermediate",
+                                         "context")}
+    f["n_kv_head"] = number("n_kv_head", f["n_head"])
+    f["rope_theta"] = number("rope_theta", 10000.0)
+    f["rms_eps"] = number("rms_eps", 1e-5)
+    if key("head_dim") in meta:  # a head size of its own (else the width's share)
+        f["head_dim"] = number("head_dim")
+    tokens, token_types, merges, pre = _tokenizer(meta)
+    f["vocab_size"] = number("vocab_size", len(tokens))
+    if f["vocab_size"] != len(tokens):
+        raise ValueError(f"the vocabulary holds {len(tokens):,} tokens, {key('vocab_size')} "
+                         f"says {f['vocab_size']:,}; expected one token per id")
+    for name in meta:
+        if name.startswith("tokenizer.ggml.") and name.endswith("_token_id"):
+            value = meta[name]
+            if isinstance(value, bool) or not isinstance(value, int) or \
+                    not 0 <= value < len(tokens):
+                raise ValueError(f"{name} is {bounds.shown(value)}; expected a token id "
+                                 f"from 0 to {len(tokens) - 1:,}")
+    for name, field in (("bos", "bos_id"), ("eos", "eos_id")):
+        if f"tokenizer.ggml.{name}_token_id" in meta:
+            f[field] = meta[f"tokenizer.ggml.{name}_token_id"]
+    if "tokenizer.chat_template" in meta:
+        f["chat_template"] = _get(meta, "tokenizer.chat_template", str)
+    name = _get(meta, "general.name", str, "") or stem
+    if len(name) > MAX_NAME or not name.isprintable():
+        raise ValueError(f"general.name is {bounds.shown(name)}; expected printable text of at "
+                         f"most {MAX_NAME} characters")
+    f["name"] = name
+    bounds.check_shape(f, {field: key(field) for field in bounds.BOUNDS}.__getitem__)
+    hs = bounds.head_size(f)
+    for other in (f"{arch}.attention.value_length", f"{arch}.rope.dimension_count"):
+        value = meta.get(other, hs)
+        if isinstance(value, bool) or value != hs:
+            raise ValueError(f"{other} is {bounds.shown(value)}; expected the head size {hs:,} "
+                             "(kvcache's Llama rotates and attends with whole heads)")
+    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
+    if scaling != "none":
+        raise ValueError(f"{arch}.rope.scaling.type is {bounds.shown(scaling)}; expected "
+                         "'none' (kvcache's Llama runs unscaled rotary positions)")
+    if f.get("head_dim") == f["n_embd"] // f["n_head"]:
+        del f["head_dim"]  # the width's share: the config leaves it implied
+    return f, (tokens, token_types, merges, pre)
+
+
+def _tokenizer(meta: dict) -> tuple[list[str], list[int], list[str], str]:
+    """(tokens, token types, merges, pre-tokenizer): distinct non-empty tokens, a type for
+    each, merges that join two tokens into a third."""
+    from kvcache_cli.models.tokenizer import PRE_TOKENIZERS, merge_pairs
+
+    model_kind = _get(meta, "tokenizer.ggml.model", str)
     if model_kind != "gpt2":
-        raise ValueError(f"{path}: tokenizer model {model_kind!r}; kvcache reads byte-level "
+        raise ValueError(f"tokenizer model {bounds.shown(model_kind)}; kvcache reads byte-level "
                          "BPE ('gpt2') from a GGUF; for another, pass a safetensors folder "
                          "with its tokenizer.json")
-    tokens = _field(path, reader, "tokenizer.ggml.tokens", list)
-    token_types = _field(path, reader, "tokenizer.ggml.token_type", list, default=[1])
-    merges = _field(path, reader, "tokenizer.ggml.merges", list)
+    tokens = _get(meta, "tokenizer.ggml.tokens", list)
+    if not tokens:
+        raise ValueError("tokenizer.ggml.tokens is empty; expected the vocabulary")
+    first = {}
+    for i, token in enumerate(tokens):
+        if not isinstance(token, str) or not token:
+            raise ValueError(f"tokenizer.ggml.tokens[{i:,}] is {bounds.shown(token)}; "
+                             "expected a token's text")
+        j = first.setdefault(token, i)
+        if j != i:
+            raise ValueError(f"tokenizer.ggml.tokens[{i:,}] is {bounds.shown(token)}, as is "
+                             f"[{j:,}]; expected each token once")
+    token_types = _get(meta, "tokenizer.ggml.token_type", list, [1] * len(tokens))
     if len(token_types) != len(tokens):
-        token_types = [1] * len(tokens)
-    vocab = _field(path, reader, f"{arch}.vocab_size", int, default=len(tokens))
-    if vocab != len(tokens) or not all(isinstance(t, str) for t in tokens):
-        raise ValueError(f"{path}: the vocabulary holds {len(tokens):,} tokens, the model "
-                         f"{vocab:,}; expected one token per id")
-    fields["vocab_size"] = vocab
-    for key, name in (("bos_token_id", "bos_id"), ("eos_token_id", "eos_id")):
-        value = _field(path, reader, f"tokenizer.ggml.{key}", int, default=-1)
-        if value != -1:
-            if not 0 <= value < vocab:
-                raise ValueError(f"{path}: tokenizer.ggml.{key} is {value:,}; expected an id "
-                                 f"from 0 to {vocab - 1:,}")
-            fields[name] = value
-    template = reader.fields.get("tokenizer.chat_template")
-    if template is not None:
-        fields["chat_template"] = _field(path, reader, "tokenizer.chat_template", str)
-    fields["name"] = _field(path, reader, "general.name", str, default=path.stem)
-
-    tensors, types = _tensors(path, reader, fields)
-    fields["tie_word_embeddings"] = "lm_head.weight" not in tensors
-    pre = _field(path, reader, "tokenizer.ggml.pre", str, default="default")
-    return GGUFModel(fields, tokens, [int(t) for t in token_types], merges, pre, tensors, types)
+        raise ValueError(f"tokenizer.ggml.token_type holds {len(token_types):,} types for "
+                         f"{len(tokens):,} tokens; expected one per token")
+    bad = next((t for t in token_types if isinstance(t, bool) or t not in TOKEN_TYPES), None)
+    if bad is not None:
+        raise ValueError(f"tokenizer.ggml.token_type holds {bounds.shown(bad)}; expected "
+                         "llama.cpp's token types 0 to 6")
+    merges = _get(meta, "tokenizer.ggml.merges", list)
+    merge_pairs(first, merges, "tokenizer.ggml.merges")
+    pre = _get(meta, "tokenizer.ggml.pre", str, "default")
+    if pre not in PRE_TOKENIZERS:
+        raise ValueError(f"tokenizer.ggml.pre is {bounds.shown(pre)}; kvcache splits text as "
+                         f"{', '.join(PRE_TOKENIZERS)}")
+    return tokens, [int(t) for t in token_types], merges, pre
 
 
 def _expected_shapes(f: dict) -> dict[str, tuple[int, ...]]:
@@ -260,44 +218,53 @@ def hf_name(name: str) -> str | None:
     if stem in _TOP_TENSORS:
         return f"{_TOP_TENSORS[stem]}.weight"
     parts = stem.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isascii() and parts[1].isdigit():
+    # The block's index as llama.cpp writes it ("blk.%d"): 07 would be a second name for 7.
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isascii() and parts[1].isdigit() \
+            and str(int(parts[1])) == parts[1]:
         if parts[2] in _BLOCK_TENSORS:
             return f"model.layers.{int(parts[1])}.{_BLOCK_TENSORS[parts[2]]}.weight"
     return None
 
 
-def _tensors(path: Path, reader, fields: dict) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    from gguf import GGML_QUANT_SIZES
+def _tensors(layout: Layout, data, fields: dict) -> tuple[dict[str, np.ndarray],
+                                                          dict[str, str]]:
+    from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
     expected = _expected_shapes(fields)
     tensors, types = {}, {}
-    hs = fields.get("head_dim", fields["n_embd"] // fields["n_head"])
-    for t in reader.tensors:
+    hs = bounds.head_size(fields)
+    for t in layout.tensors:
         name = hf_name(t.name)
         if name is None or name not in expected:
-            raise ValueError(f"{path}: tensor {t.name!r} is not one of a "
-                             f"{fields['n_layer']}-layer Llama's")
-        kind = t.tensor_type.name
-        if kind not in TENSOR_TYPES:
-            raise ValueError(f"{path}: tensor {t.name} is of type {kind}; kvcache reads "
+            raise ValueError(f"tensor {t.name!r} is not one of a {fields['n_layer']}-layer "
+                             "Llama's")
+        if name in tensors:
+            raise ValueError(f"tensor {t.name!r} is {name}, which another tensor is too")
+        if t.kind not in TENSOR_TYPES:
+            raise ValueError(f"tensor {t.name} is of type {t.kind}; kvcache reads "
                              f"{', '.join(TENSOR_TYPES)}")
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGML lists dims inner first
-        if shape != expected[name]:
-            raise ValueError(f"{path}: tensor {t.name} has shape {shape}, the model's "
-                             f"metadata says {expected[name]}")
-        block, block_bytes = GGML_QUANT_SIZES[t.tensor_type]
-        if t.n_elements % block or t.data.nbytes != t.n_elements // block * block_bytes:
-            raise ValueError(f"{path}: tensor {t.name} runs past the end of the file "
-                             "(truncated?)")
-        w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
+        if t.shape != expected[name]:
+            raise ValueError(f"tensor {t.name} has shape {t.shape}, the model's metadata says "
+                             f"{expected[name]}")
+        raw = np.frombuffer(data, np.uint8, t.end - t.start, t.start)
+        if t.kind == "F32":
+            w = raw.view(np.float32)
+        else:  # rows of whole blocks, as gguf's dequantize takes them
+            rows = raw.reshape(-1, t.shape[-1] // t.block * t.block_bytes)
+            w = np.asarray(dequantize(rows, GGMLQuantizationType[t.kind]), dtype=np.float32)
+        w = w.reshape(t.shape)
+        finite = np.isfinite(w)
+        if not finite.all():
+            raise ValueError(f"tensor {t.name} holds {w.size - int(finite.sum()):,} non-finite "
+                             f"weights (NaN or infinite) of {w.size:,}; expected finite weights")
         if name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = fields["n_head"] if name.endswith("q_proj.weight") else fields["n_kv_head"]
             w = _unpermute(w, heads, hs)
-        tensors[name], types[name] = w, kind
+        tensors[name], types[name] = w, t.kind
     missing = sorted(set(expected) - set(tensors) - {"lm_head.weight"})
     if missing:
-        raise ValueError(f"{path}: no tensor for {missing[0]} ({len(missing)} missing)")
+        raise ValueError(f"no tensor for {missing[0]} ({len(missing)} missing)")
     return tensors, types
 
 
