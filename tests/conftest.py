@@ -37,3 +37,4 @@ def no_model_loads(monkeypatch):
         raise AssertionError("a model was loaded before the bad input was refused")
 
     monkeypatch.setattr("kvcache_cli.models.gpt2.load_gpt2", refuse)
+    monkeypatch.setattr("kvcache_cli.models.llama_loading.load_llama", refuse)

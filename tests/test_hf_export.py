@@ -27,7 +27,7 @@ def converted(tmp_path_factory) -> Path:
     smollm2_or_skip()
     from kvcache_cli.models.llama_loading import _gguf_folder
 
-    real = _gguf_folder("smollm2")
+    real, _ = _gguf_folder("smollm2")
     folder = tmp_path_factory.mktemp("converted") / real.name
     folder.mkdir()
     for name in ("config.json", "tokenizer.json", "model.safetensors"):

@@ -63,7 +63,8 @@ def on_tiny_llama(tiny_llama, *args: str) -> list[str]:
 def test_bad_transformers_caches_are_one_line_exit_2_before_a_model_loads(
         no_model_loads, tiny_llama, llama, cache, words):
     pytest.importorskip("torch")
-    args = on_tiny_llama(tiny_llama, "--cache", cache) if llama else ["--cache", cache]
+    args = (on_tiny_llama(tiny_llama, "--cache", cache) if llama
+            else ["-m", "stdlib-bytes", "--cache", cache])
     assert words in refusal(*args)
 
 

@@ -56,7 +56,8 @@ def invoke(*args: str):
 @pytest.mark.parametrize(("args", "words"), [
     (["--cache", "int8,llama.cpp:q3_0"], "'q3_0' is not a llama.cpp cache type"),
     (["--cache", "llama.cpp:q4_0,llama.cpp:q4_0"], "'llama.cpp:q4_0' is listed twice"),
-    (["--cache", "llama.cpp:q4_0"], "was not read from one (expected -m smollm2 or a .gguf)"),
+    (["-m", "stdlib-bytes", "--cache", "llama.cpp:q4_0"],
+     "was not read from one (expected -m smollm2 or a .gguf)"),
 ])
 def test_bad_llama_cpp_caches_are_one_line_exit_2_before_a_model_loads(no_model_loads, args,
                                                                         words):

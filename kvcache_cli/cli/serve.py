@@ -121,6 +121,8 @@ def serve(
     """
     model = model if model is not None else default_model()
     need_torch_extra("kvcache serve needs", *GPT2_MODULES, "transformers")
+    if threads_error(threads):  # first: it needs no model and none of serving's imports
+        fail(threads_error(threads))
     from kvcache_cli.serving import batching
     from kvcache_cli.serving import engines as serving
     from kvcache_cli.serving.chat import requests as chat_requests
@@ -304,8 +306,6 @@ def _check(device, model, requests, prompt_len, output_len, shared_prefix, rate,
     from kvcache_cli.serving import batching, metrics, model_runner, scheduler, workload
     from kvcache_cli.serving import plan as serving_plan
 
-    if threads_error(threads):  # first: it needs no model, no transformers
-        raise ValueError(threads_error(threads))
     dev = str(resolve_device(device))
     config = model_config(model)
     if batch is not None:

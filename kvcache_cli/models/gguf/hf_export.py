@@ -147,7 +147,8 @@ def export(model: str = "smollm2") -> HFFolder:
     """MODEL (smollm2 or a .gguf) converted once, then written as a transformers folder."""
     from kvcache_cli.models.llama_loading import _gguf_folder
 
-    return write_hf_folder(_gguf_folder(model))
+    folder, _ = _gguf_folder(model)
+    return write_hf_folder(folder)
 
 
 def main(argv: list[str] | None = None) -> int:
