@@ -1,7 +1,8 @@
 """Bad input, everywhere: a table of argv → the first line on stderr and the exit code.
 
 Every case must end in one line naming the value and what was expected, exit 2, nothing on
-stdout, no traceback, within a second or two (a hang is a failure, not a slow pass).
+stdout, no traceback. A hang is a failure, not a slow pass: the bound is generous, so a
+loaded machine cannot fail it (timing is the benchmarks' job, not a test's).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def assert_one_line(args: list[str], code: int, first_line: str) -> None:
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith("error: ") and first_line in lines[0], lines[0]
-    assert elapsed < 2, f"took {elapsed:.1f} s"
+    assert elapsed < 30, f"took {elapsed:.1f} s"
 
 
 # --- numbers too large to mean anything, and --tp that cannot split the heads --------------
