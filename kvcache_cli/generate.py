@@ -130,6 +130,52 @@ def token_steps(
             logits = _last_logits(forward, nxt.view(1, 1), P + i, cache)
 
 
+class CompiledDecode:
+    """One decode step compiled whole, as gpt-fast compiles it; the prefill runs eager.
+
+    The step is one graph at every position, so it compiles once and never breaks:
+    the cache is static and read whole (`StaticCache(whole=True)`: one shape at every
+    step), the position enters as a tensor, never as a Python int (an int is a guard,
+    and each new value a recompile), and nothing inside the graph reads or writes a
+    Python number: the cache records each write after the graph (`StaticCache.
+    advance`). The step runs the model contract's `hidden` and `head` with attention
+    over the buffer in position order (`attend_in_order`), so every family compiles
+    the same way. Called as a `Forward`; T > 1 tokens (the prefill) go to the eager model.
+    """
+
+    def __init__(self, model: FamilyModel, mode: str = "default"):
+        from kvcache_cli.models.linear import pin_threads
+
+        self.model = pin_threads(model)
+        self.step = torch.compile(_decode_step, mode=mode, fullgraph=True, dynamic=False)
+
+    def __call__(self, idx: Tensor, start_pos: int, cache: KVCache | None,
+                 last_only: bool = False) -> Tensor:
+        from kvcache_cli.caches.exact import StaticCache
+
+        if idx.size(1) > 1:
+            return self.model(idx, start_pos, cache, last_only=last_only)
+        if not (isinstance(cache, StaticCache) and cache.whole):
+            raise ValueError("a compiled decode step reads a static cache whole: "
+                             "make_cache('static', ..., whole=True)")
+        pos = torch.tensor([start_pos], device=idx.device)  # (1,): the position as data
+        logits = self.step(self.model, idx, pos, cache)  # (B, 1, vocab)
+        cache.advance(start_pos, 1)
+        return logits
+
+
+def _decode_step(model: FamilyModel, idx: Tensor, pos: Tensor, cache: KVCache) -> Tensor:
+    """Logits (B, T, vocab) of tokens idx (B, T) at positions pos (T,), every row at the
+    same positions, written into and read from a whole static cache."""
+    from kvcache_cli.models.attention import attend_in_order
+
+    def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        keys, values = cache.write_at(layer, pos, k, v)  # (B, nkv, max_len, hs)
+        return attend_in_order(q, keys, values, pos[None])  # (B, nh, T, hs)
+
+    return model.head(model.hidden(idx, pos, attend))
+
+
 def stream_tokens(
     model: FamilyModel,
     prompt_ids: list[int],
@@ -140,13 +186,15 @@ def stream_tokens(
     top_k: int | None = None,
     generator: torch.Generator | None = None,
     cache: KVCache | None = None,
+    forward: Forward | None = None,
 ) -> Iterator[int]:
     """Yield each new token id as soon as it is chosen.
 
     The first yield comes right after the prefill (time to first token), each later
     one after one decode step. Checks run now, before the first `next()`. Without a
     `cache`, a fresh one is made for the request (sized prompt + new tokens for
-    `static`); pass one to read its `bytes_copied` afterwards.
+    `static`); pass one to read its `bytes_copied` afterwards. `forward` stands in for
+    the model's own (a `CompiledDecode`).
     """
     check_mode(mode)
     if temperature < 0:
@@ -162,7 +210,7 @@ def stream_tokens(
     def choose(logits: Tensor) -> Tensor:
         return sample(logits, temperature, top_k, generator)
 
-    steps = token_steps(model, list(prompt_ids), max_new_tokens, mode, cache, choose)
+    steps = token_steps(model, list(prompt_ids), max_new_tokens, mode, cache, choose, forward)
     return (token for token, _ in steps)
 
 
@@ -231,11 +279,5 @@ def generate(
         cache_bytes_copied=cache.bytes_copied if cache is not None else 0,
         stopped=bool(tokens) and tokens[-1] in stop_ids,
     )
-
-
-# ---------------------------------------------------------------------------- breaks
-
-
-# ---------------------------------------------------------------------------- tokenizer
 
 

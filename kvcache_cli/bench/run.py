@@ -280,16 +280,15 @@ def _llama_runners(model, plan: BenchPlan, counter: _Counter, gguf_dir,
 
 def _measure_with(model, plan: BenchPlan, bandwidth_mib: int | None, counter: _Counter,
                   finished: FinishedFn | None, llama: dict[str, LlamaRunner]) -> Measured:
-    import torch
 
-    from kvcache_cli.models.linear import pin_threads
+    from kvcache_cli.generate import CompiledDecode
 
     device = next(model.parameters()).device
     modes = plan.modes
     hf_model = hf_copy(model, device) if any(m.startswith("hf") for m in modes) else None
     compiled = None
     if any(m.endswith("-compiled") and not m.startswith("hf") for m in modes):
-        compiled = torch.compile(pin_threads(model), mode=COMPILE_MODE[device.type])
+        compiled = CompiledDecode(model, COMPILE_MODE[device.type])
     measured = Measured({mode: [] for mode in modes}, {"read": [], "copy": [], "product": []},
                          {}, {mode: runner.file for mode, runner in llama.items()})  # fmt: skip
     prompt, new_tokens = plan.prompt, plan.new_tokens
@@ -305,9 +304,9 @@ def _measure_with(model, plan: BenchPlan, bandwidth_mib: int | None, counter: _C
             reference = measured.runs[plan.reference_mode][0].tokens
             return run_naive_sampled(model, prompt, reference, plan.naive_steps, device,
                                       on_token)  # fmt: skip
-        forward = compiled if mode.endswith("-compiled") else model
-        return run_ours(forward, prompt, n, mode, device, on_token,
-                         max_len=len(prompt) + new_tokens)  # fmt: skip
+        return run_ours(model, prompt, n, mode, device, on_token,
+                        max_len=len(prompt) + new_tokens,
+                        forward=compiled if mode.endswith("-compiled") else None)
 
     for mode in modes:
         start = time.perf_counter()

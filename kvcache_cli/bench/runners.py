@@ -69,10 +69,12 @@ def _from_timeline(tokens, timeline: _Timeline, held=None, copied=None) -> Timed
 
 
 def run_ours(
-    model, prompt_ids: list[int], new_tokens: int, mode: str, device, on_token, max_len: int
+    model, prompt_ids: list[int], new_tokens: int, mode: str, device, on_token, max_len: int,
+    forward=None,
 ) -> TimedRun:
     """`max_len` sizes a static cache: the run's own length, also for a shorter warm-up,
-    so a compiled model sees in the warm-up the cache shapes it is timed with."""
+    so a compiled step sees in the warm-up the cache shapes it is timed with. `forward`:
+    the compiled step of a `-compiled` mode (`generate.CompiledDecode`)."""
     from kvcache_cli.caches import make_cache
     from kvcache_cli.generate import stream_tokens
 
@@ -85,7 +87,7 @@ def run_ours(
     tokens: list[int] = []
     clock = _Clock(device, on_token)
     for token in stream_tokens(model, prompt_ids, new_tokens, mode.removesuffix("-compiled"),
-                               cache=cache):  # fmt: skip
+                               cache=cache, forward=forward):  # fmt: skip
         clock.tick()
         tokens.append(token)
     if cache is None:

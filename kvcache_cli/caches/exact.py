@@ -113,6 +113,24 @@ class StaticCache(KVCache):
             return self.k[layer], self.v[layer]  # (B, nkv, max_len, hs); attention masks
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]  # (B, nkv, end, hs)
 
+    def write_at(self, layer: int, pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Write k, v (B, nkv, T, hs) at positions pos (T,), a tensor, and return the whole
+        buffers (B, nkv, max_len, hs): a compiled decode step's write (`generate.
+        CompiledDecode`). It reads and changes no Python number, since inside a compiled
+        graph a number read is a guard and each new value a recompile; the caller
+        records the write afterwards (`advance`)."""
+        self.k[layer].index_copy_(2, pos, k)
+        self.v[layer].index_copy_(2, pos, v)
+        return self.k[layer], self.v[layer]
+
+    def advance(self, start_pos: int, T: int) -> None:
+        """Record what `write_at` wrote at every layer: T positions from start_pos."""
+        if start_pos + T > self.max_len:
+            raise IndexError(f"position {start_pos + T - 1} past the static cache's "
+                             f"{self.max_len} slots")
+        self.length = start_pos + T
+        self.bytes_copied += self.bytes_held // self.max_len * T
+
     def crop(self, length: int) -> None:
         _check_crop(self, length)
         # Nothing moves: the slots past `length` are never read again before the next
