@@ -222,7 +222,7 @@ def test_cli_json_has_every_key(checkpoint):
     assert out.exit_code == 0, out.output
     data = json.loads(out.stdout)
     assert set(data) == {
-        "model", "weights_note", "device", "device_name", "cpus", "others_cpu_share",
+        "model", "weights_note", "kernel_note", "device", "device_name", "cpus", "others_cpu_share",
         "dtype", "cpu_half_support", "threads", "torch_version",
         "transformers_version", "n_params", "prompt_len", "new_tokens", "repeats",
         "warmup_tokens", "naive_samples", "reference_mode", "tokens_agree", "weight_bytes",

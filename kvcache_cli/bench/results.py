@@ -77,6 +77,9 @@ class ModeResult:
 class BenchResult:
     model: str  # what was loaded, and from where
     weights_note: str | None  # e.g. why the weights are random
+    # Why a quantised cache's attention ran in torch, not in its C++ kernel (None: it did,
+    # or no mode read codes): `caches.code_attention.NOTE`.
+    kernel_note: str | None
     device: str
     device_name: str
     cpus: int  # logical CPUs the OS reports

@@ -147,6 +147,7 @@ def bench_result(model, plan: BenchPlan, measured: Measured, threads: int,
     """Each mode summarised against the reference's tokens and the measured limit."""
     import torch
 
+    from kvcache_cli.caches import code_attention
     from kvcache_cli.models.linear import weights_format
 
     cfg = model.config
@@ -181,6 +182,7 @@ def bench_result(model, plan: BenchPlan, measured: Measured, threads: int,
     return BenchResult(
         model=model_name,
         weights_note=weights_note,
+        kernel_note=code_attention.NOTE[-1] if code_attention.NOTE else None,
         device=device.type,
         device_name=device_name(device),
         cpus=os.cpu_count() or 1,

@@ -78,6 +78,7 @@ import math
 import torch
 from torch import Tensor
 
+from kvcache_cli.caches import code_attention
 from kvcache_cli.caches.base import KVCache, RollbackError, nbytes
 from kvcache_cli.caches.rotation import Rotation
 from kvcache_cli.caches.spec_quantized import check_head_dim
@@ -351,7 +352,32 @@ class QuantizedCache(KVCache):
         if q.size(2) != 1 or isinstance(start_pos, Tensor) or \
                 self.layers[layer].quantised == 0:
             return None
-        return self._attend(self._store(layer, start_pos, k, v), q)
+        L = self._store(layer, start_pos, k, v)
+        if L.k_codes.device.type == "cpu" and code_attention.kernel() is not None:
+            return self._attend_kernel(L, q)
+        return self._attend(L, q)
+
+    def _attend_kernel(self, L: _IntLayer, q: Tensor) -> Tensor:
+        """`_attend` in one C++ kernel (`code_attention`): the codes read as bytes, once.
+        Its partial softmax sums over the codes merge with the sinks' and the tail's
+        scores here; with `rot` the query is rotated and the values' sum unrotated."""
+        B, nh, _, hs = q.shape
+        nkv = L.tail_k.size(1)
+        qg = q.float().view(B, nkv, nh // nkv, hs) / math.sqrt(hs)  # (B, nkv, g, hs)
+        qr = qg if self.rotation is None else self.rotation.rotate(qg)
+        m, total, acc = code_attention.attend_codes(
+            qr, L.k_codes, L.k_scale, L.k_zero, L.v_codes, L.v_scale, L.v_zero, self.bits,
+            self.group, self.per_channel)  # (B, nkv, g), (B, nkv, g), (B, nkv, g, hs)
+        if self.rotation is not None:
+            acc = self.rotation.unrotate(acc)
+        keys = _cat(L.sink_k, L.tail_k).float()  # (B, nkv, s + t, hs): full precision
+        values = _cat(L.sink_v, L.tail_v).float()
+        scores = qg @ keys.transpose(-1, -2)  # (B, nkv, g, s + t)
+        top = torch.maximum(m, scores.amax(-1)) if scores.size(-1) else m  # (B, nkv, g)
+        codes_w = (m - top).exp()  # the codes' sums rescaled to the common maximum
+        p = (scores - top[..., None]).exp()  # (B, nkv, g, s + t)
+        y = (acc * codes_w[..., None] + p @ values) / (total * codes_w + p.sum(-1))[..., None]
+        return y.view(B, nh, 1, hs).to(q.dtype)
 
     def _store(self, layer: int, start_pos: int, k: Tensor, v: Tensor) -> _IntLayer:
         if isinstance(start_pos, Tensor) or start_pos != self.lengths[layer]:

@@ -59,8 +59,9 @@ def _mode_column(table: Table, r: BenchResult) -> Table:
 def _header(r: BenchResult) -> Table:
     grid = label_grid()
     grid.add_row("model", f"[bold]{r.model}[/], {r.n_params / 1e6:.1f}M parameters")
-    if r.weights_note:
-        grid.add_row("note", f"[yellow]{r.weights_note}[/]")
+    for note in (r.weights_note, r.kernel_note):
+        if note:
+            grid.add_row("note", f"[yellow]{note}[/]")
     grid.add_row("device", f"[bold]{r.device}[/] ({r.device_name}, {r.cpus} CPUs), "
                  f"[bold]{r.dtype}[/], [bold]{r.threads} threads[/]")
     if r.weights_format != "fp32" or r.weights_check is not None:

@@ -1,0 +1,185 @@
+// One decoding token's attention over a quantised cache's codes, read as codes.
+//
+// Built at first use by `caches/code_attention.py` (c++ -O3 -march=native -fopenmp), called
+// through ctypes: plain C arguments, no torch headers, so it builds in about a second.
+//
+// For each row b * nkv + h of the cache and each of its g query heads, over the n quantised
+// tokens only (the caller adds the full-precision sinks and tail): the softmax's partial
+// sums as flash-decoding keeps them, m = the largest score, l = sum exp(score - m) and
+// acc = sum exp(score - m) * v, so the caller merges them with its own scores exactly.
+//
+// Codes are affine, x = c * scale + zero (quantized.py's layout): values per token, a scale
+// and zero per G channels; keys per token likewise, or per channel (KIVI), a scale and zero
+// per channel and G tokens. The scales never multiply a code: per-token key scales multiply
+// a group's dot product, per-channel ones fold into the query once per G tokens, and value
+// scales fold into the weights. Codes are packed 8 / bits to a byte, the first in the
+// lowest bits. Work is split over (row, block of tokens), so 2 threads share 3 KV heads
+// evenly; the blocks' partial sums are merged at the end.
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kBlock = 512;  // tokens a work item covers
+
+template <int bits>
+inline void unpack_row(const uint8_t* packed, float* out, int64_t hs) {
+    if constexpr (bits == 8) {
+        for (int64_t d = 0; d < hs; ++d) out[d] = static_cast<float>(packed[d]);
+    } else {
+        constexpr int per = 8 / bits, mask = (1 << bits) - 1;
+        for (int64_t i = 0; i < hs / per; ++i) {
+            const int byte = packed[i];
+            for (int k = 0; k < per; ++k) out[i * per + k] = static_cast<float>((byte >> (k * bits)) & mask);
+        }
+    }
+}
+
+struct Cache {
+    const uint8_t *kc, *vc;
+    const _Float16 *ks, *kz, *vs, *vz;
+    int64_t kc_row, vc_row, ks_row, vs_row;  // elements from one cache row (b, h) to the next
+};
+
+// HS and GS, when not 0, fix the head size and group size at compile time: the common
+// shapes' loops are then unrolled whole (a runtime length made them 2-3x slower).
+template <int bits, int HS, int GS>
+void block(const float* q, const Cache& c, int64_t row, int64_t a, int64_t b, int64_t g,
+           int64_t hs_, int64_t G_, bool key_channels, float* m_out, float* l_out,
+           float* acc_out) {
+    const int64_t hs = HS ? HS : hs_, G = GS ? GS : G_;
+    const int64_t width = hs * bits / 8, J = hs / G, len = b - a;
+    std::vector<float> scores(g * len), code(hs), qs(g * hs), offset(g), qsum(g * J), zacc(g * J, 0.f);
+    const uint8_t* kc = c.kc + row * c.kc_row;
+    const uint8_t* vc = c.vc + row * c.vc_row;
+    const _Float16* ks = c.ks + row * c.ks_row;
+    const _Float16* kz = c.kz + row * c.ks_row;
+    const _Float16* vs = c.vs + row * c.vs_row;
+    const _Float16* vz = c.vz + row * c.vs_row;
+    const float* qr = q + row * g * hs;
+    if (!key_channels)
+        for (int64_t i = 0; i < g; ++i)
+            for (int64_t j = 0; j < J; ++j) {
+                float s = 0.f;
+                for (int64_t d = 0; d < G; ++d) s += qr[i * hs + j * G + d];
+                qsum[i * J + j] = s;
+            }
+    int64_t group = -1;
+    for (int64_t t = a; t < b; ++t) {
+        unpack_row<bits>(kc + t * width, code.data(), hs);
+        if (key_channels) {
+            if (t / G != group) {  // the query scaled by this group's channels, once per G tokens
+                group = t / G;
+                const _Float16* sc = ks + group * hs;
+                const _Float16* ze = kz + group * hs;
+                for (int64_t i = 0; i < g; ++i) {
+                    float off = 0.f;
+                    for (int64_t d = 0; d < hs; ++d) {
+                        qs[i * hs + d] = qr[i * hs + d] * static_cast<float>(sc[d]);
+                        off += qr[i * hs + d] * static_cast<float>(ze[d]);
+                    }
+                    offset[i] = off;
+                }
+            }
+            for (int64_t i = 0; i < g; ++i) {
+                float s = offset[i];
+                for (int64_t d = 0; d < hs; ++d) s += qs[i * hs + d] * code[d];
+                scores[i * len + t - a] = s;
+            }
+        } else {
+            for (int64_t i = 0; i < g; ++i) {
+                float s = 0.f;
+                for (int64_t j = 0; j < J; ++j) {
+                    float dot = 0.f;
+                    for (int64_t d = 0; d < G; ++d) dot += qr[i * hs + j * G + d] * code[j * G + d];
+                    s += static_cast<float>(ks[t * J + j]) * dot +
+                         static_cast<float>(kz[t * J + j]) * qsum[i * J + j];
+                }
+                scores[i * len + t - a] = s;
+            }
+        }
+    }
+    for (int64_t i = 0; i < g; ++i) {
+        float m = -INFINITY, l = 0.f;
+        float* s = scores.data() + i * len;
+#pragma omp simd reduction(max : m)
+        for (int64_t t = 0; t < len; ++t) m = s[t] > m ? s[t] : m;
+#pragma omp simd reduction(+ : l)
+        for (int64_t t = 0; t < len; ++t) {
+            s[t] = std::exp(s[t] - m);
+            l += s[t];
+        }
+        m_out[i] = m;
+        l_out[i] = l;
+        float* acc = acc_out + i * hs;
+        for (int64_t d = 0; d < hs; ++d) acc[d] = 0.f;
+    }
+    for (int64_t t = a; t < b; ++t) {
+        unpack_row<bits>(vc + t * width, code.data(), hs);
+        for (int64_t i = 0; i < g; ++i) {
+            const float p = scores[i * len + t - a];
+            float* acc = acc_out + i * hs;
+            for (int64_t j = 0; j < J; ++j) {
+                const float w = p * static_cast<float>(vs[t * J + j]);
+                for (int64_t d = 0; d < G; ++d) acc[j * G + d] += w * code[j * G + d];
+                zacc[i * J + j] += p * static_cast<float>(vz[t * J + j]);
+            }
+        }
+    }
+    for (int64_t i = 0; i < g; ++i)
+        for (int64_t j = 0; j < J; ++j)
+            for (int64_t d = 0; d < G; ++d) acc_out[i * hs + j * G + d] += zacc[i * J + j];
+}
+
+template <int bits>
+void sized(const float* q, const Cache& c, int64_t row, int64_t a, int64_t b, int64_t g,
+           int64_t hs, int64_t G, bool key_channels, float* m, float* l, float* acc) {
+    if (hs == 64 && G == 32) block<bits, 64, 32>(q, c, row, a, b, g, hs, G, key_channels, m, l, acc);
+    else if (hs == 64 && G == 64) block<bits, 64, 64>(q, c, row, a, b, g, hs, G, key_channels, m, l, acc);
+    else if (hs == 128 && G == 32) block<bits, 128, 32>(q, c, row, a, b, g, hs, G, key_channels, m, l, acc);
+    else if (hs == 128 && G == 64) block<bits, 128, 64>(q, c, row, a, b, g, hs, G, key_channels, m, l, acc);
+    else if (hs == 128 && G == 128) block<bits, 128, 128>(q, c, row, a, b, g, hs, G, key_channels, m, l, acc);
+    else block<bits, 0, 0>(q, c, row, a, b, g, hs, G, key_channels, m, l, acc);
+}
+
+}  // namespace
+
+extern "C" int attend_codes(const float* q, const uint8_t* kc, const _Float16* ks,
+                            const _Float16* kz, const uint8_t* vc, const _Float16* vs,
+                            const _Float16* vz, int64_t kc_row, int64_t vc_row, int64_t ks_row,
+                            int64_t vs_row, int64_t rows, int64_t n, int64_t g, int64_t hs,
+                            int64_t bits, int64_t G, int64_t key_channels, int64_t threads,
+                            float* m_out, float* l_out, float* acc_out) {
+    if (bits != 8 && bits != 4 && bits != 2) return 1;
+    const Cache c{kc, vc, ks, kz, vs, vz, kc_row, vc_row, ks_row, vs_row};
+    const int64_t blocks = (n + kBlock - 1) / kBlock, items = rows * blocks;
+    std::vector<float> m(items * g), l(items * g), acc(items * g * hs);
+#pragma omp parallel for schedule(dynamic) num_threads(threads)
+    for (int64_t item = 0; item < items; ++item) {
+        const int64_t row = item / blocks, a = item % blocks * kBlock;
+        const int64_t b = a + kBlock < n ? a + kBlock : n;
+        float *mo = m.data() + item * g, *lo = l.data() + item * g, *ao = acc.data() + item * g * hs;
+        if (bits == 8) sized<8>(q, c, row, a, b, g, hs, G, key_channels, mo, lo, ao);
+        else if (bits == 4) sized<4>(q, c, row, a, b, g, hs, G, key_channels, mo, lo, ao);
+        else sized<2>(q, c, row, a, b, g, hs, G, key_channels, mo, lo, ao);
+    }
+    for (int64_t row = 0; row < rows; ++row)  // the blocks' partial sums, merged
+        for (int64_t i = 0; i < g; ++i) {
+            float M = -INFINITY;
+            for (int64_t k = 0; k < blocks; ++k) M = std::fmax(M, m[(row * blocks + k) * g + i]);
+            float L = 0.f;
+            float* out = acc_out + (row * g + i) * hs;
+            for (int64_t d = 0; d < hs; ++d) out[d] = 0.f;
+            for (int64_t k = 0; k < blocks; ++k) {
+                const int64_t at = (row * blocks + k) * g + i;
+                const float w = std::exp(m[at] - M);
+                L += w * l[at];
+                for (int64_t d = 0; d < hs; ++d) out[d] += w * acc[at * hs + d];
+            }
+            m_out[row * g + i] = M;
+            l_out[row * g + i] = L;
+        }
+    return 0;
+}
