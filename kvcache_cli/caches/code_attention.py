@@ -8,9 +8,10 @@ the scales into the query and the weights, and keeps the softmax's partial sums
 (flash-decoding's m, l, acc), so the full-precision sinks and tail merge in exactly.
 
 It is built at first use with the machine's C++ compiler (`c++ -O3 -march=native
--ffast-math -fopenmp`, linked without fast math; about a second), into the kvcache cache folder, keyed by the source's hash,
-and loaded with ctypes. Where it cannot be built (no compiler, another CPU), `kernel()`
-is None, `NOTE` says why in one line, and the caches keep their torch path;
+-ffast-math -fopenmp`, linked without fast math; about a second), into the kvcache cache
+folder, keyed by the source's hash, and loaded with ctypes. Where it cannot be built (no
+compiler, another CPU), `kernel()` is None, `NOTE` says why in one line, and the caches
+keep their torch path;
 `KVCACHE_CODE_ATTENTION=torch` asks for that path, to time one against the other.
 """
 
