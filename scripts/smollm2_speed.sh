@@ -11,7 +11,7 @@
 # 2. Transformers' QuantizedCache (quanto int4) in its own LlamaForCausalLM beside our
 #    quantised caches, at a 1,024-token prompt.
 # 3. Decode-step time from 256 to 8,192 cached tokens: float, int8 and int4 caches beside
-#    llama.cpp's f16/q8_0/q4_0 caches, float16 weights (long_context.py).
+#    llama.cpp's f16/q8_0/q4_0 caches, float16 weights (bench --context).
 # 4. One step's profile in every weight format (step_profile.py).
 # summary.txt: tokens/s per mode and the ratios the targets name, from each run.
 set -euo pipefail
@@ -25,7 +25,8 @@ $run --weights-dtype q4 --modes static,static-compiled,llama.cpp-gguf --json > "
 kvcache bench -m smollm2 --device cpu --threads 2 --repeats 3 --prompt-len 1024 \
   --new-tokens 128 --modes static,hf-quanto --cache int4,int4:ktok:r0,int8,quanto-int4 \
   --json > "$out/quantised-1024.json"
-python scripts/long_context.py --threads 2 --weights-dtype fp16 \
+COLUMNS=120 kvcache bench -m smollm2 --device cpu --threads 2 --weights-dtype fp16 \
+  --context 256,1024,2048,4096,6144,8176 --cache static,int8,int4 \
   --plot "$out/long_context.png" > "$out/long_context.txt"
 python scripts/step_profile.py --model smollm2 --threads 2 --steps 16 \
   --formats fp32,fp16,bf16,int8,q4 > "$out/step_profile.txt"

@@ -31,6 +31,9 @@ from kvcache_cli.cli.common import (
     with_weights_dtype,
 )
 
+# `bench --context`: steps timed a round at each context, unless --new-tokens is given.
+CONTEXT_STEPS = 8
+
 
 def bench(
     ctx: typer.Context,
@@ -79,6 +82,14 @@ def bench(
         "lookup needs text that repeats itself; the default is a shipped checkpoint's "
         "held-out text, else seeded random ids).")
     ] = None,
+    context: Annotated[str | None, typer.Option(
+        metavar="TOKENS", help="Comma-separated cached-token counts, e.g. 1024,4096,8176: one "
+        "decode step timed at each for every --cache (default static,int8,int4), beside "
+        "llama.cpp's step with the matched cache type (f16, q8_0, q4_0) on the same weights "
+        "where the llama extra is installed, and the cache bytes each step reads. "
+        f"--new-tokens: the steps timed a round at each context (default {CONTEXT_STEPS} "
+        "here); --repeats: the rounds.")
+    ] = None,
 ) -> None:
     """Time every decode step of every mode, against transformers and the memory limit.
 
@@ -88,6 +99,10 @@ def bench(
     plain decoding with the same cache, interleaved, medians over --repeats.
     """
     model = model if model is not None else default_model()
+    if context is not None:
+        _context(ctx, context, cache or "static,int8,int4", device, model, weights, dtype,
+                 weights_dtype, new_tokens, repeats, threads, plot, as_json)
+        return
     if draft is not None:
         _speculative(ctx, draft, speculate, cache or "static", prompt_file, device, model, weights,
                      dtype, prompt_len, new_tokens, repeats, threads, as_json)
@@ -137,6 +152,78 @@ def bench(
     except (RuntimeError, OSError) as err:
         fail(str(err), code=1)
     show_then_plot(result, bench_view, as_json, save_plot, plot, "per-step plot")
+
+
+def _context(ctx, context: str, cache: str, device: str, model: str, weights: str,
+             dtype: DType, weights_dtype: str | None, new_tokens: int, repeats: int,
+             threads: int | None, plot: Path | None, as_json: bool) -> None:
+    """`bench --context`: each cache's decode step at long contexts, beside llama.cpp's."""
+    ignored = [p for p in ("modes", "compile_", "naive_samples", "prompt_len", "draft",
+                           "speculate", "prompt_file")
+               if getattr(ctx.get_parameter_source(p), "name", "") == "COMMANDLINE"]
+    if ignored:
+        name = "--compile" if ignored[0] == "compile_" else f"--{ignored[0].replace('_', '-')}"
+        fail(f"{name} does not apply with --context: each --cache is timed at each context, "
+             "beside llama.cpp's matched cache")
+    steps = new_tokens if getattr(ctx.get_parameter_source("new_tokens"), "name",
+                                  "") == "COMMANDLINE" else CONTEXT_STEPS
+    from kvcache_cli.numbers import NumberError, whole
+
+    try:
+        contexts = [whole(t.strip(), "--context", 1, 10**7) for t in context.split(",")]
+        steps = whole(str(steps), "--new-tokens", 1, 10_000)
+    except NumberError as err:
+        fail(str(err))
+    if threads_error(threads):
+        fail(threads_error(threads))
+    from kvcache_cli.bench.run import MAX_REPEATS
+
+    if not 1 <= repeats <= MAX_REPEATS:
+        fail(f"--repeats {repeats:,}: expected a whole number from 1 to {MAX_REPEATS:,}")
+    check_plot(plot)
+    need_torch_extra("kvcache bench needs", *GPT2_MODULES)
+    from kvcache_cli.caches.grammar import CacheSpecError
+    from kvcache_cli.caches.spec import parse_cache_list
+
+    try:
+        specs = parse_cache_list(cache)
+    except CacheSpecError as err:
+        fail(f"--cache: {err}")
+    for spec in specs:
+        check_cache_for(spec, model)
+    check_weights_dtype(weights_dtype, model, device)
+    import torch
+
+    from kvcache_cli.bench import context as bench_context
+    from kvcache_cli.measure import resolve_device
+    from kvcache_cli.models import linear, load_model, model_config
+    from kvcache_cli.views.bench_context import context_view, save_context_plot
+
+    try:
+        bench_context.check_context(model_config(model), specs, contexts, steps)
+        dev = resolve_device(device)
+    except ValueError as err:
+        fail(str(err))
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        loaded = load_model(model, weights=weights, device=dev,
+                            dtype=getattr(torch, TORCH_DTYPES[dtype.value]))
+        loaded, _ = with_weights_dtype(loaded, weights_dtype)
+        err_console = console(stderr=True)
+        with progress_bar(err_console, "{task.description}") as bar:
+            task = bar.add_task("loading", total=None)
+            result = bench_context.run_context(
+                loaded.model, specs, contexts, steps, repeats, torch.get_num_threads(),
+                model_name=loaded.source, weights=linear.weights_format(loaded.model),
+                with_llama=dev.type == "cpu",
+                progress=lambda label, done, total: bar.update(task, description=label))
+    except (ValueError, IndexError) as err:
+        fail(str(err))
+    except (RuntimeError, OSError) as err:
+        fail(str(err), code=1)
+    show_then_plot(result, context_view, as_json, save_context_plot, plot,
+                   "step time against context")
 
 
 def _speculative(ctx, draft: str, speculate: str, cache: str, prompt_file: Path | None,

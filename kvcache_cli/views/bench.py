@@ -30,7 +30,7 @@ def load_line(others_cpu_share: float) -> str:
 SPARK_WIDTH = 24  # beside five latency columns, the table still fits 80 columns
 
 
-def _bytes(n: int | float | None) -> str:
+def decimal_bytes(n: int | float | None) -> str:
     """Decimal units, like the GB/s beside them."""
     if n is None:
         return "-"
@@ -148,8 +148,8 @@ def _memory(r: BenchResult) -> Table:
             m.mode,
             f"{m.achieved_gbps:.1f}",
             f"{m.mbu:.0%}",
-            _bytes(m.bytes_copied),
-            _bytes(m.cache_bytes_held),
+            decimal_bytes(m.bytes_copied),
+            decimal_bytes(m.cache_bytes_held),
         )
     return _mode_column(table, r)
 
@@ -162,10 +162,10 @@ def _limit(r: BenchResult) -> Table:
             f"{p.best_gbps:.1f} GB/s")
         grid.add_row(f"{p.name} probe", f"{best} best, {p.median_gbps:.1f} median of "
                      f"{len(p.seconds)} runs: {p.what}")
-    grid.add_row("a decode step reads", f"{_bytes(r.weight_bytes)} of weights + "
-                 f"{_bytes(r.kv_bytes_per_token)} of K and V per token: "
-                 f"{_bytes(r.step_bytes_first)} @{r.profile_lengths[0]} to "
-                 f"{_bytes(r.step_bytes_last)} @{r.profile_lengths[-1]}")
+    grid.add_row("a decode step reads", f"{decimal_bytes(r.weight_bytes)} of weights + "
+                 f"{decimal_bytes(r.kv_bytes_per_token)} of K and V per token: "
+                 f"{decimal_bytes(r.step_bytes_first)} @{r.profile_lengths[0]} to "
+                 f"{decimal_bytes(r.step_bytes_last)} @{r.profile_lengths[-1]}")
     grid.add_row("ceiling", f"[bold cyan]{r.ceiling_tokens_per_s:.1f} tokens/s[/] "
                  f"({r.limit_probe} probe's best {r.limit_gbps:.1f} GB/s, the limit / mean "
                  "bytes a step)")
@@ -240,9 +240,9 @@ def fastest_line(r: BenchResult) -> str | None:
     peer = max(peers, key=lambda m: m.tokens_per_s_median)
     ratio = mine.tokens_per_s_median / peer.tokens_per_s_median
     return (f"fastest peer [bold]{peer.mode}[/] {_num(peer.tokens_per_s_median)} tok/s at "
-            f"{peer.mbu:.0%} of the limit ({_bytes(peer.weight_bytes)} of weights a step); "
+            f"{peer.mbu:.0%} of the limit ({decimal_bytes(peer.weight_bytes)} of weights a step); "
             f"ours [bold]{mine.mode}[/] {_num(mine.tokens_per_s_median)} tok/s at "
-            f"{mine.mbu:.0%} ({_bytes(mine.weight_bytes)}): [bold]{ratio:.2f}x[/] the peer")
+            f"{mine.mbu:.0%} ({decimal_bytes(mine.weight_bytes)}): [bold]{ratio:.2f}x[/] the peer")
 
 
 def bench(r: BenchResult) -> RenderableType:

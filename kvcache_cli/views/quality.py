@@ -11,7 +11,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 
 from kvcache_cli.eval.quality import CacheQuality, QualityResult
-from kvcache_cli.views.bench import _bytes
+from kvcache_cli.views.bench import decimal_bytes
 from kvcache_cli.views.layout import text_line, text_table
 from kvcache_cli.views.plot import BARS
 from kvcache_cli.views.style import figures_table, label_grid
@@ -66,7 +66,7 @@ def cost_cells(c: CacheQuality) -> tuple[str, ...]:
     compress = f"{c.compress_ms:.1f}" if c.compress_ms else "-"
     # '-' where a row has no time: llama.cpp's rows are fed in chunks, not timed.
     timed = lambda ms, fmt: "-" if math.isnan(ms) else format(ms, fmt)  # noqa: E731
-    return (f"{c.bytes_per_token:,.0f}", f"{c.bytes_ratio:.3f}", _bytes(c.bytes_held),
+    return (f"{c.bytes_per_token:,.0f}", f"{c.bytes_ratio:.3f}", decimal_bytes(c.bytes_held),
             timed(c.prefill_ms, ".1f"), compress, timed(c.decode_ms_per_token, ".2f"))
 
 

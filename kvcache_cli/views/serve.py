@@ -13,7 +13,7 @@ from rich.text import Text
 from kvcache_cli.serving.batching import SweepResult
 from kvcache_cli.serving.metrics import ATTAINMENT
 from kvcache_cli.serving.results import EngineResult, ServeResult
-from kvcache_cli.views.bench import _bytes, load_line
+from kvcache_cli.views.bench import decimal_bytes, load_line
 from kvcache_cli.views.style import BAD, OK, figures_table, label_grid
 
 
@@ -59,8 +59,8 @@ def _header(r: ServeResult) -> Table:
                      f"blocks, served from the prefix cache to every request after the first: "
                      f"{rates}")
     sharing = "prefix sharing on" if r.prefix_sharing else "prefix sharing off"
-    grid.add_row("KV memory", f"[bold]{_bytes(r.kv_mem_bytes)}[/] for every engine "
-                 f"({_bytes(r.bytes_per_token)} a token): paged {r.n_blocks:,} blocks of "
+    grid.add_row("KV memory", f"[bold]{decimal_bytes(r.kv_mem_bytes)}[/] for every engine "
+                 f"({decimal_bytes(r.bytes_per_token)} a token): paged {r.n_blocks:,} blocks of "
                  f"{r.block_size} tokens, {sharing}; padded {r.padded_rows} rows of "
                  f"{r.slab_len} positions; at most {r.max_batch} sequences at once")
     if r.pool is not None and r.pool.bytes_per_token != r.pool.gpt2_bytes_per_token:
@@ -134,9 +134,10 @@ def _pool_line(r: ServeResult) -> str:
 
     return (f"{p.bytes_per_token:,} B a token: [bold]{p.tokens_per_mib:,.1f}[/] tokens a MiB "
             f"against GPT-2 small's {p.gpt2_tokens_per_mib:,.1f} ({p.gpt2_bytes_per_token:,} B); "
-            f"this workload, all at once, prefill-first, replayed: in {_bytes(p.pool_bytes)} "
+            "this workload, all at once, prefill-first, replayed: in "
+            f"{decimal_bytes(p.pool_bytes)} "
             f"{batch(p.at_pool)} (GPT-2 small: {batch(p.gpt2_at_pool)}); in a small "
-            f"{_bytes(p.small_pool_bytes)} {batch(p.at_small)} (GPT-2 small: "
+            f"{decimal_bytes(p.small_pool_bytes)} {batch(p.at_small)} (GPT-2 small: "
             f"{batch(p.gpt2_at_small)})")
 
 
@@ -268,8 +269,8 @@ def _memory(r: ServeResult) -> Table:
                           "-", _opt(e.peak_running), _opt(hits, "{:,} tok"),
                           _opt(e.preemptions), _exact(r, e))
             continue
-        table.add_row(e.engine, _bytes(e.kv_reserved_bytes), _opt(e.pool_tokens),
-                      _bytes(e.kv_peak_used_bytes),
+        table.add_row(e.engine, decimal_bytes(e.kv_reserved_bytes), _opt(e.pool_tokens),
+                      decimal_bytes(e.kv_peak_used_bytes),
                       _opt(e.kv_utilisation, "{:.1%}"), _opt(e.peak_running),
                       _opt(e.prefix_blocks_hit), _opt(e.preemptions), _exact(r, e))
     return table

@@ -1,0 +1,255 @@
+"""`bench --context`: one decode step's time at long cached contexts, for each cache kind,
+beside llama.cpp's step with the matched cache type on the same weights.
+
+At a long context a decode step reads the whole cache once, so its time is the price of a
+cache kind that `eval` (quality) and `size` (bytes) cannot show. Each of our caches is
+filled to the context once, with seeded random keys and values written straight into every
+layer (no forward: a step's time does not depend on what the keys hold); llama.cpp is fed
+the same number of tokens as one prefill, with flash attention on (its quantised V cache
+needs it). At each context the engines take turns, `repeats` rounds of `steps` decode steps
+each, every step timed on its own; a round starts from the context again (the cache cropped
+back), so every step is timed at the context it is listed under. Medians over all steps,
+the spread of the rounds' medians beside them.
+
+Caches that choose their keys by attention (heavy hitters, SnapKV and kin) cannot be filled
+without a forward, and are refused with that reason.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from kvcache_cli.measure import OtherProcesses
+
+# Our cache kind -> the llama.cpp cache type that stores the same elements (ggml type id for
+# its type_k/type_v): the float cache beside f16 (llama.cpp's default), int8 beside q8_0
+# (blocks of 32 with one fp16 scale), int4 beside q4_0.
+LLAMA_CACHE_TYPES = {"f16": 1, "q8_0": 8, "q4_0": 2}
+LLAMA_ELEMENT_BYTES = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
+MATCHED = {"static": "f16", "paged": "f16", "concat": "f16", "int8": "q8_0", "int4": "q4_0"}
+# Weights format -> the llama.cpp bench mode that runs the same weights.
+LLAMA_MODE_FOR_WEIGHTS = {"fp32": "llama.cpp", "fp16": "llama.cpp-f16", "bf16": "llama.cpp-f16",
+                          "int8": "llama.cpp-q8_0", "q4": "llama.cpp-gguf"}
+DEFAULT_STEPS = 8
+
+# (what is being timed, points done, points in all)
+ContextProgress = Callable[[str, int, int], None]
+
+
+@dataclass(frozen=True)
+class ContextPoint:
+    context: int  # tokens in the cache when each timed step began
+    step_ms: float  # median over every timed step
+    spread_ms: tuple[float, float]  # min, max of the rounds' medians
+    cache_bytes: int  # what the step reads of the cache at this context
+
+
+@dataclass(frozen=True)
+class ContextSeries:
+    engine: str  # "kvcache" or "llama.cpp"
+    cache: str  # our spec, or llama.cpp's cache type
+    matches: str | None  # the other engine's matched cache (None: it has none)
+    points: tuple[ContextPoint, ...]
+
+
+@dataclass(frozen=True)
+class ContextResult:
+    model: str
+    weights: str  # the weights format, both engines'
+    weight_bytes: int  # ours; llama.cpp's file is in llama_file
+    threads: int
+    steps: int
+    repeats: int
+    contexts: tuple[int, ...]
+    series: tuple[ContextSeries, ...]
+    llama_file: str | None
+    llama_note: str | None  # why llama.cpp is absent, when it is
+    others_cpu_share: float | None
+    kernel_note: str | None  # the quantised caches' attention path, when not the kernel
+
+    def of(self, engine: str, cache: str) -> ContextSeries | None:
+        return next((s for s in self.series if s.engine == engine and s.cache == cache), None)
+
+
+def check_context(model_config, specs: Sequence, contexts: Sequence[int], steps: int) -> None:
+    """Refuse a context plan that cannot run, before the weights load (ValueError)."""
+    from kvcache_cli.caches import cache_class
+    from kvcache_cli.caches.bounded import HeavyHitterCache
+    from kvcache_cli.caches.compressed import PromptCompressedCache
+
+    for spec in specs:
+        cls = cache_class(spec)
+        if issubclass(cls, (HeavyHitterCache, PromptCompressedCache)):
+            raise ValueError(f"--cache {spec}: it chooses its keys by attention, and --context "
+                             "fills caches without a forward; expected an exact, quantised "
+                             "or window cache")
+    if list(contexts) != sorted(set(contexts)):
+        raise ValueError(f"--context {','.join(map(str, contexts))}: expected increasing "
+                         "token counts, each once")
+    need = contexts[-1] + steps
+    if need > model_config.context:
+        raise ValueError(f"--context {contexts[-1]:,} with {steps} timed steps needs {need:,} "
+                         f"positions; the model has {model_config.context:,}: lower the "
+                         "context or --new-tokens")
+
+
+def _fill(model, cache, start: int, end: int, seed: int) -> None:
+    """Positions start .. end - 1 of every layer written with seeded random keys, values."""
+    import torch
+
+    c = model.config
+    g = torch.Generator().manual_seed(seed)
+    for layer in range(c.n_layer):
+        k, v = (torch.randn(1, c.n_kv_head, end - start, c.head_size, generator=g)
+                .to(device=model.device, dtype=model.dtype) for _ in range(2))  # (1, nkv, T, hs)
+        cache.update(layer, start, k, v)
+
+
+class _Ours:
+    """One of our caches, filled to each context in turn."""
+
+    def __init__(self, model, spec, longest: int, steps: int):
+        from kvcache_cli.caches import make_cache
+
+        self.model, self.spec, self.name = model, spec, str(spec)
+        self.cache = make_cache(spec, model, longest + steps)
+        self.filled = 0
+
+    def to(self, context: int) -> int:
+        """Fill to `context`; the cache bytes a step then reads (what `size` counts, not the
+        buffers' capacity)."""
+        from kvcache_cli.caches.spec import layer_bytes
+
+        _fill(self.model, self.cache, self.filled, context, seed=context)
+        self.filled = context
+        c = self.model.config
+        element = self.model.dtype.itemsize
+        return c.n_layer * layer_bytes(self.spec, context, c.n_kv_head, c.head_size, element)
+
+    def steps(self, context: int, n: int) -> list[float]:
+        import torch
+
+        from kvcache_cli.caches import RollbackError
+
+        token = torch.tensor([[1]], device=self.model.device)
+        times = []
+        with torch.inference_mode():
+            for i in range(n):
+                start = time.perf_counter()
+                self.model(token, context + i, self.cache)
+                times.append(time.perf_counter() - start)
+        try:
+            self.cache.crop(context)  # the next round starts at the same context
+        except RollbackError:  # a ring that wrapped cannot reach back: filled again
+            self.cache.reset()
+            _fill(self.model, self.cache, 0, context, seed=context)
+        return times
+
+
+class _Llama:
+    """llama.cpp with one cache type, fed to each context in turn."""
+
+    def __init__(self, path: str, kind: str, longest: int, steps: int, threads: int,
+                 per_token_elements: int):
+        from llama_cpp import Llama
+
+        self.name = kind
+        self.per_token = per_token_elements * LLAMA_ELEMENT_BYTES[kind]
+        self.llm = Llama(model_path=path, n_ctx=longest + steps + 8, n_batch=512,
+                         n_threads=threads, n_threads_batch=threads, flash_attn=True,
+                         type_k=LLAMA_CACHE_TYPES[kind], type_v=LLAMA_CACHE_TYPES[kind],
+                         verbose=False)
+        self.fed = 0
+
+    def to(self, context: int) -> int:
+        self.llm.n_tokens = self.fed
+        self.llm.eval([1] * (context - self.fed))
+        self.fed = context
+        return round(self.per_token * context)
+
+    def steps(self, context: int, n: int) -> list[float]:
+        times = []
+        for _ in range(n):
+            start = time.perf_counter()
+            self.llm.eval([1])
+            times.append(time.perf_counter() - start)
+        self.llm.n_tokens = context  # the next eval writes from the context again
+        return times
+
+    def close(self) -> None:
+        self.llm.close()
+
+
+def llama_file(model, weights: str) -> tuple[str | None, str | None]:
+    """(the GGUF llama.cpp runs for these weights, or None and why not)."""
+    from kvcache_cli.models.llama_cpp import INSTALL, llama_available, prepare
+
+    if not llama_available():
+        return None, f"llama.cpp is not installed: {INSTALL}"
+    mode = LLAMA_MODE_FOR_WEIGHTS.get(weights)
+    if mode is None:
+        return None, f"llama.cpp has no format for {weights} weights"
+    if mode == "llama.cpp-gguf" and getattr(model.config, "gguf", None) is None:
+        return None, "q4 weights come from a GGUF's blocks; this model was not read from one"
+    return str(prepare(model, mode).path), None
+
+
+def run_context(model, specs: Sequence, contexts: Sequence[int], steps: int, repeats: int,
+                threads: int, model_name: str, weights: str, with_llama: bool = True,
+                progress: ContextProgress | None = None) -> ContextResult:
+    """Every cache's (and llama.cpp's matched cache's) decode step timed at each context."""
+    from kvcache_cli.caches import code_attention
+    from kvcache_cli.measure import weight_bytes
+
+    others = OtherProcesses()
+    c = model.config
+    longest = contexts[-1]
+    engines: list = [_Ours(model, spec, longest, steps) for spec in specs]
+    path, note = llama_file(model, weights) if with_llama else (None, "not asked for")
+    if path is not None:
+        wanted = [MATCHED[s.kind] for s in specs if s.kind in MATCHED]
+        elements = 2 * c.n_layer * c.n_kv_head * c.head_size  # K and V, every layer, a token
+        engines += [_Llama(path, kind, longest, steps, threads, elements)
+                    for kind in LLAMA_CACHE_TYPES if kind in wanted]
+    points: dict[str, list[ContextPoint]] = {e.name: [] for e in engines}
+    done, total = 0, len(contexts) * len(engines)
+    try:
+        for context in contexts:
+            held = {}
+            for e in engines:
+                if progress:
+                    progress(f"filling {e.name} to {context:,}", done, total)
+                held[e.name] = e.to(context)
+            rounds: dict[str, list[list[float]]] = {e.name: [] for e in engines}
+            for _ in range(repeats):  # the engines take turns: a slow patch hits them all
+                for e in engines:
+                    rounds[e.name].append(e.steps(context, steps))
+            for e in engines:
+                every = [t for r in rounds[e.name] for t in r]
+                medians = [statistics.median(r) * 1e3 for r in rounds[e.name]]
+                points[e.name].append(ContextPoint(
+                    context, statistics.median(every) * 1e3, (min(medians), max(medians)),
+                    held[e.name]))
+                done += 1
+            if progress:
+                progress(f"{context:,} tokens timed", done, total)
+    finally:
+        for e in engines:
+            if isinstance(e, _Llama):
+                e.close()
+    kinds = {MATCHED.get(s.kind) for s in specs}
+    series = [ContextSeries("kvcache", str(s), MATCHED.get(s.kind) if path else None,
+                            tuple(points[str(s)])) for s in specs]
+    series += [ContextSeries("llama.cpp", e.name,
+                             next((str(s) for s in specs if MATCHED.get(s.kind) == e.name), None),
+                             tuple(points[e.name]))
+               for e in engines if isinstance(e, _Llama) and e.name in kinds]
+    quantised = any(s.kind in ("int8", "int4", "int2") for s in specs)
+    kernel = code_attention.NOTE[-1] if quantised and code_attention.NOTE else None
+    return ContextResult(
+        model=model_name, weights=weights, weight_bytes=weight_bytes(model), threads=threads,
+        steps=steps, repeats=repeats, contexts=tuple(contexts), series=tuple(series),
+        llama_file=path, llama_note=note, others_cpu_share=others.share(), kernel_note=kernel)

@@ -1,0 +1,110 @@
+"""Views of a `ContextResult` (`bench --context`): per context, each cache's decode step in
+kvcache beside llama.cpp's with the matched cache type, the bytes each step reads of its
+cache, and a plot of step time against context, one line per cache and engine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.console import Group, RenderableType
+from rich.table import Table
+
+from kvcache_cli.bench.context import ContextResult
+from kvcache_cli.views.bench import decimal_bytes, load_line
+from kvcache_cli.views.plot import require_matplotlib
+from kvcache_cli.views.style import figures_table, label_grid
+
+WEIGHTS = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16",
+           "int8": "int8 (one scale per output channel)", "q4": "the GGUF's own 4-bit blocks"}
+
+
+def _header(r: ContextResult) -> Table:
+    grid = label_grid()
+    grid.add_row("model", f"[bold]{r.model}[/], {WEIGHTS.get(r.weights, r.weights)} weights "
+                 f"({decimal_bytes(r.weight_bytes)} a step), [bold]{r.threads} threads[/]")
+    grid.add_row("run", f"at each context, {r.repeats} round{'s' * (r.repeats > 1)} of "
+                 f"{r.steps} decode steps per engine, taking turns; medians over every step, "
+                 "the rounds' spread beside them")
+    grid.add_row("fill", "ours: seeded random keys and values written into every layer; "
+                 "llama.cpp: the same number of tokens as one prefill (flash attention on)")
+    if r.llama_file:
+        grid.add_row("llama.cpp", f"the same weights, {r.llama_file}")
+    elif r.llama_note:
+        grid.add_row("llama.cpp", f"[yellow]absent: {r.llama_note}[/]")
+    if r.kernel_note:
+        grid.add_row("note", f"[yellow]{r.kernel_note}[/]")
+    if r.others_cpu_share is not None:
+        grid.add_row("load", load_line(r.others_cpu_share))
+    return grid
+
+
+def _rows(r: ContextResult) -> list[tuple[str, ...]]:
+    """One row per (context, our cache): its step, against our float cache, and the
+    matched llama.cpp cache's step and bytes beside it."""
+    base = next((s for s in r.series if s.engine == "kvcache" and s.cache == "static"), None)
+    rows = []
+    for i, context in enumerate(r.contexts):
+        for s in (s for s in r.series if s.engine == "kvcache"):
+            p = s.points[i]
+            over = "-" if base is None else f"{p.step_ms / base.points[i].step_ms:.2f}x"
+            peer = r.of("llama.cpp", s.matches) if s.matches else None
+            q = peer.points[i] if peer else None
+            rows.append((f"{context:,}" if s is r.series[0] else "", s.cache,
+                         f"{p.step_ms:.1f}", f"{p.spread_ms[0]:.1f}-{p.spread_ms[1]:.1f}",
+                         decimal_bytes(p.cache_bytes), over,
+                         s.matches or "-", "-" if q is None else f"{q.step_ms:.1f}",
+                         "-" if q is None else decimal_bytes(q.cache_bytes),
+                         "-" if q is None else f"{p.step_ms / q.step_ms:.2f}x"))
+    return rows
+
+
+def _table(r: ContextResult) -> Table:
+    table = figures_table("context", "cache", "ms/step", "spread", "cache read", "÷static",
+                          "llama.cpp", "ms/step", "cache read", "÷llama.cpp",
+                          title="one decode step at each context: ours, and llama.cpp's with "
+                          "the matched cache type")
+    table.columns[1].justify = table.columns[6].justify = "left"
+    for row in _rows(r):
+        table.add_row(*row)
+    return table
+
+
+def context_view(r: ContextResult) -> RenderableType:
+    return Group(_header(r), _table(r))
+
+
+def save_context_plot(r: ContextResult, path: str | Path) -> Path:
+    """Step time against context: ours solid, llama.cpp dashed, one line per cache."""
+    require_matplotlib()
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(8, 4.5), dpi=120)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for s in r.series:
+        ours = s.engine == "kvcache"
+        ax.plot([p.context for p in s.points], [p.step_ms for p in s.points],
+                "o-" if ours else "s--", ms=4, lw=1.2,
+                label=s.cache if ours else f"llama.cpp {s.cache} cache")
+    static = r.of("kvcache", "static")
+    if static is not None:  # where a step reads more bytes of cache than of weights
+        per_token = static.points[-1].cache_bytes / static.points[-1].context
+        crossing = r.weight_bytes / per_token
+        if crossing <= r.contexts[-1]:
+            ax.axvline(crossing, color="grey", lw=0.8)
+            ax.annotate(" float cache > weights", (crossing, 0), xycoords=("data", "axes "
+                        "fraction"), xytext=(2, 4), textcoords="offset points", color="grey",
+                        fontsize=8)
+    ax.set_xlabel("cached tokens")
+    ax.set_ylabel("ms per decode step")
+    ax.set_ylim(bottom=0)
+    threads = f"{r.threads} thread{'s' * (r.threads > 1)}"
+    ax.set_title(f"{r.model} · {r.weights} weights · {threads} · median of "
+                 f"{r.repeats}×{r.steps} steps", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, format="png")
+    return path
