@@ -209,7 +209,8 @@ def test_the_servers_row_is_drawn_in_the_tables(stub, checkpoint):
     assert "stub: stub 0.1 at http://127.0.0.1" in text
     assert "pool 100 blocks of 16 = 1,600 tokens" in text
     assert text.count("\n  stub ") >= 4  # throughput and latency at each rate, the curve
-    assert "not checked" in text
+    # Its tokenizer (tiktoken's GPT-2 files) is not here: the replies cannot be read back.
+    assert "stub: its replies were not checked" in " ".join(text.split())
 
 
 @pytest.mark.parametrize(("behave", "words"), [
@@ -454,3 +455,33 @@ def test_the_vllm_script_starts_waits_for_and_stops_its_server(tmp_path):
     assert "stopped vLLM" in stopped.stdout, stopped.stdout + stopped.stderr
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
+
+
+def test_a_servers_replies_are_held_against_the_solo_tokens_as_text(stub):
+    """Its text agrees where it decodes the solo tokens; where it splits, the step and the
+    solo logits' top-2 gap there are reported, as for kvcache's own engines."""
+    import dataclasses
+
+    from servingkit import tiny_model
+
+    from kvcache_cli.serving.engines import solo_tokens
+
+    model = tiny_model()
+    requests = _requests()[:3]
+    row = T.run(_server(stub), requests, SPEC, None, timeout=10)
+    assert row.remote.texts == tuple(" tok" * r.max_new_tokens for r in requests)
+
+    def decode(ids):  # one distinct piece a token: text equality is token equality
+        return "".join(f"<{i}>" for i in ids)
+
+    solo = solo_tokens(model, requests)
+    texts = [decode(solo[r.id]) for r in requests]
+    texts[1] = decode(solo[1][:2]) + "<elsewhere>"  # request 1 splits at its third token
+    texts[2] = decode(solo[2][:-1])  # request 2 stops a token early
+    served = dataclasses.replace(row, remote=dataclasses.replace(row.remote, texts=tuple(texts)))
+    checked = T.check_replies(served, requests, [solo[r.id] for r in requests], decode, model)
+    assert checked.requests_exact == 1
+    split, short = checked.mismatches
+    assert (split.request, split.step) == (1, 2) and split.top2_gap > 0
+    assert (short.request, short.step) == (2, len(solo[2]) - 1)
+    assert T.agreed_tokens(texts[1], solo[1], decode) == 2

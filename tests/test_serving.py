@@ -259,7 +259,7 @@ def test_a_differing_token_is_reported_with_its_step_and_the_solo_gap():
     reference = E.solo_tokens(model, requests)
     changed = {k: list(v) for k, v in reference.items()}
     changed[2][1] = (changed[2][1] + 1) % CONFIG.vocab_size
-    (mismatch,) = E._mismatches(model, requests, changed, reference)
+    (mismatch,) = E.mismatches(model, requests, changed, reference)
     assert (mismatch.request, mismatch.step) == (2, 1)
     assert mismatch.top2_gap >= 0 and mismatch.logit_scale > 0
 

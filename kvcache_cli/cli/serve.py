@@ -173,7 +173,7 @@ def serve(
     if remote:
         from kvcache_cli.serving.target import beside
 
-        result = beside(result, remote)
+        result = beside(result, _checked(remote, result, loaded.model, model))
     show_then_plot(result, render, as_json, save_plot, plot, "plot")
 
 
@@ -205,6 +205,20 @@ def _target(ctx, url, model, timeout, batch, prompt_form):
         raise ValueError(f"--target-prompt {prompt_form!r}: expected one of "
                          f"{', '.join(PROMPT_FORMS)}")
     return parse_target(url)
+
+
+def _checked(remote, result, model, name: str) -> list:
+    """Each server row with its replies held against the solo tokens, where the model's
+    tokenizer can decode them (rows as they are otherwise)."""
+    from kvcache_cli.models import model_config
+    from kvcache_cli.models.tokenizer import encoding_for
+    from kvcache_cli.serving.target import check_replies
+
+    encoding, _ = encoding_for(model_config(name).tokenizer)
+    if encoding is None or not result.solo_tokens:
+        return [row for row, _ in remote]
+    return [check_replies(row, requests, result.solo_tokens, encoding.decode, model)
+            for row, requests in remote]
 
 
 def _prompt_texts(model, requests) -> dict[int, str]:
@@ -241,9 +255,9 @@ def _run_target(where, target_model, timeout, model, what, chat, err_console, pr
                 def step(name, done, total, running, waiting, _step=on_step):
                     _step(name, done, total, running, waiting, 0, 0)
 
-                rows.append(target.run(server, requests, spec, rate, timeout, goals, step,
-                                       texts))
-                on_done(rows[-1])
+                rows.append((target.run(server, requests, spec, rate, timeout, goals, step,
+                                        texts), requests))
+                on_done(rows[-1][0])
     except ValueError as err:
         fail(str(err))
     except target.TargetError as err:

@@ -217,7 +217,7 @@ def _run_paged(model: FamilyModel, requests, rec: Recorder, plan: Plan, block_si
 # ---------------------------------------------------------------------------- summary
 
 
-def _mismatches(model: FamilyModel, requests, tokens: dict[int, list[int]],
+def mismatches(model: FamilyModel, requests, tokens: dict[int, list[int]],
                 reference: dict[int, list[int]]) -> tuple[Mismatch, ...]:
     out = []
     for r in requests:
@@ -253,7 +253,7 @@ def _summarise(engine: str, setup_s: float, rec: Recorder, model: FamilyModel,
         used = sum(s.kv_used_bytes * d for s, d in zip(samples, spans, strict=True))
         real = sum(s.kv_real_bytes * d for s, d in zip(samples, spans, strict=True))
         utilisation = real / used if used else None
-    mismatches = _mismatches(model, rec.requests, rec.tokens, reference)
+    differ = mismatches(model, rec.requests, rec.tokens, reference)
     return EngineResult(
         engine=engine, setup_s=setup_s, total_s=total, output_tokens=n_out,
         tokens_per_s=n_out / total, latency=summarise(times, total, targets),
@@ -265,8 +265,8 @@ def _summarise(engine: str, setup_s: float, rec: Recorder, model: FamilyModel,
         shared_hit_rate=memory.get("shared_hit_rate"),
         preemptions=memory.get("preemptions"),
         pool_tokens=memory.get("pool_tokens"),
-        requests_exact=len(rec.requests) - len(mismatches),
-        mismatches=mismatches,
+        requests_exact=len(rec.requests) - len(differ),
+        mismatches=differ,
         timeline=tuple(samples),
         steps=memory.get("steps"),
     )
@@ -448,6 +448,7 @@ def run_serve(model: FamilyModel, spec: WorkloadSpec, engines: Sequence[str | Va
         goodput=dict(targets) if targets else None,
         replies=replies_of(requests, reference, stop_names) if spec.kind == "chat" else None,
         pool=_pool_figures(model, requests, reference, kv_mem, block_size, max_batch),
+        solo_tokens=tuple(tuple(reference[r.id]) for r in requests),
     )
 
 

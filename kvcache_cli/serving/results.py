@@ -100,6 +100,7 @@ class Remote:
     chunked: bool  # some chunk carried more than one token: ITL is between chunks
     metrics: ServerMetrics | None  # None: the server has no /metrics
     prompt_form: str = "ids"  # the prompts went as token ids, or as text it tokenized
+    texts: tuple[str, ...] = ()  # each request's reply as the server streamed it, in order
 
 
 @dataclass(frozen=True)
@@ -186,6 +187,9 @@ class ServeResult:
     goodput: dict[str, float] | None = None  # targets, ms
     replies: Replies | None = None  # a chat workload's reply lengths and stops
     pool: PoolFigures | None = None  # the pool under GQA, beside GPT-2 small's
+    # Each request's solo (static cache) reply, in request order: what every engine's
+    # tokens, and a server's text, are held against.
+    solo_tokens: tuple[tuple[int, ...], ...] = ()
 
     def at(self, rate: float | None) -> tuple[EngineResult, ...]:
         return tuple(e for e in self.engines if e.rate == rate)

@@ -315,6 +315,7 @@ class _Reply:
     prompt_tokens: int | None = None  # the server's counts (usage)
     completion_tokens: int | None = None
     finish: str | None = None
+    text: list[str] = field(default_factory=list)  # the reply's text, chunk by chunk
 
 
 PROMPT_FORMS = ("ids", "text")
@@ -455,9 +456,10 @@ class _Run:
                                   f"{_error_detail(chunk)}")
             if choices := data.get("choices"):
                 reply.times.append(self.clock())  # vLLM's client: every chunk with choices
-                finish = choices[0].get("finish_reason") if isinstance(choices[0], dict) \
-                    else None
-                reply.finish = finish or reply.finish
+                choice = choices[0] if isinstance(choices[0], dict) else {}
+                reply.finish = choice.get("finish_reason") or reply.finish
+                if isinstance(text := choice.get("text"), str):
+                    reply.text.append(text)
             elif isinstance(usage := data.get("usage"), dict):
                 reply.completion_tokens = _count(usage.get("completion_tokens"))
                 reply.prompt_tokens = _count(usage.get("prompt_tokens"))
@@ -555,7 +557,8 @@ def _result(server: Server, requests: Sequence[Request], replies: dict[int, _Rep
         stopped=finishes.count("stop"), capped=finishes.count("length"),
         prompt_tokens_differ=sum(1 for r in requests if replies[r.id].prompt_tokens
                                  not in (None, len(r.prompt))),
-        chunked=any(t.n_out != len(t.tokens) for t in times), metrics=metrics)
+        chunked=any(t.n_out != len(t.tokens) for t in times), metrics=metrics,
+        texts=tuple("".join(replies[r.id].text) for r in requests))
     pool = None
     if metrics is not None:
         pool = metrics.kv_cache_tokens or (
@@ -586,3 +589,39 @@ def beside(result: ServeResult, rows: Sequence[EngineResult]) -> ServeResult:
     engines = tuple(e for rate in result.rates
                     for e in (*result.at(rate), *(x for x in rows if x.rate == rate)))
     return dataclasses.replace(result, engines=engines)
+
+
+def agreed_tokens(text: str, tokens: Sequence[int], decode: Callable[[list[int]], str]) -> int:
+    """How many of `tokens` the server's `text` begins with, read as text: a server streams
+    text, and re-encoding it need not give back the ids it generated, so the solo tokens
+    are decoded instead, one more at a time."""
+    n = 0
+    while n < len(tokens) and text.startswith(decode(list(tokens[:n + 1]))):
+        n += 1
+    return n
+
+
+def check_replies(row: EngineResult, requests: Sequence[Request],
+                  solo: Sequence[Sequence[int]], decode: Callable[[list[int]], str],
+                  model) -> EngineResult:
+    """The server's replies held against each request's solo tokens (exact, or where they
+    split, with the solo logits' top-2 gap there: a near-tie, or not)."""
+    import dataclasses
+
+    from kvcache_cli.serving.engines import mismatches
+
+    if row.remote is None or len(row.remote.texts) != len(requests):
+        return row
+    reference, got = {}, {}
+    for r, text, tokens in zip(requests, row.remote.texts, solo, strict=True):
+        tokens = list(tokens)
+        # The stop token ends the solo reply; a server ends there without streaming it.
+        said = tokens[:-1] if tokens and tokens[-1] in r.stop_ids else tokens
+        reference[r.id] = said
+        n = agreed_tokens(text, said, decode)
+        same = n == len(said) and text == decode(said)
+        got[r.id] = said if same else said[:n] + [-1]  # -1: no token id, where they split
+    found = mismatches(model, requests, got, reference)
+    return dataclasses.replace(row, requests_exact=len(requests) - len(found),
+                               mismatches=found)
+

@@ -295,6 +295,9 @@ def _verdict(r: ServeResult) -> RenderableType:
                 f"new token {first.step}): a quantised cache's rounding, which "
                 f"'kvcache eval' prices in perplexity and KL"))
             continue
+        if e.remote is not None:
+            lines += _server_lines(r, e)
+            continue
         for m in e.mismatches:
             lines.append(Text.from_markup(
                 f"{BAD} {_label(e, len(r.rates) > 1)}: request {m.request} left its solo "
@@ -302,13 +305,34 @@ def _verdict(r: ServeResult) -> RenderableType:
                 f"{m.top2_gap / m.logit_scale:.1e} of the largest; "
                 + ("a near-tie that float32 summation order can flip"
                    if m.near_tie else "not a near-tie: look for a bug")))
-    servers = [e.engine for e in r.at(r.rates[0]) if e.remote is not None]
+    unchecked = [e.engine for e in r.at(r.rates[0])
+                 if e.remote is not None and e.requests_exact is None]
     if not lines:
         lines.append(Text.from_markup(
             f"{OK} every engine gave every request exactly its solo (static cache) tokens"
-            + (f" ({', '.join(servers)}: a server's replies come as text, not checked)"
-               if servers else "")))
+            + (f" ({', '.join(unchecked)}: its replies were not checked: the model's "
+               "tokenizer is not at hand to read them)" if unchecked else "")))
     return Group(*lines)
+
+
+def _server_lines(r: ServeResult, e) -> list[Text]:
+    """A server's replies against the solo tokens: how many agree, and where each other
+    one split, with kvcache's top-2 gap there (another engine sums in another order, and
+    may run another dtype: a near-tie is expected to flip now and then)."""
+    if not e.mismatches:
+        return []
+    splits = [m for m in e.mismatches if m.top2_gap == m.top2_gap]  # NaN: a length differs
+    ties = sum(m.near_tie for m in splits)
+    line = (f"[yellow]~[/] {_label(e, len(r.rates) > 1)}: {e.requests_exact} of "
+            f"{r.workload.requests} replies are kvcache's solo tokens exactly")
+    if splits:
+        at = ", ".join(f"request {m.request} at token {m.step} (gap {m.top2_gap:.3g}, "
+                       f"{m.top2_gap / m.logit_scale:.1e} of the largest)" for m in splits)
+        line += f"; split at {at}: {ties} of {len(splits)} near-ties"
+    if len(splits) < len(e.mismatches):
+        line += (f"; {len(e.mismatches) - len(splits)} agreed as far as one went and "
+                 "differ in length")
+    return [Text.from_markup(line)]
 
 
 def _sweep(r: SweepResult) -> RenderableType:
