@@ -102,10 +102,14 @@ def _fill(model, cache, start: int, end: int, seed: int) -> None:
 
     c = model.config
     g = torch.Generator().manual_seed(seed)
-    for layer in range(c.n_layer):
-        k, v = (torch.randn(1, c.n_kv_head, end - start, c.head_size, generator=g)
-                .to(device=model.device, dtype=model.dtype) for _ in range(2))  # (1, nkv, T, hs)
-        cache.update(layer, start, k, v)
+    # Under inference mode, as the steps run: a cache that grew its buffers during a step
+    # holds inference tensors, which only inference mode may write.
+    with torch.inference_mode():
+        for layer in range(c.n_layer):
+            k, v = (torch.randn(1, c.n_kv_head, end - start, c.head_size, generator=g)
+                    .to(device=model.device, dtype=model.dtype)
+                    for _ in range(2))  # (1, nkv, T, hs)
+            cache.update(layer, start, k, v)
 
 
 class _Ours:
@@ -158,7 +162,7 @@ class _Llama:
 
         self.name = kind
         self.per_token = per_token_elements * LLAMA_ELEMENT_BYTES[kind]
-        self.llm = Llama(model_path=path, n_ctx=longest + steps + 8, n_batch=512,
+        self.llm = Llama(model_path=path, n_ctx=longest + steps, n_batch=512,
                          n_threads=threads, n_threads_batch=threads, flash_attn=True,
                          type_k=LLAMA_CACHE_TYPES[kind], type_v=LLAMA_CACHE_TYPES[kind],
                          verbose=False)

@@ -100,7 +100,8 @@ def save_context_plot(r: ContextResult, path: str | Path) -> Path:
     ax.set_ylabel("ms per decode step")
     ax.set_ylim(bottom=0)
     threads = f"{r.threads} thread{'s' * (r.threads > 1)}"
-    ax.set_title(f"{r.model} · {r.weights} weights · {threads} · median of "
+    model = r.model.split(" (")[0]  # the name, not where it was read from
+    ax.set_title(f"{model} · {r.weights} weights · {threads} · median of "
                  f"{r.repeats}×{r.steps} steps", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
