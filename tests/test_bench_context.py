@@ -105,13 +105,16 @@ def test_the_command_prints_json_with_every_series():
     assert r["contexts"] == [16, 32] and r["steps"] == 2 and r["repeats"] == 1
 
 
-def test_the_command_prints_a_table_per_context():
-    out = CliRunner().invoke(app, ["bench", "-m", "stdlib-bytes", "--context", "16",
+def test_the_command_prints_a_table_per_context_and_draws_its_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "context.png"
+    out = CliRunner().invoke(app, ["bench", "-m", "stdlib-bytes", "--context", "16,32",
                                    "--cache", "static,window:8", "--new-tokens", "2",
-                                   "--repeats", "1", "--threads", "1"])
+                                   "--repeats", "1", "--threads", "1", "--plot", str(png)])
     assert out.exit_code == 0, out.output
     assert "one decode step at each context" in out.stdout
     assert "window:8" in out.stdout and "÷static" in out.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.parametrize("args, words", [

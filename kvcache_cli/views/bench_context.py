@@ -11,7 +11,7 @@ from rich.table import Table
 
 from kvcache_cli.bench.context import ContextResult
 from kvcache_cli.views.bench import decimal_bytes, load_line
-from kvcache_cli.views.plot import require_matplotlib
+from kvcache_cli.views.plot import finish_png, line_axes
 from kvcache_cli.views.style import figures_table, label_grid
 
 WEIGHTS = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16",
@@ -75,13 +75,7 @@ def context_view(r: ContextResult) -> RenderableType:
 
 def save_context_plot(r: ContextResult, path: str | Path) -> Path:
     """Step time against context: ours solid, llama.cpp dashed, one line per cache."""
-    require_matplotlib()
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(8, 4.5), dpi=120)
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
+    fig, ax = line_axes()
     for s in r.series:
         ours = s.engine == "kvcache"
         ax.plot([p.context for p in s.points], [p.step_ms for p in s.points],
@@ -103,9 +97,4 @@ def save_context_plot(r: ContextResult, path: str | Path) -> Path:
     model = r.model.split(" (")[0]  # the name, not where it was read from
     ax.set_title(f"{model} · {r.weights} weights · {threads} · median of "
                  f"{r.repeats}×{r.steps} steps", fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, format="png")
-    return path
+    return finish_png(fig, ax, path)

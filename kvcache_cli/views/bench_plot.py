@@ -6,19 +6,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvcache_cli.bench.results import BenchResult
-from kvcache_cli.views.plot import color, require_matplotlib
+from kvcache_cli.views.plot import color, finish_png, line_axes
 
 
 def save_plot(result: BenchResult, path: str | Path) -> Path:
     """Per-step latency (median over repeats) against context length, one line per mode."""
-    require_matplotlib()
-    # The object-oriented API with the Agg canvas: no GUI backend, no pyplot state.
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(8, 4.5), dpi=120)
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
+    fig, ax = line_axes()
     for mode in result.modes:
         # Decode step i runs at context length prompt + 1 + i.
         lengths = [result.prompt_len + 1 + i for i in mode.steps]
@@ -35,9 +28,4 @@ def save_plot(result: BenchResult, path: str | Path) -> Path:
         f"median of {result.repeats}",
         fontsize=9,
     )
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, format="png")
-    return path
+    return finish_png(fig, ax, path)

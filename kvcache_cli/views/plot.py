@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Sequence
+from pathlib import Path
 
 BARS = "▁▂▃▄▅▆▇█"
 # One colour per mode whatever subset ran, so plots from different runs compare.
@@ -37,6 +38,28 @@ def require_matplotlib() -> None:
         raise PlotUnavailable(
             "--plot needs matplotlib: pip install 'kvcache[plot]' (or drop --plot)"
         ) from error
+
+
+def line_axes(figsize: tuple[float, float] = (8, 4.5)):
+    """(figure, axes) for a line plot: the object-oriented API on the Agg canvas, so no GUI
+    backend and no pyplot state."""
+    require_matplotlib()
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=figsize, dpi=120)
+    FigureCanvasAgg(fig)
+    return fig, fig.add_subplot()
+
+
+def finish_png(fig, ax, path) -> Path:
+    """Grid, legend and tight layout, then the PNG at `path`."""
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, format="png")
+    return path
 
 
 def sparkline(values: Sequence[float], width: int = 48) -> str:
