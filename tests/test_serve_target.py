@@ -29,6 +29,7 @@ from typer.testing import CliRunner
 
 from kvcache_cli.cli import app
 from kvcache_cli.serving import target as T
+from kvcache_cli.serving import target_rows
 from kvcache_cli.serving.sequence import Request
 from kvcache_cli.serving.workload import WorkloadSpec, make_requests
 
@@ -485,9 +486,10 @@ def test_a_servers_replies_are_held_against_the_solo_tokens_as_text(stub):
     texts[1] = decode(solo[1][:2]) + "<elsewhere>"  # request 1 splits at its third token
     texts[2] = decode(solo[2][:-1])  # request 2 stops a token early
     served = dataclasses.replace(row, remote=dataclasses.replace(row.remote, texts=tuple(texts)))
-    checked = T.check_replies(served, requests, [solo[r.id] for r in requests], decode, model)
+    checked = target_rows.check_replies(served, requests, [solo[r.id] for r in requests],
+                                        decode, model)
     assert checked.requests_exact == 1
     split, short = checked.mismatches
     assert (split.request, split.step) == (1, 2) and split.top2_gap > 0
     assert (short.request, short.step) == (2, len(solo[2]) - 1)
-    assert T.agreed_tokens(texts[1], solo[1], decode) == 2
+    assert target_rows.agreed_tokens(texts[1], solo[1], decode) == 2

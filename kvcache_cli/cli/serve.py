@@ -171,7 +171,7 @@ def serve(
     except RuntimeError as err:
         fail(str(err), code=1)
     if remote:
-        from kvcache_cli.serving.target import beside
+        from kvcache_cli.serving.target_rows import beside
 
         result = beside(result, _checked(remote, result, loaded.model, model))
     show_then_plot(result, render, as_json, save_plot, plot, "plot")
@@ -212,7 +212,7 @@ def _checked(remote, result, model, name: str) -> list:
     tokenizer can decode them (rows as they are otherwise)."""
     from kvcache_cli.models import model_config
     from kvcache_cli.models.tokenizer import encoding_for
-    from kvcache_cli.serving.target import check_replies
+    from kvcache_cli.serving.target_rows import check_replies
 
     encoding, _ = encoding_for(model_config(name).tokenizer)
     if encoding is None or not result.solo_tokens:
