@@ -7,43 +7,26 @@ cost more than SDPA reading float32 outright; this kernel reads the codes as byt
 the scales into the query and the weights, and keeps the softmax's partial sums
 (flash-decoding's m, l, acc), so the full-precision sinks and tail merge in exactly.
 
-It is built at first use with the machine's C++ compiler (`c++ -O3 -march=native
--ffast-math -fopenmp`, linked without fast math; about a second), into the kvcache cache
-folder, keyed by the source's hash, and loaded with ctypes. Where it cannot be built (no
-compiler, another CPU), `kernel()` is None, `NOTE` says why in one line, and the caches
-keep their torch path;
+It is built at first use with the machine's C++ compiler (`caches.native`, about a
+second) and loaded with ctypes. Where it cannot be built (no compiler, another CPU),
+`kernel()` is None, `NOTE` says why in one line, and the caches keep their torch path;
 `KVCACHE_CODE_ATTENTION=torch` asks for that path, to time one against the other.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import shutil
-import subprocess
-import tempfile
 from functools import cache
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
+from kvcache_cli.caches import native
+
 SOURCE = Path(__file__).with_name("code_attention.cpp")
-# fast math for vectorised sums (their order is free), but infinities kept: the softmax's
-# running maximum starts at minus infinity.
-COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp",
-                 "-fPIC", "-std=c++17", "-c")
-# Linked apart, without -ffast-math: with it the compiler links crtfastmath.o, whose
-# constructor sets flush-to-zero for the whole process when the library loads, and every
-# later float in Python (numpy's, hypothesis's) would lose its subnormals.
-LINK_FLAGS = ("-shared", "-fopenmp")
 NOTE: list[str] = []  # why the kernel is not in use, once it was asked for
-
-
-def _folder() -> Path:
-    root = os.environ.get("KVCACHE_CACHE") or Path.home() / ".cache" / "kvcache"
-    return Path(root) / "kernels"
 
 
 @cache
@@ -52,30 +35,10 @@ def kernel() -> ctypes.CDLL | None:
     if os.environ.get("KVCACHE_CODE_ATTENTION") == "torch":  # to compare the two paths
         NOTE.append("attention over codes runs in torch: KVCACHE_CODE_ATTENTION=torch")
         return None
-    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    if compiler is None:
-        NOTE.append("attention over codes runs in torch: no C++ compiler (c++ or g++) found")
+    lib, why = native.build(SOURCE)
+    if lib is None:
+        NOTE.append(f"attention over codes runs in torch: {why}")
         return None
-    flags = " ".join(COMPILE_FLAGS + LINK_FLAGS)
-    digest = hashlib.sha256(SOURCE.read_bytes() + flags.encode()).hexdigest()[:16]
-    library = _folder() / f"code_attention-{digest}.so"
-    if not library.exists():
-        library.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
-            built = Path(tmp) / library.name  # renamed whole, so no reader sees half a file
-            compiled = Path(tmp) / "code_attention.o"
-            run = subprocess.run([compiler, *COMPILE_FLAGS, str(SOURCE), "-o", str(compiled)],
-                                 capture_output=True, text=True)
-            if run.returncode == 0:
-                run = subprocess.run([compiler, *LINK_FLAGS, str(compiled), "-o", str(built)],
-                                     capture_output=True, text=True)
-            if run.returncode != 0:
-                first = (run.stderr.strip().splitlines() or ["no message"])[0]
-                NOTE.append(f"attention over codes runs in torch: {compiler} could not build "
-                            f"{SOURCE.name} ({first})")
-                return None
-            os.replace(built, library)
-    lib = ctypes.CDLL(str(library))
     lib.attend_codes.restype = ctypes.c_int
     lib.attend_codes.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 12 + \
         [ctypes.c_void_p] * 3

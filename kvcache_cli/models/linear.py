@@ -52,6 +52,8 @@ class Linear(nn.Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         w = self.weight  # (out, in); stored (in, out) when its first stride is 1
+        if native_rows(x) and w.dtype in (torch.float32, torch.float16) and w.is_contiguous():
+            return native_product(x, w, None, self.bias)
         if w.dtype != x.dtype:  # a weight format of its own (set_weights_dtype)
             return self.forward(x.to(w.dtype)).to(x.dtype)
         if x.device.type != "cpu":
@@ -109,6 +111,84 @@ def _(rows: Tensor, blocks: Tensor, bias: Tensor | None) -> Tensor:
     return rows.new_empty(rows.size(0), rows.size(1), blocks.size(2))
 
 
+# The native products serve decode-sized inputs; a prefill's many rows are a matrix
+# product, which MKL does far better than a dot product a row.
+NATIVE_MAX_ROWS = 4
+PRODUCTS_SOURCE = Path(__file__).with_name("products.cpp")
+NOTE: list[str] = []  # why the native products are not in use, once asked for
+_products: list = []  # the loaded library (or None), once: read by every forward
+
+
+def products():
+    """The native product library (`products.cpp`, built at first use), or None with a line
+    in NOTE: no compiler, a CPU without AVX2/FMA/F16C, or KVCACHE_PRODUCTS=torch."""
+    if not _products:
+        import ctypes
+        import os
+
+        from kvcache_cli.caches import native
+
+        lib, why = (None, "KVCACHE_PRODUCTS=torch") \
+            if os.environ.get("KVCACHE_PRODUCTS") == "torch" else native.build(PRODUCTS_SOURCE)
+        if lib is None:
+            NOTE.append(f"products run in torch: {why}")
+        else:
+            ptr, size = ctypes.c_void_p, ctypes.c_int64
+            lib.product_int8.argtypes = [ptr] * 5 + [size] * 3 + [ctypes.c_int]
+            for name in ("product_f16", "product_f32"):
+                getattr(lib, name).argtypes = [ptr] * 4 + [size] * 3 + [ctypes.c_int]
+        _products.append(lib)
+    return _products[0]
+
+
+def native_rows(x: Tensor) -> bool:
+    """Whether x's rows go to the native products: float32 rows on the CPU, a decode's
+    few, no gradient asked for (the kernel has none: training keeps torch's product), the
+    library built (loaded when weights were arranged or quantised)."""
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and bool(_products)
+            and _products[0] is not None and not torch.is_grad_enabled()
+            and x.numel() <= NATIVE_MAX_ROWS * x.shape[-1])
+
+
+def native_product(x: Tensor, w: Tensor, scales: Tensor | None, bias: Tensor | None) -> Tensor:
+    """x (..., K) @ w (N, K)^T (times bfloat16 scales (N,)) (+ bias): the native kernel,
+    one op that torch.compile keeps whole."""
+    rows = x.reshape(-1, x.shape[-1])  # (R, K)
+    # Eager calls skip the custom op's dispatch (tens of µs, a fifth of a small product's
+    # time); a compiled graph needs the op to keep the call whole.
+    run = _native if torch.compiler.is_compiling() else _native_call
+    y = run(rows, w, scales, None if bias is None else bias.float())  # (R, N)
+    return y.view(*x.shape[:-1], w.shape[0])
+
+
+def _native_call(rows: Tensor, w: Tensor, scales: Tensor | None, bias: Tensor | None) -> Tensor:
+    lib = products()
+    rows = rows.contiguous()
+    R, K = rows.shape
+    N = w.shape[0]
+    y = rows.new_empty(R, N)
+    scales_at = None if scales is None else scales.data_ptr()
+    bias_at = None if bias is None else bias.data_ptr()
+    threads = torch.get_num_threads()
+    if w.dtype == torch.int8:
+        lib.product_int8(rows.data_ptr(), w.data_ptr(), scales_at, bias_at, y.data_ptr(),
+                         R, N, K, threads)
+    else:
+        fn = lib.product_f16 if w.dtype == torch.float16 else lib.product_f32
+        fn(rows.data_ptr(), w.data_ptr(), bias_at, y.data_ptr(), R, N, K, threads)
+    return y
+
+
+@torch.library.custom_op("kvcache::native_product", mutates_args=())
+def _native(rows: Tensor, w: Tensor, scales: Tensor | None, bias: Tensor | None) -> Tensor:
+    return _native_call(rows, w, scales, bias)
+
+
+@_native.register_fake
+def _(rows: Tensor, w: Tensor, scales: Tensor | None, bias: Tensor | None) -> Tensor:
+    return rows.new_empty(rows.size(0), w.size(0))
+
+
 class Int8Linear(nn.Module):
     """A Linear whose weight is int8 with one scale per output channel (gpt-fast's
     weight-only scheme): w ≈ weight_int8 * scales[:, None].
@@ -125,6 +205,7 @@ class Int8Linear(nn.Module):
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
+        products()  # built or refused now, before any forward reads it
         w = linear.weight.detach().float()  # (out, in)
         # Symmetric, one scale per output channel: the largest |w| of each row maps to 127.
         scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127  # (out,)
@@ -136,6 +217,8 @@ class Int8Linear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
 
     def forward(self, x: Tensor) -> Tensor:
+        if native_rows(x):
+            return native_product(x, self.weight, self.scales, self.bias)
         rows = x.reshape(-1, self.in_features).to(torch.bfloat16)  # (R, in)
         y = torch.ops.aten._weight_int8pack_mm(rows, self.weight, self.scales)  # (R, out)
         y = y.view(*x.shape[:-1], self.out_features).to(x.dtype)  # (..., out)
@@ -149,15 +232,18 @@ class Int8Linear(nn.Module):
 def arrange_weights(model: FamilyModel) -> FamilyModel:
     """Store every Linear weight in the order its one-row product reads fastest.
 
-    (in, out) for float32 on the CPU, (out, in) otherwise: the figures that decided it
-    are in `Linear`'s docstring. Shapes, names and values are unchanged; the tied
-    embedding follows the LM head (a lookup reads one strided row, which costs nothing).
+    (out, in) where the native products run (`products`: each output a dot product over
+    one contiguous weight row); without them (in, out) for float32 on the CPU, (out, in)
+    otherwise: the figures that decided it are in `Linear`'s docstring. Shapes, names and
+    values are unchanged; the tied embedding follows the LM head (a lookup reads one
+    strided row, which costs nothing).
     """
     with torch.no_grad():
         for module in model.modules():
             if isinstance(module, Linear):
                 w = module.weight
-                in_out = w.device.type == "cpu" and w.dtype == torch.float32
+                in_out = (w.device.type == "cpu" and w.dtype == torch.float32
+                          and products() is None)
                 w.data = w.t().contiguous().t() if in_out else w.contiguous()
     return model
 
