@@ -329,6 +329,15 @@ def test_one_row_linear_equals_nn_linear_in_either_layout(out_features, threads,
     torch.testing.assert_close(x2_got, plain(x2), rtol=1e-5, atol=1e-5)
 
 
+@pytest.fixture
+def torch_products(monkeypatch):
+    """Linear's torch path, as where the native products cannot be built."""
+    from kvcache_cli.models import linear
+
+    monkeypatch.setattr(linear, "_products", [None])
+
+
+@pytest.mark.usefixtures("torch_products")
 def test_a_compiled_product_splits_for_the_threads_pinned_before_compiling(monkeypatch):
     # Under torch.compile the forward cannot ask torch for its thread count: pin_threads
     # fixes it beforehand, and the split then runs on those blocks with no torch call.
@@ -356,7 +365,9 @@ def test_a_compiled_product_splits_for_the_threads_pinned_before_compiling(monke
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.usefixtures("torch_products")
 def test_float32_cpu_weights_are_stored_in_out_and_load_the_same_values(checkpoint):
+    """Without the native products, whose kernel reads (out, in) rows."""
     from transformers import GPT2LMHeadModel
 
     from kvcache_cli.models.linear import Linear

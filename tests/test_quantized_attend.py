@@ -108,7 +108,9 @@ def test_eval_perplexity_is_unchanged_by_the_codes_path(spec, monkeypatch):
     fast = evaluate(m, ids, [spec], prompt_len=8).caches[1]  # [0] is the exact reference
     _whole_copy(monkeypatch)
     slow = evaluate(m, ids, [spec], prompt_len=8).caches[1]
-    assert abs(fast.perplexity_change) > 1e-3  # quantisation shows: equality means something
+    # Quantisation shows (int8 moves this model's perplexity by about 1e-3), at more than
+    # twice the tolerance below: the equality means something.
+    assert abs(fast.perplexity_change) > 5e-4
     # The kernel sums in another order than torch's products: per attention as close to
     # a float64 SDPA as torch's path (median 3e-6, at most 2e-5, on outputs of size 8),
     # which this random model's sharp softmaxes carry to 8e-5 of its perplexity.

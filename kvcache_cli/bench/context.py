@@ -68,7 +68,7 @@ class ContextResult:
     llama_file: str | None
     llama_note: str | None  # why llama.cpp is absent, when it is
     others_cpu_share: float | None
-    kernel_note: str | None  # the quantised caches' attention path, when not the kernel
+    kernel_note: str | None  # why a C++ kernel (attention over codes, products) was not used
 
     def of(self, engine: str, cache: str) -> ContextSeries | None:
         return next((s for s in self.series if s.engine == engine and s.cache == cache), None)
@@ -207,6 +207,7 @@ def run_context(model, specs: Sequence, contexts: Sequence[int], steps: int, rep
     """Every cache's (and llama.cpp's matched cache's) decode step timed at each context."""
     from kvcache_cli.caches import code_attention
     from kvcache_cli.measure import weight_bytes
+    from kvcache_cli.models import linear
 
     others = OtherProcesses()
     c = model.config
@@ -252,7 +253,8 @@ def run_context(model, specs: Sequence, contexts: Sequence[int], steps: int, rep
                              tuple(points[e.name]))
                for e in engines if isinstance(e, _Llama) and e.name in kinds]
     quantised = any(s.kind in ("int8", "int4", "int2") for s in specs)
-    kernel = code_attention.NOTE[-1] if quantised and code_attention.NOTE else None
+    notes = [*code_attention.NOTE[-1:]] if quantised else []
+    kernel = "; ".join(notes + linear.NOTE[-1:]) or None
     return ContextResult(
         model=model_name, weights=weights, weight_bytes=weight_bytes(model), threads=threads,
         steps=steps, repeats=repeats, contexts=tuple(contexts), series=tuple(series),

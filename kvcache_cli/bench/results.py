@@ -77,8 +77,9 @@ class ModeResult:
 class BenchResult:
     model: str  # what was loaded, and from where
     weights_note: str | None  # e.g. why the weights are random
-    # Why a quantised cache's attention ran in torch, not in its C++ kernel (None: it did,
-    # or no mode read codes): `caches.code_attention.NOTE`.
+    # Why a C++ kernel was not used (None: every one asked for was): a quantised cache's
+    # attention in torch (`caches.code_attention.NOTE`), the products in torch
+    # (`models.linear.NOTE`).
     kernel_note: str | None
     device: str
     device_name: str

@@ -148,6 +148,7 @@ def bench_result(model, plan: BenchPlan, measured: Measured, threads: int,
     import torch
 
     from kvcache_cli.caches import code_attention
+    from kvcache_cli.models import linear
     from kvcache_cli.models.linear import weights_format
 
     cfg = model.config
@@ -182,7 +183,8 @@ def bench_result(model, plan: BenchPlan, measured: Measured, threads: int,
     return BenchResult(
         model=model_name,
         weights_note=weights_note,
-        kernel_note=code_attention.NOTE[-1] if code_attention.NOTE else None,
+        kernel_note="; ".join(notes[-1] for notes in (code_attention.NOTE, linear.NOTE)
+                              if notes) or None,
         device=device.type,
         device_name=device_name(device),
         cpus=os.cpu_count() or 1,

@@ -21,6 +21,11 @@ from kvcache_cli.models.base import FamilyConfig, FamilyModel
 class Linear(nn.Linear):
     """nn.Linear whose weight may be stored (in, out), splitting its products by thread.
 
+    A decode's few rows (float32, on the CPU, no gradient) go to the native products
+    (`products.cpp`: each output a dot product over one contiguous (out, in) weight row,
+    float16 widened as it is read), which stream the weights faster than any layout below;
+    what follows is the torch path, for prefills and where the kernel cannot be built.
+
     A decode step multiplies one row by every weight matrix: it reads each weight once
     and does almost no arithmetic, so its speed is how fast the weights stream from
     memory, and that depends on the order they are stored in and on how the product is
@@ -193,9 +198,11 @@ class Int8Linear(nn.Module):
     """A Linear whose weight is int8 with one scale per output channel (gpt-fast's
     weight-only scheme): w ≈ weight_int8 * scales[:, None].
 
-    The product is `torch.ops.aten._weight_int8pack_mm`, which reads the int8 weight once
-    and scales each output column, so a decode step streams a quarter of float32's
-    bytes. Its activations are bfloat16 whatever the model's dtype: on an AVX-512 CPU
+    A decode's few rows go to the native product (`products.cpp`: the int8 row widened in
+    registers, float32 sums, the row's scale after the sum); otherwise the product is
+    `torch.ops.aten._weight_int8pack_mm`, which reads the int8 weight once and scales each
+    output column, so a decode step streams a quarter of float32's bytes. Its activations
+    are bfloat16 whatever the model's dtype: on an AVX-512 CPU
     (AMD EPYC, torch 2.13, one row, 768 -> 3,072) it took 68 µs with bfloat16 activations
     and 1,075 µs with float32 ones, against 159 µs for the float32 product; the row is
     cast in and the result cast back, which costs nothing next to the weight. The kernel
