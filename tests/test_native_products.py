@@ -102,9 +102,13 @@ def test_without_the_kernel_products_run_in_torch_with_one_line(tmp_path, env, w
     assert words in run.stdout and run.stdout.count("\n") == 1
 
 
-def test_loading_the_kernel_leaves_the_process_floats_subnormals(tmp_path):
-    probe = ("import sys; from kvcache_cli.models import linear; "
-             "assert linear.products() is not None, linear.NOTE; "
+@pytest.mark.parametrize("load", ["from kvcache_cli.models import linear as m; lib = m.products()",
+                                  "from kvcache_cli.caches import code_attention as m; "
+                                  "lib = m.kernel()"])
+def test_loading_a_kernel_leaves_the_process_floats_subnormals(tmp_path, load):
+    """A library linked with -ffast-math sets flush-to-zero for the whole process as it
+    loads (crtfastmath); hypothesis, and any numpy user, would then see 1e-310 become 0."""
+    probe = (f"import sys; {load}; assert lib is not None, m.NOTE; "
              "sys.exit(0 if 2.2250738585072014e-308 / 2 > 0 else 3)")
     run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                          env={**os.environ, "KVCACHE_CACHE": str(tmp_path)})
