@@ -33,7 +33,6 @@ MATCHED = {"static": "f16", "paged": "f16", "concat": "f16", "int8": "q8_0", "in
 # Weights format -> the llama.cpp bench mode that runs the same weights.
 LLAMA_MODE_FOR_WEIGHTS = {"fp32": "llama.cpp", "fp16": "llama.cpp-f16", "bf16": "llama.cpp-f16",
                           "int8": "llama.cpp-q8_0", "q4": "llama.cpp-gguf"}
-DEFAULT_STEPS = 8
 
 # (what is being timed, points done, points in all)
 ContextProgress = Callable[[str, int, int], None]
@@ -205,9 +204,8 @@ def run_context(model, specs: Sequence, contexts: Sequence[int], steps: int, rep
                 threads: int, model_name: str, weights: str, with_llama: bool = True,
                 progress: ContextProgress | None = None) -> ContextResult:
     """Every cache's (and llama.cpp's matched cache's) decode step timed at each context."""
-    from kvcache_cli.caches import code_attention
+    from kvcache_cli.bench.summary import kernel_note
     from kvcache_cli.measure import weight_bytes
-    from kvcache_cli.models import linear
 
     others = OtherProcesses()
     c = model.config
@@ -245,17 +243,14 @@ def run_context(model, specs: Sequence, contexts: Sequence[int], steps: int, rep
         for e in engines:
             if isinstance(e, _Llama):
                 e.close()
-    kinds = {MATCHED.get(s.kind) for s in specs}
     series = [ContextSeries("kvcache", str(s), MATCHED.get(s.kind) if path else None,
                             tuple(points[str(s)])) for s in specs]
     series += [ContextSeries("llama.cpp", e.name,
                              next((str(s) for s in specs if MATCHED.get(s.kind) == e.name), None),
                              tuple(points[e.name]))
-               for e in engines if isinstance(e, _Llama) and e.name in kinds]
-    quantised = any(s.kind in ("int8", "int4", "int2") for s in specs)
-    notes = [*code_attention.NOTE[-1:]] if quantised else []
-    kernel = "; ".join(notes + linear.NOTE[-1:]) or None
+               for e in engines if isinstance(e, _Llama)]
     return ContextResult(
         model=model_name, weights=weights, weight_bytes=weight_bytes(model), threads=threads,
         steps=steps, repeats=repeats, contexts=tuple(contexts), series=tuple(series),
-        llama_file=path, llama_note=note, others_cpu_share=others.share(), kernel_note=kernel)
+        llama_file=path, llama_note=note, others_cpu_share=others.share(),
+        kernel_note=kernel_note())

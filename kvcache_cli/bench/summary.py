@@ -141,14 +141,21 @@ def _with_ratios(results: list[ModeResult]) -> tuple[ModeResult, ...]:
     )
 
 
+def kernel_note() -> str | None:
+    """Why a C++ kernel this process asked for runs in torch instead, in one line (None:
+    every one asked for was built): attention over codes, the products."""
+    from kvcache_cli.caches import code_attention
+    from kvcache_cli.models import linear
+
+    return "; ".join(notes[-1] for notes in (code_attention.NOTE, linear.NOTE) if notes) or None
+
+
 def bench_result(model, plan: BenchPlan, measured: Measured, threads: int,
                  others_share: float | None, model_name: str, weights_note: str | None,
                  check: WeightCheck | None) -> BenchResult:
     """Each mode summarised against the reference's tokens and the measured limit."""
     import torch
 
-    from kvcache_cli.caches import code_attention
-    from kvcache_cli.models import linear
     from kvcache_cli.models.linear import weights_format
 
     cfg = model.config
@@ -183,8 +190,7 @@ def bench_result(model, plan: BenchPlan, measured: Measured, threads: int,
     return BenchResult(
         model=model_name,
         weights_note=weights_note,
-        kernel_note="; ".join(notes[-1] for notes in (code_attention.NOTE, linear.NOTE)
-                              if notes) or None,
+        kernel_note=kernel_note(),
         device=device.type,
         device_name=device_name(device),
         cpus=os.cpu_count() or 1,

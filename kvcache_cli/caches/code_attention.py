@@ -16,7 +16,6 @@ second) and loaded with ctypes. Where it cannot be built (no compiler, another C
 from __future__ import annotations
 
 import ctypes
-import os
 from functools import cache
 from pathlib import Path
 
@@ -32,10 +31,7 @@ NOTE: list[str] = []  # why the kernel is not in use, once it was asked for
 @cache
 def kernel() -> ctypes.CDLL | None:
     """The built kernel, or None (and a line in NOTE) where it cannot be built here."""
-    if os.environ.get("KVCACHE_CODE_ATTENTION") == "torch":  # to compare the two paths
-        NOTE.append("attention over codes runs in torch: KVCACHE_CODE_ATTENTION=torch")
-        return None
-    lib, why = native.build(SOURCE)
+    lib, why = native.build(SOURCE, off="KVCACHE_CODE_ATTENTION")
     if lib is None:
         NOTE.append(f"attention over codes runs in torch: {why}")
         return None

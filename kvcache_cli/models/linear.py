@@ -132,12 +132,10 @@ def products():
     in NOTE: no compiler, a CPU without AVX2/FMA/F16C, or KVCACHE_PRODUCTS=torch."""
     if not _products:
         import ctypes
-        import os
 
         from kvcache_cli.caches import native
 
-        lib, why = (None, "KVCACHE_PRODUCTS=torch") \
-            if os.environ.get("KVCACHE_PRODUCTS") == "torch" else native.build(PRODUCTS_SOURCE)
+        lib, why = native.build(PRODUCTS_SOURCE, off="KVCACHE_PRODUCTS")
         if lib is None:
             NOTE.append(f"products run in torch: {why}")
         else:

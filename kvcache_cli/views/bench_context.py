@@ -41,7 +41,7 @@ def _header(r: ContextResult) -> Table:
 def _rows(r: ContextResult) -> list[tuple[str, ...]]:
     """One row per (context, our cache): its step, against our float cache, and the
     matched llama.cpp cache's step and bytes beside it."""
-    base = next((s for s in r.series if s.engine == "kvcache" and s.cache == "static"), None)
+    base = r.of("kvcache", "static")
     rows = []
     for i, context in enumerate(r.contexts):
         for s in (s for s in r.series if s.engine == "kvcache"):
