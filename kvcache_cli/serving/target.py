@@ -2,17 +2,17 @@
 server (vLLM, SGLang, llama.cpp's server), timed as `vllm bench serve` times it.
 
 The client is vLLM's benchmark client (`vllm/benchmarks/lib/endpoint_request_func.py`,
-its `openai` backend) in the standard library: one streamed POST /v1/completions per
-request, the prompt sent as token ids (the very tokens kvcache's engines get), greedy
-(temperature 0), `max_tokens` the request's cap, `stream_options.include_usage` so the
-server counts the tokens it streamed. A random workload asks for `ignore_eos` (every
-reply its drawn length, as vLLM's random dataset does); a chat one for `stop_token_ids`
-(the reply ends at the end-of-turn token, as kvcache's engines end it). The clock is
-vLLM's: a request's time starts when it is sent (its arrival, or under
-`--max-concurrency` the moment a slot frees); every server-sent event with choices is a
-timestamp (TTFT the first, ITL the gaps between them, E2E the last); TPOT divides by the
-server's own token count. `metrics.summarise` turns the timelines into the figures
-kvcache's engines report, so the rows sit in one table.
+its `openai` backend) on httpx: one streamed POST /v1/completions per request, the
+prompt sent as token ids (the very tokens kvcache's engines get), greedy (temperature 0),
+`max_tokens` the request's cap, `stream_options.include_usage` so the server counts the
+tokens it streamed. A random workload asks for `ignore_eos` (every reply its drawn length,
+as vLLM's random dataset does); a chat one for `stop_token_ids` (the reply ends at the
+end-of-turn token, as kvcache's engines end it). The clock is vLLM's: a request's time
+starts when it is sent (its arrival, or under `--max-concurrency` the moment a slot
+frees); every server-sent event with choices is a timestamp (TTFT the first, ITL the gaps
+between them, E2E the last); TPOT divides by the server's own token count.
+`metrics.summarise` turns the timelines into the figures kvcache's engines report, so the
+rows sit in one table.
 
 The server's Prometheus /metrics, where it has one, is read before and after the run and
 sampled during it: vLLM's `vllm:kv_cache_usage_perc` (peak), `vllm:num_preemptions_total`,
@@ -23,21 +23,26 @@ A run is whole or not shown: an unreachable URL, a server that is not OpenAI-com
 an HTTP error, a stream cut before `data: [DONE]`, a request slower than `--timeout`
 raise `TargetError` (one line, exit 1) naming the request, and the requests still in
 flight are cut. A model name the server does not serve is bad input (ValueError).
-Threads and `http.client` only: no asyncio loop, no new dependency.
+One asyncio loop, as vLLM's client runs: a task per request in flight, and cancelling
+them is what cuts them. httpx carries HTTP, httpx-sse reads the event stream and
+prometheus_client reads /metrics (all three in the torch extra, which serve needs).
 """
 
 from __future__ import annotations
 
+import asyncio
 import bisect
-import http.client
 import json
-import re
-import socket
-import threading
+import ssl
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
+
+import httpx
+from httpx_sse import SSEError, aconnect_sse
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvcache_cli.serving.metrics import RequestTimes, summarise
 from kvcache_cli.serving.results import EngineResult, Remote, ServerMetrics
@@ -45,7 +50,7 @@ from kvcache_cli.serving.sequence import Request
 from kvcache_cli.serving.workload import WorkloadSpec
 
 ENDPOINT = "/v1/completions"
-# What a request may take, first byte to [DONE], unless --timeout says otherwise: a CPU
+# What a request may take, sent to [DONE], unless --timeout says otherwise: a CPU
 # server's long reply under load takes minutes, a hung one never ends.
 DEFAULT_TIMEOUT_S = 300.0
 # /v1/models, /version and /metrics answer at once on any server that is up.
@@ -53,12 +58,13 @@ PROBE_TIMEOUT_S = 10.0
 # /metrics read during the run: twice a second sees a peak of KV use that lasts a
 # second, and costs a server less than one decode step.
 SAMPLE_EVERY_S = 0.5
-# Threads, and sockets, the client holds at once: past this the client, not the server,
-# is what limits the run (vLLM's aiohttp client holds no more by default).
+# Requests, and connections, the client holds at once: past this the client, not the
+# server, is what limits the run (vLLM's aiohttp client holds no more by default).
 MAX_IN_FLIGHT = 1024
-# A server-sent event of a completion is a few hundred bytes; a line past this is not one.
-MAX_LINE = 1 << 20
+# What a GET's body (or an error's) is read to: /metrics is tens of kilobytes.
 MAX_BODY = 16 << 20
+# The progress line's resolution: how often the requests waiting for a slot are counted.
+PROGRESS_EVERY_S = 0.05
 
 
 class TargetError(RuntimeError):
@@ -67,11 +73,7 @@ class TargetError(RuntimeError):
 
 @dataclass(frozen=True)
 class Target:
-    url: str  # as shown: scheme://host:port
-    scheme: str
-    host: str
-    port: int
-    prefix: str  # a path before /v1 (a proxy's), usually ''
+    url: str  # scheme://host:port[/prefix], as shown and as asked; the prefix a proxy's
 
 
 def parse_target(text: str) -> Target:
@@ -89,35 +91,50 @@ def parse_target(text: str) -> Target:
     prefix = parts.path.rstrip("/").removesuffix("/v1")
     host = parts.hostname
     shown = f"[{host}]" if ":" in host else host  # an IPv6 address, bracketed as in a URL
-    return Target(f"{parts.scheme}://{shown}:{port}{prefix}", parts.scheme, host, port, prefix)
+    return Target(f"{parts.scheme}://{shown}:{port}{prefix}")
 
 
-def _connection(target: Target, timeout: float) -> http.client.HTTPConnection:
-    cls = http.client.HTTPSConnection if target.scheme == "https" else http.client.HTTPConnection
-    return cls(target.host, target.port, timeout=timeout)
+def _client() -> httpx.AsyncClient:
+    """One run's (or one probe's) connections. trust_env=False: no proxy or .netrc from
+    the environment, the URL given is the server asked; https checks the system's CAs."""
+    return httpx.AsyncClient(trust_env=False, verify=ssl.create_default_context(),
+                             limits=httpx.Limits(max_connections=MAX_IN_FLIGHT + 1))
 
 
-def _get(target: Target, path: str, timeout: float = PROBE_TIMEOUT_S) -> tuple[int, bytes]:
+async def _read_at_most(response: httpx.Response, limit: int) -> bytes:
+    body = bytearray()
+    async for chunk in response.aiter_bytes():
+        body += chunk
+        if len(body) >= limit:
+            break
+    return bytes(body[:limit])
+
+
+def _chain(err: BaseException | None) -> Iterator[BaseException]:
+    """An exception and what raised it, outermost first (httpx wraps the socket's error)."""
+    while err is not None:
+        yield err
+        err = err.__cause__ or err.__context__
+
+
+async def _get(client: httpx.AsyncClient, target: Target, path: str,
+               timeout: float = PROBE_TIMEOUT_S) -> tuple[int, bytes]:
     """(status, body) of GET path; TargetError in one line when nothing sensible answers."""
-    conn = _connection(target, timeout)
+    where = f"--target {target.url}"
     try:
-        conn.request("GET", target.prefix + path, headers={"Accept": "*/*"})
-        response = conn.getresponse()
-        return response.status, response.read(MAX_BODY)
-    except ConnectionRefusedError:
-        raise TargetError(f"--target {target.url}: nothing answers (connection refused); "
-                          "expected a running server there") from None
-    except TimeoutError:
-        raise TargetError(f"--target {target.url}: no answer to GET {path} within "
-                          f"{timeout:g} s") from None
-    except http.client.HTTPException as err:
-        raise TargetError(f"--target {target.url}: does not speak HTTP ({type(err).__name__})"
-                          ) from None
-    except OSError as err:
-        raise TargetError(f"--target {target.url}: cannot be reached "
-                          f"({err.strerror or type(err).__name__})") from None
-    finally:
-        conn.close()
+        async with client.stream("GET", target.url + path, timeout=timeout) as response:
+            return response.status_code, await _read_at_most(response, MAX_BODY)
+    except httpx.TimeoutException:
+        raise TargetError(f"{where}: no answer to GET {path} within {timeout:g} s") from None
+    except httpx.ProtocolError as err:
+        raise TargetError(f"{where}: does not speak HTTP ({type(err).__name__})") from None
+    except httpx.TransportError as err:
+        if any(isinstance(e, ConnectionRefusedError) for e in _chain(err)):
+            raise TargetError(f"{where}: nothing answers (connection refused); expected a "
+                              "running server there") from None
+        reason = next((e.strerror for e in _chain(err) if isinstance(e, OSError) and e.strerror),
+                      str(err) or type(err).__name__)
+        raise TargetError(f"{where}: cannot be reached ({reason})") from None
 
 
 # ---------------------------------------------------------------------------- the server
@@ -148,39 +165,44 @@ class Server:
 
 def probe(target: Target, model: str | None, timeout: float = PROBE_TIMEOUT_S) -> Server:
     """The server's models, name and metrics; ValueError when `model` is not among them."""
+    return asyncio.run(_probe(target, model, timeout))
+
+
+async def _probe(target: Target, model: str | None, timeout: float) -> Server:
     start = time.perf_counter()
     where = f"--target {target.url}"
-    status, body = _get(target, "/v1/models", timeout)
-    if status != 200:
-        raise TargetError(f"{where}: GET /v1/models answered HTTP {status}; expected an "
-                          "OpenAI-compatible server's list of models")
-    try:
-        data = json.loads(body)
-        entries = data["data"]
-        ids = tuple(str(e["id"]) for e in entries)
-    except (ValueError, KeyError, TypeError):
-        raise TargetError(f"{where}: GET /v1/models did not answer OpenAI's JSON list "
-                          "({\"data\": [{\"id\": ...}]}); expected an OpenAI-compatible "
-                          "server") from None
-    if not ids:
-        raise TargetError(f"{where}: serves no model (GET /v1/models is empty)")
-    if model is None and len(ids) > 1:
-        raise ValueError(f"--target-model: {target.url} serves {len(ids)} models "
-                         f"({', '.join(ids[:5])}); expected one of them named")
-    if model is not None and model not in ids:
-        raise ValueError(f"--target-model {model!r}: {target.url} serves {', '.join(ids[:5])}; "
-                         "expected one of them")
-    chosen = model if model is not None else ids[0]
-    entry = next(e for e in entries if str(e.get("id")) == chosen)
-    owner = entry.get("owned_by") if isinstance(entry.get("owned_by"), str) else None
-    version = None
-    status, body = _get(target, "/version", timeout)
-    if status == 200:
+    async with _client() as client:
+        status, body = await _get(client, target, "/v1/models", timeout)
+        if status != 200:
+            raise TargetError(f"{where}: GET /v1/models answered HTTP {status}; expected an "
+                              "OpenAI-compatible server's list of models")
         try:
-            version = str(json.loads(body)["version"])[:40]
+            data = json.loads(body)
+            entries = data["data"]
+            ids = tuple(str(e["id"]) for e in entries)
         except (ValueError, KeyError, TypeError):
-            version = None
-    status, body = _get(target, "/metrics", timeout)
+            raise TargetError(f"{where}: GET /v1/models did not answer OpenAI's JSON list "
+                              "({\"data\": [{\"id\": ...}]}); expected an OpenAI-compatible "
+                              "server") from None
+        if not ids:
+            raise TargetError(f"{where}: serves no model (GET /v1/models is empty)")
+        if model is None and len(ids) > 1:
+            raise ValueError(f"--target-model: {target.url} serves {len(ids)} models "
+                             f"({', '.join(ids[:5])}); expected one of them named")
+        if model is not None and model not in ids:
+            raise ValueError(f"--target-model {model!r}: {target.url} serves "
+                             f"{', '.join(ids[:5])}; expected one of them")
+        chosen = model if model is not None else ids[0]
+        entry = next(e for e in entries if str(e.get("id")) == chosen)
+        owner = entry.get("owned_by") if isinstance(entry.get("owned_by"), str) else None
+        version = None
+        status, body = await _get(client, target, "/version", timeout)
+        if status == 200:
+            try:
+                version = str(json.loads(body)["version"])[:40]
+            except (ValueError, KeyError, TypeError):
+                version = None
+        status, body = await _get(client, target, "/metrics", timeout)
     has_metrics = status == 200 and bool(parse_prometheus(body.decode("utf-8", "replace")))
     return Server(target, chosen, ids, owner, version, has_metrics,
                   time.perf_counter() - start)
@@ -188,23 +210,22 @@ def probe(target: Target, model: str | None, timeout: float = PROBE_TIMEOUT_S) -
 
 # ---------------------------------------------------------------------------- /metrics
 
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)")
-_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
-
 
 def parse_prometheus(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
-    """Prometheus' text format -> {metric name: [(labels, value), ...]}; comments skipped."""
+    """Prometheus' text format -> {sample name: [(labels, value), ...]}, by
+    prometheus_client's parser. A line at a time: the parser refuses a whole text at its
+    first bad line, and one line it cannot read should cost that line, not the rest."""
     out: dict[str, list[tuple[dict[str, str], float]]] = {}
     for line in text.splitlines():
-        line = line.strip()
-        m = None if not line or line.startswith("#") else _SAMPLE.match(line)
-        if m is None:
-            continue
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue  # HELP and TYPE: the samples' names are what is looked up
         try:
-            value = float(m[3])
+            families = list(text_string_to_metric_families(line))
         except ValueError:
             continue
-        out.setdefault(m[1], []).append((dict(_LABEL.findall(m[2] or "")), value))
+        for family in families:
+            for s in family.samples:
+                out.setdefault(s.name, []).append((s.labels, s.value))
     return out
 
 
@@ -252,8 +273,9 @@ def snapshot(samples: dict[str, list[tuple[dict[str, str], float]]]) -> Snapshot
         kv_cache_tokens=label("kv_cache_size_tokens"))
 
 
-def read_metrics(target: Target, timeout: float = PROBE_TIMEOUT_S) -> Snapshot:
-    status, body = _get(target, "/metrics", timeout)
+async def _read_metrics(client: httpx.AsyncClient, target: Target,
+                        timeout: float = PROBE_TIMEOUT_S) -> Snapshot:
+    status, body = await _get(client, target, "/metrics", timeout)
     if status != 200:
         raise TargetError(f"--target {target.url}: GET /metrics answered HTTP {status}")
     return snapshot(parse_prometheus(body.decode("utf-8", "replace")))
@@ -276,30 +298,6 @@ def server_metrics(before: Snapshot, during: Sequence[Snapshot], after: Snapshot
         prefix_hits=delta("prefix_hits"), num_blocks=after.num_blocks,
         block_size=after.block_size, kv_cache_tokens=after.kv_cache_tokens,
         samples=len(during))
-
-
-class _Sampler:
-    """/metrics read every SAMPLE_EVERY_S on a thread of its own while the run lasts."""
-
-    def __init__(self, target: Target):
-        self.target, self.snapshots = target, []
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._loop, daemon=True, name="kvcache-metrics")
-
-    def _loop(self) -> None:
-        while not self.stop.wait(SAMPLE_EVERY_S):
-            try:
-                self.snapshots.append(read_metrics(self.target, 5.0))
-            except TargetError:  # a missed sample is not a failed run
-                continue
-
-    def __enter__(self) -> _Sampler:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop.set()
-        self.thread.join(timeout=10)
 
 
 # ---------------------------------------------------------------------------- the run
@@ -338,32 +336,32 @@ def payload(server: Server, r: Request, spec: WorkloadSpec, text: str | None = N
     return body
 
 
-def _error_detail(body: bytes) -> str:
+def _error_detail(body: str) -> str:
     """An error body's message, one line: OpenAI's {"error": {"message"}} or text."""
     try:
         data = json.loads(body)
         error = data.get("error", data) if isinstance(data, dict) else data
         message = error.get("message", error) if isinstance(error, dict) else error
     except ValueError:
-        message = body.decode("utf-8", "replace")
+        message = body
     text = " ".join(str(message).split())
     return f": {text[:200]}" if text else ""
 
 
 class _Run:
-    """One workload against the server: the dispatcher (the caller's thread), a thread per
-    request in flight, and what they share under one lock."""
+    """One workload against the server on one event loop: the dispatcher, a task per
+    request in flight, the /metrics sampler and the progress line. The first failure
+    cancels the dispatcher, and with it every request in flight."""
 
     def __init__(self, server: Server, requests: Sequence[Request], spec: WorkloadSpec,
                  timeout: float, texts: dict[int, str] | None = None):
         self.server, self.requests, self.spec, self.timeout = server, requests, spec, timeout
         self.texts = texts or {}
-        self.cond = threading.Condition()
         self.replies = {r.id: _Reply() for r in requests}
-        self.socks: dict[int, socket.socket] = {}
-        self.deadlines: dict[int, float] = {}
-        self.in_flight = self.finished = 0
+        self.sent = self.in_flight = self.finished = 0
         self.failure: str | None = None
+        self.snapshots: list[Snapshot] = []
+        self.dispatcher: asyncio.Task | None = None
         self.t0 = time.perf_counter()
 
     def clock(self) -> float:
@@ -371,89 +369,114 @@ class _Run:
 
     def fail(self, message: str) -> None:
         """Record the first failure and cut every request in flight."""
-        with self.cond:
-            if self.failure is None:
-                self.failure = message
-            for sock in self.socks.values():
-                _cut(sock)
-            self.cond.notify_all()
+        if self.failure is None:
+            self.failure = message
+            self.dispatcher.cancel()
 
-    def send(self, r: Request) -> None:
-        """A request's thread: send, read the stream, record; any failure ends the run."""
-        reply, ok = self.replies[r.id], False
-        conn = _connection(self.server.target, self.timeout)
-        with self.cond:
-            self.deadlines[r.id] = self.clock() + self.timeout
-        body = json.dumps(payload(self.server, r, self.spec, self.texts.get(r.id))).encode()
+    async def main(self, progress: TargetProgress | None
+                   ) -> tuple[Snapshot | None, Snapshot | None]:
+        """The run, with /metrics read before and after it where the server has one."""
+        target = self.server.target
+        async with _client() as client:
+            before = await _read_metrics(client, target) if self.server.metrics else None
+            self.t0 = time.perf_counter()  # the arrivals count from here
+            helpers = []
+            if before is not None:
+                helpers.append(asyncio.create_task(self._sample(client)))
+            if progress is not None:
+                helpers.append(asyncio.create_task(self._watch(progress)))
+            self.dispatcher = asyncio.create_task(self._dispatch(client))
+            await asyncio.wait([self.dispatcher])  # its end, or fail()'s cancel
+            for task in helpers:
+                task.cancel()
+            await asyncio.gather(*helpers, return_exceptions=True)
+            if self.failure is not None:
+                return before, None
+            self.dispatcher.result()  # an exception nobody caught is a bug: let it show
+            after = await _read_metrics(client, target) if before is not None else None
+        return before, after
+
+    async def _dispatch(self, client: httpx.AsyncClient) -> None:
+        """Send each request when it has arrived and a slot is free."""
+        slots = asyncio.Semaphore(min(self.spec.max_concurrency or MAX_IN_FLIGHT,
+                                      MAX_IN_FLIGHT))
+        tasks = []
         try:
-            reply.sent = self.clock()
-            conn.connect()
-            with self.cond:
-                # The socket itself: a response that closes the connection when it ends
-                # takes it over from `conn`, which forgets it.
-                self.socks[r.id] = conn.sock
-                if self.failure is not None:
-                    _cut(conn.sock)
-            conn.request("POST", self.server.target.prefix + ENDPOINT, body=body,
-                         headers={"Content-Type": "application/json",
-                                  "Accept": "text/event-stream"})
-            response = conn.getresponse()
-            if response.status != 200:
-                raise TargetError(f"request {r.id}: HTTP {response.status} {response.reason}"
-                                  f"{_error_detail(response.read(4096))}")
-            if not self._read(r, reply, response):
-                raise TargetError(f"request {r.id}: the stream ended after "
-                                  f"{len(reply.times)} chunks without data: [DONE]: the "
-                                  "reply was cut")
-            if not reply.times:
-                raise TargetError(f"request {r.id}: the server streamed no tokens")
+            for r in self.requests:  # in arrival order
+                await asyncio.sleep(max(0.0, r.arrival_s - self.clock()))
+                await slots.acquire()
+                self.sent += 1
+                self.in_flight += 1
+                tasks.append(asyncio.create_task(self._request(client, r, slots)))
+            await asyncio.gather(*tasks)
+        finally:  # cancelled by a failure: the requests still in flight are cut
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _request(self, client: httpx.AsyncClient, r: Request,
+                       slots: asyncio.Semaphore) -> None:
+        """One request, sent to [DONE] within --timeout; any failure ends the run."""
+        reply, ok = self.replies[r.id], False
+        try:
+            await asyncio.wait_for(self._send(client, r, reply), self.timeout)
             ok = True
         except TargetError as err:
             self.fail(str(err))
-        except TimeoutError:
-            self.fail(f"request {r.id}: no byte from the server for --timeout "
-                      f"{self.timeout:g} s")
-        except (OSError, http.client.HTTPException) as err:
-            # A connection this run cut itself after another failure is not news.
+        except asyncio.TimeoutError:
+            self.fail(f"request {r.id}: no whole reply within --timeout {self.timeout:g} s")
+        except httpx.TransportError as err:
             self.fail(f"request {r.id}: the connection broke after {len(reply.times)} chunks "
                       f"({type(err).__name__}): the reply was cut")
         except Exception as err:  # noqa: BLE001 - any other surprise ends the run in one line
             self.fail(f"request {r.id}: {type(err).__name__} reading the reply")
         finally:
-            conn.close()
-            with self.cond:
-                self.socks.pop(r.id, None)
-                self.deadlines.pop(r.id, None)
-                self.in_flight -= 1
-                self.finished += ok
-                self.cond.notify_all()
+            self.in_flight -= 1
+            self.finished += ok
+            slots.release()
 
-    def _read(self, r: Request, reply: _Reply, response) -> bool:
+    async def _send(self, client: httpx.AsyncClient, r: Request, reply: _Reply) -> None:
+        body = payload(self.server, r, self.spec, self.texts.get(r.id))
+        reply.sent = self.clock()
+        # timeout=None: the request's one clock is _request's --timeout, sent to [DONE].
+        async with aconnect_sse(client, "POST", self.server.target.url + ENDPOINT,
+                                json=body, timeout=None) as source:
+            response = source.response
+            if response.status_code != 200:
+                detail = _error_detail(
+                    (await _read_at_most(response, 4096)).decode("utf-8", "replace"))
+                raise TargetError(f"request {r.id}: HTTP {response.status_code} "
+                                  f"{response.reason_phrase}{detail}")
+            try:
+                async with aclosing(source.aiter_sse()) as events:
+                    done = await self._read(r, reply, events)
+            except SSEError:  # its Content-Type is not text/event-stream
+                raise TargetError(
+                    f"request {r.id}: the reply is not server-sent events (Content-Type "
+                    f"{response.headers.get('content-type', 'none')!r}); expected an "
+                    "OpenAI-compatible completion stream") from None
+        if not done:
+            raise TargetError(f"request {r.id}: the stream ended after {len(reply.times)} "
+                              "chunks without data: [DONE]: the reply was cut")
+        if not reply.times:
+            raise TargetError(f"request {r.id}: the server streamed no tokens")
+
+    async def _read(self, r: Request, reply: _Reply, events) -> bool:
         """Read the server-sent events to [DONE] (True) or the end of the stream (False)."""
-        while True:
-            line = response.readline(MAX_LINE + 1)
-            if not line:
-                return False
-            if len(line) > MAX_LINE:
-                raise TargetError(f"request {r.id}: a stream line past {MAX_LINE:,} bytes: "
-                                  "not a completion's server-sent events")
-            line = line.strip()
-            if not line.startswith(b"data:"):
-                continue  # blank separators, ': ping' comments, event: lines
-            chunk = line[5:].strip()
-            if chunk == b"[DONE]":
+        async for event in events:
+            if event.data == "[DONE]":
                 return True
             try:
-                data = json.loads(chunk)
+                data = json.loads(event.data)
             except ValueError:
                 raise TargetError(f"request {r.id}: a stream event is not JSON "
-                                  f"({chunk[:40]!r}); expected an OpenAI-compatible "
+                                  f"({event.data[:40]!r}); expected an OpenAI-compatible "
                                   "completion stream") from None
             if not isinstance(data, dict):
                 raise TargetError(f"request {r.id}: a stream event is not a JSON object")
             if "error" in data:
                 raise TargetError(f"request {r.id}: the server reported an error mid-reply"
-                                  f"{_error_detail(chunk)}")
+                                  f"{_error_detail(event.data)}")
             if choices := data.get("choices"):
                 reply.times.append(self.clock())  # vLLM's client: every chunk with choices
                 choice = choices[0] if isinstance(choices[0], dict) else {}
@@ -463,49 +486,28 @@ class _Run:
             elif isinstance(usage := data.get("usage"), dict):
                 reply.completion_tokens = _count(usage.get("completion_tokens"))
                 reply.prompt_tokens = _count(usage.get("prompt_tokens"))
+        return False
 
-    def dispatch(self, progress: TargetProgress | None) -> None:
-        """Send each request when it has arrived and a slot is free; watch the deadlines."""
-        cap = min(self.spec.max_concurrency or MAX_IN_FLIGHT, MAX_IN_FLIGHT)
-        n, i, shown = len(self.requests), 0, None
-        arrivals = [r.arrival_s for r in self.requests]
-        threads = []
-        with self.cond:
-            while self.failure is None and self.finished < n:
-                now = self.clock()
-                while i < n and self.requests[i].arrival_s <= now and self.in_flight < cap:
-                    self.in_flight += 1
-                    t = threading.Thread(target=self.send, args=(self.requests[i],),
-                                         daemon=True, name=f"kvcache-request-{i}")
-                    t.start()
-                    threads.append(t)
-                    i += 1
-                late = [rid for rid, d in self.deadlines.items() if now > d]
-                if late:  # the lock is re-entrant: fail() takes it again
-                    self.fail(f"request {late[0]}: no whole reply within --timeout "
-                              f"{self.timeout:g} s")
-                    break
-                arrived = bisect.bisect_right(arrivals, now) - i  # arrivals are in order
-                state = (self.finished, self.in_flight, arrived)
-                if progress is not None and state != shown:
-                    progress(self.server.name, self.finished, n, self.in_flight, arrived)
-                    shown = state
-                wait = 0.05  # the deadlines' resolution
-                if i < n and self.in_flight < cap:
-                    wait = min(wait, max(0.0, self.requests[i].arrival_s - now))
-                self.cond.wait(wait)
-        for t in threads:  # every connection is closed or cut: they end at once
-            t.join(timeout=5)
+    async def _sample(self, client: httpx.AsyncClient) -> None:
+        """/metrics read every SAMPLE_EVERY_S while the run lasts (cancelled at its end)."""
+        while True:
+            await asyncio.sleep(SAMPLE_EVERY_S)
+            try:
+                self.snapshots.append(await _read_metrics(client, self.server.target, 5.0))
+            except TargetError:  # a missed sample is not a failed run
+                continue
 
-
-def _cut(sock: socket.socket | None) -> None:
-    """End a request another thread is reading: shutdown wakes a blocked recv, close
-    alone does not."""
-    if sock is not None:
-        try:
-            sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+    async def _watch(self, progress: TargetProgress) -> None:
+        """The progress line, told whenever what it shows has changed."""
+        arrivals = [r.arrival_s for r in self.requests]  # in order
+        n, shown = len(self.requests), None
+        while True:
+            arrived = bisect.bisect_right(arrivals, self.clock()) - self.sent
+            state = (self.finished, self.in_flight, arrived)
+            if state != shown:
+                progress(self.server.name, self.finished, n, self.in_flight, arrived)
+                shown = state
+            await asyncio.sleep(PROGRESS_EVERY_S)
 
 
 def _count(x) -> int | None:
@@ -519,20 +521,13 @@ def run(server: Server, requests: Sequence[Request], spec: WorkloadSpec,
         texts: dict[int, str] | None = None) -> EngineResult:
     """The workload against the server once: its row beside kvcache's engines. `texts`:
     each request's prompt as text, sent instead of its ids."""
-    before = read_metrics(server.target) if server.metrics else None
     state = _Run(server, requests, spec, timeout, texts)
-    if before is not None:
-        with _Sampler(server.target) as sampler:
-            state.dispatch(progress)
-    else:
-        sampler = None
-        state.dispatch(progress)
+    before, after = asyncio.run(state.main(progress))
     if state.failure is not None:
         raise TargetError(f"--target {server.target.url}: {state.failure}; "
                           f"{state.finished} of {len(requests)} requests had finished, and a "
                           "partial run is not shown")
-    after = read_metrics(server.target) if before is not None else None
-    metrics = None if before is None else server_metrics(before, sampler.snapshots, after)
+    metrics = None if before is None else server_metrics(before, state.snapshots, after)
     result = _result(server, requests, state.replies, rate, targets, metrics)
     if texts:
         import dataclasses
