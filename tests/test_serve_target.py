@@ -264,6 +264,15 @@ def test_a_model_the_server_does_not_serve_is_bad_input(stub, checkpoint):
     _fails_in_one_line(out, 2, "--target-model 'gpt-5'", f"serves {MODEL}")
 
 
+def test_without_the_http_client_target_is_one_line_naming_the_extra(checkpoint,
+                                                                      monkeypatch):
+    monkeypatch.setitem(sys.modules, "httpx", None)  # as if never installed
+    out = serve_cli("--model", str(checkpoint), "--device", "cpu", "--target",
+                    "http://127.0.0.1:1")
+    _fails_in_one_line(out, 2, "kvcache serve --target needs httpx, which is not installed",
+                       "pip install 'kvcache[torch]'")
+
+
 @pytest.mark.parametrize(("args", "words"), [
     (["--target", "ftp://host"], "--target 'ftp://host': expected a server's URL"),
     (["--target", "http://127.0.0.1:99999"], "expected a server's URL"),

@@ -121,6 +121,9 @@ def serve(
     """
     model = model if model is not None else default_model()
     need_torch_extra("kvcache serve needs", *GPT2_MODULES, "transformers")
+    if target is not None:  # its HTTP client: the same extra
+        need_torch_extra("kvcache serve --target needs", "httpx", "httpx_sse",
+                         "prometheus_client")
     if threads_error(threads):  # first: it needs no model and none of serving's imports
         fail(threads_error(threads))
     from kvcache_cli.serving import batching
