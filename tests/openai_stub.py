@@ -8,7 +8,8 @@ what it served), and POST /v1/completions streamed as server-sent events, a toke
 long, or with `stop_token_ids` (a chat workload) stops after 3 + len(prompt) % 4 tokens.
 What it can be told to do instead (`Behaviour`): answer HTTP 500 from the n-th request on,
 cut the n-th stream mid-reply, stream slowly, answer /v1/models with HTML or a 404, stream
-an event that is not JSON, have no /metrics. Standard library only; it listens on
+an event that is not JSON, answer a request with one JSON body (not a stream), have no
+/metrics. Standard library only; it listens on
 127.0.0.1 on a free port.
 """
 
@@ -33,6 +34,7 @@ class Behaviour:
     token_s: float = 0.002  # seconds between chunks
     models: str = "ok"  # "ok", "html" (not JSON), "404"
     bad_event_at: int | None = None  # this request streams an event that is not JSON
+    whole_at: int | None = None  # this request's reply is one JSON body, as without stream
     metrics: bool = True
     chunk_tokens: int = 1  # tokens a chunk carries
     # What it saw: every request body, in the order they came.
@@ -116,6 +118,9 @@ class _Handler(BaseHTTPRequestHandler):
         if b.fail_from is not None and index >= b.fail_from:
             return self._send(500, b'{"error": {"message": "stub: internal error"}}')
         prompt, cap = body["prompt"], body["max_tokens"]
+        if b.whole_at == index:
+            return self._send(200, json.dumps({"object": "text_completion", "choices": [
+                {"index": 0, "text": " tok" * cap, "finish_reason": "length"}]}).encode())
         n = min(cap, 3 + len(prompt) % 4) if body.get("stop_token_ids") else cap
         with b.lock:
             b.running += 1

@@ -219,6 +219,8 @@ def test_the_servers_row_is_drawn_in_the_tables(stub, checkpoint):
                          "a partial run is not shown")),
     (dict(cut_at=1), ("request 1:", "without data: [DONE]", "the reply was cut")),
     (dict(bad_event_at=0), ("request 0: a stream event is not JSON",)),
+    (dict(whole_at=0), ("request 0: the reply is not server-sent events",
+                        "expected an OpenAI-compatible completion stream")),
     (dict(models="html"), ("GET /v1/models did not answer OpenAI's JSON list",)),
     (dict(models="404"), ("GET /v1/models answered HTTP 404",
                           "expected an OpenAI-compatible server")),
