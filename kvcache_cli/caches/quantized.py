@@ -526,11 +526,3 @@ class QuantizedCache(KVCache):
     @property
     def bytes_held(self) -> int:
         return sum(nbytes(t) for L in self.layers for t in L.tensors())
-
-
-# ---------------------------------------------------------------------------- fp8
-
-
-# ---------------------------------------------------------------------------- paged
-
-
