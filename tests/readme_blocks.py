@@ -22,9 +22,10 @@ Every page's commands run in one temporary folder. A block that holds a `python3
 makes files (the tiny checkpoint) that blocks on any page may use, so the recipe blocks run
 first, one after another in page order (README.md, then docs/ by name), and every other block
 waits for all of them; then blocks run side by side, one per core. Within a block, commands
-run in order. The environment is fixed: a 100-column terminal, HF_HUB_OFFLINE=1 and a Hub
-cache holding only Qwen/Qwen2.5-7B-Instruct's config.json, so no command touches the network
-and a Hub id example reads the same everywhere.
+run in order. The environment is fixed: 100 columns for the pages in docs/ (the width a file
+or a pipe gets) and 80 for the README (a newcomer's narrow terminal), HF_HUB_OFFLINE=1 and a
+Hub cache holding only Qwen/Qwen2.5-7B-Instruct's config.json, so no command touches the
+network and a Hub id example reads the same everywhere.
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ MEASURED = "<!-- measured -->"
 # put the script, and argv[0] named so that messages say `kvcache`, as a user's would.
 KVCACHE = [sys.executable, "-c",
            "import sys; sys.argv[0] = 'kvcache'; from kvcache_cli.cli import main; main()"]
-COLUMNS = "100"
+# The width each page's examples are laid out at (see the module docstring).
+COLUMNS, PAGE_COLUMNS = "100", {"README.md": "80"}
 
 # A duration or a rate, with its unit: what no two runs share.
 _TIMING = re.compile(r"\d[\d,]*(?:\.\d+)?(?= (?:ms|s|tokens/s)\b)")
@@ -140,21 +142,21 @@ def argv(command: str, workdir: Path) -> tuple[dict[str, str], list[str]]:
     raise ValueError(f"command {command!r}: expected kvcache or python3")
 
 
-def environment(workdir: Path) -> dict[str, str]:
+def environment(workdir: Path, columns: str = COLUMNS) -> dict[str, str]:
     """The fixed environment every command runs in (see the module docstring)."""
     cache = workdir / ".hub-cache"
     if not cache.is_dir():
         add_snapshot(cache, QWEN_INSTRUCT_ID, QWEN_INSTRUCT_COMMIT, QWEN_INSTRUCT, "main")
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("HF_", "HUGGINGFACE", "TRANSFORMERS_", "COLUMNS", "LINES"))}
-    return env | {"COLUMNS": COLUMNS, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
+    return env | {"COLUMNS": columns, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
                   "HF_HUB_CACHE": str(cache), "HF_HOME": str(workdir / ".hf-home")}
 
 
-def run(command: str, workdir: Path) -> list[str]:
+def run(command: str, workdir: Path, columns: str = COLUMNS) -> list[str]:
     """The command's output lines, stdout and stderr interleaved as a terminal shows them."""
     extra, args = argv(command, workdir)
-    done = subprocess.run(args, cwd=workdir, env=environment(workdir) | extra, text=True,
+    done = subprocess.run(args, cwd=workdir, env=environment(workdir, columns) | extra, text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=300)
     lines = [line.rstrip() for line in done.stdout.replace(str(workdir) + os.sep, "").split("\n")]
     while lines and lines[-1] == "":
@@ -209,17 +211,18 @@ def run_blocks(blocks: list[Located], workdir: Path) -> dict[tuple[str, int], li
     futures = {}
     environment(workdir)  # lays out the Hub cache once, before threads race to make it
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
-        def run_block(block: Block, after: tuple[Future, ...]) -> list[list[str]]:
+        def run_block(page: str, block: Block, after: tuple[Future, ...]) -> list[list[str]]:
             wait(after)
-            return [run(e.command, workdir) for e in block.examples]
+            columns = PAGE_COLUMNS.get(page, COLUMNS)
+            return [run(e.command, workdir, columns) for e in block.examples]
 
         made: tuple[Future, ...] = ()
         for page, block in recipes:
-            futures[page, block.start] = pool.submit(run_block, block, made)
+            futures[page, block.start] = pool.submit(run_block, page, block, made)
             made = (futures[page, block.start],)
         for page, block in exact:
             if (page, block.start) not in futures:
-                futures[page, block.start] = pool.submit(run_block, block, made)
+                futures[page, block.start] = pool.submit(run_block, page, block, made)
         return {key: future.result() for key, future in futures.items()}
 
 

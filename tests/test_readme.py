@@ -10,7 +10,9 @@ blocks from real runs.
 
 from __future__ import annotations
 
-from readme_blocks import check, normalise, pages, parse, write
+import re
+
+from readme_blocks import REPO, check, normalise, pages, parse, write
 
 
 def _page_with(piece: str) -> tuple[str, str]:
@@ -83,3 +85,25 @@ def test_float32_rounding_in_the_control_is_normalised_but_a_real_drift_is_not()
     line = "control, correct concat loop vs full recompute: max |Δ logit| {} (rounding"
     assert normalise([line.format("8.1e-06")]) == normalise([line.format("1.0e-05")])
     assert normalise([line.format("8.1e-06")]) != normalise([line.format("3.5e-01")])
+
+
+def _shell_steps(command: str) -> list[str]:
+    """A shell line's steps, `&&` apart, as pip's own command: continuations joined, `python3
+    -m pip` read as `pip`, `--quiet` dropped."""
+    steps = command.replace("\\\n", " ").replace("python3 -m pip", "pip").split("&&")
+    return [" ".join(step.replace("--quiet", "").split()) for step in steps if step.strip()]
+
+
+def test_the_pages_test_command_is_what_ci_runs():
+    # CI's script installs from nothing, one step a line; the README, install.md and
+    # testing.md give the same steps as one line, less pip's upgrade and the lint.
+    ci = (REPO / ".ci" / "run").read_text(encoding="utf-8").split("\n")
+    steps = [s for line in ci if not line.startswith(("#", "set ", "cd ")) and line.strip()
+             for s in _shell_steps(line)]
+    want = [s for s in steps if s not in ("pip install --upgrade pip", "python3 -m ruff check .")]
+    assert want[-1] == "python3 -m pytest -q", want
+    texts = pages()
+    for page in ("README.md", "docs/install.md", "docs/testing.md"):
+        blocks = re.findall(r"```bash\n(.*?)```", texts[page], re.S)
+        given = [_shell_steps(b) for b in blocks if "pytest" in b]
+        assert given == [want], (page, given, want)

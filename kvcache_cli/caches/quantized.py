@@ -1,5 +1,7 @@
-"""Quantised KV caches: integer (int8, int4, int2) here, floating point (fp8) in `fp8`, and a
-paged pool in `quantized_pool`.
+"""Quantised KV caches: integer (int8, int4, int2) here, floating point (fp8) in `fp8`, and
+serve's paged pool in `quantized_pool`; this docstring holds the design all three share.
+What each costs in quality and bytes is measured in docs/caches.md, what it costs in time
+in docs/bench.md.
 
 Integer kinds store affine codes, x ~ q * scale + zero, with q in 0 .. 2^bits - 1, one
 scale and one zero point per group of G numbers, both in float16 (2 bytes each; KIVI's
@@ -34,7 +36,7 @@ Spec grammar (fields in any order, each at most once):
     paged-int8[:bN], paged-int4[:bN], paged-fp8[:bN]: serve's block pool, quantised
 
 Bytes one layer holds for one sequence of n tokens, kv heads, head width hs, model
-element size e (`layer_bytes`, equal to `bytes_held` per layer and row):
+element size e (`spec.layer_bytes`, equal to `bytes_held` per layer and row):
 
     s = min(n, S); Tq = floor(max(0, n - s - R) / c) * c, c = G for kchan else 1
     t = n - s - Tq                                        (the full-precision tail)
@@ -54,10 +56,14 @@ per head.
 `update` returns the sinks, the dequantised codes and the tail at the model's dtype, made
 afresh (transient, not counted in `bytes_held`): what a prefill, a chunk of draft tokens
 or a caller outside attention reads. A decoding token's attention does not: `attend`
-reads the codes a chunk at a time, their scales folded into the query and the weights,
-so no float copy of the history is made at every step (`QuantizedCache._attend`). The
-integer kinds' codes and scales grow in place (`_Rows`); fp8 and the paged pool still
-read the whole copy.
+reads the codes where they lie, their scales folded into the query and the weights, so
+no float copy of the history is made at every step. On the CPU it runs in one C++ kernel
+(`code_attention`, built at first use), which reads the codes as bytes once, because
+converting every code to float first cost more than reading a float cache outright; on
+another device, or where the kernel cannot be built (or `KVCACHE_CODE_ATTENTION=torch`),
+in torch a chunk of `ATTEND_CHUNK` tokens at a time (`QuantizedCache._attend`). The
+integer kinds' codes and scales grow in place (`_Rows`); fp8 and the paged pool still read
+the whole copy.
 
 `crop(n)` (speculative decoding's rollback): exact when the forgotten tokens are all
 full-precision; it may also cut into the quantised part where a cut leaves every kept
@@ -65,9 +71,9 @@ group whole (per-token groups always; per-channel key groups at a group boundary
 the kept tokens read exactly as before. A cut inside a per-channel key group raises
 RollbackError: those keys were quantised with scales that saw the forgotten tokens.
 
-The paged pool (`QuantPagedCache`, serve's `--kv-dtype`) quantises every token as it
-is written (keys and values per token, one group per head: one scale and zero point
-per head and token), since a block's tokens arrive one step at a time; fp8 blocks use
+The paged pool (`quantized_pool.QuantPagedCache`, serve's `--kv-dtype`) quantises every
+token as it is written (keys and values per token, one group per head: one scale and zero
+point per head and token), since a block's tokens arrive one step at a time; fp8 blocks use
 scale 1.0. Its block bytes come from the same `layer_bytes`.
 """
 
@@ -520,11 +526,3 @@ class QuantizedCache(KVCache):
     @property
     def bytes_held(self) -> int:
         return sum(nbytes(t) for L in self.layers for t in L.tensors())
-
-
-# ---------------------------------------------------------------------------- fp8
-
-
-# ---------------------------------------------------------------------------- paged
-
-

@@ -3,6 +3,12 @@
 `Linear` (float, stored in the order its one-row product reads fastest), `Int8Linear`
 (int8, one scale per output channel) and `Int4Linear` (a GGUF's own 4-bit blocks); the
 checks that refuse a format before weights load, and the switch between formats.
+
+A decode step reads every weight once and does almost no arithmetic, so how a format is
+stored, and how its product is shared among threads, decides how fast the weights stream:
+each choice below (the float layout, the split product, the native products for a decode's
+few rows, int8's bfloat16 activations) was made on timings, which docs/bench.md keeps with
+the machine and the date they were taken on ("The weight layout", "The products, native").
 """
 
 from __future__ import annotations
@@ -26,31 +32,20 @@ class Linear(nn.Linear):
     float16 widened as it is read), which stream the weights faster than any layout below;
     what follows is the torch path, for prefills and where the kernel cannot be built.
 
-    A decode step multiplies one row by every weight matrix: it reads each weight once
-    and does almost no arithmetic, so its speed is how fast the weights stream from
-    memory, and that depends on the order they are stored in and on how the product is
-    shared among threads. `scripts/layout_bench.py` timed one pass of one-row products
-    over GPT-2 small's 48 matrices and its LM head (ms, median of 9 interleaved passes;
-    AMD EPYC, 2 cores, torch 2.13):
-
-        layout, product          fp32 1 thr  fp32 2 thr  bf16 1 thr  bf16 2 thr  fp16 1 / 2 thr
-        (out, in) F.linear          29.0        28.9        16.3        10.5       10.4 / 6.6
-        (out, in) split by rows     29.1        16.7        16.4        10.2       10.4 / 6.9
-        (in, out) x @ W             21.2        21.0        23.7        13.9        154 / 156
-        (in, out) split by columns  21.9        15.0        24.4        34.3        157 / 157
-
-    So in float32 on the CPU the weights are stored (in, out), as Hugging Face's Conv1D
-    keeps them (`arrange_weights`), and with several threads the product runs one block
-    of output columns per thread as one batched matmul: MKL gives a one-row product a
-    single core, which cannot pull the bandwidth two can. Half precision keeps
-    nn.Linear's (out, in) and its plain product, which already uses every thread and is
-    there the faster order. Either way the parameter keeps its (out, in) shape and its
-    name; only its strides differ, so state dicts and checkpoints are as before.
+    A decode step multiplies one row by every weight matrix: it reads each weight once and
+    does almost no arithmetic, so its speed is how fast the weights stream from memory, and
+    that depends on the order they are stored in and on how the product is shared among
+    threads. In float32 on the CPU the weights are stored (in, out), as Hugging Face's
+    Conv1D keeps them (`arrange_weights`), and with several threads the product runs one
+    block of output columns per thread as one batched matmul: MKL gives a one-row product a
+    single core, which cannot pull the bandwidth two can. Half precision keeps nn.Linear's
+    (out, in) and its plain product, which already uses every thread and is there the faster
+    order. Either way the parameter keeps its (out, in) shape and its name; only its strides
+    differ, so state dicts and checkpoints are as before.
 
     The split serves any number of rows, not only one: a batched decode step (`serve`)
-    is a few-row product, and F.linear on the (in, out) weight gave those rows far less
-    bandwidth. One 768x3072 weight x 40, ms, 2 threads: rows 1 / 8 / 64 / 512 took
-    15.2 / 37.0 / 84.9 / 118 with F.linear and 11.6 / 22.1 / 70.7 / 113 split.
+    is a few-row product, and F.linear on the (in, out) weight gives those rows far less
+    bandwidth. The timings of each layout, thread count and row count: docs/bench.md.
     """
 
     threads = 1  # the thread count a compiled forward splits for (`pin_threads`)
