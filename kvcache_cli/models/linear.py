@@ -29,8 +29,8 @@ class Linear(nn.Linear):
     A decode step multiplies one row by every weight matrix: it reads each weight once
     and does almost no arithmetic, so its speed is how fast the weights stream from
     memory, and that depends on the order they are stored in and on how the product is
-    shared among threads. `scripts/layout_bench.py` timed one pass of one-row products
-    over GPT-2 small's 48 matrices and its LM head (ms, median of 9 interleaved passes;
+    shared among threads. One pass of one-row products over GPT-2 small's 48 matrices
+    and its LM head, timed for each layout (ms, median of 9 interleaved passes;
     AMD EPYC, 2 cores, torch 2.13):
 
         layout, product          fp32 1 thr  fp32 2 thr  bf16 1 thr  bf16 2 thr  fp16 1 / 2 thr
