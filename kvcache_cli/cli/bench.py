@@ -120,8 +120,8 @@ def bench(
                  threads, as_json)
         return
     if tasks is not None:
-        _tasks(ctx, tasks, draft or "lookup", speculate, cache or "static", model, new_tokens,
-               threads, as_json)
+        _tasks(ctx, tasks, draft or "lookup", speculate, cache or "static", model, weights,
+               device, new_tokens, threads, as_json)
         return
     if context is not None:
         _context(ctx, context, cache or "static,int8,int4", device, model, weights, dtype,
@@ -343,17 +343,10 @@ def _profile(ctx, device: str, model: str, weights: str, dtype: DType,
     if threads_error(threads):
         fail(threads_error(threads))
     need_torch_extra("kvcache bench needs", *GPT2_MODULES)
-    from kvcache_cli.measure import resolve_device
-
-    try:  # the profiler here records the CPU's ops: a GPU's kernels would not be in the split
-        dev = resolve_device("cpu" if device == "auto" else device)
-    except ValueError as err:
-        fail(str(err))
-    if dev.type != "cpu":
-        fail(f"--device {device} with --profile: the split is of the CPU's ops; expected "
-             "--device cpu")
+    # The profiler here records the CPU's ops: a GPU's kernels would not be in the split.
+    dev = _cpu_only(device, "--profile", "the split is of the CPU's ops")
     check_weights_dtype(weights_dtype, model, "cpu")
-    _check_lengths(ctx, model, prompt_len, steps + 1)
+    _check_lengths(ctx, model, prompt_len, steps)
     import torch
 
     from kvcache_cli.bench.profile import profile_step
@@ -375,8 +368,22 @@ def _profile(ctx, device: str, model: str, weights: str, dtype: DType,
     show_then_plot(result, profile_view, as_json, None, None, "")  # no plot: save is unused
 
 
-def _tasks(ctx, sets: str, draft: str, speculate: str, cache: str, model: str,
-           new_tokens: int, threads: int | None, as_json: bool) -> None:
+def _cpu_only(device: str, flag: str, why: str):
+    """The CPU for a run that measures only there (`auto` means it); another device is
+    refused in one line."""
+    from kvcache_cli.measure import resolve_device
+
+    try:
+        dev = resolve_device("cpu" if device == "auto" else device)
+    except ValueError as err:
+        fail(str(err))
+    if dev.type != "cpu":
+        fail(f"--device {device} with {flag}: {why}; expected --device cpu")
+    return dev
+
+
+def _tasks(ctx, sets: str, draft: str, speculate: str, cache: str, model: str, weights: str,
+           device: str, new_tokens: int, threads: int | None, as_json: bool) -> None:
     """`bench --tasks`: speculative decoding on the model's chat tasks, the whole table."""
     ignored = _given(ctx, ("modes", "compile_", "naive_samples", "repeats", "plot",
                            "prompt_file", "prompt_len", "context", "weights_dtype", "dtype"))
@@ -391,6 +398,9 @@ def _tasks(ctx, sets: str, draft: str, speculate: str, cache: str, model: str,
         fail(threads_error(threads))
     if new_tokens < 1:
         fail(f"--new-tokens {new_tokens:,}: expected a whole number, 1 or more")
+    need_torch_extra("kvcache bench needs", *GPT2_MODULES)
+    # Speculation's seconds are read off the host's clock, with no device synchronised.
+    dev = _cpu_only(device, "--tasks", "the table is timed on the CPU")
     from kvcache_cli.caches import CacheSpecError
     from kvcache_cli.models import model_config
     from kvcache_cli.speculative.drafts import parse_draft
@@ -404,7 +414,6 @@ def _tasks(ctx, sets: str, draft: str, speculate: str, cache: str, model: str,
                                      new_tokens)
     except (ValueError, CacheSpecError) as err:  # NumberError and RollbackError are both
         fail(str(err))
-    need_torch_extra("kvcache bench needs", *GPT2_MODULES)
     import torch
 
     from kvcache_cli.cli.common import load_model
@@ -414,7 +423,7 @@ def _tasks(ctx, sets: str, draft: str, speculate: str, cache: str, model: str,
 
     if threads is not None:
         torch.set_num_threads(threads)
-    loaded = load_model(model, "auto", "cpu", "fp32")
+    loaded = load_model(model, weights, str(dev), "fp32")
     max_len = max(len(t.prompt_ids) for t in chat) + new_tokens + max(ks) + 1
     built = [make_draft(s, loaded.model, max_len) for s in specs]
 
