@@ -12,7 +12,7 @@
 #    quantised caches, at a 1,024-token prompt.
 # 3. Decode-step time from 256 to 8,192 cached tokens: float, int8 and int4 caches beside
 #    llama.cpp's f16/q8_0/q4_0 caches, float16 weights (bench --context).
-# 4. One step's profile in every weight format (step_profile.py).
+# 4. One step's profile in every weight format (bench --profile).
 # summary.txt: tokens/s per mode and the ratios the targets name, from each run.
 set -euo pipefail
 out=${1:-smollm2-speed}
@@ -28,8 +28,10 @@ kvcache bench -m smollm2 --device cpu --threads 2 --repeats 3 --prompt-len 1024 
 COLUMNS=120 kvcache bench -m smollm2 --device cpu --threads 2 --weights-dtype fp16 \
   --context 256,1024,2048,4096,6144,8176 --cache static,int8,int4 \
   --plot "$out/long_context.png" > "$out/long_context.txt"
-python scripts/step_profile.py --model smollm2 --threads 2 --steps 16 \
-  --formats fp32,fp16,bf16,int8,q4 > "$out/step_profile.txt"
+profile="kvcache bench -m smollm2 --profile --threads 2 --new-tokens 16"
+for format in "" "--dtype fp16" "--dtype bf16" "--weights-dtype int8" "--weights-dtype q4"; do
+  $profile $format  # word-split on purpose: one format's options
+done > "$out/step_profile.txt"
 python - "$out" <<'PY' | tee "$out/summary.txt"
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])

@@ -103,6 +103,41 @@ def test_eval_writes_the_frontier_plot(checkpoint, tmp_path):
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_replot_redraws_a_saved_runs_plot_without_running_it(checkpoint, tmp_path,
+                                                              request):
+    pytest.importorskip("matplotlib")
+    drawn, redrawn, saved = tmp_path / "run.png", tmp_path / "again.png", tmp_path / "run.json"
+    run = invoke("--model", str(checkpoint), "--cache", "int8", "--prompt-len", "16",
+                 "--tokens", "64", "--plot", str(drawn), "--json")
+    assert run.exit_code == 0, run.output
+    saved.write_text(run.stdout)
+    request.getfixturevalue("no_model_loads")  # from here on, a model load fails the test
+    result = invoke("--replot", str(saved), "--plot", str(redrawn))
+    assert result.exit_code == 0, result.output
+    assert f"plot written to {redrawn}" in result.output
+    assert redrawn.read_bytes() == drawn.read_bytes()
+
+
+@pytest.mark.parametrize(("content", "plot", "said"), [
+    (None, True, "no such file; expected a saved kvcache eval --json"),
+    ("{not json", True, "Expecting property name"),
+    ('{"model": "m", "caches": []}', True, "not the --json of a kvcache eval text run (no "),
+    ('{"question": 1, "caches": [], "first_token_share": []}', True,
+     "not the --json of a kvcache eval text run"),
+    ("[1, 2]", True, "not the --json of a kvcache eval text run"),
+    ("{}", False, "expected --plot OUT.png"),
+])
+def test_replot_of_a_file_that_is_not_a_saved_run_is_one_line_exit_2(tmp_path, content, plot,
+                                                                       said):
+    saved = tmp_path / "saved.json"
+    if content is not None:
+        saved.write_text(content)
+    result = invoke("--replot", str(saved), *(["--plot", str(tmp_path / "p.png")] if plot
+                                              else []))
+    assert result.exit_code == 2 and said in result.output, result.output
+    assert len(result.output.strip().splitlines()) == 1, result.output
+
+
 def _text(tmp_path, data: bytes):
     path = tmp_path / "text.txt"
     path.write_bytes(data)

@@ -1,32 +1,25 @@
-"""Speculative decoding on chat tasks (`speculative.run_task`, `scripts/speculative_chat.py`):
+"""Speculative decoding on chat tasks (`speculative.run_task`, `kvcache bench --tasks`):
 every draft at every K gives plain greedy's reply exactly, the counts the table sums are
 the runs' own, and what cannot run is refused in one line before the weights load.
 Timings are never asserted."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
-from pathlib import Path
 
 import pytest
-from llamakit import smollm2_or_skip
+from llamakit import smollm2_or_skip, tiny_hf, write_tiny_gguf
 from servingkit import tiny_model
+from typer.testing import CliRunner
 
+from kvcache_cli.cli import app
 from kvcache_cli.generate import generate
 from kvcache_cli.speculative import drafts as D
 from kvcache_cli.speculative import tasks as S
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "speculative_chat.py"
-
-
-def _script():
-    spec = importlib.util.spec_from_file_location("speculative_chat", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+runner = CliRunner()
 
 
 def _task(model, kind: str, seed: int) -> tuple[S.ChatTask, tuple[int]]:
@@ -85,17 +78,47 @@ def smollm2_config():
     return model_config("smollm2")
 
 
+@pytest.fixture(scope="module")
+def chat_gguf(tmp_path_factory):
+    """A tiny Llama GGUF with a chat template and a context that holds every shipped task."""
+    path = tmp_path_factory.mktemp("chat") / "tiny.gguf"
+    return str(write_tiny_gguf(tiny_hf(max_position_embeddings=2048), path, context=2048))
+
+
+def test_bench_tasks_runs_every_set_and_draft_and_gives_greedys_tokens(chat_gguf):
+    args = ["bench", "-m", chat_gguf, "--tasks", "copy,other", "--draft", "lookup,layers:1",
+            "--speculate", "2", "--new-tokens", "6", "--threads", "1"]
+    result = runner.invoke(app, [*args, "--json"])
+    assert result.exit_code == 0, result.output
+    table = json.loads(result.stdout)
+    assert {(r["kind"], r["draft"], r["k"]) for r in table["rows"]} == {
+        (kind, draft, 2) for kind in ("copy", "other") for draft in ("lookup:3", "layers:1")}
+    assert all(r["identical"] == r["tasks"] for r in table["rows"]) and table["cap"] == 6
+    assert len(table["runs"]) == len(S.chat_tasks(_config(chat_gguf), chat_gguf))
+    shown = runner.invoke(app, args)
+    assert shown.exit_code == 0, shown.output
+    assert "every run gave plain greedy's tokens" in shown.stdout
+    assert "copy   lookup:3    2" in shown.stdout
+
+
+def _config(model: str):
+    from kvcache_cli.models import model_config
+
+    return model_config(model)
+
+
 @pytest.mark.parametrize("args, said", [
     (["-m", "gpt2"], "model 'gpt2' has no chat template"),
-    (["--drafts", "layers:30"], "the target has 30 layers; expected layers:N with N from 1 to 29"),
+    (["--draft", "layers:30"], "the target has 30 layers; expected layers:N with N from 1 to 29"),
+    (["--draft", "gpt2"], "expected lookup[:n] or layers:N"),
     (["--cache", "h2o:8+8"], "cannot roll back"),
-    (["--sets", "poems"], "--sets 'poems': expected copy or other"),
-    (["--speculate", "2,x"], "--speculate 'x'"),
+    (["--tasks", "poems"], "--tasks 'poems': expected copy or other"),
+    (["--speculate", "2,x"], "--speculate '2,x'"),
+    (["--plot", "t.png"], "--plot does not apply with --tasks"),
 ])
-def test_the_table_refuses_what_cannot_run_in_one_line_exit_2(capsys, args, said):
+def test_the_table_refuses_what_cannot_run_in_one_line_exit_2(args, said):
     if args[:2] != ["-m", "gpt2"]:
         smollm2_or_skip()
-    with pytest.raises(SystemExit) as stop:
-        _script().main(args)
-    err = capsys.readouterr().err
-    assert stop.value.code == 2 and said in err and len(err.strip().splitlines()) == 1
+    result = runner.invoke(app, ["bench", "-m", "smollm2", "--tasks", "copy,other", *args])
+    assert result.exit_code == 2 and said in result.output, result.output
+    assert len(result.output.strip().splitlines()) == 1, result.output

@@ -1,11 +1,14 @@
 """C++ kernels built at first use with the machine's compiler and loaded with ctypes.
 
 A kernel's source ships with the package; `build` compiles it (`c++ -O3 -march=native
--ffast-math -fopenmp`, about a second) into the kvcache cache folder, keyed by the source's
-and the flags' hash, so a rebuilt source or another CPU's flags never load a stale
-library. Plain C arguments, no torch headers: nothing to install beyond a compiler. Where
-it cannot be built (no compiler, a CPU without the instructions a source asks for), `build`
-returns None and one line saying why, and the caller keeps its torch path.
+-ffast-math -fopenmp`, about a second) into the kvcache cache folder, named by a hash of the
+source, the flags, the compiler's version and what `-march=native` resolves to on this CPU
+(`target`). The flag text alone is the same on every machine: a cache folder shared by two
+(an NFS home, a copied container, a CI cache) would hand an AVX2 machine a library built
+with AVX-512, and the process would die of an illegal instruction without a word. Plain C
+arguments, no torch headers: nothing to install beyond a compiler. Where it cannot be built
+(no compiler, a CPU without the instructions a source asks for), `build` returns None and
+one line saying why, and the caller keeps its torch path.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from functools import cache
 from pathlib import Path
 
 # fast math for vectorised sums (their order is free), but infinities kept: a softmax's
@@ -33,6 +37,37 @@ def folder() -> Path:
     return Path(root) / "kernels"
 
 
+@cache
+def target(compiler: str) -> str:
+    """The compiler's version line and the instruction set `-march=native` selects here,
+    as text: what a built library depends on beyond its source and flags. Two short runs of
+    the compiler's driver (no compilation), once per process."""
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
+                             stdin=subprocess.DEVNULL)
+    driver = subprocess.run([compiler, "-march=native", "-###", "-E", "-"],
+                            capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    # gcc passes the resolved CPU as -march=<cpu> and one -m<feature>/-mno-<feature> per
+    # extension; clang as -target-cpu <cpu> and -target-feature +<f>/-<f>. Other words of
+    # these lines (clang's working folder, temporary names) would key by where it ran.
+    words = driver.stderr.replace('"', " ").split()
+    chosen = [w for i, w in enumerate(words)
+              if (w.startswith("-m") and w != "-march=native")
+              or (i and words[i - 1] in ("-target-cpu", "-target-feature"))]
+    if not chosen:  # a driver that does not say: the kernel's own list of the CPU's features
+        cpuinfo = Path("/proc/cpuinfo")
+        lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
+        chosen = [line for line in lines if line.startswith(("flags", "Features"))][:1]
+    head = (version.stdout.strip().splitlines() or [""])[0]
+    return "\n".join([head, *chosen])
+
+
+def library(source: Path, compiler: str) -> Path:
+    """Where the library built from `source` by `compiler` for this CPU lives."""
+    flags = " ".join(COMPILE_FLAGS + LINK_FLAGS)
+    key = source.read_bytes() + flags.encode() + target(compiler).encode()
+    return folder() / f"{source.stem}-{hashlib.sha256(key).hexdigest()[:16]}.so"
+
+
 def build(source: Path, off: str) -> tuple[ctypes.CDLL | None, str | None]:
     """(the library built from `source`, None), or (None, why not, in one line). The
     environment variable `off` set to `torch` asks for the caller's torch path instead,
@@ -42,13 +77,11 @@ def build(source: Path, off: str) -> tuple[ctypes.CDLL | None, str | None]:
     compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if compiler is None:
         return None, "no C++ compiler (c++ or g++) found"
-    flags = " ".join(COMPILE_FLAGS + LINK_FLAGS)
-    digest = hashlib.sha256(source.read_bytes() + flags.encode()).hexdigest()[:16]
-    library = folder() / f"{source.stem}-{digest}.so"
-    if not library.exists():
-        library.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
-            built = Path(tmp) / library.name  # renamed whole, so no reader sees half a file
+    path = library(source, compiler)
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+            built = Path(tmp) / path.name  # renamed whole, so no reader sees half a file
             compiled = Path(tmp) / f"{source.stem}.o"
             run = subprocess.run([compiler, *COMPILE_FLAGS, str(source), "-o", str(compiled)],
                                  capture_output=True, text=True)
@@ -59,5 +92,5 @@ def build(source: Path, off: str) -> tuple[ctypes.CDLL | None, str | None]:
                 errors = [line for line in run.stderr.splitlines() if "error" in line]
                 first = (errors or run.stderr.strip().splitlines() or ["no message"])[0]
                 return None, f"{compiler} could not build {source.name} ({first.strip()})"
-            os.replace(built, library)
-    return ctypes.CDLL(str(library)), None
+            os.replace(built, path)
+    return ctypes.CDLL(str(path)), None

@@ -33,6 +33,9 @@ from kvcache_cli.cli.common import (
 
 # `bench --context`: steps timed a round at each context, unless --new-tokens is given.
 CONTEXT_STEPS = 8
+# `bench --profile`: decode steps profiled, unless --new-tokens is given; the profiler's
+# own cost grows with the events it keeps.
+PROFILE_STEPS = 32
 
 
 def bench(
@@ -90,6 +93,19 @@ def bench(
         f"--new-tokens: the steps timed a round at each context (default {CONTEXT_STEPS} "
         "here); --repeats: the rounds.")
     ] = None,
+    profile: Annotated[bool, typer.Option(
+        "--profile", help="Where one decode step of the static loop goes, by kind of op "
+        "(products, attention, norms, activations, cache writes, other ops, Python and "
+        f"dispatch), under torch.profiler on the CPU; --new-tokens: the steps profiled "
+        f"(default {PROFILE_STEPS} here); --dtype and --weights-dtype: the format.")
+    ] = False,
+    tasks: Annotated[str | None, typer.Option(
+        metavar="SETS", help="Speculative decoding on the model's own chat tasks (copy: "
+        "replies that copy the prompt; other: new text), comma-separated: plain greedy to the "
+        "end of turn or --new-tokens, then each --draft (comma-separated, lookup[:n] or "
+        "layers:N; default lookup) at each K of --speculate (default 2,4) with --cache, which "
+        "must give the same tokens; acceptance, forwards per token and speed-up per set.")
+    ] = None,
 ) -> None:
     """Time every decode step of every mode, against transformers and the memory limit.
 
@@ -99,6 +115,14 @@ def bench(
     plain decoding with the same cache, interleaved, medians over --repeats.
     """
     model = model if model is not None else default_model()
+    if profile:
+        _profile(ctx, device, model, weights, dtype, weights_dtype, prompt_len, new_tokens,
+                 threads, as_json)
+        return
+    if tasks is not None:
+        _tasks(ctx, tasks, draft or "lookup", speculate, cache or "static", model, weights,
+               device, new_tokens, threads, as_json)
+        return
     if context is not None:
         _context(ctx, context, cache or "static,int8,int4", device, model, weights, dtype,
                  weights_dtype, new_tokens, repeats, threads, plot, as_json)
@@ -288,6 +312,130 @@ def _speculative(ctx, draft: str, speculate: str, cache: str, prompt_file: Path 
     except (ValueError, IndexError) as err:
         fail(str(err))
     show_then_plot(run, spec_run_view, as_json, None, None, "")  # no plot: save is unused
+
+
+def _given(ctx, names: tuple[str, ...]) -> str | None:
+    """The first of `names` given on the command line, spelled as an option, or None."""
+    given = [p for p in names
+             if getattr(ctx.get_parameter_source(p), "name", "") == "COMMANDLINE"]
+    if not given:
+        return None
+    return "--compile" if given[0] == "compile_" else f"--{given[0].replace('_', '-')}"
+
+
+def _profile(ctx, device: str, model: str, weights: str, dtype: DType,
+             weights_dtype: str | None, prompt_len: int, new_tokens: int,
+             threads: int | None, as_json: bool) -> None:
+    """`bench --profile`: one decode step split by kind of op."""
+    ignored = _given(ctx, ("modes", "cache", "compile_", "naive_samples", "repeats", "plot",
+                           "draft", "speculate", "prompt_file", "context", "tasks"))
+    if ignored:
+        fail(f"{ignored} does not apply with --profile: one format's decode step of the "
+             "static loop is profiled")
+    steps = new_tokens if _given(ctx, ("new_tokens",)) else PROFILE_STEPS
+    from kvcache_cli.numbers import NumberError, whole
+
+    try:
+        steps = whole(str(steps), "--new-tokens", 1, 10_000)
+        prompt_len = whole(str(prompt_len), "--prompt-len", 1, 10**7)
+    except NumberError as err:
+        fail(str(err))
+    if threads_error(threads):
+        fail(threads_error(threads))
+    need_torch_extra("kvcache bench needs", *GPT2_MODULES)
+    # The profiler here records the CPU's ops: a GPU's kernels would not be in the split.
+    dev = _cpu_only(device, "--profile", "the split is of the CPU's ops")
+    check_weights_dtype(weights_dtype, model, "cpu")
+    _check_lengths(ctx, model, prompt_len, steps)
+    import torch
+
+    from kvcache_cli.bench.profile import profile_step
+    from kvcache_cli.models import load_model, set_weights_dtype
+    from kvcache_cli.views.bench import profile_view
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        loaded = load_model(model, weights=weights, device=dev,
+                            dtype=getattr(torch, TORCH_DTYPES[dtype.value]))
+        if weights_dtype is not None:
+            set_weights_dtype(loaded.model, weights_dtype)
+        result = profile_step(loaded.model, steps, loaded.source, dtype.value, prompt_len)
+    except (ValueError, IndexError) as err:
+        fail(str(err))
+    except (RuntimeError, OSError) as err:
+        fail(str(err), code=1)
+    show_then_plot(result, profile_view, as_json, None, None, "")  # no plot: save is unused
+
+
+def _cpu_only(device: str, flag: str, why: str):
+    """The CPU for a run that measures only there (`auto` means it); another device is
+    refused in one line."""
+    from kvcache_cli.measure import resolve_device
+
+    try:
+        dev = resolve_device("cpu" if device == "auto" else device)
+    except ValueError as err:
+        fail(str(err))
+    if dev.type != "cpu":
+        fail(f"--device {device} with {flag}: {why}; expected --device cpu")
+    return dev
+
+
+def _tasks(ctx, sets: str, draft: str, speculate: str, cache: str, model: str, weights: str,
+           device: str, new_tokens: int, threads: int | None, as_json: bool) -> None:
+    """`bench --tasks`: speculative decoding on the model's chat tasks, the whole table."""
+    ignored = _given(ctx, ("modes", "compile_", "naive_samples", "repeats", "plot",
+                           "prompt_file", "prompt_len", "context", "weights_dtype", "dtype"))
+    if ignored:
+        fail(f"{ignored} does not apply with --tasks: each task's own prompt is decoded in "
+             "float32, plain and with each --draft")
+    if "," in cache:
+        fail(f"--cache {cache!r} with --tasks: expected one cache, the target's (a kind that "
+             "rolls back)")
+    ks = drafts.parse_ks(speculate if _given(ctx, ("speculate",)) else "2,4")
+    if threads_error(threads):
+        fail(threads_error(threads))
+    if new_tokens < 1:
+        fail(f"--new-tokens {new_tokens:,}: expected a whole number, 1 or more")
+    need_torch_extra("kvcache bench needs", *GPT2_MODULES)
+    # Speculation's seconds are read off the host's clock, with no device synchronised.
+    dev = _cpu_only(device, "--tasks", "the table is timed on the CPU")
+    from kvcache_cli.caches import CacheSpecError
+    from kvcache_cli.models import model_config
+    from kvcache_cli.speculative.drafts import parse_draft
+    from kvcache_cli.speculative.tasks import check_tasks
+
+    try:
+        specs = [parse_draft(d.strip()) for d in draft.split(",") if d.strip()]
+        config = model_config(model)
+        chat, stop_ids = check_tasks(config, model, [s.strip() for s in sets.split(",")
+                                                     if s.strip()], specs, ks, cache,
+                                     new_tokens)
+    except (ValueError, CacheSpecError) as err:  # NumberError and RollbackError are both
+        fail(str(err))
+    import torch
+
+    from kvcache_cli.cli.common import load_model
+    from kvcache_cli.speculative.drafts import make_draft
+    from kvcache_cli.speculative.tasks import run_tasks
+    from kvcache_cli.views.speculative import task_table_view
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    loaded = load_model(model, weights, str(dev), "fp32")
+    max_len = max(len(t.prompt_ids) for t in chat) + new_tokens + max(ks) + 1
+    built = [make_draft(s, loaded.model, max_len) for s in specs]
+
+    def progress(run) -> None:  # a set runs minutes: a line a task says it is alive
+        typer.echo(f"{run.kind} {run.index}: {run.reply_tokens} tokens", err=True)
+
+    try:
+        table = run_tasks(loaded.model, model, chat, built, ks, cache, new_tokens, stop_ids,
+                          torch.get_num_threads(), progress)
+    except (ValueError, IndexError) as err:
+        fail(str(err))
+    show_then_plot(table, task_table_view, as_json, None, None, "")  # no plot: save is unused
 
 
 def _check_lengths(ctx, model: str, prompt_len: int, new_tokens: int) -> None:

@@ -113,6 +113,9 @@ def eval_(
     lengths: Annotated[str, typer.Option(
         help="--task retrieval: the filler's lengths in tokens, comma-separated.")] = "512",
     as_json: Annotated[bool, typer.Option("--json", help="Print the raw result as JSON.")] = False,
+    replot: Annotated[Path | None, typer.Option(
+        metavar="FILE.json", help="Redraw --plot from a saved --json of a text run, without "
+        "running the caches again (runs on SmolLM2 cost minutes a cache).")] = None,
 ) -> None:
     """What a cache costs in quality: each cache fed a text as generation feeds it,
     against the exact cache on the same tokens.
@@ -123,6 +126,9 @@ def eval_(
     """
     model = model if model is not None else default_model()
     need_torch_extra("kvcache eval needs", *GPT2_MODULES)
+    if replot is not None:
+        _replot(replot, plot)
+        return
     if task is Task.retrieval:
         _retrieval(cache, model, weights, lengths, device, threads, plot, as_json)
         return
@@ -158,6 +164,25 @@ def eval_(
     from kvcache_cli.views.quality import plain, render
 
     _show(result, render, plain, save_plot, as_json, plot)
+
+
+def _replot(saved: Path, plot: Path | None) -> None:
+    """`eval --replot`: the plot of a saved --json, drawn as the run would have drawn it."""
+    import json
+
+    from kvcache_cli.eval.quality import result_from_json
+    from kvcache_cli.views.eval_plot import save_plot
+
+    if plot is None:
+        fail(f"--replot {str(saved)!r}: expected --plot OUT.png, where to draw it")
+    try:
+        result = result_from_json(json.loads(saved.read_text(encoding="utf-8")))
+    except FileNotFoundError:
+        fail(f"--replot {str(saved)!r}: no such file; expected a saved kvcache eval --json")
+    except (OSError, UnicodeDecodeError, ValueError) as err:  # JSONDecodeError is a ValueError
+        fail(f"--replot {str(saved)!r}: {err}")
+    check_plot(plot)
+    show_then_plot(result, lambda _: f"redrawn from {saved}", False, save_plot, plot, "plot")
 
 
 def _show(result, render, plain, save_plot, as_json: bool, plot) -> None:

@@ -127,6 +127,32 @@ class QualityResult:
                        f"(evaluated {', '.join(c.cache for c in self.caches)})")
 
 
+def result_from_json(data) -> QualityResult:
+    """The QualityResult `kvcache eval --json` printed (lists back to the tuples the
+    dataclasses hold, "nan"/"inf" back to floats), or a ValueError saying what does not fit:
+    a retrieval run's, another command's, a hand-edited file."""
+    import dataclasses
+
+    def numbers(row: dict, cls) -> dict:
+        floats = {f.name for f in dataclasses.fields(cls) if f.type == "float"}
+        return {k: float(v) if k in floats and isinstance(v, str) else v
+                for k, v in row.items()}
+
+    try:
+        rows = tuple(CacheQuality(**{**numbers(c, CacheQuality),
+                                     "loss_by_position": tuple(c["loss_by_position"])})
+                     for c in data["caches"])
+        rest = {k: v for k, v in data.items() if k not in ("caches", "first_token_share")}
+        result = QualityResult(**numbers(rest, QualityResult), caches=rows,
+                               first_token_share=tuple(data["first_token_share"]))
+    except (KeyError, TypeError, ValueError) as err:
+        what = f"no {err}" if isinstance(err, KeyError) else str(err)
+        raise ValueError(f"not the --json of a kvcache eval text run ({what})") from None
+    if not rows:
+        raise ValueError("not the --json of a kvcache eval text run (no caches)")
+    return result
+
+
 # ---------------------------------------------------------------------------- inputs
 
 

@@ -7,7 +7,7 @@ runs make, so every request can be checked against its solo generation.
 `prefill` and `decode` serve the prefill-first policy through `FamilyModel.forward`. `step`
 serves decode-first, whose one forward mixes one-token decodes with prompt chunks of
 hundreds: rows at different positions with different numbers of new tokens. Two
-layouts, measured against each other (`scripts/serve_layouts.py`):
+layouts, measured against each other (one step of each, interleaved, GPT-2 small's shape):
 - `packed` (vLLM's varlen layout): every row's tokens one after another as a single
   sequence of N tokens, so the matmuls (most of a step) do exactly N rows; attention
   alone is per row: the one-token rows in one batched call, each chunk in its own;

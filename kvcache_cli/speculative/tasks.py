@@ -1,11 +1,11 @@
 """Speculative decoding on chat tasks: the shipped tasks (answers that copy the prompt and
 answers that do not), each run through the chat template with every draft and K, and
-the table of acceptance and forwards per token they give."""
+the table of acceptance and forwards per token they give (`kvcache bench --tasks`)."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,6 +93,47 @@ class TaskTable:
     @property
     def all_identical(self) -> bool:
         return all(all(r.identical) for r in self.runs)
+
+
+def check_tasks(config, model: str, sets: Sequence[str], drafts, ks: Sequence[int],
+                cache: str, cap: int) -> tuple[tuple[ChatTask, ...], tuple[int, ...]]:
+    """(the tasks, the end-of-turn ids) for a run about to load `model`, or a ValueError in
+    one line (RollbackError and CacheSpecError among them): an unknown set, a model without
+    a chat template or an end-of-turn token, replies past the context, a draft that needs a
+    second model or is as deep as the target, a cache that cannot roll back."""
+    from kvcache_cli.speculative.decode import check_speculation
+
+    bad = [s for s in sets if s not in TASK_SETS]
+    if bad or not sets:
+        raise ValueError(f"--tasks {','.join(sets)!r}: expected {' or '.join(TASK_SETS)}, "
+                         "comma-separated")
+    tasks = chat_tasks(config, model, sets)
+    if not config.eos_ids:
+        raise ValueError(f"model {model!r} names no end-of-turn token")
+    longest = max(len(t.prompt_ids) for t in tasks) + cap
+    if longest > config.context:
+        raise ValueError(f"--new-tokens {cap}: the longest task ({longest - cap} tokens) and "
+                         f"its reply pass the context window {config.context}")
+    for spec in drafts:
+        if spec.kind == "model":
+            raise ValueError(f"draft {spec}: expected lookup[:n] or layers:N (this table "
+                             "measures drafts that need no second model)")
+        check_speculation(config, spec, None, ks, cache, positions=longest)
+    return tasks, tuple(config.eos_ids)
+
+
+def run_tasks(model: FamilyModel, model_name: str, tasks: Sequence[ChatTask],
+              drafts: Sequence[Draft], ks: Sequence[int], cache: str, cap: int,
+              stop_ids: Sequence[int], threads: int,
+              progress: Callable[[TaskRun], None] | None = None) -> TaskTable:
+    """Every task through `run_task`, and the table of its rows; `progress` hears of each
+    task as it ends (a set runs minutes on a CPU)."""
+    runs = []
+    for task in tasks:
+        runs.append(run_task(model, task, drafts, ks, cache, cap, stop_ids))
+        if progress is not None:
+            progress(runs[-1])
+    return TaskTable(model_name, cap, threads, tuple(runs), task_rows(runs))
 
 
 def run_task(model: FamilyModel, task: ChatTask, drafts: Sequence[Draft], ks: Sequence[int],

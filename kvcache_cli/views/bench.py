@@ -253,3 +253,12 @@ def render(r: BenchResult) -> RenderableType:
     return bench(r)
 
 
+
+
+def profile_view(p) -> str:
+    """`bench --profile` (a bench.profile.StepProfile) as the two lines the bench page
+    quotes: what ran, then the step split by kind of op, ms and share of the step."""
+    fmt = p.weights if p.dtype in (p.weights, "fp32") else f"{p.dtype}+{p.weights}"
+    cells = ", ".join(f"{kind} {ms:.2f} ({ms / p.step_ms:.0%})" for kind, ms in p.split_ms)
+    return (f"{p.model}, {p.threads} threads, ms a decode step (share), {p.steps} steps "
+            f"profiled\n{fmt}: step {p.step_ms:.2f} ms, {p.ops_per_step:.0f} ops: {cells}")

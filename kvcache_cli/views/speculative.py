@@ -1,11 +1,12 @@
-"""Rich views of speculative decoding and its two breaks.
+"""Views of speculative decoding, its table on chat tasks and its two breaks.
 
-They render the frozen results of `kvcache_cli.speculative.decode` (the same objects `--json`
-dumps).
+They render the frozen results of `kvcache_cli.speculative.decode` and `.tasks` (the same
+objects `--json` dumps).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 from rich import box
@@ -91,3 +92,25 @@ def rollback_shared_view(r, piece: Callable[[int], str] | None = None) -> Render
         f"a rollback that would cut into a shared block is refused: [dim]{r.refused}[/]")
     return Panel(Group(Text(r.bug), tokens, lines), title=f"GPT-2 break: {r.name}",
                  title_align="left", padding=(0, 1))
+
+
+def task_table_view(t) -> str:
+    """`bench --tasks` (a speculative.tasks.TaskTable) as plain text: a line per task,
+    then a row per (set, draft, K)."""
+    lines = [f"{t.model}, cache {t.runs[0].cache}, {t.threads} threads, replies to the end "
+             f"of turn or {t.cap} tokens, greedy"]
+    for r in t.runs:
+        end = "end of turn" if r.stopped else "cap"
+        lines.append(f"  task {r.kind} {r.index}: prompt {r.prompt_tokens}, reply "
+                     f"{r.reply_tokens} tokens ({end}), plain "
+                     f"{r.reply_tokens / r.plain_s:.1f} tok/s")
+    lines.append(f"{'set':6} {'draft':10} {'K':>2} {'tokens':>6} {'accept':>7} {'fwd/tok':>7} "
+                 f"{'speed':>6} {'= greedy':>8}")
+    for w in t.rows:
+        acc = "-" if math.isnan(w.acceptance) else f"{w.acceptance:.1%}"
+        lines.append(f"{w.kind:6} {w.draft:10} {w.k:>2} {w.tokens:>6} {acc:>7} "
+                     f"{w.forwards_per_token:>7.3f} {w.speedup:>5.2f}x "
+                     f"{w.identical:>4}/{w.tasks}")
+    lines.append("every run gave plain greedy's tokens" if t.all_identical
+                 else "SOME RUNS LEFT PLAIN GREEDY'S TOKENS: a bug")
+    return "\n".join(lines)
