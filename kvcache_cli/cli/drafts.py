@@ -8,7 +8,8 @@ from typing import Annotated
 import typer
 
 from kvcache_cli import numbers
-from kvcache_cli.cli.common import fail, load_model
+from kvcache_cli.cli.loading import load_model
+from kvcache_cli.cli.refusals import fail
 
 DraftOption = Annotated[str | None, typer.Option(
     help="Speculative decoding with this draft: a GPT-2 preset or checkpoint dir (e.g. gpt2 "

@@ -9,24 +9,25 @@ from typing import Annotated
 import typer
 
 from kvcache_cli.cli import drafts
-from kvcache_cli.cli.common import (
+from kvcache_cli.cli.loading import (
     GPT2_MODULES,
+    check_cache_for,
+    check_weights_dtype,
+    default_model,
+    load_model,
+    need_torch_extra,
+    torch_device,
+)
+from kvcache_cli.cli.options import (
     CacheOption,
     Device,
     DType,
     Weights,
     WeightsDTypeOption,
-    check_cache_for,
-    check_weights_dtype,
-    console,
-    default_model,
-    fail,
-    load_model,
-    need_torch_extra,
-    print_view,
     threads_error,
-    torch_device,
 )
+from kvcache_cli.cli.output import console, print_view
+from kvcache_cli.cli.refusals import fail
 
 
 class Mode(str, Enum):

@@ -6,7 +6,10 @@ from typing import Annotated
 
 import typer
 
-from kvcache_cli.cli.common import complete_preset, fail, need_torch_extra, print_view
+from kvcache_cli.cli.loading import need_torch_extra
+from kvcache_cli.cli.options import complete_preset
+from kvcache_cli.cli.output import print_view
+from kvcache_cli.cli.refusals import fail
 
 
 def size(
