@@ -102,11 +102,53 @@ def generate(
     model = model if model is not None else default_model()
     if threads_error(threads):
         fail(threads_error(threads))
-    if cache is not None:
-        if getattr(ctx.get_parameter_source("mode"), "name", "") == "COMMANDLINE":
-            fail(f"--mode {mode} and --cache {cache} both choose the cache: expected one of "
-                 "the two (--cache static is --mode static)")
-        mode = str(cache)
+    mode = _resolve_mode(ctx, mode, cache)
+    prompt = _check_prompt(prompt, prompt_option, chat, ids)
+    if not math.isfinite(temperature):
+        fail(f"--temperature {temperature}: expected a finite number, 0 or more (0 is greedy)")
+    prompt_ids = _parse_ids(ids) if ids is not None else []  # before the model loads
+    draft_spec, note, speculate = _check_draft(model, draft, speculate, mode, prompt_ids,
+                                               max_new_tokens)
+    config, tokenizer = _check_model(model, prompt, cache, weights_dtype, device)
+    # A chat model ends a reply at its end-of-turn token and a text at its end-of-text:
+    # past them it starts a new turn of its own, which no user asked for.
+    stop_ids: tuple[int, ...] = () if ignore_eos else tuple(getattr(config, "eos_ids", ()))
+    if chat is not None:
+        prompt = _chat_prompt(model, chat)
+    encoding = _check_request(config, tokenizer, prompt, prompt_ids, max_new_tokens)
+    if note:
+        typer.echo(f"note: {note}", err=True)
+    loaded, prompt_ids, encoding = _load(model, weights, device, dtype.value, weights_dtype,
+                                         prompt, prompt_ids, encoding, max_new_tokens)
+    import torch
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    if draft_spec is not None:
+        built = drafts.build(draft_spec, loaded, weights, device, dtype.value,
+                             len(prompt_ids) + max_new_tokens)
+        _speculate(loaded, prompt_ids, encoding, as_json, device, mode, max_new_tokens,
+                   built, speculate, temperature, top_k, seed)
+        return
+    turn = (chat, prompt, verbose) if chat is not None else None
+    _run(loaded, prompt_ids, encoding, as_json, device, mode, max_new_tokens, turn,
+         temperature=temperature, top_k=top_k, generator=generator, stop_ids=stop_ids)
+
+
+def _resolve_mode(ctx: typer.Context, mode: str, cache) -> str:
+    """The cache to run: --cache, else --mode; both typed is refused."""
+    if cache is None:
+        return mode
+    if getattr(ctx.get_parameter_source("mode"), "name", "") == "COMMANDLINE":
+        fail(f"--mode {mode} and --cache {cache} both choose the cache: expected one of "
+             "the two (--cache static is --mode static)")
+    return str(cache)
+
+
+def _check_prompt(prompt: str | None, prompt_option: str | None, chat: str | None,
+                  ids: str | None) -> str | None:
+    """The one prompt given (the argument or --prompt), or a refusal of two or of none."""
     if prompt is not None and prompt_option is not None:
         fail(f"two prompts, {prompt[:20]!r} and --prompt {prompt_option[:20]!r}: expected one")
     prompt = prompt if prompt is not None else prompt_option
@@ -118,20 +160,31 @@ def generate(
              "TEXT, or --ids 464,2068,7586 for token ids)")
     if prompt is not None and ids is not None:
         fail("a prompt and --ids: expected one of the two")
-    if not math.isfinite(temperature):
-        fail(f"--temperature {temperature}: expected a finite number, 0 or more (0 is greedy)")
-    prompt_ids = _parse_ids(ids) if ids is not None else []  # before the model loads
-    draft_spec, note = None, None
+    return prompt
+
+
+def _check_draft(model: str, draft: str | None, speculate: int | None, mode: str,
+                 prompt_ids: list[int], max_new_tokens: int):
+    """(the draft's spec, a note, K) checked before any model loads; (None, None, K) without
+    --draft."""
     if draft is None and speculate is not None:
         fail(f"--speculate {speculate} needs a --draft: expected e.g. --draft lookup")
-    if draft is not None:
-        if mode == "naive":
-            fail("--draft needs a cache to roll back: expected --mode static or concat, or "
-                 "--cache SPEC (any kind in 'kvcache caches' that rolls back)")
-        speculate = 4 if speculate is None else speculate
-        # Token ids are counted now; a text prompt's tokens only once it is encoded.
-        positions = len(prompt_ids) + max_new_tokens if prompt_ids else None
-        draft_spec, note = drafts.check(model, draft, [speculate], mode, positions)
+    if draft is None:
+        return None, None, speculate
+    if mode == "naive":
+        fail("--draft needs a cache to roll back: expected --mode static or concat, or "
+             "--cache SPEC (any kind in 'kvcache caches' that rolls back)")
+    speculate = 4 if speculate is None else speculate
+    # Token ids are counted now; a text prompt's tokens only once it is encoded.
+    positions = len(prompt_ids) + max_new_tokens if prompt_ids else None
+    draft_spec, note = drafts.check(model, draft, [speculate], mode, positions)
+    return draft_spec, note, speculate
+
+
+def _check_model(model: str, prompt: str | None, cache, weights_dtype: str | None,
+                 device: str):
+    """(the model's config, its tokenizer's name), with the torch extra, the device, the
+    cache and the weights format checked against it, before any weights load."""
     # A text prompt needs the tokenizer; token ids are shown as text only when it is there.
     # A byte-level model's tokenizer is UTF-8 itself: only GPT-2's BPE needs tiktoken.
     from kvcache_cli.models import tokenizer_name
@@ -149,16 +202,16 @@ def generate(
     if cache is not None:
         check_cache_for(cache, model)
     check_weights_dtype(weights_dtype, model, device)
-    import torch
+    return config, tokenizer
 
+
+def _check_request(config, tokenizer: str, prompt: str | None, prompt_ids: list[int],
+                   max_new_tokens: int):
+    """The encoding a text prompt needs (None for token ids), and the request checked
+    against the model's window and vocabulary when its tokens are known before the load."""
     from kvcache_cli import generate as gen
     from kvcache_cli.models.tokenizer import encoding_for
 
-    # A chat model ends a reply at its end-of-turn token and a text at its end-of-text:
-    # past them it starts a new turn of its own, which no user asked for.
-    stop_ids: tuple[int, ...] = () if ignore_eos else tuple(getattr(config, "eos_ids", ()))
-    if chat is not None:
-        prompt = _chat_prompt(model, chat)
     encoding = None
     if prompt is not None:  # before loading a model: a text prompt needs the tokenizer
         encoding, why = encoding_for(tokenizer)
@@ -171,9 +224,16 @@ def generate(
             gen.check_request_config(config, known, max_new_tokens)
         except (ValueError, IndexError) as err:
             fail(str(err))
-    if note:
-        typer.echo(f"note: {note}", err=True)
-    loaded = load_model(model, weights, device, dtype.value)
+    return encoding
+
+
+def _load(model: str, weights: str, device: str, dtype: str, weights_dtype: str | None,
+          prompt: str | None, prompt_ids: list[int], encoding, max_new_tokens: int):
+    """(the loaded model in its weights format, the prompt's ids, the encoding to show
+    tokens with)."""
+    from kvcache_cli import generate as gen
+
+    loaded = load_model(model, weights, device, dtype)
     if weights_dtype is not None:
         from kvcache_cli.models import set_weights_dtype
 
@@ -183,18 +243,7 @@ def generate(
         gen.check_request(loaded.model, prompt_ids, max_new_tokens)  # before anything is printed
     except (ValueError, IndexError) as err:
         fail(str(err))
-    if threads is not None:
-        torch.set_num_threads(threads)
-    generator = torch.Generator(device=device).manual_seed(seed)
-    if draft_spec is not None:
-        built = drafts.build(draft_spec, loaded, weights, device, dtype.value,
-                             len(prompt_ids) + max_new_tokens)
-        _speculate(loaded, prompt_ids, encoding, as_json, device, mode, max_new_tokens,
-                   built, speculate, temperature, top_k, seed)
-        return
-    turn = (chat, prompt, verbose) if chat is not None else None
-    _run(loaded, prompt_ids, encoding, as_json, device, mode, max_new_tokens, turn,
-         temperature=temperature, top_k=top_k, generator=generator, stop_ids=stop_ids)
+    return loaded, prompt_ids, encoding
 
 
 def _chat_prompt(model: str, question: str) -> str:
