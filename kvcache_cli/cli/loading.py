@@ -52,16 +52,16 @@ def default_model() -> str:
     return SMOLLM2 if smollm2_gguf() is not None else TRAINED
 
 
-def check_cache_for(spec, model: str) -> None:
+def check_cache_for(spec, model: str, config=None) -> None:
     """Refuse, before the weights load, a bounded cache whose budget passes the model's
     context window, and a quantised one whose groups do not fit its heads (both read from
-    its preset or config.json alone)."""
+    its preset or config.json alone: `config` when the command has read it already)."""
     from kvcache_cli.caches.grammar import CacheSpecError
     from kvcache_cli.caches.spec import check_context, check_spec
     from kvcache_cli.models import model_config
 
     try:
-        config = model_config(model)
+        config = config if config is not None else model_config(model)
     except ValueError:
         return  # not a model: the loader says so in its own words
     try:
@@ -82,15 +82,16 @@ def torch_device(device: str) -> str:
     return device
 
 
-def load_model(model: str, weights: str, device: str, dtype: str = "fp32"):
+def load_model(model: str, weights: str, device: str, dtype: str = "fp32", config=None):
     """Any family's model (`models.load_model`) with its errors as one line; its note
-    (random weights...) on stderr."""
+    (random weights...) on stderr. `config`: the model's, when the command has read it."""
     import torch
 
     from kvcache_cli import models
 
     try:
-        loaded = models.load_model(model, weights, device, getattr(torch, TORCH_DTYPES[dtype]))
+        loaded = models.load_model(model, weights, device, getattr(torch, TORCH_DTYPES[dtype]),
+                                   config)
     except ValueError as err:
         fail(str(err))
     except (RuntimeError, OSError) as err:
@@ -100,8 +101,10 @@ def load_model(model: str, weights: str, device: str, dtype: str = "fp32"):
     return loaded
 
 
-def check_weights_dtype(weights_dtype: str | None, model: str, device: str) -> None:
-    """Refuse an unknown or unrunnable --weights-dtype before any weights load."""
+def check_weights_dtype(weights_dtype: str | None, model: str, device: str,
+                        config=None) -> None:
+    """Refuse an unknown or unrunnable --weights-dtype before any weights load (`config`:
+    the model's, when the command has read it)."""
     if weights_dtype is None:
         return
     from kvcache_cli.models import family_of, linear, model_config
@@ -112,7 +115,8 @@ def check_weights_dtype(weights_dtype: str | None, model: str, device: str) -> N
             from kvcache_cli.models.llama_loading import source_types
 
             types = source_types(model)
-        linear.check_weights_dtype(weights_dtype, model_config(model), device, types)
+        config = config if config is not None else model_config(model)
+        linear.check_weights_dtype(weights_dtype, config, device, types)
     except ValueError as err:
         fail(f"--weights-dtype: {err}")
 
