@@ -16,11 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kvcache_cli.caches import CacheSpec, KVCache, make_cache
+from kvcache_cli.caches import MODES, CacheSpec, KVCache, make_cache
 from kvcache_cli.models.base import FamilyConfig, FamilyModel
-
-MODES = ("naive", "concat", "static")
-
 
 # A step's forward: (tokens (B, T), start_pos, cache, **options) -> logits (B, T', vocab),
 # GPT.forward itself or a broken stand-in for it.

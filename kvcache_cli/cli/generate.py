@@ -8,6 +8,7 @@ from typing import Annotated
 
 import typer
 
+from kvcache_cli.caches import MODES
 from kvcache_cli.cli import drafts
 from kvcache_cli.cli.loading import (
     GPT2_MODULES,
@@ -30,11 +31,9 @@ from kvcache_cli.cli.options import (
 from kvcache_cli.cli.output import console, print_view
 from kvcache_cli.cli.refusals import fail
 
-
-class Mode(str, Enum):
-    naive = "naive"
-    concat = "concat"
-    static = "static"
+# --mode's choices, the generation modes' registry as a str Enum (the one way every typer
+# version lists and checks choices).
+Mode = Enum("Mode", [(name, name) for name in MODES], type=str)
 
 
 def generate(
@@ -53,7 +52,7 @@ def generate(
     device: Annotated[Device, typer.Option(help="Where to run.")] = Device.cpu,
     mode: Annotated[Mode, typer.Option(
         help="naive: the full forward every token; concat: a torch.cat cache; "
-        "static: a preallocated cache written in place.")] = Mode.static,
+        "static: a preallocated cache written in place.")] = Mode("static"),
     cache: CacheOption = None,
     model: Annotated[str | None, typer.Option(
         "--model", "-m",
@@ -286,11 +285,11 @@ def _readable(config) -> bool:
             or config.vocab_size == GPT2_VOCAB_SIZE)
 
 
-def _encode(gpt, prompt: str | None, prompt_ids: list[int], encoding):
+def _encode(model, prompt: str | None, prompt_ids: list[int], encoding):
     """The prompt's token ids, and the encoding to show tokens as text (None: as ids)."""
     from kvcache_cli.models.tokenizer import encoding_for
 
-    config = gpt.config
+    config = model.config
     readable = _readable(config)
     if prompt is not None:
         if not readable:
@@ -312,22 +311,22 @@ def _run(loaded, prompt_ids: list[int], encoding, as_json: bool, device: str, sp
     from kvcache_cli.models.linear import weights_format
     from kvcache_cli.views.generate import TokenStream, generation_view, header
 
-    gpt = loaded.model
+    model = loaded.model
     out = console()
     stream = None if as_json else TokenStream(out, encoding, sampling.get("stop_ids", ()))
     if stream is not None:
-        dtype = str(gpt.dtype).removeprefix("torch.")
-        fmt = weights_format(gpt)
+        dtype = str(model.dtype).removeprefix("torch.")
+        fmt = weights_format(model)
         if fmt != {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(dtype):
             dtype += f", {fmt} weights"
-        print_view(header(loaded.source, gpt.num_params(), device, dtype, str(spec)))
+        print_view(header(loaded.source, model.num_params(), device, dtype, str(spec)))
         if chat is None:
             stream.prompt(prompt_ids)
         else:
             question, rendered, verbose = chat
             stream.chat(question, rendered if verbose else None)
     try:
-        result = gen.generate(gpt, prompt_ids, max_new_tokens, spec, on_token=stream, **sampling)
+        result = gen.generate(model, prompt_ids, max_new_tokens, spec, on_token=stream, **sampling)
     except (ValueError, IndexError) as err:
         fail(str(err))
     except RuntimeError as err:
@@ -355,9 +354,9 @@ def _speculate(loaded, prompt_ids: list[int], encoding, as_json: bool, device: s
     from kvcache_cli.views.generate import TokenStream, header
     from kvcache_cli.views.speculative import spec_run_view
 
-    gpt = loaded.model
+    model = loaded.model
     try:
-        run = compare(gpt, prompt_ids, max_new_tokens, draft, [k], cache=str(spec),
+        run = compare(model, prompt_ids, max_new_tokens, draft, [k], cache=str(spec),
                       sampling=Sampling(temperature, top_k), seed=seed, target=loaded.source)
     except (ValueError, IndexError) as err:  # a RollbackError included
         fail(str(err))
@@ -369,8 +368,8 @@ def _speculate(loaded, prompt_ids: list[int], encoding, as_json: bool, device: s
         typer.echo(to_json({"model": loaded.source, "note": loaded.note, **vars(run),
                             "text": text}))
         return
-    print_view(header(loaded.source, gpt.num_params(), device,
-                      str(gpt.dtype).removeprefix("torch."), str(spec)))
+    print_view(header(loaded.source, model.num_params(), device,
+                      str(model.dtype).removeprefix("torch."), str(spec)))
     stream = TokenStream(console(), encoding)
     stream.prompt(prompt_ids)
     for token in tokens:
