@@ -16,11 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kvcache_cli.caches import KVCache, make_cache
+from kvcache_cli.caches import MODES, CacheSpec, KVCache, make_cache
 from kvcache_cli.models.base import FamilyConfig, FamilyModel
-
-MODES = ("naive", "concat", "static")
-
 
 # A step's forward: (tokens (B, T), start_pos, cache, **options) -> logits (B, T', vocab),
 # GPT.forward itself or a broken stand-in for it.
@@ -29,13 +26,14 @@ Forward = Callable[..., Tensor]
 # ---------------------------------------------------------------------------- checks
 
 
-def check_mode(mode: str) -> None:
-    """A mode is `naive` (no cache: every position recomputed) or a cache spec (`static`,
-    `concat`, `paged:b16`, ...: see caches.spec); anything else is a ValueError."""
+def check_mode(mode: str | CacheSpec) -> None:
+    """A mode is `naive` (no cache: every position recomputed) or a cache spec: parsed (a
+    `CacheSpec`, as the CLI passes it) or its text (`static`, `concat`, `paged:b16`, ...: see
+    caches.spec); anything else is a ValueError."""
     from kvcache_cli.caches.grammar import CacheSpecError
     from kvcache_cli.caches.spec import parse_cache_spec
 
-    if mode == "naive":
+    if mode == "naive" or isinstance(mode, CacheSpec):
         return
     try:
         parse_cache_spec(str(mode))
@@ -180,7 +178,7 @@ def stream_tokens(
     model: FamilyModel,
     prompt_ids: list[int],
     max_new_tokens: int,
-    mode: str,
+    mode: str | CacheSpec,
     *,
     temperature: float = 0.0,
     top_k: int | None = None,
@@ -196,16 +194,31 @@ def stream_tokens(
     `static`); pass one to read its `bytes_copied` afterwards. `forward` stands in for
     the model's own (a `CompiledDecode`).
     """
+    _check_generation(model, prompt_ids, max_new_tokens, mode, temperature, top_k)
+    if mode == "naive" and cache is not None:
+        raise ValueError("mode naive uses no cache")
+    if mode != "naive" and cache is None:
+        cache = make_cache(mode, model, len(prompt_ids) + max_new_tokens)
+    return _tokens(model, prompt_ids, max_new_tokens, mode, cache,
+                   temperature, top_k, generator, forward)
+
+
+def _check_generation(model: FamilyModel, prompt_ids: list[int], max_new_tokens: int,
+                      mode: str | CacheSpec, temperature: float, top_k: int | None) -> None:
+    """Every check of a request, once per call of `stream_tokens` or `generate`."""
     check_mode(mode)
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     if top_k is not None and top_k < 1:
         raise ValueError(f"top_k must be >= 1, got {top_k}")
     check_request(model, prompt_ids, max_new_tokens)
-    if mode == "naive" and cache is not None:
-        raise ValueError("mode naive uses no cache")
-    if mode != "naive" and cache is None:
-        cache = make_cache(mode, model, len(prompt_ids) + max_new_tokens)
+
+
+def _tokens(model: FamilyModel, prompt_ids: list[int], max_new_tokens: int,
+            mode: str | CacheSpec, cache: KVCache | None, temperature: float,
+            top_k: int | None, generator: torch.Generator | None,
+            forward: Forward | None) -> Iterator[int]:
+    """The new token ids of a checked request, one per step."""
 
     def choose(logits: Tensor) -> Tensor:
         return sample(logits, temperature, top_k, generator)
@@ -233,7 +246,7 @@ def generate(
     model: FamilyModel,
     prompt_ids: list[int],
     max_new_tokens: int,
-    mode: str = "static",
+    mode: str | CacheSpec = "static",
     *,
     temperature: float = 0.0,
     top_k: int | None = None,
@@ -244,13 +257,11 @@ def generate(
     """Run one request to the end; `on_token` sees each token as it is made. `mode` is one
     of MODES or any cache spec (`paged:b16`, ...). A token in `stop_ids` (a chat model's
     end of turn) is the last one made."""
-    check_mode(mode)
-    check_request(model, prompt_ids, max_new_tokens)  # before sizing a cache for it
+    # Before sizing a cache for it.
+    _check_generation(model, prompt_ids, max_new_tokens, mode, temperature, top_k)
     cache = make_cache(mode, model, len(prompt_ids) + max_new_tokens)
-    stream = stream_tokens(
-        model, prompt_ids, max_new_tokens, mode,
-        temperature=temperature, top_k=top_k, generator=generator, cache=cache,
-    )  # fmt: skip
+    stream = _tokens(model, prompt_ids, max_new_tokens, mode, cache,
+                     temperature, top_k, generator, None)
     tokens: list[int] = []
     start = time.perf_counter()
     first, outside = start, 0.0  # outside: time spent in on_token, not generating

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from kvcache_cli.caches.spec import KINDS
 from kvcache_cli.cli import app
-from kvcache_cli.cli.common import complete_cache, parse_cache_option
+from kvcache_cli.cli.options import complete_cache, parse_cache_option
 
 runner = CliRunner()
 

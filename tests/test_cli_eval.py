@@ -220,7 +220,7 @@ def test_without_torch_eval_says_which_extra_to_install(monkeypatch):
 
 
 def test_the_cache_list_completes_the_kind_after_the_last_comma():
-    from kvcache_cli.cli.common import complete_cache_list
+    from kvcache_cli.cli.options import complete_cache_list
 
     assert [name for name, _ in complete_cache_list("static,paged-i")] == [
         "static,paged-int8", "static,paged-int4"]
@@ -256,7 +256,7 @@ def test_without_smollm2_eval_reads_the_trained_checkpoint_s_held_out_text(monke
 
 
 def test_progress_off_a_terminal_says_the_count_elapsed_and_an_eta_now_and_then(capsys):
-    from kvcache_cli.cli.common import ProgressLines
+    from kvcache_cli.cli.output import ProgressLines
 
     progress = ProgressLines("scoring", "tokens")
     now = iter([0.0, 1.0, 5.0, 20.0, 30.0, 200.0, 201.0])
@@ -277,7 +277,7 @@ def test_progress_off_a_terminal_says_the_count_elapsed_and_an_eta_now_and_then(
 
 def test_every_command_defaults_to_smollm2_where_installed_else_the_shipped_checkpoint(
         monkeypatch):
-    from kvcache_cli.cli.common import default_model
+    from kvcache_cli.cli.loading import default_model
 
     monkeypatch.setattr("kvcache_cli.models.smollm2.smollm2_gguf", lambda: "SmolLM2.gguf")
     assert default_model() == "smollm2"

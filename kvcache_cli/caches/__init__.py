@@ -16,7 +16,11 @@ from kvcache_cli.caches.grammar import CacheSpecError
 from kvcache_cli.caches.spec import CacheSpec, parse_cache_spec
 
 __all__ = ["KVCache", "RollbackError", "nbytes", "CacheSpec", "CacheSpecError",
-           "parse_cache_spec", "make_cache", "cache_class"]
+           "parse_cache_spec", "make_cache", "cache_class", "MODES"]
+
+# The generation modes by name (generate's loop, `kvcache generate --mode`): `naive`, no
+# cache at all (make_cache gives None), or one of the two exact caches the article builds.
+MODES = ("naive", "concat", "static")
 
 
 def cache_class(spec: CacheSpec) -> type[KVCache]:

@@ -3,7 +3,8 @@
 Every command computes a result object (from the reference script, `sizing`,
 `generate` or `bench`) and hands it to a renderer: rich for people, `--json`
 for programs. One module per command (`demo`, `breaks`, `size`, `models`, `caches`,
-`bench`, `serve`, `generate`, `eval`), what they share in `common`. A command's module
+`bench`, `serve`, `generate`, `eval`); what they share by what it serves: `options`,
+`loading` (the model), `refusals` (the error line), `output`. A command's module
 is imported only when that command runs (`kvcache --help` imports none of them), and
 torch and transformers only inside the commands that need them, so `kvcache --help`,
 `size` and `demo` start fast.
@@ -152,7 +153,7 @@ class _OneLineErrors(TyperGroup):
                 # Plain `kvcache` asks for the help, not an error.
                 error.show()
                 sys.exit(2)
-            from kvcache_cli.cli.common import usage_message
+            from kvcache_cli.cli.refusals import usage_message
 
             hint = f" (see '{error.ctx.command_path} --help')" if error.ctx else ""
             typer.echo(f"error: {usage_message(error)}{hint}", err=True)

@@ -10,26 +10,24 @@ from typing import Annotated
 import typer
 
 from kvcache_cli.cli import drafts
-from kvcache_cli.cli.common import (
+from kvcache_cli.cli.loading import (
     GPT2_MODULES,
+    check_cache_for,
+    check_weights_dtype,
+    default_model,
+    need_torch_extra,
+    with_weights_dtype,
+)
+from kvcache_cli.cli.options import (
     TORCH_DTYPES,
     DeviceOption,
     DType,
     ModelOption,
     WeightsDTypeOption,
-    check_cache_for,
-    check_plot,
-    check_weights_dtype,
-    console,
-    default_model,
-    defaults_in,
-    fail,
-    need_torch_extra,
-    progress_bar,
-    show_then_plot,
     threads_error,
-    with_weights_dtype,
 )
+from kvcache_cli.cli.output import check_plot, console, progress_bar, show_then_plot
+from kvcache_cli.cli.refusals import defaults_in, fail
 
 # `bench --context`: steps timed a round at each context, unless --new-tokens is given.
 CONTEXT_STEPS = 8
@@ -282,7 +280,7 @@ def _speculative(ctx, draft: str, speculate: str, cache: str, prompt_file: Path 
     import torch
 
     from kvcache_cli.bench import modes as bench_modes
-    from kvcache_cli.cli.common import load_model
+    from kvcache_cli.cli.loading import load_model
     from kvcache_cli.generate import check_request
     from kvcache_cli.measure import resolve_device
     from kvcache_cli.speculative import decode as sp

@@ -11,17 +11,10 @@ from typing import Annotated
 import typer
 
 from kvcache_cli.breaks.registry import QUANT_BREAK_TOKENS
-from kvcache_cli.cli.common import (
-    GPT2_MODULES,
-    console,
-    fail,
-    load_model,
-    print_view,
-    progress_bar,
-    torch_device,
-    torch_extra_missing,
-)
 from kvcache_cli.cli.demo import pick, show, show_list
+from kvcache_cli.cli.loading import GPT2_MODULES, load_model, torch_device, torch_extra_missing
+from kvcache_cli.cli.output import console, print_view, progress_bar
+from kvcache_cli.cli.refusals import fail
 
 
 def _by_family(names: list[str]) -> tuple[list[str], list[str]]:

@@ -24,7 +24,7 @@ def caches(
         asked = [k.split(":", 1)[0].strip().lower() for k in kinds]
         unknown = next((k for k in asked if k not in names()), None)
         if unknown is not None:
-            from kvcache_cli.cli.common import fail
+            from kvcache_cli.cli.refusals import fail
 
             fail(f"unknown cache kind {unknown!r}: expected one of {', '.join(names())}")
         wanted = {k if k in KINDS else parse_cache_spec(k).kind for k in asked}
@@ -34,7 +34,7 @@ def caches(
 
         typer.echo(to_json(rows))
         return
-    from kvcache_cli.cli.common import print_view
+    from kvcache_cli.cli.output import print_view
     from kvcache_cli.eval import peer_hf, peer_llama_cpp
     from kvcache_cli.views.caches import kinds_view
 

@@ -8,7 +8,8 @@ from typing import Annotated
 import typer
 
 from kvcache_cli import numbers
-from kvcache_cli.cli.common import fail, load_model
+from kvcache_cli.cli.loading import load_model
+from kvcache_cli.cli.refusals import fail
 
 DraftOption = Annotated[str | None, typer.Option(
     help="Speculative decoding with this draft: a GPT-2 preset or checkpoint dir (e.g. gpt2 "
@@ -29,10 +30,12 @@ def parse_ks(text: str) -> list[int]:
     return ks
 
 
-def check(model: str, draft: str, ks: list[int], cache: str, positions: int | None = None):
+def check(model: str, draft: str, ks: list[int], cache: str, positions: int | None = None,
+          target=None):
     """(DraftSpec, a note or None) for a run about to load `model`; bad input exits 2 here,
     before any weights are read: K, the cache's rollback (and a bounded one's room for it,
-    given the request's `positions`), the draft's vocabulary."""
+    given the request's `positions`), the draft's vocabulary. `target`: the model's config,
+    when the command has read it."""
     from kvcache_cli.caches import CacheSpecError
     from kvcache_cli.models import model_config
     from kvcache_cli.speculative.decode import check_speculation
@@ -40,7 +43,7 @@ def check(model: str, draft: str, ks: list[int], cache: str, positions: int | No
 
     try:
         spec = parse_draft(draft)
-        target = model_config(model)
+        target = target if target is not None else model_config(model)
         draft_config = model_config(spec.model) if spec.kind == "model" else None
         note = check_speculation(target, spec, draft_config, ks, cache, draft, positions)
     except (ValueError, CacheSpecError) as err:  # RollbackError is a ValueError

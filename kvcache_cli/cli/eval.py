@@ -11,24 +11,23 @@ from typing import Annotated, Any
 import typer
 
 from kvcache_cli.checkpoints import TRAINED
-from kvcache_cli.cli.common import (
-    GPT2_MODULES,
+from kvcache_cli.cli.loading import GPT2_MODULES, default_model, load_model, need_torch_extra
+from kvcache_cli.cli.options import (
     DeviceOption,
     ModelOption,
-    ProgressLines,
     Weights,
-    check_plot,
-    columns,
     complete_cache_list,
-    console,
-    default_model,
-    fail,
-    load_model,
-    need_torch_extra,
-    progress_bar,
-    show_then_plot,
     threads_error,
 )
+from kvcache_cli.cli.output import (
+    ProgressLines,
+    check_plot,
+    columns,
+    console,
+    progress_bar,
+    show_then_plot,
+)
+from kvcache_cli.cli.refusals import fail
 
 # The trained byte-level checkpoint: a model whose predictions mean something offline,
 # with its held-out text beside it.

@@ -8,31 +8,32 @@ from typing import Annotated
 
 import typer
 
+from kvcache_cli.caches import MODES
 from kvcache_cli.cli import drafts
-from kvcache_cli.cli.common import (
+from kvcache_cli.cli.loading import (
     GPT2_MODULES,
+    check_cache_for,
+    check_weights_dtype,
+    default_model,
+    load_model,
+    need_torch_extra,
+    torch_device,
+)
+from kvcache_cli.cli.options import (
     CacheOption,
     Device,
     DType,
     Weights,
     WeightsDTypeOption,
-    check_cache_for,
-    check_weights_dtype,
-    console,
-    default_model,
-    fail,
-    load_model,
-    need_torch_extra,
-    print_view,
+    parse_cache_option,
     threads_error,
-    torch_device,
 )
+from kvcache_cli.cli.output import console, print_view
+from kvcache_cli.cli.refusals import fail
 
-
-class Mode(str, Enum):
-    naive = "naive"
-    concat = "concat"
-    static = "static"
+# --mode's choices, the generation modes' registry as a str Enum (the one way every typer
+# version lists and checks choices).
+Mode = Enum("Mode", [(name, name) for name in MODES], type=str)
 
 
 def generate(
@@ -51,7 +52,7 @@ def generate(
     device: Annotated[Device, typer.Option(help="Where to run.")] = Device.cpu,
     mode: Annotated[Mode, typer.Option(
         help="naive: the full forward every token; concat: a torch.cat cache; "
-        "static: a preallocated cache written in place.")] = Mode.static,
+        "static: a preallocated cache written in place.")] = Mode("static"),
     cache: CacheOption = None,
     model: Annotated[str | None, typer.Option(
         "--model", "-m",
@@ -101,11 +102,67 @@ def generate(
     model = model if model is not None else default_model()
     if threads_error(threads):
         fail(threads_error(threads))
+    spec = _resolve_spec(ctx, mode, cache)
+    prompt = _check_prompt(prompt, prompt_option, chat, ids)
+    if not math.isfinite(temperature):
+        fail(f"--temperature {temperature}: expected a finite number, 0 or more (0 is greedy)")
+    prompt_ids = _parse_ids(ids) if ids is not None else []  # before the model loads
+    config, config_error = _read_config(model)
+    draft_spec, note, speculate = _check_draft(model, config, draft, speculate, spec,
+                                               prompt_ids, max_new_tokens)
+    tokenizer = _check_model(model, config, config_error, prompt, cache, weights_dtype, device)
+    # A chat model ends a reply at its end-of-turn token and a text at its end-of-text:
+    # past them it starts a new turn of its own, which no user asked for.
+    stop_ids: tuple[int, ...] = () if ignore_eos else tuple(getattr(config, "eos_ids", ()))
+    if chat is not None:
+        prompt = _chat_prompt(model, config, chat)
+    encoding = _check_request(config, tokenizer, prompt, prompt_ids, max_new_tokens)
+    if note:
+        typer.echo(f"note: {note}", err=True)
+    loaded, prompt_ids, encoding = _load(model, config, weights, device, dtype.value,
+                                         weights_dtype, prompt, prompt_ids, encoding)
+    import torch
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    if draft_spec is not None:
+        built = drafts.build(draft_spec, loaded, weights, device, dtype.value,
+                             len(prompt_ids) + max_new_tokens)
+        _speculate(loaded, prompt_ids, encoding, as_json, device, spec, max_new_tokens,
+                   built, speculate, temperature, top_k, seed)
+        return
+    turn = (chat, prompt, verbose) if chat is not None else None
+    _run(loaded, prompt_ids, encoding, as_json, device, spec, max_new_tokens, turn,
+         temperature=temperature, top_k=top_k, generator=generator, stop_ids=stop_ids)
+
+
+def _resolve_spec(ctx: typer.Context, mode: str, cache):
+    """The cache to run, parsed once: --cache's `CacheSpec`, else --mode's (`naive`, no
+    cache, stays its name); both typed is refused."""
     if cache is not None:
         if getattr(ctx.get_parameter_source("mode"), "name", "") == "COMMANDLINE":
             fail(f"--mode {mode} and --cache {cache} both choose the cache: expected one of "
                  "the two (--cache static is --mode static)")
-        mode = str(cache)
+        return cache
+    return mode if mode == "naive" else parse_cache_option(mode)
+
+
+def _read_config(model: str):
+    """(the model's config, None), read once for every check before the load and the load
+    itself; (None, the error) when it does not read, refused in its turn (after the torch
+    extra's check, which names what is missing first)."""
+    from kvcache_cli.models import model_config
+
+    try:
+        return model_config(model), None
+    except (ValueError, ImportError) as err:  # ImportError: a GGUF is converted with torch
+        return None, err
+
+
+def _check_prompt(prompt: str | None, prompt_option: str | None, chat: str | None,
+                  ids: str | None) -> str | None:
+    """The one prompt given (the argument or --prompt), or a refusal of two or of none."""
     if prompt is not None and prompt_option is not None:
         fail(f"two prompts, {prompt[:20]!r} and --prompt {prompt_option[:20]!r}: expected one")
     prompt = prompt if prompt is not None else prompt_option
@@ -117,95 +174,94 @@ def generate(
              "TEXT, or --ids 464,2068,7586 for token ids)")
     if prompt is not None and ids is not None:
         fail("a prompt and --ids: expected one of the two")
-    if not math.isfinite(temperature):
-        fail(f"--temperature {temperature}: expected a finite number, 0 or more (0 is greedy)")
-    prompt_ids = _parse_ids(ids) if ids is not None else []  # before the model loads
-    draft_spec, note = None, None
+    return prompt
+
+
+def _check_draft(model: str, config, draft: str | None, speculate: int | None, spec,
+                 prompt_ids: list[int], max_new_tokens: int):
+    """(the draft's spec, a note, K) checked before any model loads; (None, None, K) without
+    --draft."""
     if draft is None and speculate is not None:
         fail(f"--speculate {speculate} needs a --draft: expected e.g. --draft lookup")
-    if draft is not None:
-        if mode == "naive":
-            fail("--draft needs a cache to roll back: expected --mode static or concat, or "
-                 "--cache SPEC (any kind in 'kvcache caches' that rolls back)")
-        speculate = 4 if speculate is None else speculate
-        # Token ids are counted now; a text prompt's tokens only once it is encoded.
-        positions = len(prompt_ids) + max_new_tokens if prompt_ids else None
-        draft_spec, note = drafts.check(model, draft, [speculate], mode, positions)
+    if draft is None:
+        return None, None, speculate
+    if spec == "naive":
+        fail("--draft needs a cache to roll back: expected --mode static or concat, or "
+             "--cache SPEC (any kind in 'kvcache caches' that rolls back)")
+    speculate = 4 if speculate is None else speculate
+    # Token ids are counted now; a text prompt's tokens only once it is encoded.
+    positions = len(prompt_ids) + max_new_tokens if prompt_ids else None
+    # Speculative decoding reads its cache by its text (speculative.decode).
+    draft_spec, note = drafts.check(model, draft, [speculate], str(spec), positions, config)
+    return draft_spec, note, speculate
+
+
+def _check_model(model: str, config, config_error: Exception | None, prompt: str | None,
+                 cache, weights_dtype: str | None, device: str) -> str:
+    """The model's tokenizer's name, with the torch extra, the device, the model itself,
+    the cache and the weights format checked, before any weights load."""
     # A text prompt needs the tokenizer; token ids are shown as text only when it is there.
     # A byte-level model's tokenizer is UTF-8 itself: only GPT-2's BPE needs tiktoken.
     from kvcache_cli.models import tokenizer_name
 
-    tokenizer = tokenizer_name(model)
+    # A config that did not read: the tokenizer as the loader would guess it, to name every
+    # missing module in one line before the config's own error.
+    tokenizer = config.tokenizer if config is not None else tokenizer_name(model)
     bpe = prompt is not None and tokenizer == "gpt2"
     need_torch_extra("kvcache generate needs", *GPT2_MODULES, *(("tiktoken",) if bpe else ()))
     torch_device(device)
-    from kvcache_cli.models import model_config
-
-    try:  # a model that is not one is named before its tokenizer is looked for
-        config = model_config(model)
-    except ValueError as err:
-        fail(str(err))
+    if isinstance(config_error, ValueError):  # named before its tokenizer is looked for
+        fail(str(config_error))
+    if config_error is not None:
+        raise config_error
     if cache is not None:
-        check_cache_for(cache, model)
-    check_weights_dtype(weights_dtype, model, device)
-    import torch
+        check_cache_for(cache, model, config)
+    check_weights_dtype(weights_dtype, model, device, config)
+    return tokenizer
 
+
+def _check_request(config, tokenizer: str, prompt: str | None, prompt_ids: list[int],
+                   max_new_tokens: int):
+    """The encoding a text prompt needs (None for token ids), and the request checked
+    against the model's window and vocabulary when its tokens are known before the load."""
     from kvcache_cli import generate as gen
     from kvcache_cli.models.tokenizer import encoding_for
 
-    # A chat model ends a reply at its end-of-turn token and a text at its end-of-text:
-    # past them it starts a new turn of its own, which no user asked for.
-    stop_ids: tuple[int, ...] = () if ignore_eos else tuple(getattr(config, "eos_ids", ()))
-    if chat is not None:
-        prompt = _chat_prompt(model, chat)
     encoding = None
     if prompt is not None:  # before loading a model: a text prompt needs the tokenizer
         encoding, why = encoding_for(tokenizer)
         if encoding is None:
             fail(f"{why}: {_USE_IDS}", code=1)
     known = prompt_ids or (encoding.encode(prompt, disallowed_special=())
-                           if encoding is not None and _readable(config) else [])
-    if known:  # the request against the window before the weights load, or any note prints
+                           if encoding is not None and _readable(config) else None)
+    # The request against the window before the weights load, or any note prints; the one
+    # check of it here (a prompt not known yet is refused for its vocabulary after the load).
+    if known is not None:
         try:
             gen.check_request_config(config, known, max_new_tokens)
         except (ValueError, IndexError) as err:
             fail(str(err))
-    if note:
-        typer.echo(f"note: {note}", err=True)
-    loaded = load_model(model, weights, device, dtype.value)
+    return encoding
+
+
+def _load(model: str, config, weights: str, device: str, dtype: str,
+          weights_dtype: str | None, prompt: str | None, prompt_ids: list[int], encoding):
+    """(the loaded model in its weights format, the prompt's ids, the encoding to show
+    tokens with)."""
+    loaded = load_model(model, weights, device, dtype, config)
     if weights_dtype is not None:
         from kvcache_cli.models import set_weights_dtype
 
         set_weights_dtype(loaded.model, weights_dtype)
     prompt_ids, encoding = _encode(loaded.model, prompt, prompt_ids, encoding)
-    try:
-        gen.check_request(loaded.model, prompt_ids, max_new_tokens)  # before anything is printed
-    except (ValueError, IndexError) as err:
-        fail(str(err))
-    if threads is not None:
-        torch.set_num_threads(threads)
-    generator = torch.Generator(device=device).manual_seed(seed)
-    if draft_spec is not None:
-        built = drafts.build(draft_spec, loaded, weights, device, dtype.value,
-                             len(prompt_ids) + max_new_tokens)
-        _speculate(loaded, prompt_ids, encoding, as_json, device, mode, max_new_tokens,
-                   built, speculate, temperature, top_k, seed)
-        return
-    turn = (chat, prompt, verbose) if chat is not None else None
-    _run(loaded, prompt_ids, encoding, as_json, device, mode, max_new_tokens, turn,
-         temperature=temperature, top_k=top_k, generator=generator, stop_ids=stop_ids)
+    return loaded, prompt_ids, encoding
 
 
-def _chat_prompt(model: str, question: str) -> str:
+def _chat_prompt(model: str, config, question: str) -> str:
     """The prompt the model's chat template makes of one user turn, before the weights
     load; a model without a template is refused in one line."""
-    from kvcache_cli.models import model_config
     from kvcache_cli.models.chat_template import render_chat
 
-    try:
-        config = model_config(model)
-    except ValueError as err:
-        fail(str(err))
     template = getattr(config, "chat_template", None)
     if not template:
         fail(f"--chat: model {model!r} has no chat template; expected a chat model such as "
@@ -229,11 +285,11 @@ def _readable(config) -> bool:
             or config.vocab_size == GPT2_VOCAB_SIZE)
 
 
-def _encode(gpt, prompt: str | None, prompt_ids: list[int], encoding):
+def _encode(model, prompt: str | None, prompt_ids: list[int], encoding):
     """The prompt's token ids, and the encoding to show tokens as text (None: as ids)."""
     from kvcache_cli.models.tokenizer import encoding_for
 
-    config = gpt.config
+    config = model.config
     readable = _readable(config)
     if prompt is not None:
         if not readable:
@@ -246,7 +302,7 @@ def _encode(gpt, prompt: str | None, prompt_ids: list[int], encoding):
     return prompt_ids, encoding
 
 
-def _run(loaded, prompt_ids: list[int], encoding, as_json: bool, device: str, mode: str,
+def _run(loaded, prompt_ids: list[int], encoding, as_json: bool, device: str, spec,
          max_new_tokens: int, chat: tuple[str, str, bool] | None, **sampling) -> None:
     """Generate, streaming the tokens to the terminal, or print the whole result as JSON.
     chat: (the question, the prompt its template rendered, --verbose): a chat shows the
@@ -255,22 +311,22 @@ def _run(loaded, prompt_ids: list[int], encoding, as_json: bool, device: str, mo
     from kvcache_cli.models.linear import weights_format
     from kvcache_cli.views.generate import TokenStream, generation_view, header
 
-    gpt = loaded.model
+    model = loaded.model
     out = console()
     stream = None if as_json else TokenStream(out, encoding, sampling.get("stop_ids", ()))
     if stream is not None:
-        dtype = str(gpt.dtype).removeprefix("torch.")
-        fmt = weights_format(gpt)
+        dtype = str(model.dtype).removeprefix("torch.")
+        fmt = weights_format(model)
         if fmt != {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(dtype):
             dtype += f", {fmt} weights"
-        print_view(header(loaded.source, gpt.num_params(), device, dtype, mode))
+        print_view(header(loaded.source, model.num_params(), device, dtype, str(spec)))
         if chat is None:
             stream.prompt(prompt_ids)
         else:
             question, rendered, verbose = chat
             stream.chat(question, rendered if verbose else None)
     try:
-        result = gen.generate(gpt, prompt_ids, max_new_tokens, mode, on_token=stream, **sampling)
+        result = gen.generate(model, prompt_ids, max_new_tokens, spec, on_token=stream, **sampling)
     except (ValueError, IndexError) as err:
         fail(str(err))
     except RuntimeError as err:
@@ -289,7 +345,7 @@ def _run(loaded, prompt_ids: list[int], encoding, as_json: bool, device: str, mo
     print_view(generation_view(result))
 
 
-def _speculate(loaded, prompt_ids: list[int], encoding, as_json: bool, device: str, mode: str,
+def _speculate(loaded, prompt_ids: list[int], encoding, as_json: bool, device: str, spec,
                max_new_tokens: int, draft, k: int, temperature: float, top_k: int | None,
                seed: int) -> None:
     """Speculative and plain decoding of the prompt in one run; the tokens, then the figures."""
@@ -298,9 +354,9 @@ def _speculate(loaded, prompt_ids: list[int], encoding, as_json: bool, device: s
     from kvcache_cli.views.generate import TokenStream, header
     from kvcache_cli.views.speculative import spec_run_view
 
-    gpt = loaded.model
+    model = loaded.model
     try:
-        run = compare(gpt, prompt_ids, max_new_tokens, draft, [k], cache=mode,
+        run = compare(model, prompt_ids, max_new_tokens, draft, [k], cache=str(spec),
                       sampling=Sampling(temperature, top_k), seed=seed, target=loaded.source)
     except (ValueError, IndexError) as err:  # a RollbackError included
         fail(str(err))
@@ -312,8 +368,8 @@ def _speculate(loaded, prompt_ids: list[int], encoding, as_json: bool, device: s
         typer.echo(to_json({"model": loaded.source, "note": loaded.note, **vars(run),
                             "text": text}))
         return
-    print_view(header(loaded.source, gpt.num_params(), device,
-                      str(gpt.dtype).removeprefix("torch."), mode))
+    print_view(header(loaded.source, model.num_params(), device,
+                      str(model.dtype).removeprefix("torch."), str(spec)))
     stream = TokenStream(console(), encoding)
     stream.prompt(prompt_ids)
     for token in tokens:

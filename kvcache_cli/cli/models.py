@@ -6,7 +6,8 @@ from typing import Annotated
 
 import typer
 
-from kvcache_cli.cli.common import fail, print_view
+from kvcache_cli.cli.output import print_view
+from kvcache_cli.cli.refusals import fail
 
 
 def models(

@@ -10,23 +10,16 @@ from typing import Annotated
 import typer
 
 from kvcache_cli import numbers
-from kvcache_cli.cli.common import (
+from kvcache_cli.cli.loading import (
     GPT2_MODULES,
-    DeviceOption,
-    ModelOption,
-    WeightsDTypeOption,
-    check_plot,
     check_weights_dtype,
-    console,
     default_model,
-    defaults_in,
-    fail,
     load_model,
     need_torch_extra,
-    progress_bar,
-    show_then_plot,
-    threads_error,
 )
+from kvcache_cli.cli.options import DeviceOption, ModelOption, WeightsDTypeOption, threads_error
+from kvcache_cli.cli.output import check_plot, console, progress_bar, show_then_plot
+from kvcache_cli.cli.refusals import defaults_in, fail
 
 
 def serve(

@@ -6,7 +6,10 @@ from typing import Annotated
 
 import typer
 
-from kvcache_cli.cli.common import complete_preset, fail, need_torch_extra, print_view
+from kvcache_cli.cli.loading import need_torch_extra
+from kvcache_cli.cli.options import complete_preset
+from kvcache_cli.cli.output import print_view
+from kvcache_cli.cli.refusals import fail
 
 
 def size(
@@ -92,7 +95,7 @@ def size(
 
     from kvcache_cli import sizing
     from kvcache_cli.hub import HubUnavailable
-    from kvcache_cli.models.live import is_live, live_kinds
+    from kvcache_cli.models.live import is_live
 
     try:
         tokens = None if seq is None else sizing.parse_tokens(seq)
@@ -105,46 +108,17 @@ def size(
                               max_model_len, max_num_batched_tokens, cache, window, verify)
         if engine is not None and tokens is None and max_model_len is not None:
             tokens = sizing.parse_tokens(max_model_len)
-        if live:  # a model kvcache runs: its shape from the converted GGUF, no torch
-            shape, hf_config = _live_shape(model, config, layers, kv_heads, head_dim, heads)
-            model = None
-            if count is not None:
-                shape = dataclasses.replace(shape, params=count)
-        if model is not None and _is_local_path(model):
-            if config is not None:
-                raise ValueError(f"--model {model!r} is a local config and --config is given: "
-                                 "expected one of the two")
-            model, config = None, model  # a folder or file: read as --config reads it
-        hub_config = _hub_config(model, revision, config, layers, kv_heads, head_dim, heads)
-        if hub_config is not None:
-            model, config = None, hub_config.path
-        if not live:
-            shape, hf_config = sizing.resolve_shape(
-                model, config, layers, kv_heads, head_dim, heads, count
-            )
-        if memory is not None and shape.params is None and config is not None and hf_config:
-            # --gpu-mem needs the weights: count them from the config where its family is
-            # one the reader counts (else the fit asks for --params).
-            shape = dataclasses.replace(shape, params=sizing.params_from_config(hf_config))
-        if hub_config is not None:
-            shape = dataclasses.replace(shape, name=hub_config.repo_id, source=(
-                f"{hub_config.repo_id} @ {hub_config.revision} ({hub_config.commit[:7]})"))
+        shape, hf_config, hub_config, config = _resolve_shape(
+            model, revision, config, (layers, kv_heads, head_dim, heads), count, memory, live)
         if verify and window is not None:
             raise ValueError("--verify measures transformers' exact cache: expected no "
                              "--window with it")
         spec = _cache_spec(cache, dtype, group_size, residual, tp, block_size, verify)
         if spec is not None:
-            from kvcache_cli.sizing.cache_spec import size_spec
-
             if window is not None:
                 raise ValueError("--window and --cache (or --group-size/--residual) both "
                                  "choose the cache: expected one of them")
-            full = "fp16" if cache is None else dtype  # --dtype int4 names the codes
-            tokens = tokens if tokens is not None else shape.max_positions
-            if tokens is None:
-                raise ValueError("no --seq given and the model declares no context window; "
-                                 "expected --seq N")
-            result = size_spec(shape, spec, tokens, batch, full, memory, weight_dtype)
+            result = _size_spec(shape, spec, cache, dtype, tokens, batch, memory, weight_dtype)
         else:
             paged = None if engine is not None and memory is None else block_size
             result = sizing.size_cache(shape, tokens, batch, dtype, tp, memory, weight_dtype,
@@ -156,20 +130,88 @@ def size(
                     _model_ref(engine, live, shape, hub_config, config),
                     max_num_batched_tokens))
             if live and window is None and engine is None:
-                # The caches keep numbers at the model's precision: fp32 unless a float
-                # --dtype says otherwise (fp8 and the int kinds are among the kinds).
-                full = dtype if sizing.dtype_bits(dtype) >= 16 else "fp32"
-                result = dataclasses.replace(result, live=live_kinds(shape, result.seq, full))
+                result = _with_live_kinds(result, shape, dtype)
     except ValueError as err:
         fail(str(err))
     except HubUnavailable as err:  # the Hub failed on its side
         fail(str(err), code=1)
     if verify:
-        need_torch_extra("--verify needs", "torch", "transformers")
-        try:
-            result = dataclasses.replace(result, verify=sizing.verify_cache(hf_config, dtype))
-        except sizing.VerifyError as err:
-            fail(str(err), code=1)
+        result = _verified(result, hf_config, dtype)
+    _render(result, spec, as_json)
+
+
+def _resolve_shape(model, revision, config, shape_flags, count, memory, live: bool):
+    """(the shape, its config dict, the Hub's config or None, --config as read) from a
+    model kvcache runs, a local path, a Hub id, a preset, --config or the shape flags.
+    Raises ValueError for bad input, HubUnavailable when the Hub fails on its side."""
+    import dataclasses
+
+    from kvcache_cli import sizing
+
+    if live:  # a model kvcache runs: its shape from the converted GGUF, no torch
+        shape, hf_config = _live_shape(model, config, *shape_flags)
+        model = None
+        if count is not None:
+            shape = dataclasses.replace(shape, params=count)
+    if model is not None and _is_local_path(model):
+        if config is not None:
+            raise ValueError(f"--model {model!r} is a local config and --config is given: "
+                             "expected one of the two")
+        model, config = None, model  # a folder or file: read as --config reads it
+    hub_config = _hub_config(model, revision, config, *shape_flags)
+    if hub_config is not None:
+        model, config = None, hub_config.path
+    if not live:
+        shape, hf_config = sizing.resolve_shape(model, config, *shape_flags, count)
+    if memory is not None and shape.params is None and config is not None and hf_config:
+        # --gpu-mem needs the weights: count them from the config where its family is
+        # one the reader counts (else the fit asks for --params).
+        shape = dataclasses.replace(shape, params=sizing.params_from_config(hf_config))
+    if hub_config is not None:
+        shape = dataclasses.replace(shape, name=hub_config.repo_id, source=(
+            f"{hub_config.repo_id} @ {hub_config.revision} ({hub_config.commit[:7]})"))
+    return shape, hf_config, hub_config, config
+
+
+def _size_spec(shape, spec, cache, dtype, tokens, batch, memory, weight_dtype):
+    """A cache spec counted: its codes, scales and full-precision tokens."""
+    from kvcache_cli.sizing.cache_spec import size_spec
+
+    full = "fp16" if cache is None else dtype  # --dtype int4 names the codes
+    tokens = tokens if tokens is not None else shape.max_positions
+    if tokens is None:
+        raise ValueError("no --seq given and the model declares no context window; "
+                         "expected --seq N")
+    return size_spec(shape, spec, tokens, batch, full, memory, weight_dtype)
+
+
+def _with_live_kinds(result, shape, dtype):
+    """A model kvcache runs: every cache kind it holds, listed beside the exact one."""
+    import dataclasses
+
+    from kvcache_cli import sizing
+    from kvcache_cli.models.live import live_kinds
+
+    # The caches keep numbers at the model's precision: fp32 unless a float
+    # --dtype says otherwise (fp8 and the int kinds are among the kinds).
+    full = dtype if sizing.dtype_bits(dtype) >= 16 else "fp32"
+    return dataclasses.replace(result, live=live_kinds(shape, result.seq, full))
+
+
+def _verified(result, hf_config, dtype):
+    """--verify: the result with transformers' own cache measured beside it."""
+    import dataclasses
+
+    from kvcache_cli import sizing
+
+    need_torch_extra("--verify needs", "torch", "transformers")
+    try:
+        return dataclasses.replace(result, verify=sizing.verify_cache(hf_config, dtype))
+    except sizing.VerifyError as err:
+        fail(str(err), code=1)
+
+
+def _render(result, spec, as_json: bool) -> None:
     if as_json:
         from kvcache_cli.views import to_json
 

@@ -97,15 +97,17 @@ def tokenizer_name(name_or_path: str) -> str:
     return name if name == "bytes" else "gpt2"
 
 
-def load_model(name_or_path: str, weights: str = "auto", device="cpu", dtype=None):
-    """Any family's model as a `base.LoadedModel` (model, source, note)."""
+def load_model(name_or_path: str, weights: str = "auto", device="cpu", dtype=None, config=None):
+    """Any family's model as a `base.LoadedModel` (model, source, note). `config`: its
+    `model_config`, when the caller has read it (a Llama's is then not read again; a GPT-2's
+    is a preset's, or its folder's read with the weights)."""
     import torch
 
     dtype = dtype or torch.float32
     if family_of(name_or_path) == "llama":
         from kvcache_cli.models.llama_loading import load_llama
 
-        return load_llama(name_or_path, weights, device, dtype)
+        return load_llama(name_or_path, weights, device, dtype, config)
     from kvcache_cli.models.gpt2 import load_gpt2
 
     return load_gpt2(name_or_path, weights, device, dtype)

@@ -271,11 +271,14 @@ def source_types(name_or_path: str) -> dict[str, str] | None:
     return None if raw is None else raw["source_types"]
 
 
-def load_llama(name_or_path: str, weights: str, device, dtype: torch.dtype) -> LoadedModel:
+def load_llama(name_or_path: str, weights: str, device, dtype: torch.dtype,
+               config: LlamaConfig | None = None) -> LoadedModel:
+    """The model a --model names, its weights read from its folder; `config`: its
+    `llama_config`, when the caller has read it."""
     if weights not in ("auto", "pretrained", "random"):
         raise ValueError(f"unknown weights {weights!r}: expected auto, pretrained or random")
     folder, source, raw = _folder(name_or_path)
-    config = _config(folder, raw)
+    config = config if config is not None else _config(folder, raw)
     with torch.device("meta"):
         model = Llama(config)  # shapes only: no memory, no init to overwrite
     if weights == "random":

@@ -261,20 +261,7 @@ def size_cache(
     """
     notes: list[str] = []
     bound = check_bound(window, sinks, shape.max_positions)
-    if seq is None:
-        if shape.max_positions is None:
-            raise SizingError("no --seq given and the model declares no context window; "
-                              "expected --seq N")
-        seq = shape.max_positions
-        notes.append(f"--seq defaults to the model's context window, {seq:,} tokens")
-    check_range("--seq", seq)
-    check_range("--batch", batch)
-    check_range("--tp", tp)
-    if block_size is not None:
-        check_range("--block-size", block_size)
-        if gpu_mem is None:
-            raise SizingError(f"--block-size {block_size} given without --gpu-mem: expected "
-                              "both, the block size only changes what fits")
+    seq = _checked_request(shape, seq, batch, tp, gpu_mem, block_size, notes)
     dtype = canonical_dtype(dtype)
     bits = DTYPE_BITS[dtype]
     weight_dtype = canonical_dtype(weight_dtype)
@@ -285,68 +272,16 @@ def size_cache(
         )
 
     groups = shape.layer_groups()
-    kinds: list[KindRow] = []
-    for g in groups:
-        values = values_per_token(g.shape, g.kind)
-        per_layer = bytes_for_values(values, bits)
-        held = tokens_held(shape, g.kind, seq, bound)
-        total = g.layers * per_layer * held * batch
-        symbols, numbers = ("", "") if not values else _kind_formula(
-            g.shape, g.kind, g.layers, seq, bits, batch, bound)
-        kinds.append(KindRow(g.kind, g.layers, values, per_layer, held, total, symbols, numbers))
+    kinds = _kind_rows(shape, groups, seq, bits, batch, bound)
     total_bytes = sum(row.total_bytes for row in kinds)
     bytes_per_token = sum(row.layers * row.bytes_per_token_per_layer for row in kinds)
     main = max(kinds, key=lambda row: (row.values_per_token > 0, row.layers))
-    with_kv = [row for row in kinds if row.formula]
-    formula = []
-    for row in with_kv:
-        indent = ""
-        if len(with_kv) > 1:
-            formula.append(f"{row.kind} ({row.layers} layers):")
-            indent = "  "
-        formula += [f"{indent}bytes = {row.formula}", f"{indent}      = {row.substituted}",
-                    f"{indent}      = {row.total_bytes:,}"]
-    if len(with_kv) > 1:
-        formula.append(f"total = {' + '.join(f'{r.total_bytes:,}' for r in with_kv)} "
-                       f"= {total_bytes:,} bytes")
+    formula = _formula(kinds, total_bytes)
     notes.extend(shape.notes)
-    if bound is not None:
-        kept = f"the first {sinks:,} and the newest {window:,}" if sinks else (
-            f"the newest {window:,}")
-        notes.append(f"a bounded cache: every attention layer keeps {kept} positions, so its "
-                     f"bytes stop growing at {bound:,} tokens; the positions past it are "
-                     "evicted, not free (quality depends on what attention needed)")
     state_per_sequence = state_bytes_per_sequence(shape, bits)
-    if not shape.has_kv:
-        notes.append("the model has no attention layers: its KV cache is 0 bytes at any length")
-    if state_per_sequence:
-        notes.append(
-            f"{shape.state_layers} recurrent layers keep {format_bytes(state_per_sequence)} of "
-            "state per sequence (convolution + SSM), the same at any length"
-        )
-        if not shape.ssm_state_bits and bits < 32:
-            notes.append(f"the SSM state is counted at {dtype}; implementations that keep it in "
-                         "fp32 (transformers' Jamba, or mamba_ssm_cache_dtype) hold more")
-    if bits < 16:
-        notes.append(
-            f"{dtype} counts the values only; per-group scales add a few percent in practice"
-        )
-
-    mha_per_token = mha_total = reduction = None
-    if shape.heads is not None:
-        mha_per_layer = [bytes_for_values(mha_values_per_token(g.shape, g.kind), bits)
-                         for g in groups]
-        mha_per_token = sum(g.layers * b for g, b in zip(groups, mha_per_layer, strict=True))
-        mha_total = sum(g.layers * b * tokens_held(shape, g.kind, seq, bound) * batch
-                        for g, b in zip(groups, mha_per_layer, strict=True))
-        if total_bytes:
-            reduction = mha_total / total_bytes
-        if shape.is_mla:
-            notes.append(
-                "the multi-head baseline for MLA is the decompressed cache: "
-                f"{shape.heads} heads × ({shape.qk_nope_head_dim} + {shape.qk_rope_head_dim} key "
-                f"+ {shape.v_head_dim} value) per token per layer"
-            )
+    notes += _held_notes(shape, bound, window, sinks, state_per_sequence, dtype, bits)
+    mha_per_token, mha_total, reduction = _mha_baseline(shape, groups, seq, bits, batch, bound,
+                                                        total_bytes, notes)
 
     tp_result = (_tensor_parallel(shape, groups, bits, seq, batch, tp, bound) if tp > 1
                  else None)
@@ -382,6 +317,109 @@ def size_cache(
         window=window,
         sinks=sinks if window is not None else 0,
     )
+
+
+def _checked_request(shape: ModelShape, seq: int | None, batch: int, tp: int,
+                     gpu_mem: int | None, block_size: int | None, notes: list[str]) -> int:
+    """The sequence length to size (the context window when none is given), every count
+    checked against its range."""
+    if seq is None:
+        if shape.max_positions is None:
+            raise SizingError("no --seq given and the model declares no context window; "
+                              "expected --seq N")
+        seq = shape.max_positions
+        notes.append(f"--seq defaults to the model's context window, {seq:,} tokens")
+    check_range("--seq", seq)
+    check_range("--batch", batch)
+    check_range("--tp", tp)
+    if block_size is not None:
+        check_range("--block-size", block_size)
+        if gpu_mem is None:
+            raise SizingError(f"--block-size {block_size} given without --gpu-mem: expected "
+                              "both, the block size only changes what fits")
+    return seq
+
+
+def _kind_rows(shape: ModelShape, groups, seq: int, bits: int, batch: int,
+               bound: int | None) -> list[KindRow]:
+    """One row per kind of layer: its values and bytes per token, positions held, total."""
+    kinds: list[KindRow] = []
+    for g in groups:
+        values = values_per_token(g.shape, g.kind)
+        per_layer = bytes_for_values(values, bits)
+        held = tokens_held(shape, g.kind, seq, bound)
+        total = g.layers * per_layer * held * batch
+        symbols, numbers = ("", "") if not values else _kind_formula(
+            g.shape, g.kind, g.layers, seq, bits, batch, bound)
+        kinds.append(KindRow(g.kind, g.layers, values, per_layer, held, total, symbols, numbers))
+    return kinds
+
+
+def _formula(kinds: list[KindRow], total_bytes: int) -> list[str]:
+    """The formula's lines: each kind's, substituted and summed, then the total of several."""
+    with_kv = [row for row in kinds if row.formula]
+    formula = []
+    for row in with_kv:
+        indent = ""
+        if len(with_kv) > 1:
+            formula.append(f"{row.kind} ({row.layers} layers):")
+            indent = "  "
+        formula += [f"{indent}bytes = {row.formula}", f"{indent}      = {row.substituted}",
+                    f"{indent}      = {row.total_bytes:,}"]
+    if len(with_kv) > 1:
+        formula.append(f"total = {' + '.join(f'{r.total_bytes:,}' for r in with_kv)} "
+                       f"= {total_bytes:,} bytes")
+    return formula
+
+
+def _held_notes(shape: ModelShape, bound: int | None, window: int | None, sinks: int,
+                state_per_sequence: int, dtype: str, bits: int) -> list[str]:
+    """What the bytes do not say by themselves: a bound, no attention, a recurrent state,
+    values counted without their scales."""
+    notes = []
+    if bound is not None:
+        kept = f"the first {sinks:,} and the newest {window:,}" if sinks else (
+            f"the newest {window:,}")
+        notes.append(f"a bounded cache: every attention layer keeps {kept} positions, so its "
+                     f"bytes stop growing at {bound:,} tokens; the positions past it are "
+                     "evicted, not free (quality depends on what attention needed)")
+    if not shape.has_kv:
+        notes.append("the model has no attention layers: its KV cache is 0 bytes at any length")
+    if state_per_sequence:
+        notes.append(
+            f"{shape.state_layers} recurrent layers keep {format_bytes(state_per_sequence)} of "
+            "state per sequence (convolution + SSM), the same at any length"
+        )
+        if not shape.ssm_state_bits and bits < 32:
+            notes.append(f"the SSM state is counted at {dtype}; implementations that keep it in "
+                         "fp32 (transformers' Jamba, or mamba_ssm_cache_dtype) hold more")
+    if bits < 16:
+        notes.append(
+            f"{dtype} counts the values only; per-group scales add a few percent in practice"
+        )
+    return notes
+
+
+def _mha_baseline(shape: ModelShape, groups, seq: int, bits: int, batch: int, bound: int | None,
+                  total_bytes: int, notes: list[str]
+                  ) -> tuple[int | None, int | None, float | None]:
+    """(bytes per token, total bytes, this cache's reduction) of the same model with one KV
+    head per query head: the baseline GQA and MLA are measured against. None without heads."""
+    if shape.heads is None:
+        return None, None, None
+    mha_per_layer = [bytes_for_values(mha_values_per_token(g.shape, g.kind), bits)
+                     for g in groups]
+    mha_per_token = sum(g.layers * b for g, b in zip(groups, mha_per_layer, strict=True))
+    mha_total = sum(g.layers * b * tokens_held(shape, g.kind, seq, bound) * batch
+                    for g, b in zip(groups, mha_per_layer, strict=True))
+    reduction = mha_total / total_bytes if total_bytes else None
+    if shape.is_mla:
+        notes.append(
+            "the multi-head baseline for MLA is the decompressed cache: "
+            f"{shape.heads} heads × ({shape.qk_nope_head_dim} + {shape.qk_rope_head_dim} key "
+            f"+ {shape.v_head_dim} value) per token per layer"
+        )
+    return mha_per_token, mha_total, reduction
 
 
 def _kv_heads_per_gpu(shape: ModelShape, tp: int) -> int:

@@ -3,7 +3,9 @@ checkpoints spell "this layer attends", "this layer holds a window", "this layer
 recurrent state instead" and "this layer reuses another layer's cache".
 
 The layer pattern is decided by a table of rules, tried in order; each rule reads one config
-spelling and names the public model it comes from. Every number read is checked for type and
+spelling and names the public model it comes from. Where a family departs from the common
+reading (a window that excludes the query, two attention blocks a layer, a state kept in
+fp32), its entry in FAMILIES says so, by model_type. Every number read is checked for type and
 range, and the file itself is read with a size cap and only when it is a regular file, so a
 hostile or broken config ends in one ConfigError line, never a hang or a traceback.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 import os
 import stat
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -63,10 +66,67 @@ LAYER_TYPE_KIND = {
 }
 _HYBRID = {"hybrid", "hybrid_sliding"}  # these layers keep a recurrent state as well as KV
 
-# transformers fills `layer_types` for these families when config.json has none; the
-# defaults are the ones in each family's configuration class (the Hub's gemma-2 configs, for
-# one, carry only `sliding_window` and rely on this).
-_SLIDING_EVERY = {"gemma2": 2, "gpt_oss": 2, "gemma3": 6, "gemma3_text": 6, "cohere2": 4}
+
+
+# --- the families: where one model_type departs from the common reading -----------------------
+
+
+@dataclass(frozen=True)
+class Family:
+    """How one architecture family's config.json is read where it departs from the common
+    reading, as transformers' class for it builds the model. The defaults are the common
+    reading."""
+
+    # transformers fills `layer_types` when config.json has none: every Nth layer global, the
+    # rest sliding (the Hub's gemma-2 configs carry only `sliding_window` and rely on this).
+    sliding_every: int | None = None
+    # A state-space or RNN family: no layer attends, whatever the config says of layers.
+    no_attention: bool = False
+    # Attention blocks, each with its own cache, in every decoder layer (when config.json's
+    # num_hidden_layers, which counts them all, is absent).
+    blocks_per_layer: int = 1
+    # sliding_window_size counts the tokens before the query; the class adds the query itself.
+    window_before_query: bool = False
+    # Sliding layers keep this many times the model's KV heads (no config field says so).
+    sliding_kv_scale: int = 1
+    # Full-attention layers are global_head_dim wide (512 by default), with
+    # num_global_key_value_heads when attention_k_eq_v says so.
+    global_widths: bool = False
+    # Every layer keeps a recurrent state beside its attention, whatever its layer type.
+    state_in_every_layer: bool = False
+    # The recurrent state's bits whatever the dtype (0: the dtype's, or mamba_ssm_cache_dtype).
+    state_bits: int = 0
+
+
+COMMON = Family()
+
+FAMILIES: dict[str, Family] = {
+    # state-spaces/mamba-2.8b-hf, tiiuae/falcon-mamba-7b, mistralai/Mamba-Codestral-7B-v0.1,
+    # RWKV/rwkv-4-169m-pile, NX-AI/xLSTM-7b.
+    **dict.fromkeys(("mamba", "falcon_mamba", "mamba2", "rwkv", "xlstm"),
+                    Family(no_attention=True)),
+    "gemma2": Family(sliding_every=2),  # google/gemma-2-9b
+    "gpt_oss": Family(sliding_every=2),  # openai/gpt-oss-20b
+    "gemma3": Family(sliding_every=6),  # google/gemma-3-27b-it
+    "gemma3_text": Family(sliding_every=6),
+    "cohere2": Family(sliding_every=4),
+    "gemma4": Family(global_widths=True),  # google/gemma-4
+    "gemma4_text": Family(global_widths=True),
+    # meituan-longcat/LongCat-Flash-Chat: two attention blocks in every decoder layer.
+    "longcat_flash": Family(blocks_per_layer=2),
+    # XiaomiMiMo/MiMo-V2-Flash: the window excludes the query; sliding layers keep twice the
+    # KV heads (its attention builds them so).
+    "mimo_v2_flash": Family(window_before_query=True, sliding_kv_scale=2),
+    "falcon_h1": Family(state_in_every_layer=True),  # tiiuae/Falcon-H1-7B: attention + Mamba-2
+    # google/recurrentgemma-2b: transformers' RG-LRU keeps its state in fp32.
+    "recurrent_gemma": Family(state_bits=32),
+}
+
+
+def family(cfg: dict) -> Family:
+    """The rules config.json's model_type reads by: its family's entry, else the common ones."""
+    model_type = cfg.get("model_type")
+    return FAMILIES.get(model_type, COMMON) if isinstance(model_type, str) else COMMON
 
 
 # --- reading one value --------------------------------------------------------------------------
@@ -182,11 +242,8 @@ def _full_attention_interval(cfg: dict, layers: int, where: str) -> list[str] | 
 
 
 def _state_space_only(cfg: dict, layers: int, where: str) -> list[str] | None:
-    # state-spaces/mamba-2.8b-hf, tiiuae/falcon-mamba-7b, mistralai/Mamba-Codestral-7B-v0.1
-    # (mamba2), RWKV/rwkv-4-169m-pile, NX-AI/xLSTM-7b: no attention anywhere.
-    if cfg.get("model_type") in ("mamba", "falcon_mamba", "mamba2", "rwkv", "xlstm"):
-        return ["mamba"] * layers
-    return None
+    # A family with no attention anywhere (FAMILIES: state-space and RNN models).
+    return ["mamba"] * layers if family(cfg).no_attention else None
 
 
 def _chunked_without_layer_types(cfg: dict, layers: int, where: str) -> list[str] | None:
@@ -205,13 +262,12 @@ def _sliding_window(cfg: dict, layers: int, where: str) -> list[str] | None:
     if cfg.get("use_sliding_window") is False or window is None:
         # Qwen/Qwen2.5-7B ships sliding_window with use_sliding_window false: the window is off.
         return None
-    model_type = cfg.get("model_type")
     if cfg.get("sliding_window_pattern") is not None:
         # google/gemma-3-4b-pt as first published: every 6th layer global.
         every = read_int(cfg, "sliding_window_pattern", where, high=max(layers, 1))
     else:
         # google/gemma-2-9b: only sliding_window; the family's class alternates.
-        every = _SLIDING_EVERY.get(model_type) if isinstance(model_type, str) else None
+        every = family(cfg).sliding_every
     if every:
         return ["full_attention" if (i + 1) % every == 0 else "sliding_attention"
                 for i in range(layers)]
@@ -284,15 +340,14 @@ def _layer_overrides(cfg: dict, names: list[str], where: str) -> list[dict[str, 
                 if fields.get(field) is not None:
                     overrides[int(key)][target] = read_int(fields, field,
                                                        f"{where} per_layer_config {key}")
-    model_type = cfg.get("model_type")
+    rules = family(cfg)
     for i, name in enumerate(names):
         kind = LAYER_TYPE_KIND.get(name)
         if name == "indexed_attention" and cfg.get("index_head_dim") is not None:
             # deepseek-ai/DeepSeek-V3.2-Exp: the lightning indexer caches one more key per
             # token in the layers that use it.
             overrides[i]["index_head_dim"] = read_int(cfg, "index_head_dim", where)
-        if model_type in ("gemma4", "gemma4_text") and name == "full_attention" and (
-                per_layer is None):
+        if rules.global_widths and name == "full_attention" and per_layer is None:
             # google/gemma-4 config.json: global layers are global_head_dim wide (512 by
             # default), with num_global_key_value_heads when attention_k_eq_v says so.
             width = read_int(cfg, "global_head_dim", where) if "global_head_dim" in cfg else 512
@@ -306,12 +361,11 @@ def _layer_overrides(cfg: dict, names: list[str], where: str) -> list[dict[str, 
                                   ("swa_head_dim", "head_dim")):
                 if cfg.get(field) is not None:
                     overrides[i][target] = read_int(cfg, field, where)
-            if model_type == "mimo_v2_flash":
-                # XiaomiMiMo/MiMo-V2-Flash: sliding layers keep twice the KV heads (its
-                # attention builds them so; the config has no field for it).
+            if rules.sliding_kv_scale != 1:
+                # XiaomiMiMo/MiMo-V2-Flash: the config has no field for its sliding heads.
                 kv = first_int(cfg, KV_HEAD_KEYS, where, required=False) or first_int(
                     cfg, HEAD_KEYS, where)
-                overrides[i]["kv_heads"] = 2 * kv
+                overrides[i]["kv_heads"] = rules.sliding_kv_scale * kv
     return overrides
 
 
@@ -320,92 +374,19 @@ def _layer_overrides(cfg: dict, names: list[str], where: str) -> list[dict[str, 
 
 def shape_from_config(cfg: Any, name: str = "config.json", params: int | None = None) -> ModelShape:
     """Read the cache-relevant numbers from a Hugging Face config dict, as transformers would."""
-    where = name
-    if not isinstance(cfg, dict):
-        raise ConfigError(f"{where}: expected a JSON object, got {type(cfg).__name__}")
-    if isinstance(cfg.get("text_config"), dict):  # multimodal wrappers: the decoder is inside
-        cfg = cfg["text_config"]
-        where = f"{name} (text_config)"
-    if not isinstance(cfg.get("model_type", ""), str):
-        raise ConfigError(f"{where}: model_type is {cfg['model_type']!r}; expected a name")
-    if not any(cfg.get(key) is not None for key in LAYER_KEYS) and isinstance(
-            cfg.get("layers_block_type"), list):
-        # nvidia/NVIDIA-Nemotron-Nano-9B-v2 in transformers: the count is the pattern's length.
-        cfg = {**cfg, "num_hidden_layers": len(cfg["layers_block_type"])}
-    layers = first_int(cfg, LAYER_KEYS, where, high=LIMITS["--layers"])
-    names = layer_type_names(cfg, layers, where)
-    kinds = []
-    for type_name in names:
-        if type_name not in LAYER_TYPE_KIND:
-            raise ConfigError(
-                f"{where}: unknown layer type {type_name[:40]!r}; expected one of "
-                + ", ".join(sorted(LAYER_TYPE_KIND))
-            )
-        kinds.append(LAYER_TYPE_KIND[type_name])
+    cfg, where = _decoder(cfg, name)
+    rules = family(cfg)
     notes: list[str] = []
-    if cfg.get("num_kv_shared_layers"):
-        # google/gemma-3n-E4B-it: the last 15 of 35 layers read the cache of an earlier layer
-        # of the same kind and keep none of their own.
-        shared = read_int(cfg, "num_kv_shared_layers", where, low=0, high=layers)
-        kinds[layers - shared:] = ["none"] * shared
-        notes.append(f"the last {shared} layers reuse earlier layers' K/V (num_kv_shared_layers)")
-    if cfg.get("model_type") == "longcat_flash" and cfg.get("num_hidden_layers") is None:
-        # meituan-longcat/LongCat-Flash-Chat: two attention blocks in every decoder layer, each
-        # with its own cache (transformers' num_hidden_layers, when given, counts both).
-        kinds = [kind for kind in kinds for _ in range(2)]
-        notes.append(f"{layers} decoder layers with 2 attention blocks each: "
-                     f"{2 * layers} cache layers")
-        layers *= 2
-
+    names, kinds = _layer_kinds(cfg, rules, where, notes)
+    layers = len(kinds)
     has_kv = any(kind != "recurrent" and kind != "none" for kind in kinds)
-    heads = kv_heads = head_dim = 0
     is_mla = cfg.get("kv_lora_rank") is not None
-    if has_kv:
-        heads = first_int(cfg, HEAD_KEYS, where, high=LIMITS["--heads"])
-        kv_heads = read_kv_heads(cfg, heads, where)
-        if heads % kv_heads:
-            raise ConfigError(f"{where}: {kv_heads} KV heads do not divide {heads} attention "
-                              "heads; expected a divisor")
-        if is_mla:
-            # The width of one query/key head after decompression; the cache holds the latent.
-            head_dim = (first_int(cfg, ("qk_nope_head_dim",), where)
-                        + first_int(cfg, ("qk_rope_head_dim",), where))
-        elif any(cfg.get(key) is not None for key in HEAD_DIM_KEYS):
-            head_dim = first_int(cfg, HEAD_DIM_KEYS, where, high=LIMITS["--head-dim"])
-        else:
-            hidden = first_int(cfg, HIDDEN_KEYS, where)
-            head_dim = hidden // heads  # rounded down, as transformers' attention does
-            if hidden % heads:
-                notes.append(f"hidden size {hidden} is not a multiple of {heads} heads and "
-                             f"there is no head_dim: transformers rounds down to {head_dim}")
-            if not head_dim:
-                raise ConfigError(f"{where}: hidden size {hidden} is smaller than {heads} heads; "
-                                  "expected head_dim or a hidden size of at least one per head")
+    heads, kv_heads, head_dim = _attention_widths(cfg, is_mla, where, notes) if has_kv else (0,) * 3
     kinds = ["mla" if is_mla and kind == "full" else kind for kind in kinds]
-
-    window = None
-    if "sliding" in kinds and cfg.get("sliding_window") is None and cfg.get(
-            "sliding_window_size") is not None:
-        # The Inkling family calls the window sliding_window_size; MiMo-V2-Flash's is the
-        # tokens before the query, so its class adds the query itself.
-        window = read_int(cfg, "sliding_window_size", where, high=_MAX_WINDOW) + (
-            cfg.get("model_type") == "mimo_v2_flash")
-    elif "sliding" in kinds:
-        # google/recurrentgemma-2b: attention_window_size.
-        window = first_int(cfg, ("sliding_window", "attention_window_size"), where,
-                            high=_MAX_WINDOW)
-    elif "chunked" in kinds:
-        window = first_int(cfg, ("attention_chunk_size",), where, high=_MAX_WINDOW)
-    extra: dict[str, int] = {}
-    if is_mla and has_kv:
-        extra = {key: first_int(cfg, (key,), where)
-                 for key in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")}
-    if not is_mla and has_kv and cfg.get("v_head_dim") is not None:
-        # XiaomiMiMo/MiMo-V2-Flash: keys 192 wide, values 128.
-        extra["v_head_dim"] = read_int(cfg, "v_head_dim", where, high=LIMITS["--head-dim"])
-
+    window = _window(cfg, kinds, rules, where)
+    extra = _extra_widths(cfg, is_mla, where) if has_kv else {}
     overrides: tuple[tuple[tuple[str, int], ...], ...] = ()
-    if has_kv and cfg.get("model_type") != "longcat_flash":
+    if has_kv and rules.blocks_per_layer == 1:
         model_widths = {"kv_heads": kv_heads, "heads": heads, "head_dim": head_dim,
                         "v_head_dim": extra.get("v_head_dim", 0), **extra}
         per_layer = [tuple(sorted((k, v) for k, v in over.items() if model_widths.get(k) != v))
@@ -420,22 +401,8 @@ def shape_from_config(cfg: Any, name: str = "config.json", params: int | None = 
             overrides = tuple(per_layer)
             notes.append(f"{sum(map(bool, per_layer))} of {layers} layers have their own head "
                          "widths")
-
-    state_layers = sum(kind == "recurrent" for kind in kinds) + sum(n in _HYBRID for n in names)
-    if cfg.get("model_type") == "falcon_h1":
-        state_layers = layers  # tiiuae/Falcon-H1-7B: attention and Mamba-2 side by side
-    conv = ssm = ssm_bits = 0
-    rule = state_rule(cfg)
-    if state_layers and rule is not None:
-        conv, ssm = rule(cfg, where)
-        # nvidia/NVIDIA-Nemotron-Nano-9B-v2: "mamba_ssm_cache_dtype": "float32".
-        ssm_bits = {"float32": 32, "float16": 16, "bfloat16": 16}.get(
-            str(cfg.get("mamba_ssm_cache_dtype")), 0)
-        if cfg.get("model_type") == "recurrent_gemma":
-            ssm_bits = 32  # transformers' RG-LRU keeps its state in fp32 whatever the dtype
-    elif state_layers:
-        notes.append(f"{state_layers} recurrent layers keep a fixed-size state this reader does "
-                     f"not know for model_type {str(cfg.get('model_type'))[:40]!r}; not counted")
+    state_layers, (conv, ssm, ssm_bits) = _recurrent_state(cfg, kinds, names, rules, where,
+                                                            notes)
     return ModelShape(
         name=name,
         layers=layers,
@@ -444,7 +411,7 @@ def shape_from_config(cfg: Any, name: str = "config.json", params: int | None = 
         head_dim=head_dim,
         layer_kinds=tuple(kinds),
         window=window,
-        state_layers=state_layers if rule is not None else 0,
+        state_layers=state_layers,
         conv_state_values=conv,
         ssm_state_values=ssm,
         ssm_state_bits=ssm_bits,
@@ -455,6 +422,124 @@ def shape_from_config(cfg: Any, name: str = "config.json", params: int | None = 
         layer_overrides=overrides,
         **extra,
     )
+
+
+def _decoder(cfg: Any, name: str) -> tuple[dict, str]:
+    """(the decoder's config, where it was read): a multimodal wrapper's text_config, with
+    the layer count a Nemotron-H pattern implies."""
+    where = name
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{where}: expected a JSON object, got {type(cfg).__name__}")
+    if isinstance(cfg.get("text_config"), dict):  # multimodal wrappers: the decoder is inside
+        cfg = cfg["text_config"]
+        where = f"{name} (text_config)"
+    if not isinstance(cfg.get("model_type", ""), str):
+        raise ConfigError(f"{where}: model_type is {cfg['model_type']!r}; expected a name")
+    if not any(cfg.get(key) is not None for key in LAYER_KEYS) and isinstance(
+            cfg.get("layers_block_type"), list):
+        # nvidia/NVIDIA-Nemotron-Nano-9B-v2 in transformers: the count is the pattern's length.
+        cfg = {**cfg, "num_hidden_layers": len(cfg["layers_block_type"])}
+    return cfg, where
+
+
+def _layer_kinds(cfg: dict, rules: Family, where: str, notes: list[str]
+                 ) -> tuple[list[str], list[str]]:
+    """(every decoder layer's transformers layer type, every cache layer's kind)."""
+    layers = first_int(cfg, LAYER_KEYS, where, high=LIMITS["--layers"])
+    names = layer_type_names(cfg, layers, where)
+    kinds = []
+    for type_name in names:
+        if type_name not in LAYER_TYPE_KIND:
+            raise ConfigError(
+                f"{where}: unknown layer type {type_name[:40]!r}; expected one of "
+                + ", ".join(sorted(LAYER_TYPE_KIND))
+            )
+        kinds.append(LAYER_TYPE_KIND[type_name])
+    if cfg.get("num_kv_shared_layers"):
+        # google/gemma-3n-E4B-it: the last 15 of 35 layers read the cache of an earlier layer
+        # of the same kind and keep none of their own.
+        shared = read_int(cfg, "num_kv_shared_layers", where, low=0, high=layers)
+        kinds[layers - shared:] = ["none"] * shared
+        notes.append(f"the last {shared} layers reuse earlier layers' K/V (num_kv_shared_layers)")
+    blocks = rules.blocks_per_layer
+    if blocks > 1 and cfg.get("num_hidden_layers") is None:
+        # transformers' num_hidden_layers, when given, counts every block already.
+        kinds = [kind for kind in kinds for _ in range(blocks)]
+        notes.append(f"{layers} decoder layers with {blocks} attention blocks each: "
+                     f"{blocks * layers} cache layers")
+    return names, kinds
+
+
+def _attention_widths(cfg: dict, is_mla: bool, where: str, notes: list[str]
+                      ) -> tuple[int, int, int]:
+    """(query heads, KV heads, one head's width) of the attention layers."""
+    heads = first_int(cfg, HEAD_KEYS, where, high=LIMITS["--heads"])
+    kv_heads = read_kv_heads(cfg, heads, where)
+    if heads % kv_heads:
+        raise ConfigError(f"{where}: {kv_heads} KV heads do not divide {heads} attention "
+                          "heads; expected a divisor")
+    if is_mla:
+        # The width of one query/key head after decompression; the cache holds the latent.
+        head_dim = (first_int(cfg, ("qk_nope_head_dim",), where)
+                    + first_int(cfg, ("qk_rope_head_dim",), where))
+    elif any(cfg.get(key) is not None for key in HEAD_DIM_KEYS):
+        head_dim = first_int(cfg, HEAD_DIM_KEYS, where, high=LIMITS["--head-dim"])
+    else:
+        hidden = first_int(cfg, HIDDEN_KEYS, where)
+        head_dim = hidden // heads  # rounded down, as transformers' attention does
+        if hidden % heads:
+            notes.append(f"hidden size {hidden} is not a multiple of {heads} heads and "
+                         f"there is no head_dim: transformers rounds down to {head_dim}")
+        if not head_dim:
+            raise ConfigError(f"{where}: hidden size {hidden} is smaller than {heads} heads; "
+                              "expected head_dim or a hidden size of at least one per head")
+    return heads, kv_heads, head_dim
+
+
+def _window(cfg: dict, kinds: list[str], rules: Family, where: str) -> int | None:
+    """The tokens a sliding layer holds, or a chunked layer's chunk; None for neither."""
+    if "sliding" in kinds and cfg.get("sliding_window") is None and cfg.get(
+            "sliding_window_size") is not None:
+        # The Inkling family calls the window sliding_window_size.
+        return read_int(cfg, "sliding_window_size", where, high=_MAX_WINDOW) + (
+            rules.window_before_query)
+    if "sliding" in kinds:
+        # google/recurrentgemma-2b: attention_window_size.
+        return first_int(cfg, ("sliding_window", "attention_window_size"), where,
+                         high=_MAX_WINDOW)
+    if "chunked" in kinds:
+        return first_int(cfg, ("attention_chunk_size",), where, high=_MAX_WINDOW)
+    return None
+
+
+def _extra_widths(cfg: dict, is_mla: bool, where: str) -> dict[str, int]:
+    """The widths beyond heads × head_dim: MLA's latent and rotary parts, a value width."""
+    if is_mla:
+        return {key: first_int(cfg, (key,), where)
+                for key in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")}
+    if cfg.get("v_head_dim") is not None:
+        # XiaomiMiMo/MiMo-V2-Flash: keys 192 wide, values 128.
+        return {"v_head_dim": read_int(cfg, "v_head_dim", where, high=LIMITS["--head-dim"])}
+    return {}
+
+
+def _recurrent_state(cfg: dict, kinds: list[str], names: list[str], rules: Family, where: str,
+                     notes: list[str]) -> tuple[int, tuple[int, int, int]]:
+    """(the layers counted with a recurrent state, (conv values, SSM values, SSM bits))."""
+    state_layers = sum(kind == "recurrent" for kind in kinds) + sum(n in _HYBRID for n in names)
+    if rules.state_in_every_layer:
+        state_layers = len(kinds)
+    rule = state_rule(cfg)
+    if state_layers and rule is not None:
+        conv, ssm = rule(cfg, where)
+        # nvidia/NVIDIA-Nemotron-Nano-9B-v2: "mamba_ssm_cache_dtype": "float32".
+        ssm_bits = rules.state_bits or {"float32": 32, "float16": 16, "bfloat16": 16}.get(
+            str(cfg.get("mamba_ssm_cache_dtype")), 0)
+        return state_layers, (conv, ssm, ssm_bits)
+    if state_layers:
+        notes.append(f"{state_layers} recurrent layers keep a fixed-size state this reader does "
+                     f"not know for model_type {str(cfg.get('model_type'))[:40]!r}; not counted")
+    return 0, (0, 0, 0)
 
 
 # --- the file -----------------------------------------------------------------------------------

@@ -130,8 +130,7 @@ def verify_cache(config: dict, dtype: str = "fp16", max_layers: int = 2) -> Veri
     the cache on, and compare the bytes its cache tensors hold with the formula's."""
     try:
         import torch
-        import transformers
-        from transformers.initialization import no_init_weights
+        import transformers.initialization  # noqa: F401 - what _run_small needs, checked here
     except ImportError as error:
         raise VerifyError(
             f"--verify needs torch and transformers ({error.name} is not installed): "
@@ -141,78 +140,16 @@ def verify_cache(config: dict, dtype: str = "fp16", max_layers: int = 2) -> Veri
     cfg, changes = _verify_config(config, max_layers)
     dtype = canonical_dtype(dtype)
     explanation: list[str] = []
-    torch_dtypes = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-    if dtype not in torch_dtypes:
+    if dtype not in _TORCH_DTYPES:
         # transformers' default cache stores the model's own dtype; a quantised cache needs
         # optional backends. The element count is what is being checked, so check it at bf16.
         explanation.append(f"a {dtype} cache needs a quantised-cache backend; checked at bf16")
         dtype = "bf16"
     shape = shape_from_config(cfg)
     model_type = cfg.pop("model_type")
-    verbosity = transformers.logging.get_verbosity()
-    # The shrunk model trips config warnings that say nothing about the cache; keep stderr clean.
-    transformers.logging.set_verbosity_error()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            hf_config = transformers.AutoConfig.for_model(model_type, **cfg)
-            torch.manual_seed(0)
-            # Uninitialised weights: the cache's shapes do not depend on their values, and
-            # initialising a 4096-wide layer costs seconds on a CPU.
-            with no_init_weights():
-                model = transformers.AutoModelForCausalLM.from_config(
-                    hf_config, dtype=torch_dtypes[dtype]
-                )
-            model.eval()
-            input_ids = torch.randint(0, hf_config.vocab_size, (1, _VERIFY_TOKENS))
-            with torch.inference_mode():
-                out = model(input_ids=input_ids, use_cache=True)
-                on_modules = _cache_of(out) is None and _holds_module_state(model)
-                if on_modules:
-                    # RecurrentGemma returns no cache: its K/V go to a cache it makes and
-                    # drops, its recurrent states stay on its modules. Hand it one to keep.
-                    cache = transformers.DynamicCache(config=hf_config)
-                    out = model(input_ids=input_ids, use_cache=True, cache=cache)
-                    out.past_key_values = cache
-    except Exception as error:  # transformers raises many types; all mean "cannot build/run it"
-        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
-        raise VerifyError(
-            f"transformers could not build and run model_type {model_type!r}: "
-            f"{type(error).__name__}: {first[:200]}"
-        ) from None
-    finally:
-        transformers.logging.set_verbosity(verbosity)
-    cache = _cache_of(out)
-    if cache is None or not hasattr(cache, "layers"):
-        raise VerifyError(f"model_type {model_type!r} returned no layered cache to measure")
-
+    model, cache, on_modules = _run_small(cfg, model_type, getattr(torch, _TORCH_DTYPES[dtype]))
     bits = DTYPE_BITS[dtype]
-
-    def nbytes(tensors) -> int:
-        return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
-
-    # MiniMax's cache grows its K/V list only up to the last attention layer it saw, and keeps
-    # its linear-attention states in a list beside it.
-    state_measured = nbytes(t for t in getattr(cache, "linear_cache", []) or [])
-    if on_modules:
-        state_measured += nbytes(_module_states(model))
-    cache_layers = list(cache.layers)
-    if hasattr(cache, "linear_cache"):
-        cache_layers += [None] * (shape.layers - len(cache_layers))
-    if len(cache_layers) != shape.layers:
-        raise VerifyError(f"model_type {model_type!r} built {len(cache_layers)} cache layers; "
-                          f"the config reader expected {shape.layers}")
-    layers = []
-    for index, (layer, kind) in enumerate(zip(cache_layers, shape.layer_kinds, strict=True)):
-        keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
-        shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else () for t in (keys, values)]
-        # DeepSeek-V3.2's sparse-attention indexer keeps one more key per token.
-        measured = nbytes((keys, values, getattr(layer, "indexer_keys", None)))
-        state_measured += nbytes([*(getattr(layer, "conv_states", None) or {}).values(),
-                                  *(getattr(layer, "recurrent_states", None) or {}).values()])
-        expected = bytes_for_values(values_per_token(shape.layer_shape(index), kind),
-                                    bits) * tokens_held(shape, kind, _VERIFY_TOKENS)
-        layers.append(VerifyLayer(index, kind, shapes[0], shapes[1], measured, expected))
+    layers, state_measured = _measure(model, cache, on_modules, shape, bits, model_type)
     measured = sum(layer.measured_bytes for layer in layers)
     formula = sum(layer.formula_bytes for layer in layers)
     state_formula = state_bytes_per_sequence(shape, bits)
@@ -243,6 +180,87 @@ def verify_cache(config: dict, dtype: str = "fp16", max_layers: int = 2) -> Veri
         changes=tuple(changes),
         explanation=tuple(explanation),
     )
+
+
+# The cache dtypes transformers' default cache stores, by torch's name.
+_TORCH_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+
+
+def _run_small(cfg: dict, model_type: str, torch_dtype):
+    """(the model transformers builds for `cfg`, the cache a short forward left, whether
+    its recurrent states stay on its modules); any failure of transformers' is a VerifyError."""
+    import torch
+    import transformers
+    from transformers.initialization import no_init_weights
+
+    verbosity = transformers.logging.get_verbosity()
+    # The shrunk model trips config warnings that say nothing about the cache; keep stderr clean.
+    transformers.logging.set_verbosity_error()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            hf_config = transformers.AutoConfig.for_model(model_type, **cfg)
+            torch.manual_seed(0)
+            # Uninitialised weights: the cache's shapes do not depend on their values, and
+            # initialising a 4096-wide layer costs seconds on a CPU.
+            with no_init_weights():
+                model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch_dtype)
+            model.eval()
+            input_ids = torch.randint(0, hf_config.vocab_size, (1, _VERIFY_TOKENS))
+            with torch.inference_mode():
+                out = model(input_ids=input_ids, use_cache=True)
+                on_modules = _cache_of(out) is None and _holds_module_state(model)
+                if on_modules:
+                    # RecurrentGemma returns no cache: its K/V go to a cache it makes and
+                    # drops, its recurrent states stay on its modules. Hand it one to keep.
+                    cache = transformers.DynamicCache(config=hf_config)
+                    out = model(input_ids=input_ids, use_cache=True, cache=cache)
+                    out.past_key_values = cache
+    except Exception as error:  # transformers raises many types; all mean "cannot build/run it"
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        raise VerifyError(
+            f"transformers could not build and run model_type {model_type!r}: "
+            f"{type(error).__name__}: {first[:200]}"
+        ) from None
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+    cache = _cache_of(out)
+    if cache is None or not hasattr(cache, "layers"):
+        raise VerifyError(f"model_type {model_type!r} returned no layered cache to measure")
+    return model, cache, on_modules
+
+
+def _measure(model, cache, on_modules: bool, shape: ModelShape, bits: int, model_type: str
+             ) -> tuple[list[VerifyLayer], int]:
+    """(each cache layer's bytes held against the formula's, the recurrent states' bytes)."""
+    import torch
+
+    def nbytes(tensors) -> int:
+        return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+    # MiniMax's cache grows its K/V list only up to the last attention layer it saw, and keeps
+    # its linear-attention states in a list beside it.
+    state_measured = nbytes(t for t in getattr(cache, "linear_cache", []) or [])
+    if on_modules:
+        state_measured += nbytes(_module_states(model))
+    cache_layers = list(cache.layers)
+    if hasattr(cache, "linear_cache"):
+        cache_layers += [None] * (shape.layers - len(cache_layers))
+    if len(cache_layers) != shape.layers:
+        raise VerifyError(f"model_type {model_type!r} built {len(cache_layers)} cache layers; "
+                          f"the config reader expected {shape.layers}")
+    layers = []
+    for index, (layer, kind) in enumerate(zip(cache_layers, shape.layer_kinds, strict=True)):
+        keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+        shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else () for t in (keys, values)]
+        # DeepSeek-V3.2's sparse-attention indexer keeps one more key per token.
+        measured = nbytes((keys, values, getattr(layer, "indexer_keys", None)))
+        state_measured += nbytes([*(getattr(layer, "conv_states", None) or {}).values(),
+                                  *(getattr(layer, "recurrent_states", None) or {}).values()])
+        expected = bytes_for_values(values_per_token(shape.layer_shape(index), kind),
+                                    bits) * tokens_held(shape, kind, _VERIFY_TOKENS)
+        layers.append(VerifyLayer(index, kind, shapes[0], shapes[1], measured, expected))
+    return layers, state_measured
 
 
 # Where a model that keeps its recurrent state on its modules (RecurrentGemma) holds it:
