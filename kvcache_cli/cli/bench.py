@@ -414,7 +414,7 @@ def _tasks(ctx, sets: str, draft: str, speculate: str, cache: str, model: str, w
         fail(str(err))
     import torch
 
-    from kvcache_cli.cli.common import load_model
+    from kvcache_cli.cli.loading import load_model
     from kvcache_cli.speculative.drafts import make_draft
     from kvcache_cli.speculative.tasks import run_tasks
     from kvcache_cli.views.speculative import task_table_view

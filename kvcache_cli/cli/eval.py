@@ -324,7 +324,7 @@ def _heldout(model: str) -> Path:
 @contextlib.contextmanager
 def _progress(what: str = "scoring", unit: str = "tokens"):
     """A transient bar on stderr in a terminal (the count, elapsed time and ETA); off one,
-    a line now and then (`common.ProgressLines`), so a run into a file is not silent."""
+    a line now and then (`output.ProgressLines`), so a run into a file is not silent."""
     from rich.progress import BarColumn, MofNCompleteColumn, TimeElapsedColumn, TimeRemainingColumn
 
     err_console = console(stderr=True)
