@@ -12,11 +12,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
+from operator import itemgetter
 
 import torch
 from torch import Tensor
 
 from kvcache_cli.caches import KVCache, make_cache
+from kvcache_cli.caches.step import Step
 from kvcache_cli.models.base import FamilyConfig, FamilyModel
 
 MODES = ("naive", "concat", "static")
@@ -94,11 +96,8 @@ def probabilities(logits: Tensor, temperature: float, top_k: int | None) -> Tens
     return torch.softmax(logits, dim=-1)
 
 
+# On a generator, inference_mode holds while the generator runs, not while its caller does.
 @torch.inference_mode()
-def _last_logits(forward: Forward, idx: Tensor, start_pos: int, cache: KVCache | None) -> Tensor:
-    return forward(idx, start_pos, cache, last_only=True)[:, -1, :]  # (B, vocab)
-
-
 def token_steps(
     model: FamilyModel,
     prompt_ids: list[int],
@@ -115,19 +114,19 @@ def token_steps(
     if mode == "naive":
         for i in range(max_new_tokens):
             # No cache: the whole sequence goes through the model again, every step.
-            logits = _last_logits(forward, idx, 0, None)  # (1, vocab)
+            logits = forward(idx, 0, None, last_only=True)[:, -1]  # (1, vocab)
             nxt = choose(logits)  # (1,)
             yield int(nxt.item()), logits  # .item() waits for the device: the sync point
             if i + 1 < max_new_tokens:
                 idx = torch.cat([idx, nxt.view(1, 1)], dim=1)  # (1, T + 1)
         return
-    logits = _last_logits(forward, idx, 0, cache)  # prefill: the prompt in one forward
+    logits = forward(idx, 0, cache, last_only=True)[:, -1]  # (1, vocab): the prefill
     for i in range(max_new_tokens):
         nxt = choose(logits)  # (1,)
         yield int(nxt.item()), logits
         if i + 1 < max_new_tokens:  # the last token is never fed back
             # Decode: one token at position P + i, attending over the cache.
-            logits = _last_logits(forward, nxt.view(1, 1), P + i, cache)
+            logits = forward(nxt.view(1, 1), P + i, cache, last_only=True)[:, -1]
 
 
 class CompiledDecode:
@@ -138,9 +137,9 @@ class CompiledDecode:
     step), the position enters as a tensor, never as a Python int (an int is a guard,
     and each new value a recompile), and nothing inside the graph reads or writes a
     Python number: the cache records each write after the graph (`StaticCache.
-    advance`). The step runs the model contract's `hidden` and `head` with attention
-    over the buffer in position order (`attend_in_order`), so every family compiles
-    the same way. Called as a `Forward`; T > 1 tokens (the prefill) go to the eager model.
+    advance`). The step is the model's own forward, with a `Step` whose position is a
+    tensor (the cache then writes with `write_at`), so every family compiles the same
+    way. Called as a `Forward`; T > 1 tokens (the prefill) go to the eager model.
     """
 
     def __init__(self, model: FamilyModel, mode: str = "default"):
@@ -159,21 +158,15 @@ class CompiledDecode:
             raise ValueError("a compiled decode step reads a static cache whole: "
                              "make_cache('static', ..., whole=True)")
         pos = torch.tensor([start_pos], device=idx.device)  # (1,): the position as data
-        logits = self.step(self.model, idx, pos, cache)  # (B, 1, vocab)
+        logits = self.step(self.model, idx, Step(pos, pos), cache)  # (B, 1, vocab)
         cache.advance(start_pos, 1)
         return logits
 
 
-def _decode_step(model: FamilyModel, idx: Tensor, pos: Tensor, cache: KVCache) -> Tensor:
-    """Logits (B, T, vocab) of tokens idx (B, T) at positions pos (T,), every row at the
-    same positions, written into and read from a whole static cache."""
-    from kvcache_cli.models.attention import attend_in_order
-
-    def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        keys, values = cache.write_at(layer, pos, k, v)  # (B, nkv, max_len, hs)
-        return attend_in_order(q, keys, values, pos[None])  # (B, nh, T, hs)
-
-    return model.head(model.hidden(idx, pos, attend))
+def _decode_step(model: FamilyModel, idx: Tensor, step: Step, cache: KVCache) -> Tensor:
+    """Logits (B, T, vocab) of tokens idx (B, T) at positions step.pos (T,), every row at
+    the same positions, written into and read from a whole static cache."""
+    return model(idx, step, cache)
 
 
 def stream_tokens(
@@ -211,7 +204,7 @@ def stream_tokens(
         return sample(logits, temperature, top_k, generator)
 
     steps = token_steps(model, list(prompt_ids), max_new_tokens, mode, cache, choose, forward)
-    return (token for token, _ in steps)
+    return map(itemgetter(0), steps)  # the tokens, the logits dropped
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,6 @@ from kvcache_cli.breaks.base import (
 from kvcache_cli.caches import make_cache
 from kvcache_cli.caches.base import ForwardingCache, KVCache
 from kvcache_cli.generate import check_request, token_steps
-from kvcache_cli.models.attention import cached_attention
 from kvcache_cli.models.llama import Llama, LlamaAttention, Rotary
 
 LLAMA_BREAKS = {
@@ -72,39 +71,38 @@ class LlamaBreakResult(BreakResult):
 class RopeAtZeroOnDecode(LlamaAttention):
     """`rope-decode`: a one-token call (decode) rotates q and k to position 0."""
 
-    def forward(self, x, start_pos, rope, cache, force_is_causal=False):
+    def forward(self, x, step, rope, cache):
         if x.size(1) == 1:
             rope = rope.moved_to(torch.zeros_like(rope.pos))  # the bug: position forgotten
-        return super().forward(x, start_pos, rope, cache, force_is_causal)
+        return super().forward(x, step, rope, cache)
 
 
 class ExpandBeforeCache(LlamaAttention):
     """`kv-expand-early`: each KV head copied to its query heads, then cached."""
 
-    def forward(self, x, start_pos, rope, cache, force_is_causal=False):
+    def forward(self, x, step, rope, cache):
         B, T, _ = x.shape
         q, k, v = self.project(x, rope)  # q (B, nh, T, hs); k, v (B, nkv, T, hs)
         g = self.n_head // self.n_kv_head
         k = k.repeat_interleave(g, dim=1)  # (B, nh, T, hs): the bug, before the cache
         v = v.repeat_interleave(g, dim=1)  # (B, nh, T, hs)
-        y = cached_attention(q, k, v, self.layer, start_pos, cache, force_is_causal)
+        y = cache.attend(self.layer, q, k, v, step)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, C)
 
 
 class InterleavedGroups(LlamaAttention):
-    """`gqa-interleave`: cached_attention gives query slot s KV head s // g; the query
+    """`gqa-interleave`: attention gives query slot s KV head s // g; the query
     heads are put in the slots so that head h lands on KV head h % nkv, and the outputs
     put back in head order for o_proj."""
 
-    def forward(self, x, start_pos, rope, cache, force_is_causal=False):
+    def forward(self, x, step, rope, cache):
         B, T, _ = x.shape
         q, k, v = self.project(x, rope)
         nh, nkv = self.n_head, self.n_kv_head
         # Slot s holds the head order[s], whose h % nkv is s // g.
         order = torch.tensor(sorted(range(nh), key=lambda h: (h % nkv, h // nkv)),
                              device=q.device)  # (nh,)
-        y = cached_attention(q[:, order], k, v, self.layer, start_pos, cache,
-                             force_is_causal)  # (B, nh, T, hs), in slot order
+        y = cache.attend(self.layer, q[:, order], k, v, step)  # (B, nh, T, hs), slot order
         y = y[:, torch.argsort(order)]  # (B, nh, T, hs), in head order
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, C)
 
@@ -124,6 +122,9 @@ class RotatedOnRead(ForwardingCache):
         keys, values = self.inner.update(layer, start_pos, k, v)  # (B, nkv, S, hs)
         pos = torch.arange(keys.size(2), device=keys.device)  # (S,): key j is position j
         return self.rotary(keys, pos), values  # the bug: rotated a second time
+
+    # Attention reads what this `update` hands it, not the wrapped cache's own reading.
+    attend = KVCache.attend
 
 
 _ATTENTION = {"rope-decode": RopeAtZeroOnDecode, "kv-expand-early": ExpandBeforeCache,

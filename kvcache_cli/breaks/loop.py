@@ -4,6 +4,9 @@ without a reset), run side by side with the correct loop (GPT-2 article, section
 
 from __future__ import annotations
 
+import torch.nn.functional as F
+from torch import Tensor
+
 from kvcache_cli.breaks.base import (
     DEFAULT_PROMPT_IDS,
     DEFAULT_PROMPT_TEXTS,
@@ -16,6 +19,8 @@ from kvcache_cli.breaks.base import (
     side_by_side,
 )
 from kvcache_cli.caches import KVCache, make_cache
+from kvcache_cli.caches.base import ForwardingCache
+from kvcache_cli.caches.step import Step
 from kvcache_cli.generate import Forward, check_request, token_steps
 from kvcache_cli.models.base import FamilyModel
 
@@ -24,6 +29,18 @@ BREAKS = {
     "causal-decode": "is_causal=True for a one-token query: the mask hides all but key 0",
     "stale-cache": "the cache of an earlier request is reused without a reset",
 }
+
+
+class CausalOnEveryCall(ForwardingCache):
+    """`causal-decode`: the cache it wraps, read with SDPA's is_causal=True whatever the
+    shapes. SDPA aligns is_causal to the top left, so on a one-row query against S keys
+    (the article's bug 2) it lets the newest token see key 0 and nothing else; a square
+    prefill is unharmed."""
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, step: Step) -> Tensor:
+        keys, values = self.inner.update(layer, step.start, k, v)  # (B, nkv, S, hs)
+        return F.scaled_dot_product_attention(q, keys, values, is_causal=True,
+                                              enable_gqa=keys.size(1) < q.size(1))
 
 
 def run_break(
@@ -74,8 +91,8 @@ def run_break(
         broken = run(both, lambda idx, pos, cache, **kw: model(idx, 0, cache, **kw))
     elif name == "causal-decode":
         # The one change: SDPA's is_causal=True on every call, the decode steps included.
-        broken = run(both, lambda idx, pos, cache, **kw: model(idx, pos, cache, **kw,
-                                                               force_is_causal=True))
+        broken = run(both, cache=CausalOnEveryCall(make_cache(mode, model, len(prompt)
+                                                              + max_new_tokens)))
     else:  # stale-cache
         window = len(earlier) + len(prompt) + 2 * max_new_tokens
         cache = make_cache(mode, model, min(window, model.config.context))

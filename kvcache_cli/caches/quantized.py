@@ -344,15 +344,16 @@ class QuantizedCache(KVCache):
     def update(self, layer: int, start_pos: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         return self._read(self._store(layer, start_pos, k, v))
 
-    def attend(self, layer: int, start_pos: int | Tensor, q: Tensor, k: Tensor,
-               v: Tensor) -> Tensor | None:
-        """One decoding token's attention over the history, the quantised part read a
-        chunk at a time (`_attend`); None for a chunk of tokens (a prefill, a draft's
-        verification) or before anything is quantised: those read `update`'s copy."""
-        if q.size(2) != 1 or isinstance(start_pos, Tensor) or \
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, step) -> Tensor:
+        """One decoding token's attention over the history, the quantised part read as
+        codes (`_attend_kernel`, or `_attend` a chunk at a time); a chunk of tokens (a
+        prefill, a draft's verification), or a layer with nothing quantised yet, reads
+        `update`'s copy under the causal mask."""
+        if q.size(2) != 1 or isinstance(step.start, Tensor) or \
                 self.layers[layer].quantised == 0:
-            return None
-        L = self._store(layer, start_pos, k, v)
+            keys, values = self.update(layer, step.start, k, v)  # (B, nkv, S, hs)
+            return step.in_order(q, keys, values)
+        L = self._store(layer, step.start, k, v)
         if L.k_codes.device.type == "cpu" and code_attention.kernel() is not None:
             return self._attend_kernel(L, q)
         return self._attend(L, q)
