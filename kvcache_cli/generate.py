@@ -31,18 +31,18 @@ Forward = Callable[..., Tensor]
 # ---------------------------------------------------------------------------- checks
 
 
-def check_mode(mode: str) -> None:
+def check_mode(spec: str) -> None:
     """A mode is `naive` (no cache: every position recomputed) or a cache spec (`static`,
     `concat`, `paged:b16`, ...: see caches.spec); anything else is a ValueError."""
     from kvcache_cli.caches.grammar import CacheSpecError
     from kvcache_cli.caches.spec import parse_cache_spec
 
-    if mode == "naive":
+    if spec == "naive":
         return
     try:
-        parse_cache_spec(str(mode))
+        parse_cache_spec(str(spec))
     except CacheSpecError as err:
-        raise ValueError(f"unknown mode {str(mode)!r}: expected {', '.join(MODES)} or a cache "
+        raise ValueError(f"unknown mode {str(spec)!r}: expected {', '.join(MODES)} or a cache "
                          f"spec ({err})") from None
 
 
@@ -102,7 +102,7 @@ def token_steps(
     model: FamilyModel,
     prompt_ids: list[int],
     max_new_tokens: int,
-    mode: str,
+    spec: str,
     cache: KVCache | None,
     choose: Callable[[Tensor], Tensor],
     forward: Forward | None = None,
@@ -111,7 +111,7 @@ def token_steps(
     forward = forward if forward is not None else model
     idx = torch.tensor([prompt_ids], dtype=torch.long, device=model.device)  # (1, T)
     P = idx.size(1)
-    if mode == "naive":
+    if spec == "naive":
         for i in range(max_new_tokens):
             # No cache: the whole sequence goes through the model again, every step.
             logits = forward(idx, 0, None, last_only=True)[:, -1]  # (1, vocab)
@@ -173,7 +173,7 @@ def stream_tokens(
     model: FamilyModel,
     prompt_ids: list[int],
     max_new_tokens: int,
-    mode: str,
+    spec: str,
     *,
     temperature: float = 0.0,
     top_k: int | None = None,
@@ -189,21 +189,21 @@ def stream_tokens(
     `static`); pass one to read its `bytes_copied` afterwards. `forward` stands in for
     the model's own (a `CompiledDecode`).
     """
-    check_mode(mode)
+    check_mode(spec)
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     if top_k is not None and top_k < 1:
         raise ValueError(f"top_k must be >= 1, got {top_k}")
     check_request(model, prompt_ids, max_new_tokens)
-    if mode == "naive" and cache is not None:
+    if spec == "naive" and cache is not None:
         raise ValueError("mode naive uses no cache")
-    if mode != "naive" and cache is None:
-        cache = make_cache(mode, model, len(prompt_ids) + max_new_tokens)
+    if spec != "naive" and cache is None:
+        cache = make_cache(spec, model, len(prompt_ids) + max_new_tokens)
 
     def choose(logits: Tensor) -> Tensor:
         return sample(logits, temperature, top_k, generator)
 
-    steps = token_steps(model, list(prompt_ids), max_new_tokens, mode, cache, choose, forward)
+    steps = token_steps(model, list(prompt_ids), max_new_tokens, spec, cache, choose, forward)
     return map(itemgetter(0), steps)  # the tokens, the logits dropped
 
 
@@ -226,7 +226,7 @@ def generate(
     model: FamilyModel,
     prompt_ids: list[int],
     max_new_tokens: int,
-    mode: str = "static",
+    spec: str = "static",
     *,
     temperature: float = 0.0,
     top_k: int | None = None,
@@ -234,14 +234,14 @@ def generate(
     on_token: Callable[[int], None] | None = None,
     stop_ids: Collection[int] = (),
 ) -> Generation:
-    """Run one request to the end; `on_token` sees each token as it is made. `mode` is one
-    of MODES or any cache spec (`paged:b16`, ...). A token in `stop_ids` (a chat model's
-    end of turn) is the last one made."""
-    check_mode(mode)
+    """Run one request to the end; `on_token` sees each token as it is made. `spec` is
+    `naive` or any cache spec (`static`, `paged:b16`, ...). A token in `stop_ids` (a chat
+    model's end of turn) is the last one made."""
+    check_mode(spec)
     check_request(model, prompt_ids, max_new_tokens)  # before sizing a cache for it
-    cache = make_cache(mode, model, len(prompt_ids) + max_new_tokens)
+    cache = make_cache(spec, model, len(prompt_ids) + max_new_tokens)
     stream = stream_tokens(
-        model, prompt_ids, max_new_tokens, mode,
+        model, prompt_ids, max_new_tokens, spec,
         temperature=temperature, top_k=top_k, generator=generator, cache=cache,
     )  # fmt: skip
     tokens: list[int] = []
@@ -260,7 +260,7 @@ def generate(
     decode_s = time.perf_counter() - first - outside
     n_decoded = len(tokens) - 1
     return Generation(
-        mode=str(mode),
+        mode=str(spec),
         device=str(model.device),
         dtype=str(model.dtype).removeprefix("torch."),
         prompt_ids=tuple(prompt_ids),

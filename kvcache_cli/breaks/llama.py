@@ -145,32 +145,32 @@ def broken_copy(model: Llama, attention: type[LlamaAttention]) -> Llama:
 
 def run_llama_break(name: str, model, max_new_tokens: int = 24,
                     progress: BreakProgress | None = None, *, prompt_ids: list[int] | None = None,
-                    mode: str = "concat") -> LlamaBreakResult:
+                    spec: str = "concat") -> LlamaBreakResult:
     """The correct and the broken loop of one Llama break on the same weights, greedily."""
     if name not in LLAMA_BREAKS:
         raise ValueError(f"unknown break {name!r}: expected {', '.join(LLAMA_BREAKS)}")
     if not isinstance(model, Llama):
         raise ValueError(f"break {name} runs on the Llama family (rotary positions, grouped "
                          f"KV heads), not on {type(model).__name__}: expected -m smollm2")
-    if mode not in ("concat", "static"):
-        raise ValueError(f"breaks need a cache: mode concat or static, got {mode!r}")
+    if spec not in ("concat", "static"):
+        raise ValueError(f"breaks need a cache: mode concat or static, got {spec!r}")
     prompt = list(prompt_ids) if prompt_ids is not None else default_prompt(model)
     check_request(model, prompt, max_new_tokens)
     n = len(prompt) + max_new_tokens
     broken_model = broken_copy(model, _ATTENTION[name]) if name in _ATTENTION else model
-    correct_cache = make_cache(mode, model, n)
-    broken_cache = make_cache(mode, broken_model, n)  # 9 KV heads for kv-expand-early
+    correct_cache = make_cache(spec, model, n)
+    broken_cache = make_cache(spec, broken_model, n)  # 9 KV heads for kv-expand-early
     if name == "rope-twice":
         broken_cache = RotatedOnRead(broken_cache, model.rotary)
     counter = BreakCounter(progress, 2 * max_new_tokens)
     both = "correct and broken loops"  # side by side, a token of each in turn
-    correct = counter.count(both, token_steps(model, prompt, max_new_tokens, mode, correct_cache,
+    correct = counter.count(both, token_steps(model, prompt, max_new_tokens, spec, correct_cache,
                                          greedy))
-    broken = counter.count(both, token_steps(model, prompt, max_new_tokens, mode, broken_cache,
+    broken = counter.count(both, token_steps(model, prompt, max_new_tokens, spec, broken_cache,
                                         greedy, broken_model))
     bug, control = side_by_side(model, prompt, correct, broken)
     return LlamaBreakResult(
-        name=name, bug=LLAMA_BREAKS[name], mode=mode, prompt_ids=tuple(prompt),
+        name=name, bug=LLAMA_BREAKS[name], mode=spec, prompt_ids=tuple(prompt),
         earlier_ids=(), **compared(bug, control),
         kv_heads=model.config.n_kv_head, broken_kv_heads=broken_model.config.n_kv_head,
         tokens_held=correct_cache.length, bytes_held=correct_cache.bytes_held,

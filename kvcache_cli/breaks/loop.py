@@ -49,7 +49,7 @@ def run_break(
     prompt_ids: list[int] | None = None,
     max_new_tokens: int = 24,
     *,
-    mode: str = "concat",
+    spec: str = "concat",
     earlier_ids: list[int] | None = None,
     progress: BreakProgress | None = None,
 ) -> BreakResult:
@@ -62,8 +62,8 @@ def run_break(
     """
     if name not in BREAKS:
         raise ValueError(f"unknown break {name!r}: expected {', '.join(BREAKS)}")
-    if mode not in ("concat", "static"):
-        raise ValueError(f"breaks need a cache: mode concat or static, got {mode!r}")
+    if spec not in ("concat", "static"):
+        raise ValueError(f"breaks need a cache: mode concat or static, got {spec!r}")
     V = model.config.vocab_size
     # The default prompts are GPT-2 ids; a byte-level model reads the same two texts as
     # bytes, and any other vocabulary (a test's) wraps the ids.
@@ -81,8 +81,8 @@ def run_break(
 
     def run(label: str, forward: Forward | None = None, cache: KVCache | None = None,
             ids=prompt):
-        cache = cache if cache is not None else make_cache(mode, model, len(ids) + max_new_tokens)
-        return counter.count(label, token_steps(model, ids, max_new_tokens, mode, cache,
+        cache = cache if cache is not None else make_cache(spec, model, len(ids) + max_new_tokens)
+        return counter.count(label, token_steps(model, ids, max_new_tokens, spec, cache,
                                            greedy, forward))
 
     used: tuple[int, ...] = ()
@@ -91,11 +91,11 @@ def run_break(
         broken = run(both, lambda idx, pos, cache, **kw: model(idx, 0, cache, **kw))
     elif name == "causal-decode":
         # The one change: SDPA's is_causal=True on every call, the decode steps included.
-        broken = run(both, cache=CausalOnEveryCall(make_cache(mode, model, len(prompt)
+        broken = run(both, cache=CausalOnEveryCall(make_cache(spec, model, len(prompt)
                                                               + max_new_tokens)))
     else:  # stale-cache
         window = len(earlier) + len(prompt) + 2 * max_new_tokens
-        cache = make_cache(mode, model, min(window, model.config.context))
+        cache = make_cache(spec, model, min(window, model.config.context))
         for _ in run("request 1, filling the cache", cache=cache, ids=earlier):
             pass
         broken = run(both, cache=cache)  # request 2 on the same cache, no reset
@@ -104,7 +104,7 @@ def run_break(
     return BreakResult(
         name=name,
         bug=BREAKS[name],
-        mode=mode,
+        mode=spec,
         prompt_ids=tuple(prompt),
         earlier_ids=used,
         **compared(bug, control),
