@@ -57,6 +57,7 @@ from torch import Tensor
 
 from kvcache_cli.caches.base import KVCache, PositionedCache, RollbackError, Rope, nbytes
 from kvcache_cli.caches.spec import check_context
+from kvcache_cli.caches.step import Step
 
 
 def _rope_of(spec, shape) -> Rope | None:
@@ -276,7 +277,7 @@ class HeavyHitterCache(KVCache):
     def evicted(self) -> int:
         return max(0, self.length - self.slots)
 
-    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, step) -> Tensor:
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, step: Step) -> Tensor:
         """Attention over the keys held, masked by their positions, its weights (SDPA
         never returns them) added to each key's score (`observe`)."""
         keys, values = self.update(layer, step.start, k, v)  # (B, nkv, S, hs)

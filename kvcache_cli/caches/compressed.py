@@ -49,6 +49,7 @@ from torch import Tensor
 from kvcache_cli.caches.base import KVCache, RollbackError, nbytes
 from kvcache_cli.caches.bounded import _check_step
 from kvcache_cli.caches.spec_bounded import layer_budgets
+from kvcache_cli.caches.step import Step
 
 
 class PromptCompressedCache(KVCache):
@@ -86,7 +87,7 @@ class PromptCompressedCache(KVCache):
         self._held: list[Tensor | None] = [None] * L  # key positions of the last update
         self.wants_attention = self.needs_weights  # until the last layer has compressed
 
-    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, step) -> Tensor:
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, step: Step) -> Tensor:
         """The prompt attends over all of itself, in order (its weights observed where the
         method ranks by them); later tokens over the kept keys, masked by their positions."""
         keys, values = self.update(layer, step.start, k, v)  # (B, nkv, S, hs)

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from kvcache_cli.caches.base import KVCache, RollbackError, nbytes
+from kvcache_cli.caches.step import Step
 
 
 def _check_crop(cache: KVCache, length: int) -> None:
@@ -113,7 +114,7 @@ class StaticCache(KVCache):
             return self.k[layer], self.v[layer]  # (B, nkv, max_len, hs); attention masks
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]  # (B, nkv, end, hs)
 
-    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, step) -> Tensor:
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, step: Step) -> Tensor:
         """gpt-fast's: the write, then SDPA over the filled prefix, or over the whole buffer
         under a mask; a compiled step's position is a tensor (`write_at`)."""
         if isinstance(step.start, Tensor):  # the position as data: `generate.CompiledDecode`

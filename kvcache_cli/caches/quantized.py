@@ -82,6 +82,7 @@ from kvcache_cli.caches import code_attention
 from kvcache_cli.caches.base import KVCache, RollbackError, nbytes
 from kvcache_cli.caches.rotation import Rotation
 from kvcache_cli.caches.spec_quantized import check_head_dim
+from kvcache_cli.caches.step import Step
 
 # Scales and zero points of the integer kinds.
 SCALE_DTYPE = torch.float16
@@ -344,7 +345,7 @@ class QuantizedCache(KVCache):
     def update(self, layer: int, start_pos: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         return self._read(self._store(layer, start_pos, k, v))
 
-    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, step) -> Tensor:
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, step: Step) -> Tensor:
         """One decoding token's attention over the history, the quantised part read as
         codes (`_attend_kernel`, or `_attend` a chunk at a time); a chunk of tokens (a
         prefill, a draft's verification), or a layer with nothing quantised yet, reads
