@@ -12,11 +12,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
+from operator import itemgetter
 
 import torch
 from torch import Tensor
 
 from kvcache_cli.caches import MODES, CacheSpec, KVCache, make_cache
+from kvcache_cli.caches.step import Step
 from kvcache_cli.models.base import FamilyConfig, FamilyModel
 
 # A step's forward: (tokens (B, T), start_pos, cache, **options) -> logits (B, T', vocab),
@@ -26,19 +28,19 @@ Forward = Callable[..., Tensor]
 # ---------------------------------------------------------------------------- checks
 
 
-def check_mode(mode: str | CacheSpec) -> None:
-    """A mode is `naive` (no cache: every position recomputed) or a cache spec: parsed (a
+def check_mode(spec: str | CacheSpec) -> None:
+    """A spec is `naive` (no cache: every position recomputed) or a cache spec: parsed (a
     `CacheSpec`, as the CLI passes it) or its text (`static`, `concat`, `paged:b16`, ...: see
     caches.spec); anything else is a ValueError."""
     from kvcache_cli.caches.grammar import CacheSpecError
     from kvcache_cli.caches.spec import parse_cache_spec
 
-    if mode == "naive" or isinstance(mode, CacheSpec):
+    if spec == "naive" or isinstance(spec, CacheSpec):
         return
     try:
-        parse_cache_spec(str(mode))
+        parse_cache_spec(str(spec))
     except CacheSpecError as err:
-        raise ValueError(f"unknown mode {str(mode)!r}: expected {', '.join(MODES)} or a cache "
+        raise ValueError(f"unknown mode {str(spec)!r}: expected {', '.join(MODES)} or a cache "
                          f"spec ({err})") from None
 
 
@@ -92,16 +94,13 @@ def probabilities(logits: Tensor, temperature: float, top_k: int | None) -> Tens
     return torch.softmax(logits, dim=-1)
 
 
+# On a generator, inference_mode holds while the generator runs, not while its caller does.
 @torch.inference_mode()
-def _last_logits(forward: Forward, idx: Tensor, start_pos: int, cache: KVCache | None) -> Tensor:
-    return forward(idx, start_pos, cache, last_only=True)[:, -1, :]  # (B, vocab)
-
-
 def token_steps(
     model: FamilyModel,
     prompt_ids: list[int],
     max_new_tokens: int,
-    mode: str,
+    spec: str,
     cache: KVCache | None,
     choose: Callable[[Tensor], Tensor],
     forward: Forward | None = None,
@@ -110,22 +109,22 @@ def token_steps(
     forward = forward if forward is not None else model
     idx = torch.tensor([prompt_ids], dtype=torch.long, device=model.device)  # (1, T)
     P = idx.size(1)
-    if mode == "naive":
+    if spec == "naive":
         for i in range(max_new_tokens):
             # No cache: the whole sequence goes through the model again, every step.
-            logits = _last_logits(forward, idx, 0, None)  # (1, vocab)
+            logits = forward(idx, 0, None, last_only=True)[:, -1]  # (1, vocab)
             nxt = choose(logits)  # (1,)
             yield int(nxt.item()), logits  # .item() waits for the device: the sync point
             if i + 1 < max_new_tokens:
                 idx = torch.cat([idx, nxt.view(1, 1)], dim=1)  # (1, T + 1)
         return
-    logits = _last_logits(forward, idx, 0, cache)  # prefill: the prompt in one forward
+    logits = forward(idx, 0, cache, last_only=True)[:, -1]  # (1, vocab): the prefill
     for i in range(max_new_tokens):
         nxt = choose(logits)  # (1,)
         yield int(nxt.item()), logits
         if i + 1 < max_new_tokens:  # the last token is never fed back
             # Decode: one token at position P + i, attending over the cache.
-            logits = _last_logits(forward, nxt.view(1, 1), P + i, cache)
+            logits = forward(nxt.view(1, 1), P + i, cache, last_only=True)[:, -1]
 
 
 class CompiledDecode:
@@ -136,9 +135,9 @@ class CompiledDecode:
     step), the position enters as a tensor, never as a Python int (an int is a guard,
     and each new value a recompile), and nothing inside the graph reads or writes a
     Python number: the cache records each write after the graph (`StaticCache.
-    advance`). The step runs the model contract's `hidden` and `head` with attention
-    over the buffer in position order (`attend_in_order`), so every family compiles
-    the same way. Called as a `Forward`; T > 1 tokens (the prefill) go to the eager model.
+    advance`). The step is the model's own forward, with a `Step` whose position is a
+    tensor (the cache then writes with `write_at`), so every family compiles the same
+    way. Called as a `Forward`; T > 1 tokens (the prefill) go to the eager model.
     """
 
     def __init__(self, model: FamilyModel, mode: str = "default"):
@@ -157,28 +156,22 @@ class CompiledDecode:
             raise ValueError("a compiled decode step reads a static cache whole: "
                              "make_cache('static', ..., whole=True)")
         pos = torch.tensor([start_pos], device=idx.device)  # (1,): the position as data
-        logits = self.step(self.model, idx, pos, cache)  # (B, 1, vocab)
+        logits = self.step(self.model, idx, Step(pos, pos), cache)  # (B, 1, vocab)
         cache.advance(start_pos, 1)
         return logits
 
 
-def _decode_step(model: FamilyModel, idx: Tensor, pos: Tensor, cache: KVCache) -> Tensor:
-    """Logits (B, T, vocab) of tokens idx (B, T) at positions pos (T,), every row at the
-    same positions, written into and read from a whole static cache."""
-    from kvcache_cli.models.attention import attend_in_order
-
-    def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        keys, values = cache.write_at(layer, pos, k, v)  # (B, nkv, max_len, hs)
-        return attend_in_order(q, keys, values, pos[None])  # (B, nh, T, hs)
-
-    return model.head(model.hidden(idx, pos, attend))
+def _decode_step(model: FamilyModel, idx: Tensor, step: Step, cache: KVCache) -> Tensor:
+    """Logits (B, T, vocab) of tokens idx (B, T) at positions step.pos (T,), every row at
+    the same positions, written into and read from a whole static cache."""
+    return model(idx, step, cache)
 
 
 def stream_tokens(
     model: FamilyModel,
     prompt_ids: list[int],
     max_new_tokens: int,
-    mode: str | CacheSpec,
+    spec: str | CacheSpec,
     *,
     temperature: float = 0.0,
     top_k: int | None = None,
@@ -194,19 +187,19 @@ def stream_tokens(
     `static`); pass one to read its `bytes_copied` afterwards. `forward` stands in for
     the model's own (a `CompiledDecode`).
     """
-    _check_generation(model, prompt_ids, max_new_tokens, mode, temperature, top_k)
-    if mode == "naive" and cache is not None:
+    _check_generation(model, prompt_ids, max_new_tokens, spec, temperature, top_k)
+    if spec == "naive" and cache is not None:
         raise ValueError("mode naive uses no cache")
-    if mode != "naive" and cache is None:
-        cache = make_cache(mode, model, len(prompt_ids) + max_new_tokens)
-    return _tokens(model, prompt_ids, max_new_tokens, mode, cache,
+    if spec != "naive" and cache is None:
+        cache = make_cache(spec, model, len(prompt_ids) + max_new_tokens)
+    return _tokens(model, prompt_ids, max_new_tokens, spec, cache,
                    temperature, top_k, generator, forward)
 
 
 def _check_generation(model: FamilyModel, prompt_ids: list[int], max_new_tokens: int,
-                      mode: str | CacheSpec, temperature: float, top_k: int | None) -> None:
+                      spec: str | CacheSpec, temperature: float, top_k: int | None) -> None:
     """Every check of a request, once per call of `stream_tokens` or `generate`."""
-    check_mode(mode)
+    check_mode(spec)
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     if top_k is not None and top_k < 1:
@@ -215,7 +208,7 @@ def _check_generation(model: FamilyModel, prompt_ids: list[int], max_new_tokens:
 
 
 def _tokens(model: FamilyModel, prompt_ids: list[int], max_new_tokens: int,
-            mode: str | CacheSpec, cache: KVCache | None, temperature: float,
+            spec: str | CacheSpec, cache: KVCache | None, temperature: float,
             top_k: int | None, generator: torch.Generator | None,
             forward: Forward | None) -> Iterator[int]:
     """The new token ids of a checked request, one per step."""
@@ -223,8 +216,8 @@ def _tokens(model: FamilyModel, prompt_ids: list[int], max_new_tokens: int,
     def choose(logits: Tensor) -> Tensor:
         return sample(logits, temperature, top_k, generator)
 
-    steps = token_steps(model, list(prompt_ids), max_new_tokens, mode, cache, choose, forward)
-    return (token for token, _ in steps)
+    steps = token_steps(model, list(prompt_ids), max_new_tokens, spec, cache, choose, forward)
+    return map(itemgetter(0), steps)  # the tokens, the logits dropped
 
 
 @dataclass(frozen=True)
@@ -246,7 +239,7 @@ def generate(
     model: FamilyModel,
     prompt_ids: list[int],
     max_new_tokens: int,
-    mode: str | CacheSpec = "static",
+    spec: str | CacheSpec = "static",
     *,
     temperature: float = 0.0,
     top_k: int | None = None,
@@ -254,13 +247,13 @@ def generate(
     on_token: Callable[[int], None] | None = None,
     stop_ids: Collection[int] = (),
 ) -> Generation:
-    """Run one request to the end; `on_token` sees each token as it is made. `mode` is one
+    """Run one request to the end; `on_token` sees each token as it is made. `spec` is one
     of MODES or any cache spec (`paged:b16`, ...). A token in `stop_ids` (a chat model's
     end of turn) is the last one made."""
     # Before sizing a cache for it.
-    _check_generation(model, prompt_ids, max_new_tokens, mode, temperature, top_k)
-    cache = make_cache(mode, model, len(prompt_ids) + max_new_tokens)
-    stream = _tokens(model, prompt_ids, max_new_tokens, mode, cache,
+    _check_generation(model, prompt_ids, max_new_tokens, spec, temperature, top_k)
+    cache = make_cache(spec, model, len(prompt_ids) + max_new_tokens)
+    stream = _tokens(model, prompt_ids, max_new_tokens, spec, cache,
                      temperature, top_k, generator, None)
     tokens: list[int] = []
     start = time.perf_counter()
@@ -278,7 +271,7 @@ def generate(
     decode_s = time.perf_counter() - first - outside
     n_decoded = len(tokens) - 1
     return Generation(
-        mode=str(mode),
+        mode=str(spec),
         device=str(model.device),
         dtype=str(model.dtype).removeprefix("torch."),
         prompt_ids=tuple(prompt_ids),

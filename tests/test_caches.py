@@ -7,6 +7,7 @@ import torch
 from decoding import decode_logits
 
 from kvcache_cli.caches import KVCache, RollbackError, make_cache
+from kvcache_cli.caches.base import PositionedCache
 from kvcache_cli.caches.grammar import CacheSpecError
 from kvcache_cli.caches.spec import KINDS, layer_bytes, parse_cache_list, parse_cache_spec
 from kvcache_cli.models.gpt2 import GPT, GPTConfig
@@ -147,7 +148,7 @@ def test_a_cache_without_rollback_refuses_in_one_line():
 # ---------------------------------------------------------------------------- the interface
 
 
-class Shuffled(KVCache):
+class Shuffled(PositionedCache):
     """Every key held in a scrambled slot order, with its position reported: attention
     must then mask by position, not by slot."""
 
@@ -189,6 +190,12 @@ def test_a_cache_that_wants_attention_gets_each_layers_weights():
         def __init__(self):
             super().__init__(CONFIG.n_layer, per_head=False)
             self.seen = []
+
+        def attend(self, layer, q, k, v, step):  # H2O's: explicit weights, observed
+            keys, values = self.update(layer, step.start, k, v)
+            y, weights = step.weighted(q, keys, values, step.visible(self.key_positions(layer)))
+            self.observe(layer, weights)
+            return y
 
         def observe(self, layer, weights):
             self.seen.append((layer, weights.shape, weights.sum(-1)))

@@ -117,9 +117,9 @@ def test_generation_past_the_window_errors_before_starting(model):
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        (dict(mode="ring"), "unknown mode 'ring'"),
-        (dict(mode="static", temperature=-1.0), "temperature must be >= 0"),
-        (dict(mode="static", top_k=0), "top_k must be >= 1"),
+        (dict(spec="ring"), "unknown mode 'ring'"),
+        (dict(spec="static", temperature=-1.0), "temperature must be >= 0"),
+        (dict(spec="static", top_k=0), "top_k must be >= 1"),
     ],
 )
 def test_bad_requests_are_refused(model, kwargs, message):
@@ -173,7 +173,7 @@ def test_stale_cache_changes_even_the_first_token_logits(model):
 def test_a_static_cache_with_explicit_positions_survives_reuse(model):
     # Reads stop at the filled prefix and writes land at the given positions, so a
     # second request overwrites the first instead of attending to it.
-    r = run_break("stale-cache", model, PROMPT, N_NEW, mode="static")
+    r = run_break("stale-cache", model, PROMPT, N_NEW, spec="static")
     assert r.first_divergence is None and r.max_logit_diff < 1e-4
 
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from kvcache_cli.caches import KVCache
+from kvcache_cli.caches.base import PositionedCache
 from kvcache_cli.caches.exact import StaticCache
 from kvcache_cli.eval.quality import CacheMaker, check_eval, evaluate, first_token_share
 from kvcache_cli.models.gpt2 import GPT, GPTConfig
@@ -86,7 +86,7 @@ def test_a_damaged_cache_shows_kl_above_zero_and_a_different_perplexity():
     assert damaged.top1_agreement < 1.0
 
 
-class LastKeys(KVCache):
+class LastKeys(PositionedCache):
     """Only the newest `keep` positions of each layer, their positions reported: a window
     written for this test, so the harness is seen to score a cache whose key j is not
     position j."""

@@ -10,7 +10,9 @@ import torch.nn.functional as F
 
 from kvcache_cli.caches import code_attention, make_cache
 from kvcache_cli.caches import quantized as quantized_module
+from kvcache_cli.caches.base import KVCache
 from kvcache_cli.caches.quantized import QuantizedCache
+from kvcache_cli.caches.step import Step
 from kvcache_cli.eval.quality import evaluate
 from kvcache_cli.models.gpt2 import GPT, GPTConfig
 
@@ -38,7 +40,7 @@ def path(request, monkeypatch):
 
 def _whole_copy(monkeypatch):
     """The path before: `update` dequantises the whole history and SDPA reads it."""
-    monkeypatch.setattr(QuantizedCache, "attend", lambda self, *args: None)
+    monkeypatch.setattr(QuantizedCache, "attend", KVCache.attend)
 
 
 @pytest.mark.usefixtures("path")
@@ -46,14 +48,12 @@ def _whole_copy(monkeypatch):
 def test_attention_over_codes_gives_the_whole_copys_logits(spec, monkeypatch):
     m, idx = model(), decoding.tokens(100, CONFIG.vocab_size)
     answered = []
-    attend = QuantizedCache.attend
+    for name in ("_attend_kernel", "_attend"):  # the codes' paths
+        def counted(self, *args, read=getattr(QuantizedCache, name)):
+            answered.append(True)
+            return read(self, *args)
 
-    def counted(self, *args):
-        y = attend(self, *args)
-        answered.append(y is not None)
-        return y
-
-    monkeypatch.setattr(QuantizedCache, "attend", counted)
+        monkeypatch.setattr(QuantizedCache, name, counted)
     chunked = decoding.decode_logits(m, make_cache(spec, m, 100), idx, 10)
     assert sum(answered) > 100  # the codes' path answered most decoding steps' layers
     _whole_copy(monkeypatch)
@@ -81,7 +81,7 @@ def test_one_attention_equals_sdpa_over_the_dequantised_copy(spec):
     keys, values = cache.update(0, 100, k[:, :, :1], v[:, :, :1])  # the whole copy, 101
     expected = F.scaled_dot_product_attention(q, keys, values, enable_gqa=True)
     cache.crop(100)
-    got = cache.attend(0, 100, q, k[:, :, :1], v[:, :, :1])
+    got = cache.attend(0, q, k[:, :, :1], v[:, :, :1], Step(100, torch.tensor([100])))
     # The same numbers summed in another order, scales folded into the query: float32
     # noise of the scores (size ~30) and of the output (size ~1).
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
@@ -91,9 +91,13 @@ def test_a_prefill_and_an_unquantised_history_read_updates_copy():
     m = model()
     cache = make_cache("int4", m, 64)  # residual 128: nothing is quantised here
     q = k = v = torch.randn(1, 2, 1, 32)
-    assert cache.attend(0, 0, q, k, v) is None and cache.length == 0  # stored nothing
+    got = cache.attend(0, q, k, v, Step(0, torch.tensor([0])))
+    keys, values = make_cache("int4", m, 64).update(0, 0, k, v)
+    assert torch.equal(got, F.scaled_dot_product_attention(q, keys, values))
     big = torch.randn(1, 2, 5, 32)
-    assert make_cache("int8", m, 64).attend(0, 0, big, big, big) is None  # a chunk of 5
+    got = make_cache("int8", m, 64).attend(0, big, big, big, Step(0, torch.arange(5)))  # a chunk
+    keys, values = make_cache("int8", m, 64).update(0, 0, big, big)
+    assert torch.equal(got, F.scaled_dot_product_attention(big, keys, values, is_causal=True))
 
 
 @pytest.mark.usefixtures("path")
@@ -131,7 +135,7 @@ def test_a_long_history_of_two_rows_equals_sdpa_over_the_dequantised_copy(spec):
     keys, values = cache.update(0, 1100, k[:, :, :1], v[:, :, :1])
     expected = F.scaled_dot_product_attention(q, keys, values, enable_gqa=True)
     cache.crop(1100)
-    got = cache.attend(0, 1100, q, k[:, :, :1], v[:, :, :1])
+    got = cache.attend(0, q, k[:, :, :1], v[:, :, :1], Step(1100, torch.tensor([1100])))
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
 
 

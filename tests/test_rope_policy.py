@@ -267,7 +267,7 @@ def literal_attention(sinks: int, window: int, policy: str):
     """LlamaAttention.forward written out from the definitions: query p attends positions
     0..S-1 and max(S, p-W+1)..p, each key rotated (by the model's own table) at its text
     position or at its place among them, the query at its own."""
-    def forward(self, x, start_pos, rope, cache, force_is_causal=False):
+    def forward(self, x, step, rope, cache):
         B, T, _ = x.shape
         nh, nkv, hs = self.n_head, self.n_kv_head, self.head_size
         rotary = rope.table
@@ -276,7 +276,7 @@ def literal_attention(sinks: int, window: int, policy: str):
         k, v = cache.append(self.layer, k, v)  # (B, nkv, p + 1, hs)
         out = []
         for t in range(T):
-            p = start_pos + t
+            p = step.start + t
             seen = sorted({*range(min(sinks, p + 1)), *range(max(sinks, p - window + 1), p + 1)})
             at = torch.tensor(seen) if policy == "text" else torch.arange(len(seen))
             keys = rotary(k[:, :, seen], at).repeat_interleave(nh // nkv, dim=1)  # (B, nh, S, hs)

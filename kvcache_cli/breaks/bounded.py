@@ -38,6 +38,7 @@ from kvcache_cli.breaks.base import (
     greedy,
 )
 from kvcache_cli.caches import make_cache
+from kvcache_cli.caches.base import PositionedCache
 from kvcache_cli.caches.bounded import RingCache
 from kvcache_cli.caches.exact import ConcatCache
 from kvcache_cli.generate import check_request, token_steps
@@ -124,7 +125,7 @@ class SlotRotatedRing(RingCache):
         return self.turn.rotate(keys, by), values
 
 
-class BandedFull(ConcatCache):
+class BandedFull(PositionedCache, ConcatCache):
     """The control: every position kept, the band applied by the mask alone."""
 
     def __init__(self, model: FamilyModel, window: int, sinks: int):

@@ -42,7 +42,6 @@ from kvcache_cli.breaks.base import (
 from kvcache_cli.caches import make_cache
 from kvcache_cli.caches.base import ForwardingCache, KVCache
 from kvcache_cli.generate import check_request, token_steps
-from kvcache_cli.models.attention import cached_attention
 from kvcache_cli.models.llama import Llama, LlamaAttention, Rotary
 
 LLAMA_BREAKS = {
@@ -72,39 +71,38 @@ class LlamaBreakResult(BreakResult):
 class RopeAtZeroOnDecode(LlamaAttention):
     """`rope-decode`: a one-token call (decode) rotates q and k to position 0."""
 
-    def forward(self, x, start_pos, rope, cache, force_is_causal=False):
+    def forward(self, x, step, rope, cache):
         if x.size(1) == 1:
             rope = rope.moved_to(torch.zeros_like(rope.pos))  # the bug: position forgotten
-        return super().forward(x, start_pos, rope, cache, force_is_causal)
+        return super().forward(x, step, rope, cache)
 
 
 class ExpandBeforeCache(LlamaAttention):
     """`kv-expand-early`: each KV head copied to its query heads, then cached."""
 
-    def forward(self, x, start_pos, rope, cache, force_is_causal=False):
+    def forward(self, x, step, rope, cache):
         B, T, _ = x.shape
         q, k, v = self.project(x, rope)  # q (B, nh, T, hs); k, v (B, nkv, T, hs)
         g = self.n_head // self.n_kv_head
         k = k.repeat_interleave(g, dim=1)  # (B, nh, T, hs): the bug, before the cache
         v = v.repeat_interleave(g, dim=1)  # (B, nh, T, hs)
-        y = cached_attention(q, k, v, self.layer, start_pos, cache, force_is_causal)
+        y = cache.attend(self.layer, q, k, v, step)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, C)
 
 
 class InterleavedGroups(LlamaAttention):
-    """`gqa-interleave`: cached_attention gives query slot s KV head s // g; the query
+    """`gqa-interleave`: attention gives query slot s KV head s // g; the query
     heads are put in the slots so that head h lands on KV head h % nkv, and the outputs
     put back in head order for o_proj."""
 
-    def forward(self, x, start_pos, rope, cache, force_is_causal=False):
+    def forward(self, x, step, rope, cache):
         B, T, _ = x.shape
         q, k, v = self.project(x, rope)
         nh, nkv = self.n_head, self.n_kv_head
         # Slot s holds the head order[s], whose h % nkv is s // g.
         order = torch.tensor(sorted(range(nh), key=lambda h: (h % nkv, h // nkv)),
                              device=q.device)  # (nh,)
-        y = cached_attention(q[:, order], k, v, self.layer, start_pos, cache,
-                             force_is_causal)  # (B, nh, T, hs), in slot order
+        y = cache.attend(self.layer, q[:, order], k, v, step)  # (B, nh, T, hs), slot order
         y = y[:, torch.argsort(order)]  # (B, nh, T, hs), in head order
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, C)
 
@@ -125,6 +123,9 @@ class RotatedOnRead(ForwardingCache):
         pos = torch.arange(keys.size(2), device=keys.device)  # (S,): key j is position j
         return self.rotary(keys, pos), values  # the bug: rotated a second time
 
+    # Attention reads what this `update` hands it, not the wrapped cache's own reading.
+    attend = KVCache.attend
+
 
 _ATTENTION = {"rope-decode": RopeAtZeroOnDecode, "kv-expand-early": ExpandBeforeCache,
               "gqa-interleave": InterleavedGroups}
@@ -144,32 +145,32 @@ def broken_copy(model: Llama, attention: type[LlamaAttention]) -> Llama:
 
 def run_llama_break(name: str, model, max_new_tokens: int = 24,
                     progress: BreakProgress | None = None, *, prompt_ids: list[int] | None = None,
-                    mode: str = "concat") -> LlamaBreakResult:
+                    spec: str = "concat") -> LlamaBreakResult:
     """The correct and the broken loop of one Llama break on the same weights, greedily."""
     if name not in LLAMA_BREAKS:
         raise ValueError(f"unknown break {name!r}: expected {', '.join(LLAMA_BREAKS)}")
     if not isinstance(model, Llama):
         raise ValueError(f"break {name} runs on the Llama family (rotary positions, grouped "
                          f"KV heads), not on {type(model).__name__}: expected -m smollm2")
-    if mode not in ("concat", "static"):
-        raise ValueError(f"breaks need a cache: mode concat or static, got {mode!r}")
+    if spec not in ("concat", "static"):
+        raise ValueError(f"breaks need a cache: mode concat or static, got {spec!r}")
     prompt = list(prompt_ids) if prompt_ids is not None else default_prompt(model)
     check_request(model, prompt, max_new_tokens)
     n = len(prompt) + max_new_tokens
     broken_model = broken_copy(model, _ATTENTION[name]) if name in _ATTENTION else model
-    correct_cache = make_cache(mode, model, n)
-    broken_cache = make_cache(mode, broken_model, n)  # 9 KV heads for kv-expand-early
+    correct_cache = make_cache(spec, model, n)
+    broken_cache = make_cache(spec, broken_model, n)  # 9 KV heads for kv-expand-early
     if name == "rope-twice":
         broken_cache = RotatedOnRead(broken_cache, model.rotary)
     counter = BreakCounter(progress, 2 * max_new_tokens)
     both = "correct and broken loops"  # side by side, a token of each in turn
-    correct = counter.count(both, token_steps(model, prompt, max_new_tokens, mode, correct_cache,
+    correct = counter.count(both, token_steps(model, prompt, max_new_tokens, spec, correct_cache,
                                          greedy))
-    broken = counter.count(both, token_steps(model, prompt, max_new_tokens, mode, broken_cache,
+    broken = counter.count(both, token_steps(model, prompt, max_new_tokens, spec, broken_cache,
                                         greedy, broken_model))
     bug, control = side_by_side(model, prompt, correct, broken)
     return LlamaBreakResult(
-        name=name, bug=LLAMA_BREAKS[name], mode=mode, prompt_ids=tuple(prompt),
+        name=name, bug=LLAMA_BREAKS[name], mode=spec, prompt_ids=tuple(prompt),
         earlier_ids=(), **compared(bug, control),
         kv_heads=model.config.n_kv_head, broken_kv_heads=broken_model.config.n_kv_head,
         tokens_held=correct_cache.length, bytes_held=correct_cache.bytes_held,

@@ -4,6 +4,9 @@ without a reset), run side by side with the correct loop (GPT-2 article, section
 
 from __future__ import annotations
 
+import torch.nn.functional as F
+from torch import Tensor
+
 from kvcache_cli.breaks.base import (
     DEFAULT_PROMPT_IDS,
     DEFAULT_PROMPT_TEXTS,
@@ -16,6 +19,8 @@ from kvcache_cli.breaks.base import (
     side_by_side,
 )
 from kvcache_cli.caches import KVCache, make_cache
+from kvcache_cli.caches.base import ForwardingCache
+from kvcache_cli.caches.step import Step
 from kvcache_cli.generate import Forward, check_request, token_steps
 from kvcache_cli.models.base import FamilyModel
 
@@ -26,13 +31,25 @@ BREAKS = {
 }
 
 
+class CausalOnEveryCall(ForwardingCache):
+    """`causal-decode`: the cache it wraps, read with SDPA's is_causal=True whatever the
+    shapes. SDPA aligns is_causal to the top left, so on a one-row query against S keys
+    (the article's bug 2) it lets the newest token see key 0 and nothing else; a square
+    prefill is unharmed."""
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, step: Step) -> Tensor:
+        keys, values = self.inner.update(layer, step.start, k, v)  # (B, nkv, S, hs)
+        return F.scaled_dot_product_attention(q, keys, values, is_causal=True,
+                                              enable_gqa=keys.size(1) < q.size(1))
+
+
 def run_break(
     name: str,
     model: FamilyModel,
     prompt_ids: list[int] | None = None,
     max_new_tokens: int = 24,
     *,
-    mode: str = "concat",
+    spec: str = "concat",
     earlier_ids: list[int] | None = None,
     progress: BreakProgress | None = None,
 ) -> BreakResult:
@@ -45,8 +62,8 @@ def run_break(
     """
     if name not in BREAKS:
         raise ValueError(f"unknown break {name!r}: expected {', '.join(BREAKS)}")
-    if mode not in ("concat", "static"):
-        raise ValueError(f"breaks need a cache: mode concat or static, got {mode!r}")
+    if spec not in ("concat", "static"):
+        raise ValueError(f"breaks need a cache: mode concat or static, got {spec!r}")
     V = model.config.vocab_size
     # The default prompts are GPT-2 ids; a byte-level model reads the same two texts as
     # bytes, and any other vocabulary (a test's) wraps the ids.
@@ -64,8 +81,8 @@ def run_break(
 
     def run(label: str, forward: Forward | None = None, cache: KVCache | None = None,
             ids=prompt):
-        cache = cache if cache is not None else make_cache(mode, model, len(ids) + max_new_tokens)
-        return counter.count(label, token_steps(model, ids, max_new_tokens, mode, cache,
+        cache = cache if cache is not None else make_cache(spec, model, len(ids) + max_new_tokens)
+        return counter.count(label, token_steps(model, ids, max_new_tokens, spec, cache,
                                            greedy, forward))
 
     used: tuple[int, ...] = ()
@@ -74,11 +91,11 @@ def run_break(
         broken = run(both, lambda idx, pos, cache, **kw: model(idx, 0, cache, **kw))
     elif name == "causal-decode":
         # The one change: SDPA's is_causal=True on every call, the decode steps included.
-        broken = run(both, lambda idx, pos, cache, **kw: model(idx, pos, cache, **kw,
-                                                               force_is_causal=True))
+        broken = run(both, cache=CausalOnEveryCall(make_cache(spec, model, len(prompt)
+                                                              + max_new_tokens)))
     else:  # stale-cache
         window = len(earlier) + len(prompt) + 2 * max_new_tokens
-        cache = make_cache(mode, model, min(window, model.config.context))
+        cache = make_cache(spec, model, min(window, model.config.context))
         for _ in run("request 1, filling the cache", cache=cache, ids=earlier):
             pass
         broken = run(both, cache=cache)  # request 2 on the same cache, no reset
@@ -87,7 +104,7 @@ def run_break(
     return BreakResult(
         name=name,
         bug=BREAKS[name],
-        mode=mode,
+        mode=spec,
         prompt_ids=tuple(prompt),
         earlier_ids=used,
         **compared(bug, control),

@@ -169,16 +169,20 @@ def _llama_outliers(out: FamilyModel, which: str, scale: float) -> None:
 
 
 class _FirstToken(ForwardingCache):
-    """Wraps a cache and keeps what attention read of position 0 on the last step."""
+    """Wraps a cache and keeps what attention read of position 0 on the last step that
+    read the keys `update` returns (a quantised cache's steps over its codes do not)."""
 
     def __init__(self, inner: KVCache):
         super().__init__(inner)
         self.first: dict[int, Tensor] = {}
+        read = inner.update
 
-    def update(self, layer, start_pos, k, v):
-        keys, values = self.inner.update(layer, start_pos, k, v)  # (B, nh, S, hs)
-        self.first[layer] = torch.cat([keys[:, :, 0], values[:, :, 0]], dim=-1)  # (B, nh, 2hs)
-        return keys, values
+        def update(layer, start_pos, k, v):
+            keys, values = read(layer, start_pos, k, v)  # (B, nh, S, hs)
+            self.first[layer] = torch.cat([keys[:, :, 0], values[:, :, 0]], dim=-1)  # (B, nh, 2hs)
+            return keys, values
+
+        inner.update = update  # the one the wrapped cache's own `attend` calls
 
 
 def _logits(model: FamilyModel, spec: str, idx: Tensor, prompt_len: int):

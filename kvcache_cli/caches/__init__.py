@@ -1,6 +1,7 @@
 """The KV cache family: one interface, one module per kind, one registry of specs.
 
-- `base`: the `KVCache` interface attention talks to (update, key_positions, crop, ...);
+- `base`: the `KVCache` interface, every layer's attention (`attend`, then update, crop, ...);
+- `step`: one forward's positions (`Step`), and attention by them: the masks every kind uses;
 - `exact`: `ConcatCache` and `StaticCache`, every position at the model's precision;
 - `paged`: `PagedCache`, blocks of a pool read through block tables (serve's pool);
 - `spec`: the torch-free registry of kinds and the parser of spec strings

@@ -6,7 +6,8 @@ hands attention what to attend over. The model asks this interface, never the cl
 
 Torch-free at import, like `spec`: `kvcache size` and completion read the family's
 names without paying for torch. Shapes: `update` takes one call's k, v as
-(B, nkv, T, hs) and returns (B, nkv, S, hs).
+(B, nkv, T, hs) and returns (B, nkv, S, hs); `attend` takes q (B, nh, T, hs) and returns
+attention's output (B, nh, T, hs).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:  # the interface and the spec parser load without torch
     from torch import Tensor
+
+    from kvcache_cli.caches.step import Step
 
 
 class Rope(Protocol):
@@ -58,17 +61,20 @@ class RollbackError(ValueError):
 
 
 class KVCache:
-    """What attention needs from a cache: the keys and values of every position it keeps.
+    """What attention needs from a cache: the one seam between a model and its cache.
 
-    `update(layer, start_pos, k, v)` stores this call's k, v (B, nkv, T, hs) for the
-    tokens at positions start_pos .. start_pos+T-1 and returns the keys and values to
-    attend over, (B, nkv, S, hs), with this call's tokens included.
+    `attend(layer, q, k, v, step)` is every layer's attention: it stores this call's keys
+    and values k, v (B, nkv, T, hs) for the tokens at `step.pos` and returns the output
+    (B, nh, T, hs) of the queries q (B, nh, T, hs) (q and k already rotated, where the
+    model rotates) over every key the cache keeps for them. The default is gpt-fast's:
+    `update`, then SDPA under the causal mask of keys held in position order. A cache that
+    holds keys another way attends its own way: a ring or an eviction policy masks by the
+    position each key holds (`key_positions`, its window and sinks), H2O computes explicit
+    weights and `observe`s them, a quantised cache reads its codes through its kernel.
 
-    Where key j of what `update` returned is *not* the token at position j (a ring
-    buffer, kept sinks, an eviction policy), `key_positions(layer)` says which position
-    each returned key holds, -1 for an empty slot; attention then lets the query at
-    position p see exactly the keys whose position is in 0..p. None means the usual
-    layout: key j is position j, and the keys are the filled prefix.
+    `update(layer, start_pos, k, v)` stores this call's k, v for the tokens at positions
+    start_pos .. start_pos+T-1 and returns the keys and values to attend over,
+    (B, nkv, S, hs), with this call's tokens included.
 
     `length` is the number of positions written so far (the next token's position when
     one sequence is decoded), `bytes_held` what the cache occupies now (scales, zero
@@ -78,16 +84,15 @@ class KVCache:
 
     length: int
     bytes_copied: int
-    # True when update returns every slot the cache has, filled or not, and attention must
-    # mask the slots past each query's position (a fixed shape at every step).
+    # What a cache declares of how it holds keys (read by its own `attend`, by tests and
+    # by the breaks, never by a model). `whole`: update returns every slot the cache has,
+    # filled or not, masked past each query's position (one shape at every step).
     whole: bool = False
-    # True for a cache that evicts by attention received (heavy hitters): attention then
-    # computes its weights explicitly and hands them to `observe` after each layer.
+    # Ranks keys by the attention they draw (heavy hitters): its `attend` computes the
+    # weights explicitly and hands them to `observe`.
     wants_attention: bool = False
-    # A sliding window (Mistral, StreamingLLM): with `key_positions`, the query at
-    # position p sees only the keys at positions p - window + 1 .. p, and the first
-    # `sinks` positions whatever their age. It matters for a chunk of several tokens,
-    # whose early queries must not see what the window has moved past for the later ones.
+    # A sliding window (Mistral, StreamingLLM): the query at position p sees only the keys
+    # at positions p - window + 1 .. p, and the first `sinks` positions whatever their age.
     window: int | None = None
     sinks: int = 0
 
@@ -95,14 +100,11 @@ class KVCache:
                ) -> tuple[Tensor, Tensor]:
         raise NotImplementedError
 
-    def attend(self, layer: int, start_pos: int | Tensor, q: Tensor, k: Tensor,
-               v: Tensor) -> Tensor | None:
-        """Store k, v as `update` does and return attention's output (B, nh, T, hs) for
-        queries q (B, nh, T, hs), computed by the cache over what it holds (a quantised
-        cache reads its codes a chunk at a time); or None, storing nothing: then attention
-        calls `update` and reads what it returns. Only asked where `wants_attention` is
-        False and `key_positions` None."""
-        return None
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, step: Step) -> Tensor:
+        """Store k, v (B, nkv, T, hs) and return attention's output (B, nh, T, hs) for
+        queries q (B, nh, T, hs) at `step.pos` over every key kept (gpt-fast's)."""
+        keys, values = self.update(layer, step.start, k, v)  # (B, nkv, S, hs)
+        return step.in_order(q, keys, values)
 
     def key_positions(self, layer: int) -> Tensor | None:
         """The position of each key the last `update` of `layer` returned: (S,), (B, S)
@@ -111,8 +113,8 @@ class KVCache:
 
     def observe(self, layer: int, weights: Tensor) -> None:
         """This step's attention probabilities (B, nkv, T, S) over the keys `update`
-        returned; only called when `wants_attention` is True. Under grouped-query
-        attention each KV head gets the mean over the query heads that share it."""
+        returned, for a cache that `wants_attention`. Under grouped-query attention each
+        KV head gets the mean over the query heads that share it."""
 
     def crop(self, length: int) -> None:
         """Forget every position from `length` on (speculative decoding's rollback)."""
@@ -126,6 +128,18 @@ class KVCache:
         raise NotImplementedError
 
 
+class PositionedCache(KVCache):
+    """A cache whose key j is not the token at position j (a ring buffer, kept sinks, an
+    eviction policy): it says which position each key `update` returned holds
+    (`key_positions`, -1 for an empty slot), and attention lets the query at position p
+    see exactly the keys holding positions 0..p, within its `window` and `sinks`."""
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, step: Step) -> Tensor:
+        keys, values = self.update(layer, step.start, k, v)  # (B, nkv, S, hs)
+        return step.by_position(q, keys, values, self.key_positions(layer), self.window,
+                                self.sinks)
+
+
 class ForwardingCache(KVCache):
     """A cache that hands every call to the cache it wraps: a subclass overrides only what
     it watches (a break's probe of what attention read, eval's attention share)."""
@@ -137,9 +151,8 @@ class ForwardingCache(KVCache):
                ) -> tuple[Tensor, Tensor]:
         return self.inner.update(layer, start_pos, k, v)
 
-    def attend(self, layer: int, start_pos: int | Tensor, q: Tensor, k: Tensor,
-               v: Tensor) -> Tensor | None:
-        return self.inner.attend(layer, start_pos, q, k, v)
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, step: Step) -> Tensor:
+        return self.inner.attend(layer, q, k, v, step)
 
     def key_positions(self, layer: int) -> Tensor | None:
         return self.inner.key_positions(layer)

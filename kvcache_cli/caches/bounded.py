@@ -40,8 +40,8 @@ the cache would allow it, positions in the text, and GPT-2's, would not.
 
 What a query sees. The query at position p attends to what the cache holds after p is
 written: `window:W` sees positions p-W+1 .. p, `sink:S+W` also positions 0 .. S-1. A chunk
-of several tokens (a prompt) gets the same band through the mask (`KVCache.window`,
-`KVCache.sinks`): the keys the cache held before the chunk, with the chunk's own, are
+of several tokens (a prompt) gets the same band through the mask (`PositionedCache`, by
+`window` and `sinks`): the keys the cache held before the chunk, with the chunk's own, are
 returned together (a transient (B, nkv, held + T, hs) copy) and each query sees its own
 band, so a prompt in one forward gives the logits of the same prompt fed one token at a
 time. Then only what the bound keeps is written. H2O ranks by attention, which a chunk
@@ -55,8 +55,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kvcache_cli.caches.base import KVCache, RollbackError, Rope, nbytes
+from kvcache_cli.caches.base import KVCache, PositionedCache, RollbackError, Rope, nbytes
 from kvcache_cli.caches.spec import check_context
+from kvcache_cli.caches.step import Step
 
 
 def _rope_of(spec, shape) -> Rope | None:
@@ -87,7 +88,7 @@ def _check_step(cache, layer: int, start_pos, T: int) -> tuple[int, int]:
     return start_pos, end
 
 
-class RingCache(KVCache):
+class RingCache(PositionedCache):
     """The first `sinks` positions in slots 0..S-1 for good, later ones in a ring of
     R = window + spare slots: position p >= S in slot S + (p - S) mod R. `window:W` has no
     sinks. Spare slots (`:kN`) keep N positions older than the window, which the mask's band
@@ -275,6 +276,14 @@ class HeavyHitterCache(KVCache):
     @property
     def evicted(self) -> int:
         return max(0, self.length - self.slots)
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, step: Step) -> Tensor:
+        """Attention over the keys held, masked by their positions, its weights (SDPA
+        never returns them) added to each key's score (`observe`)."""
+        keys, values = self.update(layer, step.start, k, v)  # (B, nkv, S, hs)
+        y, weights = step.weighted(q, keys, values, step.visible(self.key_positions(layer)))
+        self.observe(layer, weights)
+        return y
 
     def update(self, layer: int, start_pos: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         B, nkv, T, hs = k.shape

@@ -49,6 +49,7 @@ from torch import Tensor
 from kvcache_cli.caches.base import KVCache, RollbackError, nbytes
 from kvcache_cli.caches.bounded import _check_step
 from kvcache_cli.caches.spec_bounded import layer_budgets
+from kvcache_cli.caches.step import Step
 
 
 class PromptCompressedCache(KVCache):
@@ -85,6 +86,21 @@ class PromptCompressedCache(KVCache):
         self._prompt: dict[int, tuple[Tensor, Tensor]] = {}  # layer -> k, v awaiting observe
         self._held: list[Tensor | None] = [None] * L  # key positions of the last update
         self.wants_attention = self.needs_weights  # until the last layer has compressed
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, step: Step) -> Tensor:
+        """The prompt attends over all of itself, in order (its weights observed where the
+        method ranks by them); later tokens over the kept keys, masked by their positions."""
+        keys, values = self.update(layer, step.start, k, v)  # (B, nkv, S, hs)
+        held = self.key_positions(layer)  # None for the prompt: key j is position j
+        if self.wants_attention:
+            mask = (step.causal_mask(q.size(2), keys.size(2), q.device) if held is None
+                    else step.visible(held))
+            y, weights = step.weighted(q, keys, values, mask)
+            self.observe(layer, weights)
+            return y
+        if held is None:
+            return step.in_order(q, keys, values)
+        return step.by_position(q, keys, values, held)
 
     def update(self, layer: int, start_pos: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         T = k.size(2)

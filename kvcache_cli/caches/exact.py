@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from kvcache_cli.caches.base import KVCache, RollbackError, nbytes
+from kvcache_cli.caches.step import Step
 
 
 def _check_crop(cache: KVCache, length: int) -> None:
@@ -112,6 +113,15 @@ class StaticCache(KVCache):
         if self.whole:
             return self.k[layer], self.v[layer]  # (B, nkv, max_len, hs); attention masks
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]  # (B, nkv, end, hs)
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, step: Step) -> Tensor:
+        """gpt-fast's: the write, then SDPA over the filled prefix, or over the whole buffer
+        under a mask; a compiled step's position is a tensor (`write_at`)."""
+        if isinstance(step.start, Tensor):  # the position as data: `generate.CompiledDecode`
+            keys, values = self.write_at(layer, step.pos, k, v)  # (B, nkv, max_len, hs)
+            return step.in_order(q, keys, values)
+        keys, values = self.update(layer, step.start, k, v)  # (B, nkv, S, hs)
+        return step.whole(q, keys, values) if self.whole else step.in_order(q, keys, values)
 
     def write_at(self, layer: int, pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Write k, v (B, nkv, T, hs) at positions pos (T,), a tensor, and return the whole

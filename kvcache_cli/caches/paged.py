@@ -8,7 +8,10 @@ model runner hands this cache the step's block tables (`bind`) before each forwa
 
 Attention reads a sequence's keys by gathering its blocks into one contiguous
 (B, nkv, S, hs) tensor, key j at slot j, each row padded to the longest table; the
-per-row mask in `gpt2.CausalSelfAttention` hides the padding. Built from a spec
+per-row mask (`Step.in_order`) hides the padding. A serving step whose rows hold
+different numbers of new tokens reads the pool through a view bound to its layout
+(`PackedRows`, `PaddedRows`): attention is still the cache's, the model never sees the
+layout. Built from a spec
 (`paged:b16`, for generate, bench and eval) it owns its blocks alone: each row gets
 the blocks its longest sequence needs, in order, as a block manager would hand out.
 A gather in plain torch runs on CPU and CUDA alike; it is not vLLM's fused kernel, which reads the
@@ -21,6 +24,7 @@ import torch
 from torch import Tensor
 
 from kvcache_cli.caches.base import KVCache, RollbackError, nbytes
+from kvcache_cli.caches.step import Step, attend_in_order
 
 
 def block_bytes(shape, block_size: int, dtype: torch.dtype) -> int:
@@ -127,3 +131,78 @@ class PagedCache(KVCache):
     @property
     def bytes_held(self) -> int:
         return nbytes(self.k) + nbytes(self.v)
+
+
+class PackedRows(KVCache):
+    """The pool as one serving step reads it in vLLM's varlen layout: every row's new
+    tokens one after another as a single sequence of N tokens, so the matmuls (most of a
+    step) do exactly N rows; attention alone is per row: the one-token rows in one batched
+    call, each chunk in its own. Only real tokens are written."""
+
+    def __init__(self, pool: PagedCache, starts: list[int], lengths: list[int], pos: Tensor):
+        """Rows of `lengths` new tokens from positions `starts`, bound to the pool's block
+        tables; pos (N,) every packed token's position."""
+        dev, bs = pos.device, pool.block_size
+        self.pool, self.starts, self.lengths = pool, starts, lengths
+        counts = torch.tensor(lengths, device=dev)  # (B,)
+        row = torch.repeat_interleave(torch.arange(len(lengths), device=dev), counts)  # (N,)
+        self.blocks = pool.block_tables[row, pos // bs]  # (N,)
+        self.slots = pos % bs  # (N,)
+        self.offsets, n = [], 0  # where each row's tokens start in the packed sequence
+        for length in lengths:
+            self.offsets.append(n)
+            n += length
+        # Flat indices (B,) of each row's last token: the logits a step keeps (`Step.last`).
+        self.last = torch.tensor([o + t - 1 for o, t in zip(self.offsets, lengths)], device=dev)
+        self.singles = [b for b, t in enumerate(lengths) if t == 1]
+        # The scheduler puts decodes first: rows 0 .. B1-1 are tokens 0 .. B1-1, and their
+        # queries and keys are slices, not copies.
+        if self.singles == list(range(len(self.singles))):
+            self.single_at = self.single_rows = slice(len(self.singles))
+        else:
+            self.single_at = torch.tensor([self.offsets[b] for b in self.singles],
+                                          device=dev)  # (B1,)
+            self.single_rows = torch.tensor(self.singles, device=dev)  # (B1,)
+        self.single_pos = torch.tensor([starts[b] for b in self.singles], device=dev)  # (B1,)
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, step: Step) -> Tensor:
+        q, k, v = q[0], k[0], v[0]  # (nh, N, hs), and (nkv, N, hs): the one packed row
+        self.pool.write(layer, self.blocks, self.slots, k, v)
+        keys, values = self.pool.gather(layer)  # (B, nkv, S, hs), every row's own
+        y = torch.empty_like(q)  # (nh, N, hs)
+        if self.singles:
+            # One query a row, at position start: it may see slots 0 .. start.
+            qs = q[:, self.single_at].transpose(0, 1)[:, :, None]  # (B1, nh, 1, hs)
+            ys = attend_in_order(qs, keys[self.single_rows], values[self.single_rows],
+                                 self.single_pos[:, None])  # (B1, nh, 1, hs)
+            y[:, self.single_at] = ys[:, :, 0].transpose(0, 1)  # (nh, B1, hs)
+        for b, (start, length) in enumerate(zip(self.starts, self.lengths)):
+            if length == 1:
+                continue
+            end, at = start + length, self.offsets[b]  # the chunk's queries see keys 0 .. end - 1
+            qc = q[None, :, at : at + length]  # (1, nh, T, hs)
+            kc, vc = keys[b : b + 1, :, :end], values[b : b + 1, :, :end]  # (1, nkv, end, hs)
+            pos = torch.arange(start, end, device=q.device)[None]  # (1, T): query i at start + i
+            y[:, at : at + length] = attend_in_order(qc, kc, vc, pos)[0]
+        return y[None]  # (1, nh, N, hs)
+
+
+class PaddedRows(KVCache):
+    """The pool as one serving step reads it in a padded (B, T) batch: every row padded to
+    the longest, through one attention call under a per-row mask; the matmuls do B x T
+    rows, padding included. Only real tokens write the pool, so padding never lands on a
+    live slot."""
+
+    def __init__(self, pool: PagedCache, pos: Tensor, real: Tensor):
+        """pos (B, T) every token's position, padding included; real (B, T) which are not
+        padding."""
+        self.pool, self.real = pool, real
+        self.blocks = pool.block_tables.gather(1, pos // pool.block_size)[real]  # (N,)
+        self.slots = (pos % pool.block_size)[real]  # (N,)
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, step: Step) -> Tensor:
+        # q (B, nh, T, hs); k, v (B, nkv, T, hs), of which the real tokens are written
+        self.pool.write(layer, self.blocks, self.slots, k.transpose(0, 1)[:, self.real],
+                        v.transpose(0, 1)[:, self.real])  # (nkv, N, hs) each
+        keys, values = self.pool.gather(layer)  # (B, nkv, S, hs)
+        return step.in_order(q, keys, values)

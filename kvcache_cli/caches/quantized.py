@@ -88,6 +88,7 @@ from kvcache_cli.caches import code_attention
 from kvcache_cli.caches.base import KVCache, RollbackError, nbytes
 from kvcache_cli.caches.rotation import Rotation
 from kvcache_cli.caches.spec_quantized import check_head_dim
+from kvcache_cli.caches.step import Step
 
 # Scales and zero points of the integer kinds.
 SCALE_DTYPE = torch.float16
@@ -350,15 +351,16 @@ class QuantizedCache(KVCache):
     def update(self, layer: int, start_pos: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         return self._read(self._store(layer, start_pos, k, v))
 
-    def attend(self, layer: int, start_pos: int | Tensor, q: Tensor, k: Tensor,
-               v: Tensor) -> Tensor | None:
-        """One decoding token's attention over the history, the quantised part read a
-        chunk at a time (`_attend`); None for a chunk of tokens (a prefill, a draft's
-        verification) or before anything is quantised: those read `update`'s copy."""
-        if q.size(2) != 1 or isinstance(start_pos, Tensor) or \
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, step: Step) -> Tensor:
+        """One decoding token's attention over the history, the quantised part read as
+        codes (`_attend_kernel`, or `_attend` a chunk at a time); a chunk of tokens (a
+        prefill, a draft's verification), or a layer with nothing quantised yet, reads
+        `update`'s copy under the causal mask."""
+        if q.size(2) != 1 or isinstance(step.start, Tensor) or \
                 self.layers[layer].quantised == 0:
-            return None
-        L = self._store(layer, start_pos, k, v)
+            keys, values = self.update(layer, step.start, k, v)  # (B, nkv, S, hs)
+            return step.in_order(q, keys, values)
+        L = self._store(layer, step.start, k, v)
         if L.k_codes.device.type == "cpu" and code_attention.kernel() is not None:
             return self._attend_kernel(L, q)
         return self._attend(L, q)

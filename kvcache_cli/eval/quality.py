@@ -420,6 +420,13 @@ class _FirstTokenWatch(ForwardingCache):
         self.first_query = first_query
         self.share = [math.nan] * n_layer
 
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, step) -> Tensor:
+        keys, values = self.update(layer, step.start, k, v)  # (B, nkv, S, hs), in order
+        mask = step.causal_mask(q.size(2), keys.size(2), q.device)
+        y, weights = step.weighted(q, keys, values, mask)
+        self.observe(layer, weights)
+        return y
+
     def observe(self, layer: int, weights: Tensor) -> None:
         # weights (B, nh, T, S): one pass from position 0, so query i is position i.
         self.share[layer] = weights[0, :, self.first_query:, 0].double().mean().item()

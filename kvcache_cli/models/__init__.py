@@ -3,8 +3,8 @@
 Every family's config meets one contract: `n_layer`, `n_head` (query heads), `n_kv_head`,
 `head_size`, `context` (positions it attends over), `vocab_size`, `tokenizer`, and
 `cache_shape`, which is all a cache is built from. Every family's model derives from
-`models.base.FamilyModel` (`forward(idx, start_pos, cache, last_only=...)`, `hidden`,
-`head`, `first_layers`) and calls one cached attention (`models.attention`).
+`models.base.FamilyModel` (`forward(idx, step, cache, last_only=...)`, `first_layers`);
+every layer's attention is the cache's (`cache.attend(layer, q, k, v, step)`).
 
 - `gpt2`: learned positions, multi-head (nkv = nh), LayerNorm, GELU (`kvcache_cli.models.gpt2`):
   the presets gpt2 ... gpt2-xl, the shipped `stdlib-bytes`, a GPT-2 checkpoint folder.

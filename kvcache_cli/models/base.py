@@ -3,8 +3,9 @@ of any family's model and config, so none of them needs to know GPT-2 from Llama
 
 A family's config meets `FamilyConfig` (the shape a cache is built from, and the model's
 vocabulary and context); its model derives from `FamilyModel` (one forward over new tokens
-at a position with a cache, the residual stream with attention handed in, the head, a
-shallower copy for self-drafting). `LoadedModel` is what every loader returns.
+where a `Step` puts them, with a cache; a shallower copy for self-drafting). Every layer's
+attention is `cache.attend(layer, q, k, v, step)` (`caches.base.KVCache`), or with no cache
+plain causal attention (`causal_attention`). `LoadedModel` is what every loader returns.
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch import Tensor
 
 if TYPE_CHECKING:
     from kvcache_cli.caches.base import CacheShape, KVCache
-    from kvcache_cli.models.attention import AttendFn
+    from kvcache_cli.caches.step import Step
 
 
 class FamilyConfig(Protocol):
@@ -45,6 +47,13 @@ class FamilyConfig(Protocol):
     def param_count(self) -> int: ...
 
 
+def causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """Attention (B, nh, T, hs) of a whole sequence with no cache (the naive loop): q
+    (B, nh, T, hs) over its own k, v (B, nkv, T, hs) under the causal mask."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                          enable_gqa=k.size(1) < q.size(1))
+
+
 def merge_heads(y: Tensor) -> Tensor:
     """Attention's output (B, nh, T, hs) as the rows its output projection reads, (B, T, C)."""
     B, nh, T, hs = y.shape
@@ -60,20 +69,14 @@ class FamilyModel(nn.Module):
     embedding: nn.Embedding
     lm_head: nn.Module
 
-    def forward(self, idx: Tensor, start_pos: int | Tensor, cache: KVCache | None = None, *,
-                last_only: bool = False, force_is_causal: bool = False) -> Tensor:
-        """Logits (B, T, vocab) for tokens idx (B, T) at positions start_pos ... (an int, or
-        (B,) per row), attention also reading what `cache` holds; (B, 1, vocab) with
-        last_only. force_is_causal reproduces `kvcache break causal-decode`."""
-        raise NotImplementedError
-
-    def hidden(self, idx: Tensor, pos: Tensor, attend: AttendFn) -> Tensor:
-        """The residual stream after every block, (B, T, C), attention's core handed in:
-        how the serving engine runs any family over its own paged layout."""
-        raise NotImplementedError
-
-    def head(self, x: Tensor) -> Tensor:
-        """Logits (..., vocab) of residual-stream rows (..., C)."""
+    def forward(self, idx: Tensor, step: int | Tensor | Step, cache: KVCache | None = None,
+                *, last_only: bool = False) -> Tensor:
+        """Logits (B, T, vocab) for tokens idx (B, T) where `step` puts them: the first
+        one's position (an int, or (B,) per row), or a `Step` a caller built (serve's
+        layouts, a compiled step); every layer's attention is `cache.attend`, which also
+        reads what the cache holds. With last_only, each sequence's last token's logits,
+        (B, 1, vocab). The one route for generate, serve, speculative verification, eval
+        and the compiled step."""
         raise NotImplementedError
 
     def first_layers(self, n_layer: int) -> FamilyModel:

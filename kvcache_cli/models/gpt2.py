@@ -5,9 +5,8 @@ key); the static cache and the explicit positions are gpt-fast's. `forward` take
 new tokens, the position of the first of them, and a cache; it never keeps a counter
 of its own, so the caller always says where the tokens sit.
 
-The caches live in `kvcache_cli.caches`; attention asks their interface (`KVCache`)
-for the keys and values to attend over and, where a cache does not keep key j at
-position j, for the position each key holds.
+The caches live in `kvcache_cli.caches`; every layer's attention is the cache's own
+(`KVCache.attend`): it stores the new keys and values and attends over what it keeps.
 
 Weights come from a local `save_pretrained` directory or the Hugging Face Hub, through
 safetensors (or `torch.load(weights_only=True)`); nothing is ever unpickled freely.
@@ -27,8 +26,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kvcache_cli.caches.base import CacheShape, KVCache
-from kvcache_cli.models.attention import AttendFn, cached_attention
-from kvcache_cli.models.base import FamilyModel, LoadedModel, merge_heads
+from kvcache_cli.caches.step import Step
+from kvcache_cli.models.base import FamilyModel, LoadedModel, causal_attention, merge_heads
 from kvcache_cli.models.linear import Linear, arrange_weights, float_state
 from kvcache_cli.models.weights_file import read_weights
 
@@ -119,12 +118,11 @@ class CausalSelfAttention(nn.Module):
         v = v.view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
         return q, k, v
 
-    def forward(
-        self, x: Tensor, start_pos: int | Tensor, cache: KVCache | None,
-        force_is_causal: bool = False,
-    ) -> Tensor:
-        y = cached_attention(*self.project(x), self.layer, start_pos, cache, force_is_causal)
-        return self.c_proj(merge_heads(y))
+    def forward(self, x: Tensor, step: Step, cache: KVCache | None) -> Tensor:
+        q, k, v = self.project(x)
+        if cache is None:  # the naive loop: every position, every step
+            return self.c_proj(merge_heads(causal_attention(q, k, v)))
+        return self.c_proj(merge_heads(cache.attend(self.layer, q, k, v, step)))  # (B, T, C)
 
 
 class MLP(nn.Module):
@@ -146,11 +144,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd)
         self.mlp = MLP(config)
 
-    def forward(
-        self, x: Tensor, start_pos: int | Tensor, cache: KVCache | None,
-        force_is_causal: bool = False,
-    ) -> Tensor:
-        x = x + self.attn(self.ln_1(x), start_pos, cache, force_is_causal)
+    def forward(self, x: Tensor, step: Step, cache: KVCache | None) -> Tensor:
+        x = x + self.attn(self.ln_1(x), step, cache)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -189,59 +184,26 @@ class GPT(FamilyModel):
             scale = std / math.sqrt(2 * self.config.n_layer) if residual else std
             p.normal_(0.0, scale, generator=g)
 
-    def forward(
-        self,
-        idx: Tensor,
-        start_pos: int | Tensor,
-        cache: KVCache | None = None,
-        *,
-        last_only: bool = False,
-        force_is_causal: bool = False,
-    ) -> Tensor:
-        """Logits (B, T, vocab) for tokens idx (B, T) sitting at positions start_pos ...
+    def forward(self, idx: Tensor, step: int | Tensor | Step, cache: KVCache | None = None,
+                *, last_only: bool = False) -> Tensor:
+        """Logits (B, T, vocab) for tokens idx (B, T) where `step` puts them.
 
-        With a cache, attention also sees every position the cache already holds.
-        `start_pos` is one int for the whole batch, or a tensor (B,) of each row's own
-        first position: a batch of sequences at different lengths in one forward (the
-        cache must then return every row's keys at their positions, and a mask hides
-        each row's keys past its own position).
-        `last_only` returns the last position's logits only, (B, 1, vocab): all that
-        generation needs, and the LM head is the largest matmul (nanoGPT does the same).
-        `force_is_causal` exists only to reproduce the article's bug 2 (`kvcache break
-        causal-decode`): it hands SDPA is_causal=True whatever the shapes.
+        `step` is the first new token's position: one int for the whole batch, or a tensor
+        (B,) of each row's own (a batch of sequences at different lengths in one forward);
+        or a `Step` a caller built (serve's layouts, a compiled step). With a cache,
+        attention also sees every position the cache already holds.
+        `last_only` returns each sequence's last position's logits only, (B, 1, vocab): all
+        that generation needs, and the LM head is the largest matmul (nanoGPT does the same).
         """
-        B, T = idx.size()
-        if isinstance(start_pos, Tensor):
-            first, last = int(start_pos.min()), int(start_pos.max()) + T - 1
-            pos = start_pos[:, None] + torch.arange(T, device=idx.device)  # (B, T)
-        else:
-            first, last = start_pos, start_pos + T - 1
-            pos = torch.arange(start_pos, start_pos + T, device=idx.device)  # (T,)
-        if first < 0 or last >= self.config.block_size:
-            raise IndexError(f"position {last} past context window {self.config.block_size}")
-        x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # (B, T, C)
+        if not isinstance(step, Step):
+            step = Step.at(step, idx.size(1), self.config.block_size, idx.device)
+        x = self.transformer.wte(idx) + self.transformer.wpe(step.pos)  # (B, T, C)
         for block in self.transformer.h:
-            x = block(x, start_pos, cache, force_is_causal)
+            x = block(x, step, cache)
         if last_only:
-            x = x[:, -1:, :]  # (B, 1, C)
+            x = step.last_rows(x)  # (B, 1, C)
         x = self.transformer.ln_f(x)
         return self.lm_head(x)  # (B, T, vocab), or (B, 1, vocab)
-
-    def hidden(self, idx: Tensor, pos: Tensor, attend: AttendFn) -> Tensor:
-        """The residual stream after every block, (B, T, C), for tokens idx (B, T) at
-        positions pos, attention's core given by `attend(layer, q, k, v)`: how the serving
-        engine runs any family over its own paged layout. `head` finishes it."""
-        t = self.transformer
-        x = t.wte(idx) + t.wpe(pos)  # (B, T, C)
-        for layer, block in enumerate(t.h):
-            y = attend(layer, *block.attn.project(block.ln_1(x)))  # (B, nh, T, hs)
-            x = x + block.attn.c_proj(merge_heads(y))
-            x = x + block.mlp(block.ln_2(x))
-        return x
-
-    def head(self, x: Tensor) -> Tensor:
-        """Logits (..., vocab) of residual-stream rows (..., C)."""
-        return self.lm_head(self.transformer.ln_f(x))
 
     def first_layers(self, n_layer: int) -> GPT:
         """The first n_layer blocks, the final LayerNorm and the head, sharing this model's
@@ -466,11 +428,11 @@ def _hub_weights(name: str) -> tuple[str | None, str, str]:
     return path, "downloaded", ""
 
 
-def to_hf(gpt: GPT):
+def to_hf(model: GPT):
     """A transformers GPT2LMHeadModel holding the same weights (for comparisons)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    c = gpt.config
+    c = model.config
     # <|endoftext|> is the last id of real GPT-2's vocabulary.
     eos = c.vocab_size - 1 if c.vocab_size == GPT2_VOCAB_SIZE else None
     hf_config = GPT2Config(
@@ -486,10 +448,10 @@ def to_hf(gpt: GPT):
     # float_state: an int8 model's matrices dequantised, so transformers runs its function.
     state = {
         k: (t.t() if k.endswith(_CONV1D) else t).detach().cpu().float()
-        for k, t in float_state(gpt).items()
+        for k, t in float_state(model).items()
     }
     hf.load_state_dict(state, strict=False)  # strict=False: HF may add mask buffers
     missing = set(hf.state_dict()) - set(state)
     if {k for k in missing if not k.endswith(_IGNORED)}:
         raise ValueError(f"to_hf: weights not copied: {sorted(missing)[:3]}")
-    return hf.to(device=gpt.device, dtype=gpt.dtype).eval()
+    return hf.to(device=model.device, dtype=model.dtype).eval()

@@ -3,14 +3,14 @@
 The family every model `kvcache size` is asked about belongs to (Llama, Qwen, Mistral,
 SmolLM2). Parameter names are transformers' (`model.layers.0.self_attn.q_proj.weight`), so
 a safetensors checkpoint loads key for key, and `forward` is GPT-2's contract: the new
-tokens, the position of the first of them, a cache. What differs from GPT-2, and why it
+tokens, where they sit (`caches.step.Step`), a cache. What differs from GPT-2, and why it
 matters to the cache:
 
 - positions are a rotation of q and k (RoPE), applied *before* the key is cached: a cached
   key carries its position, so a cache that evicts must decide what a kept key's position
   is (`kvcache break rope-decode` shows what forgetting it at decode costs);
 - nkv < nh KV heads (grouped-query attention): the cache holds nkv heads, expanded to the
-  query heads only inside attention (`models.attention`), never before the cache;
+  query heads only inside attention (`caches.step`), never before the cache;
 - RMSNorm before attention and MLP, and a gated MLP (SwiGLU); no biases.
 """
 
@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kvcache_cli.caches.base import CacheShape, KVCache
-from kvcache_cli.models.attention import AttendFn, cached_attention
-from kvcache_cli.models.base import FamilyModel, merge_heads
+from kvcache_cli.caches.step import Step
+from kvcache_cli.models.base import FamilyModel, causal_attention, merge_heads
 from kvcache_cli.models.linear import Linear
 
 
@@ -201,11 +201,11 @@ class LlamaAttention(nn.Module):
         qk = rope(qkv[:, :nh + nkv])  # (B, nh + nkv, T, hs): q's and k's heads at once
         return qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv:]
 
-    def forward(self, x: Tensor, start_pos: int | Tensor, rope: RotaryAt,
-                cache: KVCache | None, force_is_causal: bool = False) -> Tensor:
+    def forward(self, x: Tensor, step: Step, rope: RotaryAt, cache: KVCache | None) -> Tensor:
         q, k, v = self.project(x, rope)
-        y = cached_attention(q, k, v, self.layer, start_pos, cache, force_is_causal)
-        return self.o_proj(merge_heads(y))  # (B, T, C)
+        if cache is None:  # the naive loop: every position, every step
+            return self.o_proj(merge_heads(causal_attention(q, k, v)))
+        return self.o_proj(merge_heads(cache.attend(self.layer, q, k, v, step)))  # (B, T, C)
 
 
 class LlamaMLP(nn.Module):
@@ -230,10 +230,8 @@ class LlamaBlock(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.n_embd, config.rms_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, x: Tensor, start_pos: int | Tensor, rope: RotaryAt,
-                cache: KVCache | None, force_is_causal: bool = False) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), start_pos, rope, cache,
-                               force_is_causal)
+    def forward(self, x: Tensor, step: Step, rope: RotaryAt, cache: KVCache | None) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), step, rope, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -303,34 +301,19 @@ class Llama(FamilyModel):
         self._register_load_state_dict_pre_hook(
             lambda state, prefix, *rest: join_fused(state, self.config, prefix))
 
-    def forward(self, idx: Tensor, start_pos: int | Tensor, cache: KVCache | None = None, *,
-                last_only: bool = False, force_is_causal: bool = False) -> Tensor:
-        """Logits (B, T, vocab) for tokens idx (B, T) at positions start_pos ...: GPT's
-        contract (`base.FamilyModel.forward`), positions given by rotating q and k."""
-        B, T = idx.shape
-        pos = positions(start_pos, T, self.config.context, idx.device)  # (T,) or (B, T)
+    def forward(self, idx: Tensor, step: int | Tensor | Step, cache: KVCache | None = None,
+                *, last_only: bool = False) -> Tensor:
+        """Logits (B, T, vocab) for tokens idx (B, T) where `step` puts them: GPT's contract
+        (`base.FamilyModel.forward`), positions given by rotating q and k."""
+        if not isinstance(step, Step):
+            step = Step.at(step, idx.size(1), self.config.context, idx.device)
         x = self.model.embed_tokens(idx)  # (B, T, C)
-        rope = self.rotary.at(pos, x.dtype)
+        rope = self.rotary.at(step.pos, x.dtype)  # looked up once, for every layer
         for block in self.model.layers:
-            x = block(x, start_pos, rope, cache, force_is_causal)
+            x = block(x, step, rope, cache)
         if last_only:
-            x = x[:, -1:, :]  # (B, 1, C): the LM head is the largest matmul
+            x = step.last_rows(x)  # (B, 1, C): the LM head is the largest matmul
         return self.lm_head(self.model.norm(x))  # (B, T, vocab), or (B, 1, vocab)
-
-    def hidden(self, idx: Tensor, pos: Tensor, attend: AttendFn) -> Tensor:
-        """The residual stream after every block, (B, T, C), attention's core given by
-        `attend(layer, q, k, v)` (`base.FamilyModel.hidden`'s contract); q and k rotated to pos."""
-        x = self.model.embed_tokens(idx)  # (B, T, C)
-        rope = self.rotary.at(pos, x.dtype)
-        for layer, block in enumerate(self.model.layers):
-            a = block.self_attn
-            y = attend(layer, *a.project(block.input_layernorm(x), rope))
-            x = x + a.o_proj(merge_heads(y))
-            x = x + block.mlp(block.post_attention_layernorm(x))
-        return x
-
-    def head(self, x: Tensor) -> Tensor:
-        return self.lm_head(self.model.norm(x))
 
     def checkpoint_names(self, state: dict[str, Tensor]) -> None:
         split_fused(state, self.config)
@@ -350,20 +333,6 @@ class Llama(FamilyModel):
     @property
     def embedding(self) -> nn.Embedding:
         return self.model.embed_tokens
-
-
-def positions(start_pos: int | Tensor, T: int, context: int, device) -> Tensor:
-    """The positions of T tokens from start_pos: (T,), or (B, T) for a start per row; an
-    IndexError past the context the model was trained for."""
-    if isinstance(start_pos, Tensor):
-        first, last = int(start_pos.min()), int(start_pos.max()) + T - 1
-        pos = start_pos[:, None] + torch.arange(T, device=device)  # (B, T)
-    else:
-        first, last = start_pos, start_pos + T - 1
-        pos = torch.arange(start_pos, start_pos + T, device=device)  # (T,)
-    if first < 0 or last >= context:
-        raise IndexError(f"position {last} past context window {context}")
-    return pos
 
 
 def to_hf(model: Llama):
