@@ -1,0 +1,202 @@
+"""A cache per layer kind: a hybrid model's sliding layers in rings of their window, its
+full-attention layers in the kind the spec names.
+
+Most layers of the models released since 2024 attend over a sliding window (Gemma 2/3,
+GPT-OSS, Mistral): only the full-attention layers grow with the context. `HybridCache`
+holds each group of layers that cache alike in one cache of its own, built for just those
+layers, and routes every per-layer call to it with the layer's index within the group:
+
+- a sliding layer of window W: `window:W`, a ring of W slots (`caches.bounded.RingCache`).
+  The window is the model's own definition (the query at p sees p - W + 1 .. p, what
+  transformers' sliding layers and vLLM's `SlidingWindowSpec` compute), so the ring is
+  exact, not a cut: nothing it forgets would have been attended;
+- a full-attention layer: the spec's kind (`static`, `int8`, `sink:4+252`, ...);
+- `sliding="full"` gives the sliding layers the spec's kind too, with their band kept
+  (`BandedCache`): the same output, every position held, the waste in `bytes_by_kind`.
+
+vLLM's hybrid KV-cache manager groups layers the same way (one group per attention spec);
+transformers' `DynamicCache(config=...)` builds a sliding layer per sliding type.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+from torch import Tensor
+
+from kvcache_cli.caches.base import CacheShape, ForwardingCache, KVCache, LayerType
+from kvcache_cli.caches.spec import parse_cache_spec
+
+
+def layer_groups(shape: CacheShape, sliding: str) -> dict[LayerType | None, list[int]]:
+    """The layers of each group that caches alike, in layer order: keyed by a sliding
+    window's LayerType (rotary base dropped: the cache stores keys already rotated) or by
+    None for the layers that take the spec's kind."""
+    groups: dict[LayerType | None, list[int]] = {}
+    for i, t in enumerate(shape.layer_types):
+        key = LayerType(t.window) if t.sliding and sliding == "model" else None
+        groups.setdefault(key, []).append(i)
+    return groups
+
+
+class HybridCache(KVCache):
+    """One cache per group of layers (`layer_groups`), each built for its layers only; a
+    thin router: every per-layer call goes to the layer's cache, with its index there.
+
+    `crop` and `reset` go to every cache; `length` is the tokens seen (layer 0's cache
+    counts them); `bytes_held` and `bytes_copied` are the sums, `bytes_by_kind` the held
+    bytes per layer kind ('full', 'sliding').
+    """
+
+    def __init__(self, shape: CacheShape, caches: dict[LayerType | None, KVCache],
+                 groups: dict[LayerType | None, list[int]]):
+        self.shape = shape
+        self.caches = list(caches.values())
+        route = {layer: (caches[key], j) for key, layers in groups.items()
+                 for j, layer in enumerate(layers)}
+        self._route = [route[i] for i in range(shape.n_layer)]  # layer -> cache, index there
+        self._count = {id(caches[key]): len(layers) for key, layers in groups.items()}
+        self._current = self._route[0][0]  # the layer whose update came last (`window`)
+
+    @classmethod
+    def build(cls, make, shape: CacheShape, *, sliding: str) -> HybridCache:
+        """`make(spec, shape)` builds a kind for a shape: None, the spec's kind; the rings
+        are `window:W` specs."""
+        groups = layer_groups(shape, sliding)
+        caches: dict[LayerType | None, KVCache] = {}
+        for key, layers in groups.items():
+            sub = replace(shape, n_layer=len(layers),
+                          layer_types=tuple(shape.layer_types[i] for i in layers))
+            if key is None:
+                caches[key] = make(None, sub)
+                continue
+            # A window as long as the context never evicts: a ring of the context then.
+            ring = parse_cache_spec(f"window:{min(key.window, shape.context)}")
+            caches[key] = make(ring, sub)
+        if sliding == "full":
+            windows = {i: t.window for i, t in enumerate(shape.layer_types) if t.sliding}
+            caches[None] = BandedCache(caches[None], [windows.get(i) for i in groups[None]])
+        return cls(shape, caches, groups)
+
+    def cache_of(self, layer: int) -> tuple[KVCache, int]:
+        """The cache holding `layer`, and the layer's index in it."""
+        return self._route[layer]
+
+    # Per-layer calls: routed whatever their other arguments, so a change of signature
+    # (attention's seam) passes through unchanged.
+    def update(self, layer: int, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        cache, i = self._route[layer]
+        self._current = cache
+        return cache.update(i, *args, **kwargs)
+
+    def attend(self, layer: int, *args, **kwargs) -> Tensor | None:
+        cache, i = self._route[layer]
+        self._current = cache
+        return cache.attend(i, *args, **kwargs)
+
+    def key_positions(self, layer: int) -> Tensor | None:
+        cache, i = self._route[layer]
+        return cache.key_positions(i)
+
+    def observe(self, layer: int, *args, **kwargs) -> None:
+        cache, i = self._route[layer]
+        cache.observe(i, *args, **kwargs)
+
+    # Attention reads a band's window and sinks from the cache, not per layer, right after
+    # a layer's update: they answer for that layer's cache (until each cache applies its
+    # own mask, when these go).
+    @property
+    def window(self) -> int | None:
+        return self._current.window
+
+    @property
+    def sinks(self) -> int:
+        return self._current.sinks
+
+    @property
+    def whole(self) -> bool:
+        return self._current.whole
+
+    @property
+    def wants_attention(self) -> bool:
+        # Read before a layer's first call: true if any cache ranks by attention (H2O on
+        # the full layers); the others then receive weights they ignore.
+        return any(c.wants_attention for c in self.caches)
+
+    def crop(self, length: int) -> None:
+        for cache in self.caches:
+            cache.crop(length)
+
+    def reset(self) -> None:
+        for cache in self.caches:
+            cache.reset()
+
+    @property
+    def length(self) -> int:
+        return self._route[0][0].length
+
+    @property
+    def bytes_held(self) -> int:
+        return sum(c.bytes_held for c in self.caches)
+
+    @property
+    def bytes_copied(self) -> int:
+        return sum(c.bytes_copied for c in self.caches)
+
+    def bytes_by_kind(self) -> dict[str, int]:
+        """Bytes held per layer kind, {'full': ..., 'sliding': ...} for the kinds present:
+        a cache's bytes shared out over its layers evenly (each holds the same slots)."""
+        held: dict[str, int] = {}
+        for layer, t in enumerate(self.shape.layer_types):
+            cache, _ = self._route[layer]
+            share = cache.bytes_held // self._count[id(cache)]
+            held[t.kind] = held.get(t.kind, 0) + share
+        return held
+
+
+class BandedCache(ForwardingCache):
+    """A cache of every position given its layers' sliding bands (`sliding="full"`): the
+    sliding layers' output unchanged, their full history held. `windows[i]` is layer i's
+    band, None for a full-attention layer. The band is a mask over keys in position order,
+    so each sliding layer is read through `update` (never the kind's own `attend`)."""
+
+    def __init__(self, inner: KVCache, windows: list[int | None]):
+        super().__init__(inner)
+        self.windows = windows
+        self._held: dict[int, Tensor] = {}  # layer -> positions of the keys last returned
+        self._layer = 0
+
+    def update(self, layer: int, start_pos: int, k: Tensor, v: Tensor
+               ) -> tuple[Tensor, Tensor]:
+        self._layer = layer
+        keys, values = self.inner.update(layer, start_pos, k, v)
+        if self.windows[layer] is not None and self.inner.key_positions(layer) is None:
+            # Key j is position j; slots past this step's last position are not written.
+            held = torch.arange(keys.size(2), device=keys.device)  # (S,)
+            self._held[layer] = held.masked_fill(held >= start_pos + k.size(2), -1)
+        return keys, values
+
+    def attend(self, layer: int, *args, **kwargs) -> Tensor | None:
+        self._layer = layer
+        if self.windows[layer] is not None:
+            return None
+        return self.inner.attend(layer, *args, **kwargs)
+
+    def key_positions(self, layer: int) -> Tensor | None:
+        if layer in self._held:
+            return self._held[layer]
+        return self.inner.key_positions(layer)
+
+    @property
+    def window(self) -> int | None:
+        bands = [w for w in (self.windows[self._layer], self.inner.window) if w is not None]
+        return min(bands) if bands else None
+
+    def crop(self, length: int) -> None:
+        self.inner.crop(length)
+        self._held.clear()
+
+    def reset(self) -> None:
+        self.inner.reset()
+        self._held.clear()
