@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from llamakit import tiny_hf, tiny_config
+from llamakit import tiny_config, tiny_hf
 
 from kvcache_cli.caches import make_cache
 from kvcache_cli.caches.base import CacheShape, LayerType, RollbackError
@@ -207,7 +207,7 @@ def test_qwen2_slides_from_max_window_layers_only_when_use_sliding_window():
 
 
 def test_llama_is_all_full_and_a_kind_the_caches_do_not_build_is_one_line():
-    from transformers import LlamaConfig, Llama4TextConfig
+    from transformers import Llama4TextConfig, LlamaConfig
 
     assert layer_types_from_hf(LlamaConfig(num_hidden_layers=3).to_dict()) == (FULL,) * 3
     with pytest.raises(ConfigError, match="chunked layers; the caches build full and sliding"):
