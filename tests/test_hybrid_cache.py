@@ -14,7 +14,7 @@ from kvcache_cli.caches.bounded import RingCache
 from kvcache_cli.caches.exact import ConcatCache, StaticCache
 from kvcache_cli.caches.hybrid import BandedCache, HybridCache
 from kvcache_cli.caches.quantized import QuantizedCache
-from kvcache_cli.models.llama import Llama
+from kvcache_cli.models.llama import Llama, LlamaConfig, init_random
 from kvcache_cli.sizing.layer_types import layer_types_from_hf
 from kvcache_cli.sizing.units import ConfigError
 
@@ -24,24 +24,21 @@ PATTERN = (SLIDING, SLIDING, FULL, SLIDING)  # layers 0, 1, 3 slide; 2 attends i
 TOLERANCE = 1e-4  # float32 logits two ways, relative to the largest (as test_llama)
 
 
-class Model:
-    """What make_cache reads of a model: its config's cache shape, device and dtype."""
-
-    def __init__(self, shape: CacheShape):
-        self.config = type("Config", (), {"cache_shape": shape})()
-        self.device, self.dtype = "cpu", torch.float32
+def model(layer_types=()) -> Llama:
+    """A small random Llama: 4 layers, 2 KV heads of 16, 64 positions."""
+    config = LlamaConfig(n_layer=4, n_head=2, n_kv_head=2, n_embd=32, intermediate=48,
+                         vocab_size=50, context=64, layer_types=layer_types)
+    return init_random(Llama(config), std=0.2, seed=0)
 
 
 def shape(layer_types=()) -> CacheShape:
-    return CacheShape(n_layer=4, n_kv_head=2, head_size=16, context=64,
-                      layer_types=layer_types)
+    return model(layer_types).config.cache_shape
 
 
-def prefill(cache, n: int, layers: int = 4) -> None:
-    """n positions written into every layer, as a model's forward does (layer by layer)."""
-    k = torch.randn(1, 2, n, 16)
-    for layer in range(layers):
-        cache.update(layer, cache.length if layer == 0 else cache.length - n, k, k)
+def prefill(m: Llama, cache, n: int) -> None:
+    """n positions through the model into the cache, in one forward."""
+    with torch.no_grad():
+        m(torch.randint(0, 50, (1, n), generator=torch.Generator().manual_seed(n)), 0, cache)
 
 
 def test_a_shape_without_layer_types_is_every_layer_full_attention():
@@ -49,17 +46,17 @@ def test_a_shape_without_layer_types_is_every_layer_full_attention():
     assert s.layer_types == (FULL,) * 4 and not s.hybrid
     assert s == shape((FULL,) * 4)
     with pytest.raises(ValueError, match="3 layer types for 4 layers"):
-        shape((FULL,) * 3)
+        CacheShape(n_layer=4, n_kv_head=2, head_size=16, context=64, layer_types=(FULL,) * 3)
 
 
 @pytest.mark.parametrize("spec, cls", [("static", StaticCache), ("concat", ConcatCache),
                                        ("int8:g16", QuantizedCache)])
 def test_an_all_full_model_gets_the_specs_own_class_unwrapped(spec, cls):
-    assert type(make_cache(spec, Model(shape()), 32)) is cls
+    assert type(make_cache(spec, model(), 32)) is cls
 
 
 def test_each_layer_is_routed_to_its_kind_with_its_index_there():
-    cache = make_cache("int8:g16", Model(shape(PATTERN)), 32)
+    cache = make_cache("int8:g16", model(PATTERN), 32)
     assert isinstance(cache, HybridCache)
     rings = [cache.cache_of(i) for i in (0, 1, 3)]
     assert all(type(c) is RingCache and c.window == W and c.k.size(0) == 3 for c, _ in rings)
@@ -69,10 +66,16 @@ def test_each_layer_is_routed_to_its_kind_with_its_index_there():
     assert rings[0][0] is rings[2][0]  # one ring for every layer of the same window
 
 
+def test_a_model_whose_every_layer_slides_is_one_ring():
+    cache = make_cache("int8:g16", model((SLIDING,) * 4), 32)
+    assert len(cache.caches) == 1 and type(cache.caches[0]) is RingCache
+    assert cache.caches[0].k.size(0) == 4 and set(cache.bytes_by_kind()) == {"sliding"}
+
+
 def test_a_prefill_past_the_window_holds_the_window_on_sliding_layers_and_all_on_full():
-    n = 40
-    cache = make_cache("static", Model(shape(PATTERN)), n)
-    prefill(cache, n)
+    n, m = 40, model(PATTERN)
+    cache = make_cache("static", m, n)
+    prefill(m, cache, n)
     per_token = 2 * 2 * 16 * 4  # K and V x 2 KV heads x 16 dims x float32, one layer
     assert cache.length == n
     assert cache.bytes_by_kind() == {"sliding": 3 * W * per_token, "full": 1 * n * per_token}
@@ -81,20 +84,21 @@ def test_a_prefill_past_the_window_holds_the_window_on_sliding_layers_and_all_on
 
 
 def test_sliding_full_gives_the_sliding_layers_the_specs_kind_with_their_band():
-    n = 40
-    cache = make_cache("static", Model(shape(PATTERN)), n, sliding="full")
+    n, m = 40, model(PATTERN)
+    cache = make_cache("static", m, n, sliding="full")
     banded, index = cache.cache_of(3)
     assert type(banded) is BandedCache and type(banded.inner) is StaticCache and index == 3
-    prefill(cache, n)
+    prefill(m, cache, n)
     per_token = 2 * 2 * 16 * 4
     assert cache.bytes_by_kind() == {"sliding": 3 * n * per_token, "full": n * per_token}
     with pytest.raises(ValueError, match="sliding='ring': expected one of model, full"):
-        make_cache("static", Model(shape(PATTERN)), n, sliding="ring")
+        make_cache("static", m, n, sliding="ring")
 
 
 def test_crop_and_reset_reach_every_layers_cache():
-    cache = make_cache("static", Model(shape(PATTERN)), 32)
-    prefill(cache, 20)
+    m = model(PATTERN)
+    cache = make_cache("static", m, 32)
+    prefill(m, cache, 20)
     cache.crop(19)  # a wrapped ring of the window alone rolls back one position
     assert cache.length == 19 and all(c.length == 19 for c in cache.caches)
     with pytest.raises(RollbackError, match="window:8 cannot crop from 19 to 12"):

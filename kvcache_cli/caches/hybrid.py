@@ -25,18 +25,17 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
-from kvcache_cli.caches.base import CacheShape, ForwardingCache, KVCache, LayerType
+from kvcache_cli.caches.base import CacheShape, ForwardingCache, KVCache
 from kvcache_cli.caches.spec import parse_cache_spec
 
 
-def layer_groups(shape: CacheShape, sliding: str) -> dict[LayerType | None, list[int]]:
-    """The layers of each group that caches alike, in layer order: keyed by a sliding
-    window's LayerType (rotary base dropped: the cache stores keys already rotated) or by
-    None for the layers that take the spec's kind."""
-    groups: dict[LayerType | None, list[int]] = {}
+def layer_groups(shape: CacheShape, sliding: str) -> dict[int | None, list[int]]:
+    """The layers of each group that caches alike, in layer order, keyed by their window
+    (a ring of it), or None for the layers that take the spec's kind. A layer's rotary
+    base plays no part: a cache stores keys already rotated."""
+    groups: dict[int | None, list[int]] = {}
     for i, t in enumerate(shape.layer_types):
-        key = LayerType(t.window) if t.sliding and sliding == "model" else None
-        groups.setdefault(key, []).append(i)
+        groups.setdefault(t.window if sliding == "model" else None, []).append(i)
     return groups
 
 
@@ -49,34 +48,32 @@ class HybridCache(KVCache):
     bytes per layer kind ('full', 'sliding').
     """
 
-    def __init__(self, shape: CacheShape, caches: dict[LayerType | None, KVCache],
-                 groups: dict[LayerType | None, list[int]]):
+    def __init__(self, shape: CacheShape, caches: dict[int | None, KVCache],
+                 groups: dict[int | None, list[int]]):
         self.shape = shape
         self.caches = list(caches.values())
         route = {layer: (caches[key], j) for key, layers in groups.items()
                  for j, layer in enumerate(layers)}
         self._route = [route[i] for i in range(shape.n_layer)]  # layer -> cache, index there
         self._count = {id(caches[key]): len(layers) for key, layers in groups.items()}
-        self._current = self._route[0][0]  # the layer whose update came last (`window`)
+        self._current = self._route[0][0]  # the cache of the layer updated last (`window`)
 
     @classmethod
     def build(cls, make, shape: CacheShape, *, sliding: str) -> HybridCache:
-        """`make(spec, shape)` builds a kind for a shape: None, the spec's kind; the rings
-        are `window:W` specs."""
+        """`make(spec, shape)` builds a kind for the shape of some layers: spec None is
+        the spec the model's cache was asked for; the rings are `window:W`."""
         groups = layer_groups(shape, sliding)
-        caches: dict[LayerType | None, KVCache] = {}
-        for key, layers in groups.items():
+        caches: dict[int | None, KVCache] = {}
+        for window, layers in groups.items():
             sub = replace(shape, n_layer=len(layers),
                           layer_types=tuple(shape.layer_types[i] for i in layers))
-            if key is None:
-                caches[key] = make(None, sub)
-                continue
             # A window as long as the context never evicts: a ring of the context then.
-            ring = parse_cache_spec(f"window:{min(key.window, shape.context)}")
-            caches[key] = make(ring, sub)
+            ring = None if window is None else parse_cache_spec(
+                f"window:{min(window, shape.context)}")
+            caches[window] = make(ring, sub)
         if sliding == "full":
-            windows = {i: t.window for i, t in enumerate(shape.layer_types) if t.sliding}
-            caches[None] = BandedCache(caches[None], [windows.get(i) for i in groups[None]])
+            caches[None] = BandedCache(caches[None],
+                                       [shape.layer_types[i].window for i in groups[None]])
         return cls(shape, caches, groups)
 
     def cache_of(self, layer: int) -> tuple[KVCache, int]:
