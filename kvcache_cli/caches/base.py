@@ -39,6 +39,39 @@ def nbytes(t: Tensor) -> int:
 
 
 @dataclass(frozen=True)
+class LayerType:
+    """What one layer attends over, as the model defines it: every earlier position (full
+    attention), or a sliding window of the `window` newest, the query's own included
+    (Mistral, Gemma 2/3, GPT-OSS). transformers spells it `config.layer_types`
+    ("full_attention" / "sliding_attention") with `sliding_window`; vLLM, a per-layer
+    `FullAttentionSpec` / `SlidingWindowSpec(sliding_window=N)`. A window is the model's
+    math, not a cut: a ring of `window` slots holds such a layer exactly.
+    """
+
+    window: int | None = None  # None: full attention
+    # The layer's own rotary base where the model gives each layer type one (Gemma 3:
+    # 10,000 on sliding layers, 1,000,000 on global ones); None: the model's one base,
+    # or no rotary positions at all.
+    rope_theta: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.window is not None and self.window < 1:
+            raise ValueError(f"sliding window {self.window}: expected at least 1 position")
+
+    @property
+    def sliding(self) -> bool:
+        return self.window is not None
+
+    @property
+    def kind(self) -> str:
+        """'full' or 'sliding': the name bytes per layer kind are reported under."""
+        return "sliding" if self.sliding else "full"
+
+
+FULL_ATTENTION = LayerType()
+
+
+@dataclass(frozen=True)
 class CacheShape:
     """What a cache is built from: every model family's config gives one (`cache_shape`).
 
@@ -51,9 +84,25 @@ class CacheShape:
     head_size: int
     context: int  # positions the model can attend over: no cache is built longer
     # A rotary model's RoPE, for a bounded cache that re-rotates the keys it keeps
-    # (`sink:4+252:rerotate`); None: positions are not rotary (GPT-2's are learned and
-    # added to the input), so no key can be moved to another position.
+    # (`sink:4+252:rerotate`): the full-attention layers' rotation, the only layers a
+    # spec's bound applies to in a hybrid model. None: positions are not rotary (GPT-2's
+    # are learned and added to the input), so no key can be moved to another position.
     rope: Rope | None = None
+    # One LayerType per layer; () is filled with full attention on every layer (GPT-2,
+    # Llama): `caches.make_cache` then builds one cache of the spec's kind, as always.
+    layer_types: tuple[LayerType, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.layer_types:
+            object.__setattr__(self, "layer_types", (FULL_ATTENTION,) * self.n_layer)
+        elif len(self.layer_types) != self.n_layer:
+            raise ValueError(f"{len(self.layer_types)} layer types for {self.n_layer} layers; "
+                             "expected one per layer")
+
+    @property
+    def hybrid(self) -> bool:
+        """Some layer slides: its cache is a ring of its window (`caches.hybrid`)."""
+        return any(t.sliding for t in self.layer_types)
 
 
 class RollbackError(ValueError):

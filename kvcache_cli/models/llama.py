@@ -25,7 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from kvcache_cli.caches.base import CacheShape, KVCache
+from kvcache_cli.caches.base import CacheShape, KVCache, LayerType
 from kvcache_cli.caches.step import Step
 from kvcache_cli.models.base import FamilyModel, causal_attention, merge_heads
 from kvcache_cli.models.linear import Linear
@@ -51,8 +51,16 @@ class LlamaConfig:
     eos_ids: tuple[int, ...] = ()  # ids that end a reply (the end-of-turn token first)
     name: str = "llama"
     gguf: str | None = None  # the GGUF file it was read from (llama.cpp runs the same)
+    # What each layer attends over (`caches.base.LayerType`); () for full attention on
+    # every layer. Sliding layers are Mistral's and Qwen2's; one rotary base for all.
+    layer_types: tuple[LayerType, ...] = ()
 
     def __post_init__(self) -> None:
+        if self.layer_types and len(self.layer_types) != self.n_layer:
+            raise ValueError(f"{len(self.layer_types)} layer types for {self.n_layer} layers")
+        if any(t.rope_theta not in (None, self.rope_theta) for t in self.layer_types):
+            raise ValueError(f"a layer with a rotary base other than {self.rope_theta}: "
+                             "Llama rotates every layer with one")
         if self.n_head % self.n_kv_head:
             raise ValueError(f"{self.n_head} query heads do not split into groups of "
                              f"{self.n_kv_head} KV heads")
@@ -70,7 +78,8 @@ class LlamaConfig:
     def cache_shape(self) -> CacheShape:
         # The rotation too: a bounded cache under `:rerotate` moves kept keys with it.
         return CacheShape(self.n_layer, self.n_kv_head, self.head_size, self.context,
-                          rope=RopeShift(self.head_size, self.rope_theta))
+                          rope=RopeShift(self.head_size, self.rope_theta),
+                          layer_types=self.layer_types)
 
     def param_count(self) -> int:
         """Parameters of a Llama of this shape (a tied head counted once)."""
@@ -322,8 +331,10 @@ class Llama(FamilyModel):
         """The first n_layer blocks, the final norm and the head, sharing this model's
         weights (speculative decoding's self-draft): no copy."""
         with torch.device("meta"):
-            draft = Llama(dataclasses.replace(self.config, n_layer=1))  # replaced below
-        draft.config = dataclasses.replace(self.config, n_layer=n_layer)
+            draft = Llama(dataclasses.replace(self.config, n_layer=1,
+                                              layer_types=self.config.layer_types[:1]))
+        draft.config = dataclasses.replace(self.config, n_layer=n_layer,
+                                           layer_types=self.config.layer_types[:n_layer])
         draft.model = nn.ModuleDict(dict(embed_tokens=self.model.embed_tokens,
                                          layers=self.model.layers[:n_layer],
                                          norm=self.model.norm))
