@@ -6,7 +6,10 @@ other keys; for every tensor, an offset past the data, into another tensor's byt
 the alignment, a shape whose product overflows, a type kvcache does not read, non-finite
 weights; the file cut at every boundary of its layout; the tokenizer's pieces and merges;
 chat templates that raise, reach past the sandbox or run without end; paths that are not
-files; converted folders that are corrupt, half-written or stale.
+files; converted folders that are corrupt, half-written or stale. For a Gemma 3 file: a
+non-finite float16 at every even byte of a block of every block type read, every tensor
+relabelled to every other type or a row short or long, rows not whole blocks, every
+`gemma3.*` key hostile (window, layer pattern, rotary bases), QK-norms of the wrong width.
 
 Each case must end in one ValueError of one line, naming the file, within a bounded time
 (a hang is stopped and fails), or, for a converted folder, in a conversion done again; a
@@ -26,11 +29,14 @@ import struct
 import subprocess
 import sys
 import time
+import warnings
 from contextlib import contextmanager
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
+import gemmakit
+import numpy as np
 import pytest
 import torch
 from ggufkit import (
@@ -54,7 +60,7 @@ from typer.testing import CliRunner
 
 from kvcache_cli.models import bounds
 from kvcache_cli.models.gguf import layout
-from kvcache_cli.models.gguf.reader import read_gguf
+from kvcache_cli.models.gguf.reader import TENSOR_TYPES, read_gemma3, read_gguf
 from kvcache_cli.models.llama import LlamaConfig
 
 LIMIT_S = 20  # each refusal takes milliseconds; a case still running here has hung
@@ -750,3 +756,189 @@ def test_the_command_line_refuses_a_hostile_file_in_a_process_of_its_own(base, t
     assert run.returncode == 2, run.stderr
     assert run.stdout == ""
     assert run.stderr.count("\n") == 1 and run.stderr.startswith(f"error: {path}: tensor ")
+
+
+# --- Gemma 3: k-quant and Q5 blocks, the hybrid layer pattern, QK-norm ------------------
+# A tiny Gemma 3 of one layer (`gemmakit`: the real file's block types), changed one thing
+# at a time; every case generated from the formats: each block type gguf defines and
+# kvcache reads, each float16 a block could hold a scale in, each metadata key of the
+# config, each tensor relabelled to each other type.
+
+# The non-finite 2-byte values a block's scale (or an F16/BF16 weight) can hold.
+HALF = [(case, struct.pack("<e", v)) for case, v in [("NaN", NAN), ("inf", INF), ("-inf", -INF)]]
+BFLOAT = [(case, struct.pack("<f", v)[2:]) for case, v in [("NaN", NAN), ("inf", INF),
+                                                            ("-inf", -INF)]]
+GEMMA = dict(gemmakit.TINY, n_layer=1, vocab=32)
+QUANTISED = [k for k in TENSOR_TYPES if k != "F32"]
+
+
+@pytest.fixture(scope="module")
+def gemma_base(tmp_path_factory) -> GGUF:
+    path = gemmakit.write_tiny_gemma3(tmp_path_factory.mktemp("gemma") / "tiny.gguf", t=GEMMA)
+    return parse(path.read_bytes())
+
+
+def _gemma_of_type(tmp_path: Path, kind: str) -> GGUF:
+    """The tiny Gemma with blk.0.attn_output of type `kind`, every other tensor F32 (read
+    at once: each case reads the whole file)."""
+    path = tmp_path / f"{kind}.gguf"
+    roles = {role: "F32" for role in gemmakit.TYPES} | {"attn_output": kind}
+    return parse(gemmakit.write_tiny_gemma3(path, types=roles, t=GEMMA).read_bytes())
+
+
+def _index(g: GGUF, name: str) -> int:
+    return next(i for i, t in enumerate(g.tensors) if t.name == name.encode())
+
+
+def block_scale_cases(tmp_path: Path):
+    """For each block type: a NaN, +inf and -inf float16 (bfloat16 for BF16) written at
+    every even byte of the first block of blk.0.attn_output (every type's scales lie at
+    even bytes: what comes before them is a whole number of float16s). (id, bytes, names,
+    refused): refused where gguf's own dequantiser makes a non-finite weight of the block
+    so changed: at Q2_K's bytes 80 and 82, Q3_K's 108, Q6_K's 208, the others' 0 (and 2
+    where a minimum follows the scale)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    name = "blk.0.attn_output.weight"
+    for kind in QUANTISED:
+        g = _gemma_of_type(tmp_path, kind)
+        qtype = GGMLQuantizationType[kind]
+        block, size = GGML_QUANT_SIZES[qtype]
+        start = g.tensors[_index(g, name)].offset
+        for at in range(0, size, 2):
+            for case, half in BFLOAT if kind == "BF16" else HALF:
+                data = g.data[:start + at] + half + g.data[start + at + 2:]
+                one = np.frombuffer(data[start:start + size], np.uint8).reshape(1, size)
+                with np.errstate(all="ignore"):
+                    bad = not np.isfinite(dequantize(one, qtype)).all()
+                yield (f"{kind} byte {at} {case}", write(replace(g, data=data)), (name,), bad)
+
+
+def test_every_non_finite_scale_of_every_block_type_is_refused_naming_its_tensor(tmp_path):
+    cases = list(block_scale_cases(tmp_path))
+    refused = [(case, data, names) for case, data, names, bad in cases if bad]
+    # The NaN of each other byte: its bits among a block's integers are still weights.
+    accepted = [(case, data) for case, data, _, bad in cases
+                if not bad and case.endswith("NaN")]
+    # Every type has a scale (its first float16, or Q6_K's and Q3_K's last) among them.
+    assert {c.split()[0] for c, *_ in refused} == set(QUANTISED)
+    assert (len(cases), len(refused)) == (1_269, 51), (len(cases), len(refused))
+    with warnings.catch_warnings():  # numpy's "invalid value" would be a second line
+        warnings.simplefilter("error")
+        assert refused_all(tmp_path, refused, load=read_gemma3) == []
+    for case, data in accepted:
+        path = tmp_path / "accepted.gguf"
+        path.write_bytes(data)
+        assert read_gemma3(path).config.n_layer == 1, case
+
+
+def layout_cases(g: GGUF):
+    """For every tensor: its type changed to every other type kvcache reads (so its bytes
+    no longer match its shape, or its rows are not whole blocks), and its shape a row
+    shorter or longer than its bytes; and for every block type, rows not whole blocks."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    sizes = {k: GGML_QUANT_SIZES[GGMLQuantizationType[k]] for k in TENSOR_TYPES}
+    for i, t in enumerate(g.tensors):
+        name = t.name.decode()
+        kind = GGMLQuantizationType(t.kind).name
+        width = t.dims[0]
+        for other in TENSOR_TYPES:
+            (b, n), (b0, n0) = sizes[other], sizes[kind]
+            if other == kind or (width % b == 0 and width // b * n == width // b0 * n0):
+                continue  # the same bytes a row (F16 and BF16): not a lie a reader can see
+            value = GGMLQuantizationType[other].value
+            yield f"{name} as {other}", write(g.with_tensor(i, kind=value)), (name,)
+        rows = t.dims[1] if len(t.dims) > 1 else None
+        if rows:
+            for case, n in [("a row short", rows - 1), ("a row long", rows + 1)]:
+                dims = (width, n) + t.dims[2:]
+                yield f"{name} {case}", write(g.with_tensor(i, dims=dims)), (name,)
+    i = _index(g, "blk.0.attn_output.weight")
+    t = g.tensors[i]
+    for kind in QUANTISED:
+        block = sizes[kind][0]
+        value = GGMLQuantizationType[kind].value
+        for width in sorted({1, block // 2, block - 1, block + 1, 3 * block // 2} - {block}):
+            if width % block:
+                dims = (width,) + t.dims[1:]
+                yield (f"{kind} rows of {width}", write(g.with_tensor(i, kind=value, dims=dims)),
+                       (t.name.decode(), kind))
+
+
+def test_every_tensor_whose_bytes_do_not_match_its_shape_and_type_is_refused(gemma_base,
+                                                                             tmp_path):
+    cases = list(layout_cases(gemma_base))
+    assert len(cases) == 241, len(cases)
+    assert refused_all(tmp_path, cases, load=read_gemma3) == []
+
+
+def gemma_metadata_cases(g: GGUF):
+    """Every gemma3.* key the config reads, given each value its type cannot take; the
+    window 0, negative or past the context; the layer pattern the wrong length, not
+    booleans, or 0; a rotary base missing or not finite; a required key missing."""
+    layers = GEMMA["n_layer"]
+    whole = ["block_count", "embedding_length", "feed_forward_length", "attention.head_count",
+             "attention.head_count_kv", "context_length", "attention.key_length",
+             "attention.sliding_window", "attention.sliding_window_pattern"]
+    for key in whole:
+        for case, value in NOT_WHOLE + [("0", Value(U32, 0))]:
+            if key.endswith("pattern") and case in ("array", "empty array"):
+                continue  # an array is the pattern's other spelling: below
+            yield f"gemma3.{key}={case}", write(g.with_value(f"gemma3.{key}", value)), ()
+    for key in ["rope.freq_base", "rope.freq_base_swa", "attention.layer_norm_rms_epsilon"]:
+        for case, value in NOT_POSITIVE:
+            yield f"gemma3.{key}={case}", write(g.with_value(f"gemma3.{key}", value)), (
+                f"gemma3.{key}",)
+    window = "gemma3.attention.sliding_window"
+    for case, n in [("context + 1", GEMMA["context"] + 1), ("2^20 + 1", 2**20 + 1)]:
+        yield f"{window}={case}", write(g.with_value(window, Value(U64, n))), (window,)
+    pattern = "gemma3.attention.sliding_window_pattern"
+    for n in (0, layers + 1, 2 * layers + 5):
+        value = Value(ARRAY, [True] * n, BOOL)
+        yield f"{pattern} of {n} layers", write(g.with_value(pattern, value)), (pattern,)
+    for case, value in [("numbers", Value(ARRAY, [1] * layers, U32)),
+                        ("text", Value(ARRAY, [b"sliding"] * layers, STRING))]:
+        yield f"{pattern} of {case}", write(g.with_value(pattern, value)), (pattern,)
+    for key in ["general.architecture", "tokenizer.ggml.tokens", "gemma3.rope.freq_base",
+                window, *(f"gemma3.{k}" for k in whole[:4] + ["context_length"]),
+                "gemma3.attention.layer_norm_rms_epsilon"]:
+        yield f"{key} missing", write(g.with_value(key, None)), (key,)
+    for case, value in [("llama", b"llama"), ("gemma2", b"gemma2"), ("empty", b"")]:
+        yield f"architecture {case}", write(g.with_value(
+            "general.architecture", Value(STRING, value))), ("general.architecture",)
+    for case, value in [("8 tokens", 8), ("a token more", GEMMA["vocab"] + 1)]:
+        yield f"vocab_size {case}", write(g.with_value(
+            "gemma3.vocab_size", Value(U32, value))), ()
+    for key in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"):
+        yield f"{key} past the vocabulary", write(g.with_value(
+            key, Value(U32, GEMMA["vocab"]))), (key,)
+    for key, value in [("gemma3.attention.value_length", Value(U32, 64)),
+                       ("gemma3.rope.scaling.type", Value(STRING, b"linear"))]:
+        yield f"{key} changed", write(g.with_value(key, value)), (key,)
+
+
+def test_every_hostile_gemma3_key_is_refused_naming_it(gemma_base, tmp_path):
+    cases = list(gemma_metadata_cases(gemma_base))
+    assert len(cases) == 165, len(cases)
+    assert refused_all(tmp_path, cases, load=read_gemma3) == []
+
+
+def test_a_qk_norm_of_any_width_but_the_head_size_is_refused_naming_it(tmp_path):
+    hs, C = GEMMA["head_dim"], GEMMA["n_embd"]
+    cases = []
+    for name in ("blk.0.attn_q_norm.weight", "blk.0.attn_k_norm.weight"):
+        for width in (1, hs // 2, hs - 2, hs + 2, 2 * hs, C + 1):
+            path = gemmakit.write_tiny_gemma3(tmp_path / "norm.gguf", shapes={name: (width,)},
+                                              t=GEMMA)
+            cases.append((f"{name} of {width}", path.read_bytes(), (name, f"({hs},)")))
+    assert refused_all(tmp_path, cases, load=read_gemma3) == []
+
+
+def test_the_tiny_gemma3_reads(gemma_base, tmp_path):
+    path = tmp_path / "tiny.gguf"
+    path.write_bytes(write(gemma_base))
+    model = read_gemma3(path)
+    assert model.config.layer_types == ((GEMMA["window"], 10_000.0),)
+    assert len(model.tensors) == 2 + 13

@@ -7,7 +7,9 @@ entries (a name, up to 4 dimensions, a GGML type, an offset), padding to the ali
 the tensors' data. Every count and length is checked against the file's size before it is
 used, so a file claiming 2^60 strings or a string past the end is refused before anything
 is allocated for it; every string must be UTF-8, every key and tensor name unique, every
-tensor's bytes inside the data section, aligned, and apart from every other tensor's. What
+tensor's bytes inside the data section, aligned, apart from every other tensor's, and
+exactly what its shape and type take (whole blocks a row; no unaccounted bytes before the
+next tensor, as llama.cpp requires). What
 the values mean to a model is `reader`'s business.
 """
 
@@ -232,7 +234,7 @@ def _placed(w: _Walk, entries, data_start: int, alignment: int) -> list[TensorEn
             n *= d  # Python's integers: a product cannot overflow, only run past the end
         if shape[-1] % block:
             w.fail(f"tensor {name!r} has rows of {shape[-1]:,} weights; its type "
-                   f"{qtype.name} stores blocks of {block}")
+                   f"{qtype.name} stores blocks of {block}: expected rows of whole blocks")
         if offset % alignment:
             w.fail(f"tensor {name!r} starts at offset {offset:,}, not a multiple of the "
                    f"alignment {alignment}")
@@ -242,14 +244,27 @@ def _placed(w: _Walk, entries, data_start: int, alignment: int) -> list[TensorEn
             w.fail(f"tensor {name!r} runs from byte {start:,} to {end:,}, past the end of the "
                    f"file ({w.size:,} bytes; truncated?)")
         tensors.append(TensorEntry(name, shape, qtype.name, start, end, block, block_bytes))
-    last = data_start
+    last, previous = data_start, None
     for t in sorted(tensors, key=lambda t: t.start):
         if t.start < last:
-            w.fail(f"tensor {t.name!r} starts at byte {t.start:,}, inside another tensor's "
-                   f"bytes (which end at {last:,}); expected tensors apart")
-        last = t.end
+            w.fail(f"tensor {t.name!r} starts at byte {t.start:,}, inside tensor "
+                   f"{previous.name!r}'s bytes (which its shape and type end at {last:,}); "
+                   "expected tensors apart")
+        # A tensor's bytes are its shape's blocks, padded to the alignment, and the next
+        # begins there (llama.cpp refuses any other offset): a larger gap is bytes that no
+        # shape and type account for.
+        if t.start > -(-last // alignment) * alignment:
+            if previous is None:
+                w.fail(f"tensor {t.name!r} starts at offset {t.start - data_start:,}; expected "
+                       "the first tensor at offset 0, where the data section starts")
+            w.fail(f"tensor {previous.name!r} holds {t.start - previous.start:,} bytes up to "
+                   f"the next tensor's, while its shape {previous.shape} in {previous.kind} "
+                   f"takes {previous.end - previous.start:,}; expected the bytes its shape "
+                   f"and type take, padded to the alignment {alignment}")
+        last, previous = t.end, t
     # The writer pads the last tensor to the alignment; anything more is not the model's.
     if w.size - last > alignment:
-        w.fail(f"{w.size - last:,} bytes after the last tensor's end (byte {last:,}); "
+        whose = f", where the shape and type of {previous.name!r} end it" if previous else ""
+        w.fail(f"{w.size - last:,} bytes after the last tensor's end (byte {last:,}{whose}); "
                "expected the file to end there")
     return tensors

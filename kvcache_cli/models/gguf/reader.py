@@ -1,4 +1,5 @@
-"""Reading a Llama-family GGUF file: its shape, its tokenizer, its weights dequantised.
+"""Reading a Llama-family or Gemma 3 GGUF file: its shape, its tokenizer, its weights
+dequantised.
 
 llama.cpp's format holds the whole model in one file: metadata (the shape, the tokenizer's
 vocabulary and merges, the chat template) and tensors, most of them quantised in blocks
@@ -17,17 +18,24 @@ of the shape the metadata gives, and holds finite weights once dequantised.
 llama.cpp's converter stores the rows of q and k interleaved pair by pair for its rotary
 kernel; the loader restores transformers' order (the halves of each head), as transformers
 does when it reads a GGUF (`reverse_permute_weights`).
+
+A Gemma 3 file (`read_gemma3`) is checked the same way against its own shape
+(`models.gemma3_config`: the layer pattern, the window, two rotary bases) and tensors (QK-norm
+of the head size, four norms a block); its q and k are not permuted, and its norms are stored
+as 1 + w. Its K-quant and Q5_0 blocks are dequantised by the same gguf function as the rest.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
 from kvcache_cli.models import bounds
-from kvcache_cli.models.gguf.layout import Layout, open_file, read_layout
+from kvcache_cli.models.gemma3_config import ARCH as GEMMA3
+from kvcache_cli.models.gemma3_config import Gemma3Config, config_from_metadata
+from kvcache_cli.models.gguf.layout import Layout, TensorEntry, open_file, read_layout
 
 # The tensor types kvcache dequantises: float, and llama.cpp's block and K-quant formats.
 TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
@@ -46,6 +54,15 @@ _BLOCK_TENSORS = {
 }
 _TOP_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
                 "output": "lm_head"}
+# Gemma 3's blocks: QK-norm, and norms after attention and around the MLP. Its q and k rows
+# are stored as transformers has them (llama.cpp's converter permutes only Llama's).
+_GEMMA3_BLOCK_TENSORS = {
+    **_BLOCK_TENSORS, "ffn_norm": "pre_feedforward_layernorm",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+BLOCK_TENSORS = {"llama": _BLOCK_TENSORS, "gemma3": _GEMMA3_BLOCK_TENSORS}
 
 
 @dataclass(frozen=True)
@@ -75,15 +92,121 @@ def read_gguf(path: str | Path) -> GGUFModel:
     return GGUFModel(fields, *tokenizer, tensors, types)
 
 
+@dataclass(frozen=True)
+class Gemma3GGUF:
+    """A Gemma 3 GGUF's shape and weights, checked; its tokenizer (SentencePiece's, which
+    llama.cpp calls 'llama') is not read here."""
+
+    config: Gemma3Config
+    tensors: dict[str, np.ndarray]  # transformers' Gemma3ForCausalLM names → float32
+    types: dict[str, str]  # transformers' names → the GGUF type they were stored in
+
+
+def read_gemma3(path: str | Path) -> Gemma3GGUF:
+    """The Gemma 3 a GGUF file holds, every tensor dequantised to float32 under transformers'
+    names, or a ValueError (one line, naming the file). A norm's weight is stored as
+    1 + w (Gemma's RMSNorm scales by 1 + w; llama.cpp's converter adds the 1, transformers'
+    loader takes it off): this gives w, as transformers holds it."""
+    path = Path(path)
+    data, size = open_file(path)
+    layout = read_layout(path, data, size)
+    meta = layout.metadata
+    try:
+        arch = _get(meta, "general.architecture", str, arch=GEMMA3)
+        if arch != GEMMA3:
+            raise ValueError(f"general.architecture is {bounds.shown(arch)}; expected "
+                             f"{GEMMA3!r}")
+        tokens = _get(meta, "tokenizer.ggml.tokens", list, arch=GEMMA3)
+        tied = all(t.name != "output.weight" for t in layout.tensors)
+        config = config_from_metadata(meta, _name(meta, path.stem), len(tokens), tied)
+        ids = _token_ids(meta, len(tokens))
+        config = replace(config, bos_id=ids.get("bos"), eos_id=ids.get("eos"))
+        tensors, types = _gemma3_tensors(layout, data, config)
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from None
+    return Gemma3GGUF(config, tensors, types)
+
+
+def _gemma3_shapes(c: Gemma3Config) -> dict[str, tuple[int, ...]]:
+    C, hs = c.n_embd, c.head_dim
+    shapes = {"model.embed_tokens.weight": (c.vocab_size, C), "model.norm.weight": (C,)}
+    if not c.tie_word_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, C)
+    for i in range(c.n_layer):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (C,), p + "post_attention_layernorm.weight": (C,),
+            p + "pre_feedforward_layernorm.weight": (C,),
+            p + "post_feedforward_layernorm.weight": (C,),
+            p + "self_attn.q_norm.weight": (hs,), p + "self_attn.k_norm.weight": (hs,),
+            p + "self_attn.q_proj.weight": (c.n_head * hs, C),
+            p + "self_attn.k_proj.weight": (c.n_kv_head * hs, C),
+            p + "self_attn.v_proj.weight": (c.n_kv_head * hs, C),
+            p + "self_attn.o_proj.weight": (C, c.n_head * hs),
+            p + "mlp.gate_proj.weight": (c.intermediate, C),
+            p + "mlp.up_proj.weight": (c.intermediate, C),
+            p + "mlp.down_proj.weight": (C, c.intermediate),
+        })
+    return shapes
+
+
+def _gemma3_tensors(layout: Layout, data, c: Gemma3Config) -> tuple[dict[str, np.ndarray],
+                                                                   dict[str, str]]:
+    expected = _gemma3_shapes(c)
+    tensors, types = {}, {}
+    for t in layout.tensors:
+        name = hf_name(t.name, "gemma3")
+        if name is None or name not in expected:
+            raise ValueError(f"tensor {t.name!r} is not one of a {c.n_layer}-layer Gemma 3's")
+        if name in tensors:
+            raise ValueError(f"tensor {t.name!r} is {name}, which another tensor is too")
+        if t.kind not in TENSOR_TYPES:
+            raise ValueError(f"tensor {t.name} is of type {t.kind}; kvcache reads "
+                             f"{', '.join(TENSOR_TYPES)}")
+        if t.shape != expected[name]:
+            raise ValueError(f"tensor {t.name} has shape {t.shape}, the model's metadata says "
+                             f"{expected[name]}")
+        w = dequantized(t, data)
+        tensors[name] = w - np.float32(1) if name.endswith("norm.weight") else w
+        types[name] = t.kind
+    missing = sorted(set(expected) - set(tensors))
+    if missing:
+        raise ValueError(f"no tensor for {missing[0]} ({len(missing)} missing)")
+    return tensors, types
+
+
 _ABSENT = object()
 
 
-def _get(meta: dict, key: str, kind: type, default=_ABSENT):
+def _name(meta: dict, stem: str) -> str:
+    """general.name (the file's stem if absent): printable, short, as the commands print it."""
+    name = _get(meta, "general.name", str, "") or stem
+    if len(name) > MAX_NAME or not name.isprintable():
+        raise ValueError(f"general.name is {bounds.shown(name)}; expected printable text of at "
+                         f"most {MAX_NAME} characters")
+    return name
+
+
+def _token_ids(meta: dict, n_tokens: int) -> dict[str, int]:
+    """Every tokenizer.ggml.*_token_id, checked to be a token's id: {"bos": 2, ...}."""
+    ids = {}
+    for name in meta:
+        if name.startswith("tokenizer.ggml.") and name.endswith("_token_id"):
+            value = meta[name]
+            if isinstance(value, bool) or not isinstance(value, int) or \
+                    not 0 <= value < n_tokens:
+                raise ValueError(f"{name} is {bounds.shown(value)}; expected a token id "
+                                 f"from 0 to {n_tokens - 1:,}")
+            ids[name[len("tokenizer.ggml."):-len("_token_id")]] = value
+    return ids
+
+
+def _get(meta: dict, key: str, kind: type, default=_ABSENT, arch: str = "llama"):
     """meta[key] if it is a `kind` (str or list), its default if absent, else a ValueError."""
     value = meta.get(key, _ABSENT)
     if value is _ABSENT:
         if default is _ABSENT:
-            raise ValueError(f"no {key} in its metadata; expected a llama GGUF")
+            raise ValueError(f"no {key} in its metadata; expected a {arch} GGUF")
         return default
     if not isinstance(value, kind):
         what = "text" if kind is str else "an array"
@@ -119,23 +242,13 @@ def _fields(meta: dict, stem: str) -> tuple[dict, tuple]:
     if f["vocab_size"] != len(tokens):
         raise ValueError(f"the vocabulary holds {len(tokens):,} tokens, {key('vocab_size')} "
                          f"says {f['vocab_size']:,}; expected one token per id")
-    for name in meta:
-        if name.startswith("tokenizer.ggml.") and name.endswith("_token_id"):
-            value = meta[name]
-            if isinstance(value, bool) or not isinstance(value, int) or \
-                    not 0 <= value < len(tokens):
-                raise ValueError(f"{name} is {bounds.shown(value)}; expected a token id "
-                                 f"from 0 to {len(tokens) - 1:,}")
+    ids = _token_ids(meta, len(tokens))
     for name, field in (("bos", "bos_id"), ("eos", "eos_id")):
-        if f"tokenizer.ggml.{name}_token_id" in meta:
-            f[field] = meta[f"tokenizer.ggml.{name}_token_id"]
+        if name in ids:
+            f[field] = ids[name]
     if "tokenizer.chat_template" in meta:
         f["chat_template"] = _get(meta, "tokenizer.chat_template", str)
-    name = _get(meta, "general.name", str, "") or stem
-    if len(name) > MAX_NAME or not name.isprintable():
-        raise ValueError(f"general.name is {bounds.shown(name)}; expected printable text of at "
-                         f"most {MAX_NAME} characters")
-    f["name"] = name
+    f["name"] = _name(meta, stem)
     bounds.check_shape(f, {field: key(field) for field in bounds.BOUNDS}.__getitem__)
     hs = bounds.head_size(f)
     for other in (f"{arch}.attention.value_length", f"{arch}.rope.dimension_count"):
@@ -210,8 +323,8 @@ def _expected_shapes(f: dict) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def hf_name(name: str) -> str | None:
-    """transformers' name of a GGUF tensor, None for one Llama does not have."""
+def hf_name(name: str, arch: str = "llama") -> str | None:
+    """transformers' name of a GGUF tensor, None for one the architecture does not have."""
     stem, dot, suffix = name.rpartition(".")
     if suffix != "weight":
         return None
@@ -221,16 +334,14 @@ def hf_name(name: str) -> str | None:
     # The block's index as llama.cpp writes it ("blk.%d"): 07 would be a second name for 7.
     if len(parts) == 3 and parts[0] == "blk" and parts[1].isascii() and parts[1].isdigit() \
             and str(int(parts[1])) == parts[1]:
-        if parts[2] in _BLOCK_TENSORS:
-            return f"model.layers.{int(parts[1])}.{_BLOCK_TENSORS[parts[2]]}.weight"
+        block = BLOCK_TENSORS[arch]
+        if parts[2] in block:
+            return f"model.layers.{int(parts[1])}.{block[parts[2]]}.weight"
     return None
 
 
 def _tensors(layout: Layout, data, fields: dict) -> tuple[dict[str, np.ndarray],
                                                           dict[str, str]]:
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
-
     expected = _expected_shapes(fields)
     tensors, types = {}, {}
     hs = bounds.head_size(fields)
@@ -247,17 +358,7 @@ def _tensors(layout: Layout, data, fields: dict) -> tuple[dict[str, np.ndarray],
         if t.shape != expected[name]:
             raise ValueError(f"tensor {t.name} has shape {t.shape}, the model's metadata says "
                              f"{expected[name]}")
-        raw = np.frombuffer(data, np.uint8, t.end - t.start, t.start)
-        if t.kind == "F32":
-            w = raw.view(np.float32)
-        else:  # rows of whole blocks, as gguf's dequantize takes them
-            rows = raw.reshape(-1, t.shape[-1] // t.block * t.block_bytes)
-            w = np.asarray(dequantize(rows, GGMLQuantizationType[t.kind]), dtype=np.float32)
-        w = w.reshape(t.shape)
-        finite = np.isfinite(w)
-        if not finite.all():
-            raise ValueError(f"tensor {t.name} holds {w.size - int(finite.sum()):,} non-finite "
-                             f"weights (NaN or infinite) of {w.size:,}; expected finite weights")
+        w = dequantized(t, data)
         if name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = fields["n_head"] if name.endswith("q_proj.weight") else fields["n_kv_head"]
             w = _unpermute(w, heads, hs)
@@ -266,6 +367,32 @@ def _tensors(layout: Layout, data, fields: dict) -> tuple[dict[str, np.ndarray],
     if missing:
         raise ValueError(f"no tensor for {missing[0]} ({len(missing)} missing)")
     return tensors, types
+
+
+def dequantized(t: TensorEntry, data) -> np.ndarray:
+    """Tensor `t`'s weights as float32 of its shape, by gguf's own dequantiser for its block
+    type (its layout already checked: whole blocks, inside the file); a ValueError naming
+    it if any is NaN or infinite, which a block's NaN or infinite float16 scale makes of
+    every weight it scales (even a zero one: inf × 0 is NaN)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    raw = np.frombuffer(data, np.uint8, t.end - t.start, t.start)
+    if t.kind == "F32":
+        w = raw.view(np.float32)
+    else:  # rows of whole blocks, as gguf's dequantize takes them
+        rows = raw.reshape(-1, t.shape[-1] // t.block * t.block_bytes)
+        # A hostile scale overflows or multiplies inf by 0: refused below, not warned of.
+        with np.errstate(over="ignore", invalid="ignore"):
+            w = np.asarray(dequantize(rows, GGMLQuantizationType[t.kind]), dtype=np.float32)
+    w = w.reshape(t.shape)
+    finite = np.isfinite(w)
+    if not finite.all():
+        scales = "" if t.kind in ("F32", "F16", "BF16") else " (a block's scale, or its weight)"
+        raise ValueError(f"tensor {t.name} holds {w.size - int(finite.sum()):,} non-finite "
+                         f"weights of {w.size:,}, NaN or infinite{scales}; expected finite "
+                         "weights")
+    return w
 
 
 def _unpermute(w: np.ndarray, heads: int, hs: int) -> np.ndarray:
