@@ -225,9 +225,6 @@ class GPT(FamilyModel):
         return self.transformer.wte
 
 
-# ---------------------------------------------------------------------------- weight formats
-
-
 # ---------------------------------------------------------------------------- loading
 
 # GPT-2 was written in TensorFlow, and Hugging Face kept its layers as "Conv1D", whose

@@ -100,9 +100,9 @@ class Linear(nn.Linear):
 def blocked_product(rows: Tensor, blocks: Tensor, bias: Tensor | None) -> Tensor:
     """(n, R, K) @ (n, K, N/n) (+ bias (n, 1, N/n)) -> (n, R, N/n): `Linear`'s split
     product as one operator torch.compile cannot see into. Inductor writes a bmm of one
-    row on the CPU as its own multiply-and-sum loop, which ran SmolLM2's LM head 5x
-    slower than this bmm (16.9 ms against 3.3, 2 threads) and made the compiled fp32
-    decode step slower than eager (55.6 ms against 37.4); called opaque, it is MKL's."""
+    row on the CPU as its own multiply-and-sum loop, several times slower than MKL's bmm,
+    which made the compiled decode step slower than eager (docs/bench.md has the figures);
+    called opaque, it is MKL's."""
     return torch.bmm(rows, blocks) if bias is None else torch.baddbmm(bias, rows, blocks)
 
 
@@ -112,10 +112,8 @@ def _(rows: Tensor, blocks: Tensor, bias: Tensor | None) -> Tensor:
 
 
 # The native products serve decode-sized inputs, a batched decode's included; a prefill's
-# many rows are a matrix product, which MKL does better than a dot product a row. One pass
-# over SmolLM2's 121 products, 2 threads, ms (native / torch's split product over (in, out)
-# weights): 1 row 24.6 / 31.4, 4 rows 31.3 / 67.8, 8 rows 50.0 / 81.3, 16 rows 86.9 /
-# 101.2, 32 rows 121.8 / 96.4.
+# many rows are a matrix product, which MKL does better than a dot product a row. Where the
+# two cross was measured at 1 to 32 rows ("The products, native" in docs/bench.md).
 NATIVE_MAX_ROWS = 16
 PRODUCTS_SOURCE = Path(__file__).with_name("products.cpp")
 NOTE: list[str] = []  # why the native products are not in use, once asked for
@@ -198,10 +196,9 @@ class Int8Linear(nn.Module):
     registers, float32 sums, the row's scale after the sum); otherwise the product is
     `torch.ops.aten._weight_int8pack_mm`, which reads the int8 weight once and scales each
     output column, so a decode step streams a quarter of float32's bytes. Its activations
-    are bfloat16 whatever the model's dtype: on an AVX-512 CPU
-    (AMD EPYC, torch 2.13, one row, 768 -> 3,072) it took 68 µs with bfloat16 activations
-    and 1,075 µs with float32 ones, against 159 µs for the float32 product; the row is
-    cast in and the result cast back, which costs nothing next to the weight. The kernel
+    are bfloat16 whatever the model's dtype: with float32 ones the kernel is many times
+    slower than the float32 product itself (docs/bench.md); the row is cast in and the
+    result cast back, which costs nothing next to the weight. The kernel
     needs the input width to be a multiple of 16 (other widths give wrong numbers or
     crash), which `check_weights_dtype` asks before a model loads.
     """

@@ -1,8 +1,8 @@
 """llama.cpp as a `bench` peer: the engine a CPU user would pick, on the very same weights.
 
-The model is written to GGUF by `gguf_export` (cached by content, quantised to F16 or
-Q8_0 by llama.cpp's own quantiser) and run through llama-cpp-python, the optional
-`llama` extra, which builds llama.cpp from source when installed (minutes). The loop
+The model is written to GGUF by `models.gguf.export.export_gguf` (cached by content,
+quantised to F16 or Q8_0 by llama.cpp's own quantiser) and run through llama-cpp-python,
+the optional `llama` extra, which builds llama.cpp from source when installed (minutes). The loop
 is the bench's own: the same prompt ids, fed directly (the file's tokenizer is
 synthetic), one token a step, greedy by argmax of the step's logits, so the bench's
 clock and warm-up apply unchanged.

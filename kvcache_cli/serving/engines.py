@@ -66,12 +66,6 @@ from kvcache_cli.serving.sequence import Request
 from kvcache_cli.serving.sequence import Sequence as Seq
 from kvcache_cli.serving.workload import WorkloadSpec, make_requests
 
-# ---------------------------------------------------------------------------- inputs
-
-
-# ---------------------------------------------------------------------------- clocks
-
-
 # ---------------------------------------------------------------------------- engines
 
 

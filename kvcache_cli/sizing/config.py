@@ -129,9 +129,6 @@ def family(cfg: dict) -> Family:
     return FAMILIES.get(model_type, COMMON) if isinstance(model_type, str) else COMMON
 
 
-# --- reading one value --------------------------------------------------------------------------
-
-
 # --- the layer pattern: one rule per spelling ---------------------------------------------------
 
 # Each rule returns every layer's transformers layer type, or None when its spelling is absent.
@@ -301,9 +298,6 @@ def layer_type_names(cfg: dict, layers: int, where: str) -> list[str]:
         if names is not None:
             return names
     return ["full_attention"] * layers  # meta-llama/Llama-2-7b-hf: every layer attends in full
-
-
-# --- the recurrent state: one rule per family ---------------------------------------------------
 
 
 # --- layers with their own widths ----------------------------------------------------------------

@@ -107,12 +107,6 @@ def rollback_kinds() -> list[str]:
     return [name for name, kind in KINDS.items() if kind.rollback]
 
 
-# ---------------------------------------------------------------------------- sampling
-
-
-# ---------------------------------------------------------------------------- drafts
-
-
 # ---------------------------------------------------------------------------- verification
 
 
@@ -324,9 +318,6 @@ def compare(
         identical=tuple(s.tokens == plain for s in runs) if sampling.greedy else (),
         best_k=runs[best].k, best_speedup=speedups[best], note=note,
     )
-
-
-# ---------------------------------------------------------------------------- chat tasks
 
 
 # ---------------------------------------------------------------------------- breaks
