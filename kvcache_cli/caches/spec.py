@@ -167,7 +167,7 @@ KINDS: dict[str, CacheKind] = {
         *(CacheKind(
             name=fmt,
             summary=f"every position in two buffers allocated once, each number stored as "
-                    f"{fmt} (2 bytes), attention in float32 (llama.cpp's default f16 cache)",
+                    f"{fmt} (2 bytes), attention in float32 ({engine})",
             grammar=fmt,
             factory="kvcache_cli.caches.half:HalfCache",
             parse=no_fields,
@@ -175,7 +175,8 @@ KINDS: dict[str, CacheKind] = {
             exact=False, bounded=False, pages=False, compiles=False,
             rollback="resets its length: the rejected slots are masked, later overwritten",
             rollback_bytes="none: the next write overwrites the k slots in place",
-        ) for fmt in ("fp16", "bf16")),
+        ) for fmt, engine in (("fp16", "llama.cpp's default f16 cache"),
+                              ("bf16", "vLLM's auto cache under a bf16 model"))),
         int_kind(8), int_kind(4), int_kind(2),
         fp8_kind("fp8-e4m3", aliases=("fp8",)), fp8_kind("fp8-e5m2"),
         paged_quant_kind("int8"), paged_quant_kind("int4"), paged_quant_kind("fp8"),
