@@ -15,7 +15,7 @@ from kvcache_cli.bench import context as bench_context
 from kvcache_cli.caches import code_attention, make_cache
 from kvcache_cli.caches.base import CacheShape
 from kvcache_cli.caches.half import HALF_DTYPES, HalfCache
-from kvcache_cli.caches.spec import layer_bytes, parse_cache_spec
+from kvcache_cli.caches.spec import layer_bytes, parse_cache_list, parse_cache_spec
 from kvcache_cli.caches.step import Step, sdpa
 from kvcache_cli.cli import app
 from kvcache_cli.models import load_model
@@ -85,6 +85,11 @@ def test_size_prices_the_half_kinds_at_half_of_a_float32_static():
     for fmt in ("fp16", "bf16"):
         assert held[fmt].bytes_held == held["static"].bytes_held // 2
         assert held[fmt].ratio_to_static == 0.5
+    out = CliRunner().invoke(app, ["size", "-m", "llama-2-7b", "--seq", "4096", "--cache", "fp16",
+                                   "--dtype", "fp32", "--json"])
+    r = json.loads(out.stdout)  # 2 x 32 layers x 32 KV heads x 128 x 4,096 tokens x 2 bytes
+    assert r["payload_bytes"] == r["bytes_per_sequence"] == 2 * 32 * 32 * 128 * 4096 * 2
+    assert r["full_bytes"] == r["scale_bytes"] == 0 and r["ratio_to_fp16"] == 1.0
 
 
 # ---------------------------------------------------------------------------- attention
@@ -185,6 +190,18 @@ def test_the_logits_move_by_rounding_only(tiny_llama):
             assert 0 < moved < 50 * UNIT_ROUNDOFF[fmt] * full.abs().max().item(), (fmt, moved)
 
 
-def test_bench_context_times_the_half_cache_beside_llama_cpps_f16():
-    assert "fp16" in bench_context.DEFAULT_CACHES.split(",")
-    assert bench_context.MATCHED["fp16"] == bench_context.MATCHED["bf16"] == "f16"
+def test_bench_context_times_fp16_by_default_and_sets_llama_cpps_f16_beside_it():
+    default = parse_cache_list(bench_context.DEFAULT_CACHES)
+    assert [str(s) for s in default][:2] == ["static", "fp16"]  # beside, not instead
+    assert bench_context._matched(default, "f16") == "fp16"  # like for like
+    assert bench_context._matched(parse_cache_list("static,int8"), "f16") == "static"
+    assert bench_context._matched(parse_cache_list("bf16,int8"), "f16") == "bf16"
+
+
+def test_bench_context_reads_2_bytes_a_number_of_the_half_caches():
+    model = load_model("stdlib-bytes").model
+    r = bench_context.run_context(model, parse_cache_list("static,fp16,bf16"), [24, 48], 2, 1,
+                                  1, "stdlib-bytes", "fp32", with_llama=False)
+    static, fp16, bf16 = r.series
+    for s in (fp16, bf16):
+        assert [2 * p.cache_bytes for p in s.points] == [p.cache_bytes for p in static.points]

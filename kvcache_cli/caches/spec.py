@@ -89,6 +89,9 @@ def _paged_bytes(params: dict, tokens: int, kv_heads: int, head_dim: int, elemen
 # (the caches themselves: `kvcache_cli.caches.half`)
 
 HALF_BYTES = 2  # fp16 and bf16 alike, whatever the model's element size
+# Each half kind, and the engine whose float cache it is.
+HALF_ENGINES = {"fp16": "llama.cpp's default f16 cache", "bf16": "vLLM's auto cache under a "
+                "bf16 model"}
 
 
 def _half_bytes(params: dict, tokens: int, kv_heads: int, head_dim: int, element: int) -> int:
@@ -175,8 +178,7 @@ KINDS: dict[str, CacheKind] = {
             exact=False, bounded=False, pages=False, compiles=False,
             rollback="resets its length: the rejected slots are masked, later overwritten",
             rollback_bytes="none: the next write overwrites the k slots in place",
-        ) for fmt, engine in (("fp16", "llama.cpp's default f16 cache"),
-                              ("bf16", "vLLM's auto cache under a bf16 model"))),
+        ) for fmt, engine in HALF_ENGINES.items()),
         int_kind(8), int_kind(4), int_kind(2),
         fp8_kind("fp8-e4m3", aliases=("fp8",)), fp8_kind("fp8-e5m2"),
         paged_quant_kind("int8"), paged_quant_kind("int4"), paged_quant_kind("fp8"),
