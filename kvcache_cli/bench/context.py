@@ -25,11 +25,19 @@ from dataclasses import dataclass
 from kvcache_cli.measure import OtherProcesses
 
 # Our cache kind -> the llama.cpp cache type that stores the same elements (ggml type id for
-# its type_k/type_v): the float cache beside f16 (llama.cpp's default), int8 beside q8_0
-# (blocks of 32 with one fp16 scale), int4 beside q4_0.
+# its type_k/type_v): the half-precision caches beside f16 (llama.cpp's default), and our
+# float32 ones too (the nearest it has), int8 beside q8_0 (blocks of 32 with one fp16
+# scale), int4 beside q4_0.
 LLAMA_CACHE_TYPES = {"f16": 1, "q8_0": 8, "q4_0": 2}
 LLAMA_ELEMENT_BYTES = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
-MATCHED = {"static": "f16", "paged": "f16", "concat": "f16", "int8": "q8_0", "int4": "q4_0"}
+MATCHED = {"static": "f16", "paged": "f16", "concat": "f16", "fp16": "f16", "bf16": "f16",
+           "int8": "q8_0", "int4": "q4_0"}
+# The kind that stores what each llama.cpp type stores, 2 bytes a number for f16: the one
+# its series is set beside when several of ours match it.
+LIKE_FOR_LIKE = {"f16": "fp16", "q8_0": "int8", "q4_0": "int4"}
+# --cache without a list: the float32 cache kvcache has always measured, the half-precision
+# one engines deploy (the float baseline llama.cpp's f16 is matched with), int8 and int4.
+DEFAULT_CACHES = "static,fp16,int8,int4"
 # Weights format -> the llama.cpp bench mode that runs the same weights.
 LLAMA_MODE_FOR_WEIGHTS = {"fp32": "llama.cpp", "fp16": "llama.cpp-f16", "bf16": "llama.cpp-f16",
                           "int8": "llama.cpp-q8_0", "q4": "llama.cpp-gguf"}
@@ -200,6 +208,14 @@ def llama_file(model, weights: str) -> tuple[str | None, str | None]:
     return str(prepare(model, mode).path), None
 
 
+def _matched(specs: Sequence, kind: str) -> str | None:
+    """Ours that llama.cpp's `kind` is set beside: the like-for-like kind where listed
+    (fp16 for f16), else the first that matches it."""
+    matching = [s for s in specs if MATCHED.get(s.kind) == kind]
+    alike = [s for s in matching if s.kind == LIKE_FOR_LIKE[kind]]
+    return str((alike or matching)[0]) if matching else None
+
+
 def run_context(model, specs: Sequence, contexts: Sequence[int], steps: int, repeats: int,
                 threads: int, model_name: str, weights: str, with_llama: bool = True,
                 progress: ContextProgress | None = None) -> ContextResult:
@@ -245,9 +261,7 @@ def run_context(model, specs: Sequence, contexts: Sequence[int], steps: int, rep
                 e.close()
     series = [ContextSeries("kvcache", str(s), MATCHED.get(s.kind) if path else None,
                             tuple(points[str(s)])) for s in specs]
-    series += [ContextSeries("llama.cpp", e.name,
-                             next((str(s) for s in specs if MATCHED.get(s.kind) == e.name), None),
-                             tuple(points[e.name]))
+    series += [ContextSeries("llama.cpp", e.name, _matched(specs, e.name), tuple(points[e.name]))
                for e in engines if isinstance(e, _Llama)]
     return ContextResult(
         model=model_name, weights=weights, weight_bytes=weight_bytes(model), threads=threads,

@@ -3,6 +3,10 @@
 // Built at first use by `caches/code_attention.py` (c++ -O3 -march=native -fopenmp), called
 // through ctypes: plain C arguments, no torch headers, so it builds in about a second.
 //
+// `attend_half` does the same over a half-precision cache (fp16 or bf16, 2 bytes a number):
+// each key and value row widened to float32 as it is read (F16C's vcvtph2ps where the CPU
+// has it; bf16 is float32's top half, a shift), every product and sum in float32.
+//
 // For each row b * nkv + h of the cache and each of its g query heads, over the n quantised
 // tokens only (the caller adds the full-precision sinks and tail): the softmax's partial
 // sums as flash-decoding keeps them, m = the largest score, l = sum exp(score - m) and
@@ -18,7 +22,12 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
+
+#ifdef __F16C__
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -144,26 +153,18 @@ void sized(const float* q, const Cache& c, int64_t row, int64_t a, int64_t b, in
     else block<bits, 0, 0>(q, c, row, a, b, g, hs, G, key_channels, m, l, acc);
 }
 
-}  // namespace
-
-extern "C" int attend_codes(const float* q, const uint8_t* kc, const _Float16* ks,
-                            const _Float16* kz, const uint8_t* vc, const _Float16* vs,
-                            const _Float16* vz, int64_t kc_row, int64_t vc_row, int64_t ks_row,
-                            int64_t vs_row, int64_t rows, int64_t n, int64_t g, int64_t hs,
-                            int64_t bits, int64_t G, int64_t key_channels, int64_t threads,
-                            float* m_out, float* l_out, float* acc_out) {
-    if (bits != 8 && bits != 4 && bits != 2) return 1;
-    const Cache c{kc, vc, ks, kz, vs, vz, kc_row, vc_row, ks_row, vs_row};
+// Every (row, block of kBlock tokens) item's partial sums by `part(row, a, b, m, l, acc)`,
+// over 2 threads or more, then each row's blocks merged into m_out, l_out, acc_out.
+template <class Part>
+void over_blocks(int64_t rows, int64_t n, int64_t g, int64_t hs, int64_t threads, Part part,
+                 float* m_out, float* l_out, float* acc_out) {
     const int64_t blocks = (n + kBlock - 1) / kBlock, items = rows * blocks;
     std::vector<float> m(items * g), l(items * g), acc(items * g * hs);
 #pragma omp parallel for schedule(dynamic) num_threads(threads)
     for (int64_t item = 0; item < items; ++item) {
         const int64_t row = item / blocks, a = item % blocks * kBlock;
         const int64_t b = a + kBlock < n ? a + kBlock : n;
-        float *mo = m.data() + item * g, *lo = l.data() + item * g, *ao = acc.data() + item * g * hs;
-        if (bits == 8) sized<8>(q, c, row, a, b, g, hs, G, key_channels, mo, lo, ao);
-        else if (bits == 4) sized<4>(q, c, row, a, b, g, hs, G, key_channels, mo, lo, ao);
-        else sized<2>(q, c, row, a, b, g, hs, G, key_channels, mo, lo, ao);
+        part(row, a, b, m.data() + item * g, l.data() + item * g, acc.data() + item * g * hs);
     }
     for (int64_t row = 0; row < rows; ++row)  // the blocks' partial sums, merged
         for (int64_t i = 0; i < g; ++i) {
@@ -181,5 +182,107 @@ extern "C" int attend_codes(const float* q, const uint8_t* kc, const _Float16* k
             m_out[row * g + i] = M;
             l_out[row * g + i] = L;
         }
+}
+
+// One row of hs half-precision numbers widened to float32.
+template <bool bf16>
+inline void widen_row(const uint16_t* x, float* out, int64_t hs) {
+    if constexpr (bf16) {
+        for (int64_t d = 0; d < hs; ++d) {  // bf16 is the top 16 bits of a float32
+            const uint32_t bits = static_cast<uint32_t>(x[d]) << 16;
+            std::memcpy(out + d, &bits, sizeof bits);
+        }
+    } else {
+        int64_t d = 0;
+#ifdef __F16C__
+        for (; d + 8 <= hs; d += 8)
+            _mm256_storeu_ps(out + d, _mm256_cvtph_ps(_mm_loadu_si128(
+                                          reinterpret_cast<const __m128i*>(x + d))));
+#endif
+        for (; d < hs; ++d) {
+            _Float16 h;
+            std::memcpy(&h, x + d, sizeof h);
+            out[d] = static_cast<float>(h);
+        }
+    }
+}
+
+// The partial sums of g queries over half-precision tokens a .. b - 1 of one cache row.
+template <bool bf16, int HS>
+void half_block(const float* q, const uint16_t* k, const uint16_t* v, int64_t a, int64_t b,
+                int64_t g, int64_t hs_, float* m_out, float* l_out, float* acc_out) {
+    const int64_t hs = HS ? HS : hs_, len = b - a;
+    std::vector<float> scores(g * len), x(hs);
+    for (int64_t t = a; t < b; ++t) {
+        widen_row<bf16>(k + t * hs, x.data(), hs);
+        for (int64_t i = 0; i < g; ++i) {
+            float s = 0.f;
+            for (int64_t d = 0; d < hs; ++d) s += q[i * hs + d] * x[d];
+            scores[i * len + t - a] = s;
+        }
+    }
+    for (int64_t i = 0; i < g; ++i) {
+        float m = -INFINITY, l = 0.f;
+        float* s = scores.data() + i * len;
+#pragma omp simd reduction(max : m)
+        for (int64_t t = 0; t < len; ++t) m = s[t] > m ? s[t] : m;
+#pragma omp simd reduction(+ : l)
+        for (int64_t t = 0; t < len; ++t) {
+            s[t] = std::exp(s[t] - m);
+            l += s[t];
+        }
+        m_out[i] = m;
+        l_out[i] = l;
+        for (int64_t d = 0; d < hs; ++d) acc_out[i * hs + d] = 0.f;
+    }
+    for (int64_t t = a; t < b; ++t) {
+        widen_row<bf16>(v + t * hs, x.data(), hs);
+        for (int64_t i = 0; i < g; ++i) {
+            const float p = scores[i * len + t - a];
+            float* acc = acc_out + i * hs;
+            for (int64_t d = 0; d < hs; ++d) acc[d] += p * x[d];
+        }
+    }
+}
+
+template <bool bf16>
+void half_sized(const float* q, const uint16_t* k, const uint16_t* v, int64_t a, int64_t b,
+                int64_t g, int64_t hs, float* m, float* l, float* acc) {
+    if (hs == 64) half_block<bf16, 64>(q, k, v, a, b, g, hs, m, l, acc);
+    else if (hs == 128) half_block<bf16, 128>(q, k, v, a, b, g, hs, m, l, acc);
+    else half_block<bf16, 0>(q, k, v, a, b, g, hs, m, l, acc);
+}
+
+}  // namespace
+
+extern "C" int attend_codes(const float* q, const uint8_t* kc, const _Float16* ks,
+                            const _Float16* kz, const uint8_t* vc, const _Float16* vs,
+                            const _Float16* vz, int64_t kc_row, int64_t vc_row, int64_t ks_row,
+                            int64_t vs_row, int64_t rows, int64_t n, int64_t g, int64_t hs,
+                            int64_t bits, int64_t G, int64_t key_channels, int64_t threads,
+                            float* m_out, float* l_out, float* acc_out) {
+    if (bits != 8 && bits != 4 && bits != 2) return 1;
+    const Cache c{kc, vc, ks, kz, vs, vz, kc_row, vc_row, ks_row, vs_row};
+    over_blocks(rows, n, g, hs, threads, [&](int64_t row, int64_t a, int64_t b, float* mo,
+                                             float* lo, float* ao) {
+        if (bits == 8) sized<8>(q, c, row, a, b, g, hs, G, key_channels, mo, lo, ao);
+        else if (bits == 4) sized<4>(q, c, row, a, b, g, hs, G, key_channels, mo, lo, ao);
+        else sized<2>(q, c, row, a, b, g, hs, G, key_channels, mo, lo, ao);
+    }, m_out, l_out, acc_out);
+    return 0;
+}
+
+// Keys and values (rows, n, hs) of 2-byte numbers, fp16 (bf16 = 0) or bf16, a row's tokens
+// contiguous, k_row / v_row elements from one cache row to the next.
+extern "C" int attend_half(const float* q, const uint16_t* k, const uint16_t* v, int64_t k_row,
+                           int64_t v_row, int64_t rows, int64_t n, int64_t g, int64_t hs,
+                           int64_t bf16, int64_t threads, float* m_out, float* l_out,
+                           float* acc_out) {
+    over_blocks(rows, n, g, hs, threads, [&](int64_t row, int64_t a, int64_t b, float* mo,
+                                             float* lo, float* ao) {
+        const float* qr = q + row * g * hs;
+        if (bf16) half_sized<true>(qr, k + row * k_row, v + row * v_row, a, b, g, hs, mo, lo, ao);
+        else half_sized<false>(qr, k + row * k_row, v + row * v_row, a, b, g, hs, mo, lo, ao);
+    }, m_out, l_out, acc_out);
     return 0;
 }

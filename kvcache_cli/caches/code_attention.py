@@ -1,11 +1,14 @@
-"""Attention over a quantised cache's codes in one C++ kernel (`code_attention.cpp`).
+"""Attention over a quantised cache's codes, or a half-precision cache's numbers, in one C++
+kernel (`code_attention.cpp`).
 
 A decoding token's attention reads every cached key and value once: what decides its time
 is how many bytes it reads and what it does to each. In torch the integer caches had to
 turn their codes into float32 first (a copy a chunk at a time, then float products), which
 cost more than SDPA reading float32 outright; this kernel reads the codes as bytes, folds
 the scales into the query and the weights, and keeps the softmax's partial sums
-(flash-decoding's m, l, acc), so the full-precision sinks and tail merge in exactly.
+(flash-decoding's m, l, acc), so the full-precision sinks and tail merge in exactly. A
+half-precision cache (`caches.half`) is read the same way: 2 bytes a number, each row widened
+to float32 as it is read (`attend_half`), so no float32 copy of the history is made.
 
 It is built at first use with the machine's C++ compiler (`caches.native`, about a
 second) and loaded with ctypes. Where it cannot be built (no compiler, another CPU),
@@ -38,6 +41,9 @@ def kernel() -> ctypes.CDLL | None:
     lib.attend_codes.restype = ctypes.c_int
     lib.attend_codes.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 12 + \
         [ctypes.c_void_p] * 3
+    lib.attend_half.restype = ctypes.c_int
+    lib.attend_half.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 8 + \
+        [ctypes.c_void_p] * 3
     return lib
 
 
@@ -67,4 +73,30 @@ def attend_codes(qr: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: Tensor,
         m.data_ptr(), l_sum.data_ptr(), acc.data_ptr())
     if status:
         raise ValueError(f"attention over codes: {bits}-bit codes are not supported")
+    return m, l_sum, acc
+
+
+# The half-precision storage the kernel reads, by the flag it takes.
+HALF_FLAGS = {torch.float16: 0, torch.bfloat16: 1}
+
+
+def attend_half(qr: Tensor, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """`attend_codes`' partial sums over keys and values kept in half precision: queries qr
+    (B, nkv, g, hs) float32, already scaled by 1 / sqrt(hs); keys, values (B, nkv, n, hs)
+    float16 or bfloat16, each a view whose tokens are contiguous rows (a static buffer's
+    filled prefix). m, l (B, nkv, g) and acc (B, nkv, g, hs): y = acc / l, in float32."""
+    B, nkv, g, hs = qr.shape
+    n = keys.size(2)
+    q = qr.contiguous()
+    m = q.new_empty(B, nkv, g)
+    l_sum = q.new_empty(B, nkv, g)
+    acc = q.new_empty(B, nkv, g, hs)
+    for t in (keys, values):
+        # rows of one (b, h) reached by one stride, each row's tokens hs apart
+        assert t.dtype == keys.dtype and t.stride(-1) == 1 and t.stride(-2) == hs \
+            and t.stride(0) == nkv * t.stride(1), (t.dtype, t.stride())
+    kernel().attend_half(
+        q.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.stride(1), values.stride(1),
+        B * nkv, n, g, hs, HALF_FLAGS[keys.dtype], torch.get_num_threads(),
+        m.data_ptr(), l_sum.data_ptr(), acc.data_ptr())
     return m, l_sum, acc

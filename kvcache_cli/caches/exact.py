@@ -106,9 +106,9 @@ class StaticCache(KVCache):
         end = start_pos + k.size(2)
         if end > self.max_len:
             raise IndexError(f"position {end - 1} past the static cache's {self.max_len} slots")
-        self.k[layer][:, :, start_pos:end] = k
+        self.k[layer][:, :, start_pos:end] = k  # cast to the buffers' dtype (`caches.half`)
         self.v[layer][:, :, start_pos:end] = v
-        self.bytes_copied += nbytes(k) + nbytes(v)
+        self.bytes_copied += 2 * k.numel() * self.k[layer].element_size()  # as stored
         self.length = end
         if self.whole:
             return self.k[layer], self.v[layer]  # (B, nkv, max_len, hs); attention masks

@@ -7,6 +7,8 @@ same mistakes the same way. A spec is a kind's name, then its fields, colon-sepa
     static                  the exact cache, every position kept (alias: full)
     concat                  the exact cache, appended with torch.cat
     paged[:bN]              blocks of N tokens in a pool (vLLM), N = 16 unless given
+    fp16, bf16              every position, each number stored in 2 bytes, attention in
+                            float32 (llama.cpp's default f16 cache)
     int8[:gN][:kchan|ktok][:rN][:sN][:rot]  integer codes, affine per group of N (default
     int4[...], int2[...]                32), keys per channel (kchan) or per token (ktok),
                                         the newest rN tokens and the first sN at full
@@ -83,6 +85,19 @@ def _paged_bytes(params: dict, tokens: int, kv_heads: int, head_dim: int, elemen
     return every_token(params, -(-tokens // block) * block, kv_heads, head_dim, element)
 
 
+# ---------------------------------------------------------------------------- half
+# (the caches themselves: `kvcache_cli.caches.half`)
+
+HALF_BYTES = 2  # fp16 and bf16 alike, whatever the model's element size
+# Each half kind, and the engine whose float cache it is.
+HALF_ENGINES = {"fp16": "llama.cpp's default f16 cache", "bf16": "vLLM's auto cache under a "
+                "bf16 model"}
+
+
+def _half_bytes(params: dict, tokens: int, kv_heads: int, head_dim: int, element: int) -> int:
+    return every_token(params, tokens, kv_heads, head_dim, HALF_BYTES)
+
+
 # ---------------------------------------------------------------------------- quantised
 # (the caches themselves: `kvcache_cli.caches.quantized`, whose docstring derives these)
 
@@ -152,6 +167,18 @@ KINDS: dict[str, CacheKind] = {
                            "k slots are overwritten later",
             spell=lambda p: f"paged:b{p['block_size']}",
         ),
+        *(CacheKind(
+            name=fmt,
+            summary=f"every position in two buffers allocated once, each number stored as "
+                    f"{fmt} (2 bytes), attention in float32 ({engine})",
+            grammar=fmt,
+            factory="kvcache_cli.caches.half:HalfCache",
+            parse=no_fields,
+            layer_bytes=_half_bytes,
+            exact=False, bounded=False, pages=False, compiles=False,
+            rollback="resets its length: the rejected slots are masked, later overwritten",
+            rollback_bytes="none: the next write overwrites the k slots in place",
+        ) for fmt, engine in HALF_ENGINES.items()),
         int_kind(8), int_kind(4), int_kind(2),
         fp8_kind("fp8-e4m3", aliases=("fp8",)), fp8_kind("fp8-e5m2"),
         paged_quant_kind("int8"), paged_quant_kind("int4"), paged_quant_kind("fp8"),

@@ -85,7 +85,7 @@ def bench(
     ] = None,
     context: Annotated[str | None, typer.Option(
         metavar="TOKENS", help="Comma-separated cached-token counts, e.g. 1024,4096,8176: one "
-        "decode step timed at each for every --cache (default static,int8,int4), beside "
+        "decode step timed at each for every --cache (default static,fp16,int8,int4), beside "
         "llama.cpp's step with the matched cache type (f16, q8_0, q4_0) on the same weights "
         "where the llama extra is installed, and the cache bytes each step reads. "
         f"--new-tokens: the steps timed a round at each context (default {CONTEXT_STEPS} "
@@ -122,7 +122,9 @@ def bench(
                device, new_tokens, threads, as_json)
         return
     if context is not None:
-        _context(ctx, context, cache or "static,int8,int4", device, model, weights, dtype,
+        from kvcache_cli.bench.context import DEFAULT_CACHES
+
+        _context(ctx, context, cache or DEFAULT_CACHES, device, model, weights, dtype,
                  weights_dtype, new_tokens, repeats, threads, plot, as_json)
         return
     if draft is not None:

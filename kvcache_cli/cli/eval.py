@@ -77,7 +77,7 @@ def eval_(
         help="Comma-separated cache specs, e.g. int8,int4:rot or full,window:256,"
         "sink:4+252, h2o:128+128,snapkv:0.25 (every kind: 'kvcache caches'); the exact "
         "'static' (alias full) is always run as the reference. Default: "
-        "static,int8,int4,int2,fp8-e4m3, each format at its default layout. "
+        "static,fp16,int8,int4,int2,fp8-e4m3, each format at its default layout. "
         "llama.cpp's own cache types run the model's GGUF in llama.cpp on the same ids: "
         "llama.cpp:q4_0, llama.cpp:kq8_0:vq4_0, ...:norot (LLAMA_ATTN_ROT_DISABLE=1), "
         "scored against llama.cpp's f32 cache. transformers:quanto-int4[:gN][:rN] (or "

@@ -12,7 +12,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvcache_cli.caches.grammar import CacheSpecError, every_token
-from kvcache_cli.caches.spec import CacheSpec, check_context, check_spec, layer_bytes
+from kvcache_cli.caches.spec import (
+    HALF_ENGINES,
+    CacheSpec,
+    check_context,
+    check_spec,
+    layer_bytes,
+)
 from kvcache_cli.caches.spec_quantized import quantised_split
 from kvcache_cli.sizing.arithmetic import _max_tokens, tokens_held
 from kvcache_cli.sizing.shape import ModelShape
@@ -72,6 +78,8 @@ def _parts(spec: CacheSpec, n: int, kv_heads: int, head_dim: int, element: int
         payload = 2 * kv_heads * q * head_dim * params["bits"] // 8
         full_bytes = every_token(params, full, kv_heads, head_dim, element)
         return q, full, payload, total - payload - full_bytes, full_bytes
+    if spec.kind in HALF_ENGINES:  # every token in 2 bytes a number, not the model's
+        return n, 0, total, 0, 0
     if spec.kind.startswith("fp8"):
         payload = every_token(params, n, kv_heads, head_dim, 1)
         return n, 0, payload, total - payload, 0
