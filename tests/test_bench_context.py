@@ -117,6 +117,14 @@ def test_the_command_prints_a_table_per_context_and_draws_its_plot(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_the_table_divides_by_the_half_precision_cache_where_it_ran():
+    out = CliRunner().invoke(app, ["bench", "-m", "stdlib-bytes", "--context", "16",
+                                   "--cache", "static,fp16,int8", "--new-tokens", "2",
+                                   "--repeats", "1", "--threads", "1"])
+    assert out.exit_code == 0, out.output
+    assert "÷fp16" in out.stdout and "÷static" not in out.stdout
+
+
 @pytest.mark.parametrize("args, words", [
     (["--context", "0"], "--context '0' is not a whole number"),
     (["--context", "64,32"], "expected increasing"),
