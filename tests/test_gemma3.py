@@ -179,3 +179,50 @@ def test_gemma3_as_first_published_reads_the_local_base_and_the_global_scaling()
     assert c.layer_types == (LayerType(512, 10_000.0),) * 5 + (LayerType(None, 1e6),)
     assert (c.rotation("full"), c.rotation("sliding")) == ((1e6, 8.0), (10_000.0, 1.0))
     assert c.cache_shape.rope == RopeShift(256, 1e6, 8.0)
+
+
+@pytest.mark.parametrize("spec", ["static", "paged"])
+def test_kvcache_generate_runs_a_gemma3_folder_as_transformers_does(tmp_path, pair, hf_tokens,
+                                                                    spec):
+    import json
+
+    from typer.testing import CliRunner
+
+    from kvcache_cli.cli import app
+    from kvcache_cli.models import family_of
+    from kvcache_cli.models.gguf.export import synthetic_vocab
+    from kvcache_cli.models.tokenizer import from_gguf
+
+    hf, _ = pair
+    prompt, expected = hf_tokens
+    hf.save_pretrained(tmp_path)  # config.json (model_type gemma3_text), model.safetensors
+    # A vocabulary of 300 strings (the synthetic one needs GPT-2's first bytes and merge):
+    # the ids are given, the strings only shown.
+    from_gguf(*synthetic_vocab(300), "smollm").save(str(tmp_path / "tokenizer.json"))
+    assert family_of(str(tmp_path)) == "gemma3"
+    ids = ",".join(map(str, prompt[0].tolist()))
+    run = CliRunner().invoke(app, ["generate", "-m", str(tmp_path), "--ids", ids, "-n", "64",
+                                   "--cache", spec, "--ignore-eos", "--json"])
+    assert run.exit_code == 0, run.output
+    result = json.loads(run.stdout)
+    assert result["model"] == f"checkpoint {tmp_path}"
+    assert result["tokens"] == expected
+
+
+def test_a_gemma3_folder_with_a_bad_config_is_refused_in_one_line(tmp_path, pair):
+    import json
+
+    from typer.testing import CliRunner
+
+    from kvcache_cli.cli import app
+
+    hf, _ = pair
+    hf.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["num_key_value_heads"] = 3  # 4 query heads do not share 3 KV heads
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "tokenizer.json").write_text("{}")
+    run = CliRunner().invoke(app, ["generate", "-m", str(tmp_path), "--ids", "1,2,3"])
+    assert run.exit_code == 2
+    assert run.stderr.count("\n") == 1 and "num_attention_heads 4 is not a multiple of" in (
+        run.stderr)

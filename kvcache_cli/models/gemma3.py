@@ -95,7 +95,7 @@ class Gemma3Config:
                              "expected a positive number")
 
     @classmethod
-    def from_hf(cls, raw: dict, name: str = "config.json", **fields) -> Gemma3Config:
+    def from_hf(cls, raw: dict, where: str = "config.json", **fields) -> Gemma3Config:
         """The config of transformers' `Gemma3TextConfig.to_dict()` or a checkpoint's
         config.json (model_type gemma3_text; 5.x's rope_parameters per layer type, or 4.x's
         rope_theta, rope_local_base_freq and rope_scaling); a ValueError in one line for
@@ -104,7 +104,7 @@ class Gemma3Config:
 
         def refuse_unless(ok: bool, what: str) -> None:
             if not ok:
-                raise ValueError(f"{name}: {what}")
+                raise ValueError(f"{where}: {what}")
 
         act = raw.get("hidden_activation") or raw.get("hidden_act") or TANH_GELU[0]
         refuse_unless(act in TANH_GELU, f"hidden_activation {act!r}; Gemma 3 runs tanh GELU")
@@ -114,19 +114,16 @@ class Gemma3Config:
         refuse_unless(not raw.get("attention_bias"), "attention_bias is set; Gemma 3 has none")
         refuse_unless(not raw.get("use_bidirectional_attention"),
                       "use_bidirectional_attention is set: an encoder, not a causal model")
-        n_head = raw["num_attention_heads"]
-        head_dim = raw.get("head_dim") or raw["hidden_size"] // n_head
+        factors = {f"rope_factor_{kind}": x for kind, x in _rope_factors(raw, where).items()}
+        f = _shape(raw, where)
         eos = raw.get("eos_token_id")
         eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+        scalar = raw.get("query_pre_attn_scalar") or f["head_dim"]
+        refuse_unless(isinstance(scalar, (int, float)) and 0 < scalar < 2**20,
+                      f"query_pre_attn_scalar is {scalar!r}; expected a positive number")
         return cls(
-            n_layer=raw["num_hidden_layers"], n_head=n_head,
-            n_kv_head=raw.get("num_key_value_heads") or n_head, n_embd=raw["hidden_size"],
-            intermediate=raw["intermediate_size"], vocab_size=raw["vocab_size"],
-            context=raw["max_position_embeddings"], head_dim=head_dim,
-            layer_types=layer_types_from_hf(raw, name),
-            query_pre_attn_scalar=raw.get("query_pre_attn_scalar") or head_dim,
-            rms_eps=raw.get("rms_norm_eps", 1e-6),
-            **{f"rope_factor_{kind}": factor for kind, factor in _rope_factors(raw, name).items()},
+            **f, layer_types=layer_types_from_hf(raw, where), query_pre_attn_scalar=scalar,
+            **factors,
             final_logit_softcapping=raw.get("final_logit_softcapping"),
             tie_word_embeddings=raw.get("tie_word_embeddings", True),
             bos_id=raw.get("bos_token_id"), eos_ids=eos, **fields)
@@ -156,6 +153,34 @@ class Gemma3Config:
         mlp = 3 * C * self.intermediate  # gate, up, down
         head = 0 if self.tie_word_embeddings else self.vocab_size * C
         return self.vocab_size * C + L * (attn + mlp + 4 * C) + C + head
+
+
+# transformers' name of each shape field (`models.bounds` bounds them all, as a Llama's).
+HF_NAMES = {"n_layer": "num_hidden_layers", "n_head": "num_attention_heads",
+            "n_kv_head": "num_key_value_heads", "n_embd": "hidden_size",
+            "intermediate": "intermediate_size", "vocab_size": "vocab_size",
+            "context": "max_position_embeddings", "head_dim": "head_dim",
+            "rms_eps": "rms_norm_eps"}
+
+
+def _shape(raw: dict, name: str) -> dict:
+    """The shape fields of a config dict, each within its bound and the whole within this
+    machine's memory (`bounds`): a ValueError in one line naming the key, else."""
+    from kvcache_cli.models import bounds
+
+    values = {"num_key_value_heads": raw.get("num_attention_heads"), "rms_norm_eps": 1e-6,
+              **{k: v for k, v in raw.items() if v is not None}}
+    try:
+        f = {field: bounds.number(bounds.BOUNDS[field], values[key], key)
+             for field, key in HF_NAMES.items() if key in values}
+        missing = [key for key in HF_NAMES.values() if key not in values and key != "head_dim"]
+        if missing:
+            raise ValueError(f"no {missing[0]}; expected a Gemma 3 config")
+        bounds.check_shape(f, HF_NAMES.__getitem__)
+    except ValueError as err:
+        raise ValueError(f"{name}: {err}") from None
+    f.setdefault("head_dim", bounds.head_size(f))
+    return f
 
 
 def _rope_factors(raw: dict, name: str) -> dict[str, float]:
