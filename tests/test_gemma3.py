@@ -79,7 +79,7 @@ def hf_tokens(pair):
     return prompt, out[0, prompt.size(1):].tolist()
 
 
-def test_the_config_reads_transformers_layer_types_bases_and_scale(pair):
+def test_the_config_reads_transformers_layer_types_and_bases_and_goes_back(pair):
     _, model = pair
     c = model.config
     assert (c.n_layer, c.n_head, c.n_kv_head, c.head_size, c.query_pre_attn_scalar) == (
@@ -90,8 +90,23 @@ def test_the_config_reads_transformers_layer_types_bases_and_scale(pair):
     assert shape.hybrid and shape.layer_types == c.layer_types
     assert shape.rope == RopeShift(HS, 1_000_000.0)  # the global layers' rotation
     assert c.tie_word_embeddings and model.lm_head.weight is model.embedding.weight
-    assert model.num_params() == c.param_count() == sum(
-        p.numel() for p in to_hf(model).parameters())
+    back = to_hf(model)  # transformers' model again, from ours: the peer bench compares with
+    assert model.num_params() == c.param_count() == sum(p.numel() for p in back.parameters())
+    idx = tokens(3 * W, VOCAB)
+    with torch.no_grad():
+        assert torch.equal(back(idx).logits, pair[0](idx).logits)
+
+
+def test_the_self_draft_keeps_the_first_layers_types_and_shares_the_weights(pair):
+    _, model = pair
+    draft = model.first_layers(3)
+    assert draft.config.layer_types == model.config.layer_types[:3]
+    assert draft.lm_head.weight is model.lm_head.weight
+    idx = tokens(3 * W, VOCAB)
+    cache = make_cache("static", draft, idx.size(1))
+    assert [type(c).__name__ for c in cache.caches] == ["RingCache", "StaticCache"]
+    with torch.no_grad():
+        assert torch.allclose(draft(idx, 0, cache), draft(idx, 0), atol=LOGIT_TOLERANCE)
 
 
 @pytest.mark.parametrize("overrides", [
@@ -115,8 +130,9 @@ def test_logits_equal_transformers_over_a_prompt_longer_than_the_window(override
     assert (cached - expected).abs().max() < LOGIT_TOLERANCE
 
 
-@pytest.mark.parametrize("spec", ["static", "concat", "paged"])
-def test_64_greedy_tokens_equal_transformers_through_each_cache(pair, hf_tokens, spec):
+@pytest.mark.parametrize("spec", ["static", "concat", "paged", "naive"])
+def test_64_greedy_tokens_equal_transformers_through_each_cache_and_the_loop(pair, hf_tokens,
+                                                                             spec):
     _, model = pair
     prompt, expected = hf_tokens
     assert len(set(expected)) >= 8  # tokens that vary: a repeated one would prove little
