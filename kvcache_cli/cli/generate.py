@@ -45,8 +45,11 @@ def generate(
         "--prompt", "-p", help="The prompt, given as an option instead.")] = None,
     chat: Annotated[str | None, typer.Option(
         help="A question for a chat model: its chat template makes the prompt, and the "
-        "reply ends at its end-of-turn token (e.g. -m smollm2 --chat \"What is the capital "
-        "of France?\").")] = None,
+        "reply ends at its end-of-turn token. A plain prompt on a chat model is asked the "
+        "same way unless --raw.")] = None,
+    raw: Annotated[bool, typer.Option(
+        "--raw", help="Continue the prompt as written, not as a chat turn (the default "
+        "on a model with a chat template, such as smollm2).")] = False,
     max_new_tokens: Annotated[int, typer.Option(
         "--max-new-tokens", "-n", min=1, help="Tokens to generate.")] = 32,
     device: Annotated[Device, typer.Option(help="Where to run.")] = Device.cpu,
@@ -83,18 +86,22 @@ def generate(
         "--ignore-eos", help="Keep generating past the model's end-of-turn and end-of-text "
         "tokens (a chat model stops at them by default, --chat or not).")] = False,
     verbose: Annotated[bool, typer.Option(
-        "--verbose", "-v", help="With --chat: also print the prompt the chat template "
-        "rendered.")] = False,
+        "--verbose", "-v", help="With a chat turn: also print the prompt the chat "
+        "template rendered.")] = False,
     threads: Annotated[int | None, typer.Option(
         help="torch intra-op threads (default: torch's own, one per core).")] = None,
 ) -> None:
     """Generate with a model and its KV cache, streaming tokens as they are made.
 
-    With --draft, decode speculatively (the cache rolls back what the target rejects)
-    and compare with plain decoding in the same run.
+    On a chat model (one with a chat template, such as smollm2) the prompt is asked as a
+    chat turn; --raw continues it as written. With --draft, decode speculatively (the
+    cache rolls back what the target rejects) and compare with plain decoding in the
+    same run.
 
     Examples:
-      kvcache generate --chat "What is the capital of France?"   (a chat model: smollm2)
+
+    \b
+      kvcache generate "What is a KV cache?"
       kvcache generate "def fibonacci(n):" -m stdlib-bytes -n 64
       kvcache generate --ids 464,2068,7586 -m gpt2 --cache int8
     """
@@ -104,6 +111,9 @@ def generate(
         fail(threads_error(threads))
     spec = _resolve_spec(ctx, mode, cache)
     prompt = _check_prompt(prompt, prompt_option, chat, ids)
+    if raw and chat is not None:
+        fail("--raw and --chat: expected one of the two (--raw continues a plain prompt "
+             "as written)")
     if not math.isfinite(temperature):
         fail(f"--temperature {temperature}: expected a finite number, 0 or more (0 is greedy)")
     prompt_ids = _parse_ids(ids) if ids is not None else []  # before the model loads
@@ -114,6 +124,9 @@ def generate(
     # A chat model ends a reply at its end-of-turn token and a text at its end-of-text:
     # past them it starts a new turn of its own, which no user asked for.
     stop_ids: tuple[int, ...] = () if ignore_eos else tuple(getattr(config, "eos_ids", ()))
+    template = getattr(config, "chat_template", None)
+    if chat is None and prompt is not None and template and not raw:
+        chat = prompt  # a chat model answers a question; it ends a bare text's turn at once
     if chat is not None:
         prompt = _chat_prompt(model, config, chat)
     encoding = _check_request(config, tokenizer, prompt, prompt_ids, max_new_tokens)
@@ -133,8 +146,23 @@ def generate(
                    built, speculate, temperature, top_k, seed)
         return
     turn = (chat, prompt, verbose) if chat is not None else None
-    _run(loaded, prompt_ids, encoding, as_json, device, spec, max_new_tokens, turn,
-         temperature=temperature, top_k=top_k, generator=generator, stop_ids=stop_ids)
+    result = _run(loaded, prompt_ids, encoding, as_json, device, spec, max_new_tokens, turn,
+                  temperature=temperature, top_k=top_k, generator=generator, stop_ids=stop_ids)
+    if result.stopped and len(result.tokens) <= FEW_TOKENS:
+        typer.echo(f"note: {_stopped_early(len(result.tokens), chat is not None, raw)}", err=True)
+
+
+# A run that ends at an end token within this many new tokens says so: it reads as a bug.
+FEW_TOKENS = 3
+
+
+def _stopped_early(n: int, turn: bool, raw: bool) -> str:
+    """Why a run printed next to nothing: the model chose its end token."""
+    tokens = f"{n} new token{'s' if n != 1 else ''}"
+    said = f"the model ended its {'reply' if turn else 'text'} at an end token after {tokens}"
+    if raw:  # a chat model given a bare text ends the turn it sees
+        return f"{said}; without --raw it is asked as a chat turn, --ignore-eos goes on"
+    return f"{said}; --ignore-eos generates past it"
 
 
 def _resolve_spec(ctx: typer.Context, mode: str, cache):
@@ -303,10 +331,11 @@ def _encode(model, prompt: str | None, prompt_ids: list[int], encoding):
 
 
 def _run(loaded, prompt_ids: list[int], encoding, as_json: bool, device: str, spec,
-         max_new_tokens: int, chat: tuple[str, str, bool] | None, **sampling) -> None:
+         max_new_tokens: int, chat: tuple[str, str, bool] | None, **sampling):
     """Generate, streaming the tokens to the terminal, or print the whole result as JSON.
     chat: (the question, the prompt its template rendered, --verbose): a chat shows the
-    question and the reply; the rendered prompt with --verbose, and always in the JSON."""
+    question and the reply; the rendered prompt with --verbose, and always in the JSON.
+    Returns the `Generation`."""
     from kvcache_cli import generate as gen
     from kvcache_cli.models.linear import weights_format
     from kvcache_cli.views.generate import TokenStream, generation_view, header
@@ -340,9 +369,10 @@ def _run(loaded, prompt_ids: list[int], encoding, as_json: bool, device: str, sp
         turn = {} if chat is None else {"question": chat[0], "chat_prompt": chat[1]}
         typer.echo(to_json({"model": loaded.source, "note": loaded.note, **asdict(result),
                             "text": text, **turn}))
-        return
+        return result
     stream.end()
     print_view(generation_view(result))
+    return result
 
 
 def _speculate(loaded, prompt_ids: list[int], encoding, as_json: bool, device: str, spec,

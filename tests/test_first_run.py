@@ -1,0 +1,72 @@
+"""What a newcomer meets on a first run (issue 43): a plain prompt to a chat model is asked
+as a chat turn, a run that stops at once says why, help is copyable, refusals are one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from kvcache_cli.cli import app
+
+
+def invoke(*args: str, **kwargs):
+    return CliRunner().invoke(app, list(args), **kwargs)
+
+
+@pytest.fixture(scope="module")
+def chat_gguf(tmp_path_factory):
+    """A tiny Llama GGUF with a chat template: a chat model, as smollm2 is."""
+    from llamakit import tiny_hf, write_tiny_gguf
+
+    return str(write_tiny_gguf(tiny_hf(), tmp_path_factory.mktemp("chat") / "tiny.gguf"))
+
+
+def test_a_plain_prompt_to_a_chat_model_is_asked_as_a_chat_turn(chat_gguf):
+    result = invoke("generate", "What is a KV cache?", "-m", chat_gguf, "-n", "2", "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["question"] == "What is a KV cache?"
+    assert data["chat_prompt"].startswith("<|im_start|>user\nWhat is a KV cache?<|im_end|>")
+    shown = invoke("generate", "What is a KV cache?", "-m", chat_gguf, "-n", "2")
+    assert shown.exit_code == 0, shown.output
+    assert "user: What is a KV cache?\nassistant: " in shown.stdout
+
+
+def test_raw_continues_the_prompt_as_written(chat_gguf):
+    result = invoke("generate", "What is a KV cache?", "-m", chat_gguf, "-n", "2", "--raw",
+                    "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert "question" not in data and "chat_prompt" not in data
+    both = invoke("generate", "--chat", "hi", "--raw", "-m", chat_gguf)
+    assert both.exit_code == 2 and both.stderr.startswith("error: --raw and --chat: ")
+
+
+@pytest.mark.parametrize(("args", "said"), [
+    ((), "the model ended its reply at an end token after 1 new token; --ignore-eos"),
+    (("--raw",), "without --raw it is asked as a chat turn"),
+])
+def test_a_run_that_stops_at_an_end_token_at_once_says_so(chat_gguf, monkeypatch, args, said):
+    import dataclasses
+
+    from kvcache_cli import generate as gen
+
+    real = gen.generate
+
+    def ends_at_once(model, prompt_ids, max_new_tokens, mode, **kwargs):
+        ran = real(model, prompt_ids, 1, mode, **kwargs)
+        return dataclasses.replace(ran, stopped=True)
+
+    monkeypatch.setattr(gen, "generate", ends_at_once)
+    result = invoke("generate", "hello", "-m", chat_gguf, "-n", "8", *args)
+    assert result.exit_code == 0, result.output
+    notes = [line for line in result.stderr.splitlines() if line.startswith("note: ")]
+    assert len(notes) == 1 and said in notes[0], result.stderr
+
+
+def test_a_run_that_stops_by_its_count_says_nothing(chat_gguf):
+    result = invoke("generate", "hello", "-m", chat_gguf, "-n", "2", "--ignore-eos")
+    assert result.exit_code == 0, result.output
+    assert "end token" not in result.stderr
