@@ -159,6 +159,26 @@ class OtherProcesses:
         return min(1.0, max(0.0, others / capacity))
 
 
+# How long a command that runs a model watches the CPUs before it picks its threads: short
+# next to any run, long enough for /proc/stat's ticks (10 ms each) to count.
+FREE_CORES_SAMPLE_S = 0.1
+
+
+def free_cores(sample_s: float = FREE_CORES_SAMPLE_S) -> tuple[int, float] | None:
+    """(the cores other processes leave free, at least 1; the cores' worth of CPU time they
+    took), from a short sample while this process waits; None where /proc/stat is not.
+    A thread per core spins against another process's work: a decode then runs several
+    times slower than on the cores it has to itself."""
+    others = OtherProcesses()
+    time.sleep(sample_s)
+    share = others.share()
+    if share is None:
+        return None
+    cores = os.cpu_count() or 1
+    busy = share * cores
+    return max(1, cores - round(busy)), busy
+
+
 def _busy_seconds() -> float | None:
     """Busy time of all CPUs since boot (Linux); idle and iowait are not busy."""
     try:

@@ -70,3 +70,40 @@ def test_a_run_that_stops_by_its_count_says_nothing(chat_gguf):
     result = invoke("generate", "hello", "-m", chat_gguf, "-n", "2", "--ignore-eos")
     assert result.exit_code == 0, result.output
     assert "end token" not in result.stderr
+
+
+@pytest.mark.parametrize("busy", [True, False])
+def test_a_model_runs_on_the_cores_other_processes_leave_free(chat_gguf, monkeypatch, busy):
+    import torch
+
+    from kvcache_cli import measure
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    picked = []
+    monkeypatch.setattr(torch, "set_num_threads", picked.append)
+    monkeypatch.setattr(measure, "free_cores", lambda: (1, 2.8) if busy else (4, 0.1))
+    monkeypatch.setattr("os.cpu_count", lambda: 4)
+    result = invoke("generate", "hi", "-m", chat_gguf, "-n", "2")
+    assert result.exit_code == 0, result.output
+    notes = [line for line in result.stderr.splitlines() if "other processes" in line]
+    if busy:
+        assert notes == ["note: other processes keep 2.8 of 4 cores busy: running on 1 "
+                         "thread, not 4 (--threads sets it)"]
+        assert picked == [1]
+    else:
+        assert notes == [] and picked == []
+    given = invoke("generate", "hi", "-m", chat_gguf, "-n", "2", "--threads", "3")
+    assert "other processes" not in given.stderr and picked[-1] == 3
+
+
+def test_free_cores_counts_what_other_processes_take(monkeypatch):
+    from kvcache_cli import measure
+
+    monkeypatch.undo()  # conftest's quiet machine: this test measures the real one
+    sampled = measure.free_cores(0.05)
+    if sampled is None:
+        pytest.skip("no /proc/stat here")
+    free, busy = sampled
+    import os
+
+    assert 1 <= free <= (os.cpu_count() or 1) and busy >= 0

@@ -16,6 +16,7 @@ from kvcache_cli.cli.loading import (
     check_weights_dtype,
     default_model,
     need_torch_extra,
+    pick_threads,
     with_weights_dtype,
 )
 from kvcache_cli.cli.options import (
@@ -156,6 +157,7 @@ def bench(
     _check_own_gguf(mode_names, model)
     _check_config(ctx, model, mode_names, prompt_len, new_tokens, repeats, threads,
                   naive_samples)
+    threads = pick_threads(threads, dev)
     try:
         loaded = load_model(model, weights=weights, device=dev,
                            dtype=getattr(torch, TORCH_DTYPES[dtype.value]))
@@ -226,8 +228,7 @@ def _context(ctx, context: str, cache: str, device: str, model: str, weights: st
         dev = resolve_device(device)
     except ValueError as err:
         fail(str(err))
-    if threads is not None:
-        torch.set_num_threads(threads)
+    pick_threads(threads, dev)
     try:
         loaded = load_model(model, weights=weights, device=dev,
                             dtype=getattr(torch, TORCH_DTYPES[dtype.value]))
@@ -277,7 +278,6 @@ def _speculative(ctx, draft: str, speculate: str, cache: str, prompt_file: Path 
             text = heldout_text(model)
     spec, note = drafts.check(model, draft, ks, cache, prompt_len + new_tokens)
     _check_lengths(ctx, model, prompt_len, new_tokens)
-    import torch
 
     from kvcache_cli.bench import modes as bench_modes
     from kvcache_cli.cli.loading import load_model
@@ -290,8 +290,7 @@ def _speculative(ctx, draft: str, speculate: str, cache: str, prompt_file: Path 
         dev = str(resolve_device(device))
     except ValueError as err:
         fail(str(err))
-    if threads is not None:
-        torch.set_num_threads(threads)
+    pick_threads(threads, dev)
     loaded = load_model(model, weights, dev, dtype.value)
     gpt = loaded.model
     prompt = (_tokenize(gpt, text)[:prompt_len] if text is not None
@@ -351,8 +350,7 @@ def _profile(ctx, device: str, model: str, weights: str, dtype: DType,
     from kvcache_cli.models import load_model, set_weights_dtype
     from kvcache_cli.views.bench import profile_view
 
-    if threads is not None:
-        torch.set_num_threads(threads)
+    pick_threads(threads, dev)
     try:
         loaded = load_model(model, weights=weights, device=dev,
                             dtype=getattr(torch, TORCH_DTYPES[dtype.value]))
@@ -419,8 +417,7 @@ def _tasks(ctx, sets: str, draft: str, speculate: str, cache: str, model: str, w
     from kvcache_cli.speculative.tasks import run_tasks
     from kvcache_cli.views.speculative import task_table_view
 
-    if threads is not None:
-        torch.set_num_threads(threads)
+    pick_threads(threads, dev)
     loaded = load_model(model, weights, str(dev), "fp32")
     max_len = max(len(t.prompt_ids) for t in chat) + new_tokens + max(ks) + 1
     built = [make_draft(s, loaded.model, max_len) for s in specs]

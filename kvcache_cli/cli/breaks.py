@@ -12,7 +12,13 @@ import typer
 
 from kvcache_cli.breaks.registry import QUANT_BREAK_TOKENS
 from kvcache_cli.cli.demo import pick, show, show_list
-from kvcache_cli.cli.loading import GPT2_MODULES, load_model, torch_device, torch_extra_missing
+from kvcache_cli.cli.loading import (
+    GPT2_MODULES,
+    load_model,
+    pick_threads,
+    torch_device,
+    torch_extra_missing,
+)
 from kvcache_cli.cli.output import console, print_view, progress_bar
 from kvcache_cli.cli.refusals import fail
 
@@ -191,6 +197,7 @@ def _torch_breaks(names: list[str], model: str, weights: str, device: str,
 
     torch_device(device)
     loaded = load_model(model, weights, device)
+    pick_threads(None, device)  # break takes no --threads: its runs are short
     results = {}
     try:
         for n in names:

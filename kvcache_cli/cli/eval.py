@@ -11,7 +11,13 @@ from typing import Annotated, Any
 import typer
 
 from kvcache_cli.checkpoints import TRAINED
-from kvcache_cli.cli.loading import GPT2_MODULES, default_model, load_model, need_torch_extra
+from kvcache_cli.cli.loading import (
+    GPT2_MODULES,
+    default_model,
+    load_model,
+    need_torch_extra,
+    pick_threads,
+)
 from kvcache_cli.cli.options import (
     DeviceOption,
     ModelOption,
@@ -145,6 +151,7 @@ def eval_(
              "which needs no download", code=1)
     check_plot(plot)
     loaded = load_model(model, weights.value, str(dev))
+    threads = pick_threads(threads, dev)
     try:
         with _progress() as on_progress:
             result = quality.evaluate(
@@ -285,10 +292,8 @@ def _retrieval(cache, model, weights, lengths, device, threads, plot, as_json) -
         fail(str(err), code=1)
     check_plot(plot)
     loaded = load_model(model, weights.value, str(dev))
-    import torch
 
-    if threads is not None:
-        torch.set_num_threads(threads)
+    pick_threads(threads, dev)
     try:
         with _progress("answering", "prompts") as on_progress:
             result = retrieval.run_retrieval(loaded.model, prompter, specs, sizes,

@@ -17,6 +17,7 @@ from kvcache_cli.cli.loading import (
     default_model,
     load_model,
     need_torch_extra,
+    pick_threads,
     torch_device,
 )
 from kvcache_cli.cli.options import (
@@ -136,8 +137,7 @@ def generate(
                                          weights_dtype, prompt, prompt_ids, encoding)
     import torch
 
-    if threads is not None:
-        torch.set_num_threads(threads)
+    pick_threads(threads, device)
     generator = torch.Generator(device=device).manual_seed(seed)
     if draft_spec is not None:
         built = drafts.build(draft_spec, loaded, weights, device, dtype.value,

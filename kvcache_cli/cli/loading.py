@@ -7,6 +7,8 @@ Nothing here imports torch at module level: the checks run before torch is known
 
 from __future__ import annotations
 
+import os
+
 import typer
 
 from kvcache_cli.cli.options import TORCH_DTYPES
@@ -99,6 +101,29 @@ def load_model(model: str, weights: str, device: str, dtype: str = "fp32", confi
     if loaded.note:
         typer.echo(f"note: {loaded.note}", err=True)
     return loaded
+
+
+def pick_threads(threads: int | None, device) -> int:
+    """torch's intra-op threads for the run, set now: --threads when given; on the CPU,
+    else, torch's own count (one per core) cut to the cores other processes leave free,
+    with one note saying so. Measured (a 0.1 s sample) only when a model is about to run."""
+    import torch
+
+    from kvcache_cli import measure
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+        return threads
+    own = torch.get_num_threads()
+    sampled = measure.free_cores() if str(device) == "cpu" else None
+    if sampled is None or sampled[0] >= own:
+        return own
+    free, busy = sampled
+    torch.set_num_threads(free)
+    typer.echo(f"note: other processes keep {busy:.1f} of {os.cpu_count()} cores busy: running "
+               f"on {free} thread{'s' if free != 1 else ''}, not {own} (--threads sets it)",
+               err=True)
+    return free
 
 
 def check_weights_dtype(weights_dtype: str | None, model: str, device: str,

@@ -16,6 +16,7 @@ from kvcache_cli.cli.loading import (
     default_model,
     load_model,
     need_torch_extra,
+    pick_threads,
 )
 from kvcache_cli.cli.options import DeviceOption, ModelOption, WeightsDTypeOption, threads_error
 from kvcache_cli.cli.output import check_plot, console, progress_bar, show_then_plot
@@ -143,6 +144,7 @@ def serve(
     remote = () if where is None else _run_target(where, target_model, timeout, model, what,
                                                    chat, status, target_prompt)
     loaded = load_model(model, weights, dev)
+    threads = pick_threads(threads, dev)
     if weights_dtype is not None:
         from kvcache_cli.models import set_weights_dtype
 
