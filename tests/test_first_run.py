@@ -107,3 +107,30 @@ def test_free_cores_counts_what_other_processes_take(monkeypatch):
     import os
 
     assert 1 <= free <= (os.cpu_count() or 1) and busy >= 0
+
+
+def test_the_eta_leaves_out_the_first_units_one_time_costs():
+    from kvcache_cli.cli.output import Eta
+
+    # eval's shape: a prefill that takes 60 s and scores 1 token, then 511 tokens at 0.3 s.
+    times = [0.0] + [60.0 + 0.3 * i for i in range(512)]
+    eta = Eta()
+    assert eta(0, 512, times[0]) is None and eta(1, 512, times[1]) is None
+    left = eta(11, 512, times[11])
+    truth = times[-1] - times[11]
+    assert abs(left - truth) < 0.01 * truth
+    whole_run_rate = times[11] / 11 * (512 - 11)  # the ETA before: ~19 times the truth
+    assert whole_run_rate > 10 * truth
+
+
+def test_progress_off_a_terminal_names_what_runs_now(capsys):
+    from kvcache_cli.cli.output import ProgressLines
+
+    now = iter([0.0, 10.0, 20.0, 40.0])
+    lines = ProgressLines("loading", "tokens of context", clock=lambda: next(now))
+    lines(1024, 13_296, "filling int8 to 1,024")  # 10 s: under a tenth; the rate starts
+    lines(5120, 13_296, "4,096 tokens timed")  # 20 s: 4,096 in 10 s
+    lines(13_296, 13_296, "8,176 tokens timed")  # 40 s
+    assert capsys.readouterr().err.splitlines() == [
+        "4,096 tokens timed: 5,120/13,296 tokens of context, 0:20 elapsed, ETA 0:20",
+        "8,176 tokens timed: 13,296/13,296 tokens of context, 0:40 elapsed"]

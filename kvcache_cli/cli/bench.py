@@ -27,7 +27,7 @@ from kvcache_cli.cli.options import (
     WeightsDTypeOption,
     threads_error,
 )
-from kvcache_cli.cli.output import check_plot, console, progress_bar, show_then_plot
+from kvcache_cli.cli.output import check_plot, console, progress, show_then_plot
 from kvcache_cli.cli.refusals import defaults_in, fail
 
 # `bench --context`: steps timed a round at each context, unless --new-tokens is given.
@@ -233,14 +233,12 @@ def _context(ctx, context: str, cache: str, device: str, model: str, weights: st
         loaded = load_model(model, weights=weights, device=dev,
                             dtype=getattr(torch, TORCH_DTYPES[dtype.value]))
         loaded, _ = with_weights_dtype(loaded, weights_dtype)
-        err_console = console(stderr=True)
-        with progress_bar(err_console, "{task.description}") as bar:
-            task = bar.add_task("loading", total=None)
+        with progress("loading", "tokens of context") as update:
             result = bench_context.run_context(
                 loaded.model, specs, contexts, steps, repeats, torch.get_num_threads(),
                 model_name=loaded.source, weights=linear.weights_format(loaded.model),
                 with_llama=dev.type == "cpu",
-                progress=lambda label, done, total: bar.update(task, description=label))
+                progress=lambda label, done, total: update(done, total, label))
     except (ValueError, IndexError) as err:
         fail(str(err))
     except (RuntimeError, OSError) as err:
@@ -577,35 +575,15 @@ def _check_own_gguf(mode_names: list[str], model: str) -> None:
 
 @contextlib.contextmanager
 def _progress():
-    """A bar on stderr while the run lasts, and a line per finished run off a terminal.
-
-    On stderr and transient, so stdout holds only the result (and --json stays JSON).
-    Redrawn twice a second, not rich's ten: the redraw thread shares the CPUs being timed.
-    """
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-
+    """(on_progress, on_finished): progress on stderr while the run lasts (`output.progress`:
+    the run timed now, the steps of all runs, an ETA; a bar in a terminal, a line now and
+    then off one), and off a terminal a line per finished run. On stderr and transient, so
+    stdout holds only the result (and --json stays JSON)."""
     err_console = console(stderr=True)
-    progress = progress_bar(
-        err_console, "{task.description}", BarColumn(), MofNCompleteColumn(), "steps",
-        TimeElapsedColumn(), "ETA", TimeRemainingColumn(),
-    )  # fmt: skip
-    task = progress.add_task("loading", total=None)
-
-    def on_progress(label: str, done: int, total: int) -> None:
-        progress.update(task, description=label, completed=done, total=total)
 
     def on_finished(label: str, tokens_per_s: float) -> None:
-        # Without a terminal there is no bar: one line per finished run says it is alive.
-        if not err_console.is_terminal:
+        if not err_console.is_terminal:  # in a terminal the bar shows the run
             typer.echo(f"{label}: {tokens_per_s:.1f} tokens/s", err=True)
 
-    if not err_console.is_terminal:  # no bar to draw: rich would still end it with a newline
-        yield (lambda label, done, total: None), on_finished
-        return
-    with progress:
-        yield on_progress, on_finished
+    with progress("loading", "steps") as update:
+        yield (lambda label, done, total: update(done, total, label)), on_finished

@@ -3,7 +3,6 @@ it and scored against the exact cache on the same tokens."""
 
 from __future__ import annotations
 
-import contextlib
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any
@@ -26,11 +25,10 @@ from kvcache_cli.cli.options import (
     threads_error,
 )
 from kvcache_cli.cli.output import (
-    ProgressLines,
     check_plot,
     columns,
     console,
-    progress_bar,
+    progress,
     show_then_plot,
 )
 from kvcache_cli.cli.refusals import fail
@@ -153,7 +151,9 @@ def eval_(
     loaded = load_model(model, weights.value, str(dev))
     threads = pick_threads(threads, dev)
     try:
-        with _progress() as on_progress:
+        # Every cache is scored on each step in turn: the bar names them all.
+        scoring = f"scoring {', '.join(map(str, specs))}"
+        with progress(scoring, "tokens") as on_progress:
             result = quality.evaluate(
                 loaded.model, ids.ids[:n], specs, prompt_len=prompt_len, chunk=chunk,
                 threads=threads, model_name=loaded.source, weights_note=loaded.note,
@@ -249,13 +249,15 @@ def _with_peers(result, model, ids, peers, prompt_len, on_progress):
     rows = ()
     llama_cpp = [s for s in peers if isinstance(s, LlamaCppSpec)]
     if llama_cpp:
+        names = f"scoring {', '.join(map(str, llama_cpp))}"
         rows += llama_quality.evaluate(model.config.gguf, ids, llama_cpp, model.config,
                                        prompt_len=prompt_len, threads=result.threads,
-                                       progress=on_progress)
+                                       progress=lambda d, t: on_progress(d, t, names))
     transformers = [s for s in peers if isinstance(s, HFCacheSpec)]
     if transformers:
+        names = f"scoring {', '.join(map(str, transformers))}"
         rows += hf_quality.evaluate(model, ids, transformers, prompt_len=prompt_len,
-                                    progress=on_progress)
+                                    progress=lambda d, t: on_progress(d, t, names))
     return dataclasses.replace(result, caches=result.caches + rows)
 
 
@@ -295,7 +297,7 @@ def _retrieval(cache, model, weights, lengths, device, threads, plot, as_json) -
 
     pick_threads(threads, dev)
     try:
-        with _progress("answering", "prompts") as on_progress:
+        with progress("answering", "prompts") as on_progress:
             result = retrieval.run_retrieval(loaded.model, prompter, specs, sizes,
                                              model_name=loaded.source, progress=on_progress)
     except (ValueError, IndexError) as err:
@@ -324,20 +326,3 @@ def _heldout(model: str) -> Path:
         raise ValueError(f"--model {model} ships no {HELDOUT}: give the text to evaluate on "
                          "with --text FILE")
     return path
-
-
-@contextlib.contextmanager
-def _progress(what: str = "scoring", unit: str = "tokens"):
-    """A transient bar on stderr in a terminal (the count, elapsed time and ETA); off one,
-    a line now and then (`output.ProgressLines`), so a run into a file is not silent."""
-    from rich.progress import BarColumn, MofNCompleteColumn, TimeElapsedColumn, TimeRemainingColumn
-
-    err_console = console(stderr=True)
-    if not err_console.is_terminal:
-        yield ProgressLines(what, unit)
-        return
-    progress = progress_bar(err_console, what, BarColumn(), MofNCompleteColumn(), unit,
-                            TimeElapsedColumn(), "ETA", TimeRemainingColumn())
-    bar = progress.add_task(what, total=None)
-    with progress:
-        yield lambda done, total: progress.update(bar, completed=done, total=total)
