@@ -35,6 +35,28 @@ class Bandwidth:
     median_gbps: float
 
 
+NO_CUDA = "CUDA is not available (torch sees no GPU); use --device cpu"
+
+
+def torch_without_cuda() -> str | None:
+    """The installed torch's version when it is a build without CUDA (or ROCm), read from
+    its version.py without importing it (seconds); None when it has one, or is not there."""
+    import re
+    from importlib.util import find_spec
+    from pathlib import Path
+
+    spec = find_spec("torch")
+    for folder in (spec.submodule_search_locations or []) if spec is not None else ():
+        try:
+            text = (Path(folder) / "version.py").read_text(encoding="utf-8")
+        except OSError:
+            return None
+        built = {m[1]: m[2] for m in re.finditer(r"^(\w+)\b[^=\n]*=\s*(.+?)\s*$", text, re.M)}
+        if built.get("cuda") == "None" and built.get("hip") == "None":
+            return built.get("__version__", "").strip("'\"")
+    return None
+
+
 def resolve_device(name: str) -> torch.device:
     """`auto` picks CUDA when there is one; asking for CUDA without one is an error."""
     import torch
@@ -44,7 +66,7 @@ def resolve_device(name: str) -> torch.device:
     if name not in ("cpu", "cuda"):
         raise ValueError(f"unknown device {name!r}; valid devices: cpu, cuda, auto")
     if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("CUDA is not available (torch sees no GPU); use --device cpu")
+        raise ValueError(NO_CUDA)
     return torch.device(name)
 
 

@@ -205,7 +205,7 @@ def test_gpt2_without_tiktoken_s_files_says_so_and_offers_the_trained_checkpoint
                         lambda: (None, "tiktoken's gpt2 encoding is unavailable (offline)"))
     result = invoke("--model", "gpt2", "--weights", "random", "--text",
                     _text(tmp_path, TEXT.encode()))
-    assert result.exit_code == 1, result.output
+    assert result.exit_code == 2, result.output  # a refusal like every other (issue 43)
     (line,) = result.stderr.strip().splitlines()
     assert line.startswith("error: tiktoken's gpt2 encoding is unavailable (offline)")
     assert "--model stdlib-bytes" in line

@@ -134,3 +134,95 @@ def test_progress_off_a_terminal_names_what_runs_now(capsys):
     assert capsys.readouterr().err.splitlines() == [
         "4,096 tokens timed: 5,120/13,296 tokens of context, 0:20 elapsed, ETA 0:20",
         "8,176 tokens timed: 13,296/13,296 tokens of context, 0:40 elapsed"]
+
+
+def test_json_writes_null_for_nan_and_infinity_never_a_string():
+    import math
+
+    from kvcache_cli.views import to_json
+
+    data = json.loads(to_json({"decode_tokens_per_s": math.nan, "rate": [math.inf, 1.5]}))
+    assert data == {"decode_tokens_per_s": None, "rate": [None, 1.5]}
+
+
+def test_generate_json_of_one_token_has_a_null_decode_rate(chat_gguf):
+    result = invoke("generate", "hi", "-m", chat_gguf, "-n", "1", "--json")
+    assert result.exit_code == 0, result.output
+    assert '"decode_tokens_per_s": null' in result.stdout
+
+
+@pytest.fixture(scope="module")
+def byte_checkpoint(tmp_path_factory):
+    from bytecheckpoint import write_byte_checkpoint
+
+    text = "def add(a, b):\n    return a + b\n\n\nclass Point:\n    x: int = 0\n" * 12
+    return str(write_byte_checkpoint(tmp_path_factory.mktemp("bytes"), 256, 128, text))
+
+
+def test_eval_says_why_a_short_run_holds_more_for_int4_than_int8(byte_checkpoint):
+    result = invoke("eval", "-m", byte_checkpoint, "--cache", "int8,int4", "--tokens", "200",
+                    "--prompt-len", "16", env={"COLUMNS": "100"})
+    assert result.exit_code == 0, result.output
+    out = result.stdout
+    assert " MiB" in out or " KiB" in out
+    assert " MB" not in out and " kB" not in out
+    line = next(line for line in out.splitlines() if line.startswith("int4:g32:kchan:r128: "))
+    assert "at full precision (residual" in line
+    assert not any(line.startswith("int8:g32:ktok:r0: ") for line in out.splitlines())
+    saved = invoke("eval", "-m", byte_checkpoint, "--cache", "int4", "--tokens", "200",
+                   "--prompt-len", "16", "--json")
+    assert saved.exit_code == 0 and '"nan"' not in saved.stdout
+    from kvcache_cli.eval.quality import result_from_json
+
+    data = json.loads(saved.stdout)
+    data["caches"][0]["decode_ms_per_token"] = None  # a row with no time, as a peer's
+    read = result_from_json(data)  # what --replot reads: null back to NaN
+    assert read.caches[0].decode_ms_per_token != read.caches[0].decode_ms_per_token
+
+
+def test_generate_help_shows_each_example_on_a_line_of_its_own():
+    result = invoke("generate", "--help", env={"COLUMNS": "80"})
+    assert result.exit_code == 0
+    lines = [line.strip() for line in result.stdout.splitlines()]
+    for example in ('kvcache generate "What is a KV cache?"',
+                    'kvcache generate "def fibonacci(n):" -m stdlib-bytes -n 64',
+                    "kvcache generate --ids 464,2068,7586 -m gpt2 --cache int8"):
+        assert example in lines, result.stdout
+
+
+def _without_torch(*args: str) -> tuple[int, str, bool]:
+    """(exit code, stderr, whether torch was imported) of a command run in a fresh process."""
+    import subprocess
+    import sys
+
+    script = ("import sys\nfrom kvcache_cli.cli import app\ntry:\n    app(sys.argv[1:])\n"
+              "except SystemExit as end:\n    code = end.code\n"
+              "sys.stderr.write(f'torch imported: {\"torch\" in sys.modules}\\n')\n"
+              "sys.exit(code)\n")
+    run = subprocess.run([sys.executable, "-c", script, *args], capture_output=True,
+                         text=True, timeout=120)
+    *lines, imported = run.stderr.splitlines()
+    return run.returncode, "\n".join(lines), imported == "torch imported: True"
+
+
+@pytest.mark.parametrize("command", ["generate", "bench", "eval", "serve"])
+def test_a_missing_model_file_is_refused_before_torch_naming_every_kind(command):
+    ids = ("--ids", "1") if command == "generate" else ()
+    code, stderr, imported = _without_torch(command, "-m", "/nonexistent.gguf", *ids)
+    assert code == 2 and not imported, stderr
+    assert stderr.startswith("error: model '/nonexistent.gguf': no such file or folder")
+    assert stderr.count("\n") == 0
+    for kind in ("gpt2", "stdlib-bytes", "smollm2", "a .gguf file", "a GPT-2 folder"):
+        assert kind in stderr
+
+
+@pytest.mark.parametrize("command", ["generate", "bench", "eval", "serve"])
+def test_cuda_on_a_torch_built_without_it_is_refused_before_torch(command):
+    from kvcache_cli.measure import torch_without_cuda
+
+    if torch_without_cuda() is None:
+        pytest.skip("this torch is built with CUDA: only torch can say whether a GPU is there")
+    ids = ("--ids", "1") if command == "generate" else ()
+    code, stderr, imported = _without_torch(command, "--device", "cuda", *ids)
+    assert code == 2 and not imported, stderr
+    assert "CUDA is not available" in stderr and stderr.count("\n") == 0

@@ -17,6 +17,8 @@ from kvcache_cli.cli.loading import (
     default_model,
     need_torch_extra,
     pick_threads,
+    refuse_missing_model,
+    refuse_unbuilt_cuda,
     with_weights_dtype,
 )
 from kvcache_cli.cli.options import (
@@ -114,6 +116,13 @@ def bench(
     plain decoding with the same cache, interleaved, medians over --repeats.
     """
     model = model if model is not None else default_model()
+    # Checked before the model is looked for: values first, then the path, then the device,
+    # each before torch is imported.
+    if threads_error(threads):
+        fail(threads_error(threads))
+    check_plot(plot)
+    refuse_missing_model(model)
+    refuse_unbuilt_cuda(device)
     if profile:
         _profile(ctx, device, model, weights, dtype, weights_dtype, prompt_len, new_tokens,
                  threads, as_json)

@@ -16,6 +16,8 @@ from kvcache_cli.cli.loading import (
     load_model,
     need_torch_extra,
     pick_threads,
+    refuse_missing_model,
+    refuse_unbuilt_cuda,
 )
 from kvcache_cli.cli.options import (
     DeviceOption,
@@ -132,6 +134,8 @@ def eval_(
     if replot is not None:
         _replot(replot, plot)
         return
+    refuse_missing_model(model)
+    refuse_unbuilt_cuda(device)
     if task is Task.retrieval:
         _retrieval(cache, model, weights, lengths, device, threads, plot, as_json)
         return
@@ -146,7 +150,7 @@ def eval_(
         fail(str(err))
     except TokenizerUnavailable as err:
         fail(f"{err}: --model {TRAINED} evaluates the trained byte-level checkpoint, "
-             "which needs no download", code=1)
+             "which needs no download")
     check_plot(plot)
     loaded = load_model(model, weights.value, str(dev))
     threads = pick_threads(threads, dev)

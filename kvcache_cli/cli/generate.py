@@ -12,12 +12,15 @@ from kvcache_cli.caches import MODES
 from kvcache_cli.cli import drafts
 from kvcache_cli.cli.loading import (
     GPT2_MODULES,
+    NO_CUDA_IN,
     check_cache_for,
     check_weights_dtype,
     default_model,
     load_model,
     need_torch_extra,
     pick_threads,
+    refuse_missing_model,
+    refuse_unbuilt_cuda,
     torch_device,
 )
 from kvcache_cli.cli.options import (
@@ -118,6 +121,8 @@ def generate(
     if not math.isfinite(temperature):
         fail(f"--temperature {temperature}: expected a finite number, 0 or more (0 is greedy)")
     prompt_ids = _parse_ids(ids) if ids is not None else []  # before the model loads
+    refuse_missing_model(model)  # the path and the device before torch is imported
+    refuse_unbuilt_cuda(device, NO_CUDA_IN)
     config, config_error = _read_config(model)
     draft_spec, note, speculate = _check_draft(model, config, draft, speculate, spec,
                                                prompt_ids, max_new_tokens)
@@ -259,7 +264,7 @@ def _check_request(config, tokenizer: str, prompt: str | None, prompt_ids: list[
     if prompt is not None:  # before loading a model: a text prompt needs the tokenizer
         encoding, why = encoding_for(tokenizer)
         if encoding is None:
-            fail(f"{why}: {_USE_IDS}", code=1)
+            fail(f"{why}: {_USE_IDS}")  # bad input like every refusal: --ids or a model fixes it
     known = prompt_ids or (encoding.encode(prompt, disallowed_special=())
                            if encoding is not None and _readable(config) else None)
     # The request against the window before the weights load, or any note prints; the one

@@ -73,14 +73,40 @@ def check_cache_for(spec, model: str, config=None) -> None:
         fail(str(err))
 
 
+def refuse_missing_model(model: str) -> None:
+    """A --model path that is not there, refused in one line naming every kind --model
+    accepts, before torch is imported (seconds)."""
+    from kvcache_cli.models import missing_model
+
+    message = missing_model(model)
+    if message is not None:
+        fail(message)
+
+
+# generate's words for no CUDA, naming the torch build; bench, eval and serve say NO_CUDA.
+NO_CUDA_IN = "--device cuda: CUDA is not available (torch {version}); use --device cpu"
+
+
+def refuse_unbuilt_cuda(device: str, words: str | None = None) -> None:
+    """--device cuda on a torch built without CUDA, refused in one line (WORDS, else
+    measure.NO_CUDA) before torch is imported (that alone takes seconds); a build with CUDA
+    is asked later, by torch."""
+    from kvcache_cli.measure import NO_CUDA, torch_without_cuda
+
+    version = torch_without_cuda() if device == "cuda" else None
+    if version:
+        fail((words or NO_CUDA).format(version=version))
+
+
 def torch_device(device: str) -> str:
     """Check --device before loading anything: no CUDA is bad input, in one line."""
-    import torch
-
     if device not in ("cpu", "cuda"):
         fail(f"--device {device!r}: expected cpu or cuda")
+    refuse_unbuilt_cuda(device, NO_CUDA_IN)
+    import torch
+
     if device == "cuda" and not torch.cuda.is_available():
-        fail(f"--device cuda: CUDA is not available (torch {torch.__version__}); use --device cpu")
+        fail(NO_CUDA_IN.format(version=torch.__version__))
     return device
 
 

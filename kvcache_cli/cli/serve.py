@@ -17,6 +17,8 @@ from kvcache_cli.cli.loading import (
     load_model,
     need_torch_extra,
     pick_threads,
+    refuse_missing_model,
+    refuse_unbuilt_cuda,
 )
 from kvcache_cli.cli.options import DeviceOption, ModelOption, WeightsDTypeOption, threads_error
 from kvcache_cli.cli.output import (
@@ -128,6 +130,8 @@ def serve(
                          "prometheus_client")
     if threads_error(threads):  # first: it needs no model and none of serving's imports
         fail(threads_error(threads))
+    refuse_missing_model(model)
+    refuse_unbuilt_cuda(device)
     from kvcache_cli.serving import batching
     from kvcache_cli.serving import engines as serving
     from kvcache_cli.serving.chat import requests as chat_requests

@@ -117,8 +117,9 @@ def _discard(folder: Path) -> None:
 def _gguf_folder(name_or_path: str) -> tuple[Path, dict]:
     path = Path(resolve_llama(name_or_path))
     if not (path.exists() or path.is_symlink()):
-        raise ValueError(f"model {name_or_path!r}: no such file; expected {SMOLLM2}, a .gguf "
-                         "file, a llama safetensors folder or a Hub id")
+        from kvcache_cli.models import missing_model
+
+        raise ValueError(missing_model(str(path)) or f"model {name_or_path!r}: no such file")
     return _convert(path)
 
 
