@@ -226,3 +226,32 @@ def test_cuda_on_a_torch_built_without_it_is_refused_before_torch(command):
     code, stderr, imported = _without_torch(command, "--device", "cuda", *ids)
     assert code == 2 and not imported, stderr
     assert "CUDA is not available" in stderr and stderr.count("\n") == 0
+
+
+@pytest.mark.parametrize("terminal", [True, False])
+def test_an_error_line_is_wrapped_at_the_width_in_a_terminal_only(monkeypatch, terminal):
+    import sys
+
+    from kvcache_cli.cli.refusals import on_stderr
+
+    monkeypatch.setenv("COLUMNS", "80")
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: terminal, raising=False)
+    line = "error: " + "a refusal that names the value as typed and what was expected " * 4
+    shown = on_stderr(line.strip())
+    if not terminal:  # a log or a pipe keeps it whole, for grep and for programs
+        assert shown == line.strip()
+        return
+    rows = shown.split("\n")
+    assert len(rows) > 1 and all(len(row) <= 80 for row in rows)
+    assert all(row.startswith("  ") for row in rows[1:])
+    assert " ".join(row.strip() for row in rows) == line.strip()
+
+
+def test_size_at_80_columns_keys_its_split_table_by_the_layer_kind():
+    result = invoke("size", "--layers", "32", "--kv-heads", "8", "--seq", "32768",
+                    env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    total = next(i for i, line in enumerate(lines) if line.rstrip().endswith("total"))
+    assert lines[total].split() == ["layers", "kind", "total"]
+    assert lines[total + 2].split() == ["32", "full", "attention", "4.00", "GiB"]

@@ -20,7 +20,7 @@ from kvcache_cli.cli.loading import (
     torch_extra_missing,
 )
 from kvcache_cli.cli.output import console, print_view, progress_bar
-from kvcache_cli.cli.refusals import fail
+from kvcache_cli.cli.refusals import fail, print_note
 
 
 def _by_family(names: list[str]) -> tuple[list[str], list[str]]:
@@ -96,7 +96,7 @@ def break_(
         show(results, as_json=False)
         results = {}
     for note in notes:  # `all` without torch or SmolLM2: say what was left out and why
-        typer.echo(f"note: {note}", err=True)
+        print_note(note)
     for chosen, run_names in runs.items():
         loaded, torch_results = _torch_breaks(run_names, chosen, weights, device,
                                               max_new_tokens)

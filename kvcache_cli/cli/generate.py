@@ -33,7 +33,7 @@ from kvcache_cli.cli.options import (
     threads_error,
 )
 from kvcache_cli.cli.output import console, print_view
-from kvcache_cli.cli.refusals import fail
+from kvcache_cli.cli.refusals import fail, print_note
 
 # --mode's choices, the generation modes' registry as a str Enum (the one way every typer
 # version lists and checks choices).
@@ -137,7 +137,7 @@ def generate(
         prompt = _chat_prompt(model, config, chat)
     encoding = _check_request(config, tokenizer, prompt, prompt_ids, max_new_tokens)
     if note:
-        typer.echo(f"note: {note}", err=True)
+        print_note(note)
     loaded, prompt_ids, encoding = _load(model, config, weights, device, dtype.value,
                                          weights_dtype, prompt, prompt_ids, encoding)
     import torch
@@ -154,7 +154,7 @@ def generate(
     result = _run(loaded, prompt_ids, encoding, as_json, device, spec, max_new_tokens, turn,
                   temperature=temperature, top_k=top_k, generator=generator, stop_ids=stop_ids)
     if result.stopped and len(result.tokens) <= FEW_TOKENS:
-        typer.echo(f"note: {_stopped_early(len(result.tokens), chat is not None, raw)}", err=True)
+        print_note(_stopped_early(len(result.tokens), chat is not None, raw))
 
 
 # A run that ends at an end token within this many new tokens says so: it reads as a bug.
@@ -331,7 +331,7 @@ def _encode(model, prompt: str | None, prompt_ids: list[int], encoding):
     if readable:
         encoding, why = encoding_for(config.tokenizer)  # only to show the new tokens as text
         if encoding is None:
-            typer.echo(f"note: {why}: showing token ids", err=True)
+            print_note(f"{why}: showing token ids")
     return prompt_ids, encoding
 
 

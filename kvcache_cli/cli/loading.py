@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import os
 
-import typer
-
 from kvcache_cli.cli.options import TORCH_DTYPES
-from kvcache_cli.cli.refusals import fail
+from kvcache_cli.cli.refusals import fail, print_note
 
 # What the GPT-2 loader may import: torch always, safetensors for a checkpoint folder,
 # huggingface_hub for the pretrained weights. All come with the torch extra.
@@ -125,7 +123,7 @@ def load_model(model: str, weights: str, device: str, dtype: str = "fp32", confi
     except (RuntimeError, OSError) as err:
         fail(str(err), code=1)
     if loaded.note:
-        typer.echo(f"note: {loaded.note}", err=True)
+        print_note(loaded.note)
     return loaded
 
 
@@ -146,7 +144,7 @@ def pick_threads(threads: int | None, device) -> int:
         return own
     free, busy = sampled
     torch.set_num_threads(free)
-    typer.echo(f"note: other processes keep {busy:.1f} of {os.cpu_count()} cores busy: running "
+    print_note(f"other processes keep {busy:.1f} of {os.cpu_count()} cores busy: running "
                f"on {free} thread{'s' if free != 1 else ''}, not {own} (--threads sets it)",
                err=True)
     return free
