@@ -255,3 +255,34 @@ def test_size_at_80_columns_keys_its_split_table_by_the_layer_kind():
     total = next(i for i, line in enumerate(lines) if line.rstrip().endswith("total"))
     assert lines[total].split() == ["layers", "kind", "total"]
     assert lines[total + 2].split() == ["32", "full", "attention", "4.00", "GiB"]
+
+
+def test_eval_reads_only_the_part_of_a_huge_text_that_its_tokens_need(byte_checkpoint,
+                                                                       tmp_path, monkeypatch):
+    from kvcache_cli.eval import text as eval_text
+
+    huge = tmp_path / "huge.txt"
+    huge.write_text("def add(a, b):\n    return a + b\n" * 250_000)  # 8 MB
+    encoded = []
+    real = eval_text.encode
+    monkeypatch.setattr(eval_text, "encode",
+                        lambda text, tokenizer: encoded.append(len(text)) or real(text, tokenizer))
+    result = invoke("eval", "-m", byte_checkpoint, "--text", str(huge), "--tokens", "100",
+                    "--prompt-len", "16", "--cache", "concat", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["tokens"] == 100
+    assert encoded and max(encoded) <= 100 * eval_text.FIRST_READ_BYTES_PER_TOKEN
+
+
+def test_a_short_first_read_grows_until_the_tokens_are_there(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from kvcache_cli.eval import text as eval_text
+
+    monkeypatch.setattr(eval_text, "FIRST_READ_BYTES_PER_TOKEN", 1)
+    path = tmp_path / "t.txt"
+    path.write_text("é" * 1000)  # two bytes a character: the first read holds half
+    read = eval_text.read_tokens(path, SimpleNamespace(tokenizer="bytes", vocab_size=256), 300)
+    assert read.ids == tuple("é".encode() * 150)
+    whole = eval_text.read_tokens(path, SimpleNamespace(tokenizer="bytes", vocab_size=256), 5000)
+    assert len(whole.ids) == 2000

@@ -210,7 +210,7 @@ def _check_options(cache, model, text, tokens, prompt_len, chunk, device, thread
     from kvcache_cli.eval import quality
     from kvcache_cli.eval.peer_hf import HFCacheSpec
     from kvcache_cli.eval.peer_llama_cpp import LlamaCppSpec, check_installed
-    from kvcache_cli.eval.text import eval_text, read_text
+    from kvcache_cli.eval.text import read_tokens
     from kvcache_cli.measure import resolve_device
     from kvcache_cli.models import model_config
 
@@ -227,7 +227,9 @@ def _check_options(cache, model, text, tokens, prompt_len, chunk, device, thread
     # --tokens, when given, against the context window; the text's length comes next.
     quality.check_eval(config.context, tokens, prompt_len, chunk)
     path = text if text is not None else _heldout(model)
-    ids = eval_text(read_text(path), str(path), config)
+    # As many tokens as the run can score: the file beyond them is never read.
+    wanted = tokens if tokens is not None else min(config.context, quality.DEFAULT_TOKENS)
+    ids = read_tokens(path, config, wanted)
     n = quality.tokens_to_read(len(ids.ids), config.context, tokens, prompt_len,
                                f"--text {str(path)!r}")
     quality.check_caches(specs, config, n - 1, model, prompt_len)
