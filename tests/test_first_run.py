@@ -286,3 +286,46 @@ def test_a_short_first_read_grows_until_the_tokens_are_there(tmp_path, monkeypat
     assert read.ids == tuple("é".encode() * 150)
     whole = eval_text.read_tokens(path, SimpleNamespace(tokenizer="bytes", vocab_size=256), 5000)
     assert len(whole.ids) == 2000
+
+
+@pytest.mark.parametrize("damage", ["truncated", "emptied"])
+def test_a_cached_gguf_cut_short_since_it_was_written_is_written_again(tmp_path, damage):
+    pytest.importorskip("gguf")
+    from llamakit import tiny_config, tiny_hf
+
+    from kvcache_cli.models.gguf.export import export_gguf
+    from kvcache_cli.models.gguf.reader import read_gguf
+
+    hf = tiny_hf()
+    state, config = hf.state_dict(), tiny_config(hf)
+    first = export_gguf(state, config, "f32", tmp_path)
+    assert not first.cached
+    whole = first.path.read_bytes()
+    first.path.write_bytes(whole[:len(whole) // 2] if damage == "truncated" else b"")
+    again = export_gguf(state, config, "f32", tmp_path)
+    assert not again.cached and again.path.read_bytes() == whole
+    read_gguf(again.path)  # reads whole again
+    assert export_gguf(state, config, "f32", tmp_path).cached
+
+
+def test_size_prices_a_context_too_long_to_allocate_and_generate_refuses_it(tmp_path,
+                                                                            monkeypatch):
+    from llamakit import tiny_hf, write_tiny_gguf
+
+    from kvcache_cli.models import bounds
+
+    path = write_tiny_gguf(tiny_hf(), tmp_path / "long.gguf", context=2**20)
+    monkeypatch.setattr(bounds, "physical_memory", lambda: 256 * 2**20)
+    sized = invoke("size", "-m", str(path), "--json")
+    assert sized.exit_code == 0, sized.output
+    assert json.loads(sized.stdout)["seq"] == 2**20
+    run = invoke("generate", "-m", str(path), "--ids", "1,2", "-n", "1")
+    assert run.exit_code == 2 and run.stderr.count("\n") == 1, run.output
+    assert "context 1,048,576: a static cache of the whole context" in run.stderr
+
+
+def test_size_refuses_an_empty_dtype_in_one_line():
+    result = invoke("size", "--layers", "2", "--kv-heads", "2", "--seq", "8", "--dtype", "")
+    assert result.exit_code == 2
+    assert result.stderr == ("error: unknown dtype '': expected one of fp32, fp16, bf16, "
+                             "fp8, int8, int4\n")
