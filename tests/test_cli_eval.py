@@ -181,7 +181,8 @@ def test_bad_input_is_one_line_exit_2_before_a_model_loads(
 
 
 @pytest.mark.parametrize(("args", "first_line"), [
-    (["--model", "/nonexistent/ckpt"], "unknown model '/nonexistent/ckpt'"),
+    # Every kind --model takes, before torch is imported (issue 43).
+    (["--model", "/nonexistent/ckpt"], "model '/nonexistent/ckpt': no such file or folder"),
     (["--model", "gpt2", "--weights", "random"], "--model gpt2 ships no heldout.txt: give"),
 ])
 def test_a_missing_checkpoint_or_text_is_one_line(no_model_loads, args, first_line):

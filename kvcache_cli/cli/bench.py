@@ -73,7 +73,8 @@ def bench(
         "(minutes).")] = 16,
     repeats: Annotated[int, typer.Option(help="Timed runs per mode; medians are reported.")] = 3,
     threads: Annotated[int | None, typer.Option(
-        help="torch intra-op threads (default: torch's own, one per core).")] = None,
+        help="torch intra-op threads (default: one per core other processes leave free, "
+        "with a note when that is fewer than all).")] = None,
     plot: Annotated[Path | None, typer.Option(
         help="Write the per-step latency plot to this PNG (needs matplotlib).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the raw result as JSON.")] = False,

@@ -106,7 +106,8 @@ def eval_(
         help="Tokens fed per decode step (1: one at a time, as generation does).")] = 1,
     device: DeviceOption = "auto",
     threads: Annotated[int | None, typer.Option(
-        help="torch intra-op threads (default: torch's own, one per core).")] = None,
+        help="torch intra-op threads (default: one per core other processes leave free, "
+        "with a note when that is fewer than all).")] = None,
     plot: Annotated[Path | None, typer.Option(
         help="Write the frontier (perplexity against bytes per token) and the loss by "
         "position to this PNG (needs matplotlib).")] = None,

@@ -93,7 +93,8 @@ def generate(
         "--verbose", "-v", help="With a chat turn: also print the prompt the chat "
         "template rendered.")] = False,
     threads: Annotated[int | None, typer.Option(
-        help="torch intra-op threads (default: torch's own, one per core).")] = None,
+        help="torch intra-op threads (default: one per core other processes leave free, "
+        "with a note when that is fewer than all).")] = None,
 ) -> None:
     """Generate with a model and its KV cache, streaming tokens as they are made.
 

@@ -91,7 +91,8 @@ def serve(
     prefix_sharing: Annotated[bool, typer.Option(
         help="Share full blocks of equal prefixes (paged, and hf's own).")] = True,
     threads: Annotated[int | None, typer.Option(
-        help="torch intra-op threads (default: torch's own, one per core).")] = None,
+        help="torch intra-op threads (default: one per core other processes leave free, "
+        "with a note when that is fewer than all).")] = None,
     batch: Annotated[str | None, typer.Option(
         help="Instead of the workload: decode-step time at these batch sizes, e.g. "
         "1,4,16,64, against the roofline.")] = None,
