@@ -33,9 +33,10 @@ class EvalText:
     tokenizer: str  # "bytes", "gpt2", or "file:PATH" (a Llama-family model's own)
 
 
-def read_text(path: Path, limit: int = MAX_TEXT_BYTES) -> str:
-    """A UTF-8 text file's contents (its first LIMIT bytes, a character cut there dropped),
-    or a ValueError naming the file and what is wrong."""
+def read_text(path: Path, limit: int | None = None) -> str:
+    """A UTF-8 text file's contents (its first LIMIT bytes, MAX_TEXT_BYTES unless given, a
+    character cut there dropped), or a ValueError naming the file and what is wrong."""
+    limit = MAX_TEXT_BYTES if limit is None else limit
     what = f"--text {str(path)!r}"
     if not path.exists():
         raise ValueError(f"{what}: no such file; expected a UTF-8 text file")
