@@ -145,8 +145,7 @@ def pick_threads(threads: int | None, device) -> int:
     free, busy = sampled
     torch.set_num_threads(free)
     print_note(f"other processes keep {busy:.1f} of {os.cpu_count()} cores busy: running "
-               f"on {free} thread{'s' if free != 1 else ''}, not {own} (--threads sets it)",
-               err=True)
+               f"on {free} thread{'s' if free != 1 else ''}, not {own} (--threads sets it)")
     return free
 
 
