@@ -35,6 +35,28 @@ class Bandwidth:
     median_gbps: float
 
 
+NO_CUDA = "CUDA is not available (torch sees no GPU); use --device cpu"
+
+
+def torch_without_cuda() -> str | None:
+    """The installed torch's version when it is a build without CUDA (or ROCm), read from
+    its version.py without importing it (seconds); None when it has one, or is not there."""
+    import re
+    from importlib.util import find_spec
+    from pathlib import Path
+
+    spec = find_spec("torch")
+    for folder in (spec.submodule_search_locations or []) if spec is not None else ():
+        try:
+            text = (Path(folder) / "version.py").read_text(encoding="utf-8")
+        except OSError:
+            return None
+        built = {m[1]: m[2] for m in re.finditer(r"^(\w+)\b[^=\n]*=\s*(.+?)\s*$", text, re.M)}
+        if built.get("cuda") == "None" and built.get("hip") == "None":
+            return built.get("__version__", "").strip("'\"")
+    return None
+
+
 def resolve_device(name: str) -> torch.device:
     """`auto` picks CUDA when there is one; asking for CUDA without one is an error."""
     import torch
@@ -44,7 +66,7 @@ def resolve_device(name: str) -> torch.device:
     if name not in ("cpu", "cuda"):
         raise ValueError(f"unknown device {name!r}; valid devices: cpu, cuda, auto")
     if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("CUDA is not available (torch sees no GPU); use --device cpu")
+        raise ValueError(NO_CUDA)
     return torch.device(name)
 
 
@@ -157,6 +179,26 @@ class OtherProcesses:
         others = (busy - self.busy) - (time.process_time() - self.ours)
         capacity = (time.perf_counter() - self.wall) * (os.cpu_count() or 1)
         return min(1.0, max(0.0, others / capacity))
+
+
+# How long a command that runs a model watches the CPUs before it picks its threads: short
+# next to any run, long enough for /proc/stat's ticks (10 ms each) to count.
+FREE_CORES_SAMPLE_S = 0.1
+
+
+def free_cores(sample_s: float = FREE_CORES_SAMPLE_S) -> tuple[int, float] | None:
+    """(the cores other processes leave free, at least 1; the cores' worth of CPU time they
+    took), from a short sample while this process waits; None where /proc/stat is not.
+    A thread per core spins against another process's work: a decode then runs several
+    times slower than on the cores it has to itself."""
+    others = OtherProcesses()
+    time.sleep(sample_s)
+    share = others.share()
+    if share is None:
+        return None
+    cores = os.cpu_count() or 1
+    busy = share * cores
+    return max(1, cores - round(busy)), busy
 
 
 def _busy_seconds() -> float | None:

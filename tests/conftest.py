@@ -14,6 +14,14 @@ def temporary_conversion_cache(tmp_path_factory):
         yield root
 
 
+@pytest.fixture(autouse=True)
+def quiet_machine(monkeypatch):
+    """Every in-process command sees a machine with its cores free, as a user's quiet one:
+    how busy the test machine is must not add a thread note to what a test compares.
+    (test_first_run.py shows the note on a busy one.)"""
+    monkeypatch.setattr("kvcache_cli.measure.free_cores", lambda *args, **kwargs: None)
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """Run a module's torch code on one thread, and restore the count afterwards.

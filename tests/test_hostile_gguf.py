@@ -274,8 +274,13 @@ def test_a_context_whose_static_cache_passes_memory_is_refused_before_allocation
         base, tmp_path, small_memory):
     path = tmp_path / "long.gguf"
     path.write_bytes(write(base.with_value("llama.context_length", Value(U32, 2**20))))
-    with pytest.raises(ValueError, match="llama.context_length 1,048,576: a static cache") as e:
-        read_gguf(path)
+    # Reading the shape allocates nothing: `size` prices the context (issue 43); the loader,
+    # which makes the rotary tables, refuses before it allocates.
+    assert read_gguf(path).fields["context"] == 2**20
+    from kvcache_cli.models.llama_loading import load_llama
+
+    with pytest.raises(ValueError, match="context 1,048,576: a static cache") as e:
+        load_llama(str(path), "random", "cpu", torch.float32)
     assert "512.0 GiB" not in str(e.value) and "0.2 GiB of memory" in str(e.value)
 
 
@@ -719,6 +724,8 @@ def test_every_command_refuses_a_sample_of_every_class_in_one_line(base, tmp_pat
                                                                     small_memory):
     for case, path in sample_files(base, tmp_path).items():
         for command, args in COMMANDS.items():
+            if (case, command) == ("2^20 positions", "size"):
+                continue  # size allocates nothing: it prices the context (issue 43)
             line = one_line_exit_2([a.replace("{}", str(path)) for a in args])
             assert str(path) in line, (case, command, line)
 

@@ -234,7 +234,9 @@ def run_context(model, specs: Sequence, contexts: Sequence[int], steps: int, rep
         engines += [_Llama(path, kind, longest, steps, threads, elements)
                     for kind in LLAMA_CACHE_TYPES if kind in wanted]
     points: dict[str, list[ContextPoint]] = {e.name: [] for e in engines}
-    done, total = 0, len(contexts) * len(engines)
+    # Work counted in tokens of context, each engine's at each context: a longer context
+    # takes longer to fill and to step, and the ETA is the rate of the work done so far.
+    done, total = 0, sum(contexts) * len(engines)
     try:
         for context in contexts:
             held = {}
@@ -252,7 +254,7 @@ def run_context(model, specs: Sequence, contexts: Sequence[int], steps: int, rep
                 points[e.name].append(ContextPoint(
                     context, statistics.median(every) * 1e3, (min(medians), max(medians)),
                     held[e.name]))
-                done += 1
+                done += context
             if progress:
                 progress(f"{context:,} tokens timed", done, total)
     finally:

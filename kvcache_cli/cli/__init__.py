@@ -153,10 +153,10 @@ class _OneLineErrors(TyperGroup):
                 # Plain `kvcache` asks for the help, not an error.
                 error.show()
                 sys.exit(2)
-            from kvcache_cli.cli.refusals import usage_message
+            from kvcache_cli.cli.refusals import on_stderr, usage_message
 
             hint = f" (see '{error.ctx.command_path} --help')" if error.ctx else ""
-            typer.echo(f"error: {usage_message(error)}{hint}", err=True)
+            typer.echo(on_stderr(f"error: {usage_message(error)}{hint}"), err=True)
             sys.exit(2)
         except typer.Abort:
             typer.echo("aborted", err=True)

@@ -16,6 +16,9 @@ from kvcache_cli.cli.loading import (
     check_weights_dtype,
     default_model,
     need_torch_extra,
+    pick_threads,
+    refuse_missing_model,
+    refuse_unbuilt_cuda,
     with_weights_dtype,
 )
 from kvcache_cli.cli.options import (
@@ -26,7 +29,7 @@ from kvcache_cli.cli.options import (
     WeightsDTypeOption,
     threads_error,
 )
-from kvcache_cli.cli.output import check_plot, console, progress_bar, show_then_plot
+from kvcache_cli.cli.output import check_plot, console, progress, show_then_plot
 from kvcache_cli.cli.refusals import defaults_in, fail
 
 # `bench --context`: steps timed a round at each context, unless --new-tokens is given.
@@ -70,7 +73,8 @@ def bench(
         "(minutes).")] = 16,
     repeats: Annotated[int, typer.Option(help="Timed runs per mode; medians are reported.")] = 3,
     threads: Annotated[int | None, typer.Option(
-        help="torch intra-op threads (default: torch's own, one per core).")] = None,
+        help="torch intra-op threads (default: one per core other processes leave free, "
+        "with a note when that is fewer than all).")] = None,
     plot: Annotated[Path | None, typer.Option(
         help="Write the per-step latency plot to this PNG (needs matplotlib).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the raw result as JSON.")] = False,
@@ -113,6 +117,13 @@ def bench(
     plain decoding with the same cache, interleaved, medians over --repeats.
     """
     model = model if model is not None else default_model()
+    # Checked before the model is looked for: values first, then the path, then the device,
+    # each before torch is imported.
+    if threads_error(threads):
+        fail(threads_error(threads))
+    check_plot(plot)
+    refuse_missing_model(model)
+    refuse_unbuilt_cuda(device)
     if profile:
         _profile(ctx, device, model, weights, dtype, weights_dtype, prompt_len, new_tokens,
                  threads, as_json)
@@ -158,6 +169,7 @@ def bench(
     _check_own_gguf(mode_names, model)
     _check_config(ctx, model, mode_names, prompt_len, new_tokens, repeats, threads,
                   naive_samples)
+    threads = pick_threads(threads, dev)
     try:
         loaded = load_model(model, weights=weights, device=dev,
                            dtype=getattr(torch, TORCH_DTYPES[dtype.value]))
@@ -228,20 +240,17 @@ def _context(ctx, context: str, cache: str, device: str, model: str, weights: st
         dev = resolve_device(device)
     except ValueError as err:
         fail(str(err))
-    if threads is not None:
-        torch.set_num_threads(threads)
+    pick_threads(threads, dev)
     try:
         loaded = load_model(model, weights=weights, device=dev,
                             dtype=getattr(torch, TORCH_DTYPES[dtype.value]))
         loaded, _ = with_weights_dtype(loaded, weights_dtype)
-        err_console = console(stderr=True)
-        with progress_bar(err_console, "{task.description}") as bar:
-            task = bar.add_task("loading", total=None)
+        with progress("loading", "tokens of context") as update:
             result = bench_context.run_context(
                 loaded.model, specs, contexts, steps, repeats, torch.get_num_threads(),
                 model_name=loaded.source, weights=linear.weights_format(loaded.model),
                 with_llama=dev.type == "cpu",
-                progress=lambda label, done, total: bar.update(task, description=label))
+                progress=lambda label, done, total: update(done, total, label))
     except (ValueError, IndexError) as err:
         fail(str(err))
     except (RuntimeError, OSError) as err:
@@ -279,7 +288,6 @@ def _speculative(ctx, draft: str, speculate: str, cache: str, prompt_file: Path 
             text = heldout_text(model)
     spec, note = drafts.check(model, draft, ks, cache, prompt_len + new_tokens)
     _check_lengths(ctx, model, prompt_len, new_tokens)
-    import torch
 
     from kvcache_cli.bench import modes as bench_modes
     from kvcache_cli.cli.loading import load_model
@@ -292,8 +300,7 @@ def _speculative(ctx, draft: str, speculate: str, cache: str, prompt_file: Path 
         dev = str(resolve_device(device))
     except ValueError as err:
         fail(str(err))
-    if threads is not None:
-        torch.set_num_threads(threads)
+    pick_threads(threads, dev)
     loaded = load_model(model, weights, dev, dtype.value)
     gpt = loaded.model
     prompt = (_tokenize(gpt, text)[:prompt_len] if text is not None
@@ -353,8 +360,7 @@ def _profile(ctx, device: str, model: str, weights: str, dtype: DType,
     from kvcache_cli.models import load_model, set_weights_dtype
     from kvcache_cli.views.bench import profile_view
 
-    if threads is not None:
-        torch.set_num_threads(threads)
+    pick_threads(threads, dev)
     try:
         loaded = load_model(model, weights=weights, device=dev,
                             dtype=getattr(torch, TORCH_DTYPES[dtype.value]))
@@ -421,8 +427,7 @@ def _tasks(ctx, sets: str, draft: str, speculate: str, cache: str, model: str, w
     from kvcache_cli.speculative.tasks import run_tasks
     from kvcache_cli.views.speculative import task_table_view
 
-    if threads is not None:
-        torch.set_num_threads(threads)
+    pick_threads(threads, dev)
     loaded = load_model(model, weights, str(dev), "fp32")
     max_len = max(len(t.prompt_ids) for t in chat) + new_tokens + max(ks) + 1
     built = [make_draft(s, loaded.model, max_len) for s in specs]
@@ -582,35 +587,15 @@ def _check_own_gguf(mode_names: list[str], model: str) -> None:
 
 @contextlib.contextmanager
 def _progress():
-    """A bar on stderr while the run lasts, and a line per finished run off a terminal.
-
-    On stderr and transient, so stdout holds only the result (and --json stays JSON).
-    Redrawn twice a second, not rich's ten: the redraw thread shares the CPUs being timed.
-    """
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-
+    """(on_progress, on_finished): progress on stderr while the run lasts (`output.progress`:
+    the run timed now, the steps of all runs, an ETA; a bar in a terminal, a line now and
+    then off one), and off a terminal a line per finished run. On stderr and transient, so
+    stdout holds only the result (and --json stays JSON)."""
     err_console = console(stderr=True)
-    progress = progress_bar(
-        err_console, "{task.description}", BarColumn(), MofNCompleteColumn(), "steps",
-        TimeElapsedColumn(), "ETA", TimeRemainingColumn(),
-    )  # fmt: skip
-    task = progress.add_task("loading", total=None)
-
-    def on_progress(label: str, done: int, total: int) -> None:
-        progress.update(task, description=label, completed=done, total=total)
 
     def on_finished(label: str, tokens_per_s: float) -> None:
-        # Without a terminal there is no bar: one line per finished run says it is alive.
-        if not err_console.is_terminal:
+        if not err_console.is_terminal:  # in a terminal the bar shows the run
             typer.echo(f"{label}: {tokens_per_s:.1f} tokens/s", err=True)
 
-    if not err_console.is_terminal:  # no bar to draw: rich would still end it with a newline
-        yield (lambda label, done, total: None), on_finished
-        return
-    with progress:
-        yield on_progress, on_finished
+    with progress("loading", "steps") as update:
+        yield (lambda label, done, total: update(done, total, label)), on_finished

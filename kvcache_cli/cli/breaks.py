@@ -12,9 +12,15 @@ import typer
 
 from kvcache_cli.breaks.registry import QUANT_BREAK_TOKENS
 from kvcache_cli.cli.demo import pick, show, show_list
-from kvcache_cli.cli.loading import GPT2_MODULES, load_model, torch_device, torch_extra_missing
+from kvcache_cli.cli.loading import (
+    GPT2_MODULES,
+    load_model,
+    pick_threads,
+    torch_device,
+    torch_extra_missing,
+)
 from kvcache_cli.cli.output import console, print_view, progress_bar
-from kvcache_cli.cli.refusals import fail
+from kvcache_cli.cli.refusals import fail, print_note
 
 
 def _by_family(names: list[str]) -> tuple[list[str], list[str]]:
@@ -90,7 +96,7 @@ def break_(
         show(results, as_json=False)
         results = {}
     for note in notes:  # `all` without torch or SmolLM2: say what was left out and why
-        typer.echo(f"note: {note}", err=True)
+        print_note(note)
     for chosen, run_names in runs.items():
         loaded, torch_results = _torch_breaks(run_names, chosen, weights, device,
                                               max_new_tokens)
@@ -191,6 +197,7 @@ def _torch_breaks(names: list[str], model: str, weights: str, device: str,
 
     torch_device(device)
     loaded = load_model(model, weights, device)
+    pick_threads(None, device)  # break takes no --threads: its runs are short
     results = {}
     try:
         for n in names:

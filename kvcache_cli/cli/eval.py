@@ -3,7 +3,6 @@ it and scored against the exact cache on the same tokens."""
 
 from __future__ import annotations
 
-import contextlib
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any
@@ -11,7 +10,15 @@ from typing import Annotated, Any
 import typer
 
 from kvcache_cli.checkpoints import TRAINED
-from kvcache_cli.cli.loading import GPT2_MODULES, default_model, load_model, need_torch_extra
+from kvcache_cli.cli.loading import (
+    GPT2_MODULES,
+    default_model,
+    load_model,
+    need_torch_extra,
+    pick_threads,
+    refuse_missing_model,
+    refuse_unbuilt_cuda,
+)
 from kvcache_cli.cli.options import (
     DeviceOption,
     ModelOption,
@@ -20,11 +27,10 @@ from kvcache_cli.cli.options import (
     threads_error,
 )
 from kvcache_cli.cli.output import (
-    ProgressLines,
     check_plot,
     columns,
     console,
-    progress_bar,
+    progress,
     show_then_plot,
 )
 from kvcache_cli.cli.refusals import fail
@@ -100,7 +106,8 @@ def eval_(
         help="Tokens fed per decode step (1: one at a time, as generation does).")] = 1,
     device: DeviceOption = "auto",
     threads: Annotated[int | None, typer.Option(
-        help="torch intra-op threads (default: torch's own, one per core).")] = None,
+        help="torch intra-op threads (default: one per core other processes leave free, "
+        "with a note when that is fewer than all).")] = None,
     plot: Annotated[Path | None, typer.Option(
         help="Write the frontier (perplexity against bytes per token) and the loss by "
         "position to this PNG (needs matplotlib).")] = None,
@@ -128,6 +135,8 @@ def eval_(
     if replot is not None:
         _replot(replot, plot)
         return
+    refuse_missing_model(model)
+    refuse_unbuilt_cuda(device)
     if task is Task.retrieval:
         _retrieval(cache, model, weights, lengths, device, threads, plot, as_json)
         return
@@ -142,11 +151,14 @@ def eval_(
         fail(str(err))
     except TokenizerUnavailable as err:
         fail(f"{err}: --model {TRAINED} evaluates the trained byte-level checkpoint, "
-             "which needs no download", code=1)
+             "which needs no download")
     check_plot(plot)
     loaded = load_model(model, weights.value, str(dev))
+    threads = pick_threads(threads, dev)
     try:
-        with _progress() as on_progress:
+        # Every cache is scored on each step in turn: the bar names them all.
+        scoring = f"scoring {', '.join(map(str, specs))}"
+        with progress(scoring, "tokens") as on_progress:
             result = quality.evaluate(
                 loaded.model, ids.ids[:n], specs, prompt_len=prompt_len, chunk=chunk,
                 threads=threads, model_name=loaded.source, weights_note=loaded.note,
@@ -199,7 +211,7 @@ def _check_options(cache, model, text, tokens, prompt_len, chunk, device, thread
     from kvcache_cli.eval import quality
     from kvcache_cli.eval.peer_hf import HFCacheSpec
     from kvcache_cli.eval.peer_llama_cpp import LlamaCppSpec, check_installed
-    from kvcache_cli.eval.text import eval_text, read_text
+    from kvcache_cli.eval.text import read_tokens
     from kvcache_cli.measure import resolve_device
     from kvcache_cli.models import model_config
 
@@ -216,7 +228,9 @@ def _check_options(cache, model, text, tokens, prompt_len, chunk, device, thread
     # --tokens, when given, against the context window; the text's length comes next.
     quality.check_eval(config.context, tokens, prompt_len, chunk)
     path = text if text is not None else _heldout(model)
-    ids = eval_text(read_text(path), str(path), config)
+    # As many tokens as the run can score: the file beyond them is never read.
+    wanted = tokens if tokens is not None else min(config.context, quality.DEFAULT_TOKENS)
+    ids = read_tokens(path, config, wanted)
     n = quality.tokens_to_read(len(ids.ids), config.context, tokens, prompt_len,
                                f"--text {str(path)!r}")
     quality.check_caches(specs, config, n - 1, model, prompt_len)
@@ -242,13 +256,15 @@ def _with_peers(result, model, ids, peers, prompt_len, on_progress):
     rows = ()
     llama_cpp = [s for s in peers if isinstance(s, LlamaCppSpec)]
     if llama_cpp:
+        names = f"scoring {', '.join(map(str, llama_cpp))}"
         rows += llama_quality.evaluate(model.config.gguf, ids, llama_cpp, model.config,
                                        prompt_len=prompt_len, threads=result.threads,
-                                       progress=on_progress)
+                                       progress=lambda d, t: on_progress(d, t, names))
     transformers = [s for s in peers if isinstance(s, HFCacheSpec)]
     if transformers:
+        names = f"scoring {', '.join(map(str, transformers))}"
         rows += hf_quality.evaluate(model, ids, transformers, prompt_len=prompt_len,
-                                    progress=on_progress)
+                                    progress=lambda d, t: on_progress(d, t, names))
     return dataclasses.replace(result, caches=result.caches + rows)
 
 
@@ -285,12 +301,10 @@ def _retrieval(cache, model, weights, lengths, device, threads, plot, as_json) -
         fail(str(err), code=1)
     check_plot(plot)
     loaded = load_model(model, weights.value, str(dev))
-    import torch
 
-    if threads is not None:
-        torch.set_num_threads(threads)
+    pick_threads(threads, dev)
     try:
-        with _progress("answering", "prompts") as on_progress:
+        with progress("answering", "prompts") as on_progress:
             result = retrieval.run_retrieval(loaded.model, prompter, specs, sizes,
                                              model_name=loaded.source, progress=on_progress)
     except (ValueError, IndexError) as err:
@@ -319,20 +333,3 @@ def _heldout(model: str) -> Path:
         raise ValueError(f"--model {model} ships no {HELDOUT}: give the text to evaluate on "
                          "with --text FILE")
     return path
-
-
-@contextlib.contextmanager
-def _progress(what: str = "scoring", unit: str = "tokens"):
-    """A transient bar on stderr in a terminal (the count, elapsed time and ETA); off one,
-    a line now and then (`output.ProgressLines`), so a run into a file is not silent."""
-    from rich.progress import BarColumn, MofNCompleteColumn, TimeElapsedColumn, TimeRemainingColumn
-
-    err_console = console(stderr=True)
-    if not err_console.is_terminal:
-        yield ProgressLines(what, unit)
-        return
-    progress = progress_bar(err_console, what, BarColumn(), MofNCompleteColumn(), unit,
-                            TimeElapsedColumn(), "ETA", TimeRemainingColumn())
-    bar = progress.add_task(what, total=None)
-    with progress:
-        yield lambda done, total: progress.update(bar, completed=done, total=total)

@@ -12,11 +12,15 @@ from kvcache_cli.caches import MODES
 from kvcache_cli.cli import drafts
 from kvcache_cli.cli.loading import (
     GPT2_MODULES,
+    NO_CUDA_IN,
     check_cache_for,
     check_weights_dtype,
     default_model,
     load_model,
     need_torch_extra,
+    pick_threads,
+    refuse_missing_model,
+    refuse_unbuilt_cuda,
     torch_device,
 )
 from kvcache_cli.cli.options import (
@@ -29,7 +33,7 @@ from kvcache_cli.cli.options import (
     threads_error,
 )
 from kvcache_cli.cli.output import console, print_view
-from kvcache_cli.cli.refusals import fail
+from kvcache_cli.cli.refusals import fail, print_note
 
 # --mode's choices, the generation modes' registry as a str Enum (the one way every typer
 # version lists and checks choices).
@@ -45,8 +49,11 @@ def generate(
         "--prompt", "-p", help="The prompt, given as an option instead.")] = None,
     chat: Annotated[str | None, typer.Option(
         help="A question for a chat model: its chat template makes the prompt, and the "
-        "reply ends at its end-of-turn token (e.g. -m smollm2 --chat \"What is the capital "
-        "of France?\").")] = None,
+        "reply ends at its end-of-turn token. A plain prompt on a chat model is asked the "
+        "same way unless --raw.")] = None,
+    raw: Annotated[bool, typer.Option(
+        "--raw", help="Continue the prompt as written, not as a chat turn (the default "
+        "on a model with a chat template, such as smollm2).")] = False,
     max_new_tokens: Annotated[int, typer.Option(
         "--max-new-tokens", "-n", min=1, help="Tokens to generate.")] = 32,
     device: Annotated[Device, typer.Option(help="Where to run.")] = Device.cpu,
@@ -83,18 +90,23 @@ def generate(
         "--ignore-eos", help="Keep generating past the model's end-of-turn and end-of-text "
         "tokens (a chat model stops at them by default, --chat or not).")] = False,
     verbose: Annotated[bool, typer.Option(
-        "--verbose", "-v", help="With --chat: also print the prompt the chat template "
-        "rendered.")] = False,
+        "--verbose", "-v", help="With a chat turn: also print the prompt the chat "
+        "template rendered.")] = False,
     threads: Annotated[int | None, typer.Option(
-        help="torch intra-op threads (default: torch's own, one per core).")] = None,
+        help="torch intra-op threads (default: one per core other processes leave free, "
+        "with a note when that is fewer than all).")] = None,
 ) -> None:
     """Generate with a model and its KV cache, streaming tokens as they are made.
 
-    With --draft, decode speculatively (the cache rolls back what the target rejects)
-    and compare with plain decoding in the same run.
+    On a chat model (one with a chat template, such as smollm2) the prompt is asked as a
+    chat turn; --raw continues it as written. With --draft, decode speculatively (the
+    cache rolls back what the target rejects) and compare with plain decoding in the
+    same run.
 
     Examples:
-      kvcache generate --chat "What is the capital of France?"   (a chat model: smollm2)
+
+    \b
+      kvcache generate "What is a KV cache?"
       kvcache generate "def fibonacci(n):" -m stdlib-bytes -n 64
       kvcache generate --ids 464,2068,7586 -m gpt2 --cache int8
     """
@@ -104,9 +116,14 @@ def generate(
         fail(threads_error(threads))
     spec = _resolve_spec(ctx, mode, cache)
     prompt = _check_prompt(prompt, prompt_option, chat, ids)
+    if raw and chat is not None:
+        fail("--raw and --chat: expected one of the two (--raw continues a plain prompt "
+             "as written)")
     if not math.isfinite(temperature):
         fail(f"--temperature {temperature}: expected a finite number, 0 or more (0 is greedy)")
     prompt_ids = _parse_ids(ids) if ids is not None else []  # before the model loads
+    refuse_missing_model(model)  # the path and the device before torch is imported
+    refuse_unbuilt_cuda(device, NO_CUDA_IN)
     config, config_error = _read_config(model)
     draft_spec, note, speculate = _check_draft(model, config, draft, speculate, spec,
                                                prompt_ids, max_new_tokens)
@@ -114,17 +131,19 @@ def generate(
     # A chat model ends a reply at its end-of-turn token and a text at its end-of-text:
     # past them it starts a new turn of its own, which no user asked for.
     stop_ids: tuple[int, ...] = () if ignore_eos else tuple(getattr(config, "eos_ids", ()))
+    template = getattr(config, "chat_template", None)
+    if chat is None and prompt is not None and template and not raw:
+        chat = prompt  # a chat model answers a question; it ends a bare text's turn at once
     if chat is not None:
         prompt = _chat_prompt(model, config, chat)
     encoding = _check_request(config, tokenizer, prompt, prompt_ids, max_new_tokens)
     if note:
-        typer.echo(f"note: {note}", err=True)
+        print_note(note)
     loaded, prompt_ids, encoding = _load(model, config, weights, device, dtype.value,
                                          weights_dtype, prompt, prompt_ids, encoding)
     import torch
 
-    if threads is not None:
-        torch.set_num_threads(threads)
+    pick_threads(threads, device)
     generator = torch.Generator(device=device).manual_seed(seed)
     if draft_spec is not None:
         built = drafts.build(draft_spec, loaded, weights, device, dtype.value,
@@ -133,8 +152,23 @@ def generate(
                    built, speculate, temperature, top_k, seed)
         return
     turn = (chat, prompt, verbose) if chat is not None else None
-    _run(loaded, prompt_ids, encoding, as_json, device, spec, max_new_tokens, turn,
-         temperature=temperature, top_k=top_k, generator=generator, stop_ids=stop_ids)
+    result = _run(loaded, prompt_ids, encoding, as_json, device, spec, max_new_tokens, turn,
+                  temperature=temperature, top_k=top_k, generator=generator, stop_ids=stop_ids)
+    if result.stopped and len(result.tokens) <= FEW_TOKENS:
+        print_note(_stopped_early(len(result.tokens), chat is not None, raw))
+
+
+# A run that ends at an end token within this many new tokens says so: it reads as a bug.
+FEW_TOKENS = 3
+
+
+def _stopped_early(n: int, turn: bool, raw: bool) -> str:
+    """Why a run printed next to nothing: the model chose its end token."""
+    tokens = f"{n} new token{'s' if n != 1 else ''}"
+    said = f"the model ended its {'reply' if turn else 'text'} at an end token after {tokens}"
+    if raw:  # a chat model given a bare text ends the turn it sees
+        return f"{said}; without --raw it is asked as a chat turn, --ignore-eos goes on"
+    return f"{said}; --ignore-eos generates past it"
 
 
 def _resolve_spec(ctx: typer.Context, mode: str, cache):
@@ -231,7 +265,7 @@ def _check_request(config, tokenizer: str, prompt: str | None, prompt_ids: list[
     if prompt is not None:  # before loading a model: a text prompt needs the tokenizer
         encoding, why = encoding_for(tokenizer)
         if encoding is None:
-            fail(f"{why}: {_USE_IDS}", code=1)
+            fail(f"{why}: {_USE_IDS}")  # bad input like every refusal: --ids or a model fixes it
     known = prompt_ids or (encoding.encode(prompt, disallowed_special=())
                            if encoding is not None and _readable(config) else None)
     # The request against the window before the weights load, or any note prints; the one
@@ -298,15 +332,16 @@ def _encode(model, prompt: str | None, prompt_ids: list[int], encoding):
     if readable:
         encoding, why = encoding_for(config.tokenizer)  # only to show the new tokens as text
         if encoding is None:
-            typer.echo(f"note: {why}: showing token ids", err=True)
+            print_note(f"{why}: showing token ids")
     return prompt_ids, encoding
 
 
 def _run(loaded, prompt_ids: list[int], encoding, as_json: bool, device: str, spec,
-         max_new_tokens: int, chat: tuple[str, str, bool] | None, **sampling) -> None:
+         max_new_tokens: int, chat: tuple[str, str, bool] | None, **sampling):
     """Generate, streaming the tokens to the terminal, or print the whole result as JSON.
     chat: (the question, the prompt its template rendered, --verbose): a chat shows the
-    question and the reply; the rendered prompt with --verbose, and always in the JSON."""
+    question and the reply; the rendered prompt with --verbose, and always in the JSON.
+    Returns the `Generation`."""
     from kvcache_cli import generate as gen
     from kvcache_cli.models.linear import weights_format
     from kvcache_cli.views.generate import TokenStream, generation_view, header
@@ -340,9 +375,10 @@ def _run(loaded, prompt_ids: list[int], encoding, as_json: bool, device: str, sp
         turn = {} if chat is None else {"question": chat[0], "chat_prompt": chat[1]}
         typer.echo(to_json({"model": loaded.source, "note": loaded.note, **asdict(result),
                             "text": text, **turn}))
-        return
+        return result
     stream.end()
     print_view(generation_view(result))
+    return result
 
 
 def _speculate(loaded, prompt_ids: list[int], encoding, as_json: bool, device: str, spec,

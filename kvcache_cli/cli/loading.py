@@ -7,10 +7,10 @@ Nothing here imports torch at module level: the checks run before torch is known
 
 from __future__ import annotations
 
-import typer
+import os
 
 from kvcache_cli.cli.options import TORCH_DTYPES
-from kvcache_cli.cli.refusals import fail
+from kvcache_cli.cli.refusals import fail, print_note
 
 # What the GPT-2 loader may import: torch always, safetensors for a checkpoint folder,
 # huggingface_hub for the pretrained weights. All come with the torch extra.
@@ -71,14 +71,40 @@ def check_cache_for(spec, model: str, config=None) -> None:
         fail(str(err))
 
 
+def refuse_missing_model(model: str) -> None:
+    """A --model path that is not there, refused in one line naming every kind --model
+    accepts, before torch is imported (seconds)."""
+    from kvcache_cli.models import missing_model
+
+    message = missing_model(model)
+    if message is not None:
+        fail(message)
+
+
+# generate's words for no CUDA, naming the torch build; bench, eval and serve say NO_CUDA.
+NO_CUDA_IN = "--device cuda: CUDA is not available (torch {version}); use --device cpu"
+
+
+def refuse_unbuilt_cuda(device: str, words: str | None = None) -> None:
+    """--device cuda on a torch built without CUDA, refused in one line (WORDS, else
+    measure.NO_CUDA) before torch is imported (that alone takes seconds); a build with CUDA
+    is asked later, by torch."""
+    from kvcache_cli.measure import NO_CUDA, torch_without_cuda
+
+    version = torch_without_cuda() if device == "cuda" else None
+    if version:
+        fail((words or NO_CUDA).format(version=version))
+
+
 def torch_device(device: str) -> str:
     """Check --device before loading anything: no CUDA is bad input, in one line."""
-    import torch
-
     if device not in ("cpu", "cuda"):
         fail(f"--device {device!r}: expected cpu or cuda")
+    refuse_unbuilt_cuda(device, NO_CUDA_IN)
+    import torch
+
     if device == "cuda" and not torch.cuda.is_available():
-        fail(f"--device cuda: CUDA is not available (torch {torch.__version__}); use --device cpu")
+        fail(NO_CUDA_IN.format(version=torch.__version__))
     return device
 
 
@@ -97,8 +123,30 @@ def load_model(model: str, weights: str, device: str, dtype: str = "fp32", confi
     except (RuntimeError, OSError) as err:
         fail(str(err), code=1)
     if loaded.note:
-        typer.echo(f"note: {loaded.note}", err=True)
+        print_note(loaded.note)
     return loaded
+
+
+def pick_threads(threads: int | None, device) -> int:
+    """torch's intra-op threads for the run, set now: --threads when given; on the CPU,
+    else, torch's own count (one per core) cut to the cores other processes leave free,
+    with one note saying so. Measured (a 0.1 s sample) only when a model is about to run."""
+    import torch
+
+    from kvcache_cli import measure
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+        return threads
+    own = torch.get_num_threads()
+    sampled = measure.free_cores() if str(device) == "cpu" else None
+    if sampled is None or sampled[0] >= own:
+        return own
+    free, busy = sampled
+    torch.set_num_threads(free)
+    print_note(f"other processes keep {busy:.1f} of {os.cpu_count()} cores busy: running "
+               f"on {free} thread{'s' if free != 1 else ''}, not {own} (--threads sets it)")
+    return free
 
 
 def check_weights_dtype(weights_dtype: str | None, model: str, device: str,

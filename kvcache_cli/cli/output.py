@@ -6,6 +6,7 @@ Nothing here imports rich or matplotlib at module level: each is imported when i
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import typer
@@ -53,22 +54,51 @@ def console(stderr: bool = False):
                    height=25)
 
 
+class Eta:
+    """The time left, from the mean rate of the work done since the first unit of it
+    finished: the first unit pays one-time costs (loading, warm-up, a prefill) that would
+    make the rest look many times slower than it is, and a mean over all the rest does not
+    swing with each step as a short window's rate does."""
+
+    def __init__(self, clock=None):
+        import time
+
+        self.clock = clock or time.monotonic
+        self.mark: tuple[float, int] | None = None
+
+    def __call__(self, done: int, total: int | None, now: float | None = None) -> float | None:
+        """Seconds left, or None while nothing after the first unit is measured."""
+        now = self.clock() if now is None else now
+        if not total or done <= 0:
+            return None
+        if self.mark is None or done < self.mark[1]:
+            self.mark = (now, done)
+            return None
+        began, first = self.mark
+        if done == first or now <= began:
+            return None
+        return (total - done) * (now - began) / (done - first)
+
+
 class ProgressLines:
     """Progress off a terminal (a file, a pipe, CI): one line on stderr when a tenth more is
     done (and 10 s have passed since the last line), when a minute has passed, and at the
-    end, with the count, the time so far and an ETA from the rate so far: a long run says
+    end, with what runs now, the count, the time so far and an ETA (`Eta`): a long run says
     it is alive and when it will end, a quick one stays quiet."""
 
-    def __init__(self, what: str, unit: str, every_s: float = 60.0, least_s: float = 10.0):
+    def __init__(self, what: str, unit: str, every_s: float = 60.0, least_s: float = 10.0,
+                 clock=None):
         import time
 
         self.what, self.unit, self.every_s, self.least_s = what, unit, every_s, least_s
-        self.clock = time.monotonic
+        self.clock = clock or time.monotonic
+        self.eta = Eta(self.clock)
         self.began = self.clock()
         self.shown_at, self.shown_done = self.began, 0
 
-    def __call__(self, done: int, total: int | None) -> None:
+    def __call__(self, done: int, total: int | None, now_running: str | None = None) -> None:
         now = self.clock()
+        left = self.eta(done, total, now)
         step = max(1, (total or 0) // 10)
         finished = total is not None and done >= total
         since = now - self.shown_at
@@ -77,17 +107,44 @@ class ProgressLines:
                 or (done - self.shown_done >= step and since >= self.least_s)):
             return
         elapsed = now - self.began
-        line = f"{self.what}: {done:,}/{total:,} {self.unit}" if total else f"{self.what}: {done:,}"
-        line += f", {_clock(elapsed)} elapsed"
-        if total and not finished:
-            line += f", ETA {_clock(elapsed / done * (total - done))}"
+        what = now_running or self.what
+        line = f"{what}: {done:,}/{total:,} {self.unit}" if total else f"{what}: {done:,}"
+        line += f", {clock(elapsed)} elapsed"
+        if left is not None and not finished:
+            line += f", ETA {clock(left)}"
         typer.echo(line, err=True)
         self.shown_at, self.shown_done = now, done
 
 
-def _clock(seconds: float) -> str:
+def clock(seconds: float) -> str:
+    """SECONDS as m:ss, or h:mm:ss from an hour."""
     minutes, s = divmod(round(seconds), 60)
     return f"{minutes // 60}:{minutes % 60:02d}:{s:02d}" if minutes >= 60 else f"{minutes}:{s:02d}"
+
+
+@contextlib.contextmanager
+def progress(what: str, unit: str):
+    """Progress of a long run on stderr, as `update(done, total, now_running=None)`: in a
+    terminal a transient bar (what runs now, the count of UNIT, elapsed, ETA by `Eta`),
+    off one `ProgressLines`. WHAT names the run until NOW_RUNNING names its part."""
+    from rich.progress import BarColumn, MofNCompleteColumn, TimeElapsedColumn
+
+    err_console = console(stderr=True)
+    if not err_console.is_terminal:
+        yield ProgressLines(what, unit)
+        return
+    eta = Eta()
+    bar = progress_bar(err_console, "{task.description}", BarColumn(), MofNCompleteColumn(),
+                       unit, TimeElapsedColumn(), "ETA {task.fields[eta]}")
+    task = bar.add_task(what, total=None, eta="-:--")
+
+    def update(done: int, total: int | None, now_running: str | None = None) -> None:
+        left = eta(done, total)
+        bar.update(task, completed=done, total=total, description=now_running or what,
+                   eta="-:--" if left is None else clock(left))
+
+    with bar:
+        yield update
 
 
 def progress_bar(console, *columns_):

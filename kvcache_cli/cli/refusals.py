@@ -20,10 +20,37 @@ def fail(message: str, code: int = 2) -> NoReturn:
     """
     # One line, whatever it quotes: a file's name or a model's text may hold a newline or
     # a terminal's escape codes, shown escaped.
-    line = "".join(repr(c)[1:-1] if ord(c) < 32 or 127 <= ord(c) < 160 or c in "\u2028\u2029"
-                   else c for c in message)
-    typer.echo(f"error: {line}", err=True)
+    typer.echo(on_stderr(f"error: {_escaped(message)}"), err=True)
     raise typer.Exit(code)
+
+
+def print_note(message: str) -> None:
+    """A note on stderr (a fallback, a choice made for the user): one line, as `fail`'s."""
+    typer.echo(on_stderr(f"note: {_escaped(message)}"), err=True)
+
+
+def _escaped(message: str) -> str:
+    return "".join(repr(c)[1:-1] if ord(c) < 32 or 127 <= ord(c) < 160 or c in "\u2028\u2029"
+                   else c for c in message)
+
+
+def on_stderr(line: str) -> str:
+    """LINE as stderr shows it: in a terminal, wrapped between words at the width every
+    view is laid out at (`output.columns`), the rest indented; off one (a log, a pipe, a
+    test) one line, so a program or grep reads it whole."""
+    import sys
+    import textwrap
+
+    try:
+        terminal = sys.stderr.isatty()
+    except (AttributeError, ValueError):
+        terminal = False
+    if not terminal:
+        return line
+    from kvcache_cli.cli.output import columns
+
+    return "\n".join(textwrap.wrap(line, columns(sys.stderr), subsequent_indent="  ",
+                                   break_long_words=False, break_on_hyphens=False))
 
 
 # Click's own messages for a value it refuses, and the project's line for each: the option,

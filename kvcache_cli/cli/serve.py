@@ -16,9 +16,20 @@ from kvcache_cli.cli.loading import (
     default_model,
     load_model,
     need_torch_extra,
+    pick_threads,
+    refuse_missing_model,
+    refuse_unbuilt_cuda,
 )
 from kvcache_cli.cli.options import DeviceOption, ModelOption, WeightsDTypeOption, threads_error
-from kvcache_cli.cli.output import check_plot, console, progress_bar, show_then_plot
+from kvcache_cli.cli.output import (
+    Eta,
+    ProgressLines,
+    check_plot,
+    clock,
+    console,
+    progress_bar,
+    show_then_plot,
+)
 from kvcache_cli.cli.refusals import defaults_in, fail
 
 
@@ -80,7 +91,8 @@ def serve(
     prefix_sharing: Annotated[bool, typer.Option(
         help="Share full blocks of equal prefixes (paged, and hf's own).")] = True,
     threads: Annotated[int | None, typer.Option(
-        help="torch intra-op threads (default: torch's own, one per core).")] = None,
+        help="torch intra-op threads (default: one per core other processes leave free, "
+        "with a note when that is fewer than all).")] = None,
     batch: Annotated[str | None, typer.Option(
         help="Instead of the workload: decode-step time at these batch sizes, e.g. "
         "1,4,16,64, against the roofline.")] = None,
@@ -119,6 +131,8 @@ def serve(
                          "prometheus_client")
     if threads_error(threads):  # first: it needs no model and none of serving's imports
         fail(threads_error(threads))
+    refuse_missing_model(model)
+    refuse_unbuilt_cuda(device)
     from kvcache_cli.serving import batching
     from kvcache_cli.serving import engines as serving
     from kvcache_cli.serving.chat import requests as chat_requests
@@ -143,6 +157,7 @@ def serve(
     remote = () if where is None else _run_target(where, target_model, timeout, model, what,
                                                    chat, status, target_prompt)
     loaded = load_model(model, weights, dev)
+    threads = pick_threads(threads, dev)
     if weights_dtype is not None:
         from kvcache_cli.models import set_weights_dtype
 
@@ -393,28 +408,30 @@ def _with_kv_dtypes(engines: str, kv_dtype: str | None, batch: str | None) -> st
 
 def _progress(err_console, total: int, several: bool):
     """On a terminal, the live line on stderr: the engine's requests done, running,
-    waiting, KV in use, and the whole run's time left. Either way, one line per engine
-    (and rate) as it finishes."""
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
+    waiting, KV in use, and the whole run's requests and time left (`output.Eta`); off one,
+    the whole run's count and ETA now and then (`output.ProgressLines`). Either way, one
+    line per engine (and rate) as it finishes."""
+    from rich.progress import BarColumn, MofNCompleteColumn, TimeElapsedColumn
 
     progress = progress_bar(err_console, "{task.description}", BarColumn(),
                             MofNCompleteColumn(), "requests", TimeElapsedColumn())
     task = progress.add_task("set-up", total=None)
-    overall = progress_bar(err_console, "the whole run", BarColumn(), TimeRemainingColumn(),
-                           "left")
-    whole = overall.add_task("run", total=total)
+    overall = progress_bar(err_console, "the whole run", BarColumn(), MofNCompleteColumn(),
+                           "requests, ETA {task.fields[eta]}")
+    whole = overall.add_task("run", total=total, eta="-:--")
+    eta, lines = Eta(), ProgressLines("serving", "requests")
     finished = [0]  # requests of the engines (and rates) already done
 
-    def on_step(engine, done, total, running, waiting, used, reserved) -> None:
+    def on_step(engine, done, total_, running, waiting, used, reserved) -> None:
+        so_far = finished[0] + done
+        if not err_console.is_terminal:
+            lines(so_far, total, f"serving ({engine} now)")
+            return
         kv = f" · KV {used / 2**20:,.0f}/{reserved / 2**20:,.0f} MiB" if reserved else ""
-        progress.update(task, completed=done, total=total,
+        progress.update(task, completed=done, total=total_,
                         description=f"{engine}: {running} running · {waiting} waiting{kv}")
-        overall.update(whole, completed=finished[0] + done)
+        left = eta(so_far, total)
+        overall.update(whole, completed=so_far, eta="-:--" if left is None else clock(left))
 
     def on_done(e) -> None:
         finished[0] += e.latency.requests

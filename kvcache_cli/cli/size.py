@@ -103,7 +103,7 @@ def size(
         memory = None if gpu_mem is None else sizing.parse_bytes(gpu_mem)
         live = model is not None and is_live(model)
         dtype_given = dtype is not None or live
-        dtype = dtype or ("fp32" if live else "fp16")
+        dtype = dtype if dtype is not None else ("fp32" if live else "fp16")  # "" is refused
         _check_engine_options(engine, kv_memory, gpu_memory_utilization, kv_cache_dtype,
                               max_model_len, max_num_batched_tokens, cache, window, verify)
         if engine is not None and tokens is None and max_model_len is not None:

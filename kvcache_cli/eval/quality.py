@@ -130,18 +130,21 @@ class QualityResult:
 
 def result_from_json(data) -> QualityResult:
     """The QualityResult `kvcache eval --json` printed (lists back to the tuples the
-    dataclasses hold, "nan"/"inf" back to floats), or a ValueError saying what does not fit:
-    a retrieval run's, another command's, a hand-edited file."""
+    dataclasses hold, null back to NaN, and the "nan"/"inf" strings of earlier releases back
+    to floats), or a ValueError saying what does not fit: a retrieval run's, another
+    command's, a hand-edited file."""
     import dataclasses
+
+    def number(v):
+        return math.nan if v is None else float(v) if isinstance(v, str) else v
 
     def numbers(row: dict, cls) -> dict:
         floats = {f.name for f in dataclasses.fields(cls) if f.type == "float"}
-        return {k: float(v) if k in floats and isinstance(v, str) else v
-                for k, v in row.items()}
+        return {k: number(v) if k in floats else v for k, v in row.items()}
 
     try:
-        rows = tuple(CacheQuality(**{**numbers(c, CacheQuality),
-                                     "loss_by_position": tuple(c["loss_by_position"])})
+        rows = tuple(CacheQuality(**{**numbers(c, CacheQuality), "loss_by_position": tuple(
+                                     map(number, c["loss_by_position"]))})
                      for c in data["caches"])
         rest = {k: v for k, v in data.items() if k not in ("caches", "first_token_share")}
         result = QualityResult(**numbers(rest, QualityResult), caches=rows,

@@ -17,6 +17,9 @@ BYTE_VOCAB = 256
 GPT2_VOCAB = 50257  # tiktoken's gpt2 encoding
 # A text far longer than any context window: reading more would only cost memory.
 MAX_TEXT_BYTES = 64 * 2**20
+# The first read of a text, in bytes per token wanted: more than any tokenizer's token
+# takes in ordinary text (GPT-2's BPE about 4, bytes 1), so one read is nearly always enough.
+FIRST_READ_BYTES_PER_TOKEN = 16
 
 
 class TokenizerUnavailable(RuntimeError):
@@ -30,15 +33,17 @@ class EvalText:
     tokenizer: str  # "bytes", "gpt2", or "file:PATH" (a Llama-family model's own)
 
 
-def read_text(path: Path) -> str:
-    """A UTF-8 text file's contents, or a ValueError naming the file and what is wrong."""
+def read_text(path: Path, limit: int | None = None) -> str:
+    """A UTF-8 text file's contents (its first LIMIT bytes, MAX_TEXT_BYTES unless given, a
+    character cut there dropped), or a ValueError naming the file and what is wrong."""
+    limit = MAX_TEXT_BYTES if limit is None else limit
     what = f"--text {str(path)!r}"
     if not path.exists():
         raise ValueError(f"{what}: no such file; expected a UTF-8 text file")
     if not path.is_file():
         raise ValueError(f"{what} is not a regular file; expected a UTF-8 text file")
     with path.open("rb") as f:
-        data = f.read(MAX_TEXT_BYTES)
+        data = f.read(limit)
     if not data.strip():
         raise ValueError(f"{what} is empty; expected a UTF-8 text file with something in it")
     nul = data.find(b"\0")
@@ -48,8 +53,8 @@ def read_text(path: Path) -> str:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as error:
-        # A read cut at MAX_TEXT_BYTES may split the last character: that tail alone goes.
-        if len(data) == MAX_TEXT_BYTES and error.start >= len(data) - 3:
+        # A read cut at LIMIT may split the last character: that tail alone goes.
+        if len(data) == limit and error.start >= len(data) - 3:
             return data[:error.start].decode("utf-8")
         raise ValueError(f"{what} is not UTF-8 text (byte {error.start:,} is not valid "
                          "UTF-8); expected a UTF-8 text file") from None
@@ -80,7 +85,17 @@ def encode(text: str, tokenizer: str) -> tuple[int, ...]:
     return tuple(encoding.encode(text, disallowed_special=()))
 
 
-def eval_text(text: str, name: str, config) -> EvalText:
-    """`text` as the ids of the model's tokenizer."""
+def read_tokens(path: Path, config, wanted: int) -> EvalText:
+    """The ids of the file's first WANTED tokens, or of all of it when it has fewer: a
+    prefix read and tokenized, four times longer while it falls short, so a huge file costs
+    what is asked (an 80 MB one read whole asked its tokenizer for 5 GB and died). Read in
+    part, the ids end WANTED tokens in: the last ones of a cut text may be split words."""
     tokenizer = tokenizer_for(config)
-    return EvalText(name, encode(text, tokenizer), tokenizer)
+    limit = min(MAX_TEXT_BYTES, max(wanted, 1) * FIRST_READ_BYTES_PER_TOKEN)
+    size = path.stat().st_size if path.is_file() else 0
+    while True:
+        ids = encode(read_text(path, limit), tokenizer)
+        whole = size <= limit
+        if whole or len(ids) > wanted or limit >= MAX_TEXT_BYTES:
+            return EvalText(str(path), ids if whole else ids[:wanted], tokenizer)
+        limit = min(MAX_TEXT_BYTES, 4 * limit)

@@ -45,6 +45,19 @@ FAMILIES = {
 }
 
 
+def missing_model(name_or_path: str) -> str | None:
+    """The refusal of a --model that names a file or folder (a path, a .gguf) that is not
+    there, with every kind --model accepts; None otherwise. Read before anything is
+    imported: it answers at once."""
+    looks_like_path = name_or_path.endswith(".gguf") or name_or_path.startswith(
+        ("/", "./", "../", "~"))
+    path = Path(name_or_path).expanduser()
+    if not looks_like_path or path.exists() or path.is_symlink():
+        return None
+    kinds = ", ".join(f.names for f in FAMILIES.values())
+    return f"model {name_or_path!r}: no such file or folder; expected {kinds}"
+
+
 def family_of(name_or_path: str) -> str:
     """Which family a --model value names ("gpt2", "llama" or "gemma3"), read without
     torch."""

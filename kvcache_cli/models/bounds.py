@@ -89,7 +89,9 @@ def check_shape(f: dict, name: Callable[[str], str]) -> None:
         raise ValueError(f"head size {hs:,} ({name('head_dim')}, or {name('n_embd')} / "
                          f"{name('n_head')}) is odd; expected an even one: rotary positions "
                          "turn pairs")
-    check_memory(f, name)
+    # The weights are read whole to convert a GGUF (and to size it); the whole context's
+    # cache is checked by the loader only: `size` prices a 10M-token context, allocating none.
+    check_weights_memory(f)
 
 
 def head_size(f: dict) -> int:
@@ -108,20 +110,29 @@ def gib(n: int) -> str:
     return f"{n / 2**30:,.1f} GiB"
 
 
-def check_memory(f: dict, name: Callable[[str], str]) -> None:
-    """Refuse a shape whose float32 weights, or those and a static cache of its whole context
-    (and the rotary tables, one row a position), would not fit in memory."""
-    memory = physical_memory()
-    if memory is None:
-        return
-    C, L, hs, T = f["n_embd"], f["n_layer"], head_size(f), f["context"]
+def check_weights_memory(f: dict) -> int:
+    """Refuse a shape whose float32 weights would not fit in memory; their bytes."""
+    C, L, hs = f["n_embd"], f["n_layer"], head_size(f)
     params = (L * (C * hs * 2 * (f["n_head"] + f["n_kv_head"]) + 3 * C * f["intermediate"]
                    + 2 * C) + C + f["vocab_size"] * C)  # a tied head: the least it can be
     weights = params * FLOAT_BYTES
-    if weights > memory:
+    memory = physical_memory()
+    if memory is not None and weights > memory:
         raise ValueError(f"this shape's float32 weights take {gib(weights)} ({params:,} "
                          f"parameters), more than this machine's {gib(memory)} of memory; "
                          "expected a model that fits")
+    return weights
+
+
+def check_memory(f: dict, name: Callable[[str], str]) -> None:
+    """Refuse, where a model is loaded to run, a shape whose float32 weights, or those and a
+    static cache of its whole context (and the rotary tables, one row a position), would
+    not fit in memory."""
+    weights = check_weights_memory(f)
+    memory = physical_memory()
+    if memory is None:
+        return
+    L, hs, T = f["n_layer"], head_size(f), f["context"]
     cache = 2 * L * f["n_kv_head"] * hs * T * FLOAT_BYTES  # K and V, every layer
     rotary = 2 * T * hs * FLOAT_BYTES  # cos and sin, one row a position
     if weights + cache + rotary > memory:

@@ -117,8 +117,9 @@ def _discard(folder: Path) -> None:
 def _gguf_folder(name_or_path: str) -> tuple[Path, dict]:
     path = Path(resolve_llama(name_or_path))
     if not (path.exists() or path.is_symlink()):
-        raise ValueError(f"model {name_or_path!r}: no such file; expected {SMOLLM2}, a .gguf "
-                         "file, a llama safetensors folder or a Hub id")
+        from kvcache_cli.models import missing_model
+
+        raise ValueError(missing_model(str(path)) or f"model {name_or_path!r}: no such file")
     return _convert(path)
 
 
@@ -279,6 +280,7 @@ def load_llama(name_or_path: str, weights: str, device, dtype: torch.dtype,
         raise ValueError(f"unknown weights {weights!r}: expected auto, pretrained or random")
     folder, source, raw = _folder(name_or_path)
     config = config if config is not None else _config(folder, raw)
+    _check_memory(config, name_or_path)
     with torch.device("meta"):
         model = Llama(config)  # shapes only: no memory, no init to overwrite
     if weights == "random":
@@ -292,6 +294,20 @@ def load_llama(name_or_path: str, weights: str, device, dtype: torch.dtype,
         model.lm_head.weight = model.model.embed_tokens.weight
     model = arrange_weights(model.to(device=device, dtype=dtype))
     return LoadedModel(model.eval(), source)
+
+
+def _check_memory(config: LlamaConfig, where: str) -> None:
+    """The weights, the rotary tables and a static cache of the whole context against this
+    machine's memory, before any is allocated (`bounds.check_memory`); reading the shape
+    alone (`size`) is not refused for a long context."""
+    f = {"n_embd": config.n_embd, "n_layer": config.n_layer, "n_head": config.n_head,
+         "n_kv_head": config.n_kv_head, "intermediate": config.intermediate,
+         "vocab_size": config.vocab_size, "context": config.context,
+         "head_dim": config.head_size}
+    try:
+        bounds.check_memory(f, str)
+    except ValueError as err:
+        raise ValueError(f"{where}: {err}") from None
 
 
 def _weights_file(folder: Path) -> Path:

@@ -27,7 +27,7 @@ def to_jsonable(obj: Any) -> Any:
     if hasattr(obj, "tolist"):  # NumPy arrays and scalars, torch tensors
         return to_jsonable(obj.tolist())
     if isinstance(obj, float) and not math.isfinite(obj):
-        return str(obj)  # JSON has no inf/nan; keep the value readable
+        return None  # JSON has no NaN or infinity: null, as JavaScript's JSON.stringify
     return obj
 
 

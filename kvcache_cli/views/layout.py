@@ -79,25 +79,27 @@ def _part(table: Table, columns: list[int]) -> Table:
 
 
 def _split(table: Table, width: int) -> list[Table] | None:
-    """TABLE as tables of its first column and as many of the others as fit WIDTH with no
-    cell wrapped; a column too wide for that on its own beside the first takes a part of
-    its own if it fits there wrapped. None where even that cuts it."""
+    """TABLE as tables of its key (its first column, or the first `key_columns` where the
+    table names its rows by more than one: `size`'s layer count and kind) and as many of the
+    others as fit WIDTH with no cell wrapped; a column too wide for that on its own beside
+    the key takes a part of its own if it fits there wrapped. None where even that cuts it."""
+    key = list(range(getattr(table, "key_columns", 1)))
     groups: list[list[int]] = []
-    group = [0]
-    for i in range(1, len(table.columns)):
+    group = list(key)
+    for i in range(len(key), len(table.columns)):
         if _natural(_part(table, group + [i])) <= width:
             group.append(i)
             continue
-        if len(group) > 1:  # column i starts the next part
+        if len(group) > len(key):  # column i starts the next part
             groups.append(group)
-            group = [0]
-        if _natural(_part(table, [0, i])) <= width:
-            group = [0, i]
-        elif _fits(_part(table, [0, i]), width):
-            groups.append([0, i])
+            group = list(key)
+        if _natural(_part(table, [*key, i])) <= width:
+            group = [*key, i]
+        elif _fits(_part(table, [*key, i]), width):
+            groups.append([*key, i])
         else:
             return None
-    if len(group) > 1:
+    if len(group) > len(key):
         groups.append(group)
     return [_part(table, g) for g in groups]
 

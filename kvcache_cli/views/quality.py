@@ -11,7 +11,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 
 from kvcache_cli.eval.quality import CacheQuality, QualityResult
-from kvcache_cli.views.bench import decimal_bytes
+from kvcache_cli.sizing.units import format_gib
 from kvcache_cli.views.layout import text_line, text_table
 from kvcache_cli.views.plot import BARS
 from kvcache_cli.views.style import figures_table, label_grid
@@ -66,8 +66,41 @@ def cost_cells(c: CacheQuality) -> tuple[str, ...]:
     compress = f"{c.compress_ms:.1f}" if c.compress_ms else "-"
     # '-' where a row has no time: llama.cpp's rows are fed in chunks, not timed.
     timed = lambda ms, fmt: "-" if math.isnan(ms) else format(ms, fmt)  # noqa: E731
-    return (f"{c.bytes_per_token:,.0f}", f"{c.bytes_ratio:.3f}", decimal_bytes(c.bytes_held),
+    return (f"{c.bytes_per_token:,.0f}", f"{c.bytes_ratio:.3f}", format_gib(c.bytes_held),
             timed(c.prefill_ms, ".1f"), compress, timed(c.decode_ms_per_token, ".2f"))
+
+
+def residual_lines(r: QualityResult) -> list[str]:
+    """Why a quantised cache can hold more than int8 at a short length: the tokens it still
+    keeps at full precision (its residual, sinks, a group's incomplete tail), and what a
+    token costs past them, from this run's bytes (the full-precision tokens at the exact
+    cache's bytes per token, the rest over the codes)."""
+    from kvcache_cli.caches.grammar import CacheSpecError
+    from kvcache_cli.caches.spec import parse_cache_spec
+    from kvcache_cli.caches.spec_quantized import quantised_split
+
+    exact = next((c for c in r.caches if c.reference), None)
+    lines = []
+    for c in r.caches if exact is not None else ():
+        try:
+            params = dict(parse_cache_spec(c.cache).params)
+        except CacheSpecError:
+            continue  # a peer's or a test's cache: no spec of kvcache's
+        if c.peer or "residual" not in params:
+            continue
+        codes, full = quantised_split(params, c.positions)
+        if full == 0:
+            continue
+        full_bytes = format_gib(round(full * exact.bytes_per_token))
+        said = (f"{c.cache}: {full:,} of its {c.positions:,} positions at full precision "
+                f"(residual, sinks, an unfilled group), {full_bytes}")
+        if codes == 0:
+            lines.append(f"{said}: all of them; a longer text shows what its codes cost")
+            continue
+        per_token = (c.bytes_held - full * exact.bytes_per_token) / codes
+        lines.append(f"{said}; past them a token costs {per_token:,.0f} bytes "
+                     f"({per_token / exact.bytes_per_token:.3f}× exact)")
+    return lines
 
 
 def _run_line(r: QualityResult) -> str:
@@ -130,7 +163,10 @@ def _cost(r: QualityResult) -> Table:
 
 
 def render(r: QualityResult) -> RenderableType:
-    return Group(_header(r), _quality(r), _cost(r))
+    from rich.text import Text
+
+    notes = [Text(line, style="dim") for line in residual_lines(r)]
+    return Group(_header(r), _quality(r), _cost(r), *notes)
 
 
 def plain(r: QualityResult, width: int) -> str:
@@ -147,6 +183,9 @@ def plain(r: QualityResult, width: int) -> str:
               *text_line("sink", f"first token's share of attention, per layer: "
                          f"{_sink_line(r)}", width), "",
               *text_table(rows, width)]
+    notes = residual_lines(r)
+    lines += ([""] if notes else []) + [wrapped for line in notes for wrapped in
+                                        textwrap.wrap(line, width, subsequent_indent="  ")]
     lines_by_cache, top = excess_lines(r, 2 * SPARK_WIDTH)
     lines += ["", *textwrap.wrap(f"loss above the exact cache's at positions {r.prompt_len}→"
                                  f"{r.tokens - 1}, one scale from 0 to {top:.2g} nats:", width)]

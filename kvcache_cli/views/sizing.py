@@ -79,6 +79,8 @@ def _kinds_table(r: SizeResult) -> Table:
     table.add_column("bytes/token/layer", justify="right")
     table.add_column("tokens held", justify="right")
     table.add_column("total", justify="right")
+    # A row is a count of layers of a kind: a part split off at 80 columns repeats both.
+    table.key_columns = 2
     for row in r.kinds:
         table.add_row(
             f"{row.layers:,}",

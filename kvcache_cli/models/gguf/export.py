@@ -23,6 +23,7 @@ needs only `gguf`, pure Python.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -322,14 +323,46 @@ def export_gguf(state: dict, config, fmt: str = "f32", directory: Path | None = 
     digest = weights_digest(state, config)
     family = "gpt2" if hasattr(config, "block_size") else "llama"
     path = directory / f"{family}-{digest}-{fmt}.gguf"
-    if path.is_file():
+    if _as_written(path):
         return GGUFFile(path, fmt, digest, path.stat().st_size, cached=True)
     f32 = directory / f"{family}-{digest}-f32.gguf"
-    if not f32.is_file():
+    if not _as_written(f32):
         write_gguf(state, config, f32)
+        _stamp(f32)
     if fmt != "f32":
         quantize_gguf(f32, path, fmt, threads)
+        _stamp(path)
     return GGUFFile(path, fmt, digest, path.stat().st_size, cached=False)
+
+
+# What a stamp hashes of a written GGUF: its header, metadata and first tensors. With the
+# size, a file truncated, emptied or overwritten since is told from the one written.
+_STAMPED_HEAD = 2**20
+
+
+def _stamp_of(path: Path) -> Path:
+    return path.with_name(path.name + ".stamp")
+
+
+def _fingerprint(path: Path) -> dict:
+    with path.open("rb") as f:
+        head = hashlib.sha256(f.read(_STAMPED_HEAD)).hexdigest()
+    return {"bytes": path.stat().st_size, "head_sha256": head}
+
+
+def _stamp(path: Path) -> None:
+    """Record what was written at PATH, beside it (written last: no stamp, no file)."""
+    _stamp_of(path).write_text(json.dumps(_fingerprint(path)))
+
+
+def _as_written(path: Path) -> bool:
+    """PATH is a cached GGUF this writer finished and nothing changed since: a file cut
+    short or emptied (a full disk, a user) is written again, not handed to a reader that
+    would fail in numpy's or mmap's words; one from before stamps is written again once."""
+    try:
+        return path.is_file() and json.loads(_stamp_of(path).read_text()) == _fingerprint(path)
+    except (OSError, ValueError):
+        return False
 
 
 class _silenced_stderr:
