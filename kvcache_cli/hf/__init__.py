@@ -68,6 +68,10 @@ def kv_cache(model, spec: str | CacheSpec = "concat", *, max_len: int | None = N
         raise BridgeError(f"{name}: multi-head latent attention (its latent, or its "
                           "decompressed keys wider than its values); the bridge holds "
                           "full and sliding attention layers only")
+    keys, values = getattr(config, "head_dim", None), getattr(config, "v_head_dim", None)
+    if None not in (keys, values) and keys != values:  # MiMo-V2-Flash: 192 and 128
+        raise BridgeError(f"{name}: keys {keys} wide and values {values} wide; kvcache's "
+                          "caches hold keys and values of one width")
     types, per_layer = get_layer_types_and_kwargs(config)
     other = sorted(set(types) - set(_KIND))
     if other:
