@@ -68,7 +68,9 @@ def kv_cache(model, spec: str | CacheSpec = "concat", *, max_len: int | None = N
         raise BridgeError(f"{name}: multi-head latent attention (its latent, or its "
                           "decompressed keys wider than its values); the bridge holds "
                           "full and sliding attention layers only")
-    keys, values = getattr(config, "head_dim", None), getattr(config, "v_head_dim", None)
+    # Read head_dim only beside v_head_dim: Gemma 4's config refuses a per-layer field read whole.
+    values = getattr(config, "v_head_dim", None)
+    keys = getattr(config, "head_dim", None) if values is not None else None
     if None not in (keys, values) and keys != values:  # MiMo-V2-Flash: 192 and 128
         raise BridgeError(f"{name}: keys {keys} wide and values {values} wide; kvcache's "
                           "caches hold keys and values of one width")
