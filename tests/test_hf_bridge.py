@@ -2,7 +2,8 @@
 
 For every decoder config class `size --verify` sweeps (tests/test_sizing_sweep.py), built
 small from its defaults (the sweep's shrink: a prefix of layers holding one of every kind,
-the sliding window 4, so 8 prompt tokens overflow it), with random weights:
+the sliding window 4, so 8 prompt tokens overflow it; then 4 heads of 16 where the model
+allows), with random weights:
 
 - the exact kind (`concat`) gives the logits `DynamicCache` gives, over the prompt and
   4 decode steps, with the model's sliding layers in transformers' window and in the
