@@ -302,11 +302,11 @@ def _speculative(ctx, draft: str, speculate: str, cache: str, prompt_file: Path 
         fail(str(err))
     pick_threads(threads, dev)
     loaded = load_model(model, weights, dev, dtype.value)
-    gpt = loaded.model
-    prompt = (_tokenize(gpt, text)[:prompt_len] if text is not None
-              else bench_modes.random_prompt(gpt.config.vocab_size, prompt_len))
+    target = loaded.model  # the model the drafts are verified by
+    prompt = (_tokenize(target, text)[:prompt_len] if text is not None
+              else bench_modes.random_prompt(target.config.vocab_size, prompt_len))
     try:
-        check_request(gpt, prompt, new_tokens)
+        check_request(target, prompt, new_tokens)
     except (ValueError, IndexError) as err:
         fail(str(err))
     built = drafts.build(spec, loaded, weights, dev, dtype.value, len(prompt) + new_tokens)
@@ -314,7 +314,7 @@ def _speculative(ctx, draft: str, speculate: str, cache: str, prompt_file: Path 
         note = "; ".join(filter(None, [note, "a random prompt: prompt lookup finds little to "
                                               "copy (give --prompt-file)"]))
     try:
-        run = sp.compare(gpt, prompt, new_tokens, built, ks, cache=cache, repeats=repeats,
+        run = sp.compare(target, prompt, new_tokens, built, ks, cache=cache, repeats=repeats,
                          target=loaded.source, note=note or None)
     except (ValueError, IndexError) as err:
         fail(str(err))
@@ -491,15 +491,15 @@ def _read_prompt(path: Path | None) -> str | None:
         fail(f"--prompt-file {str(path)!r}: not readable as UTF-8 text ({type(err).__name__})")
 
 
-def _tokenize(gpt, text: str) -> list[int]:
+def _tokenize(model, text: str) -> list[int]:
     """The text's token ids for the model: bytes for a byte-level model, else GPT-2's BPE."""
     from kvcache_cli.models.gpt2 import GPT2_VOCAB_SIZE
     from kvcache_cli.models.tokenizer import gpt2_encoding
 
-    if gpt.config.tokenizer == "bytes":
+    if model.config.tokenizer == "bytes":
         return list(text.encode("utf-8"))
-    if gpt.config.vocab_size != GPT2_VOCAB_SIZE:
-        fail(f"--prompt-file: the model's vocabulary ({gpt.config.vocab_size}) is not GPT-2's "
+    if model.config.vocab_size != GPT2_VOCAB_SIZE:
+        fail(f"--prompt-file: the model's vocabulary ({model.config.vocab_size}) is not GPT-2's "
              "and it reads no bytes: no tokenizer for its text")
     encoding, why = gpt2_encoding()
     if encoding is None:
