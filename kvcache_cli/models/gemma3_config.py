@@ -129,3 +129,33 @@ def _sliding(meta: dict, n_layer: int) -> tuple[bool, ...]:
         return tuple(value)
     n = bounds.number(PATTERN_BOUND, value, key)
     return tuple(bool((i + 1) % n) for i in range(n_layer))
+
+
+def check_converted(raw: dict, where) -> None:
+    """A converted Gemma 3 folder's config.json (what `config_from_metadata` wrote, and the
+    converter's fields) of the shape and types it was written with, torch-free, or a
+    ValueError naming the field; `Gemma3Config.from_hf` reads it fully when it loads."""
+    def fail(what: str):
+        raise ValueError(f"{where}: {what}; expected the config of a converted Gemma 3 GGUF")
+
+    if raw.get("model_type") != "gemma3_text":
+        fail(f"model_type is {bounds.shown(raw.get('model_type'))}")
+    f = {}
+    for field, key in HF_NAMES.items():
+        if key not in raw:
+            fail(f"no {key}")
+        try:
+            f[field] = bounds.number(bounds.BOUNDS[field], raw[key], key)
+        except ValueError as err:
+            fail(str(err))
+    try:
+        bounds.check_shape(f, HF_NAMES.__getitem__)
+    except ValueError as err:
+        fail(str(err))
+    types = raw.get("layer_types")
+    if not isinstance(types, list) or len(types) != f["n_layer"]:
+        fail(f"layer_types is {bounds.shown(types)}")
+    for field, kind in (("name", str), ("gguf", str), ("source_types", dict),
+                        ("tie_word_embeddings", bool)):
+        if not isinstance(raw.get(field), kind):
+            fail(f"{field} is {bounds.shown(raw.get(field))}")
