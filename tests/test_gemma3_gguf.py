@@ -18,6 +18,7 @@ import gemmakit
 import numpy as np
 import pytest
 
+from kvcache_cli.models.gemma3 import Gemma3Config
 from kvcache_cli.models.gemma3_config import config_from_metadata
 from kvcache_cli.models.gguf.reader import read_gemma3
 
@@ -26,23 +27,29 @@ REAL_TYPES = {"F32": 109, "Q5_0": 81, "Q4_K": 27, "Q8_0": 10, "Q6_K": 9}  # 236 
 
 def _config(**changes):
     meta = {**gemmakit.tiny_metadata(), **changes}
-    return config_from_metadata({k: v for k, v in meta.items() if v is not None}, "tiny",
-                                gemmakit.TINY["vocab"], tied=True)
+    hf = config_from_metadata({k: v for k, v in meta.items() if v is not None}, "tiny",
+                              gemmakit.TINY["vocab"], tied=True)
+    return Gemma3Config.from_hf(hf, "tiny")
+
+
+def _types(c) -> tuple:
+    """Each layer's (window, rotary base)."""
+    return tuple((t.window, t.rope_theta) for t in c.layer_types)
 
 
 def test_every_sixth_layer_is_global_with_the_global_base_unless_the_file_says():
     c = _config(**{"gemma3.block_count": 18})
-    assert [i for i, (window, _) in enumerate(c.layer_types) if window is None] == [5, 11, 17]
-    assert set(c.layer_types) == {(16, 10_000.0), (None, 1e6)}
+    assert [i for i, (window, _) in enumerate(_types(c)) if window is None] == [5, 11, 17]
+    assert set(_types(c)) == {(16, 10_000.0), (None, 1e6)}
 
 
 def test_a_pattern_and_a_local_base_in_the_file_are_read_as_llama_cpp_writes_them():
     pattern = [True, False, True, True, False, True]
     c = _config(**{"gemma3.attention.sliding_window_pattern": pattern,
                    "gemma3.rope.freq_base_swa": 5e4})
-    assert c.layer_types == tuple((16, 5e4) if s else (None, 1e6) for s in pattern)
+    assert _types(c) == tuple((16, 5e4) if s else (None, 1e6) for s in pattern)
     every_other = _config(**{"gemma3.attention.sliding_window_pattern": 2})
-    assert [w for w, _ in every_other.layer_types] == [16, None] * 3
+    assert [w for w, _ in _types(every_other)] == [16, None] * 3
 
 
 def test_queries_are_scaled_by_the_head_size_except_on_the_27b_as_llama_cpp_does():
@@ -109,23 +116,24 @@ def test_the_real_file_holds_gemma3_270m_in_its_block_types(real):
     assert Counter(real.types.values()) == REAL_TYPES
     assert (c.n_layer, c.n_embd, c.intermediate, c.n_head, c.n_kv_head, c.head_dim) == (
         18, 640, 2048, 4, 1, 256)
-    assert (c.vocab_size, c.context, c.window, c.query_pre_attn_scalar) == (
-        262_144, 32_768, 512, 256.0)
-    assert [i for i, (w, _) in enumerate(c.layer_types) if w is None] == [5, 11, 17]
-    assert c.embed_scale == 640 ** 0.5 and c.tie_word_embeddings
-    assert (c.bos_id, c.eos_id, c.name) == (2, 1, "Gemma 3 270m")
+    assert (c.vocab_size, c.context, c.query_pre_attn_scalar) == (262_144, 32_768, 256.0)
+    assert {t.window for t in c.layer_types} == {512, None}
+    assert [i for i, (w, _) in enumerate(_types(c)) if w is None] == [5, 11, 17]
+    assert c.tie_word_embeddings
+    assert (c.bos_id, c.eos_ids, c.name) == (2, (1,), "Gemma 3 270m")
 
 
 def test_the_config_is_what_transformers_derives_from_the_same_file(real, transformers_model):
     c, hf = real.config, transformers_model.config
     assert (c.n_layer, c.n_embd, c.intermediate, c.n_head, c.n_kv_head, c.head_dim,
-            c.vocab_size, c.context, c.window, c.rms_eps, c.query_pre_attn_scalar,
-            c.activation, c.tie_word_embeddings) == (
+            c.vocab_size, c.context, max(t.window or 0 for t in c.layer_types), c.rms_eps,
+            c.query_pre_attn_scalar, real.hf_config["hidden_activation"],
+            c.tie_word_embeddings) == (
         hf.num_hidden_layers, hf.hidden_size, hf.intermediate_size, hf.num_attention_heads,
         hf.num_key_value_heads, hf.head_dim, hf.vocab_size, hf.max_position_embeddings,
         hf.sliding_window, hf.rms_norm_eps, hf.query_pre_attn_scalar, hf.hidden_activation,
         hf.tie_word_embeddings)
-    assert c.layer_types == tuple(
+    assert _types(c) == tuple(
         (hf.sliding_window if kind == "sliding_attention" else None,
          hf.rope_parameters[kind]["rope_theta"]) for kind in hf.layer_types)
 

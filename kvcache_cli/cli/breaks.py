@@ -149,7 +149,10 @@ def _models_for(names: list[str], model: str | None, asked: str
     # Every break runs on the Llama family: only the Llama breaks can be out of reach.
     which = (f"the Llama break{'s' if many else ''} "
              + (f"({', '.join(cannot)})" if many else cannot[0]))
-    if family == "gpt2":
+    if family == "gemma3":
+        why = (f"no torch break runs on the Gemma 3 family ({model!r}) yet: they run on "
+               f"GPT-2 and the Llama family (-m gpt2, -m {smollm2.SMOLLM2}, a .gguf)")
+    elif family == "gpt2":
         why = (f"{which} run{'' if many else 's'} on the Llama family (rotary positions, "
                f"grouped KV heads), and {model!r} is GPT-2: expected -m {smollm2.SMOLLM2}, "
                "a .gguf or a Llama folder")

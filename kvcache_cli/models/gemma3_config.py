@@ -1,4 +1,5 @@
-"""Gemma 3's shape, read from a GGUF's metadata and checked. Torch-free.
+"""Gemma 3's shape, read from a GGUF's metadata and checked, as the config.json transformers
+writes for it (the one config class is `models.gemma3.Gemma3Config`). Torch-free.
 
 Gemma 3 (text) is a Llama with more parts: GeGLU (tanh GELU), an RMSNorm on each head's
 queries and keys (QK-norm), norms before and after attention and the MLP, embeddings scaled
@@ -24,9 +25,6 @@ head size) are checked against this shape by `gguf.reader`.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 from kvcache_cli.models import bounds
 
 ARCH = "gemma3"
@@ -35,34 +33,12 @@ PATTERN = 6  # every 6th layer global: layers 5, 11, 17, ...
 LOCAL_ROPE_THETA = 10_000.0
 LAYERS_27B = 62  # llama.cpp scales the 27B's queries by its width per head, not its head size
 ACTIVATION = "gelu_pytorch_tanh"  # GeGLU's GELU, tanh-approximated (transformers' name)
-
-
-@dataclass(frozen=True)
-class Gemma3Config:
-    n_layer: int
-    n_head: int  # query heads
-    n_kv_head: int  # key/value heads (270M: one, multi-query attention)
-    n_embd: int  # the hidden size
-    head_dim: int  # not the width's share (270M: 4 × 256 = 1,024 ≠ 640)
-    intermediate: int  # GeGLU's inner width
-    vocab_size: int
-    context: int  # positions the model was trained for
-    window: int  # the sliding layers' window, the query's own position included
-    # Per layer, (window or None for full attention, its rotary base): the field names of
-    # caches.base.LayerType(window, rope_theta), which the hybrid cache builds from.
-    layer_types: tuple[tuple[int | None, float], ...]
-    rms_eps: float
-    query_pre_attn_scalar: float  # scores are q·k / √this
-    activation: str = ACTIVATION
-    tie_word_embeddings: bool = True
-    bos_id: int | None = None
-    eos_id: int | None = None
-    name: str = "gemma3"
-
-    @property
-    def embed_scale(self) -> float:
-        """Gemma multiplies its embeddings by √width (in the activations' dtype)."""
-        return math.sqrt(self.n_embd)
+# transformers' name of each checked field in a gemma3_text config.json.
+HF_NAMES = {"n_layer": "num_hidden_layers", "n_head": "num_attention_heads",
+            "n_kv_head": "num_key_value_heads", "n_embd": "hidden_size",
+            "intermediate": "intermediate_size", "vocab_size": "vocab_size",
+            "context": "max_position_embeddings", "head_dim": "head_dim",
+            "rms_eps": "rms_norm_eps"}
 
 
 _ABSENT = object()
@@ -82,11 +58,12 @@ def _number(meta: dict, b: bounds.Bound, default=_ABSENT, why: str = ""):
     return bounds.number(b, value, _key(b))
 
 
-def config_from_metadata(meta: dict, stem: str, vocab_size: int,
-                         tied: bool) -> Gemma3Config:
-    """The config a `gemma3` GGUF's metadata gives, checked; `vocab_size` is the tokenizer's
-    count, `tied` whether the file has no output tensor of its own. A ValueError (one line,
-    naming the key) for a value no Gemma 3 takes."""
+def config_from_metadata(meta: dict, stem: str, vocab_size: int, tied: bool) -> dict:
+    """The config a `gemma3` GGUF's metadata gives, checked, as transformers writes a
+    gemma3_text config.json (`models.gemma3.Gemma3Config.from_hf` reads it; so does `size`,
+    torch-free); `vocab_size` is the tokenizer's count, `tied` whether the file has no
+    output tensor of its own. A ValueError (one line, naming the key) for a value no
+    Gemma 3 takes."""
     B = bounds.BOUNDS
     f = {field: _number(meta, B[field]) for field in (
         "n_layer", "n_head", "n_embd", "intermediate", "context", "rms_eps")}
@@ -119,18 +96,19 @@ def config_from_metadata(meta: dict, stem: str, vocab_size: int,
                          "the context")
     local_theta = _number(meta, LOCAL_THETA, LOCAL_ROPE_THETA)
     sliding = _sliding(meta, f["n_layer"])
-    layer_types = tuple((window, local_theta) if s else (None, f["rope_theta"])
-                        for s in sliding)
-
     heads_share = f["n_embd"] // f["n_head"]
-    return Gemma3Config(
-        n_layer=f["n_layer"], n_head=f["n_head"], n_kv_head=f["n_kv_head"],
-        n_embd=f["n_embd"], head_dim=f["head_dim"], intermediate=f["intermediate"],
-        vocab_size=f["vocab_size"], context=f["context"], window=window,
-        layer_types=layer_types, rms_eps=f["rms_eps"],
-        query_pre_attn_scalar=float(heads_share if f["n_layer"] == LAYERS_27B
-                                    else f["head_dim"]),
-        tie_word_embeddings=tied, name=stem)
+    return {
+        "model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"],
+        **{HF_NAMES[field]: f[field] for field in HF_NAMES},
+        "sliding_window": window,
+        "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": local_theta},
+            "full_attention": {"rope_type": "default", "rope_theta": f["rope_theta"]}},
+        "query_pre_attn_scalar": float(heads_share if f["n_layer"] == LAYERS_27B
+                                       else f["head_dim"]),
+        "hidden_activation": ACTIVATION, "tie_word_embeddings": tied, "name": stem,
+    }
 
 
 def _sliding(meta: dict, n_layer: int) -> tuple[bool, ...]:
@@ -151,3 +129,33 @@ def _sliding(meta: dict, n_layer: int) -> tuple[bool, ...]:
         return tuple(value)
     n = bounds.number(PATTERN_BOUND, value, key)
     return tuple(bool((i + 1) % n) for i in range(n_layer))
+
+
+def check_converted(raw: dict, where) -> None:
+    """A converted Gemma 3 folder's config.json (what `config_from_metadata` wrote, and the
+    converter's fields) of the shape and types it was written with, torch-free, or a
+    ValueError naming the field; `Gemma3Config.from_hf` reads it fully when it loads."""
+    def fail(what: str):
+        raise ValueError(f"{where}: {what}; expected the config of a converted Gemma 3 GGUF")
+
+    if raw.get("model_type") != "gemma3_text":
+        fail(f"model_type is {bounds.shown(raw.get('model_type'))}")
+    f = {}
+    for field, key in HF_NAMES.items():
+        if key not in raw:
+            fail(f"no {key}")
+        try:
+            f[field] = bounds.number(bounds.BOUNDS[field], raw[key], key)
+        except ValueError as err:
+            fail(str(err))
+    try:
+        bounds.check_shape(f, HF_NAMES.__getitem__)
+    except ValueError as err:
+        fail(str(err))
+    types = raw.get("layer_types")
+    if not isinstance(types, list) or len(types) != f["n_layer"]:
+        fail(f"layer_types is {bounds.shown(types)}")
+    for field, kind in (("name", str), ("gguf", str), ("source_types", dict),
+                        ("tie_word_embeddings", bool)):
+        if not isinstance(raw.get(field), kind):
+            fail(f"{field} is {bounds.shown(raw.get(field))}")

@@ -33,17 +33,21 @@ LEFT_OUT = ("quanto-int4", "quanto-int2")
 
 def is_live(model: str) -> bool:
     """Whether `size -m` names a model kvcache loads itself (not a preset or a config)."""
+    from kvcache_cli.models.gemma3_270m import GEMMA3
     from kvcache_cli.models.smollm2 import SMOLLM2
 
-    return model == SMOLLM2 or model.endswith(".gguf")
+    return model in (SMOLLM2, GEMMA3) or model.endswith(".gguf")
 
 
 def live_config(model: str) -> dict:
     """A transformers-style Llama config of `model` (smollm2, a .gguf): read from its
     converted folder without torch, or converted now (with torch) the first time."""
+    from kvcache_cli.models.gemma3_270m import GEMMA3
     from kvcache_cli.models.gguf.converted import converted_config
     from kvcache_cli.models.smollm2 import resolve_llama
 
+    if model == GEMMA3:
+        return _gemma3_config()
     path = Path(resolve_llama(model)).expanduser()  # ValueError: how to install SmolLM2
     if not (path.exists() or path.is_symlink()):
         raise SizingError(f"model {model!r}: no such file; expected smollm2 or a .gguf file")
@@ -67,6 +71,25 @@ def live_config(model: str) -> dict:
     if raw.get("head_dim"):
         hf["head_dim"] = raw["head_dim"]
     return hf
+
+
+def _gemma3_config() -> dict:
+    """`-m gemma3`'s converted config.json: transformers' gemma3_text config as written."""
+    from kvcache_cli.models.gemma3_270m import resolve_gemma3
+    from kvcache_cli.models.gemma3_config import check_converted
+    from kvcache_cli.models.gguf.converted import converted_config
+
+    path = resolve_gemma3()
+    raw = converted_config(path, check_converted)
+    if raw is None:
+        from kvcache_cli.models import model_config
+
+        model_config("gemma3")  # the one conversion: torch and transformers, once
+        raw = converted_config(path, check_converted)
+        if raw is None:
+            raise SizingError("model 'gemma3': its converted folder does not read back "
+                              "(changed by another process?)")
+    return raw
 
 
 def live_shape(model: str) -> tuple[ModelShape, dict]:

@@ -52,8 +52,6 @@ def _config_from(folder: Path, raw: dict) -> LlamaConfig:
 def _convert(gguf: Path) -> tuple[Path, dict]:
     """(the converted folder for a GGUF file, its checked config), converted now unless a
     sound folder from this very file is there."""
-    from safetensors.torch import save_file
-
     from kvcache_cli.models.gguf.reader import read_gguf
     from kvcache_cli.models.tokenizer import from_gguf
 
@@ -69,17 +67,36 @@ def _convert(gguf: Path) -> tuple[Path, dict]:
     fields["source_types"] = model.types
     tokenizer = from_gguf(model.tokens, model.token_types, model.merges, model.pre)
     _config_from(folder, dict(fields))  # refuses a shape the model cannot take, before writing
+
+    def write(staging: Path) -> None:
+        tokenizer.save(str(staging / "tokenizer.json"))
+        save_tensors(model.tensors, staging)
+        (staging / "config.json").write_text(json.dumps(fields, indent=1))
+
+    return publish(gguf, write), converted_config(gguf)
+
+
+def save_tensors(tensors: dict, staging: Path) -> None:
+    """A GGUF's dequantised tensors (name → float32 array) as the folder's model.safetensors."""
+    from safetensors.torch import save_file
+
+    state = {name: torch.from_numpy(np.require(w, requirements=["W", "C"]))
+             for name, w in tensors.items()}  # memory-mapped F32 ones are read-only
+    save_file(state, str(staging / "model.safetensors"))
+
+
+def publish(gguf: Path, write, check=None) -> Path:
+    """The converted folder of `gguf`, its files written by `write(staging)` into a
+    temporary folder, stamped last and renamed into place; another process's sound folder,
+    finished meanwhile, is kept. `check`: `converted_config`'s."""
+    folder = converted_dir(gguf)
     staging = None
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
-        tokenizer.save(str(staging / "tokenizer.json"))
-        state = {name: torch.from_numpy(np.require(w, requirements=["W", "C"]))
-                 for name, w in model.tensors.items()}  # memory-mapped F32 ones are read-only
-        save_file(state, str(staging / "model.safetensors"))
-        (staging / "config.json").write_text(json.dumps(fields, indent=1))
+        write(staging)
         write_stamp(staging, gguf)  # last: a folder without it was never finished
-        if converted_config(gguf) is None:  # else another process's, finished meanwhile
+        if converted_config(gguf, check) is None:  # else another process's, finished meanwhile
             _discard(folder)  # a stale or corrupt one: never read, now gone
             try:
                 staging.rename(folder)
@@ -95,11 +112,10 @@ def _convert(gguf: Path) -> tuple[Path, dict]:
         if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)
         raise
-    raw = converted_config(gguf)
-    if raw is None:
+    if converted_config(gguf, check) is None:
         raise ValueError(f"{folder}: the folder just converted does not read back as written "
                          "(changed by another process?)")
-    return folder, raw
+    return folder
 
 
 def _discard(folder: Path) -> None:

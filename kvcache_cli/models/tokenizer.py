@@ -90,10 +90,18 @@ class BPEEncoding:
         self.n_vocab = self._tok.get_vocab_size(with_added_tokens=True)
         self._special = {i for i, t in self._tok.get_added_tokens_decoder().items()
                          if t.special}
+        # What the tokenizer puts before every text (Gemma's <bos>; none in a byte-level
+        # BPE converted from a GGUF), and whether its pieces are SentencePiece's: ▁ for a
+        # space, <0xNN> for a byte no piece spells.
+        self._prefix = self._tok.encode("", add_special_tokens=True).ids
+        self._sentencepiece = bool(getattr(self._tok.model, "byte_fallback", False))
 
     def encode(self, text: str, disallowed_special=()) -> list[int]:
-        # Special tokens typed in the text are the tokens (a chat template writes them).
-        return self._tok.encode(text, add_special_tokens=False).ids
+        # Special tokens typed in the text are the tokens (a chat template writes them):
+        # the tokenizer's prefix only where the text does not begin with it already.
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        prefix = self._prefix
+        return ids if ids[:len(prefix)] == prefix else prefix + ids
 
     def decode(self, ids) -> str:
         return self.decode_bytes(ids).decode("utf-8", errors="replace")
@@ -104,6 +112,10 @@ class BPEEncoding:
             raise ValueError(f"token id {token} is not in the vocabulary (0..{self.n_vocab - 1})")
         if token in self._special:
             return piece.encode("utf-8")
+        if self._sentencepiece:
+            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                return bytes([int(piece[3:5], 16)])
+            return piece.replace("\u2581", " ").encode("utf-8")
         byte_of = _byte_of()
         if all(c in byte_of for c in piece):
             return bytes(byte_of[c] for c in piece)

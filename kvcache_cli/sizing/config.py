@@ -605,6 +605,7 @@ _GATED_FAMILIES = {
     "qwen2": (2, True, False),  # Qwen2Attention: q, k and v have biases, o has none
     "gemma": (2, False, True),
     "gemma2": (4, False, True),  # pre- and post-norms around attention and the MLP
+    "gemma3_text": (4, False, True),  # and QK-norm: a head's width of q and of k (below)
 }
 
 
@@ -636,6 +637,8 @@ def _count_params(cfg: dict, where: str) -> int | None:
     bias = (q + 2 * kv) * (qkv_bias or bool(cfg.get("attention_bias")))
     attention = hidden * (q + 2 * kv) + q * hidden + bias
     layer = attention + 3 * hidden * inner + norms * hidden
+    if model_type == "gemma3_text":
+        layer += 2 * head_dim
     tie = cfg.get("tie_word_embeddings", tied)
     return vocab * hidden * (1 if tie else 2) + layers * layer + hidden
 

@@ -101,6 +101,15 @@ PRESETS: dict[str, Preset] = {
         _llama("gemma-2-9b", "google/gemma-2-9b", 9_241_705_984,
                42, 16, 8, 3584, 14336, 256000, 8192, model_type="gemma2", head_dim=256,
                sliding_window=4096),
+        # Gemma 3: one KV head of 256 (MQA); 15 of 18 layers attend over a window of 512,
+        # every 6th over everything, each kind with its rotary base. `-m gemma3` runs it.
+        _llama("gemma-3-270m", "google/gemma-3-270m", 268_098_176,
+               18, 4, 1, 640, 2048, 262144, 32768, model_type="gemma3_text", head_dim=256,
+               sliding_window=512, layer_types=[
+                   "full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+                   for i in range(18)],
+               rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
+               query_pre_attn_scalar=256, tie_word_embeddings=True),
         # No attention at all: 0 bytes of KV cache, and a 13 MB (fp16) state per sequence,
         # 64 layers × 5,120 channels × (4 conv + 16 SSM) values, whatever the length.
         Preset("mamba-2.8b", "state-spaces/mamba-2.8b-hf", 2_768_345_600, {

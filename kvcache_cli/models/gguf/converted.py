@@ -103,10 +103,11 @@ def write_stamp(staging: Path, gguf: Path) -> None:
     (staging / STAMP).write_text(json.dumps(stamp, indent=1))
 
 
-def converted_config(gguf: Path) -> dict | None:
-    """The converted folder's config.json, checked, when the folder is whole and was made
-    from this very file; None when there is none, or none to trust (convert again). A
-    ValueError for a GGUF path that is no file to read, or a cache root that is a file."""
+def converted_config(gguf: Path, check=None) -> dict | None:
+    """The converted folder's config.json, checked (by `check(raw, where)`, a Llama's
+    `check_config` unless given), when the folder is whole and was made from this very
+    file; None when there is none, or none to trust (convert again). A ValueError for a
+    GGUF path that is no file to read, or a cache root that is a file."""
     identity = gguf_identity(gguf)
     folder = converted_dir(gguf)
     try:
@@ -117,7 +118,7 @@ def converted_config(gguf: Path) -> dict | None:
         if any(files[name] != _file_entry(folder / name) for name in FILES):
             return None
         raw = _small_json(folder / "config.json", 16 * 2**20)
-        check_config(raw, folder / "config.json")
+        (check or check_config)(raw, folder / "config.json")
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None  # half-written, corrupt, or another file's: converted again
     return raw

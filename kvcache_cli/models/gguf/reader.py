@@ -27,15 +27,19 @@ as 1 + w. Its K-quant and Q5_0 blocks are dequantised by the same gguf function 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvcache_cli.models import bounds
 from kvcache_cli.models.gemma3_config import ARCH as GEMMA3
-from kvcache_cli.models.gemma3_config import Gemma3Config, config_from_metadata
+from kvcache_cli.models.gemma3_config import config_from_metadata
 from kvcache_cli.models.gguf.layout import Layout, TensorEntry, open_file, read_layout
+
+if TYPE_CHECKING:  # the family's config lives with its torch model; read_gemma3 imports it
+    from kvcache_cli.models.gemma3 import Gemma3Config
 
 # The tensor types kvcache dequantises: float, and llama.cpp's block and K-quant formats.
 TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
@@ -97,7 +101,8 @@ class Gemma3GGUF:
     """A Gemma 3 GGUF's shape and weights, checked; its tokenizer (SentencePiece's, which
     llama.cpp calls 'llama') is not read here."""
 
-    config: Gemma3Config
+    config: Gemma3Config  # models.gemma3's, the family's one config class
+    hf_config: dict  # the same, as transformers' gemma3_text config.json (converted folders)
     tensors: dict[str, np.ndarray]  # transformers' Gemma3ForCausalLM names → float32
     types: dict[str, str]  # transformers' names → the GGUF type they were stored in
 
@@ -107,6 +112,8 @@ def read_gemma3(path: str | Path) -> Gemma3GGUF:
     names, or a ValueError (one line, naming the file). A norm's weight is stored as
     1 + w (Gemma's RMSNorm scales by 1 + w; llama.cpp's converter adds the 1, transformers'
     loader takes it off): this gives w, as transformers holds it."""
+    from kvcache_cli.models.gemma3 import Gemma3Config
+
     path = Path(path)
     data, size = open_file(path)
     layout = read_layout(path, data, size)
@@ -118,13 +125,14 @@ def read_gemma3(path: str | Path) -> Gemma3GGUF:
                              f"{GEMMA3!r}")
         tokens = _get(meta, "tokenizer.ggml.tokens", list, arch=GEMMA3)
         tied = all(t.name != "output.weight" for t in layout.tensors)
-        config = config_from_metadata(meta, _name(meta, path.stem), len(tokens), tied)
+        hf = config_from_metadata(meta, _name(meta, path.stem), len(tokens), tied)
         ids = _token_ids(meta, len(tokens))
-        config = replace(config, bos_id=ids.get("bos"), eos_id=ids.get("eos"))
+        hf.update(bos_token_id=ids.get("bos"), eos_token_id=ids.get("eos"))
+        config = Gemma3Config.from_hf(hf, GEMMA3, name=hf["name"], gguf=str(path))
         tensors, types = _gemma3_tensors(layout, data, config)
     except ValueError as err:
         raise ValueError(f"{path}: {err}") from None
-    return Gemma3GGUF(config, tensors, types)
+    return Gemma3GGUF(config, hf, tensors, types)
 
 
 def _gemma3_shapes(c: Gemma3Config) -> dict[str, tuple[int, ...]]:
