@@ -23,7 +23,6 @@ matters to the cache:
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -43,6 +42,7 @@ from kvcache_cli.models.llama import (
     RopeShift,
     Rotary,
     RotaryAt,
+    first_layers,
     join_fused,
     split_fused,
 )
@@ -306,18 +306,7 @@ class Gemma3(FamilyModel):
         split_fused(state, self.config)
 
     def first_layers(self, n_layer: int) -> Gemma3:
-        """The first n_layer blocks, the final norm and the head, sharing this model's
-        weights (speculative decoding's self-draft): no copy."""
-        with torch.device("meta"):
-            draft = Gemma3(dataclasses.replace(self.config, n_layer=1,
-                                               layer_types=self.config.layer_types[:1]))
-        draft.config = dataclasses.replace(self.config, n_layer=n_layer,
-                                           layer_types=self.config.layer_types[:n_layer])
-        draft.model = nn.ModuleDict(dict(embed_tokens=self.model.embed_tokens,
-                                         layers=self.model.layers[:n_layer],
-                                         norm=self.model.norm))
-        draft.rotary, draft.lm_head = self.rotary, self.lm_head
-        return draft
+        return first_layers(self, n_layer)
 
     @property
     def embedding(self) -> nn.Embedding:

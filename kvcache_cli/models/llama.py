@@ -340,22 +340,28 @@ class Llama(FamilyModel):
         split_fused(state, self.config)
 
     def first_layers(self, n_layer: int) -> Llama:
-        """The first n_layer blocks, the final norm and the head, sharing this model's
-        weights (speculative decoding's self-draft): no copy."""
-        with torch.device("meta"):
-            draft = Llama(dataclasses.replace(self.config, n_layer=1,
-                                              layer_types=self.config.layer_types[:1]))
-        draft.config = dataclasses.replace(self.config, n_layer=n_layer,
-                                           layer_types=self.config.layer_types[:n_layer])
-        draft.model = nn.ModuleDict(dict(embed_tokens=self.model.embed_tokens,
-                                         layers=self.model.layers[:n_layer],
-                                         norm=self.model.norm))
-        draft.rotary, draft.lm_head = self.rotary, self.lm_head
-        return draft
+        return first_layers(self, n_layer)
 
     @property
     def embedding(self) -> nn.Embedding:
         return self.model.embed_tokens
+
+
+def first_layers(model, n_layer: int):
+    """The first n_layer blocks of a model built as Llama is (`model.embed_tokens`, `layers`,
+    `norm`; `rotary`, `lm_head`), its final norm and head, sharing its weights (speculative
+    decoding's self-draft): no copy. Built on the meta device, then given the weights."""
+    config = model.config
+    with torch.device("meta"):
+        draft = type(model)(dataclasses.replace(config, n_layer=1,
+                                                layer_types=config.layer_types[:1]))
+    draft.config = dataclasses.replace(config, n_layer=n_layer,
+                                       layer_types=config.layer_types[:n_layer])
+    draft.model = nn.ModuleDict(dict(embed_tokens=model.model.embed_tokens,
+                                     layers=model.model.layers[:n_layer],
+                                     norm=model.model.norm))
+    draft.rotary, draft.lm_head = model.rotary, model.lm_head
+    return draft
 
 
 def to_hf(model: Llama):

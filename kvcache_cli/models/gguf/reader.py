@@ -27,6 +27,7 @@ as 1 + w. Its K-quant and Q5_0 blocks are dequantised by the same gguf function 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -160,27 +161,12 @@ def _gemma3_shapes(c: Gemma3Config) -> dict[str, tuple[int, ...]]:
 
 def _gemma3_tensors(layout: Layout, data, c: Gemma3Config) -> tuple[dict[str, np.ndarray],
                                                                    dict[str, str]]:
-    expected = _gemma3_shapes(c)
-    tensors, types = {}, {}
-    for t in layout.tensors:
-        name = hf_name(t.name, "gemma3")
-        if name is None or name not in expected:
-            raise ValueError(f"tensor {t.name!r} is not one of a {c.n_layer}-layer Gemma 3's")
-        if name in tensors:
-            raise ValueError(f"tensor {t.name!r} is {name}, which another tensor is too")
-        if t.kind not in TENSOR_TYPES:
-            raise ValueError(f"tensor {t.name} is of type {t.kind}; kvcache reads "
-                             f"{', '.join(TENSOR_TYPES)}")
-        if t.shape != expected[name]:
-            raise ValueError(f"tensor {t.name} has shape {t.shape}, the model's metadata says "
-                             f"{expected[name]}")
-        w = dequantized(t, data)
-        tensors[name] = w - np.float32(1) if name.endswith("norm.weight") else w
-        types[name] = t.kind
-    missing = sorted(set(expected) - set(tensors))
-    if missing:
-        raise ValueError(f"no tensor for {missing[0]} ({len(missing)} missing)")
-    return tensors, types
+    def fix(name: str, w: np.ndarray) -> np.ndarray:
+        # llama.cpp stores Gemma's norm gains as 1 + w; transformers' names hold w.
+        return w - np.float32(1) if name.endswith("norm.weight") else w
+
+    return _checked_tensors(layout, data, _gemma3_shapes(c), "gemma3",
+                            f"{c.n_layer}-layer Gemma 3", fix)
 
 
 _ABSENT = object()
@@ -350,14 +336,32 @@ def hf_name(name: str, arch: str = "llama") -> str | None:
 
 def _tensors(layout: Layout, data, fields: dict) -> tuple[dict[str, np.ndarray],
                                                           dict[str, str]]:
-    expected = _expected_shapes(fields)
-    tensors, types = {}, {}
     hs = bounds.head_size(fields)
+
+    def fix(name: str, w: np.ndarray) -> np.ndarray:
+        if name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = fields["n_head"] if name.endswith("q_proj.weight") else fields["n_kv_head"]
+            return _unpermute(w, heads, hs)
+        return w
+
+    return _checked_tensors(layout, data, _expected_shapes(fields), "llama",
+                            f"{fields['n_layer']}-layer Llama", fix,
+                            optional={"lm_head.weight"})  # absent: tied to the embedding
+
+
+def _checked_tensors(layout: Layout, data, expected: dict[str, tuple[int, ...]], arch: str,
+                     model: str, fix: Callable[[str, np.ndarray], np.ndarray],
+                     optional: set[str] = frozenset()
+                     ) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """Every tensor of the file as float32 under transformers' name, each checked against
+    the shape the metadata gives (`expected`), then `fix(name, weights)`: the family's own
+    conversion. A ValueError naming the first tensor that is unknown, repeated, of a type
+    kvcache cannot read, of the wrong shape or missing (`optional` ones may be)."""
+    tensors, types = {}, {}
     for t in layout.tensors:
-        name = hf_name(t.name)
+        name = hf_name(t.name, arch)
         if name is None or name not in expected:
-            raise ValueError(f"tensor {t.name!r} is not one of a {fields['n_layer']}-layer "
-                             "Llama's")
+            raise ValueError(f"tensor {t.name!r} is not one of a {model}'s")
         if name in tensors:
             raise ValueError(f"tensor {t.name!r} is {name}, which another tensor is too")
         if t.kind not in TENSOR_TYPES:
@@ -366,12 +370,8 @@ def _tensors(layout: Layout, data, fields: dict) -> tuple[dict[str, np.ndarray],
         if t.shape != expected[name]:
             raise ValueError(f"tensor {t.name} has shape {t.shape}, the model's metadata says "
                              f"{expected[name]}")
-        w = dequantized(t, data)
-        if name.endswith(("q_proj.weight", "k_proj.weight")):
-            heads = fields["n_head"] if name.endswith("q_proj.weight") else fields["n_kv_head"]
-            w = _unpermute(w, heads, hs)
-        tensors[name], types[name] = w, t.kind
-    missing = sorted(set(expected) - set(tensors) - {"lm_head.weight"})
+        tensors[name], types[name] = fix(name, dequantized(t, data)), t.kind
+    missing = sorted(set(expected) - set(tensors) - optional)
     if missing:
         raise ValueError(f"no tensor for {missing[0]} ({len(missing)} missing)")
     return tensors, types
