@@ -125,6 +125,21 @@ def test_the_table_divides_by_the_half_precision_cache_where_it_ran():
     assert "÷fp16" in out.stdout and "÷static" not in out.stdout
 
 
+def test_the_absent_peers_install_hint_keeps_its_brackets(model):
+    import dataclasses
+    import io
+
+    from rich.console import Console
+
+    from kvcache_cli.views.bench_context import context_view
+
+    r = dataclasses.replace(_run(model, "static"), llama_file=None,
+                            llama_note="llama.cpp is not installed: pip install 'kvcache[llama]'")
+    console = Console(width=120, record=True, file=io.StringIO())
+    console.print(context_view(r))
+    assert "pip install 'kvcache[llama]'" in console.export_text()
+
+
 @pytest.mark.parametrize("args, words", [
     (["--context", "0"], "--context '0' is not a whole number"),
     (["--context", "64,32"], "expected increasing"),

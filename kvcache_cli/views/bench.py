@@ -61,7 +61,7 @@ def _header(r: BenchResult) -> Table:
     grid.add_row("model", f"[bold]{r.model}[/], {r.n_params / 1e6:.1f}M parameters")
     for note in (r.weights_note, r.kernel_note):
         if note:
-            grid.add_row("note", f"[yellow]{note}[/]")
+            grid.add_row("note", Text(note, style="yellow"))
     grid.add_row("device", f"[bold]{r.device}[/] ({r.device_name}, {r.cpus} CPUs), "
                  f"[bold]{r.dtype}[/], [bold]{r.threads} threads[/]")
     if r.weights_format != "fp32" or r.weights_check is not None:

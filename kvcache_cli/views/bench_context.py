@@ -8,6 +8,7 @@ from pathlib import Path
 
 from rich.console import Group, RenderableType
 from rich.table import Table
+from rich.text import Text
 
 from kvcache_cli.bench.context import ContextResult
 from kvcache_cli.views.bench import decimal_bytes, load_line
@@ -30,9 +31,9 @@ def _header(r: ContextResult) -> Table:
     if r.llama_file:
         grid.add_row("llama.cpp", f"the same weights, {r.llama_file}")
     elif r.llama_note:
-        grid.add_row("llama.cpp", f"[yellow]absent: {r.llama_note}[/]")
+        grid.add_row("llama.cpp", Text(f"absent: {r.llama_note}", style="yellow"))
     if r.kernel_note:
-        grid.add_row("note", f"[yellow]{r.kernel_note}[/]")
+        grid.add_row("note", Text(r.kernel_note, style="yellow"))
     if r.others_cpu_share is not None:
         grid.add_row("load", load_line(r.others_cpu_share))
     return grid

@@ -9,6 +9,7 @@ import textwrap
 
 from rich.console import Group, RenderableType
 from rich.table import Table
+from rich.text import Text
 
 from kvcache_cli.eval.quality import CacheQuality, QualityResult
 from kvcache_cli.sizing.units import format_gib
@@ -129,7 +130,7 @@ def _header(r: QualityResult) -> Table:
     grid = label_grid()
     grid.add_row("model", f"[bold]{r.model}[/]")
     if r.weights_note:
-        grid.add_row("note", f"[yellow]{r.weights_note}[/]")
+        grid.add_row("note", Text(r.weights_note, style="yellow"))
     grid.add_row("device", f"[bold]{r.device}[/] ({r.machine}), [bold]{r.dtype}[/], "
                  f"{r.threads} threads, torch {r.torch_version}")
     grid.add_row("run", _run_line(r))

@@ -30,7 +30,7 @@ def _header(r: ServeResult) -> Table:
     grid = label_grid()
     grid.add_row("model", f"[bold]{r.model}[/]")
     if r.weights_note:
-        grid.add_row("note", f"[yellow]{r.weights_note}[/]")
+        grid.add_row("note", Text(r.weights_note, style="yellow"))
     grid.add_row("device", f"[bold]{r.device}[/] ({r.device_name}, {r.cpus} CPUs), {r.dtype}, "
                  f"[bold]{r.threads} threads[/]")
     if r.others_cpu_share is not None:
