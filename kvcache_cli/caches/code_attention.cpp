@@ -54,6 +54,27 @@ struct Cache {
 
 // HS and GS, when not 0, fix the head size and group size at compile time: the common
 // shapes' loops are then unrolled whole (a runtime length made them 2-3x slower).
+// A block's scores (g rows of len) turned in place into exp(s - m), with each row's max m
+// and sum l written out for the merge across blocks (flash-decoding's partial softmax),
+// and the row's accumulator zeroed for the values that follow.
+inline void block_softmax(float* scores, int64_t g, int64_t len, int64_t hs, float* m_out,
+                          float* l_out, float* acc_out) {
+    for (int64_t i = 0; i < g; ++i) {
+        float m = -INFINITY, l = 0.f;
+        float* s = scores + i * len;
+#pragma omp simd reduction(max : m)
+        for (int64_t t = 0; t < len; ++t) m = s[t] > m ? s[t] : m;
+#pragma omp simd reduction(+ : l)
+        for (int64_t t = 0; t < len; ++t) {
+            s[t] = std::exp(s[t] - m);
+            l += s[t];
+        }
+        m_out[i] = m;
+        l_out[i] = l;
+        for (int64_t d = 0; d < hs; ++d) acc_out[i * hs + d] = 0.f;
+    }
+}
+
 template <int bits, int HS, int GS>
 void block(const float* q, const Cache& c, int64_t row, int64_t a, int64_t b, int64_t g,
            int64_t hs_, int64_t G_, bool key_channels, float* m_out, float* l_out,
@@ -110,21 +131,7 @@ void block(const float* q, const Cache& c, int64_t row, int64_t a, int64_t b, in
             }
         }
     }
-    for (int64_t i = 0; i < g; ++i) {
-        float m = -INFINITY, l = 0.f;
-        float* s = scores.data() + i * len;
-#pragma omp simd reduction(max : m)
-        for (int64_t t = 0; t < len; ++t) m = s[t] > m ? s[t] : m;
-#pragma omp simd reduction(+ : l)
-        for (int64_t t = 0; t < len; ++t) {
-            s[t] = std::exp(s[t] - m);
-            l += s[t];
-        }
-        m_out[i] = m;
-        l_out[i] = l;
-        float* acc = acc_out + i * hs;
-        for (int64_t d = 0; d < hs; ++d) acc[d] = 0.f;
-    }
+    block_softmax(scores.data(), g, len, hs, m_out, l_out, acc_out);
     for (int64_t t = a; t < b; ++t) {
         unpack_row<bits>(vc + t * width, code.data(), hs);
         for (int64_t i = 0; i < g; ++i) {
@@ -221,20 +228,7 @@ void half_block(const float* q, const uint16_t* k, const uint16_t* v, int64_t a,
             scores[i * len + t - a] = s;
         }
     }
-    for (int64_t i = 0; i < g; ++i) {
-        float m = -INFINITY, l = 0.f;
-        float* s = scores.data() + i * len;
-#pragma omp simd reduction(max : m)
-        for (int64_t t = 0; t < len; ++t) m = s[t] > m ? s[t] : m;
-#pragma omp simd reduction(+ : l)
-        for (int64_t t = 0; t < len; ++t) {
-            s[t] = std::exp(s[t] - m);
-            l += s[t];
-        }
-        m_out[i] = m;
-        l_out[i] = l;
-        for (int64_t d = 0; d < hs; ++d) acc_out[i * hs + d] = 0.f;
-    }
+    block_softmax(scores.data(), g, len, hs, m_out, l_out, acc_out);
     for (int64_t t = a; t < b; ++t) {
         widen_row<bf16>(v + t * hs, x.data(), hs);
         for (int64_t i = 0; i < g; ++i) {

@@ -34,7 +34,6 @@ from torch import Tensor
 from kvcache_cli.caches.base import CacheShape, KVCache, LayerType
 from kvcache_cli.caches.step import Step
 from kvcache_cli.models.base import FamilyModel
-from kvcache_cli.models.linear import Linear
 from kvcache_cli.models.llama import (
     LlamaAttention,
     LlamaMLP,
@@ -42,8 +41,8 @@ from kvcache_cli.models.llama import (
     RopeShift,
     Rotary,
     RotaryAt,
+    build_body,
     first_layers,
-    join_fused,
     split_fused,
 )
 
@@ -266,23 +265,8 @@ def rotaries(config: Gemma3Config) -> nn.ModuleDict:
 class Gemma3(FamilyModel):
     def __init__(self, config: Gemma3Config):
         super().__init__()
-        self.config = config
-        # An empty weight skips nn's init (seconds on the meta device: see Llama).
-        weight = torch.empty(config.vocab_size, config.n_embd)  # (vocab, C)
-        self.model = nn.ModuleDict(dict(
-            embed_tokens=nn.Embedding(config.vocab_size, config.n_embd, _weight=weight),
-            layers=nn.ModuleList(Gemma3Block(config, i) for i in range(config.n_layer)),
-            norm=GemmaRMSNorm(config.n_embd, config.rms_eps),
-        ))
+        build_body(self, config, Gemma3Block, GemmaRMSNorm)  # Llama's, its own block and norm
         self.rotary = rotaries(config)
-        self.lm_head = Linear(config.n_embd, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        # The checkpoint's names in and out (`llama.FUSED`: the same products).
-        self._register_state_dict_hook(
-            lambda module, state, prefix, meta: split_fused(state, module.config, prefix))
-        self._register_load_state_dict_pre_hook(
-            lambda state, prefix, *rest: join_fused(state, self.config, prefix))
 
     def forward(self, idx: Tensor, step: int | Tensor | Step, cache: KVCache | None = None,
                 *, last_only: bool = False) -> Tensor:

@@ -303,24 +303,8 @@ def split_fused(state: dict, config: LlamaConfig, prefix: str = "") -> None:
 class Llama(FamilyModel):
     def __init__(self, config: LlamaConfig):
         super().__init__()
-        self.config = config
-        # An embedding handed an empty weight skips nn's init, which on the meta device (a
-        # model built to be loaded) imports torch's compiler stack: seconds on 2 cores.
-        weight = torch.empty(config.vocab_size, config.n_embd)  # (vocab, C)
-        self.model = nn.ModuleDict(dict(
-            embed_tokens=nn.Embedding(config.vocab_size, config.n_embd, _weight=weight),
-            layers=nn.ModuleList(LlamaBlock(config, i) for i in range(config.n_layer)),
-            norm=RMSNorm(config.n_embd, config.rms_eps),
-        ))
+        build_body(self, config, LlamaBlock, RMSNorm)
         self.rotary = Rotary(config)
-        self.lm_head = Linear(config.n_embd, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        # The checkpoint's names in and out (`FUSED`).
-        self._register_state_dict_hook(
-            lambda module, state, prefix, meta: split_fused(state, module.config, prefix))
-        self._register_load_state_dict_pre_hook(
-            lambda state, prefix, *rest: join_fused(state, self.config, prefix))
 
     def forward(self, idx: Tensor, step: int | Tensor | Step, cache: KVCache | None = None,
                 *, last_only: bool = False) -> Tensor:
@@ -345,6 +329,29 @@ class Llama(FamilyModel):
     @property
     def embedding(self) -> nn.Embedding:
         return self.model.embed_tokens
+
+
+def build_body(model: FamilyModel, config, block: type[nn.Module], norm: type[nn.Module]
+               ) -> None:
+    """What every family built as Llama is holds, set on `model`: its config, the embedding,
+    the blocks, the final norm and the head (tied where the config says), and the
+    checkpoint's names in and out (`FUSED`)."""
+    model.config = config
+    # An embedding handed an empty weight skips nn's init, which on the meta device (a
+    # model built to be loaded) imports torch's compiler stack: seconds on 2 cores.
+    weight = torch.empty(config.vocab_size, config.n_embd)  # (vocab, C)
+    model.model = nn.ModuleDict(dict(
+        embed_tokens=nn.Embedding(config.vocab_size, config.n_embd, _weight=weight),
+        layers=nn.ModuleList(block(config, i) for i in range(config.n_layer)),
+        norm=norm(config.n_embd, config.rms_eps),
+    ))
+    model.lm_head = Linear(config.n_embd, config.vocab_size, bias=False)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model._register_state_dict_hook(
+        lambda module, state, prefix, meta: split_fused(state, module.config, prefix))
+    model._register_load_state_dict_pre_hook(
+        lambda state, prefix, *rest: join_fused(state, model.config, prefix))
 
 
 def first_layers(model, n_layer: int):
