@@ -30,6 +30,7 @@ from kvcache_cli.cli.options import (
     threads_error,
 )
 from kvcache_cli.cli.output import check_plot, console, progress, show_then_plot
+from kvcache_cli.cli.prompt_file import prompt_ids, read_prompt
 from kvcache_cli.cli.refusals import defaults_in, fail
 
 # `bench --context`: steps timed a round at each context, unless --new-tokens is given.
@@ -280,7 +281,7 @@ def _speculative(ctx, draft: str, speculate: str, cache: str, prompt_file: Path 
 
     if not 1 <= repeats <= MAX_REPEATS:
         fail(f"--repeats {repeats:,}: expected a whole number from 1 to {MAX_REPEATS:,}")
-    text = _read_prompt(prompt_file)
+    text = read_prompt(prompt_file)
     if text is None:
         from kvcache_cli.checkpoints import heldout_text, shipped_dir
 
@@ -303,7 +304,7 @@ def _speculative(ctx, draft: str, speculate: str, cache: str, prompt_file: Path 
     pick_threads(threads, dev)
     loaded = load_model(model, weights, dev, dtype.value)
     target = loaded.model  # the model the drafts are verified by
-    prompt = (_tokenize(target, text)[:prompt_len] if text is not None
+    prompt = (prompt_ids(target, text)[:prompt_len] if text is not None
               else bench_modes.random_prompt(target.config.vocab_size, prompt_len))
     try:
         check_request(target, prompt, new_tokens)
@@ -476,35 +477,6 @@ def _check_config(ctx, model: str, mode_names, prompt_len, new_tokens, repeats, 
                                   naive_samples)
     except ValueError as err:
         fail(defaults_in(ctx, str(err)))
-
-
-def _read_prompt(path: Path | None) -> str | None:
-    if path is None:
-        return None
-    if not path.exists():
-        fail(f"--prompt-file {str(path)!r}: no such file; expected a text file")
-    if not path.is_file():  # a directory, a device: there, but not a file to read
-        fail(f"--prompt-file {str(path)!r} is not a regular file; expected a text file")
-    try:
-        return path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as err:
-        fail(f"--prompt-file {str(path)!r}: not readable as UTF-8 text ({type(err).__name__})")
-
-
-def _tokenize(model, text: str) -> list[int]:
-    """The text's token ids for the model: bytes for a byte-level model, else GPT-2's BPE."""
-    from kvcache_cli.models.gpt2 import GPT2_VOCAB_SIZE
-    from kvcache_cli.models.tokenizer import gpt2_encoding
-
-    if model.config.tokenizer == "bytes":
-        return list(text.encode("utf-8"))
-    if model.config.vocab_size != GPT2_VOCAB_SIZE:
-        fail(f"--prompt-file: the model's vocabulary ({model.config.vocab_size}) is not GPT-2's "
-             "and it reads no bytes: no tokenizer for its text")
-    encoding, why = gpt2_encoding()
-    if encoding is None:
-        fail(f"--prompt-file: {why}", code=1)
-    return encoding.encode(text, disallowed_special=())
 
 
 def _with_caches(modes: str, caches: str) -> str:

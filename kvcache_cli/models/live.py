@@ -94,7 +94,7 @@ def _gemma3_config() -> dict:
 
 def live_shape(model: str) -> tuple[ModelShape, dict]:
     """(the shape, its transformers-style config) of a model kvcache loads itself."""
-    from kvcache_cli.sizing.config import params_from_config
+    from kvcache_cli.sizing.params import params_from_config
 
     cfg = live_config(model)
     shape = shape_from_config(cfg, model, params_from_config(cfg))

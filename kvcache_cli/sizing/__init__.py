@@ -36,9 +36,9 @@ from kvcache_cli.sizing.config import (
     LAYER_RULES,
     LAYER_TYPE_KIND,
     load_config,
-    params_from_config,
     shape_from_config,
 )
+from kvcache_cli.sizing.params import params_from_config
 from kvcache_cli.sizing.presets import PRESETS, ModelRow, Preset, list_models, preset, resolve_shape
 from kvcache_cli.sizing.shape import KINDS, ModelShape, shape_from_flags
 from kvcache_cli.sizing.units import (
