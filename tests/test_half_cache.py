@@ -18,6 +18,7 @@ from kvcache_cli.caches.half import HALF_DTYPES, HalfCache
 from kvcache_cli.caches.spec import layer_bytes, parse_cache_list, parse_cache_spec
 from kvcache_cli.caches.step import Step, sdpa
 from kvcache_cli.cli import app
+from kvcache_cli.generate import generate
 from kvcache_cli.models import load_model
 from kvcache_cli.models.gpt2 import GPT, GPTConfig
 
@@ -128,14 +129,7 @@ def test_the_kernel_and_the_torch_path_agree(fmt, monkeypatch):
 
 
 def _greedy(model, prompt: list[int], n: int, spec: str) -> list[int]:
-    cache = make_cache(spec, model, len(prompt) + n)
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt]), 0, cache, last_only=True)
-        out = []
-        for i in range(n):
-            out.append(int(logits[0, -1].argmax()))
-            logits = model(torch.tensor([[out[-1]]]), len(prompt) + i, cache)
-    return out
+    return list(generate(model, prompt, n, spec).tokens)  # temperature 0: the argmax
 
 
 @pytest.fixture(scope="module")
