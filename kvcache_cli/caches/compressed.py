@@ -161,6 +161,17 @@ class PromptCompressedCache(KVCache):
         """Indices (B, nkv, keep) of the prompt keys k (B, nkv, T, hs) to keep."""
         raise NotImplementedError
 
+    def kept(self, layer: int) -> Tensor:
+        """The prompt positions `layer` kept, (B, nkv, budget), in text order per KV head."""
+        return self.pos[layer][:, :, :self.budgets[layer]]
+
+    @property
+    def prompt_bytes(self) -> int:
+        """Bytes the compressed prompt holds: K, V and the position of each kept key, the
+        room allocated for later tokens left out (`bytes_held` counts it)."""
+        return sum(nbytes(t[:, :, :keep]) for layer, keep in enumerate(self.budgets)
+                   for t in (self.k[layer], self.v[layer], self.pos[layer]))
+
     def key_positions(self, layer: int) -> Tensor | None:
         return self._held[layer]
 

@@ -3,7 +3,7 @@
 Every command computes a result object (from the reference script, `sizing`,
 `generate` or `bench`) and hands it to a renderer: rich for people, `--json`
 for programs. One module per command (`demo`, `breaks`, `size`, `models`, `caches`,
-`bench`, `serve`, `generate`, `eval`); what they share by what it serves: `options`,
+`bench`, `serve`, `generate`, `eval`, `compress`); what they share by what it serves: `options`,
 `loading` (the model), `refusals` (the error line), `output`. A command's module
 is imported only when that command runs (`kvcache --help` imports none of them), and
 torch and transformers only inside the commands that need them, so `kvcache --help`,
@@ -54,6 +54,8 @@ COMMANDS = {
                          "Generate with a model and its KV cache, streaming tokens."),
     "eval": _Command("eval", "eval_",
                      "Score caches against the exact one: perplexity, KL, bytes."),
+    "compress": _Command("compress", "compress",
+                         "What compressing a prompt's cache keeps, and what it costs."),
 }
 
 
