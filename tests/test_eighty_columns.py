@@ -52,6 +52,8 @@ CASES = {
     "eval-llama": ["eval", "-m", "{llama}", "--prompt-len", "32", "--tokens", "96", "--cache",
                    "int4:g16:rot,sink:4+28:rerotate,snapkv:0.5"],
     "eval-retrieval": ["eval", "-m", "{llama}", "--task", "retrieval", "--lengths", "40"],
+    "compress": ["compress", "-m", "{llama}", "--text", "{text}", "--question", "Why?",
+                 "-n", "4", "--cache", "snapkv:0.25:w4,recent:0.25", "--show-kept"],
     "serve": ["serve", "-m", "{gpt}", *WORKLOAD, "--engines", "sequential,padded,paged"],
     "serve-rates": ["serve", "-m", "{gpt}", *WORKLOAD, "--rate", "50,inf", "--engines",
                     "sequential,paged", "--kv-dtype", "int8", "--goodput", "ttft:2000"],
@@ -93,7 +95,8 @@ def models(tmp_path_factory):
     # A context of 1,024: the retrieval prompts (filler, template, question) need ~400.
     llama = write_tiny_gguf(tiny_hf(max_position_embeddings=1024), root / "tiny.gguf",
                             context=1024)
-    return {"gpt": str(gpt), "llama": str(llama)}
+    (root / "text.txt").write_text(TEXT)
+    return {"gpt": str(gpt), "llama": str(llama), "text": str(root / "text.txt")}
 
 
 @pytest.fixture

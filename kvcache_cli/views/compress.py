@@ -41,10 +41,11 @@ def header(r: CompressResult) -> list[tuple[str, str]]:
         full = len(r.compressed_layers)
         lines.append(("layers", f"{full} of {r.n_layer} attend in full and are compressed; "
                                 f"the other {r.n_layer - full} slide and keep their window of "
-                                f"{r.sliding_window:,} (a ring, exact) in every cache: "
-                                f"{sliding:,} bytes of each row's"))
-    lines.append(("exact", f"{REFERENCE} holds the prompt in {exact_bytes:,} bytes (K and V "
-                           f"of every position); × exact below is against it"))
+                                f"{r.sliding_window:,} (a ring, exact, allocated for the "
+                                f"prompt and continuation) in every cache: {sliding:,} bytes "
+                                "of each row's"))
+    lines.append(("exact", f"{REFERENCE}, the exact cache, holds the prompt in "
+                           f"{exact_bytes:,} bytes; × exact below is against it"))
     lines.append(("scored", f"same tokens: the greedy continuation's leading tokens equal "
                             f"to the exact cache's; KL (nats) and top-1 over the "
                             f"{r.new_tokens - 1} predictions after the first (the prefill's, "
@@ -64,7 +65,8 @@ def continuations(r: CompressResult) -> list[tuple[str, str]]:
 def _kept_title(r: CompressResult, row: Compressed) -> str:
     where = (f"layer {r.shown_layer}" if r.shown_layer is not None
              else f"{len(r.compressed_layers)} compressed layers")
-    return f"kept by {row.cache} ({where} × {r.n_kv_head} KV heads)"
+    heads = f"{r.n_kv_head} KV head{'s' if r.n_kv_head != 1 else ''}"
+    return f"kept by {row.cache} ({where} × {heads})"
 
 
 def render(r: CompressResult, show_kept: bool = False) -> RenderableType:
