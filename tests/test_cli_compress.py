@@ -89,16 +89,37 @@ def test_pyramid_budgets_are_kept_per_layer_and_one_layer_can_be_shown():
     assert row.kept_share[-4:] == (1.0,) * 4  # the observation window, in every head
 
 
-def test_a_hybrid_model_compresses_its_full_layers_and_keeps_the_sliding_ones_whole():
+def gemma3_config(full: bool = True):
+    """A tiny Gemma 3's config: (sliding, sliding, full) x 2, or every layer sliding."""
     from kvcache_cli.caches.base import LayerType
-    from kvcache_cli.models.gemma3 import Gemma3, Gemma3Config
+    from kvcache_cli.models.gemma3 import Gemma3Config
 
-    types = (LayerType(8, 1e4), LayerType(8, 1e4), LayerType(None, 1e6)) * 2
-    config = Gemma3Config(n_layer=6, n_head=4, n_kv_head=1, n_embd=64, intermediate=96,
-                          vocab_size=211, context=512, head_dim=32, layer_types=types,
-                          query_pre_attn_scalar=24)
+    last = LayerType(None, 1e6) if full else LayerType(8, 1e4)
+    return Gemma3Config(n_layer=6, n_head=4, n_kv_head=1, n_embd=64, intermediate=96,
+                        vocab_size=211, context=512, head_dim=32,
+                        layer_types=(LayerType(8, 1e4), LayerType(8, 1e4), last) * 2,
+                        query_pre_attn_scalar=24)
+
+
+@pytest.mark.parametrize("full, layer, message", [
+    (True, 0, "--layer 0 is a sliding layer, which keeps its window; expected a "
+              "full-attention layer: 2, 5"),
+    (False, None, "no layer attends in full, so no kind has a prompt to compress"),
+])
+def test_a_layer_with_nothing_to_compress_is_refused(full, layer, message):
+    from kvcache_cli.caches.spec import parse_cache_list
+    from kvcache_cli.eval.compress import check_compress
+
+    config = gemma3_config(full)
+    with pytest.raises(ValueError, match=message):
+        check_compress(parse_cache_list("recent:4"), 40, 8, config.cache_shape, 512, layer)
+
+
+def test_a_hybrid_model_compresses_its_full_layers_and_keeps_the_sliding_ones_whole():
+    from kvcache_cli.models.gemma3 import Gemma3
+
     torch.manual_seed(0)
-    model = Gemma3(config).double().eval()
+    model = Gemma3(gemma3_config()).double().eval()
     with torch.no_grad():  # built empty, as a checkpoint fills it: drawn here
         for name, p in model.named_parameters():
             p.normal_(0.0, 0.05 if "embed" in name else 0.3)
@@ -137,6 +158,16 @@ def test_compress_prints_the_kept_counts_bytes_and_continuations_as_json(checkpo
                                 "held": 2 * 10 * (512 + 16)}]
     assert whole["continuation"]["tokens"] == out["exact"]["tokens"]
     assert whole["matching"] == 6 and whole["top1_agreement"] == 1.0
+
+
+def test_a_question_ends_the_prompt_that_is_compressed(checkpoint):
+    result = invoke(PROMPT, "-m", str(checkpoint), "--question", "Why?", "--cache",
+                    "recent:4", "-n", "2", "--json")
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    # No chat template on this model: the question after a blank line, in bytes.
+    assert "".join(out["pieces"]) == PROMPT + "\n\nWhy?\n" and out["prompt_tokens"] == 50
+    assert out["rows"][0]["kept_share"][-4:] == [1.0] * 4  # "hy?\n", the newest kept
 
 
 def test_compress_marks_the_kept_tokens_within_80_columns(checkpoint):

@@ -115,6 +115,9 @@ def check_compress(specs: Sequence[CacheSpec], prompt: int, new_tokens: int, sha
                          f"model's context window of {context:,} positions; expected at most "
                          f"{context:,} in all (a shorter text or a smaller -n)")
     full = compressed_layers(shape)
+    if not full:
+        raise ValueError("every layer of the model slides over a window, which it keeps: no "
+                         "layer attends in full, so no kind has a prompt to compress")
     if layer is not None and layer not in full:
         if not 0 <= layer < shape.n_layer:
             raise ValueError(f"--layer {layer}: the model has layers 0..{shape.n_layer - 1}")
