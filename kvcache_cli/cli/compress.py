@@ -72,7 +72,7 @@ def compress(
     Examples:
 
     \b
-      kvcache compress "The KV cache holds the keys and values of every past token."
+      kvcache compress "The capital of France is Paris. The capital of Spain is"
       kvcache compress --text notes.txt --question "What is the pass key?" --show-kept
     """
     model = model if model is not None else default_model()
