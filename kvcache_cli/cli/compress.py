@@ -73,7 +73,7 @@ def compress(
 
     \b
       kvcache compress "The capital of France is Paris. The capital of Spain is"
-      kvcache compress --text notes.txt --question "Who won?" --show-kept -m gemma3
+      kvcache compress --text notes.txt --question "Who won?" --show-kept
     """
     model = model if model is not None else default_model()
     need_torch_extra("kvcache compress needs", *GPT2_MODULES)
