@@ -122,6 +122,13 @@ def test_the_real_270m_holds_what_size_says_and_its_shape_is_the_presets():
     with torch.no_grad():
         model(prompt(model.config.vocab_size), 0, cache, last_only=True)
     assert cache.bytes_by_kind() == predicted
+    # The commands name what each engine reads: the GGUF for llama.cpp, the Hub id for vLLM.
+    for engine, named in (("llama.cpp", f"llama-server -m {gemmakit.gemma3_or_skip()}"),
+                          ("vllm", "vllm serve google/gemma-3-270m")):
+        out = runner.invoke(app, ["size", "-m", "gemma3", "--engine", engine, "--kv-memory",
+                                  "1GiB", "--seq", "2048", "--json"])
+        assert out.exit_code == 0, out.output
+        assert named in json.loads(out.stdout)["engine"]["command"]
 
 
 def test_vllm_fits_gemma3_as_its_hybrid_allocator_counts():
@@ -169,6 +176,24 @@ def test_llama_cpp_python_at_32k_is_576_mib_and_llama_server_111():
     assert fronts["llama-server, no flags"]["total_bytes"] == 96 * mib + 15 * 2560 * 1024
     assert "n_ctx=32768" in fronts["llama-cpp-python"]["launch"]
     assert "-c 32768 -np 1 -ctk f16 -ctv f16 -ub 512" in fronts["llama-server"]["launch"]
+
+
+def test_size_prints_each_front_ends_buffers_and_log_lines():
+    out = runner.invoke(app, ["size", "-m", "gemma-3-270m", "--seq", "32k", "--engine",
+                              "llama.cpp"], env={"COLUMNS": "200"})
+    assert out.exit_code == 0, out.output
+    assert "llama.cpp's KV buffers, per front end" in out.stdout
+    assert ("llama_kv_cache: size =  480.00 MiB ( 32768 cells,  15 layers,  1/1 seqs), "
+            "K (f16):  240.00 MiB, V (f16):  240.00 MiB") in out.stdout
+    assert "llama-cpp-python: Llama(model_path='MODEL.gguf', n_ctx=32768)" in out.stdout
+    assert "using full-size SWA cache" in " ".join(out.stdout.split())
+
+
+def test_sglang_is_said_to_pool_gemma3s_every_layer_in_full():
+    fit = fit_engine(preset("gemma-3-270m").shape, "sglang", "bf16", "auto", 32_768,
+                     kv_memory=GiB)
+    assert fit.tokens == GiB // (18 * 1024)  # every layer, one bf16 head of 256, K and V
+    assert any("not Gemma 2 or 3" in note for note in fit.notes)
 
 
 def test_slots_that_fit_count_the_padded_swa_cache_of_each():

@@ -189,6 +189,11 @@ def fit_engine(shape: ModelShape, engine: str, dtype: str, kv_cache_dtype: str,
                          concurrency, fits, log, command, flags, tuple(notes))
     if engine == "sglang":
         tokens = kv_bytes // bytes_per_token  # a pool of tokens, a page of one by default
+        if any(k in ("sliding", "chunked") for k in shape.layer_kinds):
+            notes.append("SGLang keeps a sliding window's tokens apart only for the "
+                         "architectures its model_config.is_hybrid_swa_model lists (Llama 4, "
+                         "gpt-oss, MiMo-V2, ...; not Gemma 2 or 3): for the others its pool "
+                         "holds every layer in full, as counted here")
         concurrency = tokens / max_model_len
         command, flags = _sglang_command(model, dtype, kv_cache_dtype, max_model_len, tokens,
                                          kv_memory, gpu_memory_utilization, tp, dtype_given)
