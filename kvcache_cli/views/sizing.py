@@ -185,13 +185,17 @@ def engine_view(e: EngineFit) -> RenderableType:
     return Group(*parts)
 
 
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.2f} MiB"  # as llama.cpp logs its buffers
+
+
 def _front_ends_view(fronts: tuple[FrontEnd, ...]) -> RenderableType:
     """llama.cpp's two caches (non-SWA, SWA) as each front end allocates them, its log
     lines and how each is started."""
     table = Table(title="llama.cpp's KV buffers, per front end", box=box.SIMPLE_HEAD,
                   title_justify="left")
     for name, justify in (("front end", "left"), ("cache", "left"), ("layers", "right"),
-                          ("cells", "right"), ("bytes (K + V)", "right")):
+                          ("cells", "right"), ("K + V", "right")):
         table.add_column(name, justify=justify)
     logs: list[Text] = []
     for f in fronts:
@@ -199,9 +203,8 @@ def _front_ends_view(fronts: tuple[FrontEnd, ...]) -> RenderableType:
             cache = "non-SWA" if c.kind == "full" else "SWA (full)" if f.swa_full else "SWA"
             cells = f"{c.cells:,}" + (f" × {c.streams}" if c.streams > 1 else "")
             table.add_row(f.name if i == 0 else "", cache, str(c.layers), cells,
-                          format_bytes(c.k_bytes + c.v_bytes))
-        table.add_row("", "total", "", "", format_bytes(f.total_bytes), style="bold",
-                      end_section=True)
+                          _mib(c.k_bytes + c.v_bytes))
+        table.add_row("", "total", "", "", _mib(f.total_bytes), style="bold", end_section=True)
         logs += [Text(f"{f.name}: {f.launch}", style="cyan", overflow="fold"),
                  *(Text(f"  {c.log_line}", overflow="fold") for c in f.caches)]
     return Group(table, Text("each started so, and what llama.cpp logs", style="bold"), *logs,
