@@ -198,6 +198,16 @@ def test_sglang_is_said_to_pool_gemma3s_every_layer_in_full():
     assert any("not Gemma 2 or 3" in note for note in fit.notes)
 
 
+def test_without_memory_llama_cpp_sizes_batch_slots_of_seq():
+    out = runner.invoke(app, ["size", "-m", "gemma-3-270m", "--seq", "4096", "--batch", "2",
+                              "--engine", "llama.cpp", "--json"])
+    assert out.exit_code == 0, out.output
+    engine = json.loads(out.stdout)["engine"]
+    assert "-c 8192 -np 2" in engine["command"] and engine["tokens"] == 8192
+    per_slot = 3 * 4096 * 1024 + 15 * 1024 * 1024
+    assert engine["kv_bytes"] == engine["front_ends"][0]["total_bytes"] == 2 * per_slot
+
+
 def test_slots_that_fit_count_the_padded_swa_cache_of_each():
     shape = preset("gemma-3-270m").shape
     fit = fit_engine(shape, "llama.cpp", "fp16", "auto", 4096, kv_memory=GiB)

@@ -69,7 +69,8 @@ def size(
     engine: Annotated[str | None, typer.Option(
         help="vllm, sglang or llama.cpp: the cache that engine allocates in --kv-memory (or "
         "--gpu-mem × --gpu-memory-utilization less the weights), in tokens and blocks, and "
-        "the command that starts it so, each flag's reason in a line.")] = None,
+        "the command that starts it so, each flag's reason in a line. llama.cpp needs no "
+        "memory: --batch slots of --seq, its buffers per front end.")] = None,
     kv_memory: Annotated[str | None, typer.Option(
         help="--engine: the memory for the KV cache alone, e.g. 1GiB (vLLM's "
         "--kv-cache-memory-bytes; VLLM_CPU_KVCACHE_SPACE on its CPU build).")] = None,
