@@ -222,21 +222,29 @@ LOG = re.compile(r"llama_kv_cache: size = +[\d.]+ MiB \( *(\d+) cells, +(\d+) la
 
 
 @has_llama
-@pytest.mark.parametrize(("n_ctx", "swa_full"), [(32_768, None), (4_096, None), (4_096, False),
-                                                 (1_000, False)])
-def test_size_predicts_the_kv_buffers_llama_cpp_logs(capfd, n_ctx, swa_full):
+@pytest.mark.parametrize(("n_ctx", "swa_full", "kind", "n_ubatch"), [
+    (32_768, None, "f16", 512), (4_096, None, "f16", 512), (4_096, False, "f16", 512),
+    (1_000, False, "f16", 512),
+    (4_096, False, "f16", 256),  # a smaller micro-batch: window + 256, padded to 768
+    (4_096, False, "q8_0", 512),  # 34 bytes a 32 values, rows of 272 bytes
+])
+def test_size_predicts_the_kv_buffers_llama_cpp_logs(capfd, n_ctx, swa_full, kind, n_ubatch):
     """llama-cpp-python on the real file: its `llama_kv_cache: size = …` lines, the
     non-SWA cache's then the SWA one's, as `size --engine llama.cpp` predicts them; its
     default (swa_full unset) logs "using full-size SWA cache"."""
-    from llama_cpp import Llama
+    import llama_cpp
 
     path = gemmakit.gemma3_or_skip()
     extra = {} if swa_full is None else {"swa_full": swa_full}
+    if kind != "f16":  # a quantised V cache needs flash attention
+        code = getattr(llama_cpp, f"GGML_TYPE_{kind.upper()}")
+        extra.update(type_k=code, type_v=code, flash_attn=True)
     capfd.readouterr()
-    llm = Llama(model_path=str(path), n_ctx=n_ctx, n_threads=1, verbose=True, **extra)
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_ubatch=n_ubatch, n_threads=1,
+                          verbose=True, **extra)
     llm.close()
     log = capfd.readouterr().err
-    _, caches = llama_cpp_caches(preset("gemma-3-270m").shape, "f16", n_ctx,
-                                 swa_full=swa_full is None)
+    _, caches = llama_cpp_caches(preset("gemma-3-270m").shape, kind, n_ctx,
+                                 swa_full=swa_full is None, n_ubatch=n_ubatch)
     assert [m.group(0) for m in LOG.finditer(log)] == [c.log_line for c in caches]
     assert ("using full-size SWA cache" in log) == (swa_full is None)
