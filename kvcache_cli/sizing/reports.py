@@ -75,6 +75,34 @@ class SpecGroup:
 
 
 @dataclass(frozen=True)
+class LlamaCppCache:
+    """One of llama.cpp's KV caches (its non-SWA or its SWA one), as its log reports it."""
+
+    kind: str  # full, sliding (chunked layers share llama.cpp's SWA cache)
+    layers: int
+    cells: int  # a stream's cells ("size = … (N cells, …)")
+    streams: int  # one per sequence (-np) unless the cache is unified
+    k_bytes: int  # every layer, every stream
+    v_bytes: int
+    log_line: str  # "llama_kv_cache: size = …", as llama_kv_cache logs it
+
+
+@dataclass(frozen=True)
+class FrontEnd:
+    """llama.cpp as one front end starts it: the settings that size its caches."""
+
+    name: str  # llama-server, llama-cpp-python
+    launch: str  # the command line, or the Python constructor
+    n_ctx: int  # as asked (llama.cpp pads it to 256 cells)
+    n_seq: int  # sequences (slots)
+    unified: bool  # one cache shared by the sequences (else a stream each)
+    swa_full: bool  # the SWA cache as big as the full one
+    n_ubatch: int  # after llama.cpp's min(n_ctx, n_batch, n_ubatch)
+    caches: tuple[LlamaCppCache, ...]
+    total_bytes: int
+
+
+@dataclass(frozen=True)
 class EngineFit:
     """What ENGINE makes of the memory for the KV cache, and how to start it so."""
 
@@ -96,3 +124,5 @@ class EngineFit:
     command: str
     flags: tuple[Flag, ...]
     notes: tuple[str, ...]
+    # llama.cpp: its caches as each front end allocates them (llama-server, llama-cpp-python)
+    front_ends: tuple[FrontEnd, ...] = ()

@@ -23,7 +23,7 @@ from kvcache_cli.views.layout import Formula
 
 if TYPE_CHECKING:
     from kvcache_cli.sizing.cache_spec import SpecSize
-    from kvcache_cli.sizing.reports import EngineFit, LiveKinds, Verification
+    from kvcache_cli.sizing.reports import EngineFit, FrontEnd, LiveKinds, Verification
 
 _KIND_LABEL = {
     "full": "full attention",
@@ -162,6 +162,8 @@ def engine_view(e: EngineFit) -> RenderableType:
     table.add_row(what, f"{e.tokens:,}")
     table.add_row(f"requests of {e.max_model_len:,} tokens at once", f"{e.max_concurrency:.2f}x")
     parts: list[RenderableType] = [table]
+    if len(e.front_ends) > 1:
+        parts.append(_front_ends_view(e.front_ends))
     if e.log_line:
         parts.append(Text(f"{name} logs at start-up: {e.log_line}"))
     if not e.fits:
@@ -181,6 +183,32 @@ def engine_view(e: EngineFit) -> RenderableType:
     for line in e.notes:
         parts.append(Text(f"note: {line}", style="dim"))
     return Group(*parts)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.2f} MiB"  # as llama.cpp logs its buffers
+
+
+def _front_ends_view(fronts: tuple[FrontEnd, ...]) -> RenderableType:
+    """llama.cpp's two caches (non-SWA, SWA) as each front end allocates them, its log
+    lines and how each is started."""
+    table = Table(title="llama.cpp's KV buffers, per front end", box=box.SIMPLE_HEAD,
+                  title_justify="left")
+    for name, justify in (("front end", "left"), ("cache", "left"), ("layers", "right"),
+                          ("cells", "right"), ("K + V", "right")):
+        table.add_column(name, justify=justify)
+    logs: list[Text] = []
+    for f in fronts:
+        for i, c in enumerate(f.caches):
+            cache = "non-SWA" if c.kind == "full" else "SWA (full)" if f.swa_full else "SWA"
+            cells = f"{c.cells:,}" + (f" × {c.streams}" if c.streams > 1 else "")
+            table.add_row(f.name if i == 0 else "", cache, str(c.layers), cells,
+                          _mib(c.k_bytes + c.v_bytes))
+        table.add_row("", "total", "", "", _mib(f.total_bytes), style="bold", end_section=True)
+        logs += [Text(f"{f.name}: {f.launch}", style="cyan", overflow="fold"),
+                 *(Text(f"  {c.log_line}", overflow="fold") for c in f.caches)]
+    return Group(table, Text("each started so, and what llama.cpp logs", style="bold"), *logs,
+                 Text(""))
 
 
 def verify_view(v: Verification) -> RenderableType:
