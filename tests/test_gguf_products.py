@@ -207,6 +207,25 @@ def test_a_gemma3_in_the_real_files_block_types_runs_them_all(tmp_path):
             assert (logits - reference).abs().max() / reference.abs().max() < 1e-4
 
 
+def test_the_compiled_step_runs_the_blocks_as_one_operator(tiny_llama):
+    from kvcache_cli.caches import make_cache
+    from kvcache_cli.generate import CompiledDecode
+
+    blocks = set_weights_dtype(copy.deepcopy(tiny_llama[1]), "gguf")
+    prompt, n = [3, 1, 4, 1, 5, 9, 2, 6], 12
+
+    def cache():
+        return make_cache("static", blocks, max_len=len(prompt) + n, batch=1, whole=True)
+
+    with torch.inference_mode():
+        expected = list(stream_tokens(blocks, prompt, n, "static", cache=cache()))
+        torch._dynamo.reset()
+        with torch._dynamo.config.patch(error_on_recompile=True):  # fullgraph: no break
+            got = list(stream_tokens(blocks, prompt, n, "static", cache=cache(),
+                                     forward=CompiledDecode(blocks)))
+    assert len(set(expected)) > 3 and got == expected
+
+
 def test_gguf_is_refused_for_a_model_not_read_from_a_gguf_or_off_the_cpu(tiny_llama):
     config = model_config("gpt2")
     with pytest.raises(ValueError, match="gguf weights are the blocks of the GGUF"):
