@@ -13,8 +13,9 @@
 // The offsets need only each run of 32 inputs' sum, computed once a call: sum(m x) = m sum(x).
 //
 // With AVX2/FMA/F16C the unpacking is SSE byte arithmetic and the products 8 or 16 float
-// lanes (AVX-512 where the compiler targets it); without them, or built with -DGGUF_SCALAR
-// (the tests build both and compare), the same steps are plain loops.
+// lanes (AVX-512 where the compiler targets it); without them, or built with -DGGUF_SCALAR,
+// the same steps are plain loops. -DGGUF_AVX2 keeps to AVX2's lanes on an AVX-512 CPU: the
+// tests build all three and compare, so the path of a machine with only AVX2 is checked too.
 
 #include <cstdint>
 #include <cstring>
@@ -250,7 +251,7 @@ struct Q6_K {
 };
 
 // 16 float lanes: 16 integers times their scale, multiplied into sums with 16 of x.
-#if defined(GGUF_SIMD) && defined(__AVX512F__)
+#if defined(GGUF_SIMD) && defined(__AVX512F__) && !defined(GGUF_AVX2)
 struct Lanes {
     __m512 v = _mm512_setzero_ps();
     static Lanes widened(const int8_t* q, float d) {
