@@ -67,7 +67,7 @@ def _product(lib, kind: str, x: torch.Tensor, blocks: np.ndarray) -> torch.Tenso
     R, K = x.shape
     w = torch.from_numpy(blocks)
     y = torch.full((R, w.shape[0]), float("nan"))
-    assert lib.gguf_product(BLOCK_TYPES[kind], x.data_ptr(), w.data_ptr(), y.data_ptr(), R,
+    assert lib.gguf_product(BLOCK_TYPES[kind][0], x.data_ptr(), w.data_ptr(), y.data_ptr(), R,
                             w.shape[0], K, w.shape[0], 1) == 0
     return y
 
@@ -115,31 +115,20 @@ def test_the_block_product_is_the_dequantised_matrixs_product(simd, kind, n_bloc
 def test_the_kernels_unpacked_blocks_are_gguf_pys_dequantised_weights(simd, kind):
     blocks = _blocks(kind, 5, 3, seed=0)
     w = torch.from_numpy(blocks)
-    out = torch.empty(5, blocks.shape[1] // _row_bytes(kind) * _block(kind))
-    assert simd.gguf_dequantize(BLOCK_TYPES[kind], w.data_ptr(), out.data_ptr(), 5,
+    _, block, size = BLOCK_TYPES[kind]
+    out = torch.empty(5, blocks.shape[1] // size * block)
+    assert simd.gguf_dequantize(BLOCK_TYPES[kind][0], w.data_ptr(), out.data_ptr(), 5,
                                 out.shape[1], 1) == 0
     # The same float32 operations a weight (d q + m, d the float16 scale times the 6-bit
     # one), but the compiler may fuse the multiply and add: one rounding apart at most.
     torch.testing.assert_close(out, _dequantized(blocks, kind), rtol=1e-6, atol=1e-7)
 
 
-def _block(kind: str) -> int:
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    return GGML_QUANT_SIZES[GGMLQuantizationType[kind]][0]
-
-
-def _row_bytes(kind: str) -> int:
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    return GGML_QUANT_SIZES[GGMLQuantizationType[kind]][1]
-
-
 @pytest.mark.parametrize("kind", list(BLOCK_TYPES))
 def test_the_simd_builds_and_the_plain_loops_agree(vectorised, scalar, kind):
     blocks = _blocks(kind, 21, 5, seed=7)
-    x = torch.randn(6, blocks.shape[1] // _row_bytes(kind) * _block(kind),
-                    generator=torch.Generator().manual_seed(3))
+    _, block, size = BLOCK_TYPES[kind]
+    x = torch.randn(6, blocks.shape[1] // size * block, generator=torch.Generator().manual_seed(3))
     fast, plain = _product(vectorised, kind, x, blocks), _product(scalar, kind, x, blocks)
     # Two sum orders of the same float32 terms (16 lanes against one): RTOL of the largest.
     torch.testing.assert_close(fast, plain, rtol=RTOL, atol=RTOL * float(plain.abs().max()))
@@ -158,8 +147,24 @@ def test_a_fused_product_of_several_types_and_a_prefill_are_its_parts_side_by_si
                                    atol=RTOL * float(expected.abs().max()))
 
 
+def test_the_block_sizes_are_ggmls():
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    for kind, (number, block, size) in BLOCK_TYPES.items():
+        assert GGMLQuantizationType[kind].value == number
+        assert GGML_QUANT_SIZES[GGMLQuantizationType[kind]] == (block, size)
+
+
+def test_rows_that_are_not_whole_blocks_of_the_width_are_refused():
+    blocks = _blocks("Q4_K", 2, 1, 0)  # 256 inputs a row
+    with pytest.raises(ValueError, match="Q4_K rows of 144 bytes are not 512 inputs"):
+        BlockLinear([(blocks, "Q4_K")], 512)
+    with pytest.raises(ValueError, match="not 320 inputs in blocks of 256"):
+        BlockLinear([(blocks, "Q4_K")], 320)
+
+
 def test_neighbouring_parts_of_one_type_are_one_tensor_of_the_files_bytes():
-    q, k, v = (_blocks("Q5_0", n, 2, n) for n in (4, 2, 2))
+    q, k, v = _blocks("Q5_0", 4, 2, 1), _blocks("Q5_0", 2, 2, 2), _blocks("Q8_0", 2, 2, 3)
     module = BlockLinear(gguf_blocks._merged([(q, "Q5_0"), (k, "Q5_0"), (v, "Q8_0")]), 64)
     assert module.kinds == ["Q5_0", "Q8_0"] and module.out_features == 8
     assert np.array_equal(module.blocks0.numpy(), np.concatenate([q, k]))

@@ -27,9 +27,11 @@ from torch import Tensor
 
 from kvcache_cli.models.linear import NATIVE_MAX_ROWS, Linear
 
-# ggml's block types the kernel reads, with their GGMLQuantizationType numbers.
-BLOCK_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12,
-               "Q5_K": 13, "Q6_K": 14}  # fmt: skip
+# ggml's block types the kernel reads: (GGMLQuantizationType's number, weights a block,
+# bytes a block), as gguf's GGML_QUANT_SIZES has them.
+BLOCK_TYPES = {"Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22),
+               "Q5_1": (7, 32, 24), "Q8_0": (8, 32, 34), "Q4_K": (12, 256, 144),
+               "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210)}  # fmt: skip
 SOURCE = Path(__file__).parents[1] / "gguf_products.cpp"
 DEQUANTIZE_FLOATS = 1 << 21  # a prefill's slice of unpacked rows: 8 MiB of float32
 _library: list = []  # the loaded library (or None), once
@@ -73,11 +75,18 @@ class BlockLinear(nn.Module):
     type each (a fused product's q, k and v may be stored in different types)."""
 
     def __init__(self, parts: list[tuple[np.ndarray, str]], in_features: int):
-        """parts: (blocks (rows, row bytes) uint8, their type), rows in order."""
+        """parts: (blocks (rows, row bytes) uint8, their type), rows in order; a ValueError
+        if a part's rows are not whole blocks of in_features (the kernel would read past
+        them)."""
         super().__init__()
+        for blocks, kind in parts:
+            _, block, size = BLOCK_TYPES[kind]
+            if in_features % block or blocks.shape[1] != in_features // block * size:
+                raise ValueError(f"{kind} rows of {blocks.shape[1]:,} bytes are not "
+                                 f"{in_features:,} inputs in blocks of {block}")
         self.in_features = in_features
         self.out_features = sum(blocks.shape[0] for blocks, _ in parts)
-        self.types = [BLOCK_TYPES[kind] for _, kind in parts]
+        self.types = [BLOCK_TYPES[kind][0] for _, kind in parts]
         self.kinds = [kind for _, kind in parts]
         for i, (blocks, _) in enumerate(parts):
             # Not in the state dict: a checkpoint holds float weights (`float_state`).
@@ -162,7 +171,12 @@ def set_gguf(model) -> None:
     for name, (parent, child_name, child) in products.items():
         parts = [stored[source] for source in sources[name]]
         if all(kind in BLOCK_TYPES for _, kind in parts):
-            setattr(parent, child_name, BlockLinear(_merged(parts), child.in_features))
+            module = BlockLinear(_merged(parts), child.in_features)
+            if module.out_features != child.out_features:
+                raise ValueError(f"{c.gguf}: {name} holds {module.out_features:,} rows, the "
+                                 f"model {child.out_features:,}; expected the file it was "
+                                 "read from")
+            setattr(parent, child_name, module)
 
 
 def file_blocks(path: str | Path, names: set[str], n_head: int,
