@@ -242,6 +242,16 @@ def test_the_compiled_step_runs_the_blocks_as_one_operator(tiny_llama):
     assert len(set(expected)) > 3 and got == expected
 
 
+def test_the_step_profile_counts_the_block_products_as_products(tiny_llama):
+    from kvcache_cli.bench.profile import profile_step
+
+    blocks = set_weights_dtype(copy.deepcopy(tiny_llama[1]), "gguf")
+    p = profile_step(blocks, 3, "tiny", "fp32", prompt_len=8)
+    # Every product of this model is a BlockLinear's: no torch product runs in a decode
+    # step, so what is counted is the kernel's calls, named while profiled.
+    assert p.weights == "gguf" and dict(p.split_ms)["products"] > 0
+
+
 def test_gguf_is_refused_for_a_model_not_read_from_a_gguf_or_off_the_cpu(tiny_llama):
     config = model_config("gpt2")
     with pytest.raises(ValueError, match="gguf weights are the blocks of the GGUF"):
