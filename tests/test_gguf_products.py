@@ -19,6 +19,7 @@ from kvcache_cli.generate import stream_tokens
 from kvcache_cli.measure import weight_bytes
 from kvcache_cli.models import linear, load_model, model_config, set_weights_dtype
 from kvcache_cli.models.gguf import blocks as gguf_blocks
+from kvcache_cli.models.gguf.as_stored import _merged
 from kvcache_cli.models.gguf.blocks import BLOCK_TYPES, BlockLinear
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -165,7 +166,7 @@ def test_rows_that_are_not_whole_blocks_of_the_width_are_refused():
 
 def test_neighbouring_parts_of_one_type_are_one_tensor_of_the_files_bytes():
     q, k, v = _blocks("Q5_0", 4, 2, 1), _blocks("Q5_0", 2, 2, 2), _blocks("Q8_0", 2, 2, 3)
-    module = BlockLinear(gguf_blocks._merged([(q, "Q5_0"), (k, "Q5_0"), (v, "Q8_0")]), 64)
+    module = BlockLinear(_merged([(q, "Q5_0"), (k, "Q5_0"), (v, "Q8_0")]), 64)
     assert module.kinds == ["Q5_0", "Q8_0"] and module.out_features == 8
     assert np.array_equal(module.blocks0.numpy(), np.concatenate([q, k]))
 

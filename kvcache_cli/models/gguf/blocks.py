@@ -1,15 +1,16 @@
-"""The `gguf` weight format: each product multiplies the GGUF's own blocks, as stored.
+"""The `gguf` weight format's product: a GGUF's own blocks, multiplied as stored.
 
 llama.cpp keeps a matrix as rows of blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: 32 weights with
 a float16 scale, and a minimum for the _1 types; the k-quants Q4_K, Q5_K, Q6_K: 256
 weights with 6- or 8-bit scales per 16 or 32) and multiplies them where they lie. This
-format does the same: every product whose tensors in the file are all of those types keeps
-the file's bytes (one uint8 tensor per run of parts of one type, rows as the file has
-them, but q and k of a Llama restored to transformers' order, which moves whole rows and so
-whole blocks) and multiplies them with `gguf_products.cpp`: each block unpacked in
-registers, its integers widened to float32 and multiplied with the float32 row. That is the
-dequantised matrix's product to float32 rounding (llama.cpp instead rounds the row to 8-bit
-blocks: faster integer sums, other numbers), so the greedy tokens are the float model's.
+format does the same: every product whose tensors in the file are all of those types
+(`as_stored`) keeps the file's bytes (one uint8 tensor per run of parts of one type, rows
+as the file has them, but q and k of a Llama restored to transformers' order, which moves
+whole rows and so whole blocks) and multiplies them with `gguf_products.cpp`: each block
+unpacked in registers, its integers widened to float32 and multiplied with the float32 row.
+That is the dequantised matrix's product to float32 rounding (llama.cpp instead rounds the
+row to 8-bit blocks: faster integer sums, other numbers), so the greedy tokens are the
+float model's.
 A prefill's many rows are a matrix product: the blocks are unpacked to float32 a slice of
 rows at a time and torch multiplies them. Tensors of other types (F32, F16, Q2_K, Q3_K)
 run as the float32 they were loaded as.
@@ -25,14 +26,16 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from kvcache_cli.models.linear import NATIVE_MAX_ROWS, Linear
-
 # ggml's block types the kernel reads: (GGMLQuantizationType's number, weights a block,
 # bytes a block), as gguf's GGML_QUANT_SIZES has them.
 BLOCK_TYPES = {"Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22),
                "Q5_1": (7, 32, 24), "Q8_0": (8, 32, 34), "Q4_K": (12, 256, 144),
                "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210)}  # fmt: skip
 SOURCE = Path(__file__).parents[1] / "gguf_products.cpp"
+# A decode's rows, a batched one's included (as `linear.NATIVE_MAX_ROWS`): the kernel
+# unpacks each block once per four rows, so more rows go to torch's matrix product over
+# unpacked float32 slices.
+DECODE_ROWS = 16
 DEQUANTIZE_FLOATS = 1 << 21  # a prefill's slice of unpacked rows: 8 MiB of float32
 _library: list = []  # the loaded library (or None), once
 
@@ -127,7 +130,7 @@ def _product(rows: Tensor, parts: list[Tensor], types: list[int]) -> Tensor:
     at = 0
     for blocks, kind in zip(parts, types, strict=True):
         n = blocks.shape[0]
-        if R <= NATIVE_MAX_ROWS:  # written straight into its columns: rows N apart
+        if R <= DECODE_ROWS:  # written straight into its columns: rows N apart
             lib.gguf_product(kind, rows.data_ptr(), blocks.data_ptr(), y.data_ptr() + 4 * at,
                              R, n, K, N, threads)
         else:
@@ -149,71 +152,3 @@ def block_product(rows: Tensor, parts: list[Tensor], types: list[int]) -> Tensor
 @block_product.register_fake
 def _(rows: Tensor, parts: list[Tensor], types: list[int]) -> Tensor:
     return rows.new_empty(rows.size(0), sum(p.size(0) for p in parts))
-
-
-def set_gguf(model) -> None:
-    """Every product of a model read from a GGUF whose tensors are all of BLOCK_TYPES, the
-    LM head included, as a BlockLinear on the file's own blocks, in place; the rest stay
-    the float32 Linear they were loaded as. A fused product (`llama.FUSED`) takes its
-    parts' blocks, row after row."""
-    from kvcache_cli.models.gguf.q4 import sources_of
-    from kvcache_cli.models.llama import FUSED
-
-    products = {f"{parent_name}.{child_name}".lstrip("."): (parent, child_name, child)
-                for parent_name, parent in model.named_modules()
-                for child_name, child in parent.named_children()
-                if isinstance(child, Linear)}  # fmt: skip
-    tied = model.config.tie_word_embeddings
-    sources = {name: sources_of(name, tied, FUSED) for name in products}
-    c = model.config
-    stored = file_blocks(c.gguf, {s for names in sources.values() for s in names},
-                         c.n_head, c.n_kv_head)
-    for name, (parent, child_name, child) in products.items():
-        parts = [stored[source] for source in sources[name]]
-        if all(kind in BLOCK_TYPES for _, kind in parts):
-            module = BlockLinear(_merged(parts), child.in_features)
-            if module.out_features != child.out_features:
-                raise ValueError(f"{c.gguf}: {name} holds {module.out_features:,} rows, the "
-                                 f"model {child.out_features:,}; expected the file it was "
-                                 "read from")
-            setattr(parent, child_name, module)
-
-
-def file_blocks(path: str | Path, names: set[str], n_head: int,
-                n_kv: int) -> dict[str, tuple[np.ndarray, str]]:
-    """transformers' name → (its bytes in the file as (rows, row bytes) uint8, its type),
-    for the names asked. A Llama's q and k rows are put back in transformers' order
-    (`reader._unpermute`: whole rows, so whole blocks, move); Gemma 3's are stored so."""
-    from kvcache_cli.models.gguf.layout import open_file, read_layout
-    from kvcache_cli.models.gguf.reader import _unpermute, hf_name
-
-    path = Path(path)
-    data, size = open_file(path)
-    layout = read_layout(path, data, size)
-    arch = layout.metadata.get("general.architecture")
-    found = {}
-    for t in layout.tensors:
-        name = hf_name(t.name, "gemma3" if arch == "gemma3" else "llama")
-        if name not in names:
-            continue
-        rows = int(np.prod(t.shape[:-1]))
-        blocks = np.frombuffer(data, np.uint8, t.end - t.start, t.start).reshape(rows, -1)
-        if arch != "gemma3" and name.endswith(("q_proj.weight", "k_proj.weight")):
-            heads = n_head if name.endswith("q_proj.weight") else n_kv
-            blocks = _unpermute(blocks, heads, rows // heads)
-        found[name] = (blocks, t.kind)
-    missing = sorted(names - set(found))
-    if missing:
-        raise ValueError(f"{path}: no tensor for {missing[0]}; expected the file the model "
-                         "was read from")
-    return found
-
-
-def _merged(parts: list[tuple[np.ndarray, str]]) -> list[tuple[np.ndarray, str]]:
-    """Neighbouring parts of one type as one (rows after rows): one kernel call each."""
-    merged: list[tuple[np.ndarray, str]] = []
-    for blocks, kind in parts:
-        if merged and merged[-1][1] == kind:
-            blocks = np.concatenate([merged.pop()[0], blocks])
-        merged.append((blocks, kind))
-    return merged
