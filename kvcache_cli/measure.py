@@ -136,9 +136,10 @@ def linears(model: torch.nn.Module) -> list[torch.nn.Module]:
     """Every matrix a decode step multiplies by, each once (the tied head is one of them)."""
     import torch
 
+    from kvcache_cli.models.gguf.blocks import BlockLinear
     from kvcache_cli.models.linear import Int4Linear, Int8Linear
 
-    kinds = torch.nn.Linear | Int8Linear | Int4Linear
+    kinds = torch.nn.Linear | Int8Linear | Int4Linear | BlockLinear
     return [m for m in model.modules() if isinstance(m, kinds)]
 
 

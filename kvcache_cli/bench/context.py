@@ -40,7 +40,8 @@ LIKE_FOR_LIKE = {"f16": "fp16", "q8_0": "int8", "q4_0": "int4"}
 DEFAULT_CACHES = "static,fp16,int8,int4"
 # Weights format -> the llama.cpp bench mode that runs the same weights.
 LLAMA_MODE_FOR_WEIGHTS = {"fp32": "llama.cpp", "fp16": "llama.cpp-f16", "bf16": "llama.cpp-f16",
-                          "int8": "llama.cpp-q8_0", "q4": "llama.cpp-gguf"}
+                          "int8": "llama.cpp-q8_0", "q4": "llama.cpp-gguf",
+                          "gguf": "llama.cpp-gguf"}
 
 # (what is being timed, points done, points in all)
 ContextProgress = Callable[[str, int, int], None]

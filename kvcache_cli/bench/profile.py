@@ -26,7 +26,8 @@ from kvcache_cli.models.base import FamilyModel
 KINDS = {
     "products": ("aten::bmm", "aten::mm", "aten::addmm", "aten::_weight_int8pack_mm",
                  "aten::_weight_int4pack_mm_for_cpu", "aten::baddbmm", "aten::linear",
-                 "aten::matmul", "kvcache::native_product", "kvcache::blocked_product"),
+                 "aten::matmul", "kvcache::native_product", "kvcache::blocked_product",
+                 "kvcache::block_product"),
     "attention": ("aten::_scaled_dot_product_flash_attention_for_cpu",
                   "aten::scaled_dot_product_attention", "aten::_softmax",
                   "aten::_scaled_dot_product_attention_math"),
@@ -60,20 +61,28 @@ def _kind(name: str) -> str:
 
 @contextlib.contextmanager
 def _named_native_products():
-    """Eager calls of the native products skip the dispatcher (`linear.native_product`: tens
-    of µs a call), so the profiler would see no op and count their time as Python's; while
-    profiling, each call is a named range instead."""
-    call = linear._native_call
+    """Eager calls of the native products skip the dispatcher (`linear.native_product`,
+    `gguf.blocks.block_product`: tens of µs a call), so the profiler would see no op and
+    count their time as Python's; while profiling, each call is a named range instead."""
+    from kvcache_cli.models.gguf import blocks
 
-    def named(*args):
-        with torch.profiler.record_function("kvcache::native_product"):
-            return call(*args)
+    calls = [(linear, "_native_call", "kvcache::native_product"),
+             (blocks, "_product", "kvcache::block_product")]
+    kept = [getattr(module, name) for module, name, _ in calls]
 
-    linear._native_call = named
+    def named(call, op):
+        def run(*args):
+            with torch.profiler.record_function(op):
+                return call(*args)
+        return run
+
+    for (module, name, op), call in zip(calls, kept, strict=True):
+        setattr(module, name, named(call, op))
     try:
         yield
     finally:
-        linear._native_call = call
+        for (module, name, _), call in zip(calls, kept, strict=True):
+            setattr(module, name, call)
 
 
 def profile_step(model: FamilyModel, steps: int, model_name: str, dtype: str,

@@ -102,7 +102,7 @@ class BenchResult:
     naive_samples: int | None  # decode steps naive was timed at; None: every step
     reference_mode: str  # the mode every other one's tokens are compared with
     tokens_agree: bool
-    weights_format: str  # how the products' matrices are stored: fp32, bf16, fp16, int8, q4
+    weights_format: str  # how the products' matrices are stored: fp32, bf16, fp16, int8, q4, gguf
     # The model's static loop against the same weights in float32 (None when it is float32).
     weights_check: WeightCheck | None
     llama_cpp_version: str | None  # llama-cpp-python's, where a llama.cpp mode ran

@@ -61,30 +61,32 @@ def target(compiler: str) -> str:
     return "\n".join([head, *chosen])
 
 
-def library(source: Path, compiler: str) -> Path:
+def library(source: Path, compiler: str, defines: tuple[str, ...] = ()) -> Path:
     """Where the library built from `source` by `compiler` for this CPU lives."""
-    flags = " ".join(COMPILE_FLAGS + LINK_FLAGS)
+    flags = " ".join(COMPILE_FLAGS + LINK_FLAGS + defines)
     key = source.read_bytes() + flags.encode() + target(compiler).encode()
     return folder() / f"{source.stem}-{hashlib.sha256(key).hexdigest()[:16]}.so"
 
 
-def build(source: Path, off: str) -> tuple[ctypes.CDLL | None, str | None]:
+def build(source: Path, off: str, defines: tuple[str, ...] = ()
+          ) -> tuple[ctypes.CDLL | None, str | None]:
     """(the library built from `source`, None), or (None, why not, in one line). The
     environment variable `off` set to `torch` asks for the caller's torch path instead,
-    to time one against the other."""
+    to time one against the other. `defines`: -D flags a source reads (gguf_products.cpp's
+    GGUF_SCALAR builds its plain loops, which a machine without AVX2 runs)."""
     if os.environ.get(off) == "torch":
         return None, f"{off}=torch"
     compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if compiler is None:
         return None, "no C++ compiler (c++ or g++) found"
-    path = library(source, compiler)
+    path = library(source, compiler, defines)
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
             built = Path(tmp) / path.name  # renamed whole, so no reader sees half a file
             compiled = Path(tmp) / f"{source.stem}.o"
-            run = subprocess.run([compiler, *COMPILE_FLAGS, str(source), "-o", str(compiled)],
-                                 capture_output=True, text=True)
+            run = subprocess.run([compiler, *COMPILE_FLAGS, *defines, str(source), "-o",
+                                  str(compiled)], capture_output=True, text=True)
             if run.returncode == 0:
                 run = subprocess.run([compiler, *LINK_FLAGS, str(compiled), "-o", str(built)],
                                      capture_output=True, text=True)

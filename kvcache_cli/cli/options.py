@@ -44,8 +44,9 @@ TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 WeightsDTypeOption = Annotated[str | None, typer.Option(
     "--weights-dtype",
     help="How the products' matrices are stored: fp32, bf16, fp16, int8 (weight-only, "
-    "one scale per output channel, gpt-fast's; CPU only), or q4 (a GGUF's own Q4_0/Q4_1 "
-    "blocks, not re-quantised; CPU only). Default: --dtype's. Another "
+    "one scale per output channel, gpt-fast's; CPU only), q4 (a GGUF's own Q4_0/Q4_1 "
+    "blocks, not re-quantised; CPU only), or gguf (every block type of the GGUF as stored, "
+    "multiplied in place; CPU only). Default: --dtype's. Another "
     "format than float32 is checked against float32: logits' error, greedy tokens.")]
 
 # OpenMP allocates per thread up front: a billion threads aborts the process.

@@ -172,8 +172,13 @@ def to_hf(model):
 
 def set_weights_dtype(model, name: str):
     """Store every product's matrix of any family's model in weights format `name`, in
-    place: q4 from the GGUF blocks the model was read from (`gguf.q4`), the float formats
-    and int8 by `linear`."""
+    place: q4 and gguf from the GGUF blocks the model was read from (`gguf.q4`,
+    `gguf.as_stored`), the float formats and int8 by `linear`."""
+    if name == "gguf":
+        from kvcache_cli.models.gguf.as_stored import set_gguf
+
+        set_gguf(model)
+        return model
     if name == "q4":
         from kvcache_cli.models.gguf.q4 import set_q4
 

@@ -260,9 +260,11 @@ def pin_threads(model: FamilyModel) -> FamilyModel:
 # How the matrices of the products may be stored. A float format other than the
 # model's dtype keeps activations, norms and cache in the model's dtype and casts the
 # one row in and out of each product; int8 is `Int8Linear`; q4 is a GGUF's own 4-bit
-# blocks (`Int4Linear`, packed two to a byte), for a Llama read from one.
+# blocks (`Int4Linear`, packed two to a byte), for a Llama read from one; gguf is the
+# file's blocks of every type as stored (`gguf.blocks.BlockLinear`, bytes), for any
+# family read from one.
 WEIGHT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
-                 "int8": torch.int8, "q4": torch.quint4x2}  # fmt: skip
+                 "int8": torch.int8, "q4": torch.quint4x2, "gguf": torch.uint8}  # fmt: skip
 
 
 def check_weights_dtype(name: str, config: FamilyConfig, device: str | torch.device,
@@ -272,6 +274,13 @@ def check_weights_dtype(name: str, config: FamilyConfig, device: str | torch.dev
     (q4 runs only those blocks)."""
     if name not in WEIGHT_DTYPES:
         raise ValueError(f"unknown weights dtype {name!r}; expected {', '.join(WEIGHT_DTYPES)}")
+    if name == "gguf":
+        from kvcache_cli.models.gguf.blocks import gguf_problem
+
+        problem = gguf_problem(config, device)
+        if problem:
+            raise ValueError(problem)
+        return
     if name not in ("int8", "q4"):
         return
     kernel = "_weight_int8pack_mm" if name == "int8" else "_weight_int4pack_mm_for_cpu"
@@ -319,6 +328,10 @@ def set_weights_dtype(model: FamilyModel, name: str) -> FamilyModel:
 
 def weights_format(model: FamilyModel) -> str:
     """The name in WEIGHT_DTYPES of how the model's product matrices are stored."""
+    from kvcache_cli.models.gguf.blocks import BlockLinear
+
+    if any(isinstance(m, BlockLinear) for m in model.modules()):
+        return "gguf"
     head = model.lm_head
     if isinstance(head, Int4Linear):
         return "q4"
@@ -329,11 +342,13 @@ def weights_format(model: FamilyModel) -> str:
 def float_state(model: FamilyModel) -> dict[str, Tensor]:
     """Every weight as float32, nn.Linear's (out, in) order, under its parameter name:
     what the model computes with, int8 matrices dequantised (for export to GGUF)."""
+    from kvcache_cli.models.gguf.blocks import BlockLinear
+
     packed = tuple(f".{kind}{i}" for kind in ("packed", "scales") for i in range(2))
     state = {name: t.detach().float() for name, t in model.state_dict().items()
              if not name.endswith((".scales", *packed))}  # fmt: skip
     for name, module in model.named_modules():
-        if isinstance(module, Int8Linear | Int4Linear):
+        if isinstance(module, Int8Linear | Int4Linear | BlockLinear):
             state[f"{name}.weight"] = module.dequantized()
     model.checkpoint_names(state)
     return state

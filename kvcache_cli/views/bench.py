@@ -92,6 +92,7 @@ def _weights_line(r: BenchResult) -> str:
     """The products' format and, against float32, the logits' error and the tokens."""
     what = {"int8": "int8, one scale per output channel",
             "q4": "q4, the GGUF's own 4-bit blocks of 32 (products on bfloat16 rows)",
+            "gguf": "gguf, the file's blocks as stored (products on float32 rows)",
             "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[r.weights_format]
     line = f"[bold]{what}[/]; activations and cache {r.dtype}"
     c = r.weights_check

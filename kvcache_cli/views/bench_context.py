@@ -16,7 +16,8 @@ from kvcache_cli.views.plot import finish_png, line_axes
 from kvcache_cli.views.style import figures_table, label_grid
 
 WEIGHTS = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16",
-           "int8": "int8 (one scale per output channel)", "q4": "the GGUF's own 4-bit blocks"}
+           "int8": "int8 (one scale per output channel)", "q4": "the GGUF's own 4-bit blocks",
+           "gguf": "the GGUF's blocks as stored"}
 
 
 def _header(r: ContextResult) -> Table:

@@ -69,7 +69,7 @@ def set_q4(model) -> None:
                 for name in [f"{parent_name}.{child_name}".lstrip(".")]}
     # A tied head is the embedding's tensor in the file (llama.cpp's converter drops it).
     tied = model.config.tie_word_embeddings
-    sources = {name: _sources(name, tied, FUSED) for name in products}
+    sources = {name: sources_of(name, tied, FUSED) for name in products}
     c = model.config
     blocks = read_blocks(c.gguf, {s for names in sources.values() for s in names},
                          c.n_head, c.n_kv_head)
@@ -79,7 +79,7 @@ def set_q4(model) -> None:
             setattr(parent, child_name, Int4Linear(_stacked(parts)))
 
 
-def _sources(product: str, tied: bool, fused: dict[str, tuple[str, ...]]) -> list[str]:
+def sources_of(product: str, tied: bool, fused: dict[str, tuple[str, ...]]) -> list[str]:
     """The file's tensors (transformers' names) whose rows make up a product."""
     if tied and product == "lm_head":
         return ["model.embed_tokens.weight"]
