@@ -131,15 +131,14 @@ def test_reading_a_config_never_imports_torch(tmp_path, folder):
     # `kvcache_cli.hf`'s __init__ loads transformers for kv_cache: the package is stood in by
     # a bare one of the same path, and what is checked is that reading a config imports no
     # torch by itself (the __init__ must defer its imports for a command to gain from it).
-    script = (
-        "import sys, types\n"
-        "hf = types.ModuleType('kvcache_cli.hf'); hf.__path__ = [%r]\n"
-        "sys.modules['kvcache_cli.hf'] = hf\n"
-        "from kvcache_cli.hf.load import read_hf_config\n"
-        "for source in (%r, %r):\n"
-        "    assert read_hf_config(source)['model_type'] == 'llama'\n"
-        "assert 'torch' not in sys.modules, 'torch imported'\n") % (
-            str(package), str(folder), str(gguf))
+    script = "\n".join([
+        "import sys, types",
+        f"hf = types.ModuleType('kvcache_cli.hf'); hf.__path__ = [{str(package)!r}]",
+        "sys.modules['kvcache_cli.hf'] = hf",
+        "from kvcache_cli.hf.load import read_hf_config",
+        f"for source in ({str(folder)!r}, {str(gguf)!r}):",
+        "    assert read_hf_config(source)['model_type'] == 'llama'",
+        "assert 'torch' not in sys.modules, 'torch imported'"])
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          timeout=120)
     assert run.returncode == 0, run.stderr

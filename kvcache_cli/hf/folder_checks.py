@@ -68,8 +68,8 @@ def locate(source: str) -> Located:
 def _cached_snapshot(repo_id: str) -> Path:
     """The folder of REPO_ID's main snapshot in the local Hub cache; never the network."""
     try:
-        from huggingface_hub import snapshot_download
         from huggingface_hub import errors as hub_errors
+        from huggingface_hub import snapshot_download
     except ImportError:
         raise HFLoadError(f"{repo_id}: reading a Hub id needs huggingface_hub, which is not "
                           "installed: pip install 'kvcache[hub]', or pass a model folder") from None

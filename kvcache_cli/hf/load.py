@@ -22,7 +22,6 @@ import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvcache_cli.hf.folder_checks import (
@@ -45,6 +44,9 @@ __all__ = ["HFLoadError", "HFOffline", "HFModel", "read_hf_config", "load_hf"]
 # kvcache's own bound on a model's layers (models.bounds): the model is built before its
 # weights are read, and a hostile count would build millions of empty layers.
 MAX_LAYERS = int(BOUNDS["n_layer"].high)
+# safetensors' float types: transformers would cast integers or booleans stored for a float
+# weight without a word (quantised checkpoints hold them with scales, which this does not read).
+FLOAT_TYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
 
 
 @dataclass(frozen=True)
@@ -81,8 +83,10 @@ def load_hf(source: str, *, device: str = "cpu",
         _check_fills(located, hf_config, _stored_shapes(located))
         model = _weights(located, torch.float32 if dtype is None else dtype)
         tokenizer = _tokenizer(located)
+        model = model.to(device).eval()
+        _check_computes(located, model)
     names = config.get("architectures") or [config["model_type"]]
-    return HFModel(model.to(device).eval(), tokenizer, source, names[0])
+    return HFModel(model, tokenizer, source, names[0])
 
 
 @contextmanager
@@ -113,10 +117,10 @@ def _quiet() -> Iterator[None]:
             enable_progress_bars()
 
 
-def _first_line(error: BaseException) -> str:
-    """An exception's message as one short line (transformers' run to paragraphs)."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    text = lines[0] if lines else type(error).__name__
+def _one_line(error: BaseException) -> str:
+    """An exception's message as one short line (transformers' run to paragraphs, the cause
+    often on the second)."""
+    text = " ".join(str(error).split()) or type(error).__name__
     return text if len(text) <= 200 else text[:197] + "..."
 
 
@@ -150,7 +154,7 @@ def _transformers_config(located: Located, config: dict) -> PretrainedConfig:
     # Each model's config class checks its own fields, raising what it likes (ValueError,
     # TypeError, KeyError, ZeroDivisionError...): all of them mean the file is wrong.
     except Exception as error:
-        raise HFLoadError(f"{where}: transformers refuses the config ({_first_line(error)})") \
+        raise HFLoadError(f"{where}: transformers refuses the config ({_one_line(error)})") \
             from None
     layers = getattr(hf_config.get_text_config(), "num_hidden_layers", None)
     if isinstance(layers, int) and not 1 <= layers <= MAX_LAYERS:
@@ -159,26 +163,28 @@ def _transformers_config(located: Located, config: dict) -> PretrainedConfig:
     return hf_config
 
 
-def _stored_shapes(located: Located) -> dict[str, tuple[int, ...]]:
-    """Each tensor the model's files hold and its shape, from their headers alone (a GGUF's
-    under llama.cpp's names, a safetensors file's under the checkpoint's)."""
+def _stored_shapes(located: Located) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Each tensor the model's files hold, its shape and its type, from their headers alone
+    (a GGUF's under llama.cpp's names, a safetensors file's under the checkpoint's)."""
     if located.gguf:
         from kvcache_cli.models.gguf.layout import open_file, read_layout
 
         path = located.folder / located.gguf
         data, size = open_file(path)
-        return {t.name: t.shape for t in read_layout(path, data, size).tensors}
+        return {t.name: (t.shape, t.kind) for t in read_layout(path, data, size).tensors}
     from safetensors import safe_open
 
-    shapes = {}
+    stored = {}
     for path in safetensors_files(located.folder):
         with safe_open(str(path), framework="numpy") as f:
-            shapes |= {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-    return shapes
+            for name in f.keys():
+                piece = f.get_slice(name)
+                stored[name] = (tuple(piece.get_shape()), piece.get_dtype())
+    return stored
 
 
 def _check_fills(located: Located, hf_config: PretrainedConfig,
-                 stored: dict[str, tuple[int, ...]]) -> None:
+                 stored: dict[str, tuple[tuple[int, ...], str]]) -> None:
     """Refuse weights that disagree with the config before any is allocated: a tensor of
     another shape than the config makes it, or fewer weights than the model has (transformers
     would fill the rest at random, with a warning that _quiet silences)."""
@@ -191,14 +197,20 @@ def _check_fills(located: Located, hf_config: PretrainedConfig,
             skeleton = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=False)
     except Exception as error:  # as in _transformers_config: the config's own checks
         raise HFLoadError(f"{where}: transformers cannot build the model it describes "
-                          f"({_first_line(error)})") from None
+                          f"({_one_line(error)})") from None
     for name, tensor in skeleton.state_dict().items():
-        if name in stored and stored[name] != tuple(tensor.shape):
-            raise HFLoadError(f"{where}: the weights hold {name} as {list(stored[name])}, "
-                              f"the config makes it {list(tensor.shape)}; expected the "
-                              "config the weights were saved with")
+        if name not in stored:
+            continue  # tied, or saved under another name: transformers' loading info says
+        shape, kind = stored[name]
+        if shape != tuple(tensor.shape):
+            raise HFLoadError(f"{where}: the weights hold {name} as {list(shape)}, the "
+                              f"config makes it {list(tensor.shape)}; expected the config "
+                              "the weights were saved with")
+        if tensor.is_floating_point() and kind not in FLOAT_TYPES:
+            raise HFLoadError(f"{where}: the weights hold {name} as {kind}; expected a "
+                              f"float type ({', '.join(FLOAT_TYPES)})")
     wanted = sum(p.numel() for p in skeleton.parameters())
-    held = sum(math.prod(shape) for shape in stored.values())
+    held = sum(math.prod(shape) for shape, _ in stored.values())
     if wanted > held:
         raise HFLoadError(f"{where}: describes a model of {wanted:,} weights and its files "
                           f"hold {held:,}; expected weights for every parameter")
@@ -216,7 +228,7 @@ def _weights(located: Located, dtype: torch.dtype) -> PreTrainedModel:
             output_loading_info=True, **files)
     except Exception as error:  # transformers' loaders, like its configs, raise any type
         raise HFLoadError(f"{where}: transformers cannot load the weights "
-                          f"({_first_line(error)})") from None
+                          f"({_one_line(error)})") from None
     for what in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"):
         found = sorted(map(str, info.get(what) or ()))
         if found:
@@ -225,6 +237,27 @@ def _weights(located: Located, dtype: torch.dtype) -> PreTrainedModel:
             raise HFLoadError(f"{where}: {what.replace('_', ' ')} loading the weights "
                               f"({shown}); expected weights that match the config")
     return model
+
+
+def _check_computes(located: Located, model: PreTrainedModel) -> None:
+    """Refuse a model whose first two positions give an error or logits that are not finite:
+    transformers takes a NaN epsilon or a zero, negative or NaN rotary base without a word,
+    and every later figure would be NaN."""
+    import torch
+
+    where = located.folder / (located.gguf or "config.json")
+    vocab = model.get_input_embeddings().num_embeddings
+    ids = (torch.arange(2, device=model.device) % max(vocab, 1))[None]  # (1, 2)
+    try:
+        with torch.inference_mode():
+            logits = model(ids).logits  # (1, 2, vocab)
+    except Exception as error:  # the config's values reach kernels that raise any type
+        raise HFLoadError(f"{where}: the model fails on its first tokens "
+                          f"({_one_line(error)}); expected a config it can run") from None
+    if not torch.isfinite(logits).all():
+        raise HFLoadError(f"{where}: the model's logits on its first tokens are not finite; "
+                          "expected a config and weights that compute numbers (check "
+                          "epsilons and rotary bases)")
 
 
 def _tokenizer(located: Located) -> PreTrainedTokenizerBase:
@@ -237,7 +270,7 @@ def _tokenizer(located: Located) -> PreTrainedTokenizerBase:
             trust_remote_code=False)
     except Exception as error:  # tokenizer files are parsed by several libraries
         raise HFLoadError(f"{located.folder / (located.gguf or '')}: the tokenizer does not "
-                          f"load ({_first_line(error)}); expected tokenizer.json or the files "
+                          f"load ({_one_line(error)}); expected tokenizer.json or the files "
                           "of a tokenizer transformers has built in") from None
     if not tokenizer:
         raise HFLoadError(f"{located.folder}: no tokenizer; expected tokenizer.json or the "
