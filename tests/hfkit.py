@@ -10,13 +10,14 @@ import torch
 
 VOCAB = 300
 # The same small shape in each architecture's own field names: transformers' config classes
-# name widths, heads and layers differently (GPT-2: n_embd, n_head, n_layer).
+# name widths, heads and layers differently (GPT-2: n_embd, n_head, n_layer). Heads of 32,
+# the cache kinds' default group, so that kv_cache(model, "int8") takes them.
 ARCHITECTURES = {
-    "llama": dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64),
-    "qwen2": dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64),
-    "gpt2": dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64),
+    "llama": dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64),
+    "qwen2": dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64),
+    "gpt2": dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=2, n_positions=64),
 }
 
 

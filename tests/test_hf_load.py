@@ -93,7 +93,7 @@ def hub_cache(tmp_path: Path, monkeypatch, folder: Path | None) -> Path:
     from huggingface_hub import constants
 
     cache = tmp_path / "hub"
-    cache.mkdir()
+    cache.mkdir(parents=True)
     if folder is not None:
         add_snapshot(cache, "org/tiny", "a" * 40, json.loads((folder / "config.json")
                                                             .read_text()), "main")
@@ -185,11 +185,11 @@ def test_weights_only_as_a_pickle_are_refused_unopened(folder, tmp_path):
     ({"model_type": "no_such_model"}, "model_type 'no_such_model' is not one transformers"),
     ({"model_type": "t5"}, "model_type 't5' has no causal LM in transformers"),
     ({"architectures": ["NoSuchForCausalLM"]}, "architectures names 'NoSuchForCausalLM'"),
-    ({"hidden_size": 64}, "the weights hold model.embed_tokens.weight as [300, 32], the "
-                          "config makes it [300, 64]"),
-    ({"num_hidden_layers": 3}, "describes a model of 42,464 weights and its files hold 34,720"),
+    ({"hidden_size": 128}, "the weights hold model.embed_tokens.weight as [300, 64], the "
+                           "config makes it [300, 128]"),
+    ({"num_hidden_layers": 3}, "describes a model of 131,008 weights and its files hold 100,160"),
     ({"num_hidden_layers": 10**9}, "num_hidden_layers is 1,000,000,000"),
-    ({"vocab_size": 200}, "model.embed_tokens.weight as [300, 32], the config makes it [200"),
+    ({"vocab_size": 200}, "model.embed_tokens.weight as [300, 64], the config makes it [200"),
 ])
 def test_a_config_transformers_cannot_serve_from_these_files_is_one_line(
         folder, tmp_path, fields, match):
@@ -227,3 +227,24 @@ def test_a_path_that_is_no_model_is_one_line_naming_what_is_accepted(tmp_path):
     refusal(tmp_path / "notes.txt", match="a file that is not GGUF")
     refusal(tmp_path / "absent", match="no such file or folder; expected a model folder")
 
+
+
+def page_example() -> str:
+    page = (Path(__file__).parents[1] / "docs" / "python-api.md").read_text(encoding="utf-8")
+    section = page.split("## Loading a model offline", 1)[1]
+    return section.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def test_the_pages_loading_example_runs_offline_both_ways(tmp_path, monkeypatch, capsys,
+                                                         folder):
+    hub_cache(tmp_path / "empty", monkeypatch, None)
+    exec(compile(page_example(), "docs/python-api.md", "exec"), {})  # noqa: S102
+    assert capsys.readouterr().out == (
+        "error: 'HuggingFaceTB/SmolLM2-135M-Instruct' is not in the local Hub cache and models "
+        "are loaded offline: download it once online (hf download "
+        "HuggingFaceTB/SmolLM2-135M-Instruct), or pass the path of a model folder\n")
+    cache = hub_cache(tmp_path / "planted", monkeypatch, folder)
+    (cache / "models--org--tiny").rename(cache / "models--HuggingFaceTB--SmolLM2-135M-Instruct")
+    exec(compile(page_example(), "docs/python-api.md", "exec"), {})  # noqa: S102
+    text, held = capsys.readouterr().out.rsplit(" ", 1)
+    assert int(held) > 0 and len(text) > 0  # eight tokens of a random model, and its bytes
