@@ -71,7 +71,7 @@ def test_dtype_and_device_are_what_was_asked(folder):
     assert loaded.model.dtype == torch.bfloat16 and loaded.model.device.type == "cpu"
 
 
-def test_a_gguf_file_loads_as_the_llama_it_was_written_from(tmp_path):
+def test_a_gguf_file_loads_as_the_llama_it_was_written_from(tmp_path, capfd):
     from llamakit import tiny_hf, write_tiny_gguf
 
     hf = tiny_hf(seed=4)
@@ -79,7 +79,9 @@ def test_a_gguf_file_loads_as_the_llama_it_was_written_from(tmp_path):
     config = read_hf_config(str(path))
     assert (config["model_type"], config["num_hidden_layers"], config["hidden_size"]) == \
         ("llama", 2, 64)
+    capfd.readouterr()
     loaded = load_hf(str(path))
+    assert capfd.readouterr().err == ""  # transformers' dequantising bar silenced too
     assert loaded.architecture == "llama"
     # transformers un-permutes q and k rows written in llama.cpp's order: the same float32
     # weights, summed in the same order; 1e-5 allows a different kernel path.

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvcache_cli.hub import is_hub_id
+from kvcache_cli.models.bounds import shown
 
 CONFIG = "config.json"
 SAFETENSORS = "model.safetensors"
@@ -52,8 +53,12 @@ def locate(source: str) -> Located:
     if path.is_dir():
         return Located(source, path)
     if path.is_file():
-        with path.open("rb") as f:
-            magic = f.read(4)
+        try:
+            with path.open("rb") as f:
+                magic = f.read(4)
+        except OSError as error:
+            raise HFLoadError(f"{source}: cannot be read ({error.strerror}); expected "
+                              f"{KINDS}") from None
         if magic != b"GGUF":
             raise HFLoadError(f"{source}: a file that is not GGUF (it starts {magic!r}); "
                               f"expected {KINDS}")
@@ -97,15 +102,18 @@ def folder_config(folder: Path) -> dict:
                           f"at most {MAX_CONFIG_BYTES:,}")
     try:
         config = json.loads(path.read_bytes())
+    except OSError as error:
+        raise HFLoadError(f"{path}: cannot be read ({error.strerror}); expected a JSON "
+                          "object") from None
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
         first = str(error).splitlines()[0][:200]
         raise HFLoadError(f"{path}: not JSON ({first}); expected a JSON object") from None
     if not isinstance(config, dict):
         raise HFLoadError(f"{path}: a JSON {type(config).__name__}; expected a JSON object")
-    return checked_config(config, str(path))
+    return _checked_config(config, str(path))
 
 
-def checked_config(config: dict, where: str) -> dict:
+def _checked_config(config: dict, where: str) -> dict:
     """CONFIG, refused for custom code or a model type it does not name."""
     if "auto_map" in config:
         named = ", ".join(sorted(map(str, config["auto_map"])))[:200] \
@@ -115,20 +123,14 @@ def checked_config(config: dict, where: str) -> dict:
                           "has built in")
     model_type = config.get("model_type")
     if not isinstance(model_type, str) or not model_type:
-        raise HFLoadError(f"{where}: 'model_type' is {_shown(model_type)}; expected the name "
+        raise HFLoadError(f"{where}: 'model_type' is {shown(model_type)}; expected the name "
                           "of a transformers model type, such as 'llama'")
     names = config.get("architectures")
     if names is not None and (not isinstance(names, list) or not names
                               or not all(isinstance(n, str) and n for n in names)):
-        raise HFLoadError(f"{where}: 'architectures' is {_shown(names)}; expected a list of "
+        raise HFLoadError(f"{where}: 'architectures' is {shown(names)}; expected a list of "
                           "class names, such as ['LlamaForCausalLM']")
     return config
-
-
-def _shown(value) -> str:
-    """VALUE as a refusal line shows it: its repr, cut short."""
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def safetensors_files(folder: Path) -> list[Path]:
@@ -140,7 +142,11 @@ def safetensors_files(folder: Path) -> list[Path]:
     elif (folder / SAFETENSORS).is_file():
         files = [folder / SAFETENSORS]
     else:
-        pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLES)
+        try:
+            pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLES)
+        except OSError as error:
+            raise HFLoadError(f"{folder}: cannot be listed ({error.strerror}); expected a "
+                              "readable model folder") from None
         if pickles:
             raise HFLoadError(f"{folder / pickles[0]}: weights only as a pickle, which kvcache "
                               "never opens (unpickling can run code); expected "
@@ -156,7 +162,7 @@ def _shards(index: Path) -> list[str]:
     """The shard file names an index lists, each a plain name inside its folder."""
     try:
         weight_map = json.loads(index.read_bytes()).get("weight_map")
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError, AttributeError):
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError, AttributeError):
         weight_map = None
     if not isinstance(weight_map, dict) or not weight_map \
             or not all(isinstance(v, str) for v in weight_map.values()):
@@ -165,7 +171,7 @@ def _shards(index: Path) -> list[str]:
     names = sorted(set(weight_map.values()))
     for name in names:
         if Path(name).name != name or not name.endswith(".safetensors"):
-            raise HFLoadError(f"{index}: shard {_shown(name)}; expected a .safetensors file "
+            raise HFLoadError(f"{index}: shard {shown(name)}; expected a .safetensors file "
                               "name in the index's folder")
         if not (index.parent / name).is_file():
             raise HFLoadError(f"{index.parent / name}: missing; the index lists it as a shard")
@@ -201,7 +207,7 @@ def gguf_config(path: Path) -> dict:
     name = _GGUF_NAMES.get(arch, arch) if isinstance(arch, str) else None
     if name not in GGUF_CONFIG_MAPPING or name in ("general", "tokenizer"):
         known = ", ".join(a for a in GGUF_CONFIG_MAPPING if a not in ("general", "tokenizer"))
-        raise HFLoadError(f"{path}: general.architecture is {_shown(arch)}; transformers "
+        raise HFLoadError(f"{path}: general.architecture is {shown(arch)}; transformers "
                           f"reads GGUF files of {known}")
     config = {"model_type": _TEXT_ONLY.get(name, name)}
     for key, field in GGUF_CONFIG_MAPPING[name].items():

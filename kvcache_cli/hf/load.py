@@ -17,10 +17,11 @@ loads. `read_hf_config` reads the config alone, without torch (`hf/folder_checks
 
 from __future__ import annotations
 
+import io
 import math
 import warnings
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stderr
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -106,7 +107,8 @@ def _quiet() -> Iterator[None]:
     hf_logging.disable_progress_bar()
     disable_progress_bars()
     try:
-        with warnings.catch_warnings():
+        # The GGUF reader's bar is tqdm's own, which transformers' switch does not reach.
+        with warnings.catch_warnings(), redirect_stderr(io.StringIO()):
             warnings.simplefilter("ignore")
             yield
     finally:
