@@ -191,6 +191,9 @@ def test_weights_only_as_a_pickle_are_refused_unopened(folder, tmp_path):
                            "config makes it [300, 128]"),
     ({"num_hidden_layers": 3}, "describes a model of 131,008 weights and its files hold 100,160"),
     ({"num_hidden_layers": 10**9}, "num_hidden_layers is 1,000,000,000"),
+    ({"rms_norm_eps": float("nan")}, "'rms_norm_eps' is nan; expected a finite number"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 0}},
+     "'rope_parameters.rope_theta' is 0; expected a finite positive number"),
     ({"vocab_size": 200}, "model.embed_tokens.weight as [300, 64], the config makes it [200"),
 ])
 def test_a_config_transformers_cannot_serve_from_these_files_is_one_line(
@@ -250,3 +253,13 @@ def test_the_pages_loading_example_runs_offline_both_ways(tmp_path, monkeypatch,
     exec(compile(page_example(), "docs/python-api.md", "exec"), {})  # noqa: S102
     text, held = capsys.readouterr().out.rsplit(" ", 1)
     assert int(held) > 0 and len(text) > 0  # eight tokens of a random model, and its bytes
+
+
+def test_weights_that_compute_no_numbers_are_one_line(folder, tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    model = copy_of(folder, tmp_path)
+    tensors = load_file(model / "model.safetensors")
+    tensors["model.norm.weight"][:] = float("nan")
+    save_file(tensors, model / "model.safetensors", metadata={"format": "pt"})
+    refusal(model, match="the model's logits on its first tokens are not finite")

@@ -1,9 +1,10 @@
 """Hostile transformers model folders, generated from the formats (issue 43): each case copies a
 tiny real folder of one of several architectures and changes one thing in it, drawn from the
 files themselves: every config.json key (dropped, or set to a value of every JSON kind and a
-few bad numbers), every safetensors tensor (dropped, reshaped, recast, renamed) and the file's
-bytes (cut short, a header that lies), every tokenizer.json key and the file's bytes, and the
-weights' format (pickles only, shards that are missing or outside the folder).
+few bad numbers), every safetensors tensor (dropped, reshaped, recast, renamed, NaN) and the file's
+bytes (cut short, a header that lies), every tokenizer.json key and the file's bytes, the
+weights' format (pickles only, shards that are missing or outside the folder), and every
+metadata key of a GGUF file transformers reads (dropped, or a value of another type or size).
 
 Every case must end in a loaded model or in one HFLoadError line, with nothing on stderr,
 within a deadline (never a hang, never another exception), and no pickle may ever be opened:
@@ -25,6 +26,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from ggufkit import ARRAY, BOOL, F32, I32, STRING, U32, U64, Value, parse, write
 from hfkit import ARCHITECTURES, save_folder
 
 from kvcache_cli.hf.load import HFLoadError, load_hf
@@ -93,7 +95,7 @@ def run_cases(cases: list[tuple[str, str, Mutation]], bases, tmp_path, capfd,
         shutil.copytree(bases[arch], folder)
         (folder / "pytorch_model.bin").write_bytes(pickle.dumps(Planted(marker)))
         mutate(folder)
-        result = outcome(folder)
+        result = outcome(next(folder.glob("*.gguf"), folder))  # a GGUF case loads its file
         err = capfd.readouterr().err
         if err:
             result = f"wrote to stderr: {err[:200]!r}"
@@ -225,6 +227,7 @@ def tensor_changes(name: str, shape: tuple[int, ...]) -> dict[str, Callable[[dic
         "int8": lambda t: t.__setitem__(name, t[name].astype(np.int8)),
         "bool": lambda t: t.__setitem__(name, t[name] > 0),
         "rename": lambda t: t.__setitem__("x." + name, t.pop(name)),
+        "nan": lambda t: t.__setitem__(name, t[name] * np.float32("nan")),
         "duplicate": lambda t: t.__setitem__("extra." + name, t[name].copy()),
     }
     if len(shape) == 2 and shape[0] != shape[1]:
@@ -300,14 +303,14 @@ def tokenizer_cases(bases) -> list[tuple[str, str, Mutation]]:
         cases.append((arch, "no tokenizer", lambda f: (f / "tokenizer.json").unlink()))
         custom = {"tokenizer_class": "XTokenizer",
                   "auto_map": {"AutoTokenizer": ["tokenization_x.XTokenizer", None]}}
-        cases.append((arch, "tokenizer auto_map", write("tokenizer_config.json", custom)))
+        cases.append((arch, "tokenizer auto_map", write_json("tokenizer_config.json", custom)))
         for name, value in VALUES.items():
             cases.append((arch, f"tokenizer_class={name}",
-                          write("tokenizer_config.json", {"tokenizer_class": value})))
+                          write_json("tokenizer_config.json", {"tokenizer_class": value})))
     return cases
 
 
-def write(name: str, doc) -> Mutation:
+def write_json(name: str, doc) -> Mutation:
     def mutate(folder: Path) -> None:
         (folder / name).write_text(json.dumps(doc))
     return mutate
@@ -356,3 +359,45 @@ def test_weights_as_pickles_or_stray_shards_are_refused_unopened(bases, tmp_path
                                                                  record_property):
     counts = run_cases(weights_cases(bases), bases, tmp_path, capfd, record_property)
     assert counts["loaded"] == len(ARCHITECTURES)  # only the pickle beside safetensors
+
+
+# --- a GGUF file --------------------------------------------------------------------------
+
+# Values of every GGUF scalar kind, and the numbers a size or a rate must not be.
+GGUF_VALUES = {"missing": None, "zero": Value(U32, 0), "negative": Value(I32, -1),
+               "huge": Value(U64, 2**40), "nan": Value(F32, float("nan")),
+               "half": Value(F32, 0.5), "text": Value(STRING, b"no_such_kind"),
+               "true": Value(BOOL, True), "empty list": Value(ARRAY, [], U32)}
+
+
+@pytest.fixture(scope="module")
+def gguf_base(tmp_path_factory) -> Path:
+    from llamakit import tiny_hf, write_tiny_gguf
+
+    folder = tmp_path_factory.mktemp("gguf")
+    write_tiny_gguf(tiny_hf(seed=7), folder / "tiny.gguf")
+    return folder
+
+
+def gguf_cases(gguf_base: Path) -> list[tuple[str, str, Mutation]]:
+    g = parse((gguf_base / "tiny.gguf").read_bytes())
+
+    def rewrite(changed) -> Mutation:
+        def mutate(folder: Path) -> None:
+            (folder / "tiny.gguf").write_bytes(write(changed))
+        return mutate
+
+    cases = []
+    for key in g.metadata:
+        for name, value in GGUF_VALUES.items():
+            cases.append(("gguf", f"{key}={name}", rewrite(g.with_value(key, value))))
+    for fraction in CUTS:
+        cases.append(("gguf", f"gguf cut at {fraction}", cut("tiny.gguf", fraction)))
+    return cases
+
+
+def test_hostile_gguf_metadata_ends_in_a_model_or_one_line(gguf_base, tmp_path, capfd,
+                                                          record_property):
+    counts = run_cases(sample(gguf_cases(gguf_base), 50), {"gguf": gguf_base}, tmp_path,
+                       capfd, record_property)
+    assert counts["refused"] > 0

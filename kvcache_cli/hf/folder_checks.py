@@ -12,6 +12,8 @@ what needs transformers (is the architecture one it has, do the weights fit the 
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -125,12 +127,29 @@ def _checked_config(config: dict, where: str) -> dict:
     if not isinstance(model_type, str) or not model_type:
         raise HFLoadError(f"{where}: 'model_type' is {shown(model_type)}; expected the name "
                           "of a transformers model type, such as 'llama'")
+    for where_in, value in _numbers(config):
+        if not math.isfinite(value) or (where_in.endswith("rope_theta") and value <= 0):
+            raise HFLoadError(f"{where}: {where_in!r} is {value!r}; expected a finite "
+                              f"{'positive ' if where_in.endswith('rope_theta') else ''}"
+                              "number (JSON has no NaN or infinity)")
     names = config.get("architectures")
     if names is not None and (not isinstance(names, list) or not names
                               or not all(isinstance(n, str) and n for n in names)):
         raise HFLoadError(f"{where}: 'architectures' is {shown(names)}; expected a list of "
                           "class names, such as ['LlamaForCausalLM']")
     return config
+
+
+def _numbers(doc, above: str = "") -> Iterator[tuple[str, int | float]]:
+    """Every number in DOC (nested objects and lists), with its dotted path. transformers
+    passes a NaN rotary base or epsilon to the model, whose SDPA then hides it."""
+    items = doc.items() if isinstance(doc, dict) else enumerate(doc)
+    for key, value in items:
+        path = f"{above}.{key}" if above else str(key)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            yield path, value
+        elif isinstance(value, dict | list):
+            yield from _numbers(value, path)
 
 
 def safetensors_files(folder: Path) -> list[Path]:
@@ -213,7 +232,7 @@ def gguf_config(path: Path) -> dict:
     for key, field in GGUF_CONFIG_MAPPING[name].items():
         if isinstance(field, str) and f"{arch}.{key}" in meta:
             config[field] = meta[f"{arch}.{key}"]
-    return config
+    return _checked_config(config, str(path))
 
 
 # What transformers' GGUF loader renames (modeling_gguf_pytorch_utils.load_gguf_checkpoint):
