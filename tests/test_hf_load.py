@@ -6,6 +6,7 @@ folder can be wrong or unsafe refused in one line, before code runs or a pickle 
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import shutil
 import subprocess
@@ -69,6 +70,8 @@ def test_a_sharded_folder_loads_every_shard(tmp_path):
 def test_dtype_and_device_are_what_was_asked(folder):
     loaded = load_hf(str(folder), device="cpu", dtype=torch.bfloat16)
     assert loaded.model.dtype == torch.bfloat16 and loaded.model.device.type == "cpu"
+    with pytest.raises(HFLoadError, match="^device 'nowhere': "):
+        load_hf(str(folder), device="nowhere")
 
 
 def test_a_gguf_file_loads_as_the_llama_it_was_written_from(tmp_path, capfd):
@@ -140,9 +143,16 @@ def test_reading_a_config_never_imports_torch(tmp_path, folder):
         "from kvcache_cli.hf.load import read_hf_config",
         f"for source in ({str(folder)!r}, {str(gguf)!r}):",
         "    assert read_hf_config(source)['model_type'] == 'llama'",
+        "from kvcache_cli.hf.load import HFOffline",
+        "try:",
+        "    read_hf_config('org/absent')",
+        "    sys.exit('org/absent read from an empty cache')",
+        "except HFOffline:",
+        "    pass",
         "assert 'torch' not in sys.modules, 'torch imported'"])
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         timeout=120)
+                         timeout=120, env=env)
     assert run.returncode == 0, run.stderr
 
 

@@ -64,7 +64,10 @@ def read_hf_config(source: str) -> dict:
     """config.json of a folder, of a GGUF file's metadata (the fields transformers maps), or
     of a Hub id in the local Hub cache, without importing torch; raises HFLoadError (HFOffline
     for a Hub id not in the cache)."""
-    located = locate(source)
+    return _config_of(locate(source))
+
+
+def _config_of(located: Located) -> dict:
     if located.gguf:
         return gguf_config(located.folder / located.gguf)
     return folder_config(located.folder)
@@ -78,13 +81,16 @@ def load_hf(source: str, *, device: str = "cpu",
     import torch
 
     located = locate(source)
-    config = read_hf_config(source)
+    config = _config_of(located)
     with _quiet():
         hf_config = _transformers_config(located, config)
         _check_fills(located, hf_config, _stored_shapes(located))
         model = _weights(located, torch.float32 if dtype is None else dtype)
         tokenizer = _tokenizer(located)
-        model = model.to(device).eval()
+        try:
+            model = model.to(device).eval()
+        except (RuntimeError, AssertionError, ValueError) as error:  # torch's, per backend
+            raise HFLoadError(f"device {device!r}: {_one_line(error)}") from None
         _check_computes(located, model)
     names = config.get("architectures") or [config["model_type"]]
     return HFModel(model, tokenizer, source, names[0])
