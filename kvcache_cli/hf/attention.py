@@ -5,7 +5,8 @@
 transformers calls a model's attention function after each layer's `cache.update`, with
 the queries, what `update` returned, and the mask it built from `get_mask_sizes`. For a
 bridge layer whose kind attends its own way, `update` stored nothing and handed this
-call's keys and values on (`layers.claim` finds the layer by them): the cache's own
+call's keys and values on (`layers.claim` finds the layer by them, and refuses a
+model that changes them first): the cache's own
 `KVCache.attend` then stores them and attends, exactly as in kvcache's models (codes
 through the C++ kernel, masks by key positions, H2O's observed weights). Every other
 layer (transformers' own sliding layers, the exact kinds) gets transformers' SDPA under
@@ -37,7 +38,7 @@ def kvcache_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value
                       **kwargs) -> tuple[Tensor, None]:
     """transformers' attention-function contract: queries (B, nh, T, hs), keys and values
     (B, nkv, S, hs) as the layer's cache returned them -> (output (B, T, nh, hs), None)."""
-    layer = claim(key)
+    layer = claim(key, value)
     for name, what in _UNSERVED.items():
         if kwargs.get(name) is not None:
             raise BridgeError(f"{type(module).__name__}: {what}, which the kvcache attention "

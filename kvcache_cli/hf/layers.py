@@ -44,13 +44,13 @@ class BridgeError(ValueError):
     """A model or spec the bridge cannot serve, or a request it cannot honour (one line)."""
 
 
-# The layer whose `update` handed its keys on to the attention function, and those keys:
-# the attention function claims them by identity (`claim`). A model runs one layer's
+# The layer whose `update` handed its keys and values on to the attention function, and
+# those tensors: the attention function claims them by identity (`claim`). A model runs one layer's
 # update and attention back to back, so one slot serves every cache.
 _handed: list = []
 
 
-def _defer(layer: BridgeLayer, keys: Tensor) -> None:
+def _defer(layer: BridgeLayer, keys: Tensor, values: Tensor) -> None:
     if _handed:
         index = _handed[0][0].index
         _handed.clear()
@@ -58,20 +58,20 @@ def _defer(layer: BridgeLayer, keys: Tensor) -> None:
                           "model does not attend through transformers' attention interface; "
                           "run it with its own attention (the quantised kinds then read a "
                           "dequantised copy)")
-    _handed.append((layer, keys))
+    _handed.append((layer, keys, values))
 
 
-def claim(keys: Tensor) -> BridgeLayer | None:
-    """The bridge layer whose `update` handed on `keys` (the attention function's key
-    states), or None: the layer is transformers' own, or a kind attended as transformers
-    does (its history returned by `update`)."""
+def claim(keys: Tensor, values: Tensor) -> BridgeLayer | None:
+    """The bridge layer whose `update` handed on `keys` and `values` (the attention
+    function's), or None: the layer is transformers' own, or a kind attended as
+    transformers does (its history returned by `update`)."""
     if not _handed:
         return None
-    layer, handed = _handed.pop()
-    if handed is not keys:
-        raise BridgeError(f"layer {layer.index}: the model changes its keys between the cache "
-                          "and the attention function, which the kvcache attention cannot "
-                          "follow; run it with its own attention")
+    layer, k, v = _handed.pop()
+    if k is not keys or v is not values:  # DiffLlama splits its values, then attends twice
+        raise BridgeError(f"layer {layer.index}: the model changes its keys or values between "
+                          "the cache and the attention function, which the kvcache attention "
+                          "cannot follow; run it with its own attention")
     return layer
 
 
@@ -113,7 +113,8 @@ class BridgeLayer(CacheLayerMixin):
         self.cache = cache_class(self.spec).build(
             self.spec, shape, max_len=self.max_len, batch=B, device=key_states.device,
             dtype=key_states.dtype, whole=False)
-        if self.is_sliding:  # every position held; the kvcache attention keeps the band
+        if self.is_sliding and self.evicts:
+            # Every position its kind keeps, its own attention keeping the model's band too.
             self.cache = BandedCache(self.cache, [self.sliding_window])
         self.device = key_states.device
         self.is_initialized = True
@@ -122,8 +123,12 @@ class BridgeLayer(CacheLayerMixin):
     def attends_here(self) -> bool:
         """The model runs the kvcache attention and this kind attends its own way: `update`
         stores nothing, and `attend` does both."""
-        return (not self.spec.info.exact and self.config is not None
-                and self.config._attn_implementation == ATTENTION)
+        # A sliding layer held whole in an in-order kind attends as transformers does, the
+        # band its mask: kvcache's band (`BandedCache`) would take a quantised kind's
+        # full-precision first tokens (`:sN`) for attention sinks, seen past the band.
+        own = self.evicts or not (self.spec.info.exact or self.is_sliding)
+        return own and self.config is not None and \
+            self.config._attn_implementation == ATTENTION
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs
                ) -> tuple[Tensor, Tensor]:
@@ -134,7 +139,7 @@ class BridgeLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if self.attends_here:
-            _defer(self, key_states)
+            _defer(self, key_states, value_states)
             return key_states, value_states
         if self.evicts:
             raise BridgeError(f"cache {str(self.spec)!r} keeps keys out of position order, "
