@@ -47,9 +47,10 @@ def kvcache_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       dropout=dropout, scaling=scaling, is_causal=is_causal,
                                       **kwargs)
-    if dropout or is_causal is False:
-        raise BridgeError(f"layer {layer.index}: dropout or attention that sees ahead; "
-                          "kvcache's caches attend causally, at inference")
+    if dropout or not (getattr(module, "is_causal", True) if is_causal is None else is_causal):
+        raise BridgeError(f"layer {layer.index}: dropout, or attention that sees ahead (a "
+                          "decoder configured as an encoder); kvcache's caches attend "
+                          "causally, at inference")
     y = layer.attend(query, key, value, attention_mask, scaling)  # (B, nh, T, hs)
     return y.transpose(1, 2).contiguous(), None
 

@@ -58,6 +58,7 @@ def _defer(layer: BridgeLayer, keys: Tensor, values: Tensor) -> None:
                           "model does not attend through transformers' attention interface; "
                           "run it with its own attention (the quantised kinds then read a "
                           "dequantised copy)")
+    keys.kvcache_handed = True  # marked: a model that reads it again elsewhere is refused
     _handed.append((layer, keys, values))
 
 
@@ -66,6 +67,10 @@ def claim(keys: Tensor, values: Tensor) -> BridgeLayer | None:
     function's), or None: the layer is transformers' own, or a kind attended as
     transformers does (its history returned by `update`)."""
     if not _handed:
+        if getattr(keys, "kvcache_handed", False):  # Gemma 3n: later layers reuse its keys
+            raise BridgeError("a layer attends over keys another layer's cache handed on (keys "
+                              "shared across layers), which the kvcache attention stored as "
+                              "that layer's; run the model with its own attention")
         return None
     layer, k, v = _handed.pop()
     if k is not keys or v is not values:  # DiffLlama splits its values, then attends twice
