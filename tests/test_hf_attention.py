@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -221,3 +222,16 @@ def test_a_rollback_the_kind_cannot_make_is_refused_in_one_line():
     assert compressed.get_seq_length() == PROMPT
     with pytest.raises(RollbackError, match=re.escape("expected 20..20 (or 0)")):
         compressed.crop(-1)
+
+
+def test_the_api_pages_attention_example_runs_as_written(capsys):
+    page = (Path(__file__).resolve().parent.parent / "docs" / "python-api.md").read_text(
+        encoding="utf-8")
+    example = page.split("```python\n")[2].split("```", 1)[0]
+    exec(compile(example, "docs/python-api.md", "exec"), {})  # noqa: S102
+    lines = capsys.readouterr().out.splitlines()
+    # 48 tokens, 47 fed back; 16 slots x 2 layers x K and V x 2 KV heads x 16 x 4 bytes.
+    assert lines[0] == "torch.Size([1, 48]) 47 8192"
+    snap, codes = (int(x) for x in lines[1].split())
+    # SnapKV: 10 prompt keys kept + room for 8, each K, V and an int64 position per KV head.
+    assert snap == 18 * 2 * 2 * (2 * 16 * 4 + 8) < codes < 47 * 2 * 2 * 2 * 16 * 4

@@ -163,7 +163,7 @@ def _reference(model) -> tuple[torch.Tensor, list[torch.Tensor]]:
 
 
 @pytest.mark.parametrize("model_type", sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES))
-def test_every_kind_on_every_architecture(model_type, one_torch_thread):
+def test_every_kind_on_every_architecture(model_type, one_torch_thread, record_property):
     model, shape, tokens, want = _small_model(model_type)
     try:
         kv_cache(model, "concat")
@@ -198,8 +198,9 @@ def test_every_kind_on_every_architecture(model_type, one_torch_thread):
         assert all(torch.isfinite(x).all() for x in logits), text
         _assert_size_bytes(cache, shape, spec, tokens.size(1))
         quantised[spec] = logits
-    _under_the_kvcache_attention(model, shape, tokens, quantised,
-                                 NOISIER.get(model_type, TOLERANCE))
+    refused = _under_the_kvcache_attention(model, shape, tokens, quantised,
+                                           NOISIER.get(model_type, TOLERANCE))
+    record_property("kvcache_attention", refused or "served")  # for the docs' counts
 
 
 def _assert_size_bytes(cache, shape, spec, tokens: int) -> None:
@@ -218,16 +219,17 @@ def _assert_size_bytes(cache, shape, spec, tokens: int) -> None:
 
 
 def _under_the_kvcache_attention(model, shape, tokens, quantised: dict, tolerance: float
-                                 ) -> None:
+                                 ) -> str | None:
     """The quantised kinds' logits again under the kvcache attention, and the kinds that
-    evict or compress: run, and hold `size`'s bytes; or the model refused in one line."""
+    evict or compress: run, and hold `size`'s bytes; or the model refused in one line (the
+    refusal returned)."""
     model.set_attn_implementation(ATTENTION)
     for spec, want in quantised.items():
         try:
             got = _run(model, kv_cache(model, spec, sliding="full"), tokens)
         except BridgeError as error:
             assert "\n" not in str(error) and re.search(ATTENTION_REFUSED, str(error)), error
-            return
+            return str(error)
         for step, (g, w) in enumerate(zip(got, want, strict=True)):
             assert (g - w).abs().max() <= tolerance * w.abs().max(), (str(spec), step)
     for text in EVICTING:
@@ -237,9 +239,10 @@ def _under_the_kvcache_attention(model, shape, tokens, quantised: dict, toleranc
             logits = _run(model, cache, tokens)
         except BridgeError as error:
             assert "\n" not in str(error) and re.search(ATTENTION_REFUSED, str(error)), error
-            return
+            return str(error)
         assert all(torch.isfinite(x).all() for x in logits), text
         _assert_size_bytes(cache, shape, spec, tokens.size(1))
+    return None
 
 
 def _page_example() -> str:
@@ -280,7 +283,7 @@ def test_assisted_generation_crops_the_bridge(one_torch_thread):
 
 def test_a_refusal_is_one_line_naming_what(one_torch_thread):
     model = _tiny_llama()
-    with pytest.raises(BridgeError, match=r"^cache 'paged-int8': the bridge holds static, "):
+    with pytest.raises(BridgeError, match=r"^cache 'paged-int8:b16': the bridge holds static, "):
         kv_cache(model, "paged-int8")
     with pytest.raises(BridgeError, match=r"'static' allocates max_len positions"):
         kv_cache(model, "static")

@@ -24,6 +24,7 @@ transformers model.
 from __future__ import annotations
 
 import math
+import threading
 
 import torch
 from torch import Tensor
@@ -45,34 +46,40 @@ class BridgeError(ValueError):
 
 
 # The layer whose `update` handed its keys and values on to the attention function, and
-# those tensors: the attention function claims them by identity (`claim`). A model runs one layer's
-# update and attention back to back, so one slot serves every cache.
-_handed: list = []
+# those tensors: the attention function claims them by identity (`claim`). A model runs
+# one layer's update and attention back to back, so one slot a thread serves every cache.
+_local = threading.local()
+
+
+def _handed() -> list:
+    return _local.__dict__.setdefault("handed", [])
 
 
 def _defer(layer: BridgeLayer, keys: Tensor, values: Tensor) -> None:
-    if _handed:
-        index = _handed[0][0].index
-        _handed.clear()
+    handed = _handed()
+    if handed:
+        index = handed[0][0].index
+        handed.clear()
         raise BridgeError(f"layer {index}'s keys never reached the kvcache attention: this "
                           "model does not attend through transformers' attention interface; "
                           "run it with its own attention (the quantised kinds then read a "
                           "dequantised copy)")
     keys.kvcache_handed = True  # marked: a model that reads it again elsewhere is refused
-    _handed.append((layer, keys, values))
+    handed.append((layer, keys, values))
 
 
 def claim(keys: Tensor, values: Tensor) -> BridgeLayer | None:
     """The bridge layer whose `update` handed on `keys` and `values` (the attention
     function's), or None: the layer is transformers' own, or a kind attended as
     transformers does (its history returned by `update`)."""
-    if not _handed:
+    handed = _handed()
+    if not handed:
         if getattr(keys, "kvcache_handed", False):  # Gemma 3n: later layers reuse its keys
             raise BridgeError("a layer attends over keys another layer's cache handed on (keys "
                               "shared across layers), which the kvcache attention stored as "
                               "that layer's; run the model with its own attention")
         return None
-    layer, k, v = _handed.pop()
+    layer, k, v = handed.pop()
     if k is not keys or v is not values:  # DiffLlama splits its values, then attends twice
         raise BridgeError(f"layer {layer.index}: the model changes its keys or values between "
                           "the cache and the attention function, which the kvcache attention "
@@ -85,8 +92,9 @@ class BridgeLayer(CacheLayerMixin):
     from its keys' shape, dtype and device (a layer may have heads of its own width).
 
     `sliding_window`: the layer is one of the model's sliding layers, held whole here (every
-    position kept, the model's mask applying its band): `is_sliding` tells transformers to
-    build that layer's mask with the window.
+    position kept, or the evicting kind's budget; the model's mask, or for an evicting kind
+    the kvcache attention, applying its band): `is_sliding` tells transformers to build
+    that layer's mask with the window.
     """
 
     is_compileable = False
