@@ -215,7 +215,10 @@ def test_a_rollback_the_kind_cannot_make_is_refused_in_one_line():
         ring.crop(-6)
     assert "\n" not in str(error.value)
     heavy = kv_cache(hf, "h2o:3+5")
-    assert not heavy.is_compileable and not heavy.layers[0].is_croppable
+    _hf_logits(hf, heavy, _tokens())
+    assert not heavy.layers[0].is_croppable
+    with pytest.raises(RollbackError, match=r"h2o:3\+5 cannot crop from 26 to 25 positions"):
+        heavy.crop(-1)
     compressed = kv_cache(hf, "knorm:8", max_len=PROMPT + STEPS)
     _hf_logits(hf, compressed, _tokens())
     compressed.crop(-STEPS)  # back to the compressed prompt: the appended tokens go
