@@ -9,7 +9,12 @@ allows), with random weights:
   4 decode steps, with the model's sliding layers in transformers' window and in the
   spec's kind under the model's band;
 - every quantised kind runs, and each of its layers holds the bytes `size` predicts
-  (`caches.spec.layer_bytes`, at the widths `sizing` reads from the config);
+  (`caches.spec.layer_bytes`, at the widths `sizing` reads from the config); under the
+  kvcache attention (`hf.attention`: the codes read by the kernel) it gives the logits it
+  gives under SDPA over its dequantised history;
+- every kind that evicts or compresses runs under the kvcache attention and holds the bytes
+  `size` predicts, or the model is refused in one line for what that attention does not
+  compute (a logit cap, learned sinks, keys changed after the cache);
 - an architecture the bridge cannot serve (latent attention, linear attention and
   state-space layers, indexer layers) is refused in one line naming it.
 
@@ -36,7 +41,8 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from kvcache_cli.caches import CacheSpecError, parse_cache_spec  # noqa: E402
 from kvcache_cli.caches.base import RollbackError  # noqa: E402
 from kvcache_cli.caches.spec import check_spec, layer_bytes  # noqa: E402
-from kvcache_cli.hf import BridgeCache, BridgeError, BridgeLayer, kv_cache  # noqa: E402
+from kvcache_cli.caches.spec_bounded import POSITION_BYTES  # noqa: E402
+from kvcache_cli.hf import ATTENTION, BridgeCache, BridgeError, BridgeLayer, kv_cache  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 TOLERANCE = 1e-4  # float32 logits two ways, relative to the largest (as test_llama)
@@ -55,6 +61,16 @@ WINDOW_BY_CACHE = {"moshi"}
 # head width of the model (42 wide in glm4_moe's defaults); a residual short enough that the
 # prompt leaves it.
 QUANTISED = ("int8:g{G}", "int4:g{G}:kchan:r2", "int2:g{G}:ktok:r2:s1", "fp8-e4m3:head:calib")
+# One of each kind that evicts or compresses, each budget past by the prompt.
+EVICTING = ("window:4", "sink:1+3", "h2o:2+2", "snapkv:4:w2", "knorm:4", "recent:4")
+# The two attentions' float32 rounding (1e-6 of the largest logit elsewhere) grows in Gemma
+# 3n to 3e-4 at one of its steps (int8, groups of 8; 0 where nothing is quantised).
+NOISIER = {"gemma3n_text": 1e-3}
+# What a model may be refused under the kvcache attention, each in one line.
+ATTENTION_REFUSED = (r"which the kvcache attention does not compute|changes its keys or values|"
+                     r"never reached the kvcache attention|a mask beyond the causal order|"
+                     r"keeps keys out of position order|attention that sees ahead|"
+                     r"keys another layer's cache handed on")
 
 
 def _narrowed(small: dict) -> dict:
@@ -147,7 +163,7 @@ def _reference(model) -> tuple[torch.Tensor, list[torch.Tensor]]:
 
 
 @pytest.mark.parametrize("model_type", sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES))
-def test_every_kind_on_every_architecture(model_type, one_torch_thread):
+def test_every_kind_on_every_architecture(model_type, one_torch_thread, record_property):
     model, shape, tokens, want = _small_model(model_type)
     try:
         kv_cache(model, "concat")
@@ -169,6 +185,7 @@ def test_every_kind_on_every_architecture(model_type, one_torch_thread):
 
     widths = {shape.layer_shape(i).head_dim for i in range(shape.layers)}
     group = next(g for g in (8, 4, 2) if all(w % g == 0 for w in widths))
+    quantised = {}
     for text in QUANTISED:
         spec = parse_cache_spec(text.format(G=group))
         try:
@@ -179,11 +196,53 @@ def test_every_kind_on_every_architecture(model_type, one_torch_thread):
         cache = kv_cache(model, spec, sliding="full")
         logits = _run(model, cache, tokens)
         assert all(torch.isfinite(x).all() for x in logits), text
-        for index, layer in enumerate(cache.layers):
-            if isinstance(layer, BridgeLayer):
-                own = shape.layer_shape(index)
-                assert layer.bytes_held == layer_bytes(
-                    spec, tokens.size(1), own.kv_heads, own.head_dim, 4), (text, index)
+        _assert_size_bytes(cache, shape, spec, tokens.size(1))
+        quantised[spec] = logits
+    refused = _under_the_kvcache_attention(model, shape, tokens, quantised,
+                                           NOISIER.get(model_type, TOLERANCE))
+    record_property("kvcache_attention", refused or "served")  # for the docs' counts
+
+
+def _assert_size_bytes(cache, shape, spec, tokens: int) -> None:
+    """Each bridge layer holds what `size` predicts for its kind after `tokens` tokens (a
+    compressed prompt: PROMPT tokens compressed, then room for every later one)."""
+    for index, layer in enumerate(cache.layers):
+        if isinstance(layer, BridgeLayer):
+            own = shape.layer_shape(index)
+            kv, width = own.kv_heads, own.head_dim
+            if spec.info.compresses:
+                want = (layer_bytes(spec, PROMPT, kv, width, 4)
+                        + (tokens - PROMPT) * kv * (2 * width * 4 + POSITION_BYTES))
+            else:
+                want = layer_bytes(spec, tokens, kv, width, 4)
+            assert layer.bytes_held == want, (str(spec), index)
+
+
+def _under_the_kvcache_attention(model, shape, tokens, quantised: dict, tolerance: float
+                                 ) -> str | None:
+    """The quantised kinds' logits again under the kvcache attention, and the kinds that
+    evict or compress: run, and hold `size`'s bytes; or the model refused in one line (the
+    refusal returned)."""
+    model.set_attn_implementation(ATTENTION)
+    for spec, want in quantised.items():
+        try:
+            got = _run(model, kv_cache(model, spec, sliding="full"), tokens)
+        except BridgeError as error:
+            assert "\n" not in str(error) and re.search(ATTENTION_REFUSED, str(error)), error
+            return str(error)
+        for step, (g, w) in enumerate(zip(got, want, strict=True)):
+            assert (g - w).abs().max() <= tolerance * w.abs().max(), (str(spec), step)
+    for text in EVICTING:
+        spec = parse_cache_spec(text)
+        cache = kv_cache(model, spec, max_len=tokens.size(1))
+        try:
+            logits = _run(model, cache, tokens)
+        except BridgeError as error:
+            assert "\n" not in str(error) and re.search(ATTENTION_REFUSED, str(error)), error
+            return str(error)
+        assert all(torch.isfinite(x).all() for x in logits), text
+        _assert_size_bytes(cache, shape, spec, tokens.size(1))
+    return None
 
 
 def _page_example() -> str:
@@ -224,8 +283,8 @@ def test_assisted_generation_crops_the_bridge(one_torch_thread):
 
 def test_a_refusal_is_one_line_naming_what(one_torch_thread):
     model = _tiny_llama()
-    with pytest.raises(BridgeError, match=r"^cache 'window:4': the bridge holds static, "):
-        kv_cache(model, "window:4")
+    with pytest.raises(BridgeError, match=r"^cache 'paged-int8:b16': the bridge holds static, "):
+        kv_cache(model, "paged-int8")
     with pytest.raises(BridgeError, match=r"'static' allocates max_len positions"):
         kv_cache(model, "static")
     with pytest.raises(BridgeError, match=r"sliding='ring': expected one of model, full"):

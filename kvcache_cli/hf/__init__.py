@@ -5,6 +5,14 @@
     model.generate(input_ids, cache=cache, max_new_tokens=64)
     cache.bytes_held, cache.bytes_by_kind()            # total, and {'full': .., 'sliding': ..}
 
+    model.set_attn_implementation("kvcache")           # each kind attends its own way:
+    model.generate(input_ids, cache=kv_cache(model, "window:64"), max_new_tokens=64)
+
+Importing this package registers the "kvcache" attention with transformers (`attention`):
+under it a quantised kind reads its codes through kvcache's C++ kernel instead of a
+dequantised copy, and the kinds that evict (window, sink, h2o) or compress the prompt once
+(snapkv, knorm, recent) mask by their keys' positions; they refuse to run under another.
+
 The cache is built from the model's own layer types, as transformers' `DynamicCache` reads
 them (`get_layer_types_and_kwargs`): the spec's kind on every full-attention layer, and on
 a sliding (or chunked) layer transformers' own window (`sliding="model"`, exact, window - 1
@@ -22,17 +30,20 @@ from transformers.cache_utils import (
 )
 
 from kvcache_cli.caches import SLIDING_CHOICES, CacheSpec, CacheSpecError, parse_cache_spec
-from kvcache_cli.hf.layers import BridgeCache, BridgeError, BridgeLayer
+from kvcache_cli.hf.attention import kvcache_attention
+from kvcache_cli.hf.layers import ATTENTION, BridgeCache, BridgeError, BridgeLayer
 
-__all__ = ["kv_cache", "BridgeCache", "BridgeLayer", "BridgeError", "CacheSpecError",
-           "BRIDGE_KINDS", "SLIDING_CHOICES"]
+__all__ = ["kv_cache", "kvcache_attention", "ATTENTION", "BridgeCache", "BridgeLayer",
+           "BridgeError", "CacheSpecError", "BRIDGE_KINDS", "SLIDING_CHOICES"]
 
-# The kinds whose `update` returns every position in order, the layout transformers masks:
-# the exact ones and the quantised ones (their history dequantised). The rest evict or
-# reorder keys and wait for masks built from their key positions.
-BRIDGE_KINDS = ("static", "concat", "paged", "int8", "int4", "int2", "fp8-e4m3", "fp8-e5m2")
-# Kinds that allocate max_len positions up front: a model's whole context would be too many.
-_ALLOCATES = ("static", "paged")
+# The kinds a transformers model can hold: those whose `update` returns every position in
+# order (the exact ones; the half-precision and quantised ones, their history widened or
+# dequantised), and those that evict or compress, which run under the kvcache attention.
+BRIDGE_KINDS = ("static", "concat", "paged", "fp16", "bf16", "int8", "int4", "int2",
+                "fp8-e4m3", "fp8-e5m2", "window", "sink", "h2o", "snapkv", "knorm", "recent")
+# Kinds that allocate max_len positions up front (a compressed prompt: room for every later
+# token): a model's whole context would be too many.
+_ALLOCATES = ("static", "paged", "fp16", "bf16", "snapkv", "knorm", "recent")
 # transformers' layer types the bridge builds, and the layer kind bytes are reported under.
 _KIND = {"full_attention": "full", "sliding_attention": "sliding",
          "chunked_attention": "sliding", "dummy": "none"}
@@ -49,16 +60,18 @@ def kv_cache(model, spec: str | CacheSpec = "concat", *, max_len: int | None = N
     sliding layer in transformers' own window (exact), `"full"` puts the spec's kind there
     too. Raises CacheSpecError for a malformed spec and BridgeError for a kind or a model
     the bridge cannot serve (linear attention, state-space or indexer layers, latent
-    attention), each one line.
+    attention), each one line. The kinds that evict or compress run only under the kvcache
+    attention (`model.set_attn_implementation("kvcache")`), the quantised ones read their
+    codes in place under it.
     """
     if sliding not in SLIDING_CHOICES:
         raise BridgeError(f"sliding={sliding!r}: expected one of {', '.join(SLIDING_CHOICES)}")
     if isinstance(spec, str):
         spec = parse_cache_spec(spec)
     if spec.kind not in BRIDGE_KINDS:
-        raise BridgeError(f"cache {str(spec)!r}: the bridge holds {', '.join(BRIDGE_KINDS)} so "
-                          "far; a kind that evicts or reorders keys needs masks by key "
-                          "position, not built yet")
+        raise BridgeError(f"cache {str(spec)!r}: the bridge holds {', '.join(BRIDGE_KINDS)}; "
+                          "serve's block pools and the peers are not transformers cache layers")
+    _refuse_across_layers(spec)
     if spec.kind in _ALLOCATES and max_len is None:
         raise BridgeError(f"cache {str(spec)!r} allocates max_len positions up front: pass "
                           "max_len (prompt + new tokens)")
@@ -89,5 +102,21 @@ def kv_cache(model, spec: str | CacheSpec = "concat", *, max_len: int | None = N
         elif window is not None and sliding == "model":
             layers.append(DynamicSlidingWindowLayer(sliding_window=window))
         else:
-            layers.append(BridgeLayer(spec, max_len, window))
+            layers.append(BridgeLayer(spec, max_len, window, config=config,
+                                      index=len(layers)))
     return BridgeCache(layers, tuple(_KIND[t] for t in types), spec)
+
+
+def _refuse_across_layers(spec: CacheSpec) -> None:
+    """Refuse (one line) what a cache of one layer cannot do: the bridge builds one per
+    layer, each from the keys transformers rotated before the cache."""
+    params = dict(spec.params)
+    if params.get("positions") == "rerotate":
+        raise BridgeError(f"cache {str(spec)!r}: rerotate turns kept keys to new positions "
+                          "with the model's rotary embedding, which transformers applies "
+                          "inside each model's attention (its layout, partial rotation and "
+                          "scaling), out of a cache's reach: drop :rerotate (text positions)")
+    if params.get("layers") == "pyramid":
+        raise BridgeError(f"cache {str(spec)!r}: pyramid shares one budget across the "
+                          "layers by depth; the bridge builds each layer's cache alone: "
+                          "drop :pyramid (the same budget in every layer)")
