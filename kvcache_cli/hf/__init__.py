@@ -8,7 +8,7 @@
     model.set_attn_implementation("kvcache")           # each kind attends its own way:
     model.generate(input_ids, cache=kv_cache(model, "window:64"), max_new_tokens=64)
 
-Importing this package registers the "kvcache" attention with transformers (`attention`):
+Using the bridge registers the "kvcache" attention with transformers (`attention`):
 under it a quantised kind reads its codes through kvcache's C++ kernel instead of a
 dequantised copy, and the kinds that evict (window, sink, h2o) or compress the prompt once
 (snapkv, knorm, recent) mask by their keys' positions; they refuse to run under another.
@@ -17,106 +17,20 @@ The cache is built from the model's own layer types, as transformers' `DynamicCa
 them (`get_layer_types_and_kwargs`): the spec's kind on every full-attention layer, and on
 a sliding (or chunked) layer transformers' own window (`sliding="model"`, exact, window - 1
 tokens between steps) or the spec's kind holding every position under the model's band
-(`sliding="full"`). Importing this package loads torch and transformers; `import kvcache_cli`
-does not.
+(`sliding="full"`). The names load torch and transformers on first use (from `bridge`),
+so `kvcache_cli.hf.load.read_hf_config` reads a model's config without them.
 """
 
 from __future__ import annotations
 
-from transformers.cache_utils import (
-    DYNAMIC_LAYER_TYPE_MAPPING,
-    DynamicSlidingWindowLayer,
-    get_layer_types_and_kwargs,
-)
-
-from kvcache_cli.caches import SLIDING_CHOICES, CacheSpec, CacheSpecError, parse_cache_spec
-from kvcache_cli.hf.attention import kvcache_attention
-from kvcache_cli.hf.layers import ATTENTION, BridgeCache, BridgeError, BridgeLayer
+import importlib
 
 __all__ = ["kv_cache", "kvcache_attention", "ATTENTION", "BridgeCache", "BridgeLayer",
            "BridgeError", "CacheSpecError", "BRIDGE_KINDS", "SLIDING_CHOICES"]
 
-# The kinds a transformers model can hold: those whose `update` returns every position in
-# order (the exact ones; the half-precision and quantised ones, their history widened or
-# dequantised), and those that evict or compress, which run under the kvcache attention.
-BRIDGE_KINDS = ("static", "concat", "paged", "fp16", "bf16", "int8", "int4", "int2",
-                "fp8-e4m3", "fp8-e5m2", "window", "sink", "h2o", "snapkv", "knorm", "recent")
-# Kinds that allocate max_len positions up front (a compressed prompt: room for every later
-# token): a model's whole context would be too many.
-_ALLOCATES = ("static", "paged", "fp16", "bf16", "snapkv", "knorm", "recent")
-# transformers' layer types the bridge builds, and the layer kind bytes are reported under.
-_KIND = {"full_attention": "full", "sliding_attention": "sliding",
-         "chunked_attention": "sliding", "dummy": "none"}
 
-
-def kv_cache(model, spec: str | CacheSpec = "concat", *, max_len: int | None = None,
-             sliding: str = "model") -> BridgeCache:
-    """A transformers `Cache` for `model` (a loaded transformers model, or its config) whose
-    attention layers hold keys and values in kvcache's kind `spec` (`"int8"`,
-    `"int4:g32:kchan:r128"`, `"fp8:head"`, ...; the grammar of `kvcache caches`).
-
-    max_len: the most positions the cache will hold; required by `static` and `paged`,
-    which allocate them up front, else the model's context. sliding: `"model"` keeps each
-    sliding layer in transformers' own window (exact), `"full"` puts the spec's kind there
-    too. Raises CacheSpecError for a malformed spec and BridgeError for a kind or a model
-    the bridge cannot serve (linear attention, state-space or indexer layers, latent
-    attention), each one line. The kinds that evict or compress run only under the kvcache
-    attention (`model.set_attn_implementation("kvcache")`), the quantised ones read their
-    codes in place under it.
-    """
-    if sliding not in SLIDING_CHOICES:
-        raise BridgeError(f"sliding={sliding!r}: expected one of {', '.join(SLIDING_CHOICES)}")
-    if isinstance(spec, str):
-        spec = parse_cache_spec(spec)
-    if spec.kind not in BRIDGE_KINDS:
-        raise BridgeError(f"cache {str(spec)!r}: the bridge holds {', '.join(BRIDGE_KINDS)}; "
-                          "serve's block pools and the peers are not transformers cache layers")
-    _refuse_across_layers(spec)
-    if spec.kind in _ALLOCATES and max_len is None:
-        raise BridgeError(f"cache {str(spec)!r} allocates max_len positions up front: pass "
-                          "max_len (prompt + new tokens)")
-    config = getattr(model, "config", model).get_text_config(decoder=True)
-    name = getattr(config, "model_type", None) or type(config).__name__
-    if getattr(config, "kv_lora_rank", None) is not None:
-        raise BridgeError(f"{name}: multi-head latent attention (its latent, or its "
-                          "decompressed keys wider than its values); the bridge holds "
-                          "full and sliding attention layers only")
-    # Read head_dim only beside v_head_dim: Gemma 4's config refuses a per-layer field read whole.
-    values = getattr(config, "v_head_dim", None)
-    keys = getattr(config, "head_dim", None) if values is not None else None
-    if None not in (keys, values) and keys != values:  # MiMo-V2-Flash: 192 and 128
-        raise BridgeError(f"{name}: keys {keys} wide and values {values} wide; kvcache's "
-                          "caches hold keys and values of one width")
-    types, per_layer = get_layer_types_and_kwargs(config)
-    other = sorted(set(types) - set(_KIND))
-    if other:
-        raise BridgeError(f"{name}: {', '.join(other)} layers; the bridge holds full and "
-                          "sliding attention layers only")
-    if max_len is None:
-        max_len = getattr(config, "max_position_embeddings", None) or 1 << 20
-    layers = []
-    for kind, kwargs in zip(types, per_layer, strict=True):
-        window = kwargs.get("sliding_window")
-        if kind == "dummy":  # a layer that reads another's cache, or has no attention
-            layers.append(DYNAMIC_LAYER_TYPE_MAPPING["dummy"]())
-        elif window is not None and sliding == "model":
-            layers.append(DynamicSlidingWindowLayer(sliding_window=window))
-        else:
-            layers.append(BridgeLayer(spec, max_len, window, config=config,
-                                      index=len(layers)))
-    return BridgeCache(layers, tuple(_KIND[t] for t in types), spec)
-
-
-def _refuse_across_layers(spec: CacheSpec) -> None:
-    """Refuse (one line) what a cache of one layer cannot do: the bridge builds one per
-    layer, each from the keys transformers rotated before the cache."""
-    params = dict(spec.params)
-    if params.get("positions") == "rerotate":
-        raise BridgeError(f"cache {str(spec)!r}: rerotate turns kept keys to new positions "
-                          "with the model's rotary embedding, which transformers applies "
-                          "inside each model's attention (its layout, partial rotation and "
-                          "scaling), out of a cache's reach: drop :rerotate (text positions)")
-    if params.get("layers") == "pyramid":
-        raise BridgeError(f"cache {str(spec)!r}: pyramid shares one budget across the "
-                          "layers by depth; the bridge builds each layer's cache alone: "
-                          "drop :pyramid (the same budget in every layer)")
+def __getattr__(name: str):
+    """Each public name from `hf.bridge` on first use: importing the package stays light."""
+    if name not in __all__:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module("kvcache_cli.hf.bridge"), name)
