@@ -216,3 +216,28 @@ def test_llama_is_all_full_and_a_kind_the_caches_do_not_build_is_one_line():
     assert layer_types_from_hf(LlamaConfig(num_hidden_layers=3).to_dict()) == (FULL,) * 3
     with pytest.raises(ConfigError, match="chunked layers; the caches build full and sliding"):
         layer_types_from_hf(Llama4TextConfig(num_hidden_layers=4).to_dict())
+
+
+def test_a_quantised_kinds_full_precision_sinks_stay_outside_a_sliding_layers_band():
+    # `int8:s4` keeps its first 4 positions unquantised; they are not attention sinks, so
+    # under sliding="full" a sliding layer's band still hides them: with every layer sliding,
+    # the last position's logits cannot depend on a token older than the layers' reach.
+    m = model((SLIDING,) * 4)
+    n = 4 * (W - 1) + 8  # past what 4 layers of window W reach back from the last position
+    ids = torch.randint(0, 50, (1, n), generator=torch.Generator().manual_seed(1))
+    changed = ids.clone()
+    changed[0, 0] = (ids[0, 0] + 1) % 50
+    with torch.no_grad():
+        last = [m(x, 0, make_cache("int8:g16:s4", m, n, sliding="full"))[0, -1]
+                for x in (ids, changed)]
+    torch.testing.assert_close(last[0], last[1], rtol=0, atol=0)
+
+
+def test_h2o_on_sliding_layers_held_whole_ranks_keys_by_the_banded_attention():
+    # Under sliding="full" the band is applied around the kind, so H2O must still be shown
+    # the weights it ranks keys by: without them every score stays 0 and it evicts blindly.
+    m = model((SLIDING,) * 4)
+    cache = make_cache("h2o:12+4", m, 40, sliding="full")
+    prefill(m, cache, 24)
+    inner = cache.inner if isinstance(cache, BandedCache) else cache.caches[0].inner
+    assert inner.score.sum() > 0

@@ -155,5 +155,15 @@ class BandedCache(ForwardingCache):
             # Key j is position j; slots past this step's last position are not written.
             held = torch.arange(keys.size(2), device=keys.device)  # (S,)
             held = held.masked_fill(held > step.pos.max(), -1)
-        window = band if self.inner.window is None else min(band, self.inner.window)
-        return step.by_position(q, keys, values, held, window, self.inner.sinks)
+        if self.inner.window is None:
+            # No window of its own, so no attention sinks: a quantised kind's `sinks` are
+            # positions it keeps unquantised, which the band still hides.
+            window, sinks = band, 0
+        else:
+            window, sinks = min(band, self.inner.window), self.inner.sinks
+        if not self.inner.wants_attention:
+            return step.by_position(q, keys, values, held, window, sinks)
+        # A kind that ranks keys by the attention they draw (H2O) sees the banded weights.
+        y, weights = step.weighted(q, keys, values, step.visible(held, window, sinks))
+        self.inner.observe(layer, weights)
+        return y
