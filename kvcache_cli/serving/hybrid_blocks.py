@@ -199,10 +199,12 @@ class HybridBlockManager(BlockManager):
     # -- letting go
 
     def free(self, seq: Sequence) -> None:
-        for table in seq.group_tables:
-            for block in reversed(table):  # the tail first: the prefix stays longest
-                if block != NULL:
-                    self._drop(block)
+        # The tail first, every group's block at a position before the one before it: the
+        # prefix, and a window kept at a checkpoint, stay on the free list longest.
+        for i in reversed(range(len(seq.block_table))):
+            for table in seq.group_tables:
+                if table[i] != NULL:
+                    self._drop(table[i])
         seq.group_tables, seq.block_table, seq.num_cached = [], [], 0
 
     def trim(self, seq: Sequence, n_tokens: int) -> None:
