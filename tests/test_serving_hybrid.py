@@ -121,6 +121,8 @@ def test_paged_gives_every_request_its_solo_tokens(model, policy, sharing):
     # The 20-token prefix is 5 full blocks; every request after the first hits them.
     assert result.prefix_blocks_hit == (5 * (SPEC.requests - 1) if sharing else 0)
     assert result.hybrid.groups == {"sliding": 2, "full": 1}
+    # A token takes a page in each of the 3 groups.
+    assert result.pool_tokens == ROOMY // page_bytes(model) * BS // 3
 
 
 @pytest.mark.parametrize("keep", [0, BS])
@@ -253,3 +255,25 @@ def test_keep_windows_on_a_model_without_sliding_layers_is_refused(checkpoint):
 
 
 checkpoint = servingkit.checkpoint  # the fixture, found by its name in this module
+
+
+# ---------------------------------------------------------------------------- the real file
+
+
+def test_gemma3_270m_serves_prompts_past_its_window_as_each_alone():
+    """The real file (`-m gemma3`; skips without its package): 3 requests sharing 560
+    tokens, past the 512-token window, each reply equal to its solo greedy tokens, the
+    later two hitting the prefix's 35 full blocks (their window still cached)."""
+    import gemmakit
+
+    from kvcache_cli.models import load_model
+
+    gemmakit.gemma3_or_skip()
+    model = load_model("gemma3").model
+    spec = WorkloadSpec(3, (50, 100), (4, 4), 560, None, 0)
+    variants = serving_plan.variants(["paged"], ["decode-first"], [256], [0, 512])
+    result = E.run_serve(model, spec, variants, 256 << 20)
+    for e in result.engines:
+        assert e.mismatches == () and e.requests_exact == 3, e.engine
+        assert e.prefix_blocks_hit == 2 * 35 and e.hybrid.window_misses == 0
+        assert e.hybrid.groups == {"sliding": 5, "full": 1}

@@ -88,10 +88,20 @@ def _run_sequential(model: FamilyModel, requests, rec: Recorder) -> None:
             tokens.append(token)
             rec.token(r.id, rec.now())
             rec.sample(1, rec.arrived - len(rec.finish) - 1, cache.bytes_held,
-                       cache.length * per_token)
+                       _real_bytes(model, cache.length, per_token))
             if r.finished(tokens):  # a stop token: the reply is over
                 break
         rec.done(r.id, rec.now())
+
+
+def _real_bytes(model: FamilyModel, length: int, per_token: int) -> int:
+    """The bytes of `length` tokens' K and V a solo cache holds: on a hybrid model a
+    sliding layer's ring holds at most its window of them."""
+    shape = model.config.cache_shape
+    if not shape.hybrid:
+        return length * per_token
+    per_layer = per_token // shape.n_layer
+    return sum(min(length, t.window or length) for t in shape.layer_types) * per_layer
 
 
 def _solo_cache(model: FamilyModel, max_len: int):
@@ -359,7 +369,9 @@ def _prepare(variant: Variant, model: FamilyModel, spec: WorkloadSpec, plan: Pla
                         shared_hit_rate=shared_hit_rate(state.seqs, spec.shared_prefix,
                                                         block_size),
                         preemptions=state.scheduler.preemptions,
-                        pool_tokens=plan.n_blocks * block_size,
+                        # a token takes a page in every group of a hybrid pool
+                        pool_tokens=plan.n_blocks * block_size // (
+                            len(cache.groups) if isinstance(cache, HybridPool) else 1),
                         steps=_step_stats(state.steps, state.times, variant.token_budget))
 
         return run_paged
