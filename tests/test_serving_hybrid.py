@@ -100,6 +100,32 @@ def test_a_sliding_group_gives_back_the_blocks_before_its_window():
     assert [i for i, b in enumerate(seq.group_tables[0]) if b == NULL] == [0, 1, 4]
 
 
+def test_a_hit_needs_the_full_groups_prefix_but_only_the_window_before_its_end():
+    groups = (Group(W, (0,)), Group(None, (1,)))
+    blocks = HybridBlockManager(40, BS, groups)
+    a = servingkit.seq(range(36))
+    blocks.allocate(a)  # pages 0 .. 8 sliding, 9 .. 17 full; every block entered
+    a.num_cached = 36
+    blocks.before_compute(a)  # sliding blocks 0 .. 6 given back, their hashes kept
+    taken = [blocks._take() for _ in range(22 + 6)]  # never-used pages, then blocks 0 .. 5
+    assert taken[-6:] == list(range(6))
+    blocks.release(taken[0]), blocks.release(taken[1])  # two pages behind block 6, for b
+    b = servingkit.seq([*range(32), 500, 501, 502, 503], rid=1)
+    blocks.allocate(b)  # the window before 32 is blocks 6, 7: still cached
+    assert b.admitted_hits == 8 and blocks.window_misses == 0
+    assert b.group_tables[0][:8] == [NULL] * 6 + [6, 7]
+    blocks.free(b)
+    # b gave back its 2 new pages, then block 6 (a holds 7 on): take them in that order,
+    # and no window is cached before 32, nor before any earlier block.
+    assert [blocks._take() for _ in range(3)][-1] == 6
+    for page in taken[2:20]:  # room for c's 9 blocks in each group
+        blocks.release(page)
+    c = servingkit.seq([*range(32), 600, 601, 602, 603], rid=2)
+    blocks.allocate(c)
+    assert c.admitted_hits == 0
+    assert (blocks.window_misses, blocks.recomputed_tokens) == (1, 32)
+
+
 # ---------------------------------------------------------------------------- exactness
 
 

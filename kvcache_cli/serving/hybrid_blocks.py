@@ -106,12 +106,11 @@ class HybridBlockManager(BlockManager):
         for group, found in zip(self.groups, cached):
             if group.window is None:
                 full = next((i for i, b in enumerate(found[:full]) if b is None), full)
-        hit = full
-        for group, found in zip(self.groups, cached):
-            if group.window is not None:
-                span = self._span(group.window)
-                hit = next(h for h in range(hit, -1, -1)
-                           if all(b is not None for b in found[max(0, h - span) : h]))
+        # The longest hit no longer than the full groups' at which every sliding group still
+        # has the window before it (0 always qualifies).
+        hit = next(h for h in range(full, -1, -1) if all(
+            all(b is not None for b in found[max(0, h - self._span(group.window)) : h])
+            for group, found in zip(self.groups, cached) if group.window is not None))
         if not any(g.window is None for g in self.groups):
             full = hit  # no layer holds more than its window: nothing is recomputed for one
         return _Hit(hit, full, cached)
