@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from kvcache_cli.caches.base import KVCache, RollbackError, nbytes
-from kvcache_cli.caches.step import Step, attend_in_order
+from kvcache_cli.caches.step import Step, attend_in_order, sdpa
 
 
 def block_bytes(shape, block_size: int, dtype: torch.dtype) -> int:
@@ -70,15 +70,15 @@ class PagedCache(KVCache):
                ) -> tuple[Tensor, Tensor]:
         B, nkv, T, hs = k.shape
         table = self.block_tables
-        if table is None or table.size(0) != B:
+        if table is None or table.size(-2) != B:
             raise ValueError(f"bind a block table per row first ({B} rows)")
         start = start_pos if isinstance(start_pos, Tensor) else torch.full(
             (B,), start_pos, device=k.device)  # (B,)
         positions = start[:, None] + torch.arange(T, device=k.device)  # (B, T)
-        blocks = table.gather(1, positions // self.block_size)  # (B, T)
+        blocks = self.locate(torch.arange(B, device=k.device)[:, None], positions)  # (B, T)
         slots = positions % self.block_size  # (B, T)
         self.write(layer, blocks, slots, k.transpose(0, 1), v.transpose(0, 1))
-        n = table.size(1) * self.block_size
+        n = table.size(-1) * self.block_size
         keys, values = self.gather(layer)
         if isinstance(start_pos, Tensor):
             # Rows of different lengths: `length` is the padded width (reading the
@@ -87,6 +87,15 @@ class PagedCache(KVCache):
             return keys, values  # every row's own keys, padded; the mask hides the rest
         self.length = start_pos + T
         return keys[:, :, : self.length], values[:, :, : self.length]  # the filled prefix
+
+    def locate(self, rows: Tensor, positions: Tensor) -> Tensor:
+        """The pool block of each position of each row (rows and positions broadcast
+        together), as `write` takes it."""
+        return self.block_tables[rows, positions // self.block_size]
+
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window `layer` attends over; None: every earlier position."""
+        return None
 
     def write(self, layer: int, blocks: Tensor, slots: Tensor, k: Tensor, v: Tensor) -> None:
         """Store k, v (nkv, *idx, hs) at pool blocks `blocks` and slots `slots` (both *idx):
@@ -146,7 +155,7 @@ class PackedRows(KVCache):
         self.pool, self.starts, self.lengths = pool, starts, lengths
         counts = torch.tensor(lengths, device=dev)  # (B,)
         row = torch.repeat_interleave(torch.arange(len(lengths), device=dev), counts)  # (N,)
-        self.blocks = pool.block_tables[row, pos // bs]  # (N,)
+        self.blocks = pool.locate(row, pos)  # (N,), or (groups, N) for a `HybridPool`
         self.slots = pos % bs  # (N,)
         self.offsets, n = [], 0  # where each row's tokens start in the packed sequence
         for length in lengths:
@@ -167,14 +176,15 @@ class PackedRows(KVCache):
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, step: Step) -> Tensor:
         q, k, v = q[0], k[0], v[0]  # (nh, N, hs), and (nkv, N, hs): the one packed row
+        window = self.pool.window_of(layer)
         self.pool.write(layer, self.blocks, self.slots, k, v)
         keys, values = self.pool.gather(layer)  # (B, nkv, S, hs), every row's own
         y = torch.empty_like(q)  # (nh, N, hs)
         if self.singles:
             # One query a row, at position start: it may see slots 0 .. start.
             qs = q[:, self.single_at].transpose(0, 1)[:, :, None]  # (B1, nh, 1, hs)
-            ys = attend_in_order(qs, keys[self.single_rows], values[self.single_rows],
-                                 self.single_pos[:, None])  # (B1, nh, 1, hs)
+            ys = attend_in_window(qs, keys[self.single_rows], values[self.single_rows],
+                                  self.single_pos[:, None], window)  # (B1, nh, 1, hs)
             y[:, self.single_at] = ys[:, :, 0].transpose(0, 1)  # (nh, B1, hs)
         for b, (start, length) in enumerate(zip(self.starts, self.lengths)):
             if length == 1:
@@ -183,7 +193,7 @@ class PackedRows(KVCache):
             qc = q[None, :, at : at + length]  # (1, nh, T, hs)
             kc, vc = keys[b : b + 1, :, :end], values[b : b + 1, :, :end]  # (1, nkv, end, hs)
             pos = torch.arange(start, end, device=q.device)[None]  # (1, T): query i at start + i
-            y[:, at : at + length] = attend_in_order(qc, kc, vc, pos)[0]
+            y[:, at : at + length] = attend_in_window(qc, kc, vc, pos, window)[0]
         return y[None]  # (1, nh, N, hs)
 
 
@@ -197,7 +207,8 @@ class PaddedRows(KVCache):
         """pos (B, T) every token's position, padding included; real (B, T) which are not
         padding."""
         self.pool, self.real = pool, real
-        self.blocks = pool.block_tables.gather(1, pos // pool.block_size)[real]  # (N,)
+        rows = torch.arange(pos.size(0), device=pos.device)[:, None]  # (B, 1)
+        self.blocks = pool.locate(rows, pos)[..., real]  # (N,), or (groups, N)
         self.slots = (pos % pool.block_size)[real]  # (N,)
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, step: Step) -> Tensor:
@@ -205,4 +216,19 @@ class PaddedRows(KVCache):
         self.pool.write(layer, self.blocks, self.slots, k.transpose(0, 1)[:, self.real],
                         v.transpose(0, 1)[:, self.real])  # (nkv, N, hs) each
         keys, values = self.pool.gather(layer)  # (B, nkv, S, hs)
-        return step.in_order(q, keys, values)
+        window = self.pool.window_of(layer)
+        if window is None:
+            return step.in_order(q, keys, values)
+        return attend_in_window(q, keys, values, step.pos, window)
+
+
+def attend_in_window(q: Tensor, k: Tensor, v: Tensor, positions: Tensor,
+                     window: int | None) -> Tensor:
+    """`attend_in_order` (keys in position order, each row's padded), a sliding layer's
+    query at p seeing only slots p - window + 1 .. p: the slots before them may hold
+    blocks the pool has taken back (read as any block, hidden here)."""
+    if window is None:
+        return attend_in_order(q, k, v, positions)
+    slots = torch.arange(k.size(2), device=q.device)  # (S,)
+    p = positions[:, :, None]  # (B|1, T, 1)
+    return sdpa(q, k, v, ((slots <= p) & (slots > p - window)).unsqueeze(1))  # (B|1, 1, T, S)

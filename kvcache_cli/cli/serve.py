@@ -87,6 +87,11 @@ def serve(
     kv_dtype: Annotated[str | None, typer.Option(
         help="Also run the paged engine on quantised blocks in the same --kv-mem: int8, "
         "int4, fp8 or a comma-separated list (engines paged-int8, ...).")] = None,
+    keep_windows: Annotated[str | None, typer.Option(
+        help="A model with sliding layers (gemma3): its sliding layers keep the window's "
+        "blocks before every N tokens for later prefix hits (0: give back every block as it "
+        "leaves the window, vLLM's); comma-separated runs paged once each, e.g. 0,64 "
+        "(default 0).")] = None,
     max_batch: Annotated[int, typer.Option(help="Most sequences decoded at once.")] = 256,
     prefix_sharing: Annotated[bool, typer.Option(
         help="Share full blocks of equal prefixes (paged, and hf's own).")] = True,
@@ -148,7 +153,7 @@ def serve(
         dev, what = _check(device, model, requests, prompt_len, output_len, shared_prefix, rate,
                            seed, engines, kv_mem, block_size, max_batch, threads, batch,
                            burstiness, max_concurrency, goodput, policy, token_budget, layout,
-                           chat)
+                           chat, keep_windows)
     except ValueError as err:
         fail(defaults_in(ctx, str(err)))
     check_plot(plot)
@@ -320,7 +325,7 @@ def _chat_workload(ctx, workload, model, requests, output_len, seed, batch):
 
 def _check(device, model, requests, prompt_len, output_len, shared_prefix, rate, seed, engines,
            kv_mem, block_size, max_batch, threads, batch, burstiness, max_concurrency, goodput,
-           policy, token_budget, layout, chat=None):
+           policy, token_budget, layout, chat=None, keep_windows=None):
     """The device, and the batch sizes to sweep or (workload, engine variants, KV bytes,
     rates, goodput targets); raises ValueError for anything a user can get wrong."""
     import torch
@@ -334,6 +339,8 @@ def _check(device, model, requests, prompt_len, output_len, shared_prefix, rate,
     dev = str(resolve_device(device))
     config = model_config(model)
     if batch is not None:
+        if keep_windows is not None:
+            raise ValueError("--keep-windows serves the workload: not with --batch")
         what = batching.parse_sizes(batch)
         batching.check_sweep(config)
     else:
@@ -365,8 +372,14 @@ def _check(device, model, requests, prompt_len, output_len, shared_prefix, rate,
                              f"this {dev.split(':')[0].upper()}'s {sizing.format_bytes(held)} "
                              "of memory: expected at most that")
         serving_plan.plan_memory(config, torch.float32, spec, memory, block_size, max_batch)
-        what = (spec, serving_plan.variants(engine_names, policies, budgets), memory, rates,
-                targets)
+        hybrid = config.cache_shape.hybrid
+        keeps = serving_plan.parse_keeps(keep_windows, block_size, hybrid)
+        quantised = [n for n in engine_names if n.startswith("paged-")]
+        if hybrid and quantised:
+            raise ValueError(f"--kv-dtype: {model!r} has sliding layers, and its pool holds "
+                             "full-precision pages only; expected no --kv-dtype")
+        what = (spec, serving_plan.variants(engine_names, policies, budgets, keeps), memory,
+                rates, targets)
     return dev, what
 
 

@@ -19,6 +19,15 @@ from kvcache_cli.caches.base import RollbackError
 from kvcache_cli.serving.sequence import Sequence
 
 
+def chain_hashes(tokens: list[int], n_blocks: int, block_size: int) -> list[int]:
+    """The chained hash of each of the first n_blocks full blocks of tokens."""
+    hashes, h, bs = [], 0, block_size
+    for i in range(n_blocks):
+        h = hash((h, tuple(tokens[i * bs : (i + 1) * bs])))
+        hashes.append(h)
+    return hashes
+
+
 class BlockManager:
     def __init__(self, n_blocks: int, block_size: int, prefix_sharing: bool = True):
         if n_blocks < 1 or block_size < 1:
@@ -43,12 +52,7 @@ class BlockManager:
         return -(-n_tokens // self.block_size)
 
     def _chain(self, tokens: list[int], n_blocks: int) -> list[int]:
-        """The chained hash of each of the first n_blocks full blocks of tokens."""
-        hashes, h, bs = [], 0, self.block_size
-        for i in range(n_blocks):
-            h = hash((h, tuple(tokens[i * bs : (i + 1) * bs])))
-            hashes.append(h)
-        return hashes
+        return chain_hashes(tokens, n_blocks, self.block_size)
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """Blocks that already hold this sequence's first full blocks.
@@ -79,6 +83,18 @@ class BlockManager:
 
     # -- changes
 
+    def claim(self, block: int) -> None:
+        """One more holder of a cached block (off the free list if it was freed)."""
+        if self.refcount[block] == 0:
+            self.free_blocks.remove(block)
+        self.refcount[block] += 1
+
+    def release(self, block: int) -> None:
+        """One holder fewer; back to the free list (its hash kept) when none is left."""
+        self.refcount[block] -= 1
+        if self.refcount[block] == 0:
+            self.free_blocks.append(block)
+
     def _take(self) -> int:
         if not self.free_blocks:
             raise MemoryError(f"all {self.n_blocks} KV blocks are in use")
@@ -97,9 +113,7 @@ class BlockManager:
         """
         hits = self._cached_prefix(seq)
         for block in hits:
-            if self.refcount[block] == 0:
-                self.free_blocks.remove(block)
-            self.refcount[block] += 1
+            self.claim(block)
         self.prefix_hits += len(hits)
         if seq.admitted_hits is None:
             seq.admitted_hits = len(hits)
@@ -108,6 +122,10 @@ class BlockManager:
         seq.num_cached = len(hits) * self.block_size
         if whole:
             self.register_full_blocks(seq, len(seq.tokens))
+
+    def before_compute(self, seq: Sequence) -> None:
+        """Nothing to give back before seq computes more: every layer reads every block
+        (`HybridBlockManager` gives back what fell out of a sliding window)."""
 
     def append_slot(self, seq: Sequence) -> None:
         """Make room for the token at position num_cached (a new block when the last is full)."""
@@ -144,9 +162,7 @@ class BlockManager:
                 self.hash_to_block.pop(self.block_hash[block], None)
                 self.block_hash[block] = None
         for block in reversed(seq.block_table[keep:]):
-            self.refcount[block] -= 1
-            if self.refcount[block] == 0:
-                self.free_blocks.append(block)
+            self.release(block)
         del seq.block_table[keep:]
         seq.num_cached = n_tokens
 
@@ -168,9 +184,7 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         for block in reversed(seq.block_table):  # the tail first: the prefix stays longest
-            self.refcount[block] -= 1
-            if self.refcount[block] == 0:
-                self.free_blocks.append(block)
+            self.release(block)
         seq.block_table, seq.num_cached = [], 0
 
     def tokens_stored(self, running: list[Sequence]) -> int:

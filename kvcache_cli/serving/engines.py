@@ -43,6 +43,8 @@ from kvcache_cli.models.base import FamilyModel
 from kvcache_cli.serving.block_manager import BlockManager
 from kvcache_cli.serving.gqa_pool import PoolFigures
 from kvcache_cli.serving.hf_engine import hf_collect, hf_manager
+from kvcache_cli.serving.hybrid_blocks import HybridBlockManager, kv_groups
+from kvcache_cli.serving.hybrid_pool import HybridPool
 from kvcache_cli.serving.metrics import RequestTimes, shared_hit_rate, summarise
 from kvcache_cli.serving.model_runner import ModelRunner
 from kvcache_cli.serving.plan import (
@@ -56,6 +58,7 @@ from kvcache_cli.serving.plan import (
 from kvcache_cli.serving.recorder import ProgressFn, Recorder
 from kvcache_cli.serving.results import (
     EngineResult,
+    HybridFigures,
     Mismatch,
     ServeResult,
     StepStats,
@@ -77,8 +80,7 @@ def _run_sequential(model: FamilyModel, requests, rec: Recorder) -> None:
         while rec.arrived <= i:  # one at a time, in arrival order
             if not list(rec.arrivals()):
                 rec.wait_for_arrival()
-        cache = StaticCache(model.config.cache_shape, len(r.prompt) + r.max_new_tokens, 1,
-                            model.device, model.dtype)
+        cache = _solo_cache(model, len(r.prompt) + r.max_new_tokens)
         rec.reserved = max(rec.reserved, cache.bytes_held)  # the largest it ever held
         tokens = rec.tokens[r.id] = []
         for token in stream_tokens(model, list(r.prompt), r.max_new_tokens, "static",
@@ -86,15 +88,50 @@ def _run_sequential(model: FamilyModel, requests, rec: Recorder) -> None:
             tokens.append(token)
             rec.token(r.id, rec.now())
             rec.sample(1, rec.arrived - len(rec.finish) - 1, cache.bytes_held,
-                       cache.length * per_token)
+                       _real_bytes(model, cache.length, per_token))
             if r.finished(tokens):  # a stop token: the reply is over
                 break
         rec.done(r.id, rec.now())
 
 
+def _real_bytes(model: FamilyModel, length: int, per_token: int) -> int:
+    """The bytes of `length` tokens' K and V a solo cache holds: on a hybrid model a
+    sliding layer's ring holds at most its window of them."""
+    shape = model.config.cache_shape
+    if not shape.hybrid:
+        return length * per_token
+    per_layer = per_token // shape.n_layer
+    return sum(min(length, t.window or length) for t in shape.layer_types) * per_layer
+
+
+def _solo_cache(model: FamilyModel, max_len: int):
+    """One request's static cache; on a hybrid model, rings of the window on its sliding
+    layers (`caches.make_cache`), which it must attend over only."""
+    if model.config.cache_shape.hybrid:
+        from kvcache_cli.caches import make_cache
+
+        return make_cache("static", model, max_len)
+    return StaticCache(model.config.cache_shape, max_len, 1, model.device, model.dtype)
+
+
+def _slabs(group: list[Request], rows: int, groups) -> list[Seq]:
+    """A sequence per request, bound to its row's slab: on a hybrid pool a slab per row and
+    group of layers (group g's rows after the groups before it)."""
+    if groups is None:
+        return [Seq(r, block_table=[row]) for row, r in enumerate(group)]
+    return [Seq(r, block_table=[row], group_tables=[[g * rows + row]
+                                                    for g in range(len(groups))])
+            for row, r in enumerate(group)]
+
+
 def _run_padded(model: FamilyModel, requests, rec: Recorder, plan: Plan) -> None:
-    cache = PagedCache(model.config.cache_shape, plan.padded_rows, plan.slab_len, model.device,
-                       model.dtype)
+    shape = model.config.cache_shape
+    groups = kv_groups(shape) if shape.hybrid else None
+    if groups is None:
+        cache = PagedCache(shape, plan.padded_rows, plan.slab_len, model.device, model.dtype)
+    else:
+        cache = HybridPool(shape, groups, plan.padded_rows * len(groups), plan.slab_len,
+                           model.device, model.dtype)
     runner = ModelRunner(model, cache)  # one block per row: a contiguous slab
     per_token = block_bytes(model.config.cache_shape, 1, model.dtype)
     rec.reserved = cache.bytes_held
@@ -105,7 +142,7 @@ def _run_padded(model: FamilyModel, requests, rec: Recorder, plan: Plan) -> None
             rec.wait_for_arrival()
             continue
         group, queue = queue[: plan.padded_rows], queue[plan.padded_rows :]
-        seqs = [Seq(r, block_table=[row]) for row, r in enumerate(group)]
+        seqs = _slabs(group, plan.padded_rows, groups)
         replies: dict[int, list[int]] = {}  # each row's reply, to its cap or stop token
         for s in seqs:
             s.tokens.append(runner.prefill(s))
@@ -158,8 +195,12 @@ def _step_stats(steps: Sequence[Step], times: Sequence[tuple[float, float]],
 def _run_paged(model: FamilyModel, requests, rec: Recorder, plan: Plan, block_size: int,
                max_batch: int, prefix_sharing: bool, cache: PagedCache,
                policy: str = "prefill-first", token_budget: int | None = None,
-               layout: str = "packed") -> _PagedState:
-    blocks = BlockManager(plan.n_blocks, block_size, prefix_sharing)
+               layout: str = "packed", keep: int = 0) -> _PagedState:
+    if isinstance(cache, HybridPool):
+        blocks = HybridBlockManager(plan.n_blocks, block_size, cache.groups, prefix_sharing,
+                                    keep)
+    else:
+        blocks = BlockManager(plan.n_blocks, block_size, prefix_sharing)
     scheduler = Scheduler(blocks, max_batch, policy, token_budget)
     state = _PagedState(blocks, scheduler, [], [], [])
     runner = ModelRunner(model, cache, layout)
@@ -206,6 +247,33 @@ def _run_paged(model: FamilyModel, requests, rec: Recorder, plan: Plan, block_si
             rec.done(s.request.id, rec.times[s.request.id][-1])
             rec.tokens[s.request.id] = s.generated
     return state
+
+
+def _pool(engine: str, model: FamilyModel, kv_mem: int, block_size: int) -> PagedCache:
+    """The paged engine's pool: on a hybrid model a page per group of layers (`HybridPool`),
+    as many as kv_mem holds."""
+    shape = model.config.cache_shape
+    if not shape.hybrid:
+        return make_pool(engine, shape, kv_mem, block_size, model.device, model.dtype)
+    if engine != "paged":
+        raise ValueError(f"{engine}: a hybrid model's pool holds full-precision pages only")
+    groups = kv_groups(shape)
+    page = dataclasses.replace(shape, n_layer=len(groups[0].layers), layer_types=())
+    n_pages = kv_mem // block_bytes(page, block_size, model.dtype)
+    return HybridPool(shape, groups, n_pages, block_size, model.device, model.dtype)
+
+
+def _hybrid_figures(blocks: BlockManager, cache: PagedCache) -> HybridFigures | None:
+    if not isinstance(blocks, HybridBlockManager):
+        return None
+    page = cache.bytes_held // blocks.n_blocks
+    groups: dict[str, int] = {}
+    for g in blocks.groups:
+        groups[g.kind] = groups.get(g.kind, 0) + 1
+    return HybridFigures(
+        keep_every=blocks.keep_every, page_bytes=page, groups=groups,
+        peak_bytes={kind: n * page for kind, n in blocks.peak_pages.items()},
+        window_misses=blocks.window_misses, recomputed_tokens=blocks.recomputed_tokens)
 
 
 # ---------------------------------------------------------------------------- summary
@@ -263,6 +331,7 @@ def _summarise(engine: str, setup_s: float, rec: Recorder, model: FamilyModel,
         mismatches=differ,
         timeline=tuple(samples),
         steps=memory.get("steps"),
+        hybrid=memory.get("hybrid"),
     )
 
 
@@ -282,22 +351,27 @@ def _prepare(variant: Variant, model: FamilyModel, spec: WorkloadSpec, plan: Pla
         _run_padded(model, warmup, recorder(), Plan(plan.n_blocks, 1, plan.slab_len))
         return lambda requests, rec: _run_padded(model, requests, rec, plan) or {}
     if engine in POOLS:
-        cache = make_pool(engine, model.config.cache_shape, plan.kv_mem, block_size, device,
-                          model.dtype)
+        cache = _pool(engine, model, plan.kv_mem, block_size)
         plan = dataclasses.replace(plan, n_blocks=cache.k.size(2))
         policy = dict(policy=variant.policy or "prefill-first",
                       token_budget=variant.token_budget, layout=layout)
+        if variant.keep is not None:
+            policy["keep"] = variant.keep
         _run_paged(model, warmup, recorder(), plan, block_size, max_batch, False, cache,
                    **policy)
 
         def run_paged(requests, rec) -> dict:
             state = _run_paged(model, requests, rec, plan, block_size, max_batch,
                                prefix_sharing, cache, **policy)
+            hybrid = _hybrid_figures(state.blocks, cache)
             return dict(prefix_hits=state.blocks.prefix_hits,
+                        **({} if hybrid is None else dict(hybrid=hybrid)),
                         shared_hit_rate=shared_hit_rate(state.seqs, spec.shared_prefix,
                                                         block_size),
                         preemptions=state.scheduler.preemptions,
-                        pool_tokens=plan.n_blocks * block_size,
+                        # a token takes a page in every group of a hybrid pool
+                        pool_tokens=plan.n_blocks * block_size // (
+                            len(cache.groups) if isinstance(cache, HybridPool) else 1),
                         steps=_step_stats(state.steps, state.times, variant.token_budget))
 
         return run_paged

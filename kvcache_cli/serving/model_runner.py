@@ -43,6 +43,12 @@ class ModelRunner:
 
     def _tables(self, seqs: Seqs[Sequence]) -> Tensor:
         width = max(len(s.block_table) for s in seqs)
+        if seqs[0].group_tables:  # a hybrid pool: a table per group
+            # A block given back (NULL) reads block 0, outside every query's window.
+            groups = [[[max(b, 0) for b in s.group_tables[g]] + [0] * (width - len(
+                s.group_tables[g])) for s in seqs] for g in range(len(seqs[0].group_tables))]
+            return torch.tensor(groups, dtype=torch.long,
+                                device=self.device)  # (groups, B, max blocks)
         # Padding with block 0 is safe: the mask hides whatever it holds.
         rows = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
         return torch.tensor(rows, dtype=torch.long, device=self.device)  # (B, max blocks)

@@ -27,32 +27,62 @@ class Variant:
     engine: str
     policy: str | None = None  # paged only
     token_budget: int | None = None  # decode-first only
+    # paged on a hybrid model: tokens between the sliding windows kept for later prefix
+    # hits (`serving.hybrid_blocks`); 0 keeps none; None on a model of one layer kind
+    keep: int | None = None
 
     @property
     def name(self) -> str:
-        """`paged pf` (prefill-first), `paged df 256` (decode-first, 256 tokens a forward):
-        short enough for a table's first column beside seven figures."""
+        """`paged pf` (prefill-first), `paged df 256` (decode-first, 256 tokens a forward),
+        `paged pf keep 64` (windows kept every 64 tokens): short enough for a table's first
+        column beside seven figures."""
         if self.policy is None:
             return self.engine
+        kept = f" keep {self.keep}" if self.keep else ""
         if self.policy == "prefill-first":
-            return f"{self.engine} pf"
-        return f"{self.engine} df {self.token_budget}"
+            return f"{self.engine} pf{kept}"
+        return f"{self.engine} df {self.token_budget}{kept}"
 
 
 def variants(engines: Sequence[str], policies: Sequence[str] = ("prefill-first",),
-             budgets: Sequence[int] = ()) -> tuple[Variant, ...]:
-    """Every engine once; paged once per policy, decode-first once per budget."""
+             budgets: Sequence[int] = (), keeps: Sequence[int | None] = (None,)
+             ) -> tuple[Variant, ...]:
+    """Every engine once; paged once per policy, decode-first once per budget, each once per
+    window-keeping interval (a hybrid model's)."""
     out = []
     for engine in engines:
         if engine not in POOLS:  # the paged engine on any pool runs each policy
             out.append(Variant(engine))
             continue
         for policy in policies:
-            if policy == "decode-first":
-                out += [Variant(engine, policy, b) for b in budgets]
-            else:
-                out.append(Variant(engine, policy))
+            for keep in keeps:
+                if policy == "decode-first":
+                    out += [Variant(engine, policy, b, keep) for b in budgets]
+                else:
+                    out.append(Variant(engine, policy, keep=keep))
     return tuple(out)
+
+
+def parse_keeps(text: str | None, block_size: int, hybrid: bool) -> tuple[int | None, ...]:
+    """`"0,64"` -> (0, 64): --keep-windows, each 0 or a multiple of the block size; (None,)
+    without it on a model of one layer kind, (0,) on a hybrid one."""
+    if text is None:
+        return (0,) if hybrid else (None,)
+    if not hybrid:
+        raise ValueError("--keep-windows: this model has no sliding layers, so its pool "
+                         "keeps every block; expected a model such as gemma3")
+    parts = [part.strip() for part in text.split(",")]
+    if not all(numbers.is_whole(part) for part in parts):
+        raise ValueError(f"--keep-windows {text!r}: expected tokens, comma-separated, "
+                         "e.g. 0,64")
+    keeps = tuple(int(part) for part in parts)
+    for k in keeps:
+        if k % block_size:
+            raise ValueError(f"--keep-windows {k:,}: expected 0 or a multiple of the block "
+                             f"size ({block_size:,})")
+    if len(set(keeps)) < len(keeps):
+        raise ValueError(f"--keep-windows {text!r}: an interval given twice")
+    return keeps
 
 
 def parse_engines(text: str) -> tuple[str, ...]:

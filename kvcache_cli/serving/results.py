@@ -104,6 +104,18 @@ class Remote:
 
 
 @dataclass(frozen=True)
+class HybridFigures:
+    """The paged engine's pool on a model with sliding layers (`serving.hybrid_blocks`)."""
+
+    keep_every: int  # tokens between the windows kept for later hits; 0: none kept
+    page_bytes: int  # one page: block_size tokens of one group's layers, K and V
+    groups: dict[str, int]  # groups of layers per kind ('full', 'sliding')
+    peak_bytes: dict[str, int]  # per kind, the most bytes its pages held at once
+    window_misses: int  # admissions whose full layers' hit a missing window cut short
+    recomputed_tokens: int  # the prompt tokens those admissions computed again
+
+
+@dataclass(frozen=True)
 class EngineResult:
     engine: str  # the variant's name: "paged df 256" (`Variant.name`)
     setup_s: float  # one-time: pools, transformers' manager, a warm-up request
@@ -134,6 +146,7 @@ class EngineResult:
     # every request after the first (the system prompt's, in a chat workload)
     shared_hit_rate: float | None = None
     remote: Remote | None = None  # a server's run (serve --target); None: kvcache's engine
+    hybrid: HybridFigures | None = None  # paged on a model with sliding layers
 
 
 @dataclass(frozen=True)

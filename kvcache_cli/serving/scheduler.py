@@ -161,6 +161,7 @@ class Scheduler:
                     prompt_tokens=sum(c.length for c in chunks[decodes:]))
 
     def _chunk(self, seq: Sequence, budget: int, chunks: list[Chunk]) -> int:
+        self.blocks.before_compute(seq)
         n = min(seq.to_compute, budget)
         chunks.append(Chunk(seq, seq.num_cached, n))
         self.blocks.register_full_blocks(seq, seq.num_cached + n)
@@ -182,6 +183,7 @@ class Scheduler:
     def _make_room(self, seq: Sequence) -> bool:
         """A slot for seq's next token, preempting the youngest until there is one;
         False when seq itself was the youngest and went."""
+        self.blocks.before_compute(seq)
         while not self.blocks.can_append(seq):
             self._preempt(self.running[-1])
             if seq.status is not Status.RUNNING:

@@ -47,6 +47,9 @@ class Sequence:
     # Prefix blocks taken by reference when first admitted (a recomputation's are not
     # counted): how much of a shared system prompt the prefix cache served.
     admitted_hits: int | None = None
+    # A hybrid pool's block table per group of layers (`serving.hybrid_blocks`); empty on a
+    # pool of one kind, whose table is `block_table`.
+    group_tables: list[list[int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.tokens:

@@ -276,6 +276,29 @@ def _memory(r: ServeResult) -> Table:
     return table
 
 
+def _hybrid(r: ServeResult) -> Table | None:
+    """The paged engines' pool per layer kind, on a model with sliding layers."""
+    runs = [e for e in r.at(r.rates[0]) if e.hybrid is not None]
+    if not runs:
+        return None
+    h = runs[0].hybrid
+    kinds = ", ".join(f"{n} {kind}" for kind, n in h.groups.items())
+    table = figures_table(
+        "engine", "keep", "peak full", "peak sliding", "hits", "window misses", "recomputed",
+        title=f"Hybrid pool: pages of {decimal_bytes(h.page_bytes)} ({r.block_size} tokens of "
+        f"one group of layers; groups: {kinds}); the sliding groups give back blocks out of "
+        "their window. Peak bytes per kind, prefix blocks hit, admissions whose hit a missing "
+        "window cut short, the prompt tokens they recomputed" + _at(r, r.rates[0]))
+    _named(table)
+    for e in runs:
+        x = e.hybrid
+        table.add_row(e.engine, f"every {x.keep_every:,}" if x.keep_every else "none",
+                      decimal_bytes(x.peak_bytes.get("full")),
+                      decimal_bytes(x.peak_bytes.get("sliding")), _opt(e.prefix_blocks_hit),
+                      f"{x.window_misses:,}", f"{x.recomputed_tokens:,}")
+    return table
+
+
 def _exact(r: ServeResult, e: EngineResult) -> str:
     if e.requests_exact is None:  # a server's replies come as text: not checked
         return "-"
@@ -364,5 +387,6 @@ def render(r: ServeResult | SweepResult) -> RenderableType:
     if isinstance(r, SweepResult):
         return _sweep(r)
     per_rate = [t for rate in r.rates for t in (_speed(r, r.at(rate)), _latency(r, r.at(rate)))]
-    parts = [_header(r), *per_rate, token_steps(r), _curve(r), _memory(r), _verdict(r)]
+    parts = [_header(r), *per_rate, token_steps(r), _curve(r), _memory(r), _hybrid(r),
+             _verdict(r)]
     return Group(*(p for p in parts if p is not None))
