@@ -22,7 +22,6 @@ from kvcache_cli.cli.loading import (
 from kvcache_cli.cli.output import console, print_view, progress_bar
 from kvcache_cli.cli.refusals import fail, print_note
 
-
 # Each torch family's name in a sentence.
 LABELS = {"gpt2": "GPT-2", "llama": "Llama", "gemma3": "Gemma 3"}
 
