@@ -97,8 +97,9 @@ def test_transformers_refuses_its_quantised_cache_as_a_row_with_its_reason(model
     from kvcache_cli.eval import peer_hf
     from kvcache_cli.eval.peer_hf import parse_transformers
 
-    rows, refused = peer_hf.evaluate(model, ids[:40], [parse_transformers(
-        "transformers:quanto-int4")], prompt_len=PROMPT)
+    specs = [parse_transformers("transformers:quanto-int4")]
+    rows = peer_hf.evaluate(model, ids[:40], specs, prompt_len=PROMPT)
+    refused = peer_hf.refusals(model, specs)
     assert [r.cache for r in rows] == [peer_hf.REFERENCE]  # its DynamicCache ran
     assert rows[0].bytes_by_kind["full"] == FULL * 39 * POSITION
     assert rows[0].bytes_by_kind["sliding"] < SLIDING * 39 * POSITION  # windows held

@@ -289,9 +289,9 @@ def _with_peers(result, model, ids, peers, prompt_len, on_progress):
     transformers = [s for s in peers if isinstance(s, HFCacheSpec)]
     if transformers:
         names = f"scoring {', '.join(map(str, transformers))}"
-        hf_rows, refused = hf_quality.evaluate(model, ids, transformers, prompt_len=prompt_len,
-                                               progress=lambda d, t: on_progress(d, t, names))
-        rows += hf_rows
+        rows += hf_quality.evaluate(model, ids, transformers, prompt_len=prompt_len,
+                                    progress=lambda d, t: on_progress(d, t, names))
+        refused = hf_quality.refusals(model, transformers)
     return dataclasses.replace(result, caches=result.caches + rows,
                                refused=result.refused + refused)
 

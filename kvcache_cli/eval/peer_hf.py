@@ -120,10 +120,10 @@ def backend_missing(backend: str) -> str | None:
 
 
 def evaluate(model, tokens: Sequence[int], specs: Sequence[HFCacheSpec], *, prompt_len: int,
-             progress: Callable[[int, int], None] | None = None) -> tuple[tuple, tuple]:
+             progress: Callable[[int, int], None] | None = None) -> tuple:
     """transformers' exact DynamicCache, then each spec's QuantizedCache, in lockstep over
-    `tokens` as `quality.evaluate` feeds them: (one CacheQuality row each, the reference
-    first; a `Refusal` for each spec transformers would not build for this model)."""
+    `tokens` as `quality.evaluate` feeds them: one CacheQuality row each, the reference
+    first; a spec transformers will not build for this model has none (`refusals`)."""
     import torch
     from transformers import DynamicCache
 
@@ -138,8 +138,8 @@ def evaluate(model, tokens: Sequence[int], specs: Sequence[HFCacheSpec], *, prom
     targets = torch.tensor(tokens[1:], device=model.device)  # (fed,)
     kinds = _layer_kinds(hf.config)
     tallies = [Tally(REFERENCE, _Held(DynamicCache(config=hf.config), kinds))]
-    built, refused = _quantized(hf.config, specs)
-    tallies += [Tally(str(s), _Held(cache, kinds)) for s, cache in built]
+    tallies += [Tally(str(s), _Held(cache, kinds)) for s, cache in _quantized(hf.config,
+                                                                               specs)[0]]
     with torch.inference_mode(), quiet_transformers():
         for start, end in [(0, prompt_len)] + [(p, p + 1) for p in range(prompt_len, fed)]:
             exact = None
@@ -154,9 +154,18 @@ def evaluate(model, tokens: Sequence[int], specs: Sequence[HFCacheSpec], *, prom
                 tally.score(logp, targets[end - 1:end], exact)
             if progress is not None:
                 progress(len(tallies[0].nll), fed - prompt_len + 1)
-    rows = tuple(dataclasses.replace(row, against=REFERENCE, peer=NAME, prefill_ms=math.nan)
+    return tuple(dataclasses.replace(row, against=REFERENCE, peer=NAME, prefill_ms=math.nan)
                  for row in summarise(tallies, prompt_len))
-    return rows, refused
+
+
+def refusals(model, specs: Sequence[HFCacheSpec]) -> tuple:
+    """The `Refusal` of each spec transformers will not build a QuantizedCache for on this
+    model, in its own words: on a model with a sliding layer (Gemma 3), every one."""
+    if not model.config.cache_shape.hybrid:
+        return ()
+    from kvcache_cli.models.gemma3 import hf_config
+
+    return _quantized(hf_config(model.config), specs)[1]
 
 
 def _quantized(config, specs: Sequence[HFCacheSpec]) -> tuple[list, tuple]:
