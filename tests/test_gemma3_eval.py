@@ -165,3 +165,13 @@ def test_llama_cpp_counts_every_layer_kind_at_full_length_on_the_real_file():
     ref, q8 = rows
     assert ref.bytes_by_kind == {"sliding": 15 * 100 * 2 * 256 * 4, "full": 3 * 100 * 2 * 256 * 4}
     assert q8.bytes_held < ref.bytes_held and not math.isnan(q8.kl_mean)
+
+
+def test_sliding_with_the_retrieval_task_is_one_line_exit_2():
+    from typer.testing import CliRunner
+
+    from kvcache_cli.cli import app
+
+    result = CliRunner().invoke(app, ["eval", "--task", "retrieval", "--sliding", "full"])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.count("\n") == 1 and "applies to --task text only" in result.stderr
