@@ -136,8 +136,8 @@ def _models_for(names: list[str], model: str | None, asked: str
     without, each loads its own family's default (gpt2, smollm2, gemma3), and a break that
     needs trained attention (`Break.real`) SmolLM2 where installed. A break that cannot run
     (a Llama break asked of GPT-2, a Gemma 3 break of a Llama, a default model not
-    installed) is bad input; under `all` the ones that cannot are skipped, a note line per
-    family left out."""
+    installed) is bad input; under `all` the ones that cannot are skipped, in one note line
+    giving each family's reason."""
     from kvcache_cli import models
     from kvcache_cli.breaks.registry import registry
     from kvcache_cli.models import gemma3_270m, smollm2
@@ -161,7 +161,7 @@ def _models_for(names: list[str], model: str | None, asked: str
     why = [_why_not(f, ns, family, model) for f, ns in _by_family(cannot).items()]
     if why and asked != "all":
         fail(why[0])
-    return runs, [f"skipped: {w}" for w in why]
+    return runs, [f"skipped: {'; '.join(why)}"] if why else []
 
 
 def _why_not(listed: str, ns: list[str], family: str | None, model: str | None) -> str:
