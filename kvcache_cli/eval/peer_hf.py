@@ -1,10 +1,16 @@
 """transformers' own quantised cache in its own model, as `kvcache eval` rows.
 
 `quanto-int4` (`caches.peer`) runs transformers' QuantoQuantizedLayer inside kvcache's Llama;
-this runs the whole peer as a user of transformers would: `LlamaForCausalLM` holding the
-same weights (`models.to_hf`), generating through `QuantizedCache(backend="quanto")`, scored
-against the same model with its exact `DynamicCache` on the same ids, so its row says what
-transformers' stack costs, attention and all, not only its quantiser.
+this runs the whole peer as a user of transformers would: `LlamaForCausalLM` (or
+`Gemma3ForCausalLM`) holding the same weights (`models.to_hf`), generating through
+`QuantizedCache(backend="quanto")`, scored against the same model with its exact
+`DynamicCache` on the same ids, so its row says what transformers' stack costs, attention
+and all, not only its quantiser.
+
+transformers builds no QuantizedCache for a model with a sliding layer (its constructor
+raises unless every layer attends in full): on Gemma 3 each such spec is a `Refusal` row,
+with transformers' own words, beside its DynamicCache's row, whose sliding layers hold
+their window (`DynamicSlidingWindowLayer`).
 
 Spec (the `--cache` grammar's conventions):
 
@@ -83,12 +89,13 @@ def check_installed(specs: Sequence[HFCacheSpec], config, model: str) -> None:
     cannot hold, a group that does not divide its head, a backend not installed."""
     if not specs:
         return
+    from kvcache_cli.models.gemma3 import Gemma3Config
     from kvcache_cli.models.llama import LlamaConfig
 
-    if not isinstance(config, LlamaConfig):
-        raise ValueError(f"cache {str(specs[0])!r} runs transformers' LlamaForCausalLM; "
-                         f"--model {model} is not a Llama (expected -m smollm2 or a Llama "
-                         "checkpoint)")
+    if not isinstance(config, LlamaConfig | Gemma3Config):
+        raise ValueError(f"cache {str(specs[0])!r} runs transformers' LlamaForCausalLM or "
+                         f"Gemma3ForCausalLM; --model {model} is not a Llama nor a Gemma 3 "
+                         "(expected -m smollm2, -m gemma3 or a Llama checkpoint)")
     for spec in specs:
         if config.head_size % spec.group:
             raise ValueError(f"cache {str(spec)!r}: groups of {spec.group} channels do not "
@@ -116,9 +123,9 @@ def evaluate(model, tokens: Sequence[int], specs: Sequence[HFCacheSpec], *, prom
              progress: Callable[[int, int], None] | None = None) -> tuple:
     """transformers' exact DynamicCache, then each spec's QuantizedCache, in lockstep over
     `tokens` as `quality.evaluate` feeds them: one CacheQuality row each, the reference
-    first."""
+    first; a spec transformers will not build for this model has none (`refusals`)."""
     import torch
-    from transformers import DynamicCache, QuantizedCache
+    from transformers import DynamicCache
 
     from kvcache_cli.eval.quality import Tally, summarise
     from kvcache_cli.measure import quiet_transformers
@@ -129,10 +136,10 @@ def evaluate(model, tokens: Sequence[int], specs: Sequence[HFCacheSpec], *, prom
     fed = len(tokens) - 1
     ids = torch.tensor([tokens[:fed]], device=model.device)  # (1, fed)
     targets = torch.tensor(tokens[1:], device=model.device)  # (fed,)
-    tallies = [Tally(REFERENCE, _Held(DynamicCache(config=hf.config)))]
-    tallies += [Tally(str(s), _Held(QuantizedCache(
-        backend=s.backend, config=hf.config, nbits=s.bits, q_group_size=s.group,
-        residual_length=s.residual))) for s in dict.fromkeys(specs)]
+    kinds = _layer_kinds(hf.config)
+    tallies = [Tally(REFERENCE, _Held(DynamicCache(config=hf.config), kinds))]
+    tallies += [Tally(str(s), _Held(cache, kinds)) for s, cache in _quantized(hf.config,
+                                                                               specs)[0]]
     with torch.inference_mode(), quiet_transformers():
         for start, end in [(0, prompt_len)] + [(p, p + 1) for p in range(prompt_len, fed)]:
             exact = None
@@ -151,6 +158,43 @@ def evaluate(model, tokens: Sequence[int], specs: Sequence[HFCacheSpec], *, prom
                  for row in summarise(tallies, prompt_len))
 
 
+def refusals(model, specs: Sequence[HFCacheSpec]) -> tuple:
+    """The `Refusal` of each spec transformers will not build a QuantizedCache for on this
+    model, in its own words: on a model with a sliding layer (Gemma 3), every one."""
+    if not model.config.cache_shape.hybrid:
+        return ()
+    from kvcache_cli.models.gemma3 import hf_config
+
+    return _quantized(hf_config(model.config), specs)[1]
+
+
+def _quantized(config, specs: Sequence[HFCacheSpec]) -> tuple[list, tuple]:
+    """([(spec, its QuantizedCache)] for the specs transformers builds for `config`, the
+    `Refusal`s of those it raises on: on a model with a sliding layer, every one)."""
+    from transformers import QuantizedCache
+
+    from kvcache_cli.eval.quality import Refusal
+
+    built, refused = [], []
+    for s in dict.fromkeys(specs):
+        try:
+            built.append((s, QuantizedCache(
+                backend=s.backend, config=config, nbits=s.bits, q_group_size=s.group,
+                residual_length=s.residual)))
+        except ValueError as err:  # its own check of the layer types, in its own words
+            refused.append(Refusal(str(s), NAME, " ".join(str(err).split())))
+    return built, tuple(refused)
+
+
+def _layer_kinds(config) -> list[str] | None:
+    """Each layer's kind ('full', 'sliding') from a transformers config's layer_types; None
+    for a model without them (every layer full)."""
+    types = getattr(config, "layer_types", None)
+    if not types or all(t == "full_attention" for t in types):
+        return None
+    return ["sliding" if t == "sliding_attention" else "full" for t in types]
+
+
 def cache_keyword(hf_model) -> str:
     """The name a transformers model's forward and generate() take a cache by: `cache`
     from transformers 5 (which warns at the old name), `past_key_values` before."""
@@ -162,8 +206,9 @@ class _Held:
     """A transformers cache as eval counts a cache: the bytes it holds (every layer's
     tensors; a quantised layer's codes, scales and shifts) and the positions."""
 
-    def __init__(self, cache):
+    def __init__(self, cache, kinds: list[str] | None = None):
         self.cache = cache
+        self.kinds = kinds  # each layer's kind, None on a model without sliding layers
 
     @property
     def length(self) -> int:
@@ -174,3 +219,12 @@ class _Held:
         from kvcache_cli.caches.peer import layer_bytes
 
         return sum(layer_bytes(layer) for layer in self.cache.layers)
+
+    def bytes_by_kind(self) -> dict[str, int]:
+        """Bytes held per layer kind (eval's column), {} on a model without sliding layers."""
+        from kvcache_cli.caches.peer import layer_bytes
+
+        held: dict[str, int] = {}
+        for kind, layer in zip(self.kinds or (), self.cache.layers, strict=False):
+            held[kind] = held.get(kind, 0) + layer_bytes(layer)
+        return held

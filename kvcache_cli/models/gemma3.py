@@ -64,7 +64,7 @@ class Gemma3Config:
     head_dim: int  # not n_embd / n_head: the 270M's 4 heads of 256 over a width of 640
     # What each layer attends over, with its rotary base (`caches.base.LayerType`).
     layer_types: tuple[LayerType, ...]
-    query_pre_attn_scalar: float  # attention scores are q.k / sqrt(this), not / sqrt(hs)
+    query_pre_attn_scalar: int  # attention scores are q.k / sqrt(this), not / sqrt(hs)
     rms_eps: float = 1e-6
     # Each layer kind's "linear" rotary scaling ('full', 'sliding'): positions divided by
     # it. Gemma 3 4B and larger scale the global layers by 8; 1.0 is none.
@@ -118,10 +118,13 @@ class Gemma3Config:
         eos = raw.get("eos_token_id")
         eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
         scalar = raw.get("query_pre_attn_scalar") or f["head_dim"]
-        refuse_unless(isinstance(scalar, (int, float)) and 0 < scalar < 2**20,
-                      f"query_pre_attn_scalar is {scalar!r}; expected a positive number")
+        # Whole, as transformers types it; 256.0 is what folders converted before that was
+        # known hold, read as 256 so that `hf_config` builds a config transformers accepts.
+        refuse_unless(isinstance(scalar, (int, float)) and not isinstance(scalar, bool)
+                      and 0 < scalar < 2**20 and scalar == int(scalar),
+                      f"query_pre_attn_scalar is {scalar!r}; expected a positive whole number")
         return cls(
-            **f, layer_types=layer_types_from_hf(raw, where), query_pre_attn_scalar=scalar,
+            **f, layer_types=layer_types_from_hf(raw, where), query_pre_attn_scalar=int(scalar),
             **factors,
             final_logit_softcapping=raw.get("final_logit_softcapping"),
             tie_word_embeddings=raw.get("tie_word_embeddings", True),

@@ -105,8 +105,9 @@ def config_from_metadata(meta: dict, stem: str, vocab_size: int, tied: bool) -> 
         "rope_parameters": {
             "sliding_attention": {"rope_type": "default", "rope_theta": local_theta},
             "full_attention": {"rope_type": "default", "rope_theta": f["rope_theta"]}},
-        "query_pre_attn_scalar": float(heads_share if f["n_layer"] == LAYERS_27B
-                                       else f["head_dim"]),
+        # A whole number, as transformers' strict Gemma3TextConfig types it (a float fails
+        # its validation when the dict becomes a config).
+        "query_pre_attn_scalar": heads_share if f["n_layer"] == LAYERS_27B else f["head_dim"],
         "hidden_activation": ACTIVATION, "tie_word_embeddings": tied, "name": stem,
     }
 

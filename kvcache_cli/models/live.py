@@ -42,12 +42,13 @@ def is_live(model: str) -> bool:
 def live_config(model: str) -> dict:
     """A transformers-style Llama config of `model` (smollm2, a .gguf): read from its
     converted folder without torch, or converted now (with torch) the first time."""
+    from kvcache_cli.models import family_of
     from kvcache_cli.models.gemma3_270m import GEMMA3
     from kvcache_cli.models.gguf.converted import converted_config
     from kvcache_cli.models.smollm2 import resolve_llama
 
-    if model == GEMMA3:
-        return _gemma3_config()
+    if model == GEMMA3 or family_of(model) == "gemma3":  # family_of reads a .gguf's header
+        return _gemma3_config(model)
     path = Path(resolve_llama(model)).expanduser()  # ValueError: how to install SmolLM2
     if not (path.exists() or path.is_symlink()):
         raise SizingError(f"model {model!r}: no such file; expected smollm2 or a .gguf file")
@@ -73,21 +74,22 @@ def live_config(model: str) -> dict:
     return hf
 
 
-def _gemma3_config() -> dict:
-    """`-m gemma3`'s converted config.json: transformers' gemma3_text config as written."""
-    from kvcache_cli.models.gemma3_270m import resolve_gemma3
+def _gemma3_config(model: str) -> dict:
+    """A Gemma 3 GGUF's (`-m gemma3`'s, or a path's) converted config.json: transformers'
+    gemma3_text config as written."""
+    from kvcache_cli.models.gemma3_270m import GEMMA3, resolve_gemma3
     from kvcache_cli.models.gemma3_config import check_converted
     from kvcache_cli.models.gguf.converted import converted_config
 
-    path = resolve_gemma3()
+    path = resolve_gemma3() if model == GEMMA3 else Path(model).expanduser()
     raw = converted_config(path, check_converted)
     if raw is None:
         from kvcache_cli.models import model_config
 
-        model_config("gemma3")  # the one conversion: torch and transformers, once
+        model_config(model)  # the one conversion: torch and transformers, once
         raw = converted_config(path, check_converted)
         if raw is None:
-            raise SizingError("model 'gemma3': its converted folder does not read back "
+            raise SizingError(f"model {model!r}: its converted folder does not read back "
                               "(changed by another process?)")
     return raw
 

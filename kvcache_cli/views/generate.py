@@ -18,6 +18,7 @@ from rich.text import Text
 
 from kvcache_cli.breaks.base import BreakResult
 from kvcache_cli.breaks.bounded import BoundedBreakResult
+from kvcache_cli.breaks.gemma3 import WindowBreakResult
 from kvcache_cli.breaks.llama import LlamaBreakResult
 from kvcache_cli.generate import Generation
 from kvcache_cli.views.style import BAD, OK
@@ -164,3 +165,28 @@ def llama_break_view(r: LlamaBreakResult, piece: Callable[[int], str] | None = N
         f"{_bytes(r.bytes_held)}; broken {r.broken_kv_heads} KV heads, "
         f"[{style}]{_bytes(r.broken_bytes_held)}[/] ({ratio:.1f}x)")
     return break_view(r, piece, family="Llama", extra=bytes_line)
+
+
+# The prompt's tail a window break shows: its prompt is most of a window long.
+PROMPT_TAIL = 12
+
+
+def window_break_view(r: WindowBreakResult, piece: Callable[[int], str] | None = None
+                      ) -> RenderableType:
+    """A Gemma 3 break: the tokens and logits as the others', where the run crosses the
+    window, and the bytes each cache held per layer kind."""
+    from dataclasses import replace
+
+    def kinds(held: dict[str, int]) -> str:
+        return ", ".join(f"{kind} {_bytes(n)}" for kind, n in sorted(held.items()))
+
+    wrong = ("never" if r.first_wrong_step is None
+             else f"at step [bold red]{r.first_wrong_step}[/]")
+    extra = Text.from_markup(
+        f"\nprompt {len(r.prompt_ids):,} tokens (its last {PROMPT_TAIL} shown); sliding window "
+        f"{r.window:,}: step {r.window_step} is the first whose query sits past it\n"
+        f"logits first move past rounding {wrong}\n"
+        f"cache held per layer kind: correct {kinds(r.bytes_by_kind)}; broken "
+        f"{kinds(r.broken_bytes_by_kind)}")
+    shown = replace(r, prompt_ids=r.prompt_ids[-PROMPT_TAIL:])
+    return break_view(shown, piece, family="Gemma 3", extra=extra)

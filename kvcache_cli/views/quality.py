@@ -21,6 +21,7 @@ from kvcache_cli.views.style import figures_table, label_grid
 # 100 columns beside a long spec such as int4:g32:kchan:r128; plain text keeps one.
 QUALITY = ("cache", "perplexity", "Δ ppl", "bits/tok", "KL mean", "KL max", "at", "top-1")
 COST = ("bytes/tok", "× exact", "held", "prefill ms", "compress", "ms/tok")
+KINDS = "held: global · sliding"  # a column on a model with sliding layers only
 SPARK_WIDTH = 24
 
 
@@ -69,6 +70,23 @@ def cost_cells(c: CacheQuality) -> tuple[str, ...]:
     timed = lambda ms, fmt: "-" if math.isnan(ms) else format(ms, fmt)  # noqa: E731
     return (f"{c.bytes_per_token:,.0f}", f"{c.bytes_ratio:.3f}", format_gib(c.bytes_held),
             timed(c.prefill_ms, ".1f"), compress, timed(c.decode_ms_per_token, ".2f"))
+
+
+def has_kinds(r: QualityResult) -> bool:
+    """Whether the model has sliding layers: a column of bytes per layer kind then."""
+    return any(c.bytes_by_kind for c in r.caches)
+
+
+def kind_cell(c: CacheQuality) -> str:
+    """What the global and the sliding layers hold, '-' for a row that does not say."""
+    if not c.bytes_by_kind:
+        return "-"
+    return " · ".join(format_gib(c.bytes_by_kind.get(k, 0)) for k in ("full", "sliding"))
+
+
+def refused_lines(r: QualityResult) -> list[str]:
+    """A line per cache a peer would not build for this model, with its reason."""
+    return [f"{x.cache}: refused by {x.peer}: {x.reason}" for x in r.refused]
 
 
 def residual_lines(r: QualityResult) -> list[str]:
@@ -158,8 +176,12 @@ def _cost(r: QualityResult) -> Table:
                           f"positions {r.prompt_len}→{r.tokens - 1}")
     table.columns[0].no_wrap = True
     table.columns[-1].justify = "left"
+    kinds = has_kinds(r)
+    if kinds:
+        table.add_column(KINDS, justify="right")
     for c in r.caches:
-        table.add_row(c.cache, *cost_cells(c), f"[cyan]{lines[c.cache]}[/]")
+        table.add_row(c.cache, *cost_cells(c), f"[cyan]{lines[c.cache]}[/]",
+                      *((kind_cell(c),) if kinds else ()))
     return table
 
 
@@ -167,13 +189,17 @@ def render(r: QualityResult) -> RenderableType:
     from rich.text import Text
 
     notes = [Text(line, style="dim") for line in residual_lines(r)]
-    return Group(_header(r), _quality(r), _cost(r), *notes)
+    refused = [Text(line, style="yellow") for line in refused_lines(r)]
+    return Group(_header(r), _quality(r), _cost(r), *refused, *notes)
 
 
 def plain(r: QualityResult, width: int) -> str:
     """The same figures as text at WIDTH columns: aligned columns (split into blocks that
     fit, each naming the cache), no colour, no box."""
-    rows = [QUALITY + COST, *(quality_cells(c) + cost_cells(c) for c in r.caches)]
+    kinds = (KINDS,) if has_kinds(r) else ()
+    rows = [QUALITY + COST + kinds, *(quality_cells(c) + cost_cells(c)
+                                      + ((kind_cell(c),) if kinds else ())
+                                      for c in r.caches)]
     lines = text_line("model", r.model, width)
     if r.weights_note:
         lines += text_line("note", r.weights_note, width)
@@ -184,7 +210,7 @@ def plain(r: QualityResult, width: int) -> str:
               *text_line("sink", f"first token's share of attention, per layer: "
                          f"{_sink_line(r)}", width), "",
               *text_table(rows, width)]
-    notes = residual_lines(r)
+    notes = refused_lines(r) + residual_lines(r)
     lines += ([""] if notes else []) + [wrapped for line in notes for wrapped in
                                         textwrap.wrap(line, width, subsequent_indent="  ")]
     lines_by_cache, top = excess_lines(r, 2 * SPARK_WIDTH)

@@ -139,17 +139,7 @@ class _Walk:
 def read_layout(path: Path, data, size: int) -> Layout:
     """The layout of the GGUF whose bytes are `data` (a memory map of `size` bytes)."""
     w = _Walk(path, data, size)
-    if size < 24 or bytes(data[:4]) != MAGIC:
-        w.fail("not a GGUF file (no 'GGUF' magic at its start)")
-    w.at = 4
-    version, n_tensors, n_keys = w.unpack("<IQQ")
-    if version not in (2, 3):
-        w.fail(f"GGUF version {version}, which kvcache does not read (2 or 3)")
-    # A tensor's entry takes at least 33 bytes, a metadata entry at least 13: counts the
-    # file cannot hold are refused before anything is allocated for them.
-    if n_tensors > MAX_TENSORS or n_keys > MAX_KEYS or 33 * n_tensors + 13 * n_keys > size:
-        w.fail(f"the header claims {n_tensors:,} tensors and {n_keys:,} metadata entries, "
-               f"more than its {size:,} bytes can hold")
+    n_tensors, n_keys = _header(w)
     metadata = _metadata(w, n_keys)
     alignment = metadata.get("general.alignment", 32)
     if (isinstance(alignment, bool) or not isinstance(alignment, int)
@@ -161,13 +151,49 @@ def read_layout(path: Path, data, size: int) -> Layout:
     return Layout(metadata, _placed(w, entries, data_start, alignment), data_start, alignment)
 
 
+def _header(w: _Walk) -> tuple[int, int]:
+    """(tensors, metadata entries) the header counts, checked against the file's size; the
+    cursor past the header."""
+    if w.size < 24 or bytes(w.data[:4]) != MAGIC:
+        w.fail("not a GGUF file (no 'GGUF' magic at its start)")
+    w.at = 4
+    version, n_tensors, n_keys = w.unpack("<IQQ")
+    if version not in (2, 3):
+        w.fail(f"GGUF version {version}, which kvcache does not read (2 or 3)")
+    # A tensor's entry takes at least 33 bytes, a metadata entry at least 13: counts the
+    # file cannot hold are refused before anything is allocated for them.
+    if n_tensors > MAX_TENSORS or n_keys > MAX_KEYS or 33 * n_tensors + 13 * n_keys > w.size:
+        w.fail(f"the header claims {n_tensors:,} tensors and {n_keys:,} metadata entries, "
+               f"more than its {w.size:,} bytes can hold")
+    return n_tensors, n_keys
+
+
+def architecture(path: Path) -> str | None:
+    """A GGUF's `general.architecture` (llama.cpp writes it first), read without the rest
+    of its metadata (the vocabulary takes most of a second); None when it has none, a
+    ValueError for a file that is no GGUF."""
+    data, size = open_file(path)
+    w = _Walk(path, data, size)
+    for key, value in _entries(w, _header(w)[1]):
+        if key == "general.architecture":
+            return value if isinstance(value, str) else None
+    return None
+
+
 def _metadata(w: _Walk, n_keys: int) -> dict[str, object]:
     metadata: dict[str, object] = {}
+    for key, value in _entries(w, n_keys):
+        if key in metadata:
+            w.fail(f"metadata key {key!r} is given twice")
+        metadata[key] = value
+    return metadata
+
+
+def _entries(w: _Walk, n_keys: int):
+    """Each metadata entry as (key, value), read one by one."""
     strings = 0
     for _ in range(n_keys):
         key = w.string("a metadata key", MAX_KEY_BYTES)
-        if key in metadata:
-            w.fail(f"metadata key {key!r} is given twice")
         kind = w.unpack("<I")
         if kind == _ARRAY:
             item, count = w.unpack("<IQ")
@@ -184,21 +210,21 @@ def _metadata(w: _Walk, n_keys: int) -> dict[str, object]:
                 strings += count
                 if strings > MAX_STRINGS:
                     w.fail(f"metadata arrays hold more than {MAX_STRINGS:,} strings in all")
-                metadata[key] = [w.string(f"metadata {key}[{i}]", MAX_STRING_BYTES)
-                                 for i in range(count)]
+                value = [w.string(f"metadata {key}[{i}]", MAX_STRING_BYTES)
+                         for i in range(count)]
             else:
                 import numpy as np
 
                 dtype = np.dtype("<" + _FORMATS[item])
-                metadata[key] = np.frombuffer(w.data, dtype, count, w.at).tolist()
+                value = np.frombuffer(w.data, dtype, count, w.at).tolist()
                 w.at += count * dtype.itemsize
         elif kind == _STRING:
-            metadata[key] = w.string(f"metadata {key}", MAX_STRING_BYTES)
+            value = w.string(f"metadata {key}", MAX_STRING_BYTES)
         elif kind in _FORMATS:
-            metadata[key] = w.unpack("<" + _FORMATS[kind])
+            value = w.unpack("<" + _FORMATS[kind])
         else:
             w.fail(f"metadata {key} has a value of unknown type {kind}")
-    return metadata
+        yield key, value
 
 
 def _tensor_entry(w: _Walk) -> tuple[str, tuple[int, ...], int, int]:
