@@ -78,11 +78,17 @@ def test_snapkv_compresses_the_global_layers_at_prefill(result):
     assert row.loss_by_position[0] == pytest.approx(ref.loss_by_position[0], abs=1e-4)
 
 
-@pytest.mark.parametrize("name", ["snapkv:0.5", "h2o:4+4"])
-def test_a_kind_that_chooses_by_attention_is_refused_on_every_layer(name):
-    with pytest.raises(ValueError, match="expected --sliding model for it") as err:
-        quality.with_sliding([parse_cache_spec(name)], ["model", "full"])
-    assert "\n" not in str(err.value)
+@pytest.mark.parametrize("name", ["snapkv:0.5:w8", "h2o:8+8"])
+def test_a_kind_that_chooses_by_attention_runs_on_every_layer_seeing_the_banded_weights(
+        model, ids, name):
+    # On every layer a sliding layer's band is applied around the kind, which is still shown
+    # the weights it ranks keys by: it cuts the sliding layers' history as it cuts the global.
+    runs = quality.with_sliding([parse_cache_spec(name)], ["full"])
+    row = quality.evaluate(model, ids, runs, prompt_len=PROMPT).cache(runs[0].name)
+    held = N - 1
+    assert row.bytes_by_kind["sliding"] < SLIDING * held * POSITION
+    assert row.bytes_by_kind["full"] < FULL * held * POSITION
+    assert math.isfinite(row.kl_mean) and row.kl_mean > 0
 
 
 def test_the_first_token_share_is_zero_where_the_window_has_passed_it(result):

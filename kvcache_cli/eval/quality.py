@@ -251,19 +251,11 @@ def with_sliding(specs: Sequence[CacheSpec], choices: Sequence[str]
     spec on the full-attention layers, the sliding ones in exact rings of their window),
     and for "full" a maker of the spec on every layer, the sliding ones holding every
     position under their band (`<spec> all layers`). The exact reference is never repeated:
-    on every layer it would be the same function at more bytes.
-
-    A kind that picks what to keep from attention (a compressing one, H2O) is refused on
-    every layer, a ValueError naming it: the sliding layers' band reads their keys itself,
-    so such a kind never sees their attention (it runs on the global layers)."""
-    from kvcache_cli.caches import cache_class, make_cache
+    on every layer it would be the same function at more bytes. A kind that picks what to keep
+    from attention (a compressing one, H2O) sees each sliding layer's banded weights."""
+    from kvcache_cli.caches import make_cache
 
     def everywhere(spec: CacheSpec) -> CacheMaker:
-        if spec.info.compresses or cache_class(spec).wants_attention is True:
-            raise ValueError(f"cache {str(spec)!r} on every layer (--sliding full): it "
-                             "chooses its keys by attention, which a sliding layer's band "
-                             "does not hand it; expected --sliding model for it (it then "
-                             "cuts the global layers)")
         return CacheMaker(f"{spec}{ALL_LAYERS}",
                           lambda model, n: make_cache(spec, model, n, sliding="full"))
 
