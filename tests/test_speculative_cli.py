@@ -167,3 +167,21 @@ def test_bench_prompts_a_shipped_checkpoint_with_its_held_out_text():
     run = json.loads(got.stdout)
     assert run["prompt_tokens"] == 64 and run["note"] is None and all(run["identical"])
     assert len(heldout_bytes()) > 64
+
+
+def test_a_prompt_file_without_a_tokenizer_is_refused_as_bad_input(monkeypatch, capsys):
+    # Like generate's and eval's: tiktoken offline is a refusal (exit 2), not a crash (1).
+    from types import SimpleNamespace
+
+    import typer
+
+    import kvcache_cli.models.tokenizer as tokenizer
+    from kvcache_cli.cli.prompt_file import prompt_ids
+    from kvcache_cli.models.gpt2 import GPT2_VOCAB_SIZE
+
+    monkeypatch.setattr(tokenizer, "gpt2_encoding", lambda: (None, "tiktoken is not installed"))
+    gpt2 = SimpleNamespace(config=SimpleNamespace(tokenizer="bpe", vocab_size=GPT2_VOCAB_SIZE))
+    with pytest.raises(typer.Exit) as exit_:
+        prompt_ids(gpt2, "hello")
+    assert exit_.value.exit_code == 2
+    assert capsys.readouterr().err == "error: --prompt-file: tiktoken is not installed\n"

@@ -33,5 +33,5 @@ def prompt_ids(model, text: str) -> list[int]:
              "and it reads no bytes: no tokenizer for its text")
     encoding, why = gpt2_encoding()
     if encoding is None:
-        fail(f"--prompt-file: {why}", code=1)
+        fail(f"--prompt-file: {why}")
     return encoding.encode(text, disallowed_special=())
