@@ -75,6 +75,14 @@ def test_the_tied_head_gets_its_own_copy_and_the_embedding_keeps_its_dtype():
     assert model.lm_head.weight.data_ptr() != model.transformer.wte.weight.data_ptr()
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "int8"])
+def test_a_stored_format_counts_the_parameters_it_stands_for(fmt):
+    # int8 holds its matrices as buffers and bf16 unties the head: the header's count is
+    # still the model's, the float32 one, not what `parameters()` happens to hold.
+    floats = sum(p.numel() for p in tiny().parameters())
+    assert set_weights_dtype(tiny(), fmt).num_params() == floats == CONFIG.param_count()
+
+
 def test_int8_greedy_tokens_vary_and_run_through_every_cache_loop():
     model = set_weights_dtype(tiny(), "int8")
     ids = prompt()[0].tolist()

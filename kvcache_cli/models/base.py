@@ -93,7 +93,10 @@ class FamilyModel(nn.Module):
         return self.embedding.weight.dtype
 
     def num_params(self) -> int:
-        return sum(p.numel() for p in self.parameters())  # tied weights counted once
+        """The model's parameters, a tied head counted once: its config's count, since a
+        product stored in another format (int8, q4, a GGUF's blocks) holds buffers, not
+        parameters, and would drop out of a count of `parameters()`."""
+        return self.config.param_count()
 
     def checkpoint_names(self, state: dict[str, Tensor]) -> None:
         """Weights named as the model holds them renamed, in place, as its checkpoints

@@ -79,8 +79,10 @@ class GPTConfig:
         return CacheShape(self.n_layer, self.n_kv_head, self.head_size, self.context)
 
     def param_count(self) -> int:
-        """12 C^2 a layer (attention 4 C^2, MLP 8 C^2) and the embeddings, biases aside."""
-        return 12 * self.n_layer * self.n_embd**2 + (self.vocab_size + self.context) * self.n_embd
+        """12 C^2 a layer (attention 4 C^2, MLP 8 C^2) with its 13 C of biases and norms, the
+        embeddings (the head tied to the token one) and the final norm."""
+        C = self.n_embd
+        return self.n_layer * (12 * C * C + 13 * C) + (self.vocab_size + self.context) * C + 2 * C
 
     def decode_flops(self, context: int) -> int:
         """FLOPs of one token's step at `context` cached positions: 2 per weight of every
