@@ -280,3 +280,88 @@ extern "C" int attend_half(const float* q, const uint16_t* k, const uint16_t* v,
     }, m_out, l_out, acc_out);
     return 0;
 }
+
+// Per-token affine codes of new tokens, written where the cache keeps them: quantized.py's
+// `quantise` and `pack` in one pass, bit for bit, so a decoding step stores its token in
+// one call instead of some twenty small torch ops a layer. The same float32 operations in
+// the same order; compiled without fast math here, whose reciprocals (x * (1 / s) for
+// x / s) would move a code by one now and then.
+#ifdef __clang__
+#pragma float_control(precise, on, push)
+#define EXACT_MATH
+#else
+#define EXACT_MATH __attribute__((optimize("no-fast-math")))
+#endif
+
+namespace {
+
+// numpy's and torch's nextafter on a float16, from h one step towards `to`.
+EXACT_MATH inline _Float16 half_towards(_Float16 h, _Float16 to) {
+    if (h == to) return to;
+    uint16_t b;
+    std::memcpy(&b, &h, sizeof b);
+    const bool negative = b & 0x8000, zero = (b & 0x7fff) == 0;
+    if (zero) b = to > h ? 0x0001 : 0x8001;  // the smallest subnormal of to's sign
+    else if ((to > h) != negative) ++b;      // away from zero
+    else --b;                                // towards zero
+    std::memcpy(&h, &b, sizeof b);
+    return h;
+}
+
+// One group of G numbers: its codes (unpacked), scale and zero point.
+EXACT_MATH void quantise_group(const float* x, int64_t G, int levels, uint8_t* q, _Float16* scale,
+                               _Float16* zero) {
+    float lo = x[0], hi = x[0];
+    for (int64_t d = 1; d < G; ++d) {
+        lo = x[d] < lo ? x[d] : lo;
+        hi = x[d] > hi ? x[d] : hi;
+    }
+    _Float16 z = static_cast<_Float16>(lo);
+    if (static_cast<float>(z) > lo) z = half_towards(z, static_cast<_Float16>(-65504.f));
+    const float zf = static_cast<float>(z);
+    float span = (hi - zf) / static_cast<float>(levels);
+    span = span < 0x1p-24f ? 0x1p-24f : span;  // float16's smallest step
+    _Float16 s = static_cast<_Float16>(span);
+    if (static_cast<float>(s) < span) s = half_towards(s, static_cast<_Float16>(65504.f));
+    const float sf = static_cast<float>(s);
+    for (int64_t d = 0; d < G; ++d) {
+        float c = std::nearbyint((x[d] - zf) / sf);  // to nearest, ties to even: torch's round
+        c = c < 0.f ? 0.f : (c > levels ? static_cast<float>(levels) : c);
+        q[d] = static_cast<uint8_t>(c);
+    }
+    *scale = s;
+    *zero = z;
+}
+
+}  // namespace
+
+// x (rows, T, hs) float32, a row's tokens contiguous, x_row elements from one row to the next;
+// codes (rows, T, hs * bits / 8) and scale, zero (rows, T, hs / G) likewise, c_row, s_row and
+// z_row apart: each group of G numbers of a token quantised to bits, packed 8 / bits a byte.
+extern "C" EXACT_MATH int quantise_tokens(const float* x, int64_t x_row, int64_t rows, int64_t T,
+                                          int64_t hs, int64_t bits, int64_t G, uint8_t* codes,
+                                          int64_t c_row, _Float16* scale, int64_t s_row,
+                                          _Float16* zero, int64_t z_row) {
+    if ((bits != 8 && bits != 4 && bits != 2) || hs % G) return 1;
+    const int per = 8 / bits, levels = (1 << bits) - 1;
+    const int64_t width = hs * bits / 8, J = hs / G;
+    std::vector<uint8_t> q(hs);
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t t = 0; t < T; ++t) {
+            const float* xt = x + r * x_row + t * hs;
+            for (int64_t j = 0; j < J; ++j)
+                quantise_group(xt + j * G, G, levels, q.data() + j * G,
+                               scale + r * s_row + t * J + j, zero + r * z_row + t * J + j);
+            uint8_t* out = codes + r * c_row + t * width;
+            for (int64_t i = 0; i < width; ++i) {
+                int byte = 0;
+                for (int k = 0; k < per; ++k) byte |= q[i * per + k] << (k * bits);
+                out[i] = static_cast<uint8_t>(byte);
+            }
+        }
+    return 0;
+}
+
+#ifdef __clang__
+#pragma float_control(pop)
+#endif

@@ -1,5 +1,5 @@
 """Attention over a quantised cache's codes, or a half-precision cache's numbers, in one C++
-kernel (`code_attention.cpp`).
+kernel (`code_attention.cpp`); and the new tokens' per-token codes, stored in one call.
 
 A decoding token's attention reads every cached key and value once: what decides its time
 is how many bytes it reads and what it does to each. In torch the integer caches had to
@@ -9,6 +9,11 @@ the scales into the query and the weights, and keeps the softmax's partial sums
 (flash-decoding's m, l, acc), so the full-precision sinks and tail merge in exactly. A
 half-precision cache (`caches.half`) is read the same way: 2 bytes a number, each row widened
 to float32 as it is read (`attend_half`), so no float32 copy of the history is made.
+
+Storing a decoding token's codes took some twenty small torch ops a layer (the groups'
+minimum and maximum, the float16 rounding of scale and zero point, round, clamp, pack, an
+append per tensor), a fixed cost a step that no context length amortises; `quantise_tokens`
+does the same arithmetic in one pass, bit for bit, straight into the cache's buffers.
 
 It is built at first use with the machine's C++ compiler (`caches.native`, about a
 second) and loaded with ctypes. Where it cannot be built (no compiler, another CPU),
@@ -44,6 +49,9 @@ def kernel() -> ctypes.CDLL | None:
     lib.attend_half.restype = ctypes.c_int
     lib.attend_half.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 8 + \
         [ctypes.c_void_p] * 3
+    lib.quantise_tokens.restype = ctypes.c_int
+    lib.quantise_tokens.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 6 + \
+        [ctypes.c_void_p, ctypes.c_int64] * 3
     return lib
 
 
@@ -100,3 +108,21 @@ def attend_half(qr: Tensor, keys: Tensor, values: Tensor) -> tuple[Tensor, Tenso
         B * nkv, n, g, hs, HALF_FLAGS[keys.dtype], torch.get_num_threads(),
         m.data_ptr(), l_sum.data_ptr(), acc.data_ptr())
     return m, l_sum, acc
+
+
+def quantise_tokens(x: Tensor, codes: Tensor, scale: Tensor, zero: Tensor, bits: int,
+                    G: int) -> None:
+    """`quantized._Tokens.encode` of x (B, nkv, T, hs) written in place, bit for bit: codes
+    (B, nkv, T, hs * bits / 8) uint8, scale and zero (B, nkv, T, hs / G) float16, each a
+    view whose rows (the token axis) are contiguous, as `_Rows.claim` hands them out."""
+    B, nkv, T, hs = x.shape
+    x = x.float().contiguous()  # (B, nkv, T, hs): row b * nkv + h at T * hs times that
+    for t in (codes, scale, zero):
+        assert t.stride(-1) == 1 and t.stride(-2) == t.size(-1) and \
+            t.stride(0) == nkv * t.stride(1), t.stride()
+    status = kernel().quantise_tokens(
+        x.data_ptr(), T * hs, B * nkv, T, hs, bits, G, codes.data_ptr(), codes.stride(1),
+        scale.data_ptr(), scale.stride(1), zero.data_ptr(), zero.stride(1))
+    if status:
+        raise ValueError(f"quantising tokens: {bits}-bit codes in groups of {G} of {hs} "
+                         "are not supported")
