@@ -8,9 +8,11 @@
 // has it; bf16 is float32's top half, a shift), every product and sum in float32.
 //
 // For each row b * nkv + h of the cache and each of its g query heads, over the n quantised
-// tokens only (the caller adds the full-precision sinks and tail): the softmax's partial
-// sums as flash-decoding keeps them, m = the largest score, l = sum exp(score - m) and
-// acc = sum exp(score - m) * v, so the caller merges them with its own scores exactly.
+// tokens and, where the caller passes them, the full-precision sinks and tail (float32,
+// fp16 or bf16 rows, read as `attend_half` reads its own): the softmax's partial sums as
+// flash-decoding keeps them, m = the largest score, l = sum exp(score - m) and
+// acc = sum exp(score - m) * v, so y = acc / l, or the caller merges them with its own
+// scores exactly (a rotated cache's codes are read with a rotated query, its tail is not).
 //
 // Codes are affine, x = c * scale + zero (quantized.py's layout): values per token, a scale
 // and zero per G channels; keys per token likewise, or per channel (KIVI), a scale and zero
@@ -160,18 +162,27 @@ void sized(const float* q, const Cache& c, int64_t row, int64_t a, int64_t b, in
     else block<bits, 0, 0>(q, c, row, a, b, g, hs, G, key_channels, m, l, acc);
 }
 
-// Every (row, block of kBlock tokens) item's partial sums by `part(row, a, b, m, l, acc)`,
-// over 2 threads or more, then each row's blocks merged into m_out, l_out, acc_out.
+// Every (row, segment, block of kBlock tokens) item's partial sums by
+// `part(row, segment, a, b, m, l, acc)`, over 2 threads or more, then each row's blocks merged
+// into m_out, l_out, acc_out. A segment is a run of tokens read alike: `attend_codes`' codes,
+// sinks and tail; lengths[i] tokens in segment i.
 template <class Part>
-void over_blocks(int64_t rows, int64_t n, int64_t g, int64_t hs, int64_t threads, Part part,
-                 float* m_out, float* l_out, float* acc_out) {
-    const int64_t blocks = (n + kBlock - 1) / kBlock, items = rows * blocks;
+void over_blocks(int64_t rows, const std::vector<int64_t>& lengths, int64_t g, int64_t hs,
+                 int64_t threads, Part part, float* m_out, float* l_out, float* acc_out) {
+    std::vector<int64_t> seg, first;  // each block of a row: its segment and first token
+    for (size_t i = 0; i < lengths.size(); ++i)
+        for (int64_t a = 0; a < lengths[i]; a += kBlock) {
+            seg.push_back(static_cast<int64_t>(i));
+            first.push_back(a);
+        }
+    const int64_t blocks = static_cast<int64_t>(seg.size()), items = rows * blocks;
     std::vector<float> m(items * g), l(items * g), acc(items * g * hs);
 #pragma omp parallel for schedule(dynamic) num_threads(threads)
     for (int64_t item = 0; item < items; ++item) {
-        const int64_t row = item / blocks, a = item % blocks * kBlock;
-        const int64_t b = a + kBlock < n ? a + kBlock : n;
-        part(row, a, b, m.data() + item * g, l.data() + item * g, acc.data() + item * g * hs);
+        const int64_t row = item / blocks, k = item % blocks, a = first[k];
+        const int64_t b = a + kBlock < lengths[seg[k]] ? a + kBlock : lengths[seg[k]];
+        part(row, seg[k], a, b, m.data() + item * g, l.data() + item * g,
+             acc.data() + item * g * hs);
     }
     for (int64_t row = 0; row < rows; ++row)  // the blocks' partial sums, merged
         for (int64_t i = 0; i < g; ++i) {
@@ -191,15 +202,22 @@ void over_blocks(int64_t rows, int64_t n, int64_t g, int64_t hs, int64_t threads
         }
 }
 
-// One row of hs half-precision numbers widened to float32.
-template <bool bf16>
-inline void widen_row(const uint16_t* x, float* out, int64_t hs) {
-    if constexpr (bf16) {
+// Numbers kept at full precision, by the flag the kernel takes: float16, bfloat16, float32.
+enum Format { kF16 = 0, kBF16 = 1, kF32 = 2 };
+
+// One row of hs stored numbers widened to float32.
+template <int fmt>
+inline void widen_row(const void* row, float* out, int64_t hs) {
+    if constexpr (fmt == kF32) {
+        std::memcpy(out, row, hs * sizeof(float));
+    } else if constexpr (fmt == kBF16) {
+        const uint16_t* x = static_cast<const uint16_t*>(row);
         for (int64_t d = 0; d < hs; ++d) {  // bf16 is the top 16 bits of a float32
             const uint32_t bits = static_cast<uint32_t>(x[d]) << 16;
             std::memcpy(out + d, &bits, sizeof bits);
         }
     } else {
+        const uint16_t* x = static_cast<const uint16_t*>(row);
         int64_t d = 0;
 #ifdef __F16C__
         for (; d + 8 <= hs; d += 8)
@@ -214,14 +232,19 @@ inline void widen_row(const uint16_t* x, float* out, int64_t hs) {
     }
 }
 
-// The partial sums of g queries over half-precision tokens a .. b - 1 of one cache row.
-template <bool bf16, int HS>
-void half_block(const float* q, const uint16_t* k, const uint16_t* v, int64_t a, int64_t b,
+template <int fmt>
+constexpr int64_t kBytes = fmt == kF32 ? 4 : 2;
+
+// The partial sums of g queries over stored tokens a .. b - 1 of one cache row.
+template <int fmt, int HS>
+void half_block(const float* q, const void* k_, const void* v_, int64_t a, int64_t b,
                 int64_t g, int64_t hs_, float* m_out, float* l_out, float* acc_out) {
-    const int64_t hs = HS ? HS : hs_, len = b - a;
+    const int64_t hs = HS ? HS : hs_, len = b - a, bytes = hs * kBytes<fmt>;
+    const char* k = static_cast<const char*>(k_);
+    const char* v = static_cast<const char*>(v_);
     std::vector<float> scores(g * len), x(hs);
     for (int64_t t = a; t < b; ++t) {
-        widen_row<bf16>(k + t * hs, x.data(), hs);
+        widen_row<fmt>(k + t * bytes, x.data(), hs);
         for (int64_t i = 0; i < g; ++i) {
             float s = 0.f;
             for (int64_t d = 0; d < hs; ++d) s += q[i * hs + d] * x[d];
@@ -230,7 +253,7 @@ void half_block(const float* q, const uint16_t* k, const uint16_t* v, int64_t a,
     }
     block_softmax(scores.data(), g, len, hs, m_out, l_out, acc_out);
     for (int64_t t = a; t < b; ++t) {
-        widen_row<bf16>(v + t * hs, x.data(), hs);
+        widen_row<fmt>(v + t * bytes, x.data(), hs);
         for (int64_t i = 0; i < g; ++i) {
             const float p = scores[i * len + t - a];
             float* acc = acc_out + i * hs;
@@ -239,27 +262,51 @@ void half_block(const float* q, const uint16_t* k, const uint16_t* v, int64_t a,
     }
 }
 
-template <bool bf16>
-void half_sized(const float* q, const uint16_t* k, const uint16_t* v, int64_t a, int64_t b,
-                int64_t g, int64_t hs, float* m, float* l, float* acc) {
-    if (hs == 64) half_block<bf16, 64>(q, k, v, a, b, g, hs, m, l, acc);
-    else if (hs == 128) half_block<bf16, 128>(q, k, v, a, b, g, hs, m, l, acc);
-    else half_block<bf16, 0>(q, k, v, a, b, g, hs, m, l, acc);
+template <int fmt>
+void half_sized(const float* q, const void* k, const void* v, int64_t a, int64_t b, int64_t g,
+                int64_t hs, float* m, float* l, float* acc) {
+    if (hs == 64) half_block<fmt, 64>(q, k, v, a, b, g, hs, m, l, acc);
+    else if (hs == 128) half_block<fmt, 128>(q, k, v, a, b, g, hs, m, l, acc);
+    else half_block<fmt, 0>(q, k, v, a, b, g, hs, m, l, acc);
+}
+
+// Row `row` of stored keys and values, `stride` elements apart, in format fmt.
+void stored_block(int64_t fmt, const float* q, const void* k, const void* v, int64_t stride,
+                  int64_t row, int64_t a, int64_t b, int64_t g, int64_t hs, float* m, float* l,
+                  float* acc) {
+    const int64_t at = row * stride * (fmt == kF32 ? 4 : 2);  // bytes to the row
+    const char* kr = static_cast<const char*>(k) + at;
+    const char* vr = static_cast<const char*>(v) + at;
+    if (fmt == kF32) half_sized<kF32>(q, kr, vr, a, b, g, hs, m, l, acc);
+    else if (fmt == kBF16) half_sized<kBF16>(q, kr, vr, a, b, g, hs, m, l, acc);
+    else half_sized<kF16>(q, kr, vr, a, b, g, hs, m, l, acc);
 }
 
 }  // namespace
 
+// full: the sinks' and the tail's keys and values (rows, s or t, hs) at full precision, format
+// fmt, a row's tokens contiguous, sink_row / tail_row elements from one row to the next; they
+// join the codes' partial sums in the same pass (s = t = 0: the codes alone).
 extern "C" int attend_codes(const float* q, const uint8_t* kc, const _Float16* ks,
                             const _Float16* kz, const uint8_t* vc, const _Float16* vs,
                             const _Float16* vz, int64_t kc_row, int64_t vc_row, int64_t ks_row,
                             int64_t vs_row, int64_t rows, int64_t n, int64_t g, int64_t hs,
                             int64_t bits, int64_t G, int64_t key_channels, int64_t threads,
-                            float* m_out, float* l_out, float* acc_out) {
+                            const void* sink_k, const void* sink_v, int64_t sink_row, int64_t s,
+                            const void* tail_k, const void* tail_v, int64_t tail_row, int64_t t,
+                            int64_t fmt, float* m_out, float* l_out, float* acc_out) {
     if (bits != 8 && bits != 4 && bits != 2) return 1;
     const Cache c{kc, vc, ks, kz, vs, vz, kc_row, vc_row, ks_row, vs_row};
-    over_blocks(rows, n, g, hs, threads, [&](int64_t row, int64_t a, int64_t b, float* mo,
-                                             float* lo, float* ao) {
-        if (bits == 8) sized<8>(q, c, row, a, b, g, hs, G, key_channels, mo, lo, ao);
+    over_blocks(rows, {n, s, t}, g, hs, threads, [&](int64_t row, int64_t seg, int64_t a,
+                                                      int64_t b, float* mo, float* lo,
+                                                      float* ao) {
+        if (seg == 1)
+            stored_block(fmt, q + row * g * hs, sink_k, sink_v, sink_row, row, a, b, g, hs, mo,
+                         lo, ao);
+        else if (seg == 2)
+            stored_block(fmt, q + row * g * hs, tail_k, tail_v, tail_row, row, a, b, g, hs, mo,
+                         lo, ao);
+        else if (bits == 8) sized<8>(q, c, row, a, b, g, hs, G, key_channels, mo, lo, ao);
         else if (bits == 4) sized<4>(q, c, row, a, b, g, hs, G, key_channels, mo, lo, ao);
         else sized<2>(q, c, row, a, b, g, hs, G, key_channels, mo, lo, ao);
     }, m_out, l_out, acc_out);
@@ -272,11 +319,11 @@ extern "C" int attend_half(const float* q, const uint16_t* k, const uint16_t* v,
                            int64_t v_row, int64_t rows, int64_t n, int64_t g, int64_t hs,
                            int64_t bf16, int64_t threads, float* m_out, float* l_out,
                            float* acc_out) {
-    over_blocks(rows, n, g, hs, threads, [&](int64_t row, int64_t a, int64_t b, float* mo,
-                                             float* lo, float* ao) {
+    over_blocks(rows, {n}, g, hs, threads, [&](int64_t row, int64_t, int64_t a, int64_t b,
+                                               float* mo, float* lo, float* ao) {
         const float* qr = q + row * g * hs;
-        if (bf16) half_sized<true>(qr, k + row * k_row, v + row * v_row, a, b, g, hs, mo, lo, ao);
-        else half_sized<false>(qr, k + row * k_row, v + row * v_row, a, b, g, hs, mo, lo, ao);
+        if (bf16) half_sized<kBF16>(qr, k + row * k_row, v + row * v_row, a, b, g, hs, mo, lo, ao);
+        else half_sized<kF16>(qr, k + row * k_row, v + row * v_row, a, b, g, hs, mo, lo, ao);
     }, m_out, l_out, acc_out);
     return 0;
 }

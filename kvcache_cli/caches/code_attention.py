@@ -45,6 +45,7 @@ def kernel() -> ctypes.CDLL | None:
         return None
     lib.attend_codes.restype = ctypes.c_int
     lib.attend_codes.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 12 + \
+        ([ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2) * 2 + [ctypes.c_int64] + \
         [ctypes.c_void_p] * 3
     lib.attend_half.restype = ctypes.c_int
     lib.attend_half.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 8 + \
@@ -57,13 +58,16 @@ def kernel() -> ctypes.CDLL | None:
 
 def attend_codes(qr: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: Tensor,
                  v_codes: Tensor, v_scale: Tensor, v_zero: Tensor, bits: int, G: int,
-                 per_channel: bool) -> tuple[Tensor, Tensor, Tensor]:
+                 per_channel: bool, full: tuple[Tensor, ...] = ()
+                 ) -> tuple[Tensor, Tensor, Tensor]:
     """Softmax partial sums over the quantised tokens, for queries qr (B, nkv, g, hs) in
     float32, already scaled by 1 / sqrt(hs) (and rotated where the codes are):
     m, l (B, nkv, g) and acc (B, nkv, g, hs), with y = acc / l over these tokens alone.
     Codes (B, nkv, n, hs * bits / 8) uint8; key scales and zeros (B, nkv, n, hs / G) per
     token or (B, nkv, n / G, hs) per channel, value ones (B, nkv, n, hs / G), float16;
-    each a view whose rows (the token axis) are contiguous."""
+    each a view whose rows (the token axis) are contiguous. `full`: the sinks' keys and
+    values and the tail's, (B, nkv, s, hs) and (B, nkv, t, hs) in one of FULL_FLAGS'
+    dtypes, read with the same queries in the same pass; y is then over every token."""
     B, nkv, g, hs = qr.shape
     n = k_codes.size(2)
     q = qr.contiguous()
@@ -73,19 +77,37 @@ def attend_codes(qr: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: Tensor,
     for t in (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero):
         # rows of one (b, h) reached by one stride: true of the growing buffers' views
         assert t.stride(-1) == 1 and t.stride(0) == nkv * t.stride(1), t.stride()
+    sink_k, sink_v = _stored(*full[:2]) if full else (k_codes[:, :, :0],) * 2  # none: n 0
+    tail_k, tail_v = _stored(*full[2:]) if full else (k_codes[:, :, :0],) * 2
     status = kernel().attend_codes(
         q.data_ptr(), k_codes.data_ptr(), k_scale.data_ptr(), k_zero.data_ptr(),
         v_codes.data_ptr(), v_scale.data_ptr(), v_zero.data_ptr(),
         k_codes.stride(1), v_codes.stride(1), k_scale.stride(1), v_scale.stride(1),
         B * nkv, n, g, hs, bits, G, int(per_channel), torch.get_num_threads(),
+        sink_k.data_ptr(), sink_v.data_ptr(), sink_k.size(2) * hs, sink_k.size(2),
+        tail_k.data_ptr(), tail_v.data_ptr(), tail_k.size(2) * hs, tail_k.size(2),
+        FULL_FLAGS.get(tail_k.dtype, 0),
         m.data_ptr(), l_sum.data_ptr(), acc.data_ptr())
     if status:
         raise ValueError(f"attention over codes: {bits}-bit codes are not supported")
     return m, l_sum, acc
 
 
-# The half-precision storage the kernel reads, by the flag it takes.
+# The half-precision storage the kernel reads, by the flag it takes; and float32, which a
+# quantised cache's sinks and tail may be kept in beside its codes.
 HALF_FLAGS = {torch.float16: 0, torch.bfloat16: 1}
+FULL_FLAGS = {**HALF_FLAGS, torch.float32: 2}
+
+
+def _stored(*pair: Tensor) -> tuple[Tensor, Tensor]:
+    """Keys, values (B, nkv, n, hs) as the kernel reads them, row (b, h) at (b * nkv + h) *
+    n * hs elements: copied contiguous where a view's are not (a sink sliced from a
+    prefill's keys, a tail cropped in place)."""
+    B, nkv, n, hs = pair[0].shape
+    stride = n * hs  # of a contiguous tensor; size-1 dimensions' strides do not count
+    return tuple(t if (B == 1 or t.stride(0) == nkv * stride) and
+                 (nkv == 1 or t.stride(1) == stride) and (n <= 1 or t.stride(2) == hs) and
+                 t.stride(3) == 1 else t.contiguous() for t in pair)
 
 
 def attend_half(qr: Tensor, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor, Tensor]:

@@ -373,20 +373,23 @@ class QuantizedCache(KVCache):
         return self._attend(L, q)
 
     def _attend_kernel(self, L: _IntLayer, q: Tensor) -> Tensor:
-        """`_attend` in one C++ kernel (`code_attention`): the codes read as bytes, once.
-        Its partial softmax sums over the codes merge with the sinks' and the tail's
-        scores here; with `rot` the query is rotated and the values' sum unrotated."""
+        """`_attend` in one C++ kernel (`code_attention`): the codes read as bytes, once,
+        and the sinks and the tail in the same pass, so a step's attention is one call.
+        With `rot` the codes are read with the rotated query and their values' sum
+        unrotated, and merged with the sinks' and the tail's scores here."""
         B, nh, _, hs = q.shape
         nkv = L.tail_k.size(1)
         qg = q.float().view(B, nkv, nh // nkv, hs) / math.sqrt(hs)  # (B, nkv, g, hs)
-        qr = qg if self.rotation is None else self.rotation.rotate(qg)
+        codes = (L.k_codes, L.k_scale, L.k_zero, L.v_codes, L.v_scale, L.v_zero, self.bits,
+                 self.group, self.per_channel)
+        if self.rotation is None and L.tail_k.dtype in code_attention.FULL_FLAGS:
+            _, total, acc = code_attention.attend_codes(
+                qg, *codes, full=(L.sink_k, L.sink_v, L.tail_k, L.tail_v))  # every token
+            return (acc / total[..., None]).view(B, nh, 1, hs).to(q.dtype)
         m, total, acc = code_attention.attend_codes(
-            qr, L.k_codes, L.k_scale, L.k_zero, L.v_codes, L.v_scale, L.v_zero, self.bits,
-            self.group, self.per_channel)  # (B, nkv, g), (B, nkv, g), (B, nkv, g, hs)
+            qg if self.rotation is None else self.rotation.rotate(qg), *codes)
         if self.rotation is not None:
             acc = self.rotation.unrotate(acc)
-        if L.sink_k.size(2) + L.tail_k.size(2) == 0:  # every token in codes (int8's r0)
-            return (acc / total[..., None]).view(B, nh, 1, hs).to(q.dtype)  # what the merge gives
         keys = _cat(L.sink_k, L.tail_k).float()  # (B, nkv, s + t, hs): full precision
         values = _cat(L.sink_v, L.tail_v).float()
         scores = qg @ keys.transpose(-1, -2)  # (B, nkv, g, s + t)
