@@ -16,9 +16,10 @@
 //
 // Codes are affine, x = c * scale + zero (quantized.py's layout): values per token, a scale
 // and zero per G channels; keys per token likewise, or per channel (KIVI), a scale and zero
-// per channel and G tokens. The scales never multiply a code: per-token key scales multiply
-// a group's dot product, per-channel ones fold into the query once per G tokens, and value
-// scales fold into the weights. Codes are packed 8 / bits to a byte, the first in the
+// per channel and G tokens. A per-token key is dequantised as it is read (hs multiply-adds,
+// then one dot product a query: 3-8% faster than one a group, whose lanes are summed as
+// often again); per-channel key scales fold into the query once per G tokens, and value
+// scales into the weights. Codes are packed 8 / bits to a byte, the first in the
 // lowest bits. Work is split over (row, block of tokens), so 2 threads share 3 KV heads
 // evenly; the blocks' partial sums are merged at the end.
 
@@ -83,7 +84,7 @@ void block(const float* q, const Cache& c, int64_t row, int64_t a, int64_t b, in
            float* acc_out) {
     const int64_t hs = HS ? HS : hs_, G = GS ? GS : G_;
     const int64_t width = hs * bits / 8, J = hs / G, len = b - a;
-    std::vector<float> scores(g * len), code(hs), qs(g * hs), offset(g), qsum(g * J), zacc(g * J, 0.f);
+    std::vector<float> scores(g * len), code(hs), qs(g * hs), offset(g), zacc(g * J, 0.f);
     const uint8_t* kc = c.kc + row * c.kc_row;
     const uint8_t* vc = c.vc + row * c.vc_row;
     const _Float16* ks = c.ks + row * c.ks_row;
@@ -91,13 +92,6 @@ void block(const float* q, const Cache& c, int64_t row, int64_t a, int64_t b, in
     const _Float16* vs = c.vs + row * c.vs_row;
     const _Float16* vz = c.vz + row * c.vs_row;
     const float* qr = q + row * g * hs;
-    if (!key_channels)
-        for (int64_t i = 0; i < g; ++i)
-            for (int64_t j = 0; j < J; ++j) {
-                float s = 0.f;
-                for (int64_t d = 0; d < G; ++d) s += qr[i * hs + j * G + d];
-                qsum[i * J + j] = s;
-            }
     int64_t group = -1;
     for (int64_t t = a; t < b; ++t) {
         unpack_row<bits>(kc + t * width, code.data(), hs);
@@ -121,14 +115,16 @@ void block(const float* q, const Cache& c, int64_t row, int64_t a, int64_t b, in
                 scores[i * len + t - a] = s;
             }
         } else {
+            // the key dequantised once (hs multiply-adds), then one dot product a query: a
+            // dot product a group and query reduced across lanes as often again
+            for (int64_t j = 0; j < J; ++j) {
+                const float sc = static_cast<float>(ks[t * J + j]);
+                const float ze = static_cast<float>(kz[t * J + j]);
+                for (int64_t d = 0; d < G; ++d) code[j * G + d] = code[j * G + d] * sc + ze;
+            }
             for (int64_t i = 0; i < g; ++i) {
                 float s = 0.f;
-                for (int64_t j = 0; j < J; ++j) {
-                    float dot = 0.f;
-                    for (int64_t d = 0; d < G; ++d) dot += qr[i * hs + j * G + d] * code[j * G + d];
-                    s += static_cast<float>(ks[t * J + j]) * dot +
-                         static_cast<float>(kz[t * J + j]) * qsum[i * J + j];
-                }
+                for (int64_t d = 0; d < hs; ++d) s += qr[i * hs + d] * code[d];
                 scores[i * len + t - a] = s;
             }
         }
