@@ -17,8 +17,7 @@
 // Codes are affine, x = c * scale + zero (quantized.py's layout): values per token, a scale
 // and zero per G channels; keys per token likewise, or per channel (KIVI), a scale and zero
 // per channel and G tokens. A per-token key is dequantised as it is read (hs multiply-adds,
-// then one dot product a query: 3-8% faster than one a group, whose lanes are summed as
-// often again); per-channel key scales fold into the query once per G tokens, and value
+// then one dot product a query, where one a group summed its lanes as often again); per-channel key scales fold into the query once per G tokens, and value
 // scales into the weights. Codes are packed 8 / bits to a byte, the first in the
 // lowest bits. Work is split over (row, block of tokens), so 2 threads share 3 KV heads
 // evenly; the blocks' partial sums are merged at the end.

@@ -138,7 +138,8 @@ def quantise_tokens(x: Tensor, codes: Tensor, scale: Tensor, zero: Tensor, bits:
     (B, nkv, T, hs * bits / 8) uint8, scale and zero (B, nkv, T, hs / G) float16, each a
     view whose rows (the token axis) are contiguous, as `_Rows.claim` hands them out."""
     B, nkv, T, hs = x.shape
-    x = x.float().contiguous()  # (B, nkv, T, hs): row b * nkv + h at T * hs times that
+    x = (x if x.dtype == torch.float32 else x.float()).contiguous()  # (B, nkv, T, hs):
+    # row b * nkv + h at (b * nkv + h) * T * hs
     for t in (codes, scale, zero):
         assert t.stride(-1) == 1 and t.stride(-2) == t.size(-1) and \
             t.stride(0) == nkv * t.stride(1), t.stride()

@@ -299,6 +299,7 @@ class _IntLayer:
         self.sink_v = torch.empty(B, nkv, 0, hs, **fp)
         self.tail_k = torch.empty(B, nkv, 0, hs, **fp)  # (B, nkv, t, hs)
         self.tail_v = torch.empty(B, nkv, 0, hs, **fp)
+        self.none = torch.empty(B, nkv, 0, hs, **fp)  # an emptied tail: never written in place
         self.codes = {w: _Rows(B, nkv, width, device, torch.uint8) for w in "kv"}
         # Keys per channel: (B, nkv, Tq/G, hs); per token, as values: (B, nkv, Tq, hs/G).
         key_width = hs if per_channel else hs // G
@@ -421,13 +422,15 @@ class QuantizedCache(KVCache):
         out = (L.tail_k.size(2) - self.residual) // self.chunk * self.chunk
         if out <= 0:
             return
-        k, v = L.tail_k[:, :, :out], L.tail_v[:, :, :out]  # (B, nkv, out, hs)
+        whole = out == L.tail_k.size(2)  # every tail token leaves (int8's r0, each step)
+        k, v = (L.tail_k, L.tail_v) if whole else (L.tail_k[:, :, :out], L.tail_v[:, :, :out])
         if self.rotation is not None:
             k, v = self.rotation.rotate(k), self.rotation.rotate(v)
         self._encode(L, "k", k, self.keys)
         self._encode(L, "v", v, _Tokens)
         # clone: a slice would keep the whole old tail alive behind it.
-        L.tail_k, L.tail_v = L.tail_k[:, :, out:].clone(), L.tail_v[:, :, out:].clone()
+        L.tail_k, L.tail_v = (L.none, L.none) if whole else \
+            (L.tail_k[:, :, out:].clone(), L.tail_v[:, :, out:].clone())
         self.bytes_copied += nbytes(L.tail_k) + nbytes(L.tail_v)
 
     def _encode(self, L: _IntLayer, which: str, x: Tensor, axis) -> None:
