@@ -54,6 +54,30 @@ struct Cache {
     int64_t kc_row, vc_row, ks_row, vs_row;  // elements from one cache row (b, h) to the next
 };
 
+// e^x for x <= 0 (a score less the largest), within a unit in float32's last place, in
+// arithmetic a loop vectorises: with -fno-finite-math-only gcc defines no __FAST_MATH__, so
+// glibc declares no vector expf and std::exp was a scalar call for every score, a large share
+// of the kernel's time. Cephes' expf: e^x = 2^n * e^r, |r| <= ln 2 / 2, e^r by
+// its polynomial; below -87.3 (e^x under float's smallest normal) the smallest normal.
+inline float exp_nonpositive(float x) {
+    x = x < -87.3f ? -87.3f : x;
+    const float n = std::floor(x * 1.44269504088896341f + 0.5f);  // x / ln 2, rounded
+    // ln 2 in two parts, as fused multiply-adds: fast math would fold a plain x - n * a + n * b
+    // into x - n * (a - b) and lose the split's low bits (60 units in the last place at -68)
+    const float r = std::fma(n, 2.12194440e-4f, std::fma(n, -0.693359375f, x));
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.f;
+    const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;  // 2^n, n >= -126
+    float scale;
+    std::memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
 // HS and GS, when not 0, fix the head size and group size at compile time: the common
 // shapes' loops are then unrolled whole (a runtime length made them 2-3x slower).
 // A block's scores (g rows of len) turned in place into exp(s - m), with each row's max m
@@ -68,7 +92,7 @@ inline void block_softmax(float* scores, int64_t g, int64_t len, int64_t hs, flo
         for (int64_t t = 0; t < len; ++t) m = s[t] > m ? s[t] : m;
 #pragma omp simd reduction(+ : l)
         for (int64_t t = 0; t < len; ++t) {
-            s[t] = std::exp(s[t] - m);
+            s[t] = exp_nonpositive(s[t] - m);
             l += s[t];
         }
         m_out[i] = m;
