@@ -151,3 +151,78 @@ def test_the_kernel_steps_aside_in_one_line_where_it_cannot_be_built(monkeypatch
         assert words in code_attention.NOTE[-1] and "\n" not in code_attention.NOTE[-1]
         assert not list(tmp_path.glob("kernels/*.so"))  # nothing half-built left behind
     code_attention.kernel.cache_clear()  # the next caller builds it, where it can
+
+
+def _awkward(g: torch.Generator, T: int) -> torch.Tensor:
+    """(1, 3, T, 64) keys or values with what rounds near a boundary: constant groups,
+    values on the grid's half steps, signed zeros, tiny and large magnitudes."""
+    x = torch.randn(1, 3, T, 64, generator=g) * torch.logspace(-6, 4, T)[:, None]
+    x[:, 0, ::3, :32] = 0.25  # a constant group
+    x[:, 1, 1::3] = (x[:, 1, 1::3] * 4).round() / 8  # ties
+    x[:, 2, 2::3, ::2] = -0.0
+    return x
+
+
+@pytest.mark.parametrize("spec", ["int8", "int4:g16:ktok:r0", "int2:g8:kchan:r3:s1",
+                                  "int4:g32:ktok:r2:rot"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernel_stores_each_tokens_codes_as_torch_quantises_them(spec, dtype, monkeypatch):
+    # quantise_tokens against quantized.quantise: the same codes and scales bit for bit,
+    # the same zero points by value (a group whose minimum is zero may keep either sign).
+    if code_attention.kernel() is None:
+        pytest.skip(code_attention.NOTE[-1])
+    from kvcache_cli.caches.base import CacheShape
+    from kvcache_cli.caches.spec import parse_cache_spec
+
+    stores = []
+
+    def counted(*args, store=code_attention.quantise_tokens):
+        stores.append(args[0].size(2))
+        return store(*args)
+
+    monkeypatch.setattr(code_attention, "quantise_tokens", counted)
+    caches = []
+    for kernel in (code_attention.kernel, lambda: None):
+        monkeypatch.setattr(code_attention, "kernel", kernel)
+        cache = QuantizedCache.build(parse_cache_spec(spec), CacheShape(2, 3, 64, 512),
+                                     max_len=80, batch=1, device="cpu", dtype=dtype,
+                                     whole=False)
+        g = torch.Generator().manual_seed(2)
+        k, v = (_awkward(g, 80).to(dtype) for _ in range(2))  # (1, 3, 80, 64)
+        cache.update(0, 0, k[:, :, :40], v[:, :, :40])  # a prefill, then one token a step
+        for t in range(40, 80):
+            cache.update(0, t, k[:, :, t:t + 1], v[:, :, t:t + 1])
+        caches.append(cache.layers[0])
+    fused, torch_ = caches
+    assert len(stores) > 5  # the kernel stored the decoding tokens (values at least)
+    assert fused.quantised == torch_.quantised > 60
+    for a, b in zip(fused.tensors(), torch_.tensors(), strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)  # by value: -0.0 == 0.0
+    assert torch.equal(fused.k_scale.view(torch.int16), torch_.k_scale.view(torch.int16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_the_kernel_reads_a_half_precision_models_sinks_and_tail_in_place(dtype, monkeypatch):
+    # The sinks and the residual tail at the model's dtype join the codes' pass in the
+    # kernel (fp16 or bf16 rows widened as read); the torch path merges them apart.
+    if code_attention.kernel() is None:
+        pytest.skip(code_attention.NOTE[-1])
+    from kvcache_cli.caches.base import CacheShape
+    from kvcache_cli.caches.spec import parse_cache_spec
+
+    g = torch.Generator().manual_seed(3)
+    k, v = (torch.randn(1, 3, 600, 64, generator=g).to(dtype) for _ in range(2))
+    q = torch.randn(1, 9, 1, 64, generator=g).to(dtype)
+    got = []
+    for kernel in (code_attention.kernel, lambda: None):
+        monkeypatch.setattr(code_attention, "kernel", kernel)
+        cache = QuantizedCache.build(parse_cache_spec("int4:g32:kchan:r40:s4"),
+                                     CacheShape(1, 3, 64, 512), max_len=601, batch=1,
+                                     device="cpu", dtype=dtype, whole=False)
+        cache.update(0, 0, k, v)
+        got.append(cache.attend(0, q, k[:, :, :1], v[:, :, :1], Step(600, torch.tensor([600]))))
+    assert got[0].dtype == dtype
+    # float32 sums in two orders, each rounded once to the model's dtype: a unit of its
+    # last place at most, of the output or (near zero) of the largest output
+    eps = torch.finfo(dtype).eps
+    torch.testing.assert_close(got[0], got[1], rtol=eps, atol=eps * float(got[1].abs().max()))

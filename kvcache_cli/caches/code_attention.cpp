@@ -8,15 +8,17 @@
 // has it; bf16 is float32's top half, a shift), every product and sum in float32.
 //
 // For each row b * nkv + h of the cache and each of its g query heads, over the n quantised
-// tokens only (the caller adds the full-precision sinks and tail): the softmax's partial
-// sums as flash-decoding keeps them, m = the largest score, l = sum exp(score - m) and
-// acc = sum exp(score - m) * v, so the caller merges them with its own scores exactly.
+// tokens and, where the caller passes them, the full-precision sinks and tail (float32,
+// fp16 or bf16 rows, read as `attend_half` reads its own): the softmax's partial sums as
+// flash-decoding keeps them, m = the largest score, l = sum exp(score - m) and
+// acc = sum exp(score - m) * v, so y = acc / l, or the caller merges them with its own
+// scores exactly (a rotated cache's codes are read with a rotated query, its tail is not).
 //
 // Codes are affine, x = c * scale + zero (quantized.py's layout): values per token, a scale
 // and zero per G channels; keys per token likewise, or per channel (KIVI), a scale and zero
-// per channel and G tokens. The scales never multiply a code: per-token key scales multiply
-// a group's dot product, per-channel ones fold into the query once per G tokens, and value
-// scales fold into the weights. Codes are packed 8 / bits to a byte, the first in the
+// per channel and G tokens. A per-token key is dequantised as it is read (hs multiply-adds,
+// then one dot product a query, where one a group summed its lanes as often again); per-channel key scales fold into the query once per G tokens, and value
+// scales into the weights. Codes are packed 8 / bits to a byte, the first in the
 // lowest bits. Work is split over (row, block of tokens), so 2 threads share 3 KV heads
 // evenly; the blocks' partial sums are merged at the end.
 
@@ -52,6 +54,30 @@ struct Cache {
     int64_t kc_row, vc_row, ks_row, vs_row;  // elements from one cache row (b, h) to the next
 };
 
+// e^x for x <= 0 (a score less the largest), within a unit in float32's last place, in
+// arithmetic a loop vectorises: with -fno-finite-math-only gcc defines no __FAST_MATH__, so
+// glibc declares no vector expf and std::exp was a scalar call for every score, a large share
+// of the kernel's time. Cephes' expf: e^x = 2^n * e^r, |r| <= ln 2 / 2, e^r by
+// its polynomial; below -87.3 (e^x under float's smallest normal) the smallest normal.
+inline float exp_nonpositive(float x) {
+    x = x < -87.3f ? -87.3f : x;
+    const float n = std::floor(x * 1.44269504088896341f + 0.5f);  // x / ln 2, rounded
+    // ln 2 in two parts, as fused multiply-adds: fast math would fold a plain x - n * a + n * b
+    // into x - n * (a - b) and lose the split's low bits (60 units in the last place at -68)
+    const float r = std::fma(n, 2.12194440e-4f, std::fma(n, -0.693359375f, x));
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.f;
+    const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;  // 2^n, n >= -126
+    float scale;
+    std::memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
 // HS and GS, when not 0, fix the head size and group size at compile time: the common
 // shapes' loops are then unrolled whole (a runtime length made them 2-3x slower).
 // A block's scores (g rows of len) turned in place into exp(s - m), with each row's max m
@@ -66,7 +92,7 @@ inline void block_softmax(float* scores, int64_t g, int64_t len, int64_t hs, flo
         for (int64_t t = 0; t < len; ++t) m = s[t] > m ? s[t] : m;
 #pragma omp simd reduction(+ : l)
         for (int64_t t = 0; t < len; ++t) {
-            s[t] = std::exp(s[t] - m);
+            s[t] = exp_nonpositive(s[t] - m);
             l += s[t];
         }
         m_out[i] = m;
@@ -81,7 +107,7 @@ void block(const float* q, const Cache& c, int64_t row, int64_t a, int64_t b, in
            float* acc_out) {
     const int64_t hs = HS ? HS : hs_, G = GS ? GS : G_;
     const int64_t width = hs * bits / 8, J = hs / G, len = b - a;
-    std::vector<float> scores(g * len), code(hs), qs(g * hs), offset(g), qsum(g * J), zacc(g * J, 0.f);
+    std::vector<float> scores(g * len), code(hs), qs(g * hs), offset(g), zacc(g * J, 0.f);
     const uint8_t* kc = c.kc + row * c.kc_row;
     const uint8_t* vc = c.vc + row * c.vc_row;
     const _Float16* ks = c.ks + row * c.ks_row;
@@ -89,13 +115,6 @@ void block(const float* q, const Cache& c, int64_t row, int64_t a, int64_t b, in
     const _Float16* vs = c.vs + row * c.vs_row;
     const _Float16* vz = c.vz + row * c.vs_row;
     const float* qr = q + row * g * hs;
-    if (!key_channels)
-        for (int64_t i = 0; i < g; ++i)
-            for (int64_t j = 0; j < J; ++j) {
-                float s = 0.f;
-                for (int64_t d = 0; d < G; ++d) s += qr[i * hs + j * G + d];
-                qsum[i * J + j] = s;
-            }
     int64_t group = -1;
     for (int64_t t = a; t < b; ++t) {
         unpack_row<bits>(kc + t * width, code.data(), hs);
@@ -119,14 +138,16 @@ void block(const float* q, const Cache& c, int64_t row, int64_t a, int64_t b, in
                 scores[i * len + t - a] = s;
             }
         } else {
+            // the key dequantised once (hs multiply-adds), then one dot product a query: a
+            // dot product a group and query reduced across lanes as often again
+            for (int64_t j = 0; j < J; ++j) {
+                const float sc = static_cast<float>(ks[t * J + j]);
+                const float ze = static_cast<float>(kz[t * J + j]);
+                for (int64_t d = 0; d < G; ++d) code[j * G + d] = code[j * G + d] * sc + ze;
+            }
             for (int64_t i = 0; i < g; ++i) {
                 float s = 0.f;
-                for (int64_t j = 0; j < J; ++j) {
-                    float dot = 0.f;
-                    for (int64_t d = 0; d < G; ++d) dot += qr[i * hs + j * G + d] * code[j * G + d];
-                    s += static_cast<float>(ks[t * J + j]) * dot +
-                         static_cast<float>(kz[t * J + j]) * qsum[i * J + j];
-                }
+                for (int64_t d = 0; d < hs; ++d) s += qr[i * hs + d] * code[d];
                 scores[i * len + t - a] = s;
             }
         }
@@ -160,18 +181,27 @@ void sized(const float* q, const Cache& c, int64_t row, int64_t a, int64_t b, in
     else block<bits, 0, 0>(q, c, row, a, b, g, hs, G, key_channels, m, l, acc);
 }
 
-// Every (row, block of kBlock tokens) item's partial sums by `part(row, a, b, m, l, acc)`,
-// over 2 threads or more, then each row's blocks merged into m_out, l_out, acc_out.
+// Every (row, segment, block of kBlock tokens) item's partial sums by
+// `part(row, segment, a, b, m, l, acc)`, over 2 threads or more, then each row's blocks merged
+// into m_out, l_out, acc_out. A segment is a run of tokens read alike: `attend_codes`' codes,
+// sinks and tail; lengths[i] tokens in segment i.
 template <class Part>
-void over_blocks(int64_t rows, int64_t n, int64_t g, int64_t hs, int64_t threads, Part part,
-                 float* m_out, float* l_out, float* acc_out) {
-    const int64_t blocks = (n + kBlock - 1) / kBlock, items = rows * blocks;
+void over_blocks(int64_t rows, const std::vector<int64_t>& lengths, int64_t g, int64_t hs,
+                 int64_t threads, Part part, float* m_out, float* l_out, float* acc_out) {
+    std::vector<int64_t> seg, first;  // each block of a row: its segment and first token
+    for (size_t i = 0; i < lengths.size(); ++i)
+        for (int64_t a = 0; a < lengths[i]; a += kBlock) {
+            seg.push_back(static_cast<int64_t>(i));
+            first.push_back(a);
+        }
+    const int64_t blocks = static_cast<int64_t>(seg.size()), items = rows * blocks;
     std::vector<float> m(items * g), l(items * g), acc(items * g * hs);
 #pragma omp parallel for schedule(dynamic) num_threads(threads)
     for (int64_t item = 0; item < items; ++item) {
-        const int64_t row = item / blocks, a = item % blocks * kBlock;
-        const int64_t b = a + kBlock < n ? a + kBlock : n;
-        part(row, a, b, m.data() + item * g, l.data() + item * g, acc.data() + item * g * hs);
+        const int64_t row = item / blocks, k = item % blocks, a = first[k];
+        const int64_t b = a + kBlock < lengths[seg[k]] ? a + kBlock : lengths[seg[k]];
+        part(row, seg[k], a, b, m.data() + item * g, l.data() + item * g,
+             acc.data() + item * g * hs);
     }
     for (int64_t row = 0; row < rows; ++row)  // the blocks' partial sums, merged
         for (int64_t i = 0; i < g; ++i) {
@@ -191,15 +221,22 @@ void over_blocks(int64_t rows, int64_t n, int64_t g, int64_t hs, int64_t threads
         }
 }
 
-// One row of hs half-precision numbers widened to float32.
-template <bool bf16>
-inline void widen_row(const uint16_t* x, float* out, int64_t hs) {
-    if constexpr (bf16) {
+// Numbers kept at full precision, by the flag the kernel takes: float16, bfloat16, float32.
+enum Format { kF16 = 0, kBF16 = 1, kF32 = 2 };
+
+// One row of hs stored numbers widened to float32.
+template <int fmt>
+inline void widen_row(const void* row, float* out, int64_t hs) {
+    if constexpr (fmt == kF32) {
+        std::memcpy(out, row, hs * sizeof(float));
+    } else if constexpr (fmt == kBF16) {
+        const uint16_t* x = static_cast<const uint16_t*>(row);
         for (int64_t d = 0; d < hs; ++d) {  // bf16 is the top 16 bits of a float32
             const uint32_t bits = static_cast<uint32_t>(x[d]) << 16;
             std::memcpy(out + d, &bits, sizeof bits);
         }
     } else {
+        const uint16_t* x = static_cast<const uint16_t*>(row);
         int64_t d = 0;
 #ifdef __F16C__
         for (; d + 8 <= hs; d += 8)
@@ -214,14 +251,19 @@ inline void widen_row(const uint16_t* x, float* out, int64_t hs) {
     }
 }
 
-// The partial sums of g queries over half-precision tokens a .. b - 1 of one cache row.
-template <bool bf16, int HS>
-void half_block(const float* q, const uint16_t* k, const uint16_t* v, int64_t a, int64_t b,
+template <int fmt>
+constexpr int64_t kBytes = fmt == kF32 ? 4 : 2;
+
+// The partial sums of g queries over stored tokens a .. b - 1 of one cache row.
+template <int fmt, int HS>
+void half_block(const float* q, const void* k_, const void* v_, int64_t a, int64_t b,
                 int64_t g, int64_t hs_, float* m_out, float* l_out, float* acc_out) {
-    const int64_t hs = HS ? HS : hs_, len = b - a;
+    const int64_t hs = HS ? HS : hs_, len = b - a, bytes = hs * kBytes<fmt>;
+    const char* k = static_cast<const char*>(k_);
+    const char* v = static_cast<const char*>(v_);
     std::vector<float> scores(g * len), x(hs);
     for (int64_t t = a; t < b; ++t) {
-        widen_row<bf16>(k + t * hs, x.data(), hs);
+        widen_row<fmt>(k + t * bytes, x.data(), hs);
         for (int64_t i = 0; i < g; ++i) {
             float s = 0.f;
             for (int64_t d = 0; d < hs; ++d) s += q[i * hs + d] * x[d];
@@ -230,7 +272,7 @@ void half_block(const float* q, const uint16_t* k, const uint16_t* v, int64_t a,
     }
     block_softmax(scores.data(), g, len, hs, m_out, l_out, acc_out);
     for (int64_t t = a; t < b; ++t) {
-        widen_row<bf16>(v + t * hs, x.data(), hs);
+        widen_row<fmt>(v + t * bytes, x.data(), hs);
         for (int64_t i = 0; i < g; ++i) {
             const float p = scores[i * len + t - a];
             float* acc = acc_out + i * hs;
@@ -239,27 +281,51 @@ void half_block(const float* q, const uint16_t* k, const uint16_t* v, int64_t a,
     }
 }
 
-template <bool bf16>
-void half_sized(const float* q, const uint16_t* k, const uint16_t* v, int64_t a, int64_t b,
-                int64_t g, int64_t hs, float* m, float* l, float* acc) {
-    if (hs == 64) half_block<bf16, 64>(q, k, v, a, b, g, hs, m, l, acc);
-    else if (hs == 128) half_block<bf16, 128>(q, k, v, a, b, g, hs, m, l, acc);
-    else half_block<bf16, 0>(q, k, v, a, b, g, hs, m, l, acc);
+template <int fmt>
+void half_sized(const float* q, const void* k, const void* v, int64_t a, int64_t b, int64_t g,
+                int64_t hs, float* m, float* l, float* acc) {
+    if (hs == 64) half_block<fmt, 64>(q, k, v, a, b, g, hs, m, l, acc);
+    else if (hs == 128) half_block<fmt, 128>(q, k, v, a, b, g, hs, m, l, acc);
+    else half_block<fmt, 0>(q, k, v, a, b, g, hs, m, l, acc);
+}
+
+// Row `row` of stored keys and values, `stride` elements apart, in format fmt.
+void stored_block(int64_t fmt, const float* q, const void* k, const void* v, int64_t stride,
+                  int64_t row, int64_t a, int64_t b, int64_t g, int64_t hs, float* m, float* l,
+                  float* acc) {
+    const int64_t at = row * stride * (fmt == kF32 ? 4 : 2);  // bytes to the row
+    const char* kr = static_cast<const char*>(k) + at;
+    const char* vr = static_cast<const char*>(v) + at;
+    if (fmt == kF32) half_sized<kF32>(q, kr, vr, a, b, g, hs, m, l, acc);
+    else if (fmt == kBF16) half_sized<kBF16>(q, kr, vr, a, b, g, hs, m, l, acc);
+    else half_sized<kF16>(q, kr, vr, a, b, g, hs, m, l, acc);
 }
 
 }  // namespace
 
+// full: the sinks' and the tail's keys and values (rows, s or t, hs) at full precision, format
+// fmt, a row's tokens contiguous, sink_row / tail_row elements from one row to the next; they
+// join the codes' partial sums in the same pass (s = t = 0: the codes alone).
 extern "C" int attend_codes(const float* q, const uint8_t* kc, const _Float16* ks,
                             const _Float16* kz, const uint8_t* vc, const _Float16* vs,
                             const _Float16* vz, int64_t kc_row, int64_t vc_row, int64_t ks_row,
                             int64_t vs_row, int64_t rows, int64_t n, int64_t g, int64_t hs,
                             int64_t bits, int64_t G, int64_t key_channels, int64_t threads,
-                            float* m_out, float* l_out, float* acc_out) {
+                            const void* sink_k, const void* sink_v, int64_t sink_row, int64_t s,
+                            const void* tail_k, const void* tail_v, int64_t tail_row, int64_t t,
+                            int64_t fmt, float* m_out, float* l_out, float* acc_out) {
     if (bits != 8 && bits != 4 && bits != 2) return 1;
     const Cache c{kc, vc, ks, kz, vs, vz, kc_row, vc_row, ks_row, vs_row};
-    over_blocks(rows, n, g, hs, threads, [&](int64_t row, int64_t a, int64_t b, float* mo,
-                                             float* lo, float* ao) {
-        if (bits == 8) sized<8>(q, c, row, a, b, g, hs, G, key_channels, mo, lo, ao);
+    over_blocks(rows, {n, s, t}, g, hs, threads, [&](int64_t row, int64_t seg, int64_t a,
+                                                      int64_t b, float* mo, float* lo,
+                                                      float* ao) {
+        if (seg == 1)
+            stored_block(fmt, q + row * g * hs, sink_k, sink_v, sink_row, row, a, b, g, hs, mo,
+                         lo, ao);
+        else if (seg == 2)
+            stored_block(fmt, q + row * g * hs, tail_k, tail_v, tail_row, row, a, b, g, hs, mo,
+                         lo, ao);
+        else if (bits == 8) sized<8>(q, c, row, a, b, g, hs, G, key_channels, mo, lo, ao);
         else if (bits == 4) sized<4>(q, c, row, a, b, g, hs, G, key_channels, mo, lo, ao);
         else sized<2>(q, c, row, a, b, g, hs, G, key_channels, mo, lo, ao);
     }, m_out, l_out, acc_out);
@@ -272,11 +338,96 @@ extern "C" int attend_half(const float* q, const uint16_t* k, const uint16_t* v,
                            int64_t v_row, int64_t rows, int64_t n, int64_t g, int64_t hs,
                            int64_t bf16, int64_t threads, float* m_out, float* l_out,
                            float* acc_out) {
-    over_blocks(rows, n, g, hs, threads, [&](int64_t row, int64_t a, int64_t b, float* mo,
-                                             float* lo, float* ao) {
+    over_blocks(rows, {n}, g, hs, threads, [&](int64_t row, int64_t, int64_t a, int64_t b,
+                                               float* mo, float* lo, float* ao) {
         const float* qr = q + row * g * hs;
-        if (bf16) half_sized<true>(qr, k + row * k_row, v + row * v_row, a, b, g, hs, mo, lo, ao);
-        else half_sized<false>(qr, k + row * k_row, v + row * v_row, a, b, g, hs, mo, lo, ao);
+        if (bf16) half_sized<kBF16>(qr, k + row * k_row, v + row * v_row, a, b, g, hs, mo, lo, ao);
+        else half_sized<kF16>(qr, k + row * k_row, v + row * v_row, a, b, g, hs, mo, lo, ao);
     }, m_out, l_out, acc_out);
     return 0;
 }
+
+// Per-token affine codes of new tokens, written where the cache keeps them: quantized.py's
+// `quantise` and `pack` in one pass, bit for bit, so a decoding step stores its token in
+// one call instead of some twenty small torch ops a layer. The same float32 operations in
+// the same order; compiled without fast math here, whose reciprocals (x * (1 / s) for
+// x / s) would move a code by one now and then.
+#ifdef __clang__
+#pragma float_control(precise, on, push)
+#define EXACT_MATH
+#else
+#define EXACT_MATH __attribute__((optimize("no-fast-math")))
+#endif
+
+namespace {
+
+// numpy's and torch's nextafter on a float16, from h one step towards `to`.
+EXACT_MATH inline _Float16 half_towards(_Float16 h, _Float16 to) {
+    if (h == to) return to;
+    uint16_t b;
+    std::memcpy(&b, &h, sizeof b);
+    const bool negative = b & 0x8000, zero = (b & 0x7fff) == 0;
+    if (zero) b = to > h ? 0x0001 : 0x8001;  // the smallest subnormal of to's sign
+    else if ((to > h) != negative) ++b;      // away from zero
+    else --b;                                // towards zero
+    std::memcpy(&h, &b, sizeof b);
+    return h;
+}
+
+// One group of G numbers: its codes (unpacked), scale and zero point.
+EXACT_MATH void quantise_group(const float* x, int64_t G, int levels, uint8_t* q, _Float16* scale,
+                               _Float16* zero) {
+    float lo = x[0], hi = x[0];
+    for (int64_t d = 1; d < G; ++d) {
+        lo = x[d] < lo ? x[d] : lo;
+        hi = x[d] > hi ? x[d] : hi;
+    }
+    _Float16 z = static_cast<_Float16>(lo);
+    if (static_cast<float>(z) > lo) z = half_towards(z, static_cast<_Float16>(-65504.f));
+    const float zf = static_cast<float>(z);
+    float span = (hi - zf) / static_cast<float>(levels);
+    span = span < 0x1p-24f ? 0x1p-24f : span;  // float16's smallest step
+    _Float16 s = static_cast<_Float16>(span);
+    if (static_cast<float>(s) < span) s = half_towards(s, static_cast<_Float16>(65504.f));
+    const float sf = static_cast<float>(s);
+    for (int64_t d = 0; d < G; ++d) {
+        float c = std::nearbyint((x[d] - zf) / sf);  // to nearest, ties to even: torch's round
+        c = c < 0.f ? 0.f : (c > levels ? static_cast<float>(levels) : c);
+        q[d] = static_cast<uint8_t>(c);
+    }
+    *scale = s;
+    *zero = z;
+}
+
+}  // namespace
+
+// x (rows, T, hs) float32, a row's tokens contiguous, x_row elements from one row to the next;
+// codes (rows, T, hs * bits / 8) and scale, zero (rows, T, hs / G) likewise, c_row, s_row and
+// z_row apart: each group of G numbers of a token quantised to bits, packed 8 / bits a byte.
+extern "C" EXACT_MATH int quantise_tokens(const float* x, int64_t x_row, int64_t rows, int64_t T,
+                                          int64_t hs, int64_t bits, int64_t G, uint8_t* codes,
+                                          int64_t c_row, _Float16* scale, int64_t s_row,
+                                          _Float16* zero, int64_t z_row) {
+    if ((bits != 8 && bits != 4 && bits != 2) || hs % G) return 1;
+    const int per = 8 / bits, levels = (1 << bits) - 1;
+    const int64_t width = hs * bits / 8, J = hs / G;
+    std::vector<uint8_t> q(hs);
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t t = 0; t < T; ++t) {
+            const float* xt = x + r * x_row + t * hs;
+            for (int64_t j = 0; j < J; ++j)
+                quantise_group(xt + j * G, G, levels, q.data() + j * G,
+                               scale + r * s_row + t * J + j, zero + r * z_row + t * J + j);
+            uint8_t* out = codes + r * c_row + t * width;
+            for (int64_t i = 0; i < width; ++i) {
+                int byte = 0;
+                for (int k = 0; k < per; ++k) byte |= q[i * per + k] << (k * bits);
+                out[i] = static_cast<uint8_t>(byte);
+            }
+        }
+    return 0;
+}
+
+#ifdef __clang__
+#pragma float_control(pop)
+#endif

@@ -1,5 +1,5 @@
 """Attention over a quantised cache's codes, or a half-precision cache's numbers, in one C++
-kernel (`code_attention.cpp`).
+kernel (`code_attention.cpp`); and the new tokens' per-token codes, stored in one call.
 
 A decoding token's attention reads every cached key and value once: what decides its time
 is how many bytes it reads and what it does to each. In torch the integer caches had to
@@ -9,6 +9,11 @@ the scales into the query and the weights, and keeps the softmax's partial sums
 (flash-decoding's m, l, acc), so the full-precision sinks and tail merge in exactly. A
 half-precision cache (`caches.half`) is read the same way: 2 bytes a number, each row widened
 to float32 as it is read (`attend_half`), so no float32 copy of the history is made.
+
+Storing a decoding token's codes took some twenty small torch ops a layer (the groups'
+minimum and maximum, the float16 rounding of scale and zero point, round, clamp, pack, an
+append per tensor), a fixed cost a step that no context length amortises; `quantise_tokens`
+does the same arithmetic in one pass, bit for bit, straight into the cache's buffers.
 
 It is built at first use with the machine's C++ compiler (`caches.native`, about a
 second) and loaded with ctypes. Where it cannot be built (no compiler, another CPU),
@@ -40,22 +45,29 @@ def kernel() -> ctypes.CDLL | None:
         return None
     lib.attend_codes.restype = ctypes.c_int
     lib.attend_codes.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 12 + \
+        ([ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2) * 2 + [ctypes.c_int64] + \
         [ctypes.c_void_p] * 3
     lib.attend_half.restype = ctypes.c_int
     lib.attend_half.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 8 + \
         [ctypes.c_void_p] * 3
+    lib.quantise_tokens.restype = ctypes.c_int
+    lib.quantise_tokens.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 6 + \
+        [ctypes.c_void_p, ctypes.c_int64] * 3
     return lib
 
 
 def attend_codes(qr: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: Tensor,
                  v_codes: Tensor, v_scale: Tensor, v_zero: Tensor, bits: int, G: int,
-                 per_channel: bool) -> tuple[Tensor, Tensor, Tensor]:
+                 per_channel: bool, full: tuple[Tensor, ...] = ()
+                 ) -> tuple[Tensor, Tensor, Tensor]:
     """Softmax partial sums over the quantised tokens, for queries qr (B, nkv, g, hs) in
     float32, already scaled by 1 / sqrt(hs) (and rotated where the codes are):
     m, l (B, nkv, g) and acc (B, nkv, g, hs), with y = acc / l over these tokens alone.
     Codes (B, nkv, n, hs * bits / 8) uint8; key scales and zeros (B, nkv, n, hs / G) per
     token or (B, nkv, n / G, hs) per channel, value ones (B, nkv, n, hs / G), float16;
-    each a view whose rows (the token axis) are contiguous."""
+    each a view whose rows (the token axis) are contiguous. `full`: the sinks' keys and
+    values and the tail's, (B, nkv, s, hs) and (B, nkv, t, hs) in one of FULL_FLAGS'
+    dtypes, read with the same queries in the same pass; y is then over every token."""
     B, nkv, g, hs = qr.shape
     n = k_codes.size(2)
     q = qr.contiguous()
@@ -65,19 +77,37 @@ def attend_codes(qr: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: Tensor,
     for t in (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero):
         # rows of one (b, h) reached by one stride: true of the growing buffers' views
         assert t.stride(-1) == 1 and t.stride(0) == nkv * t.stride(1), t.stride()
+    sink_k, sink_v = _stored(*full[:2]) if full else (k_codes[:, :, :0],) * 2  # none: n 0
+    tail_k, tail_v = _stored(*full[2:]) if full else (k_codes[:, :, :0],) * 2
     status = kernel().attend_codes(
         q.data_ptr(), k_codes.data_ptr(), k_scale.data_ptr(), k_zero.data_ptr(),
         v_codes.data_ptr(), v_scale.data_ptr(), v_zero.data_ptr(),
         k_codes.stride(1), v_codes.stride(1), k_scale.stride(1), v_scale.stride(1),
         B * nkv, n, g, hs, bits, G, int(per_channel), torch.get_num_threads(),
+        sink_k.data_ptr(), sink_v.data_ptr(), sink_k.size(2) * hs, sink_k.size(2),
+        tail_k.data_ptr(), tail_v.data_ptr(), tail_k.size(2) * hs, tail_k.size(2),
+        FULL_FLAGS.get(tail_k.dtype, 0),
         m.data_ptr(), l_sum.data_ptr(), acc.data_ptr())
     if status:
         raise ValueError(f"attention over codes: {bits}-bit codes are not supported")
     return m, l_sum, acc
 
 
-# The half-precision storage the kernel reads, by the flag it takes.
+# The half-precision storage the kernel reads, by the flag it takes; and float32, which a
+# quantised cache's sinks and tail may be kept in beside its codes.
 HALF_FLAGS = {torch.float16: 0, torch.bfloat16: 1}
+FULL_FLAGS = {**HALF_FLAGS, torch.float32: 2}
+
+
+def _stored(*pair: Tensor) -> tuple[Tensor, Tensor]:
+    """Keys, values (B, nkv, n, hs) as the kernel reads them, row (b, h) at (b * nkv + h) *
+    n * hs elements: copied contiguous where a view's are not (a sink sliced from a
+    prefill's keys, a tail cropped in place)."""
+    B, nkv, n, hs = pair[0].shape
+    stride = n * hs  # of a contiguous tensor; size-1 dimensions' strides do not count
+    return tuple(t if (B == 1 or t.stride(0) == nkv * stride) and
+                 (nkv == 1 or t.stride(1) == stride) and (n <= 1 or t.stride(2) == hs) and
+                 t.stride(3) == 1 else t.contiguous() for t in pair)
 
 
 def attend_half(qr: Tensor, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -100,3 +130,22 @@ def attend_half(qr: Tensor, keys: Tensor, values: Tensor) -> tuple[Tensor, Tenso
         B * nkv, n, g, hs, HALF_FLAGS[keys.dtype], torch.get_num_threads(),
         m.data_ptr(), l_sum.data_ptr(), acc.data_ptr())
     return m, l_sum, acc
+
+
+def quantise_tokens(x: Tensor, codes: Tensor, scale: Tensor, zero: Tensor, bits: int,
+                    G: int) -> None:
+    """`quantized._Tokens.encode` of x (B, nkv, T, hs) written in place, bit for bit: codes
+    (B, nkv, T, hs * bits / 8) uint8, scale and zero (B, nkv, T, hs / G) float16, each a
+    view whose rows (the token axis) are contiguous, as `_Rows.claim` hands them out."""
+    B, nkv, T, hs = x.shape
+    x = (x if x.dtype == torch.float32 else x.float()).contiguous()  # (B, nkv, T, hs):
+    # row b * nkv + h at (b * nkv + h) * T * hs
+    for t in (codes, scale, zero):
+        assert t.stride(-1) == 1 and t.stride(-2) == t.size(-1) and \
+            t.stride(0) == nkv * t.stride(1), t.stride()
+    status = kernel().quantise_tokens(
+        x.data_ptr(), T * hs, B * nkv, T, hs, bits, G, codes.data_ptr(), codes.stride(1),
+        scale.data_ptr(), scale.stride(1), zero.data_ptr(), zero.stride(1))
+    if status:
+        raise ValueError(f"quantising tokens: {bits}-bit codes in groups of {G} of {hs} "
+                         "are not supported")

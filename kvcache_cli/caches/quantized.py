@@ -264,17 +264,24 @@ class _Rows:
     def t(self) -> Tensor:
         return self.buf[:, :, :self.n]  # (B, nkv, n, width)
 
-    def append(self, x: Tensor) -> int:
-        """Write x (B, nkv, T, width) after the filled rows; the bytes this moved."""
-        need, moved = self.n + x.size(2), nbytes(x)
+    def claim(self, T: int) -> tuple[Tensor, int]:
+        """The next T rows (B, nkv, T, width), counted as filled, for a writer to fill in
+        place; and the bytes they and a growth of the capacity moved."""
+        need, moved = self.n + T, 0
         if need > self.buf.size(2):
             B, nkv, cap, width = self.buf.shape
             grown = self.buf.new_empty(B, nkv, max(need, 2 * cap, 64), width)
             grown[:, :, :self.n] = self.t
             moved += nbytes(self.t)
             self.buf = grown
-        self.buf[:, :, self.n:need] = x
+        rows = self.buf[:, :, self.n:need]
         self.n = need
+        return rows, moved + nbytes(rows)
+
+    def append(self, x: Tensor) -> int:
+        """Write x (B, nkv, T, width) after the filled rows; the bytes this moved."""
+        rows, moved = self.claim(x.size(2))
+        rows.copy_(x)
         return moved
 
     def crop(self, n: int) -> None:
@@ -292,6 +299,7 @@ class _IntLayer:
         self.sink_v = torch.empty(B, nkv, 0, hs, **fp)
         self.tail_k = torch.empty(B, nkv, 0, hs, **fp)  # (B, nkv, t, hs)
         self.tail_v = torch.empty(B, nkv, 0, hs, **fp)
+        self.none = torch.empty(B, nkv, 0, hs, **fp)  # an emptied tail: never written in place
         self.codes = {w: _Rows(B, nkv, width, device, torch.uint8) for w in "kv"}
         # Keys per channel: (B, nkv, Tq/G, hs); per token, as values: (B, nkv, Tq, hs/G).
         key_width = hs if per_channel else hs // G
@@ -366,16 +374,21 @@ class QuantizedCache(KVCache):
         return self._attend(L, q)
 
     def _attend_kernel(self, L: _IntLayer, q: Tensor) -> Tensor:
-        """`_attend` in one C++ kernel (`code_attention`): the codes read as bytes, once.
-        Its partial softmax sums over the codes merge with the sinks' and the tail's
-        scores here; with `rot` the query is rotated and the values' sum unrotated."""
+        """`_attend` in one C++ kernel (`code_attention`): the codes read as bytes, once,
+        and the sinks and the tail in the same pass, so a step's attention is one call.
+        With `rot` the codes are read with the rotated query and their values' sum
+        unrotated, and merged with the sinks' and the tail's scores here."""
         B, nh, _, hs = q.shape
         nkv = L.tail_k.size(1)
         qg = q.float().view(B, nkv, nh // nkv, hs) / math.sqrt(hs)  # (B, nkv, g, hs)
-        qr = qg if self.rotation is None else self.rotation.rotate(qg)
+        codes = (L.k_codes, L.k_scale, L.k_zero, L.v_codes, L.v_scale, L.v_zero, self.bits,
+                 self.group, self.per_channel)
+        if self.rotation is None and L.tail_k.dtype in code_attention.FULL_FLAGS:
+            _, total, acc = code_attention.attend_codes(
+                qg, *codes, full=(L.sink_k, L.sink_v, L.tail_k, L.tail_v))  # every token
+            return (acc / total[..., None]).view(B, nh, 1, hs).to(q.dtype)
         m, total, acc = code_attention.attend_codes(
-            qr, L.k_codes, L.k_scale, L.k_zero, L.v_codes, L.v_scale, L.v_zero, self.bits,
-            self.group, self.per_channel)  # (B, nkv, g), (B, nkv, g), (B, nkv, g, hs)
+            qg if self.rotation is None else self.rotation.rotate(qg), *codes)
         if self.rotation is not None:
             acc = self.rotation.unrotate(acc)
         keys = _cat(L.sink_k, L.tail_k).float()  # (B, nkv, s + t, hs): full precision
@@ -409,18 +422,32 @@ class QuantizedCache(KVCache):
         out = (L.tail_k.size(2) - self.residual) // self.chunk * self.chunk
         if out <= 0:
             return
-        bits, G = self.bits, self.group
-        k, v = L.tail_k[:, :, :out], L.tail_v[:, :, :out]  # (B, nkv, out, hs)
+        whole = out == L.tail_k.size(2)  # every tail token leaves (int8's r0, each step)
+        k, v = (L.tail_k, L.tail_v) if whole else (L.tail_k[:, :, :out], L.tail_v[:, :, :out])
         if self.rotation is not None:
             k, v = self.rotation.rotate(k), self.rotation.rotate(v)
-        kc, ks, kz = self.keys.encode(k, bits, G)
-        vc, vs, vz = _Tokens.encode(v, bits, G)
-        self.bytes_copied += L.codes["k"].append(kc) + L.codes["v"].append(vc)
-        for name, new in zip(("k_scale", "k_zero", "v_scale", "v_zero"), (ks, kz, vs, vz)):
-            self.bytes_copied += L.scales[name].append(new)
+        self._encode(L, "k", k, self.keys)
+        self._encode(L, "v", v, _Tokens)
         # clone: a slice would keep the whole old tail alive behind it.
-        L.tail_k, L.tail_v = L.tail_k[:, :, out:].clone(), L.tail_v[:, :, out:].clone()
+        L.tail_k, L.tail_v = (L.none, L.none) if whole else \
+            (L.tail_k[:, :, out:].clone(), L.tail_v[:, :, out:].clone())
         self.bytes_copied += nbytes(L.tail_k) + nbytes(L.tail_v)
+
+    def _encode(self, L: _IntLayer, which: str, x: Tensor, axis) -> None:
+        """x (B, nkv, T, hs) quantised along `axis` and appended to the layer's `which`
+        ("k" or "v") codes and scales. Per-token groups on the CPU go through the kernel's
+        `quantise_tokens`, the same codes written in place in one call: a decoding step
+        quantises its token in every layer, and a score of small torch ops each time was
+        a fixed cost of the step that no context amortised."""
+        rows = (L.codes[which], L.scales[f"{which}_scale"], L.scales[f"{which}_zero"])
+        if axis is _Tokens and x.device.type == "cpu" and code_attention.kernel() is not None:
+            claimed = [r.claim(x.size(2)) for r in rows]  # (view to fill, bytes moved)
+            code_attention.quantise_tokens(x, *(view for view, _ in claimed), self.bits,
+                                           self.group)
+            self.bytes_copied += sum(moved for _, moved in claimed)
+            return
+        for r, new in zip(rows, axis.encode(x, self.bits, self.group), strict=True):
+            self.bytes_copied += r.append(new)
 
     def _read(self, L: _IntLayer) -> tuple[Tensor, Tensor]:
         """What attention reads: sinks, dequantised codes, tail, (B, nkv, n, hs)."""
