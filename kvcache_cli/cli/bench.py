@@ -10,6 +10,7 @@ from typing import Annotated
 import typer
 
 from kvcache_cli.cli import drafts
+from kvcache_cli.cli.engine import Engine, EngineOption, pick_engine
 from kvcache_cli.cli.loading import (
     GPT2_MODULES,
     check_cache_for,
@@ -109,6 +110,7 @@ def bench(
         "layers:N; default lookup) at each K of --speculate (default 2,4) with --cache, which "
         "must give the same tokens; acceptance, forwards per token and speed-up per set.")
     ] = None,
+    engine: EngineOption = Engine.auto,
 ) -> None:
     """Time every decode step of every mode, against transformers and the memory limit.
 
@@ -125,6 +127,12 @@ def bench(
     check_plot(plot)
     refuse_missing_model(model)
     refuse_unbuilt_cuda(device)
+    if pick_engine(model, engine) == "transformers":
+        from kvcache_cli.cli.bench_engine import bench_engine
+
+        bench_engine(ctx, model, modes, cache, device, dtype.value, prompt_len, new_tokens,
+                     repeats, threads, naive_samples, plot, as_json)
+        return
     if profile:
         _profile(ctx, device, model, weights, dtype, weights_dtype, prompt_len, new_tokens,
                  threads, as_json)
