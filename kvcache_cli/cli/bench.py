@@ -10,6 +10,7 @@ from typing import Annotated
 import typer
 
 from kvcache_cli.cli import drafts
+from kvcache_cli.cli.bench_engine import bench_engine
 from kvcache_cli.cli.engine import Engine, EngineOption, pick_engine
 from kvcache_cli.cli.loading import (
     GPT2_MODULES,
@@ -120,19 +121,14 @@ def bench(
     plain decoding with the same cache, interleaved, medians over --repeats.
     """
     model = model if model is not None else default_model()
-    # Checked before the model is looked for: values first, then the path, then the device,
-    # each before torch is imported.
+    # Checked before torch is imported: values first, then the path, then the device.
     if threads_error(threads):
         fail(threads_error(threads))
     check_plot(plot)
     refuse_missing_model(model)
     refuse_unbuilt_cuda(device)
     if pick_engine(model, engine) == "transformers":
-        from kvcache_cli.cli.bench_engine import bench_engine
-
-        bench_engine(ctx, model, modes, cache, device, dtype.value, prompt_len, new_tokens,
-                     repeats, threads, naive_samples, plot, as_json)
-        return
+        return bench_engine(ctx, model)  # its other options read from ctx.params
     if profile:
         _profile(ctx, device, model, weights, dtype, weights_dtype, prompt_len, new_tokens,
                  threads, as_json)

@@ -3,8 +3,6 @@ transformers model, each cache kind the bridge holds as a mode (`hf.engine`)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import typer
 
 from kvcache_cli.cli.loading import GPT2_MODULES, need_torch_extra, pick_threads
@@ -19,11 +17,12 @@ NOT_HERE = ("weights", "weights_dtype", "compile_", "profile", "tasks", "context
             "speculate", "prompt_file")
 
 
-def bench_engine(ctx: typer.Context, model: str, modes: str, cache: str | None, device: str,
-                 dtype: str, prompt_len: int, new_tokens: int, repeats: int,
-                 threads: int | None, naive_samples: int, plot: Path | None,
-                 as_json: bool) -> None:
-    """Time each mode's decode steps on the transformers model of -m MODEL."""
+def bench_engine(ctx: typer.Context, model: str) -> None:
+    """Time each mode's decode steps on the transformers model of -m MODEL, the command's
+    other options as parsed (`ctx.params`)."""
+    p = ctx.params
+    modes, cache, threads, plot = p["modes"], p["cache"], p["threads"], p["plot"]
+    prompt_len, new_tokens, repeats = p["prompt_len"], p["new_tokens"], p["repeats"]
     from kvcache_cli.cli.bench import _check_options, _progress, _with_caches
     from kvcache_cli.cli.engine import load_engine, refuse_options
 
@@ -34,27 +33,27 @@ def bench_engine(ctx: typer.Context, model: str, modes: str, cache: str | None, 
     modes = modes if given else "static"
     if cache is not None:
         modes = _with_caches(modes, cache)
-    names, dev = _check_options(modes, False, device, threads, plot)
+    names, dev = _check_options(modes, False, p["device"], threads, plot)
     _check_modes(names)
     from kvcache_cli.bench import run as bench_
     from kvcache_cli.views.bench import bench as bench_view
     from kvcache_cli.views.bench_plot import save_plot
 
     threads = pick_threads(threads, dev)
-    loaded = load_engine(model, str(dev), dtype)
+    loaded = load_engine(model, str(dev), p["dtype"].value)
     try:
         bench_.check_bench(loaded.model, names, prompt_len, new_tokens, repeats, threads,
-                           naive_samples)
+                           p["naive_samples"])
         with _progress() as (on_progress, on_finished):
             result = bench_.run_bench(
                 loaded.model, modes=names, prompt_len=prompt_len, new_tokens=new_tokens,
-                repeats=repeats, threads=threads, naive_samples=naive_samples,
+                repeats=repeats, threads=threads, naive_samples=p["naive_samples"],
                 model_name=loaded.source, progress=on_progress, finished=on_finished)
     except (ValueError, IndexError) as err:
         fail(str(err))
     except (RuntimeError, OSError) as err:
         fail(str(err), code=1)
-    show_then_plot(result, bench_view, as_json, save_plot, plot, "per-step plot")
+    show_then_plot(result, bench_view, p["as_json"], save_plot, plot, "per-step plot")
 
 
 def _check_modes(names: list[str]) -> None:

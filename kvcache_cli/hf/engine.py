@@ -18,9 +18,7 @@ import inspect
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
-from pathlib import Path
 
-import torch
 from torch import Tensor
 
 from kvcache_cli.caches import CacheSpec
@@ -190,4 +188,4 @@ def _tokenizer_file(tokenizer) -> str:
         staging = folder / f"tokenizer.json.{os.getpid()}"
         staging.write_text(text, encoding="utf-8")
         staging.replace(path)  # whole or absent: another process may read it now
-    return f"file:{Path(path)}"
+    return f"file:{path}"
