@@ -99,6 +99,9 @@ def _gguf_architecture(path: Path) -> str | None:
 
 def _hub_config(repo_id: str) -> dict:
     """A Hub id's config.json from the local Hub cache; the offline refusal in one line."""
+    from kvcache_cli.cli.loading import need_torch_extra
+
+    need_torch_extra(f"-m {repo_id} (a Hub id) needs", "torch", "transformers")
     from kvcache_cli.hf.load import HFLoadError, read_hf_config
 
     try:

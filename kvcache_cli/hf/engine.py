@@ -163,7 +163,8 @@ def engine_model(loaded: HFModel) -> EngineModel:
         architecture=loaded.architecture, n_layer=shape.layers,
         n_head=shape.heads or text.num_attention_heads, n_kv_head=shape.kv_heads,
         head_size=shape.head_dim, n_embd=text.hidden_size, vocab_size=text.vocab_size,
-        context=shape.max_positions or getattr(text, "max_position_embeddings", None) or 2048,
+        # A model that declares no window: as far as the bridge will build a cache.
+        context=shape.max_positions or getattr(text, "max_position_embeddings", None) or 1 << 20,
         tokenizer=_tokenizer_file(loaded.tokenizer),
         params=sum(p.numel() for p in model.parameters()),
         eos_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
