@@ -6,6 +6,7 @@ from __future__ import annotations
 import typer
 
 from kvcache_cli.cli.loading import GPT2_MODULES, need_torch_extra, pick_threads
+from kvcache_cli.cli.options import DType
 from kvcache_cli.cli.output import show_then_plot
 from kvcache_cli.cli.refusals import fail
 
@@ -40,7 +41,7 @@ def bench_engine(ctx: typer.Context, model: str) -> None:
     from kvcache_cli.views.bench_plot import save_plot
 
     threads = pick_threads(threads, dev)
-    loaded = load_engine(model, str(dev), p["dtype"].value)
+    loaded = load_engine(model, str(dev), DType(p["dtype"]).value)  # click's str, or the enum
     try:
         bench_.check_bench(loaded.model, names, prompt_len, new_tokens, repeats, threads,
                            p["naive_samples"])
