@@ -194,3 +194,15 @@ def test_smollm2_eval_through_transformers_equals_kvcache_own(smollm2_evals, spe
     assert theirs["perplexity"] == pytest.approx(ours["perplexity"], rel=2e-2)
     assert theirs["kl_mean"] == pytest.approx(ours["kl_mean"], rel=0.2, abs=1e-5)
     assert theirs["top1_agreement"] == pytest.approx(ours["top1_agreement"], abs=2 / SCORED)
+
+
+def test_smollm2_gguf_through_transformers_decodes_kvcache_own_tokens():
+    smollm2_or_skip()
+    ids = "1,9690,198,2683,359,253,5356,5646,2"
+    runs = [invoke("generate", "-m", "smollm2", "--engine", engine, "--ids", ids, "-n", "6",
+                   "--json") for engine in ("kvcache", "transformers")]
+    assert [r.exit_code for r in runs] == [0, 0], runs[1].output
+    ours, theirs = (json.loads(r.stdout) for r in runs)
+    assert theirs["model"].startswith("transformers ") and theirs["model"].endswith(".gguf)")
+    # transformers dequantises the same GGUF blocks kvcache reads: the same greedy tokens.
+    assert theirs["tokens"] == ours["tokens"]
