@@ -106,7 +106,8 @@ class EngineModel(FamilyModel):
 
     def make_cache(self, spec: CacheSpec, max_len: int, *, batch: int = 1, whole: bool = False,
                    sliding: str = "model") -> EngineCache:
-        """The bridge cache of `spec` for this model (`caches.make_cache` asks for it)."""
+        """The bridge cache of `spec` for this model (`caches.make_cache` asks for it); its
+        layers are built at the first forward, for that forward's rows (`batch`)."""
         if whole:
             raise ValueError("a compiled decode step reads kvcache's own static cache: "
                              "--engine kvcache runs it")
@@ -116,7 +117,9 @@ class EngineModel(FamilyModel):
     def forward(self, idx: Tensor, step: int | Step, cache: KVCache | None = None, *,
                 last_only: bool = False) -> Tensor:
         """Logits (B, T, vocab), or the last position's (B, 1, vocab), of tokens idx (B, T)
-        following what `cache` has seen (no cache: idx is the whole sequence, from 0)."""
+        following what `cache` has seen (no cache: idx is the whole sequence, from 0).
+        `step`, where the tokens go, is the cache's length in every loop that runs here:
+        transformers reads the positions and the mask from the cache itself."""
         if cache is not None and cache.wants_attention:  # eval's one pass of explicit weights
             return self._watched(idx, cache)
         held = cache.held if cache is not None else None
