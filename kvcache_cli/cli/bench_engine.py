@@ -61,14 +61,10 @@ def _check_modes(names: list[str]) -> None:
     """Modes this engine runs: kvcache's loop, with a kind the bridge holds."""
     from kvcache_cli.bench.modes import MODES
     from kvcache_cli.caches.spec import parse_cache_spec
-    from kvcache_cli.hf import BridgeError
-    from kvcache_cli.hf.engine import check_kinds
+    from kvcache_cli.cli.engine import refuse_kinds
 
     other = next((m for m in names if m in MODES and m not in LOOPS), None)
     if other is not None:
         fail(f"mode {other!r} with --engine transformers: it times another engine or "
              f"kvcache's own model; expected {', '.join(LOOPS)} or a cache spec")
-    try:
-        check_kinds([parse_cache_spec(m) for m in names if m != "naive"])
-    except BridgeError as err:
-        fail(str(err))
+    refuse_kinds([parse_cache_spec(m) for m in names if m != "naive"])

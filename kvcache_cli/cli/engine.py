@@ -129,6 +129,17 @@ def refuse_options(ctx: typer.Context, names: tuple[str, ...], why: str) -> None
         fail(f"--{given[0].replace('_', '-')} with --engine transformers: {why}")
 
 
+def refuse_kinds(specs) -> None:
+    """A cache kind the bridge does not hold (yet), refused in one line."""
+    from kvcache_cli.hf import BridgeError
+    from kvcache_cli.hf.engine import check_kinds
+
+    try:
+        check_kinds(specs)
+    except BridgeError as err:
+        fail(str(err))
+
+
 def load_engine(model: str, device: str, dtype: str = "fp32"):
     """The transformers model for -m MODEL behind kvcache's model contract, as a
     `LoadedModel`; what cannot be loaded or served, in one line."""

@@ -191,19 +191,13 @@ def _resolve_spec(ctx: typer.Context, mode: str, cache):
 def _load_engine(ctx: typer.Context, model: str, device: str, dtype: str, spec):
     """The transformers model for --engine transformers (`LoadedModel`), loaded before the
     request's checks, which read its config; what it does not run, refused in one line."""
-    from kvcache_cli.cli.engine import load_engine, refuse_options
+    from kvcache_cli.cli.engine import load_engine, refuse_kinds, refuse_options
 
     refuse_options(ctx, ("weights", "weights_dtype", "draft", "speculate"),
                    "the model's own weights run as transformers loads them, without drafts")
     need_torch_extra("kvcache generate needs", *GPT2_MODULES, "transformers")
     if spec != "naive":
-        from kvcache_cli.hf import BridgeError
-        from kvcache_cli.hf.engine import check_kinds
-
-        try:
-            check_kinds([spec])
-        except BridgeError as err:
-            fail(str(err))
+        refuse_kinds([spec])
     return load_engine(model, torch_device(device), dtype)
 
 
