@@ -1,8 +1,9 @@
 """`--engine transformers` (`hf.engine`): kvcache's own loops run a transformers model with
-the bridge's caches. On SmolLM2, eval through transformers equals eval through kvcache's own
-Llama for every kind the bridge holds; on tiny random checkpoints of architectures kvcache
-has no family for (Qwen3, Mistral with its sliding window, Phi-3), generate, eval and bench
-run through the CLI, and what the engine cannot run is refused in one line."""
+the bridge's caches. On SmolLM2 and Gemma 3, eval through transformers equals eval through
+kvcache's own model for every kind the bridge holds; on tiny random checkpoints of
+architectures kvcache has no family for (Qwen3, Mistral with its sliding window, Phi-3),
+generate, eval and bench run through the CLI, and what the engine cannot run is refused in
+one line."""
 
 from __future__ import annotations
 
@@ -152,10 +153,21 @@ SPECS = [_quantising(kind) for kind in BRIDGE_KINDS]
 SCORED = 16  # tokens scored after a prompt of 64: SmolLM2 runs each step once per cache
 
 
+def _evals(model: str) -> dict[str, dict[str, dict]]:
+    """`eval --json` of every bridge kind on `model` through each engine, by cache."""
+    runs = {}
+    for engine in ("kvcache", "transformers"):
+        out = invoke("eval", "-m", model, "--engine", engine, "--tokens", str(64 + SCORED),
+                     "--prompt-len", "64", "--cache", ",".join(SPECS), "--json")
+        assert out.exit_code == 0, out.output
+        runs[engine] = {row["cache"]: row for row in json.loads(out.stdout)["caches"]}
+    return runs
+
+
 @pytest.fixture(scope="module")
 def smollm2_evals(tmp_path_factory):
-    """`eval --json` of every bridge kind on SmolLM2 written as a transformers folder (the
-    same float32 weights and tokenizer.json for both engines), through each engine."""
+    """SmolLM2 written as a transformers folder: the same float32 weights and tokenizer.json
+    for both engines."""
     smollm2_or_skip()
     from kvcache_cli.models.gguf.hf_export import write_hf_folder
     from kvcache_cli.models.llama_loading import _gguf_folder
@@ -165,22 +177,24 @@ def smollm2_evals(tmp_path_factory):
     folder.mkdir()
     for name in ("config.json", "tokenizer.json", "model.safetensors"):
         (folder / name).symlink_to(real / name)
-    hf = str(write_hf_folder(folder).path)
-    runs = {}
-    for engine in ("kvcache", "transformers"):
-        out = invoke("eval", "-m", hf, "--engine", engine, "--tokens", str(64 + SCORED),
-                     "--prompt-len", "64", "--cache", ",".join(SPECS), "--json")
-        assert out.exit_code == 0, out.output
-        runs[engine] = {row["cache"]: row for row in json.loads(out.stdout)["caches"]}
-    return runs
+    return _evals(str(write_hf_folder(folder).path))
 
 
-@pytest.mark.parametrize("spec", SPECS)
-def test_smollm2_eval_through_transformers_equals_kvcache_own(smollm2_evals, spec):
+@pytest.fixture(scope="module")
+def gemma3_evals():
+    """Gemma 3's GGUF, which transformers dequantises as kvcache does (its sliding layers in
+    each engine's window), and tokenizes the same."""
+    from gemmakit import gemma3_or_skip
+
+    gemma3_or_skip()
+    return _evals("gemma3")
+
+
+def _assert_same_eval(evals, spec: str) -> None:
     from kvcache_cli.caches.spec import parse_cache_spec
 
     parsed = parse_cache_spec(spec)
-    ours, theirs = (smollm2_evals[e][str(parsed)] for e in ("kvcache", "transformers"))
+    ours, theirs = (evals[e][str(parsed)] for e in ("kvcache", "transformers"))
     assert (theirs["bytes_held"], theirs["positions"]) == (ours["bytes_held"], ours["positions"])
     if parsed.info.exact:
         # Two float32 implementations of one function: sums in another order, ~1e-6 apart.
@@ -194,6 +208,16 @@ def test_smollm2_eval_through_transformers_equals_kvcache_own(smollm2_evals, spe
     assert theirs["perplexity"] == pytest.approx(ours["perplexity"], rel=2e-2)
     assert theirs["kl_mean"] == pytest.approx(ours["kl_mean"], rel=0.2, abs=1e-5)
     assert theirs["top1_agreement"] == pytest.approx(ours["top1_agreement"], abs=2 / SCORED)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_smollm2_eval_through_transformers_equals_kvcache_own(smollm2_evals, spec):
+    _assert_same_eval(smollm2_evals, spec)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_gemma3_eval_through_transformers_equals_kvcache_own(gemma3_evals, spec):
+    _assert_same_eval(gemma3_evals, spec)
 
 
 def test_smollm2_gguf_through_transformers_decodes_kvcache_own_tokens():
