@@ -55,6 +55,8 @@ def make_cache(spec: str | CacheSpec, model, max_len: int, batch: int = 1,
         if spec == "naive":
             return None
         spec = parse_cache_spec(spec)
+    if hasattr(model, "make_cache"):  # a model that holds its own (hf.engine's transformers)
+        return model.make_cache(spec, max_len, batch=batch, whole=whole, sliding=sliding)
     shape = model.config.cache_shape
 
     def make(kind: CacheSpec | None, layers: CacheShape) -> KVCache:

@@ -10,6 +10,8 @@ from typing import Annotated
 import typer
 
 from kvcache_cli.cli import drafts
+from kvcache_cli.cli.bench_engine import bench_engine
+from kvcache_cli.cli.engine import Engine, EngineOption, pick_engine
 from kvcache_cli.cli.loading import (
     GPT2_MODULES,
     check_cache_for,
@@ -109,6 +111,7 @@ def bench(
         "layers:N; default lookup) at each K of --speculate (default 2,4) with --cache, which "
         "must give the same tokens; acceptance, forwards per token and speed-up per set.")
     ] = None,
+    engine: EngineOption = Engine.auto,
 ) -> None:
     """Time every decode step of every mode, against transformers and the memory limit.
 
@@ -118,13 +121,14 @@ def bench(
     plain decoding with the same cache, interleaved, medians over --repeats.
     """
     model = model if model is not None else default_model()
-    # Checked before the model is looked for: values first, then the path, then the device,
-    # each before torch is imported.
+    # Checked before torch is imported: values first, then the path, then the device.
     if threads_error(threads):
         fail(threads_error(threads))
     check_plot(plot)
     refuse_missing_model(model)
     refuse_unbuilt_cuda(device)
+    if pick_engine(model, engine) == "transformers":
+        return bench_engine(ctx, model)  # its other options read from ctx.params
     if profile:
         _profile(ctx, device, model, weights, dtype, weights_dtype, prompt_len, new_tokens,
                  threads, as_json)

@@ -10,6 +10,7 @@ from typing import Annotated, Any
 import typer
 
 from kvcache_cli.checkpoints import TRAINED
+from kvcache_cli.cli.engine import Engine, EngineOption, pick_engine
 from kvcache_cli.cli.loading import (
     GPT2_MODULES,
     default_model,
@@ -77,6 +78,7 @@ class Task(str, Enum):
 
 
 def eval_(
+    ctx: typer.Context,
     cache: Annotated[Any, typer.Option(
         "--cache", parser=parse_eval_caches, metavar="SPECS",
         autocompletion=complete_cache_list,
@@ -127,6 +129,7 @@ def eval_(
     replot: Annotated[Path | None, typer.Option(
         metavar="FILE.json", help="Redraw --plot from a saved --json of a text run, without "
         "running the caches again (runs on SmolLM2 cost minutes a cache).")] = None,
+    engine: EngineOption = Engine.auto,
 ) -> None:
     """What a cache costs in quality: each cache fed a text as generation feeds it,
     against the exact cache on the same tokens.
@@ -142,6 +145,8 @@ def eval_(
         return
     refuse_missing_model(model)
     refuse_unbuilt_cuda(device)
+    hf = _load_engine(ctx, model, device, task) if pick_engine(model, engine) == \
+        "transformers" else None
     if task is Task.retrieval:
         if sliding != "model":
             fail(f"--sliding {sliding}: applies to --task text only (retrieval runs each "
@@ -151,18 +156,19 @@ def eval_(
     from kvcache_cli.eval import quality
     from kvcache_cli.eval.text import TokenizerUnavailable
 
-    # Everything a user can get wrong is refused before a model loads.
+    # Everything a user can get wrong is refused before a model loads (but the
+    # transformers engine's, whose config is its model's).
     try:
         specs, peers, path, ids, n, dev = _check_options(cache, model, text, tokens,
                                                          prompt_len, chunk, device, threads,
-                                                         sliding)
+                                                         sliding, hf)
     except ValueError as err:
         fail(str(err))
     except TokenizerUnavailable as err:
         fail(f"{err}: --model {TRAINED} evaluates the trained byte-level checkpoint, "
              "which needs no download")
     check_plot(plot)
-    loaded = load_model(model, weights.value, str(dev))
+    loaded = hf if hf is not None else load_model(model, weights.value, str(dev))
     threads = pick_threads(threads, dev)
     try:
         # Every cache is scored on each step in turn: the bar names them all.
@@ -212,9 +218,29 @@ def _show(result, render, plain, save_plot, as_json: bool, plot) -> None:
     show_then_plot(result, view, as_json, save_plot, plot, "plot")
 
 
-def _check_options(cache, model, text, tokens, prompt_len, chunk, device, threads, sliding):
+def _load_engine(ctx: typer.Context, model: str, device: str, task: Task):
+    """The transformers engine's model (`LoadedModel`), loaded before the options are
+    checked against its config; what it does not run, refused in one line."""
+    from kvcache_cli.cli.engine import load_engine, refuse_options
+    from kvcache_cli.measure import resolve_device
+
+    refuse_options(ctx, ("weights", "replot"), "the model runs as transformers loads it")
+    if task is Task.retrieval:
+        fail("--task retrieval with --engine transformers: the pass-key set runs on "
+             "kvcache's own families (--engine kvcache)")
+    need_torch_extra("kvcache eval needs", *GPT2_MODULES, "transformers")
+    try:
+        return load_engine(model, str(resolve_device(device)))
+    except ValueError as err:
+        fail(str(err))
+
+
+def _check_options(cache, model, text, tokens, prompt_len, chunk, device, threads, sliding,
+                   hf=None):
     """(kvcache's specs, each once per --sliding choice; the peers', text path, its ids,
-    tokens to read, device), or a ValueError naming the value, or TokenizerUnavailable."""
+    tokens to read, device), or a ValueError naming the value, or TokenizerUnavailable.
+    `hf`: the transformers engine's model, whose config the options are checked against and
+    whose bridge holds the caches (the default list cut to the kinds it holds)."""
     from kvcache_cli.caches.spec import fitted
     from kvcache_cli.eval import peer_hf as hf_quality
     from kvcache_cli.eval import quality
@@ -227,16 +253,18 @@ def _check_options(cache, model, text, tokens, prompt_len, chunk, device, thread
     problem = threads_error(threads)
     if problem is not None:
         raise ValueError(problem)
-    config = model_config(model)
+    config = hf.model.config if hf is not None else model_config(model)
     # The defaults laid out for this model's heads: a refusal names only what was typed.
-    given = ([fitted(s, config.head_size) for s in quality.default_caches()] if cache is None
+    given = ([fitted(s, config.head_size) for s in _default_caches(hf)] if cache is None
              else cache)
     specs = [s for s in given if not isinstance(s, LlamaCppSpec | HFCacheSpec)]
     peers = [s for s in given if isinstance(s, LlamaCppSpec | HFCacheSpec)]
+    if hf is not None:
+        _check_engine_caches(specs, peers)
     llama_cpp = [s for s in peers if isinstance(s, LlamaCppSpec)]
     # --tokens, when given, against the context window; the text's length comes next.
     quality.check_eval(config.context, tokens, prompt_len, chunk)
-    path = text if text is not None else _heldout(model)
+    path = text if text is not None else _heldout(model, hf is not None)
     # As many tokens as the run can score: the file beyond them is never read.
     wanted = tokens if tokens is not None else min(config.context, quality.DEFAULT_TOKENS)
     ids = read_tokens(path, config, wanted)
@@ -267,6 +295,28 @@ def _sliding_choices(value: str, config, model: str) -> list[str]:
                          "(every layer attends in full); expected a model with them, e.g. "
                          "-m gemma3")
     return choices
+
+
+def _default_caches(hf) -> list:
+    """eval's default caches: on the transformers engine, those its bridge holds."""
+    from kvcache_cli.eval import quality
+
+    if hf is None:
+        return quality.default_caches()
+    from kvcache_cli.hf import BRIDGE_KINDS
+
+    return [s for s in quality.default_caches() if s.kind in BRIDGE_KINDS]
+
+
+def _check_engine_caches(specs, peers) -> None:
+    """The transformers engine's caches: kinds its bridge holds, and no peer (a peer runs
+    beside kvcache's own model); a ValueError (one line)."""
+    from kvcache_cli.hf.engine import check_kinds
+
+    if peers:
+        raise ValueError(f"cache {str(peers[0])!r} with --engine transformers: a peer's "
+                         "cache runs beside kvcache's own model (--engine kvcache)")
+    check_kinds(specs)
 
 
 def _with_peers(result, model, ids, peers, prompt_len, on_progress):
@@ -344,17 +394,18 @@ def _retrieval(cache, model, weights, lengths, device, threads, plot, as_json) -
     _show(result, render, plain, save_plot, as_json, plot)
 
 
-def _heldout(model: str) -> Path:
+def _heldout(model: str, transformers: bool = False) -> Path:
     """The held-out text shipped beside a checkpoint, or a ValueError saying to give one.
 
-    A Llama-family or Gemma 3 model reads the shipped checkpoint's: Python standard-library
-    sources, which every Python user has and SmolLM2 tokenizes to 25,850 tokens.
+    A Llama-family or Gemma 3 model, or any the transformers engine runs, reads the shipped
+    checkpoint's: Python standard-library sources, which every Python user has and SmolLM2
+    tokenizes to 25,850 tokens.
     """
     from kvcache_cli.checkpoints import TRAINED
     from kvcache_cli.models import family_of
     from kvcache_cli.models.gpt2 import PRESETS, checkpoint_dir
 
-    if family_of(model) in ("llama", "gemma3"):
+    if transformers or family_of(model) in ("llama", "gemma3"):
         return checkpoint_dir(TRAINED) / HELDOUT
     path = checkpoint_dir(model) / HELDOUT
     if model in PRESETS or not path.is_file():

