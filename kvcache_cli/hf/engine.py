@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from kvcache_cli.caches import CacheSpec
-from kvcache_cli.caches.base import CacheShape, ForwardingCache, KVCache
+from kvcache_cli.caches.base import CacheShape, ForwardingCache, KVCache, LayerType
 from kvcache_cli.caches.step import Step
-from kvcache_cli.hf import BRIDGE_KINDS, BridgeError, kv_cache
+from kvcache_cli.hf import ATTENTION, BRIDGE_KINDS, BridgeError, kv_cache
 from kvcache_cli.hf.layers import BridgeCache, BridgeLayer
 from kvcache_cli.hf.load import HFModel
 from kvcache_cli.models.base import FamilyModel
@@ -55,10 +55,12 @@ class EngineConfig:
     params: int
     eos_ids: tuple[int, ...] = ()
     chat_template: str | None = None
+    layer_types: tuple[LayerType, ...] = ()  # which layers slide, and their window
 
     @property
     def cache_shape(self) -> CacheShape:
-        return CacheShape(self.n_layer, self.n_kv_head, self.head_size, self.context)
+        return CacheShape(self.n_layer, self.n_kv_head, self.head_size, self.context,
+                          layer_types=self.layer_types)
 
     def param_count(self) -> int:
         return self.params
@@ -112,6 +114,10 @@ class EngineModel(FamilyModel):
             raise ValueError("a compiled decode step reads kvcache's own static cache: "
                              "--engine kvcache runs it")
         check_kinds([spec])
+        if not spec.info.exact:
+            # Each kind attends its own way: codes read in place, evicted keys masked by the
+            # positions they hold (transformers' masks cannot describe those).
+            self.hf.set_attn_implementation(ATTENTION)
         return EngineCache(kv_cache(self.hf, spec, max_len=max_len, sliding=sliding))
 
     def forward(self, idx: Tensor, step: int | Step, cache: KVCache | None = None, *,
@@ -171,7 +177,9 @@ def engine_model(loaded: HFModel) -> EngineModel:
         tokenizer=_tokenizer_file(loaded.tokenizer),
         params=sum(p.numel() for p in model.parameters()),
         eos_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
-        chat_template=getattr(loaded.tokenizer, "chat_template", None))
+        chat_template=getattr(loaded.tokenizer, "chat_template", None),
+        layer_types=tuple(LayerType(shape.window if kind == "sliding" else None)
+                          for kind in shape.layer_kinds))
     return EngineModel(model, config)
 
 

@@ -137,8 +137,7 @@ class BridgeLayer(CacheLayerMixin):
         """The model runs the kvcache attention and this kind attends its own way: `update`
         stores nothing, and `attend` does both."""
         # A sliding layer held whole in an in-order kind attends as transformers does, the
-        # band its mask: kvcache's band (`BandedCache`) would take a quantised kind's
-        # full-precision first tokens (`:sN`) for attention sinks, seen past the band.
+        # band its mask, over the history `update` returns.
         own = self.evicts or not (self.spec.info.exact or self.is_sliding)
         return own and self.config is not None and \
             self.config._attn_implementation == ATTENTION
