@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # Bench mode -> the GGUF format it runs; "gguf" is the file the model was read from
-# (SmolLM2's own Q4_1), run as it is.
+# (SmolLM2's own Q4_1, Gemma 3's Q4_K_M mix), run as it is.
 LLAMA_MODES = {"llama.cpp": "f32", "llama.cpp-f16": "f16", "llama.cpp-q8_0": "q8_0",
                "llama.cpp-gguf": "gguf"}
 INSTALL = "pip install 'kvcache[llama]' (it builds llama.cpp from source: minutes)"
@@ -76,7 +76,8 @@ def prepare(model, mode: str, directory: Path | None = None) -> LlamaFile:
         source = getattr(cfg, "gguf", None)
         if source is None:
             raise ValueError(f"mode {mode!r} runs the GGUF file the model was read from; this "
-                             "model was not read from one (expected -m smollm2 or a .gguf)")
+                             "model was not read from one (expected -m smollm2, -m gemma3 or "
+                             "a .gguf)")
         path = Path(source)
         gguf = GGUFFile(path, "gguf", "", path.stat().st_size, cached=True)
     else:
