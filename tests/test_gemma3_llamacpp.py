@@ -91,3 +91,30 @@ def test_bench_runs_gemma3_beside_llama_cpp_at_each_written_format(model, tmp_pa
         assert m.same_tokens or m.difference_margin.near_tie, (m.mode, m.difference_margin)
     assert q8.weight_bytes < f16.weight_bytes < f32.weight_bytes
     assert len(list(tmp_path.glob("gemma3-*.gguf"))) == 3
+
+
+@has_llama
+def test_the_real_270m_written_f32_gives_llama_cpp_the_same_tokens_and_its_tokenizer(tmp_path):
+    """The real file's weights as `-m gemma3` runs them, written F32 (1.1 GB; about 2
+    minutes on 2 busy cores, beside the conversion `test_gemma3_real` shares): llama.cpp
+    continues "The capital of France is" as kvcache does, the source's tokenizer copied."""
+    import gemmakit
+
+    from kvcache_cli.generate import stream_tokens
+    from kvcache_cli.models import load_model
+
+    source = gemmakit.gemma3_or_skip()
+    model = load_model("gemma3").model
+    prompt = [2, 818, 5279, 529, 7001, 563]  # <bos>The capital of France is
+    with torch.no_grad():
+        mine = list(stream_tokens(model, prompt, 8, "static"))
+    file = llama_peer.prepare(model, "llama.cpp", tmp_path)
+    written, original = (gguf.GGUFReader(p).fields for p in (file.path, source))
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.bos_token_id",
+                "gemma3.attention.sliding_window", "gemma3.rope.freq_base"):
+        assert written[key].contents() == original[key].contents(), key
+    runner = llama_peer.LlamaRunner(file, len(prompt) + 8, threads=1)
+    try:
+        assert list(runner.stream(prompt, 8)) == mine
+    finally:
+        runner.close()
