@@ -118,3 +118,23 @@ def test_the_real_270m_written_f32_gives_llama_cpp_the_same_tokens_and_its_token
         assert list(runner.stream(prompt, 8)) == mine
     finally:
         runner.close()
+
+
+@has_llama
+def test_llama_cpp_evicting_its_sliding_cells_still_gives_kvcaches_tokens(tmp_path):
+    """A prompt of 1,000: past llama.cpp's sliding cells (window + a batch of 512, rounded
+    to 256), so its sliding layers drop old positions as kvcache's rings do."""
+    from decoding import tokens
+
+    from kvcache_cli.generate import stream_tokens
+
+    model = arrange_weights(ours(tiny_hf(**AS_LLAMA_CPP, max_position_embeddings=2048)))
+    prompt = tokens(1_000, model.config.vocab_size, seed=1)[0].tolist()
+    with torch.no_grad():
+        mine = list(stream_tokens(model, prompt, 8, "static"))
+    runner = llama_peer.LlamaRunner(llama_peer.prepare(model, "llama.cpp", tmp_path),
+                                    len(prompt) + 8, threads=1)
+    try:
+        assert list(runner.stream(prompt, 8)) == mine
+    finally:
+        runner.close()

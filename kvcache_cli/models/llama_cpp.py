@@ -101,8 +101,12 @@ class LlamaRunner:
 
         self.file = file
         # One context as long as the run; the prompt goes in as one batch, as ours does.
+        # swa_full=False: a sliding-window model's (Gemma 3's) sliding layers hold their
+        # window (padded by a batch), as llama-server's default and as ours do, not the
+        # whole context llama-cpp-python's default gives them.
         self.llm = Llama(model_path=str(file.path), n_ctx=max_len, n_batch=max_len,
-                         n_threads=threads, n_threads_batch=threads, verbose=False)  # fmt: skip
+                         n_threads=threads, n_threads_batch=threads, swa_full=False,
+                         verbose=False)  # fmt: skip
 
     def stream(self, prompt_ids: Sequence[int], new_tokens: int) -> Iterator[int]:
         """Yield `new_tokens` greedy tokens after the prompt: the prefill's, then one a step."""
