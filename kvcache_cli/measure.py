@@ -94,6 +94,13 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
+def head_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the LM head a decode step reads: the vocabulary's whole matrix (its scales
+    too), a row per token id, tied or not; `weight_bytes` counts it among the weights."""
+    head = model.lm_head
+    return sum(t.numel() * t.element_size() for t in (*head.parameters(), *head.buffers()))
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for the device: CUDA kernels are queued, and the clock must not run ahead."""
     import torch

@@ -118,6 +118,7 @@ def test_the_limit_counts_weights_once_and_the_cache_at_each_length(checkpoint):
     layer = (C * 3 * C + 3 * C) + (C * C + C) + (C * 4 * C + 4 * C) + (4 * C * C + C) + 4 * C
     assert result.weight_bytes == 4 * (V * C + C + 2 * C + L * layer)
     assert result.weight_bytes == measure.weight_bytes(model)
+    assert result.head_bytes == 4 * V * C  # the tied head: every row of the vocabulary
     assert result.step_bytes_first == result.weight_bytes + result.kv_bytes_per_token * (PROMPT + 1)
     assert result.step_bytes_last == result.weight_bytes + result.kv_bytes_per_token * (
         PROMPT + NEW - 1)
@@ -226,9 +227,9 @@ def test_cli_json_has_every_key(checkpoint):
         "dtype", "cpu_half_support", "threads", "torch_version",
         "transformers_version", "n_params", "prompt_len", "new_tokens", "repeats",
         "warmup_tokens", "naive_samples", "reference_mode", "tokens_agree", "weight_bytes",
-        "kv_bytes_per_token", "step_bytes_first", "step_bytes_last", "probes", "limit_probe",
-        "limit_gbps", "ceiling_tokens_per_s", "profile_lengths", "modes", "weights_format",
-        "weights_check", "llama_cpp_version",
+        "kv_bytes_per_token", "head_bytes", "step_bytes_first", "step_bytes_last", "probes",
+        "limit_probe", "limit_gbps", "ceiling_tokens_per_s", "profile_lengths", "modes",
+        "weights_format", "weights_check", "llama_cpp_version",
     }
     for probe in data["probes"]:
         assert set(probe) == {"name", "what", "bytes_per_run", "seconds", "best_gbps",
@@ -257,7 +258,7 @@ def test_cli_table_and_plot(checkpoint, tmp_path):
     assert out.exit_code == 0, out.output
     shown = " ".join(out.stdout.split())  # rich wraps long lines at the test's 80 columns
     for text in ("naive", "static", "tokens/s", "the limit", "GB/s", "1 threads", "float32",
-                 f"per-step plot written to {png}"):
+                 f"per-step plot written to {png}", "the vocabulary's head"):
         assert text in shown, text
     assert "×naive" in shown and "×hf" not in shown  # a ratio column only where its base ran
     assert png.read_bytes()[:8] == PNG_SIGNATURE

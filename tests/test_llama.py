@@ -286,8 +286,8 @@ def test_llama_cpp_on_the_models_own_gguf_needs_a_model_read_from_one(no_model_l
                                    "--new-tokens", "4", "--prompt-len", "4"])
     assert out.exit_code == 2
     assert out.output == ("error: mode 'llama.cpp-gguf' runs the GGUF file the model was read "
-                          "from, and 'stdlib-bytes' was not read from one: expected -m smollm2 "
-                          "or a .gguf\n")
+                          "from, and 'stdlib-bytes' was not read from one: expected -m smollm2, "
+                          "-m gemma3 or a .gguf\n")
 
 
 def test_the_fused_products_speak_the_checkpoint_s_names_in_and_out():

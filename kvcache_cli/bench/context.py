@@ -172,6 +172,7 @@ class _Llama:
         self.per_token = per_token_elements * LLAMA_ELEMENT_BYTES[kind]
         self.llm = Llama(model_path=path, n_ctx=longest + steps, n_batch=512,
                          n_threads=threads, n_threads_batch=threads, flash_attn=True,
+                         swa_full=False,  # sliding layers hold their window (`LlamaRunner`)
                          type_k=LLAMA_CACHE_TYPES[kind], type_v=LLAMA_CACHE_TYPES[kind],
                          verbose=False)
         self.fed = 0

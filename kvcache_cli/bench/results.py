@@ -108,6 +108,7 @@ class BenchResult:
     llama_cpp_version: str | None  # llama-cpp-python's, where a llama.cpp mode ran
     weight_bytes: int  # read once per decode step
     kv_bytes_per_token: int  # K and V, all layers, batch 1
+    head_bytes: int  # of weight_bytes, the LM head's: every row of the vocabulary
     step_bytes_first: int  # weights + KV cache a decode step reads at the first length
     step_bytes_last: int  # ... and at the last
     probes: tuple[Probe, ...]

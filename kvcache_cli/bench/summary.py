@@ -13,7 +13,7 @@ from kvcache_cli.bench.bandwidth import pool_probes
 from kvcache_cli.bench.modes import bounded_spec, cpu_half_support
 from kvcache_cli.bench.results import BenchPlan, BenchResult, Measured, ModeResult
 from kvcache_cli.bench.runners import TimedRun
-from kvcache_cli.measure import device_name, transformers_version, weight_bytes
+from kvcache_cli.measure import device_name, head_bytes, transformers_version, weight_bytes
 from kvcache_cli.models.llama_cpp import llama_version
 
 if TYPE_CHECKING:
@@ -216,6 +216,7 @@ def bench_result(model, plan: BenchPlan, measured: Measured, threads: int,
         llama_cpp_version=llama_version() if measured.llama_files else None,
         weight_bytes=w_bytes,
         kv_bytes_per_token=kv_token,
+        head_bytes=head_bytes(model),
         step_bytes_first=step_bytes[0],
         step_bytes_last=step_bytes[-1],
         probes=pooled,

@@ -61,7 +61,8 @@ def bench(
         "llama.cpp-f16, llama.cpp-q8_0 (llama.cpp on the same weights written to GGUF; "
         "needs the llama extra, pip install 'kvcache[llama]', which builds llama.cpp "
         "from source: minutes), llama.cpp-gguf (the GGUF file the model was read from, "
-        "as it is: SmolLM2's Q4_1), or any cache spec: window:128, int8 (kvcache caches).")
+        "as it is: SmolLM2's Q4_1, Gemma 3's Q4_K_M), or any cache spec: window:128, int8 "
+        "(kvcache caches).")
     ] = "naive,concat,static,hf,hf-static",
     cache: Annotated[str | None, typer.Option(
         metavar="SPECS", help="Comma-separated cache specs to time as modes, e.g. "
@@ -558,7 +559,7 @@ def _check_own_gguf(mode_names: list[str], model: str) -> None:
         return  # not a model: the loader says so in its own words
     if source is None:
         fail(f"mode 'llama.cpp-gguf' runs the GGUF file the model was read from, and "
-             f"{model!r} was not read from one: expected -m smollm2 or a .gguf")
+             f"{model!r} was not read from one: expected -m smollm2, -m gemma3 or a .gguf")
 
 
 @contextlib.contextmanager

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # Bench mode -> the GGUF format it runs; "gguf" is the file the model was read from
-# (SmolLM2's own Q4_1), run as it is.
+# (SmolLM2's own Q4_1, Gemma 3's Q4_K_M mix), run as it is.
 LLAMA_MODES = {"llama.cpp": "f32", "llama.cpp-f16": "f16", "llama.cpp-q8_0": "q8_0",
                "llama.cpp-gguf": "gguf"}
 INSTALL = "pip install 'kvcache[llama]' (it builds llama.cpp from source: minutes)"
@@ -76,7 +76,8 @@ def prepare(model, mode: str, directory: Path | None = None) -> LlamaFile:
         source = getattr(cfg, "gguf", None)
         if source is None:
             raise ValueError(f"mode {mode!r} runs the GGUF file the model was read from; this "
-                             "model was not read from one (expected -m smollm2 or a .gguf)")
+                             "model was not read from one (expected -m smollm2, -m gemma3 or "
+                             "a .gguf)")
         path = Path(source)
         gguf = GGUFFile(path, "gguf", "", path.stat().st_size, cached=True)
     else:
@@ -100,8 +101,12 @@ class LlamaRunner:
 
         self.file = file
         # One context as long as the run; the prompt goes in as one batch, as ours does.
+        # swa_full=False: a sliding-window model's (Gemma 3's) sliding layers hold their
+        # window (padded by a batch), as llama-server's default and as ours do, not the
+        # whole context llama-cpp-python's default gives them.
         self.llm = Llama(model_path=str(file.path), n_ctx=max_len, n_batch=max_len,
-                         n_threads=threads, n_threads_batch=threads, verbose=False)  # fmt: skip
+                         n_threads=threads, n_threads_batch=threads, swa_full=False,
+                         verbose=False)  # fmt: skip
 
     def stream(self, prompt_ids: Sequence[int], new_tokens: int) -> Iterator[int]:
         """Yield `new_tokens` greedy tokens after the prompt: the prefill's, then one a step."""

@@ -167,6 +167,10 @@ def _limit(r: BenchResult) -> Table:
                  f"{decimal_bytes(r.kv_bytes_per_token)} of K and V per token: "
                  f"{decimal_bytes(r.step_bytes_first)} @{r.profile_lengths[0]} to "
                  f"{decimal_bytes(r.step_bytes_last)} @{r.profile_lengths[-1]}")
+    grid.add_row("the vocabulary's head", f"{decimal_bytes(r.head_bytes)} of those weights "
+                 f"({r.head_bytes / r.weight_bytes:.0%}): {r.head_bytes / r.step_bytes_first:.0%}"
+                 f" of a step's bytes @{r.profile_lengths[0]}, "
+                 f"{r.head_bytes / r.step_bytes_last:.0%} @{r.profile_lengths[-1]}")
     grid.add_row("ceiling", f"[bold cyan]{r.ceiling_tokens_per_s:.1f} tokens/s[/] "
                  f"({r.limit_probe} probe's best {r.limit_gbps:.1f} GB/s, the limit / mean "
                  "bytes a step)")

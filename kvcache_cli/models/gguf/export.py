@@ -156,21 +156,23 @@ def weights_digest(state: dict, config) -> str:
 
 
 def write_gguf(state: dict, config, path: Path, name: str = "kvcache gpt2") -> Path:
-    """Write a float32 GGUF of a GPT-2 state dict (see `gguf_tensors`), or of a Llama-family
-    one (`write_llama`), to `path`.
+    """Write a float32 GGUF of a GPT-2 state dict (see `gguf_tensors`), of a Llama-family
+    one (`write_llama`) or of a Gemma 3 (`gemma3_export.write_gemma3`), to `path`.
 
     Written to a temporary name and renamed at the end, so a failed or interrupted write
     leaves nothing a later run would take for a finished file.
     """
     from gguf import GGUFWriter, LlamaFileType
 
-    from kvcache_cli.models.llama import LlamaConfig
+    from kvcache_cli.models.gguf.gemma3_export import write_gemma3
 
     path = Path(path)
     tmp = path.with_name(path.name + ".partial")
-    if isinstance(config, LlamaConfig):
+    family = _family(config)
+    if family != "gpt2":
+        write = write_llama if family == "llama" else write_gemma3
         try:
-            write_llama(state, config, tmp)
+            write(state, config, tmp)
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
@@ -321,7 +323,11 @@ def export_gguf(state: dict, config, fmt: str = "f32", directory: Path | None = 
     directory = cache_dir() if directory is None else Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     digest = weights_digest(state, config)
-    family = "gpt2" if hasattr(config, "block_size") else "llama"
+    family = _family(config)
+    if family == "gemma3":  # refused before a 1 GB hash and file, not after
+        from kvcache_cli.models.gguf.gemma3_export import check_writable
+
+        check_writable(config)
     path = directory / f"{family}-{digest}-{fmt}.gguf"
     if _as_written(path):
         return GGUFFile(path, fmt, digest, path.stat().st_size, cached=True)
@@ -333,6 +339,15 @@ def export_gguf(state: dict, config, fmt: str = "f32", directory: Path | None = 
         quantize_gguf(f32, path, fmt, threads)
         _stamp(path)
     return GGUFFile(path, fmt, digest, path.stat().st_size, cached=False)
+
+
+def _family(config) -> str:
+    """Which writer a config's model takes: gpt2, llama or gemma3."""
+    from kvcache_cli.models.gemma3 import Gemma3Config
+
+    if hasattr(config, "block_size"):
+        return "gpt2"
+    return "gemma3" if isinstance(config, Gemma3Config) else "llama"
 
 
 # What a stamp hashes of a written GGUF: its header, metadata and first tensors. With the
