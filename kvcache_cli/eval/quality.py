@@ -111,6 +111,9 @@ class QualityResult:
     # What the first token would draw if attention were uniform over the past (the same
     # queries): a share far above it is a sink.
     uniform_share: float
+    # A peer's caches it would not run on this model, each "spec: refused: why" (kvpress on
+    # a model with sliding layers): said under the table, as no figures stand for them.
+    refused: tuple[str, ...] = ()
 
     @property
     def scored(self) -> int:
@@ -147,6 +150,7 @@ def result_from_json(data) -> QualityResult:
                                      map(number, c["loss_by_position"]))})
                      for c in data["caches"])
         rest = {k: v for k, v in data.items() if k not in ("caches", "first_token_share")}
+        rest["refused"] = tuple(rest.get("refused", ()))
         result = QualityResult(**numbers(rest, QualityResult), caches=rows,
                                first_token_share=tuple(data["first_token_share"]))
     except (KeyError, TypeError, ValueError) as err:

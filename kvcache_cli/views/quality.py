@@ -167,7 +167,8 @@ def render(r: QualityResult) -> RenderableType:
     from rich.text import Text
 
     notes = [Text(line, style="dim") for line in residual_lines(r)]
-    return Group(_header(r), _quality(r), _cost(r), *notes)
+    refused = [Text(line, style="yellow") for line in r.refused]
+    return Group(_header(r), _quality(r), _cost(r), *refused, *notes)
 
 
 def plain(r: QualityResult, width: int) -> str:
@@ -184,7 +185,7 @@ def plain(r: QualityResult, width: int) -> str:
               *text_line("sink", f"first token's share of attention, per layer: "
                          f"{_sink_line(r)}", width), "",
               *text_table(rows, width)]
-    notes = residual_lines(r)
+    notes = [*r.refused, *residual_lines(r)]
     lines += ([""] if notes else []) + [wrapped for line in notes for wrapped in
                                         textwrap.wrap(line, width, subsequent_indent="  ")]
     lines_by_cache, top = excess_lines(r, 2 * SPARK_WIDTH)
