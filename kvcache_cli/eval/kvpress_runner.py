@@ -26,6 +26,7 @@ A model kvpress does not hook is refused before any weights load, with the reaso
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import sys
 import time
@@ -65,6 +66,10 @@ def run(model, ids: Sequence[int], prompt_len: int,
 
     from kvcache_cli.eval.quality import Tally
 
+    # transformers 5.3 and later take the cache as `cache` (and warn at the old name);
+    # the releases kvpress pins, as `past_key_values`.
+    keyword = "cache" if "cache" in inspect.signature(model.forward).parameters else \
+        "past_key_values"
     fed = len(ids) - 1  # the last token is only a target
     tokens = torch.tensor([ids[:fed]])  # (1, fed)
     targets = torch.tensor(ids[1:])  # (fed,)
@@ -79,9 +84,9 @@ def run(model, ids: Sequence[int], prompt_len: int,
                 hooked = press() if start == 0 else contextlib.nullcontext()
                 began = time.perf_counter()
                 with hooked:
-                    logits = model(tokens[:, start:end], past_key_values=tally.cache,
-                                   position_ids=positions, use_cache=True,
-                                   logits_to_keep=1).logits[0]  # (1, vocab)
+                    logits = model(tokens[:, start:end], position_ids=positions,
+                                   use_cache=True, logits_to_keep=1,
+                                   **{keyword: tally.cache}).logits[0]  # (1, vocab)
                 ms = (time.perf_counter() - began) * 1e3
                 if start:
                     tally.step_ms.append(ms)

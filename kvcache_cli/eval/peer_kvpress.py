@@ -54,7 +54,7 @@ class KvpressSpec:
     fields: tuple[tuple[str, int], ...] = ()  # (letter, value), KINDS' order, every one
 
     def __str__(self) -> str:
-        return f"{NAME}:{self.kind}:{self.keep:g}" + "".join(f":{k}{v}" for k, v in self.fields)
+        return f"{NAME}:{self.kind}:{self.keep!r}" + "".join(f":{k}{v}" for k, v in self.fields)
 
     def press(self) -> dict:
         """What the runner builds: kvpress's class and its keyword arguments."""
