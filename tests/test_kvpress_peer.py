@@ -6,6 +6,8 @@ there, the real presses beside kvcache's own kinds on the same tiny Llama."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
 import os
 import random
 import re
@@ -135,17 +137,39 @@ def test_the_runner_scores_a_press_against_the_exact_cache_at_the_text_s_positio
     assert kvpress_runner.layer_bytes(drop.cache) == (8 + 39 - 16) * token
 
 
+# What the runner writes for an exact cache and one press, two positions scored.
+ROWS = [{"name": kvpress_runner.REFERENCE, "nll": [1.0, 2.0], "kl": [0.0, 0.0],
+         "agree": [True, True], "step_ms": [1.0], "prefill_ms": 3.0, "bytes_held": 400,
+         "positions": 10},
+        {"name": "kvpress:knorm:0.5", "nll": [1.0, 3.0], "kl": [0.0, 0.5],
+         "agree": [True, False], "step_ms": [1.0], "prefill_ms": 3.0, "bytes_held": 200,
+         "positions": 10}]
+
+
 def test_the_runner_s_rows_become_eval_rows_against_kvpress_s_exact_cache():
-    rows = [{"name": kvpress_runner.REFERENCE, "nll": [1.0, 2.0], "kl": [0.0, 0.0],
-             "agree": [True, True], "step_ms": [1.0], "prefill_ms": 3.0, "bytes_held": 400,
-             "positions": 10},
-            {"name": "kvpress:knorm:0.5", "nll": [1.0, 3.0], "kl": [0.0, 0.5],
-             "agree": [True, False], "step_ms": [1.0], "prefill_ms": 3.0, "bytes_held": 200,
-             "positions": 10}]
-    ref, knorm = peer_kvpress.rows_from(rows, prompt_len=8)
+    ref, knorm = peer_kvpress.rows_from(ROWS, prompt_len=8)
     assert ref.reference and ref.peer == knorm.peer == "kvpress"
     assert knorm.against == kvpress_runner.REFERENCE and knorm.bytes_ratio == 0.5
     assert knorm.kl_mean == 0.25 and knorm.top1_agreement == 0.5 and knorm.kl_max_position == 9
+
+
+def test_the_table_says_how_kvpress_ran_and_what_it_refused_and_json_keeps_it():
+    from kvcache_cli.eval.quality import QualityResult, result_from_json
+    from kvcache_cli.views.quality import plain
+
+    ref, knorm = peer_kvpress.rows_from(ROWS, prompt_len=8)
+    static = dataclasses.replace(ref, cache="static", peer="", against="static")
+    result = QualityResult(
+        model="m", weights_note=None, text="t", tokens=10, prompt_len=8, chunk=1, device="cpu",
+        dtype="float32", threads=1, torch_version="2", machine="x86_64", reference="static",
+        caches=(static, ref, knorm), first_token_share=(0.5,), uniform_share=0.1,
+        refused=("kvpress:recent:0.5:s0: refused: not Gemma3ForCausalLM",))
+    text = plain(result, 100)
+    assert "kvpress's rows run its presses on transformers' model" in text
+    assert "own exact kvpress:dynamic cache" in text and "llama.cpp" not in text
+    assert "kvpress:recent:0.5:s0: refused: not Gemma3ForCausalLM" in text
+    saved = json.loads(json.dumps(dataclasses.asdict(result)))
+    assert result_from_json(saved).refused == result.refused
 
 
 @pytest.fixture(scope="module")
