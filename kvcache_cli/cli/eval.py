@@ -44,10 +44,12 @@ HELDOUT = "heldout.txt"  # the text a checkpoint was not trained on, in its dire
 def parse_eval_caches(value):
     """--cache as eval reads it: kvcache's specs (`caches.spec`), llama.cpp's cache types
     (`llama.cpp:q4_0`, `llama_quality`) and transformers' own model with its quantised
-    cache (`transformers:quanto-int4`, `hf_quality`) in one comma list, each once."""
+    cache (`transformers:quanto-int4`, `hf_quality`) and kvpress's presses
+    (`kvpress:snapkv:0.25`, `peer_kvpress`) in one comma list, each once."""
     from kvcache_cli.caches.grammar import CacheSpecError
     from kvcache_cli.caches.spec import parse_cache_list
     from kvcache_cli.eval.peer_hf import is_transformers, parse_transformers
+    from kvcache_cli.eval.peer_kvpress import is_kvpress, parse_kvpress
     from kvcache_cli.eval.peer_llama_cpp import is_llama_cpp, parse_llama_cpp
 
     if isinstance(value, list):
@@ -55,10 +57,13 @@ def parse_eval_caches(value):
     parts = [part for part in value.split(",") if part.strip()]
 
     def peer(part: str):
+        if is_kvpress(part):
+            return parse_kvpress(part)
         return parse_llama_cpp(part) if is_llama_cpp(part) else parse_transformers(part)
 
     try:
-        is_peer = [is_llama_cpp(part) or is_transformers(part) for part in parts]
+        is_peer = [is_llama_cpp(part) or is_transformers(part) or is_kvpress(part)
+                   for part in parts]
         ours = [part for part, p in zip(parts, is_peer) if not p]
         peers = [peer(part) for part, p in zip(parts, is_peer) if p]
         specs = parse_cache_list(",".join(ours) if peers else value) if ours or not peers \
@@ -90,7 +95,9 @@ def eval_(
         "llama.cpp:q4_0, llama.cpp:kq8_0:vq4_0, ...:norot (LLAMA_ATTN_ROT_DISABLE=1), "
         "scored against llama.cpp's f32 cache. transformers:quanto-int4[:gN][:rN] (or "
         "quanto-int2, hqq-int4, hqq-int2) runs transformers' own LlamaForCausalLM with its "
-        "QuantizedCache, scored against its DynamicCache.")] = None,
+        "QuantizedCache, scored against its DynamicCache. kvpress:snapkv:0.25 (or knorm, "
+        "recent[:sN], expected) runs NVIDIA kvpress's press in its own venv "
+        "(scripts/kvpress_venv.sh), scored against its DynamicCache.")] = None,
     model: ModelOption = None,
     weights: Annotated[Weights, typer.Option(
         help="auto: pretrained when available, else random (one note); quality on random "
@@ -243,7 +250,7 @@ def _check_options(cache, model, text, tokens, prompt_len, chunk, device, thread
     whose bridge holds the caches (the default list cut to the kinds it holds)."""
     from kvcache_cli.caches.spec import fitted
     from kvcache_cli.eval import peer_hf as hf_quality
-    from kvcache_cli.eval import quality
+    from kvcache_cli.eval import peer_kvpress, quality
     from kvcache_cli.eval.peer_hf import HFCacheSpec
     from kvcache_cli.eval.peer_llama_cpp import LlamaCppSpec, check_installed
     from kvcache_cli.eval.text import read_tokens
@@ -257,8 +264,9 @@ def _check_options(cache, model, text, tokens, prompt_len, chunk, device, thread
     # The defaults laid out for this model's heads: a refusal names only what was typed.
     given = ([fitted(s, config.head_size) for s in _default_caches(hf)] if cache is None
              else cache)
-    specs = [s for s in given if not isinstance(s, LlamaCppSpec | HFCacheSpec)]
-    peers = [s for s in given if isinstance(s, LlamaCppSpec | HFCacheSpec)]
+    peer_types = LlamaCppSpec | HFCacheSpec | peer_kvpress.KvpressSpec
+    specs = [s for s in given if not isinstance(s, peer_types)]
+    peers = [s for s in given if isinstance(s, peer_types)]
     if hf is not None:
         _check_engine_caches(specs, peers)
     llama_cpp = [s for s in peers if isinstance(s, LlamaCppSpec)]
@@ -274,6 +282,8 @@ def _check_options(cache, model, text, tokens, prompt_len, chunk, device, thread
     specs = quality.with_sliding(specs, _sliding_choices(sliding, config, model))
     check_installed(llama_cpp, getattr(config, "gguf", None), model)
     hf_quality.check_installed([s for s in peers if isinstance(s, HFCacheSpec)], config, model)
+    peer_kvpress.check_installed([s for s in peers if isinstance(s, peer_kvpress.KvpressSpec)],
+                                 config, model)
     dev = resolve_device(device)
     if llama_cpp and dev.type != "cpu":
         raise ValueError(f"cache {str(llama_cpp[0])!r} runs llama.cpp on the CPU, where the "
@@ -321,10 +331,12 @@ def _check_engine_caches(specs, peers) -> None:
 
 def _with_peers(result, model, ids, peers, prompt_len, on_progress):
     """`result` with the peers' rows after kvcache's, the same ids through each: llama.cpp's
-    caches on the GGUF the model was read from, transformers' in its own LlamaForCausalLM."""
+    caches on the GGUF the model was read from, transformers' in its own LlamaForCausalLM,
+    kvpress's in its venv (with the presses it refused for this model, one line each)."""
     import dataclasses
 
     from kvcache_cli.eval import peer_hf as hf_quality
+    from kvcache_cli.eval import peer_kvpress
     from kvcache_cli.eval import peer_llama_cpp as llama_quality
     from kvcache_cli.eval.peer_hf import HFCacheSpec
     from kvcache_cli.eval.peer_llama_cpp import LlamaCppSpec
@@ -342,6 +354,14 @@ def _with_peers(result, model, ids, peers, prompt_len, on_progress):
         rows += hf_quality.evaluate(model, ids, transformers, prompt_len=prompt_len,
                                     progress=lambda d, t: on_progress(d, t, names))
         refused = hf_quality.refusals(model, transformers)
+    presses = [s for s in peers if isinstance(s, peer_kvpress.KvpressSpec)]
+    if presses:
+        names = f"scoring {', '.join(map(str, presses))} in kvpress's venv"
+        more, declined = peer_kvpress.evaluate(model, ids, presses, prompt_len=prompt_len,
+                                               threads=result.threads,
+                                               progress=lambda d, t: on_progress(d, t, names))
+        rows += more
+        refused += declined
     return dataclasses.replace(result, caches=result.caches + rows,
                                refused=result.refused + refused)
 

@@ -128,13 +128,23 @@ def _run_line(r: QualityResult) -> str:
             f"scored against the exact {r.reference} cache, every cache fed the same tokens")
 
 
+# How each peer runs the same model, for the header (a peer's rows are named after it).
+PEER_RUNS = {
+    "llama.cpp": "llama.cpp's rows run the model's GGUF in llama.cpp (chunks of 256 tokens: "
+                 "no ms/tok)",
+    "transformers": "transformers' rows run its own model of the same weights",
+    "kvpress": "kvpress's rows run its presses on transformers' model of the same weights, "
+               "in kvpress's venv",
+}
+
+
 def _peer_line(r: QualityResult) -> str | None:
-    """What the peers' rows are scored against, when there are any."""
-    own = sorted({c.against for c in r.caches if c.peer and c.against != r.reference})
+    """How the peers' rows ran and what each is scored against, when there are any."""
+    own = {c.peer: c.against for c in r.caches if c.peer and c.against != r.reference}
     if not own:
         return None
-    return (f"llama.cpp's rows run the model's GGUF in llama.cpp, on the same ids, each scored "
-            f"against its own exact {', '.join(own)} cache (chunks of 256 tokens: no ms/tok)")
+    return "; ".join(f"{PEER_RUNS.get(peer, peer)}, on the same ids, each scored against its "
+                     f"own exact {against} cache" for peer, against in sorted(own.items()))
 
 
 def _sink_line(r: QualityResult) -> str:
