@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Decode on a GPU, in one go: our static cache against transformers' generate() with
 # its dynamic and its static cache, eager and under torch.compile (CUDA graphs, mode
-# "reduce-overhead"), in bfloat16 and float16, for GPT-2 small and xl. Speed depends
-# on the shape only, so the weights are random (no download needed).
+# "reduce-overhead"), in bfloat16 and float16, for GPT-2 small and xl (random weights:
+# speed depends on the shape only) and the two real models where their packages are
+# installed (SmolLM2-135M, Gemma 3 270M); then each real model's decode step at long
+# contexts with the float32, half and quantised caches (bench --context).
 #
 #   scripts/bench_cuda.sh [OUTDIR]      (default: bench-cuda/)
 #
@@ -13,18 +15,28 @@ out=${1:-bench-cuda}
 mkdir -p "$out"
 python -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else "no CUDA device")'
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
-for model in gpt2 gpt2-xl; do
+real=()
+installed() { python -c "import sys, kvcache_cli.models.$1 as m; sys.exit(m.$2() is None)"; }
+installed smollm2 smollm2_gguf 2>/dev/null && real+=(smollm2)
+installed gemma3_270m gemma3_gguf 2>/dev/null && real+=(gemma3)
+for model in gpt2 gpt2-xl "${real[@]}"; do
+  weights=random; [[ $model == gpt2* ]] || weights=pretrained
   for dtype in bf16 fp16; do
     echo "== $model $dtype" >&2
-    kvcache bench --device cuda --model "$model" --weights random --dtype "$dtype" \
+    kvcache bench --device cuda --model "$model" --weights "$weights" --dtype "$dtype" \
       --modes static,hf,hf-static --compile --new-tokens 256 --repeats 3 \
       --plot "$out/$model-$dtype.png" --json > "$out/$model-$dtype.json"
   done
 done
+for model in "${real[@]}"; do
+  echo "== $model contexts" >&2
+  kvcache bench --device cuda --model "$model" --dtype bf16 --context 1024,4096,8176 \
+    --cache static,fp16,int8,int4 --repeats 5 --json > "$out/context-$model.json"
+done
 python - "$out" <<'PY' | tee "$out/summary.txt"
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
-for path in sorted(out.glob("*.json")):
+for path in sorted(p for p in out.glob("*.json") if not p.name.startswith("context-")):
     r = json.loads(path.read_text())
     print(f"{r['device_name']}, torch {r['torch_version']}, transformers "
           f"{r['transformers_version']}: {path.stem}, {r['new_tokens']} new tokens, "
