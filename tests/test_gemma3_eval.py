@@ -181,3 +181,9 @@ def test_sliding_with_the_retrieval_task_is_one_line_exit_2():
     result = CliRunner().invoke(app, ["eval", "--task", "retrieval", "--sliding", "full"])
     assert result.exit_code == 2, result.output
     assert result.stderr.count("\n") == 1 and "applies to --task text only" in result.stderr
+
+
+def test_a_cache_on_every_layer_is_named_by_its_row_where_caches_are_listed():
+    # eval's progress lists the caches it scores by str(): a row's name, not a repr.
+    (maker,) = quality.with_sliding([parse_cache_spec("int8")], ["full"])
+    assert str(maker) == f"{I8}{ALL_LAYERS}"

@@ -63,6 +63,9 @@ class CacheMaker:
     name: str
     build: Callable[[FamilyModel, int], KVCache]
 
+    def __str__(self) -> str:  # named as a spec is wherever caches are listed (progress)
+        return self.name
+
 
 @dataclass(frozen=True)
 class CacheQuality:
