@@ -8,6 +8,7 @@ from typing import Annotated, Any
 
 import typer
 
+from kvcache_cli.cli.engine import Engine, EngineOption, pick_engine
 from kvcache_cli.cli.loading import (
     GPT2_MODULES,
     default_model,
@@ -30,6 +31,7 @@ from kvcache_cli.cli.refusals import fail
 
 
 def compress(
+    ctx: typer.Context,
     prompt: Annotated[str | None, typer.Argument(
         help="The text to prefill and compress, quoted (or --text FILE).")] = None,
     text: Annotated[Path | None, typer.Option(
@@ -61,6 +63,7 @@ def compress(
         help="torch intra-op threads (default: one per core other processes leave free, "
         "with a note when that is fewer than all).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
+    engine: EngineOption = Engine.auto,
 ) -> None:
     """What compressing a prompt's cache at prefill keeps, and what it costs.
 
@@ -87,8 +90,11 @@ def compress(
     from kvcache_cli.measure import resolve_device
 
     specs = cache if cache is not None else parse_cache_list_option(run.DEFAULT_CACHES)
+    hf = _load_engine(ctx, model, device, specs) if pick_engine(model, engine) == \
+        "transformers" else None
     try:
-        config, ids, encoding, layout = _prompt_ids(model, prompt, text, question)
+        config, ids, encoding, layout = _prompt_ids(
+            model, prompt, text, question, hf.model.config if hf is not None else None)
         run.check_compress(specs, len(ids), new_tokens, config.cache_shape, config.context,
                            layer)
         dev = resolve_device(device)
@@ -96,7 +102,7 @@ def compress(
         fail(str(err))
     except RuntimeError as err:  # a tokenizer that cannot be had offline
         fail(str(err))
-    loaded = load_model(model, weights.value, str(dev), config=config)
+    loaded = hf if hf is not None else load_model(model, weights.value, str(dev), config=config)
     pick_threads(threads, dev)
     try:
         with progress("compressing", "caches") as on_progress:
@@ -110,9 +116,26 @@ def compress(
     _show(result, as_json, show_kept)
 
 
-def _prompt_ids(model: str, prompt: str | None, text: Path | None, question: str | None):
+def _load_engine(ctx: typer.Context, model: str, device: str, specs):
+    """The transformers engine's model (`LoadedModel`), loaded before the prompt is
+    checked against its config; what it does not run, refused in one line."""
+    from kvcache_cli.cli.engine import load_engine, refuse_kinds, refuse_options
+    from kvcache_cli.measure import resolve_device
+
+    refuse_options(ctx, ("weights",), "the model runs as transformers loads it")
+    need_torch_extra("kvcache compress needs", *GPT2_MODULES, "transformers")
+    refuse_kinds(specs)
+    try:
+        return load_engine(model, str(resolve_device(device)))
+    except ValueError as err:
+        fail(str(err))
+
+
+def _prompt_ids(model: str, prompt: str | None, text: Path | None, question: str | None,
+                config=None):
     """(the model's config, the prompt's ids, its encoding, how it was laid out), before
-    any weights load; a ValueError names what is wrong."""
+    any weights load (`config`: the transformers engine's, read from its model); a
+    ValueError names what is wrong."""
     from kvcache_cli.eval.text import TokenizerUnavailable, read_text, tokenizer_for
     from kvcache_cli.models import model_config
     from kvcache_cli.models.tokenizer import encoding_for
@@ -127,7 +150,7 @@ def _prompt_ids(model: str, prompt: str | None, text: Path | None, question: str
         raise ValueError("the prompt is empty: expected some text (or --text FILE)")
     if question is not None and not question.strip():
         raise ValueError("--question is empty: expected a question, or no --question")
-    config = model_config(model)
+    config = config if config is not None else model_config(model)
     encoding, why = encoding_for(tokenizer_for(config))
     if encoding is None:
         raise TokenizerUnavailable(why)

@@ -192,7 +192,7 @@ def _run(model, x: Tensor, cache, n: int, forced: tuple[int, ...] | None) -> _Ru
     logits = model(x, 0, cache, last_only=True)  # (1, 1, vocab)
     synchronize(model.device)
     prefill_ms = (time.perf_counter() - began) * 1e3
-    held = _bytes_by_kind(cache)
+    held = _bytes_by_kind(cache, model.config.cache_shape)
     before = copy.deepcopy(cache)  # the cache as compressed, for the teacher-forced pass
     tokens = [int(logits[0, -1].argmax())]
     for pos in range(P, P + n - 1):
@@ -203,25 +203,27 @@ def _run(model, x: Tensor, cache, n: int, forced: tuple[int, ...] | None) -> _Ru
     return _Run(before, prefill_ms, held, tuple(tokens), logp)
 
 
-def _sub_caches(cache):
-    """(layer, the cache holding it, the layer's index there) for every layer."""
-    from kvcache_cli.caches.hybrid import HybridCache
+def _sub_caches(cache, shape):
+    """(layer, the cache holding it, the layer's index there) for every layer of `shape`:
+    a hybrid cache's and the transformers engine's (`EngineCache`) by their `cache_of`,
+    whose cache is None where transformers' own layer holds the layer."""
+    split = hasattr(cache, "cache_of")
+    for layer in range(shape.n_layer):
+        yield (layer, *(cache.cache_of(layer) if split else (cache, layer)))
 
-    for layer in range(cache.shape.n_layer):
-        yield (layer, *(cache.cache_of(layer) if isinstance(cache, HybridCache)
-                        else (cache, layer)))
 
-
-def _bytes_by_kind(cache) -> dict[str, int]:
+def _bytes_by_kind(cache, shape) -> dict[str, int]:
     """The prompt's bytes per layer kind: a compressing cache's kept keys (its room for
     later tokens left out), any other cache's bytes held."""
     from kvcache_cli.caches.compressed import PromptCompressedCache
 
     out: dict[str, int] = {}
     seen: set[int] = set()
-    for layer, sub, _ in _sub_caches(cache):
-        kind = cache.shape.layer_types[layer].kind
-        if id(sub) not in seen:
+    for layer, sub, _ in _sub_caches(cache, shape):
+        kind = shape.layer_types[layer].kind
+        if sub is None:  # transformers' own layer: a sliding window the model keeps
+            out[kind] = out.get(kind, 0) + cache.layer_bytes_held(layer)
+        elif id(sub) not in seen:
             seen.add(id(sub))
             held = sub.prompt_bytes if isinstance(sub, PromptCompressedCache) else sub.bytes_held
             out[kind] = out.get(kind, 0) + held
@@ -236,7 +238,7 @@ def _row(name: str, run: _Run, exact: _Run, shape, layer: int | None, P: int,
 
     kept, counts, pairs, compress_ms = [], torch.zeros(P, dtype=torch.float64), 0, 0.0
     seen: set[int] = set()
-    for i, sub, j in _sub_caches(run.cache):
+    for i, sub, j in _sub_caches(run.cache, shape):
         if not isinstance(sub, PromptCompressedCache):
             continue
         if id(sub) not in seen:

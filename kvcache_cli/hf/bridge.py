@@ -58,7 +58,7 @@ def kv_cache(model, spec: str | CacheSpec = "concat", *, max_len: int | None = N
     if spec.kind not in BRIDGE_KINDS:
         raise BridgeError(f"cache {str(spec)!r}: the bridge holds {', '.join(BRIDGE_KINDS)}; "
                           "serve's block pools and the peers are not transformers cache layers")
-    _refuse_across_layers(spec)
+    refuse_across_layers(spec)
     if spec.kind in _ALLOCATES and max_len is None:
         raise BridgeError(f"cache {str(spec)!r} allocates max_len positions up front: pass "
                           "max_len (prompt + new tokens)")
@@ -94,7 +94,7 @@ def kv_cache(model, spec: str | CacheSpec = "concat", *, max_len: int | None = N
     return BridgeCache(layers, tuple(_KIND[t] for t in types), spec)
 
 
-def _refuse_across_layers(spec: CacheSpec) -> None:
+def refuse_across_layers(spec: CacheSpec) -> None:
     """Refuse (one line) what a cache of one layer cannot do: the bridge builds one per
     layer, each from the keys transformers rotated before the cache."""
     params = dict(spec.params)

@@ -23,20 +23,24 @@ from torch import Tensor
 
 from kvcache_cli.caches import CacheSpec
 from kvcache_cli.caches.base import CacheShape, ForwardingCache, KVCache, LayerType
+from kvcache_cli.caches.hybrid import BandedCache
 from kvcache_cli.caches.step import Step
 from kvcache_cli.hf import ATTENTION, BRIDGE_KINDS, BridgeError, kv_cache
-from kvcache_cli.hf.layers import BridgeCache, BridgeLayer
+from kvcache_cli.hf.bridge import refuse_across_layers
+from kvcache_cli.hf.layers import BridgeCache, BridgeLayer, layer_bytes_held
 from kvcache_cli.hf.load import HFModel
 from kvcache_cli.models.base import FamilyModel
 
 
 def check_kinds(specs: Iterable[CacheSpec]) -> None:
-    """Refuse, in one line, a cache kind the bridge does not hold (yet): BridgeError."""
+    """Refuse, in one line, a cache kind the bridge does not hold (yet), or an option one
+    layer's cache cannot hold (pyramid, rerotate): BridgeError."""
     for spec in specs:
         if spec.kind not in BRIDGE_KINDS:
             raise BridgeError(f"cache {spec.typed or str(spec)!r}: the transformers engine holds "
                               f"{', '.join(BRIDGE_KINDS)} so far; --engine kvcache runs "
                               "every kind on kvcache's own families")
+        refuse_across_layers(spec)
 
 
 @dataclass(frozen=True)
@@ -86,6 +90,21 @@ class EngineCache(KVCache):
         # kvcache's layers count their copies; transformers' own sliding layers do not.
         return sum(layer.cache.bytes_copied for layer in self.held.layers
                    if isinstance(layer, BridgeLayer) and layer.is_initialized)
+
+    def cache_of(self, layer: int) -> tuple[KVCache | None, int]:
+        """The kvcache cache holding model layer `layer` and the layer's index there, as
+        `HybridCache.cache_of` says it (a bridge layer's cache holds one layer: index 0; a
+        band around a kind reads as the kind); (None, 0) where transformers' own layer
+        holds it (a sliding window the model keeps)."""
+        held = self.held.layers[layer]
+        if not isinstance(held, BridgeLayer) or not held.is_initialized:
+            return None, 0
+        cache = held.cache
+        return (cache.inner if isinstance(cache, BandedCache) else cache), 0
+
+    def layer_bytes_held(self, layer: int) -> int:
+        """Bytes model layer `layer` holds now, whichever cache holds it."""
+        return layer_bytes_held(self.held.layers[layer])
 
     def crop(self, length: int) -> None:
         self.held.crop(length)
