@@ -126,10 +126,12 @@ def test_the_kernels_unpacked_blocks_are_gguf_pys_dequantised_weights(simd, kind
 
 
 @pytest.mark.parametrize("kind", list(BLOCK_TYPES))
-def test_the_simd_builds_and_the_plain_loops_agree(vectorised, scalar, kind):
+@pytest.mark.parametrize("rows", [1, 6])  # a decode's one row sums each 32 before its scale
+def test_the_simd_builds_and_the_plain_loops_agree(vectorised, scalar, kind, rows):
     blocks = _blocks(kind, 21, 5, seed=7)
     _, block, size = BLOCK_TYPES[kind]
-    x = torch.randn(6, blocks.shape[1] // size * block, generator=torch.Generator().manual_seed(3))
+    K = blocks.shape[1] // size * block
+    x = torch.randn(rows, K, generator=torch.Generator().manual_seed(3))
     fast, plain = _product(vectorised, kind, x, blocks), _product(scalar, kind, x, blocks)
     # Two sum orders of the same float32 terms (16 lanes against one): RTOL of the largest.
     torch.testing.assert_close(fast, plain, rtol=RTOL, atol=RTOL * float(plain.abs().max()))

@@ -19,6 +19,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(GGUF_SCALAR)
@@ -259,6 +260,15 @@ struct Lanes {
         return {_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), _mm512_set1_ps(d))};
     }
     void add(const Lanes& w, const float* x) { v = _mm512_fmadd_ps(w.v, _mm512_loadu_ps(x), v); }
+    static Lanes dot2(const int8_t* q, const float* x) {
+        const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
+        const __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16))));
+        return {_mm512_fmadd_ps(b, _mm512_loadu_ps(x + 16),
+                                _mm512_mul_ps(a, _mm512_loadu_ps(x)))};
+    }
+    void add_scaled(const Lanes& p, float d) { v = _mm512_fmadd_ps(p.v, _mm512_set1_ps(d), v); }
     float sum() const { return _mm512_reduce_add_ps(v); }
 };
 #elif defined(GGUF_SIMD)
@@ -274,6 +284,21 @@ struct Lanes {
     void add(const Lanes& w, const float* x) {
         lo = _mm256_fmadd_ps(w.lo, _mm256_loadu_ps(x), lo);
         hi = _mm256_fmadd_ps(w.hi, _mm256_loadu_ps(x + 8), hi);
+    }
+    static __m256 ints(const int8_t* q) {
+        return _mm256_cvtepi32_ps(
+            _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q))));
+    }
+    static Lanes dot2(const int8_t* q, const float* x) {
+        return {_mm256_fmadd_ps(ints(q + 16), _mm256_loadu_ps(x + 16),
+                                _mm256_mul_ps(ints(q), _mm256_loadu_ps(x))),
+                _mm256_fmadd_ps(ints(q + 24), _mm256_loadu_ps(x + 24),
+                                _mm256_mul_ps(ints(q + 8), _mm256_loadu_ps(x + 8)))};
+    }
+    void add_scaled(const Lanes& p, float d) {
+        const __m256 s = _mm256_set1_ps(d);
+        lo = _mm256_fmadd_ps(p.lo, s, lo);
+        hi = _mm256_fmadd_ps(p.hi, s, hi);
     }
     float sum() const {
         const __m256 v = _mm256_add_ps(lo, hi);
@@ -293,6 +318,15 @@ struct Lanes {
     void add(const Lanes& w, const float* x) {
         for (int i = 0; i < 16; ++i) v[i] += w.v[i] * x[i];
     }
+    static Lanes dot2(const int8_t* q, const float* x) {
+        Lanes p;
+        for (int i = 0; i < 16; ++i)
+            p.v[i] = static_cast<float>(q[i]) * x[i] + static_cast<float>(q[16 + i]) * x[16 + i];
+        return p;
+    }
+    void add_scaled(const Lanes& p, float d) {
+        for (int i = 0; i < 16; ++i) v[i] += p.v[i] * d;
+    }
     float sum() const {
         float s = 0;
         for (float f : v) s += f;
@@ -300,6 +334,13 @@ struct Lanes {
     }
 };
 #endif
+
+// Every type but Q6_K has one scale a run of 32 weights: d[2i] = d[2i + 1]. A single row then
+// sums each 32 products before scaling them (several rows scale the weights once instead).
+template <class B>
+constexpr bool PAIRED = !std::is_same_v<B, Q6_K>;
+
+constexpr int64_t AHEAD = 4096;  // bytes: one page ahead of the block being multiplied
 
 // RT rows of x (each K wide, row stride K) times one weight row of `blocks` blocks:
 // y[r * ldy] for r < RT. xs: each row's sums over runs of 32 inputs (K / 32 a row).
@@ -310,11 +351,21 @@ void rows_times(const uint8_t* w, const float* x, const float* xs, int64_t K, fl
     float offset[RT] = {};
     Unpacked u;
     for (int64_t b = 0; b < K / B::QK; ++b) {
+        // The rows lie end to end, so the matrix is one stream; the hardware's prefetcher
+        // stops at each 4 KiB page and starts again only after the first misses on the next,
+        // so each block asks for the bytes one page ahead (a step ran 1.1-1.5 times faster
+        // on Q8_0/Q4_1 rows read from memory; past the matrix's end the hint is a no-op).
+        for (int o = 0; o < B::BYTES; o += 64) __builtin_prefetch(w + b * B::BYTES + AHEAD + o);
         const int8_t* q = B::unpack(w + b * B::BYTES, u);
         const float* xb = x + b * B::QK;
-        for (int g = 0; g < B::QK / 16; ++g) {
-            const Lanes scaled = Lanes::widened(q + 16 * g, u.d[g]);
-            for (int r = 0; r < RT; ++r) acc[r].add(scaled, xb + r * K + 16 * g);
+        if constexpr (RT == 1 && PAIRED<B>) {
+            for (int g = 0; g < B::QK / 16; g += 2)  // one scale a pair: 3 float ops a pair, not 4
+                acc[0].add_scaled(Lanes::dot2(q + 16 * g, xb + 16 * g), u.d[g]);
+        } else {
+            for (int g = 0; g < B::QK / 16; ++g) {
+                const Lanes scaled = Lanes::widened(q + 16 * g, u.d[g]);
+                for (int r = 0; r < RT; ++r) acc[r].add(scaled, xb + r * K + 16 * g);
+            }
         }
         if constexpr (B::MINS) {
             const float* sb = xs + b * (B::QK / 32);
