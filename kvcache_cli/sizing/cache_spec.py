@@ -212,3 +212,25 @@ def _sums(shape: ModelShape, groups, n: int, elem: int, spec: CacheSpec | None,
     if spec is None or not q + full:  # no layer holds the spec: the first group's tokens
         q, full = 0, tokens_held(shape, groups[0].kind, n)
     return (tuple((k, c, b) for k, (c, b) in kinds.items()), q, full, *out)
+
+
+@dataclass(frozen=True)
+class SpecLayers:
+    """Which layers of a model a `--cache` spec holds (`sliding="model"`): the
+    full-attention ones; the windowed ones hold exact rings of their window."""
+
+    model: str
+    spec_layers: tuple[int, ...]  # layer indices holding the spec's kind
+    windowed_layers: tuple[int, ...]  # sliding or chunked: rings of `window`
+    windowed_kind: str | None  # "sliding" or "chunked"; None: every layer attends in full
+    window: int | None
+
+
+def spec_layers(shape: ModelShape) -> SpecLayers:
+    """The layers a spec goes on for `shape`, as `make_cache(..., sliding="model")` builds
+    it, and the windowed ones beside them."""
+    kinds = shape.layer_kinds
+    windowed = tuple(i for i, k in enumerate(kinds) if k in WINDOWED)
+    return SpecLayers(shape.name, tuple(i for i, k in enumerate(kinds) if k == "full"),
+                      windowed, kinds[windowed[0]] if windowed else None,
+                      shape.window if windowed else None)
