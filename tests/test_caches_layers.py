@@ -50,4 +50,4 @@ def test_an_unknown_model_is_one_line_and_exit_2():
 def test_caches_m_never_imports_torch():
     heavy = ("sorted(m for m in sys.modules "
              "if m.split('.')[0] in ('torch', 'transformers', 'tiktoken'))")
-    assert modules_after(["caches", "-m", "gemma3"], heavy) == "[]"
+    assert modules_after(["caches", "-m", "gemma-3-270m"], heavy) == "[]"
