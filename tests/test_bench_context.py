@@ -140,6 +140,23 @@ def test_the_absent_peers_install_hint_keeps_its_brackets(model):
     assert "pip install 'kvcache[llama]'" in console.export_text()
 
 
+def test_the_view_states_the_vocabulary_heads_share_of_the_weights(model):
+    import io
+
+    from rich.console import Console
+
+    from kvcache_cli.measure import head_bytes
+    from kvcache_cli.views.bench import decimal_bytes
+    from kvcache_cli.views.bench_context import context_view
+
+    r = _run(model, "static")
+    assert r.head_bytes == head_bytes(model) > 0
+    console = Console(width=120, record=True, file=io.StringIO())
+    console.print(context_view(r))
+    share = f"{decimal_bytes(r.head_bytes)} of those weights ({r.head_bytes / r.weight_bytes:.0%})"
+    assert share in console.export_text()
+
+
 @pytest.mark.parametrize("args, words", [
     (["--context", "0"], "--context '0' is not a whole number"),
     (["--context", "64,32"], "expected increasing"),

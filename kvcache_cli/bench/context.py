@@ -68,6 +68,7 @@ class ContextResult:
     model: str
     weights: str  # the weights format, both engines'
     weight_bytes: int  # ours; llama.cpp's file is in llama_file
+    head_bytes: int  # of weight_bytes, the LM head's: every row of the vocabulary
     threads: int
     steps: int
     repeats: int
@@ -223,7 +224,7 @@ def run_context(model, specs: Sequence, contexts: Sequence[int], steps: int, rep
                 progress: ContextProgress | None = None) -> ContextResult:
     """Every cache's (and llama.cpp's matched cache's) decode step timed at each context."""
     from kvcache_cli.bench.summary import kernel_note
-    from kvcache_cli.measure import weight_bytes
+    from kvcache_cli.measure import head_bytes, weight_bytes
 
     others = OtherProcesses()
     c = model.config
@@ -268,7 +269,8 @@ def run_context(model, specs: Sequence, contexts: Sequence[int], steps: int, rep
     series += [ContextSeries("llama.cpp", e.name, _matched(specs, e.name), tuple(points[e.name]))
                for e in engines if isinstance(e, _Llama)]
     return ContextResult(
-        model=model_name, weights=weights, weight_bytes=weight_bytes(model), threads=threads,
+        model=model_name, weights=weights, weight_bytes=weight_bytes(model),
+        head_bytes=head_bytes(model), threads=threads,
         steps=steps, repeats=repeats, contexts=tuple(contexts), series=tuple(series),
         llama_file=path, llama_note=note, others_cpu_share=others.share(),
         kernel_note=kernel_note())

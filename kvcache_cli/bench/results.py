@@ -107,7 +107,8 @@ class BenchResult:
     weights_check: WeightCheck | None
     llama_cpp_version: str | None  # llama-cpp-python's, where a llama.cpp mode ran
     weight_bytes: int  # read once per decode step
-    kv_bytes_per_token: int  # K and V, all layers, batch 1
+    kv_bytes_per_token: int  # K and V a position adds to every layer, batch 1 (a sliding
+    # layer stops adding past its window: step_bytes_* count each layer up to it)
     head_bytes: int  # of weight_bytes, the LM head's: every row of the vocabulary
     step_bytes_first: int  # weights + KV cache a decode step reads at the first length
     step_bytes_last: int  # ... and at the last

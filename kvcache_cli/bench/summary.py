@@ -18,6 +18,8 @@ from kvcache_cli.models.llama_cpp import llama_version
 
 if TYPE_CHECKING:
     from kvcache_cli.bench.weight_check import WeightCheck
+    from kvcache_cli.caches.base import CacheShape
+    from kvcache_cli.caches.spec import CacheSpec
 
 
 # Where along the generation the per-step latency is reported (fractions of the
@@ -169,7 +171,8 @@ def bench_result(model, plan: BenchPlan, measured: Measured, threads: int,
     kv_token = kv_cache_bytes(cfg.n_layer, cfg.n_kv_head, cfg.head_size, 1, element)
     # Decode step i attends over the prompt, the prefill's token and i more.
     lengths = [prompt_len + 1 + i for i in range(n_steps)]
-    step_bytes = [w_bytes + kv_token * length for length in lengths]
+    step_bytes = [w_bytes + kv_bytes_read(model.config.cache_shape, length, element)
+                  for length in lengths]
     reference = measured.runs[plan.reference_mode][0].tokens
     results = []
     for m in plan.modes:
@@ -232,11 +235,29 @@ def _mode_step_bytes(mode: str, model, w_bytes: int, lengths: Sequence[int], ele
                      exact: list[int]) -> list[int]:
     """Bytes decode step i reads: the weights and what the cache holds then, which a
     bounded cache caps at its budget (with H2O's scores and positions)."""
-    from kvcache_cli.caches.spec import layer_bytes
 
     spec = bounded_spec(mode)
     if spec is None:
         return exact
-    c = model.config
-    return [w_bytes + c.n_layer * layer_bytes(spec, n, c.n_kv_head, c.head_size, element)
+    return [w_bytes + kv_bytes_read(model.config.cache_shape, n, element, spec)
             for n in lengths]
+
+
+def kv_bytes_read(shape: CacheShape, n: int, element: int, spec: CacheSpec | None = None
+                  ) -> int:
+    """K and V a decode step reads at `n` positions: a sliding layer at most its window
+    (the ring it holds, exact), a full-attention layer all `n`, or what a bounded `spec`
+    keeps of them (the spec goes on the full-attention layers only, as `make_cache` puts
+    it)."""
+    from kvcache_cli.caches.spec import layer_bytes
+
+    per_position = 2 * shape.n_kv_head * shape.head_size * element  # K and V, one layer
+    total = 0
+    for t in shape.layer_types:
+        if t.sliding:
+            total += per_position * min(n, t.window)
+        elif spec is None:
+            total += per_position * n
+        else:
+            total += layer_bytes(spec, n, shape.n_kv_head, shape.head_size, element)
+    return total

@@ -63,6 +63,10 @@ def size(
     sinks: Annotated[int, typer.Option(
         help="With --window: the first S positions kept for good besides the window "
         "(StreamingLLM's attention sinks; it keeps 4).")] = 0,
+    sliding: Annotated[str, typer.Option(
+        help="With --cache on a model with sliding-window layers (-m gemma3): model puts the "
+        "spec on the global layers, the sliding ones in exact rings of their window; full "
+        "puts it on every layer, each holding every position (the waste).")] = "model",
     verify: Annotated[bool, typer.Option(
         "--verify", help="Build the model small in transformers and measure its real cache.")
     ] = False,
@@ -121,8 +125,12 @@ def size(
             if window is not None:
                 raise ValueError("--window and --cache (or --group-size/--residual) both "
                                  "choose the cache: expected one of them")
-            result = _size_spec(shape, spec, cache, dtype, tokens, batch, memory, weight_dtype)
+            result = _size_spec(shape, spec, cache, dtype, tokens, batch, memory, weight_dtype,
+                                sliding)
         else:
+            if sliding != "model":
+                raise ValueError(f"--sliding {sliding} chooses where a cache spec goes: "
+                                 "expected --cache SPEC with it")
             paged = None if engine is not None and memory is None else block_size
             result = sizing.size_cache(shape, tokens, batch, dtype, tp, memory, weight_dtype,
                                        paged, window, sinks)
@@ -176,7 +184,7 @@ def _resolve_shape(model, revision, config, shape_flags, count, memory, live: bo
     return shape, hf_config, hub_config, config
 
 
-def _size_spec(shape, spec, cache, dtype, tokens, batch, memory, weight_dtype):
+def _size_spec(shape, spec, cache, dtype, tokens, batch, memory, weight_dtype, sliding):
     """A cache spec counted: its codes, scales and full-precision tokens."""
     from kvcache_cli.sizing.cache_spec import size_spec
 
@@ -185,7 +193,7 @@ def _size_spec(shape, spec, cache, dtype, tokens, batch, memory, weight_dtype):
     if tokens is None:
         raise ValueError("no --seq given and the model declares no context window; "
                          "expected --seq N")
-    return size_spec(shape, spec, tokens, batch, full, memory, weight_dtype)
+    return size_spec(shape, spec, tokens, batch, full, memory, weight_dtype, sliding)
 
 
 def _with_live_kinds(result, shape, dtype):

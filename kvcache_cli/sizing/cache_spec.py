@@ -63,6 +63,13 @@ class SpecSize:
     ratio_to_fp16: float
     fit: SpecFit | None
     notes: tuple[str, ...]
+    # Where the spec goes on a model with sliding (or chunked) layers: "model" puts it on the
+    # full-attention layers, the windowed ones in exact rings of their window at `full_dtype`
+    # (kvcache's HybridCache); "full" puts it on every layer, each holding every position.
+    sliding: str = "model"
+    spec_layers: int = 0  # the layers holding the spec's kind
+    bytes_by_kind: tuple[tuple[str, int, int], ...] = ()  # (layer kind, layers, bytes a sequence)
+    other_sliding_bytes: int | None = None  # a sequence under the other choice; None: no window
 
 
 def _parts(spec: CacheSpec, n: int, kv_heads: int, head_dim: int, element: int
@@ -92,11 +99,18 @@ def _parts(spec: CacheSpec, n: int, kv_heads: int, head_dim: int, element: int
     return 0, n, 0, 0, total
 
 
+SLIDING = ("model", "full")
+WINDOWED = ("sliding", "chunked")
+
+
 def size_spec(shape: ModelShape, spec: CacheSpec, seq: int, batch: int = 1,
               dtype: str = "fp16", gpu_mem: int | None = None,
-              weight_dtype: str = "fp16") -> SpecSize:
+              weight_dtype: str = "fp16", sliding: str = "model") -> SpecSize:
     """What `spec` holds for `shape` at `seq` tokens x `batch`; `dtype` is the precision of
-    the tokens it keeps unquantised (the model's)."""
+    the tokens it keeps unquantised (the model's). `sliding` (SLIDING) is where the spec goes
+    on a model with windowed layers, as `make_cache(..., sliding=)` builds it."""
+    if sliding not in SLIDING:
+        raise SizingError(f"--sliding {sliding!r}: expected one of {', '.join(SLIDING)}")
     check_range("--seq", seq)
     check_range("--batch", batch)
     dtype = canonical_dtype(dtype)
@@ -118,26 +132,24 @@ def size_spec(shape: ModelShape, spec: CacheSpec, seq: int, batch: int = 1,
     except CacheSpecError as error:
         raise SizingError(str(error)) from None
 
-    def sums(n: int, elem: int, as_spec: CacheSpec | None) -> tuple[int, ...]:
-        out = [0, 0, 0, 0, 0]
-        for g in groups:
-            held = tokens_held(shape, g.kind, n)
-            if as_spec is None:  # the plain cache at `elem` bytes a number
-                parts = (0, held, 0, 0, every_token({}, held, g.shape.kv_heads,
-                                                    g.shape.head_dim, elem))
-            else:
-                parts = _parts(as_spec, held, g.shape.kv_heads, g.shape.head_dim, elem)
-            out = [a + g.layers * b if i >= 2 else b for i, (a, b) in enumerate(zip(out, parts))]
-        return tuple(out)
-
-    q, full, payload, scales, full_bytes = sums(seq, element, spec)
+    windowed = any(g.kind in WINDOWED for g in groups)
+    if sliding == "full" and not windowed:
+        raise SizingError(f"--sliding full: {shape.name} has no sliding-window layers (every "
+                          "layer attends in full); expected a model with them, e.g. -m gemma3")
+    by_kind, q, full, payload, scales, full_bytes = _sums(shape, groups, seq, element, spec,
+                                                          sliding)
     per_sequence = payload + scales + full_bytes
-    fp16 = sums(seq, 2, None)[4]
+    fp16 = sum(_sums(shape, groups, seq, 2, None, sliding)[3:])
     layers = sum(g.layers for g in groups)
+    spec_layers = sum(g.layers for g in groups if sliding == "full" or g.kind not in WINDOWED)
+    other = None
+    if windowed:
+        other = sum(_sums(shape, groups, seq, element, spec,
+                          "full" if sliding == "model" else "model")[3:])
     notes = []
-    if len({g.kind for g in groups}) > 1 or groups[0].kind != "full":
-        notes.append("sliding and chunked layers hold at most their window; the spec "
-                     "applies to the tokens they hold")
+    if spec_layers == 0:
+        notes.append(f"every attention layer of {shape.name} slides over a window, so the "
+                     "spec holds none: expected --sliding full to give them the spec")
     fit = None
     if gpu_mem is not None:
         if shape.params is None:
@@ -150,12 +162,13 @@ def size_spec(shape: ModelShape, spec: CacheSpec, seq: int, batch: int = 1,
         room = gpu_mem - weights
 
         def cost(n: int) -> int:
-            return sum(sums(n, element, spec)[2:])
+            return sum(_sums(shape, groups, n, element, spec, sliding)[3:])
 
         # A lower bound of the bytes each token adds (its codes alone) bounds the search.
         bits = dict(spec.params).get("bits", 8 if spec.kind.startswith("fp8") else 8 * element)
         growing = sum(g.layers * 2 * g.shape.kv_heads * g.shape.head_dim * bits
-                      for g in groups if g.kind == "full") // 8
+                      for g in groups if g.kind == "full" or (
+                          sliding == "full" and g.kind in WINDOWED)) // 8
         budget = spec.info.budget(dict(spec.params)) if spec.info.budget else 0
         if budget:  # a bounded kind stops growing at its budget: no token adds for ever
             growing = 0
@@ -170,5 +183,54 @@ def size_spec(shape: ModelShape, spec: CacheSpec, seq: int, batch: int = 1,
         scale_bytes=scales, full_bytes=full_bytes, bytes_per_sequence=per_sequence,
         total_bytes=per_sequence * batch, bytes_per_token=per_sequence / seq,
         fp16_bytes_per_sequence=fp16, ratio_to_fp16=per_sequence / fp16, fit=fit,
-        notes=tuple(notes),
+        notes=tuple(notes), sliding=sliding, spec_layers=spec_layers, bytes_by_kind=by_kind,
+        other_sliding_bytes=other,
     )
+
+
+def _sums(shape: ModelShape, groups, n: int, elem: int, spec: CacheSpec | None,
+          sliding: str) -> tuple:
+    """((kind, layers, bytes) per layer kind, then the quantised and full-precision tokens
+    of one layer holding the spec, payload, scales and full-precision bytes summed over the
+    layers) at `n` tokens; spec None: the model's exact cache at `elem` bytes a number."""
+    kinds: dict[str, list[int]] = {}
+    q = full = 0
+    out = [0, 0, 0]
+    for g in groups:
+        ring = g.kind in WINDOWED and sliding == "model"
+        if spec is None or ring:  # the exact cache: a windowed layer holds its window
+            held = tokens_held(shape, g.kind, n)
+            parts = (0, held, 0, 0, every_token({}, held, g.shape.kv_heads,
+                                                g.shape.head_dim, elem))
+        else:  # the spec's kind; under "full" a windowed layer holds every position too
+            parts = _parts(spec, n, g.shape.kv_heads, g.shape.head_dim, elem)
+            q, full = parts[:2]
+        out = [a + g.layers * b for a, b in zip(out, parts[2:])]
+        entry = kinds.setdefault(g.kind, [0, 0])
+        entry[0] += g.layers
+        entry[1] += g.layers * sum(parts[2:])
+    if spec is None or not q + full:  # no layer holds the spec: the first group's tokens
+        q, full = 0, tokens_held(shape, groups[0].kind, n)
+    return (tuple((k, c, b) for k, (c, b) in kinds.items()), q, full, *out)
+
+
+@dataclass(frozen=True)
+class SpecLayers:
+    """Which layers of a model a `--cache` spec holds (`sliding="model"`): the
+    full-attention ones; the windowed ones hold exact rings of their window."""
+
+    model: str
+    spec_layers: tuple[int, ...]  # layer indices holding the spec's kind
+    windowed_layers: tuple[int, ...]  # sliding or chunked: rings of `window`
+    windowed_kind: str | None  # "sliding" or "chunked"; None: every layer attends in full
+    window: int | None
+
+
+def spec_layers(shape: ModelShape) -> SpecLayers:
+    """The layers a spec goes on for `shape`, as `make_cache(..., sliding="model")` builds
+    it, and the windowed ones beside them."""
+    kinds = shape.layer_kinds
+    windowed = tuple(i for i, k in enumerate(kinds) if k in WINDOWED)
+    return SpecLayers(shape.name, tuple(i for i, k in enumerate(kinds) if k == "full"),
+                      windowed, kinds[windowed[0]] if windowed else None,
+                      shape.window if windowed else None)

@@ -24,6 +24,8 @@ def _header(r: ContextResult) -> Table:
     grid = label_grid()
     grid.add_row("model", f"[bold]{r.model}[/], {WEIGHTS.get(r.weights, r.weights)} weights "
                  f"({decimal_bytes(r.weight_bytes)} a step), [bold]{r.threads} threads[/]")
+    grid.add_row("head", f"the vocabulary's: {decimal_bytes(r.head_bytes)} of those weights "
+                 f"({r.head_bytes / r.weight_bytes:.0%}), read whole every step")
     grid.add_row("run", f"at each context, {r.repeats} round{'s' * (r.repeats > 1)} of "
                  f"{r.steps} decode steps per engine, taking turns; medians over every step, "
                  "the rounds' spread beside them")

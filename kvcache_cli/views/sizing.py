@@ -348,6 +348,7 @@ def spec_size_view(r: SpecSize) -> RenderableType:
         Text(f"{r.bytes_per_token:,.1f} bytes per token of context; "
              f"{format_bytes(r.total_bytes)} for the batch"),
     ]
+    lines += _per_kind_lines(r)
     if r.fit is not None:
         f = r.fit
         lines.append(Text(f"fit on one GPU of {format_bytes(f.gpu_mem_bytes)}, beside "
@@ -362,3 +363,27 @@ def spec_size_view(r: SpecSize) -> RenderableType:
         lines.append(fit)
     lines += [Text(f"note: {n}", style="dim") for n in r.notes]
     return Group(*lines)
+
+
+def _per_kind_lines(r: SpecSize) -> list[Text]:
+    """A model with windowed layers: which layers hold the spec, the bytes per layer kind,
+    and the other --sliding choice's bytes (the waste of the spec on every layer)."""
+    if r.other_sliding_bytes is None:
+        return []
+    lines = [Text(f"per layer kind (--sliding {r.sliding}):")]
+    for kind, layers, n in r.bytes_by_kind:
+        if kind == "full" or r.sliding == "full":
+            held = "the spec" + (", every position under its band" if kind != "full" else "")
+        else:
+            held = f"exact rings of their window at {r.full_dtype}"
+        lines.append(Text(f"  {kind}: {layers} layers, {held}: {format_bytes(n)}"))
+    other = r.other_sliding_bytes
+    if r.sliding == "model":
+        lines.append(Text(f"--sliding full (the spec on every layer too): "
+                          f"{format_bytes(other)}, {other / (r.bytes_per_sequence or 1):.2f}× "
+                          "this: the waste of a full cache on the sliding layers"))
+    else:
+        lines.append(Text(f"--sliding model (the sliding layers in rings of their window): "
+                          f"{format_bytes(other)}; this holds "
+                          f"{format_bytes(r.bytes_per_sequence - other)} more"))
+    return lines
