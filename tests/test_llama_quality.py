@@ -112,6 +112,23 @@ def test_llama_cpp_rows_are_scored_against_llama_cpp_s_exact_cache(tiny_gguf):
     assert rot.bytes_per_token == config.n_layer * 2 * 18 * 64 / 32  # q4_0: 18 bytes / 32
 
 
+def test_a_prompt_longer_than_llama_cpp_s_batch_is_fed_in_chunks_and_scored_at_its_end(
+        tiny_gguf):
+    # The prompt's chunks before its last token are fed, not scored: eval's count again.
+    import random
+
+    from kvcache_cli.eval.peer_llama_cpp import CHUNK, evaluate
+    from kvcache_cli.models import model_config
+
+    config = model_config(str(tiny_gguf))
+    prompt = CHUNK + 40
+    ids = random.Random(1).choices(range(300), k=prompt + 20)
+    ref, q8 = evaluate(str(tiny_gguf), ids, [parse_llama_cpp("llama.cpp:q8_0")], config,
+                       prompt_len=prompt)
+    assert len(ref.loss_by_position) == len(q8.loss_by_position) == 20
+    assert ref.kl_mean == 0 and q8.kl_mean >= 0
+
+
 def test_peer_rows_join_kvcache_s_table_and_bars_measure_from_their_own_reference(tiny_gguf):
     import dataclasses
     import random

@@ -225,10 +225,12 @@ def evaluate(path: str, tokens: Sequence[int], specs: Sequence[LlamaCppSpec], co
             for s in range(start, end, CHUNK):
                 first = max(s, end - 1) if start == 0 else s
                 piece = tokens[s:min(s + CHUNK, end)]
-                targets = np.asarray(tokens[first + 1:s + len(piece) + 1])
+                targets = np.asarray(tokens[first + 1:s + len(piece) + 1], dtype=np.int64)
                 exact = None
                 for ctx in contexts:
                     logp = ctx.logp(piece, s)[first - s:]
+                    if not len(targets):  # a prompt's chunk before its last token: fed only
+                        continue
                     exact = logp if exact is None else exact
                     ctx.score(logp, targets, exact)
             if progress is not None:
