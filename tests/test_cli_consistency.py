@@ -35,7 +35,7 @@ def test_every_model_option_is_also_spelled_m():
                 assert "-m" in param.opts, f"kvcache {name} --model has no -m"
     assert {n for n, sub in command.commands.items()
             if any("--model" in getattr(p, "opts", []) for p in sub.params)} == {
-        "break", "size", "bench", "serve", "generate", "eval", "compress"}
+        "break", "size", "bench", "serve", "generate", "eval", "compress", "caches"}
 
 
 @pytest.mark.parametrize(("args", "line"), [

@@ -39,7 +39,8 @@ def test_help_offers_install_and_show_completion():
     ("kvcache size --model llama-3", ["llama-3-8b", "llama-3-70b", "llama-3.1-405b"]),
     ("kvcache demo m", ["macs", "mask", "memory"]),
     ("kvcache break st", ["stale-cache"]),
-    ("kvcache break rope", ["rope-decode", "rope-twice"]),  # the Llama ones, from the registry
+    # the Llama ones and Gemma 3's, from the registry
+    ("kvcache break rope", ["rope-decode", "rope-twice", "rope-bases-swapped"]),
 ])
 def test_names_complete(words, expected):
     assert complete(words) == expected
