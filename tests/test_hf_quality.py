@@ -8,13 +8,10 @@ import random
 import re
 
 import pytest
+from clikit import refusal
 from llamakit import tiny_hf, write_tiny_gguf
-from typer.testing import CliRunner
 
-from kvcache_cli.cli import app
 from kvcache_cli.eval.peer_hf import HFCacheSpec, parse_transformers
-
-runner = CliRunner()
 
 
 @pytest.mark.parametrize(("text", "spec", "canonical"), [
@@ -39,15 +36,6 @@ def test_a_malformed_transformers_spec_is_one_line(text, words):
         parse_transformers(text)
 
 
-def refusal(*args: str) -> str:
-    """The one line eval refuses args with (exit 2), asserted to be one."""
-    result = runner.invoke(app, ["eval", *args], env={"COLUMNS": "100"})
-    assert result.exit_code == 2, result.output
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    return lines[0]
-
-
 def on_tiny_llama(tiny_llama, *args: str) -> list[str]:
     """eval's arguments for the tiny Llama and a text of its vocabulary."""
     text = tiny_llama.parent / "t.txt"
@@ -65,7 +53,7 @@ def test_bad_transformers_caches_are_one_line_exit_2_before_a_model_loads(
     pytest.importorskip("torch")
     args = (on_tiny_llama(tiny_llama, "--cache", cache) if llama
             else ["-m", "stdlib-bytes", "--cache", cache])
-    assert words in refusal(*args)
+    assert words in refusal("eval", *args)
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +93,7 @@ def test_a_backend_not_installed_is_one_line_exit_2_before_a_model_loads(
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "hqq" else find_spec(name, *a))
-    line = refusal(*on_tiny_llama(tiny_llama, "--cache", "transformers:hqq-int4"))
+    line = refusal("eval", *on_tiny_llama(tiny_llama, "--cache", "transformers:hqq-int4"))
     assert "DISABLE_CUDA=1 pip install hqq" in line
 
 

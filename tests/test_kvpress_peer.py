@@ -14,15 +14,12 @@ import re
 from pathlib import Path
 
 import pytest
+from clikit import refusal
 from llamakit import tiny_hf, write_tiny_gguf
-from typer.testing import CliRunner
 
-from kvcache_cli.cli import app
 from kvcache_cli.eval import kvpress_runner, peer_kvpress
 from kvcache_cli.eval.peer_kvpress import KvpressSpec, parse_kvpress
 from kvcache_cli.eval.quality import Refusal
-
-runner = CliRunner()
 
 
 @pytest.mark.parametrize(("text", "canonical", "press", "kwargs"), [
@@ -54,27 +51,18 @@ def test_a_malformed_kvpress_spec_is_one_line(text, words):
         parse_kvpress(text)
 
 
-def refusal(*args: str) -> str:
-    """The one line eval refuses args with (exit 2), asserted to be one."""
-    result = runner.invoke(app, ["eval", *args], env={"COLUMNS": "100"})
-    assert result.exit_code == 2, result.output
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    return lines[0]
-
-
 def test_no_venv_is_one_line_naming_the_script_before_a_model_loads(
         no_model_loads, tiny_llama, tmp_path, monkeypatch):
     monkeypatch.setenv("KVCACHE_KVPRESS_VENV", str(tmp_path / "none"))
     text = tiny_llama.parent / "t.txt"
     text.write_text("a b c d " * 100)
-    line = refusal("-m", str(tiny_llama), "--text", str(text),
+    line = refusal("eval", "-m", str(tiny_llama), "--text", str(text),
                    "--cache", "knorm:0.5,kvpress:knorm:0.5")
     assert "bash scripts/kvpress_venv.sh install" in line and str(tmp_path / "none") in line
 
 
 def test_a_bad_kvpress_spec_among_kvcache_s_is_one_line_exit_2():
-    assert "not a count of tokens" in refusal("-m", "stdlib-bytes", "--cache",
+    assert "not a count of tokens" in refusal("eval", "-m", "stdlib-bytes", "--cache",
                                               "int8,kvpress:snapkv:32")
 
 
