@@ -234,6 +234,20 @@ def permute_for_rope(w: np.ndarray, heads: int) -> np.ndarray:
         w.shape)
 
 
+def add_shape(writer, config, head_dim: int) -> None:
+    """The metadata every llama.cpp architecture reads for a decoder's shape, from a
+    family's config (the name, positions, widths, layers, heads, one head's width)."""
+    writer.add_name(config.name)
+    writer.add_context_length(config.context)
+    writer.add_embedding_length(config.n_embd)
+    writer.add_feed_forward_length(config.intermediate)
+    writer.add_block_count(config.n_layer)
+    writer.add_head_count(config.n_head)
+    writer.add_head_count_kv(config.n_kv_head)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+
+
 def write_llama(state: dict, config, path: Path, quant: str = "F32") -> Path:
     """A Llama-family state dict (transformers' names, float32) as llama.cpp's converter
     writes it: the shape's metadata, a synthetic byte-level vocabulary (ids are fed
@@ -245,15 +259,7 @@ def write_llama(state: dict, config, path: Path, quant: str = "F32") -> Path:
 
     writer = GGUFWriter(str(path), "llama")
     try:
-        writer.add_name(config.name)
-        writer.add_context_length(config.context)
-        writer.add_embedding_length(config.n_embd)
-        writer.add_feed_forward_length(config.intermediate)
-        writer.add_block_count(config.n_layer)
-        writer.add_head_count(config.n_head)
-        writer.add_head_count_kv(config.n_kv_head)
-        writer.add_key_length(config.head_size)
-        writer.add_value_length(config.head_size)
+        add_shape(writer, config, config.head_size)
         writer.add_rope_dimension_count(config.head_size)
         writer.add_rope_freq_base(config.rope_theta)
         writer.add_layer_norm_rms_eps(config.rms_eps)

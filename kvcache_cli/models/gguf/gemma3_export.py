@@ -79,18 +79,12 @@ def write_gemma3(state: dict, config, path: Path) -> Path:
     `linear.float_state` gives them) to `path`."""
     from gguf import GGUFWriter, LlamaFileType
 
+    from kvcache_cli.models.gguf.export import add_shape
+
     check_writable(config)
     writer = GGUFWriter(str(path), ARCH)
     try:
-        writer.add_name(config.name)
-        writer.add_context_length(config.context)
-        writer.add_embedding_length(config.n_embd)
-        writer.add_feed_forward_length(config.intermediate)
-        writer.add_block_count(config.n_layer)
-        writer.add_head_count(config.n_head)
-        writer.add_head_count_kv(config.n_kv_head)
-        writer.add_key_length(config.head_dim)
-        writer.add_value_length(config.head_dim)
+        add_shape(writer, config, config.head_dim)
         writer.add_layer_norm_rms_eps(config.rms_eps)
         writer.add_rope_freq_base(config.rotation("full")[0])
         windows = {t.window for t in config.layer_types if t.sliding}
