@@ -27,7 +27,8 @@
 #   VLLM_KV_GIB         VLLM_CPU_KVCACHE_SPACE: GiB for the KV cache (default 1)
 #   VLLM_MAX_MODEL_LEN  the longest request (default 2048)
 #   VLLM_BLOCK_SIZE     tokens a KV block (default 32: vLLM's CPU attention takes only
-#                       multiples of 32 on an AVX2 CPU, "No common block size for 16")
+#                       multiples of 32, "No common block size for 16"; a model with
+#                       sliding layers gets 32 whatever is asked)
 #   VLLM_START_TIMEOUT  seconds to wait for /v1/models (default 900: the first start compiles)
 set -euo pipefail
 
