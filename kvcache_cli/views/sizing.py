@@ -155,7 +155,8 @@ def engine_view(e: EngineFit) -> RenderableType:
             table.add_row(f"group: {g.layers} {_KIND_LABEL[g.kind]} layers",
                           f"{g.page_bytes:,} B a page, {g.blocks_per_request:,} blocks a request")
         layers = "every layer" if len(e.groups) == 1 else "a group's layers"
-        table.add_row(f"one block: {e.block_size} tokens, {layers}", f"{e.bytes_per_block:,}")
+        tokens = "/".join(str(b) for b in sorted({g.block_size for g in e.groups}))
+        table.add_row(f"one block: {tokens} tokens, {layers}", f"{e.bytes_per_block:,}")
         table.add_row("blocks", f"{e.num_blocks:,}")
     what = {"vllm": "KV cache size (tokens)", "sglang": "token pool (--max-total-tokens)",
             "llama.cpp": "cells (-c)"}[e.engine]

@@ -1,5 +1,5 @@
 """A GGUF's converted folder written again as a transformers model folder, for the engines that
-read only that format (vLLM, SGLang): `scripts/vllm_cpu.sh` serves SmolLM2 from it.
+read only that format (vLLM, SGLang): `scripts/vllm_cpu.sh` serves SmolLM2 and Gemma 3 from it.
 
 kvcache's converted folder (`llama_loading`) holds the weights under transformers' own
 Llama names (`model.layers.0.self_attn.q_proj.weight`, q and k rows already in its order),
@@ -15,8 +15,15 @@ metadata as the converted config and tokenizer carry it:
   unk, from the GGUF's `tokenizer.ggml.*_token_id`), no BOS added (the template has its own);
 - tokenizer.json and model.safetensors: links to the converted folder's (no 0.5 GB copy).
 
+A Gemma 3 folder is converted already under transformers' names and values (the norms' gains
+as w, not llama.cpp's 1 + w; `gguf.reader`), and its config.json is transformers'
+Gemma3TextConfig with kvcache's own keys beside it: those are dropped, `query_pre_attn_scalar`
+written as the int transformers' strict config wants, float32 stated; the base model has no
+chat template, and its tokenizer.json puts <bos> first itself.
+
 Written under a temporary name and renamed when whole, as the converted folder is. Run as
-`python -m kvcache_cli.models.gguf.hf_export [MODEL]`: prints the folder.
+`python -m kvcache_cli.models.gguf.hf_export [MODEL]` (smollm2, gemma3 or a .gguf): prints
+the folder.
 """
 
 from __future__ import annotations
@@ -66,9 +73,15 @@ def _token_names(tokenizer: dict) -> dict[int, str]:
     return names
 
 
+# kvcache's keys in a converted Gemma 3 config.json, which transformers' config has not.
+KVCACHE_KEYS = ("gguf", "source_types", "name", "chat_template")
+
+
 def hf_files(config: dict, tokenizer: dict, special: dict[str, int]) -> dict[str, dict]:
     """The three JSON files, from kvcache's converted config, its tokenizer.json and the
     GGUF's special ids."""
+    if config.get("model_type") == "gemma3_text":
+        return _gemma3_files(config, tokenizer, special)
     names = _token_names(tokenizer)
     bos = special.get("bos", config.get("bos_id"))
     eos_ids = list(config.get("eos_ids") or ([special["eos"]] if "eos" in special else []))
@@ -99,6 +112,26 @@ def hf_files(config: dict, tokenizer: dict, special: dict[str, int]) -> dict[str
     if config.get("chat_template"):
         tokens["chat_template"] = config["chat_template"]
     return {"config.json": model, "generation_config.json": generation,
+            "tokenizer_config.json": tokens}
+
+
+def _gemma3_files(config: dict, tokenizer: dict, special: dict[str, int]) -> dict[str, dict]:
+    """A converted Gemma 3's config as transformers' own, its generation and tokenizer
+    files."""
+    names = _token_names(tokenizer)
+    model = {k: v for k, v in config.items() if k not in KVCACHE_KEYS}
+    model["query_pre_attn_scalar"] = int(model["query_pre_attn_scalar"])
+    model.update(torch_dtype="float32", pad_token_id=special.get("pad"))
+    ids = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"],
+           "pad_token_id": special.get("pad")}
+    tokens = {"tokenizer_class": "PreTrainedTokenizerFast",
+              "model_max_length": config["max_position_embeddings"],
+              "clean_up_tokenization_spaces": False}
+    for key, token_id in (("bos_token", ids["bos_token_id"]), ("eos_token", ids["eos_token_id"]),
+                          ("pad_token", ids["pad_token_id"]), ("unk_token", special.get("unk"))):
+        if token_id is not None and token_id in names:
+            tokens[key] = names[token_id]
+    return {"config.json": model, "generation_config.json": ids,
             "tokenizer_config.json": tokens}
 
 
@@ -144,17 +177,25 @@ def _link(source: Path, target: Path) -> None:
 
 
 def export(model: str = "smollm2") -> HFFolder:
-    """MODEL (smollm2 or a .gguf) converted once, then written as a transformers folder."""
-    from kvcache_cli.models.llama_loading import _gguf_folder
+    """MODEL (smollm2, gemma3 or a .gguf) converted once, then written as a transformers
+    folder."""
+    from kvcache_cli.models import family_of
 
-    folder, _ = _gguf_folder(model)
+    if family_of(model) == "gemma3":
+        from kvcache_cli.models.gemma3_loading import _folder
+
+        folder = _folder(model)[0]
+    else:
+        from kvcache_cli.models.llama_loading import _gguf_folder
+
+        folder, _ = _gguf_folder(model)
     return write_hf_folder(folder)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) > 1:
-        print("error: expected at most one model: smollm2 or a .gguf file", file=sys.stderr)
+        print("error: expected at most one model: smollm2, gemma3 or a .gguf file", file=sys.stderr)
         return 2
     try:
         folder = export(args[0] if args else "smollm2")
