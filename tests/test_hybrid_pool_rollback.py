@@ -161,6 +161,21 @@ def test_speculation_on_a_hybrid_pool_gives_the_solo_tokens(model, kind, k):
     assert manager.blocks_in_use == 0
 
 
+@pytest.mark.parametrize("k", [3, 6])
+def test_speculation_with_its_own_cache_keeps_spare_ring_slots_and_the_solo_tokens(model, k):
+    # Not the pool: speculate's own cache per request, whose sliding layers are rings of
+    # the window. A ring that has wrapped rolls back one position unless it has spare slots;
+    # speculate gives each ring k - 1, the draft (the target's first 3 layers) every position.
+    from kvcache_cli.speculative.drafts import make_draft, parse_draft
+
+    right = solo(model, [Request(0, tuple(PROMPT), NEW, 0.0)], "paged")[0]
+    for spec in ("static", "paged"):
+        got = speculate(model, PROMPT, NEW, Oracle(PROMPT, right), k, cache=spec)
+        assert list(got.tokens) == right and 0 < got.accepted < got.proposed, spec
+    draft = make_draft(parse_draft("layers:3"), model, len(PROMPT) + NEW)
+    assert list(speculate(model, PROMPT, NEW, draft, k).tokens) == right
+
+
 def test_a_rollback_past_what_the_window_gave_back_is_refused_in_one_line(model):
     cache, manager = pooled(model, "paged")
     with torch.inference_mode():
