@@ -29,8 +29,9 @@ from kvcache_cli.serving.hybrid_blocks import Group
 
 
 class HybridPool(PagedCache):
-    """Full-precision pages; each model layer routed to its group's pages: the group's
-    table, the layer's index among the group's."""
+    """Pages of one group of layers, in full precision (`HybridQuantPool`: in codes); each
+    model layer routed to its group's pages: the group's table, the layer's index among
+    the group's. `fmt` goes on to a quantised pool's constructor."""
 
     def __init__(self, shape, groups: tuple[Group, ...], n_blocks: int, block_size: int,
                  device, dtype: torch.dtype, *fmt: str):
