@@ -248,3 +248,30 @@ def test_size_predicts_the_kv_buffers_llama_cpp_logs(capfd, n_ctx, swa_full, kin
                                  swa_full=swa_full is None, n_ubatch=n_ubatch)
     assert [m.group(0) for m in LOG.finditer(log)] == [c.log_line for c in caches]
     assert ("using full-size SWA cache" in log) == (swa_full is None)
+
+
+@pytest.mark.parametrize("command", [["size", "-m", "gemma3", "--json"],
+                                     ["caches", "-m", "gemma3", "int8", "--json"]])
+def test_size_and_caches_on_gemma3_never_import_torch_before_any_conversion(tmp_path, command):
+    """The real file (skips without its package), with an empty kvcache cache: nothing
+    converted yet, so the shape comes from the GGUF's header (gguf's layout, no torch), and
+    says what the converted config says."""
+    import os
+    import subprocess
+    import sys
+
+    gemmakit.gemma3_or_skip()  # assembled here, outside the empty cache
+    probe = ("import sys; from typer.testing import CliRunner; from kvcache_cli.cli import app; "
+             f"r = CliRunner().invoke(app, {command!r}); "
+             "assert r.exit_code == 0, r.output; "
+             "assert not [m for m in sys.modules if m.split('.')[0] in "
+             "('torch', 'transformers', 'safetensors')], 'torch imported'; "
+             "print(r.stdout)")
+    env = {**os.environ, "KVCACHE_CACHE": str(tmp_path / "empty")}
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+    assert not (tmp_path / "empty").exists() or not any((tmp_path / "empty").iterdir())
+    converted = CliRunner().invoke(app, command)  # this machine's cache, converted or not
+    assert converted.exit_code == 0, converted.output
+    assert json.loads(done.stdout) == json.loads(converted.stdout)

@@ -156,7 +156,7 @@ def test_a_pooled_sequence_decodes_the_logits_of_a_static_cache_after_a_rollback
     manager = BlockManager(8, 4, prefix_sharing=False)
     pool = PagedCache(CONFIG.cache_shape, 8, 4, "cpu", torch.float64)
     seq = _seq(idx[0, :12].tolist())
-    cache = PooledSequence(pool, manager, seq, CONFIG)
+    cache = PooledSequence(pool, manager, seq)
     static = make_cache("static", model, 20)
     with torch.no_grad():
         model(idx[:, :12], 0, cache)

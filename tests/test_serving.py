@@ -30,7 +30,7 @@ from kvcache_cli.serving import engines as E
 from kvcache_cli.serving import plan as serving_plan
 from kvcache_cli.serving import results as serving_results
 from kvcache_cli.serving.block_manager import BlockManager
-from kvcache_cli.serving.model_runner import ModelRunner
+from kvcache_cli.serving.model_runner import ModelRunner, block_tables
 from kvcache_cli.serving.scheduler import Scheduler
 from kvcache_cli.serving.sequence import Status
 from kvcache_cli.serving.workload import WorkloadSpec, check_spec, make_requests, parse_range
@@ -70,7 +70,7 @@ def test_a_batch_of_rows_at_different_positions_gives_each_rows_solo_logits():
         seqs.append(s)
     idx = torch.tensor([[t] for t in nxt])  # (B, 1)
     start = torch.tensor([s.num_cached for s in seqs])  # (B,)
-    cache.bind(runner._tables(seqs))
+    cache.bind(block_tables(seqs, "cpu"))
     with torch.inference_mode():
         batched = model(idx, start, cache)[:, -1]  # (B, vocab)
     for row, (p, t) in enumerate(zip(prompts, nxt, strict=True)):

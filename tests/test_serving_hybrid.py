@@ -228,16 +228,20 @@ def test_a_prefix_hit_needs_the_sliding_window_at_the_branch_point(model, kv_pag
 # ---------------------------------------------------------------------------- the CLI
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory, model):
+def gemma3_folder(path, model):
+    """`model` as a transformers folder at `path`, with a tokenizer: what `-m` takes."""
     from kvcache_cli.models.gemma3 import to_hf
     from kvcache_cli.models.gguf.export import synthetic_vocab
     from kvcache_cli.models.tokenizer import from_gguf
 
-    path = tmp_path_factory.mktemp("gemma3")
     to_hf(model).save_pretrained(path)
     from_gguf(*synthetic_vocab(300), "smollm").save(str(path / "tokenizer.json"))
     return path
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory, model):
+    return gemma3_folder(tmp_path_factory.mktemp("gemma3"), model)
 
 
 def test_serve_runs_a_gemma3_folder_and_reports_bytes_per_kind(folder):
@@ -265,7 +269,6 @@ def test_serve_runs_a_gemma3_folder_and_reports_bytes_per_kind(folder):
 @pytest.mark.parametrize("args, message", [
     (["--keep-windows", "6"], "--keep-windows 6: expected 0 or a multiple of the block size"),
     (["--keep-windows", "x"], "--keep-windows 'x': expected tokens"),
-    (["--kv-dtype", "int8"], "full-precision pages only"),
 ])
 def test_bad_hybrid_input_is_one_line_and_exit_2(folder, args, message):
     run = servingkit.serve_cli("-m", str(folder), "--block-size", str(BS), "--prompt-len",

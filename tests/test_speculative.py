@@ -125,7 +125,7 @@ def test_an_always_wrong_draft_gives_the_targets_tokens_and_returns_every_block(
     manager = BlockManager(16, 4, prefix_sharing=False)
     pool = PagedCache(CONFIG.cache_shape, 16, 4, "cpu", torch.float64)
     seq = Sequence(Request(0, tuple(PROMPT), 40, 0.0))
-    cache = PooledSequence(pool, manager, seq, CONFIG)
+    cache = PooledSequence(pool, manager, seq)
     got = speculate(MODEL, PROMPT, 40, AlwaysWrong(), 8, cache=cache)
     assert got.tokens == PLAIN and got.accepted == 0 and got.proposed > 0
     # Only the accepted positions keep blocks: the last token is chosen, never written.

@@ -133,14 +133,13 @@ class _Ours:
 
     def to(self, context: int) -> int:
         """Fill to `context`; the cache bytes a step then reads (what `size` counts, not the
-        buffers' capacity)."""
-        from kvcache_cli.caches.spec import layer_bytes
+        buffers' capacity): a sliding layer's ring at most its window."""
+        from kvcache_cli.bench.summary import kv_bytes_read
 
         _fill(self.model, self.cache, self.filled, context, seed=context)
         self.filled = context
-        c = self.model.config
-        element = self.model.dtype.itemsize
-        return c.n_layer * layer_bytes(self.spec, context, c.n_kv_head, c.head_size, element)
+        return kv_bytes_read(self.model.config.cache_shape, context,
+                             self.model.dtype.itemsize, self.spec)
 
     def steps(self, context: int, n: int) -> list[float]:
         import torch
@@ -165,12 +164,12 @@ class _Ours:
 class _Llama:
     """llama.cpp with one cache type, fed to each context in turn."""
 
-    def __init__(self, path: str, kind: str, longest: int, steps: int, threads: int,
-                 per_token_elements: int):
+    def __init__(self, path: str, kind: str, longest: int, steps: int, threads: int, shape):
         from llama_cpp import Llama
 
-        self.name = kind
-        self.per_token = per_token_elements * LLAMA_ELEMENT_BYTES[kind]
+        self.name, self.shape = kind, shape
+        # K and V of one layer and position, in llama.cpp's type
+        self.per_position = 2 * shape.n_kv_head * shape.head_size * LLAMA_ELEMENT_BYTES[kind]
         self.llm = Llama(model_path=path, n_ctx=longest + steps, n_batch=512,
                          n_threads=threads, n_threads_batch=threads, flash_attn=True,
                          swa_full=False,  # sliding layers hold their window (`LlamaRunner`)
@@ -182,7 +181,10 @@ class _Llama:
         self.llm.n_tokens = self.fed
         self.llm.eval([1] * (context - self.fed))
         self.fed = context
-        return round(self.per_token * context)
+        # A sliding layer counted up to its window, as ours: with swa_full off llama.cpp's
+        # sliding cache holds the window (and a batch, padded), and a step reads the window.
+        positions = sum(min(context, t.window or context) for t in self.shape.layer_types)
+        return round(self.per_position * positions)
 
     def steps(self, context: int, n: int) -> list[float]:
         times = []
@@ -233,8 +235,7 @@ def run_context(model, specs: Sequence, contexts: Sequence[int], steps: int, rep
     path, note = llama_file(model, weights) if with_llama else (None, "not asked for")
     if path is not None:
         wanted = [MATCHED[s.kind] for s in specs if s.kind in MATCHED]
-        elements = 2 * c.n_layer * c.n_kv_head * c.head_size  # K and V, every layer, a token
-        engines += [_Llama(path, kind, longest, steps, threads, elements)
+        engines += [_Llama(path, kind, longest, steps, threads, c.cache_shape)
                     for kind in LLAMA_CACHE_TYPES if kind in wanted]
     points: dict[str, list[ContextPoint]] = {e.name: [] for e in engines}
     # Work counted in tokens of context, each engine's at each context: a longer context

@@ -127,7 +127,7 @@ def run_rollback_shared(model: FamilyModel, max_new_tokens: int = 12, block_size
         seqs = [Seq(Request(i, tuple(p), max_new_tokens, 0.0))
                 for i, p in enumerate((prompt_a, prompt_b, prompt_c))]
         a, b, c = seqs
-        cache_a, cache_b, cache_c = (PooledSequence(pool, manager, s, model.config) for s in seqs)
+        cache_a, cache_b, cache_c = (PooledSequence(pool, manager, s) for s in seqs)
 
         def prefill(seq, cache) -> Tensor:
             idx = torch.tensor([seq.tokens[seq.num_cached:]], device=model.device)  # (1, T)

@@ -37,7 +37,8 @@ def cache_class(spec: CacheSpec) -> type[KVCache]:
 
 
 def make_cache(spec: str | CacheSpec, model, max_len: int, batch: int = 1,
-               whole: bool = False, sliding: str = "model") -> KVCache | None:
+               whole: bool = False, sliding: str = "model", spare: int = 0
+               ) -> KVCache | None:
     """A fresh cache for `model` holding up to `max_len` positions of `batch` rows.
 
     `spec` is a parsed spec or its text (`static`, `paged:b16`, ...); `naive` means no
@@ -48,6 +49,8 @@ def make_cache(spec: str | CacheSpec, model, max_len: int, batch: int = 1,
     sliding layers gets a `HybridCache`: the spec's kind on the full-attention layers,
     and on each sliding layer a ring of its window (`sliding="model"`, exact), or the
     spec's kind with the window kept as a band (`sliding="full"`, every position held).
+    `spare`: slots each ring holds past its window (`window:W:kN`), so that it rolls back
+    spare + 1 positions once it has wrapped (a speculative step's rejected tokens).
     """
     if sliding not in SLIDING_CHOICES:
         raise ValueError(f"sliding={sliding!r}: expected one of {', '.join(SLIDING_CHOICES)}")
@@ -68,4 +71,4 @@ def make_cache(spec: str | CacheSpec, model, max_len: int, batch: int = 1,
         return make(spec, shape)
     from kvcache_cli.caches.hybrid import HybridCache
 
-    return HybridCache.build(make, shape, sliding=sliding)
+    return HybridCache.build(make, shape, sliding=sliding, spare=spare)

@@ -59,9 +59,10 @@ class HybridCache(KVCache):
         self._count = {id(caches[key]): len(layers) for key, layers in groups.items()}
 
     @classmethod
-    def build(cls, make, shape: CacheShape, *, sliding: str) -> HybridCache:
+    def build(cls, make, shape: CacheShape, *, sliding: str, spare: int = 0) -> HybridCache:
         """`make(spec, shape)` builds a kind for the shape of some layers: spec None is
-        the spec the model's cache was asked for; the rings are `window:W`."""
+        the spec the model's cache was asked for; the rings are `window:W`, with `spare`
+        slots more (`window:W:kN`: the band is still W) where a rollback needs them."""
         groups = layer_groups(shape, sliding)
         caches: dict[int | None, KVCache] = {}
         for window, layers in groups.items():
@@ -69,7 +70,7 @@ class HybridCache(KVCache):
                           layer_types=tuple(shape.layer_types[i] for i in layers))
             # A window as long as the context never evicts: a ring of the context then.
             ring = None if window is None else parse_cache_spec(
-                f"window:{min(window, shape.context)}")
+                f"window:{min(window, shape.context)}" + (f":k{spare}" if spare else ""))
             caches[window] = make(ring, sub)
         if sliding == "full":
             caches[None] = BandedCache(caches[None],

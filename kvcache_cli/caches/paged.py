@@ -108,7 +108,11 @@ class PagedCache(KVCache):
 
     def gather(self, layer: int) -> tuple[Tensor, Tensor]:
         """Every bound row's keys and values, (B, nkv, S, hs) with key j at slot j."""
-        table = self.block_tables
+        return self.read(layer, self.block_tables)
+
+    def read(self, layer: int, table: Tensor) -> tuple[Tensor, Tensor]:
+        """The keys and values of pool layer `layer` through `table` (B, max blocks),
+        (B, nkv, S, hs) with key j at slot j."""
         return self._gather(self.k[layer], table, 0), self._gather(self.v[layer], table, 1)
 
     def crop(self, length: int) -> None:

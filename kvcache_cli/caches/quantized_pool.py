@@ -81,9 +81,8 @@ class QuantPagedCache(PagedCache):
             self.pools[name][layer][:, blocks, slots] = part
             self.bytes_copied += nbytes(part)
 
-    def gather(self, layer: int) -> tuple[Tensor, Tensor]:
-        """Every bound row's keys and values decoded, (B, nkv, S, hs), key j at slot j."""
-        table = self.block_tables
+    def read(self, layer: int, table: Tensor) -> tuple[Tensor, Tensor]:
+        """`PagedCache.read` decoded: (B, nkv, S, hs) each, key j at slot j."""
         return self._read(layer, table, "k"), self._read(layer, table, "v")
 
     @property

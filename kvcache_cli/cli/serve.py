@@ -372,12 +372,7 @@ def _check(device, model, requests, prompt_len, output_len, shared_prefix, rate,
                              f"this {dev.split(':')[0].upper()}'s {sizing.format_bytes(held)} "
                              "of memory: expected at most that")
         serving_plan.plan_memory(config, torch.float32, spec, memory, block_size, max_batch)
-        hybrid = config.cache_shape.hybrid
-        keeps = serving_plan.parse_keeps(keep_windows, block_size, hybrid)
-        quantised = [n for n in engine_names if n.startswith("paged-")]
-        if hybrid and quantised:
-            raise ValueError(f"--kv-dtype: {model!r} has sliding layers, and its pool holds "
-                             "full-precision pages only; expected no --kv-dtype")
+        keeps = serving_plan.parse_keeps(keep_windows, block_size, config.cache_shape.hybrid)
         what = (spec, serving_plan.variants(engine_names, policies, budgets, keeps), memory,
                 rates, targets)
     return dev, what

@@ -137,7 +137,9 @@ class BridgeLayer(CacheLayerMixin):
         """The model runs the kvcache attention and this kind attends its own way: `update`
         stores nothing, and `attend` does both."""
         # A sliding layer held whole in an in-order kind attends as transformers does, the
-        # band its mask, over the history `update` returns.
+        # band its mask, over the history `update` returns: only an evicting kind's cache is
+        # a `BandedCache` (`lazy_initialization`), so a quantised one attended here would
+        # see past the window (the zoo's sliding models fail without this).
         own = self.evicts or not (self.spec.info.exact or self.is_sliding)
         return own and self.config is not None and \
             self.config._attn_implementation == ATTENTION

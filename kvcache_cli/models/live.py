@@ -3,8 +3,10 @@ torch, and the bytes every cache kind holds for it, the figures its live caches'
 `bytes_held` is tested against.
 
 A GGUF's shape comes from the config.json of the folder `models.loading` converts it into
-once (`models.converted` says where): no torch, no weights. Only a file never converted
-before is converted now, which needs torch (once, about 5 s for SmolLM2).
+once (`models.converted` says where): no torch, no weights. A Llama file never converted
+before is converted now, which needs torch (once, about 5 s for SmolLM2); a Gemma 3 file's
+shape is read from its header instead (`models.gemma3_config`), torch-free on the first run
+too.
 
 The cache kinds are counted at the dtype kvcache runs the model in (float32 unless
 `--dtype` says otherwise), each by its own formula in `caches.spec` through `cache_spec`,
@@ -75,23 +77,31 @@ def live_config(model: str) -> dict:
 
 
 def _gemma3_config(model: str) -> dict:
-    """A Gemma 3 GGUF's (`-m gemma3`'s, or a path's) converted config.json: transformers'
-    gemma3_text config as written."""
+    """A Gemma 3 GGUF's (`-m gemma3`'s, or a path's) config as transformers' gemma3_text
+    config.json has it: its converted folder's, else read from the file's header (no torch,
+    no tensor read), what the conversion would write."""
     from kvcache_cli.models.gemma3_270m import GEMMA3, resolve_gemma3
-    from kvcache_cli.models.gemma3_config import check_converted
+    from kvcache_cli.models.gemma3_config import check_converted, config_from_metadata
     from kvcache_cli.models.gguf.converted import converted_config
+    from kvcache_cli.models.gguf.layout import open_file, read_layout
 
     path = resolve_gemma3() if model == GEMMA3 else Path(model).expanduser()
     raw = converted_config(path, check_converted)
-    if raw is None:
-        from kvcache_cli.models import model_config
-
-        model_config(model)  # the one conversion: torch and transformers, once
-        raw = converted_config(path, check_converted)
-        if raw is None:
-            raise SizingError(f"model {model!r}: its converted folder does not read back "
-                              "(changed by another process?)")
-    return raw
+    if raw is not None:
+        return raw
+    data, size = open_file(path)
+    try:
+        layout = read_layout(path, data, size)
+        tokens = layout.metadata.get("tokenizer.ggml.tokens")
+        if not isinstance(tokens, list):
+            raise ValueError("no tokenizer.ggml.tokens list in its metadata; expected a "
+                             "Gemma 3 GGUF")
+        tied = all(t.name != "output.weight" for t in layout.tensors)
+        return config_from_metadata(layout.metadata, path.stem, len(tokens), tied)
+    except ValueError as err:
+        raise SizingError(f"{path}: {err}") from None
+    finally:
+        data.close()
 
 
 def live_shape(model: str) -> tuple[ModelShape, dict]:

@@ -18,6 +18,8 @@ from collections import deque
 from kvcache_cli.caches.base import RollbackError
 from kvcache_cli.serving.sequence import Sequence
 
+NULL = -1  # a block table entry given back (a hybrid pool's sliding group): no block behind it
+
 
 def chain_hashes(tokens: list[int], n_blocks: int, block_size: int) -> list[int]:
     """The chained hash of each of the first n_blocks full blocks of tokens."""
@@ -145,14 +147,16 @@ class BlockManager:
         The block the new end falls in is kept; the next token will overwrite its slots
         from there on, so its prefix hash (which named the old contents) is dropped, and a
         block another sequence shares is never cut into: that would overwrite keys it reads.
+        A hybrid pool does so in every group's table.
         """
         if not 0 <= n_tokens <= seq.num_cached:
             raise RollbackError(f"cannot roll back to {n_tokens} positions: the sequence "
                                 f"holds {seq.num_cached}; expected 0..{seq.num_cached}")
         keep = self.blocks_for(n_tokens)
+        tables = self.tables(seq)
         cut = n_tokens % self.block_size != 0
-        if cut and n_tokens < seq.num_cached:
-            block = seq.block_table[keep - 1]
+        for block in (t[keep - 1] for t in tables if cut and n_tokens < seq.num_cached
+                      and t[keep - 1] != NULL):
             if self.refcount[block] > 1:
                 raise RollbackError(
                     f"cannot roll back to {n_tokens} positions: block {block} is shared with "
@@ -161,10 +165,17 @@ class BlockManager:
             if self.block_hash[block] is not None:
                 self.hash_to_block.pop(self.block_hash[block], None)
                 self.block_hash[block] = None
-        for block in reversed(seq.block_table[keep:]):
-            self.release(block)
-        del seq.block_table[keep:]
+        for i in reversed(range(keep, len(tables[0]))):
+            for table in tables:
+                if table[i] != NULL:
+                    self.release(table[i])
+        for table in tables:
+            del table[keep:]
         seq.num_cached = n_tokens
+
+    def tables(self, seq: Sequence) -> list[list[int]]:
+        """The block tables seq holds: its one (a hybrid pool's: one per group)."""
+        return [seq.block_table]
 
     def register_full_blocks(self, seq: Sequence, n_tokens: int) -> None:
         """Enter every full block of seq's first n_tokens under its hash.

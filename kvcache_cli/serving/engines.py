@@ -9,7 +9,8 @@
   scheduler policy asked for (prefill-first; decode-first at each token budget), each
   a row of its own (`Variant`);
 - `paged-int8`, `paged-int4`, `paged-fp8` (serve's --kv-dtype): the same engine on a pool
-  of quantised blocks (`caches.quantized`), as many as the same kv_mem holds;
+  of quantised blocks (`caches.quantized`), as many as the same kv_mem holds (on a hybrid
+  model quantised pages per group, sliding and global alike);
 - `hf`: transformers' continuous batching (the manager behind
   `model.generate_batch`, with its own paged cache), on the same weights.
 
@@ -44,7 +45,7 @@ from kvcache_cli.serving.block_manager import BlockManager
 from kvcache_cli.serving.gqa_pool import PoolFigures
 from kvcache_cli.serving.hf_engine import hf_collect, hf_manager
 from kvcache_cli.serving.hybrid_blocks import HybridBlockManager, kv_groups
-from kvcache_cli.serving.hybrid_pool import HybridPool
+from kvcache_cli.serving.hybrid_pool import HybridPool, make_hybrid_pool
 from kvcache_cli.serving.metrics import RequestTimes, shared_hit_rate, summarise
 from kvcache_cli.serving.model_runner import ModelRunner
 from kvcache_cli.serving.plan import (
@@ -250,17 +251,13 @@ def _run_paged(model: FamilyModel, requests, rec: Recorder, plan: Plan, block_si
 
 
 def _pool(engine: str, model: FamilyModel, kv_mem: int, block_size: int) -> PagedCache:
-    """The paged engine's pool: on a hybrid model a page per group of layers (`HybridPool`),
-    as many as kv_mem holds."""
+    """The paged engine's pool: on a hybrid model a page per group of layers (`HybridPool`,
+    quantised or not), as many as kv_mem holds."""
     shape = model.config.cache_shape
     if not shape.hybrid:
         return make_pool(engine, shape, kv_mem, block_size, model.device, model.dtype)
-    if engine != "paged":
-        raise ValueError(f"{engine}: a hybrid model's pool holds full-precision pages only")
-    groups = kv_groups(shape)
-    page = dataclasses.replace(shape, n_layer=len(groups[0].layers), layer_types=())
-    n_pages = kv_mem // block_bytes(page, block_size, model.dtype)
-    return HybridPool(shape, groups, n_pages, block_size, model.device, model.dtype)
+    return make_hybrid_pool(engine, shape, kv_groups(shape), kv_mem, block_size, model.device,
+                            model.dtype)
 
 
 def _hybrid_figures(blocks: BlockManager, cache: PagedCache) -> HybridFigures | None:

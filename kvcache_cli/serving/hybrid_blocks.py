@@ -24,6 +24,12 @@ vLLM's hybrid KV-cache manager (`v1/core/kv_cache_coordinator.py`, with
   keep its sliding state), so a later request branching at a checkpoint finds them, for the
   bytes they hold meanwhile. 0 gives every block back as it leaves the window (vLLM's).
 
+- **rolling back** (speculative decoding against the pool, `serving.pooled`): `reserve`
+  takes pages in every group for a step's drafted tokens, `trim` gives back every group's
+  tail. The blocks a sliding group gives back are those before the window of the first
+  token a forward computes, so they stay held until the step's tokens are accepted: a
+  rollback to any of them finds its window whole. One further back is refused.
+
 On a model with one kind of layer `kv_groups` gives one group, and serve uses the plain
 `BlockManager`.
 """
@@ -34,10 +40,8 @@ from dataclasses import dataclass
 from math import gcd
 
 from kvcache_cli.caches.base import RollbackError
-from kvcache_cli.serving.block_manager import BlockManager, chain_hashes
+from kvcache_cli.serving.block_manager import NULL, BlockManager, chain_hashes
 from kvcache_cli.serving.sequence import Sequence
-
-NULL = -1  # a block table entry given back: out of the window, no block behind it
 
 
 @dataclass(frozen=True)
@@ -184,7 +188,7 @@ class HybridBlockManager(BlockManager):
             first = max(0, seq.num_cached - group.window + 1) // self.block_size
             for i in range(first):
                 if table[i] != NULL and not self._kept(i, group.window):
-                    self._drop(table[i])
+                    self.release(table[i])
                     table[i] = NULL
 
     def _kept(self, i: int, window: int) -> bool:
@@ -203,15 +207,41 @@ class HybridBlockManager(BlockManager):
         for i in reversed(range(len(seq.block_table))):
             for table in seq.group_tables:
                 if table[i] != NULL:
-                    self._drop(table[i])
+                    self.release(table[i])
         seq.group_tables, seq.block_table, seq.num_cached = [], [], 0
 
-    def trim(self, seq: Sequence, n_tokens: int) -> None:
-        raise RollbackError("a hybrid pool does not roll back: its sliding groups have "
-                            "given back the blocks a shorter sequence would read")
+    def tables(self, seq: Sequence) -> list[list[int]]:
+        return seq.group_tables
 
     def reserve(self, seq: Sequence, n_tokens: int) -> None:
-        raise RollbackError("a hybrid pool reserves blocks for one token a step")
+        """Pages in every group for positions 0 .. n_tokens-1 (a speculative step writes
+        several); a sequence never allocated gets its tables here."""
+        if not seq.group_tables:
+            seq.group_tables = [[] for _ in self.groups]
+            seq.block_table = seq.group_tables[0]
+        while len(seq.block_table) * self.block_size < n_tokens:
+            for group, table in zip(self.groups, seq.group_tables):
+                table.append(self._hold(group))
+
+    def trim(self, seq: Sequence, n_tokens: int) -> None:
+        """`BlockManager.trim` in every group, once every sliding group still holds the
+        window of the token at n_tokens. A speculative step's rollback always does: the
+        blocks that leave the window during its drafted tokens are given back only before
+        the next forward (`before_compute`), once its tokens are accepted, and a rollback
+        keeps at least the tokens before that step. A deeper one is refused: those blocks
+        may already hold another sequence's keys."""
+        bs = self.block_size
+        for group, table in zip(self.groups, seq.group_tables):
+            if group.window is None or not 0 < n_tokens <= seq.num_cached:
+                continue
+            first = max(0, n_tokens - group.window + 1) // bs
+            if NULL in table[first : self.blocks_for(n_tokens)]:
+                raise RollbackError(
+                    f"cannot roll back to {n_tokens} positions: the sliding layers gave back "
+                    f"blocks of the window before it (positions from {first * bs:,}) when "
+                    "the window moved past them; expected a rollback to the tokens of the "
+                    "last forward")
+        super().trim(seq, n_tokens)
 
     # -- figures
 
@@ -228,10 +258,11 @@ class HybridBlockManager(BlockManager):
                                               self.in_use[group.kind])
         return block
 
-    def _drop(self, block: int) -> None:
-        self.release(block)
-        if self.refcount[block] == 0:
+    def release(self, block: int) -> None:
+        super().release(block)
+        if self.refcount[block] == 0 and self.page_kind[block] is not None:
             self.in_use[self.page_kind[block]] -= 1
+            self.page_kind[block] = None
 
     def tokens_stored(self, running: list[Sequence]) -> int:
         """Token slots holding a real token's K/V, over every group's pages in use (a shared

@@ -34,6 +34,19 @@ from kvcache_cli.serving.sequence import Sequence
 LAYOUTS = ("packed", "padded")
 
 
+def block_tables(seqs: Seqs[Sequence], device) -> Tensor:
+    """The rows' block tables as the pool binds them, each padded to the longest."""
+    width = max(len(s.block_table) for s in seqs)
+    if seqs[0].group_tables:  # a hybrid pool: a table per group
+        # A block given back (NULL) reads block 0, outside every query's window.
+        groups = [[[max(b, 0) for b in s.group_tables[g]] + [0] * (width - len(
+            s.group_tables[g])) for s in seqs] for g in range(len(seqs[0].group_tables))]
+        return torch.tensor(groups, dtype=torch.long, device=device)  # (groups, B, max blocks)
+    # Padding with block 0 is safe: the mask hides whatever it holds.
+    rows = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
+    return torch.tensor(rows, dtype=torch.long, device=device)  # (B, max blocks)
+
+
 class ModelRunner:
     def __init__(self, model: FamilyModel, cache: PagedCache, layout: str = "packed"):
         if layout not in LAYOUTS:
@@ -41,23 +54,11 @@ class ModelRunner:
         self.model, self.cache, self.layout = model, cache, layout
         self.device = model.device
 
-    def _tables(self, seqs: Seqs[Sequence]) -> Tensor:
-        width = max(len(s.block_table) for s in seqs)
-        if seqs[0].group_tables:  # a hybrid pool: a table per group
-            # A block given back (NULL) reads block 0, outside every query's window.
-            groups = [[[max(b, 0) for b in s.group_tables[g]] + [0] * (width - len(
-                s.group_tables[g])) for s in seqs] for g in range(len(seqs[0].group_tables))]
-            return torch.tensor(groups, dtype=torch.long,
-                                device=self.device)  # (groups, B, max blocks)
-        # Padding with block 0 is safe: the mask hides whatever it holds.
-        rows = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
-        return torch.tensor(rows, dtype=torch.long, device=self.device)  # (B, max blocks)
-
     @torch.inference_mode()
     def prefill(self, seq: Sequence) -> int:
         """Compute every token past the cached prefix; the next token's id."""
         idx = torch.tensor([seq.tokens[seq.num_cached :]], device=self.device)  # (1, T)
-        self.cache.bind(self._tables([seq]))
+        self.cache.bind(block_tables([seq], self.device))
         logits = self.model(idx, seq.num_cached, self.cache, last_only=True)  # (1, 1, vocab)
         seq.num_cached = len(seq.tokens)
         return int(logits[0, -1].argmax())
@@ -67,7 +68,7 @@ class ModelRunner:
         """One token for every row, each at its own position; the next token ids."""
         idx = torch.tensor([[s.tokens[-1]] for s in seqs], device=self.device)  # (B, 1)
         start = torch.tensor([s.num_cached for s in seqs], device=self.device)  # (B,)
-        self.cache.bind(self._tables(seqs))
+        self.cache.bind(block_tables(seqs, self.device))
         logits = self.model(idx, start, self.cache, last_only=True)  # (B, 1, vocab)
         for s in seqs:
             s.num_cached += 1
@@ -79,7 +80,7 @@ class ModelRunner:
         reaches its sequence's last token (a decode, a prompt's last chunk), else None."""
         if not chunks:
             return []
-        self.cache.bind(self._tables([c.seq for c in chunks]))
+        self.cache.bind(block_tables([c.seq for c in chunks], self.device))
         forward = self._packed if self.layout == "packed" else self._padded
         logits = forward(chunks)  # (B, vocab): each row's last token
         for c in chunks:

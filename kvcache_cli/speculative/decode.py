@@ -186,7 +186,9 @@ def speculate(
     if isinstance(cache, str):
         if rollback:
             check_room(parse_cache_spec(cache), P + max_new_tokens, k)
-        cache = make_cache(cache, model, P + max_new_tokens)
+        # A sliding layer's ring (a hybrid model's) keeps k - 1 slots past its window: a
+        # step writes its pending token and up to k drafted ones and may reject all k.
+        cache = make_cache(cache, model, P + max_new_tokens, spare=k - 1)
     draft.reset()
     tokens = list(prompt_ids)
     histogram = [0] * (k + 1)

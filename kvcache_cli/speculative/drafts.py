@@ -90,7 +90,9 @@ class ModelDraft(Draft):
 
     def __init__(self, model: FamilyModel, max_len: int, name: str):
         self.model, self.name = model, name
-        self.cache = make_cache("static", model, max_len)
+        # Every position held (a hybrid model's sliding layers too, under their band): a
+        # draft rolls back up to k - 1 proposals, and k is known only when it proposes.
+        self.cache = make_cache("static", model, max_len, sliding="full")
 
     def reset(self) -> None:
         self.cache.reset()

@@ -284,15 +284,18 @@ def _hybrid(r: ServeResult) -> Table | None:
     h = runs[0].hybrid
     kinds = ", ".join(f"{n} {kind}" for kind, n in h.groups.items())
     table = figures_table(
-        "engine", "keep", "peak full", "peak sliding", "hits", "window misses", "recomputed",
-        title=f"Hybrid pool: pages of {decimal_bytes(h.page_bytes)} ({r.block_size} tokens of "
-        f"one group of layers; groups: {kinds}); the sliding groups give back blocks out of "
-        "their window. Peak bytes per kind, prefix blocks hit, admissions whose hit a missing "
-        "window cut short, the prompt tokens they recomputed" + _at(r, r.rates[0]))
+        "engine", "page", "keep", "peak full", "peak sliding", "hits", "window misses",
+        "recomputed",
+        title=f"Hybrid pool: a page holds {r.block_size} tokens of one group of layers "
+        f"(groups: {kinds}), in floats or a --kv-dtype's codes; the sliding groups give back "
+        "blocks out of their window. Peak bytes per kind, prefix blocks hit, admissions whose "
+        "hit a missing window cut short, the prompt tokens they recomputed"
+        + _at(r, r.rates[0]))
     _named(table)
     for e in runs:
         x = e.hybrid
-        table.add_row(e.engine, f"every {x.keep_every:,}" if x.keep_every else "none",
+        table.add_row(e.engine, decimal_bytes(x.page_bytes),
+                      f"every {x.keep_every:,}" if x.keep_every else "none",
                       decimal_bytes(x.peak_bytes.get("full")),
                       decimal_bytes(x.peak_bytes.get("sliding")), _opt(e.prefix_blocks_hit),
                       f"{x.window_misses:,}", f"{x.recomputed_tokens:,}")
