@@ -265,12 +265,15 @@ void codes_block(const float* q, const Cache& c, int64_t row, int64_t a, int64_t
             float offset[n];
             for (int k = 0; k < n; ++k) {
                 const float* qk = qr + (i + k) * hs;
-                float off = 0.f;
-                for (int64_t d = 0; d < hs; ++d) {
-                    qs[k * hs + d] = qk[d] * static_cast<float>(sc[d]);
-                    off += qk[d] * static_cast<float>(ze[d]);
+                __m512 off = _mm512_setzero_ps();
+                for (int64_t d = 0; d < hs; d += 16) {
+                    const __m512 qd = _mm512_loadu_ps(qk + d);
+                    _mm512_storeu_ps(qs.data() + k * hs + d, _mm512_mul_ps(
+                        qd, widen16<kF16>(reinterpret_cast<const char*>(sc + d))));
+                    off = _mm512_fmadd_ps(
+                        qd, widen16<kF16>(reinterpret_cast<const char*>(ze + d)), off);
                 }
-                offset[k] = off;
+                offset[k] = _mm512_reduce_add_ps(off);
             }
             sized_scores<n>(keys, t0 - a, t1 - a, qs.data(), hs, s, len);
             for (int k = 0; k < n; ++k)
