@@ -55,10 +55,15 @@ inline __m512 codes16(const uint8_t* p) {
             spread = _mm_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
             shift = _mm512_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6);
         }
-        const __m512i lanes = _mm512_cvtepu8_epi32(
-            _mm_shuffle_epi8(_mm_cvtsi64_si128(word), spread));
-        return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(lanes, shift),
-                                                   _mm512_set1_epi32((1 << bits) - 1)));
+        const __m512i lanes = _mm512_srlv_epi32(
+            _mm512_cvtepu8_epi32(_mm_shuffle_epi8(_mm_cvtsi64_si128(word), spread)), shift);
+        // a table of the code values read by the lanes' low 4 bits (vpermps ignores the
+        // rest): the mask and the conversion to float in one operation
+        const __m512 values = bits == 4 ? _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,
+                                                         12, 13, 14, 15)
+                                        : _mm512_setr_ps(0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3,
+                                                         0, 1, 2, 3);
+        return _mm512_permutexvar_ps(lanes, values);
     }
 }
 
