@@ -1,17 +1,19 @@
 // Part of code_attention.cpp, included inside its anonymous namespace after the plain
 // loops' helpers it shares (Cache, Format, kBytes, block_softmax).
-// The same partial sums in AVX-512 registers, 16 numbers a vector. Where the time went in the
-// plain loops above: each dot product of a key with a query ended in a reduction across the
-// vector's lanes (some 8 shuffles and adds for 4 multiply-adds at a head size of 64); the
-// values' accumulators lived in memory (they may alias the row being read, so every
-// multiply-add loaded and stored one); and codes and float16 scales were widened one number
-// at a time. Here a key row is widened once and multiplied with each of its KV head's
-// queries (GQA: the row is read once for all of them); the 16 lane-vectors of 16 tokens are
-// reduced together (`sum16`: 46 operations for 16 dot products, not some 130); the values'
-// accumulators of up to 4 queries and 64 channels stay in registers over a block's tokens;
-// a block's scales are widened to float32 in one vectorised pass. Sums run in another order
-// than the plain loops' (as -ffast-math already lets those), the arithmetic is the same:
-// a key or value dequantised (code * scale + zero), then float32 products and sums.
+//
+// The same partial sums in AVX-512 registers, 16 numbers a vector. Where the plain loops'
+// time went (perf samples): each dot product of a key with a query ended in a reduction
+// across the vector's lanes (some 8 shuffles and adds after 4 multiply-adds at a head size of
+// 64); the values' accumulators lived in memory (they may alias the row being read, so every
+// multiply-add loaded and stored one); codes and float16 scales were widened one number at a
+// time, and a group's index was a division a read. Here a key row is widened once and
+// multiplied with each of its KV head's queries (GQA: read once for all of them), two tokens
+// at a time so their multiply-add chains overlap; 16 tokens' lane vectors are reduced
+// together (`sum16`: 46 operations for 16 dot products); the values' accumulators of up to 4
+// queries and 64 channels stay in registers over a block's tokens; codes are widened 16 at a
+// time and a block's scales in one pass; rows are prefetched ahead. Sums run in another order
+// than the plain loops' (as -ffast-math already lets those); the arithmetic is the same: a
+// key or value dequantised (code * scale + zero), then float32 products and sums.
 // Shapes it takes: head sizes a multiple of 16, groups a multiple of 16 or dividing 16.
 #if defined(__AVX512F__) && defined(__AVX512BW__) && !defined(CODE_ATTENTION_SCALAR)
 #define CODE_ATTENTION_SIMD
