@@ -15,10 +15,11 @@ minimum and maximum, the float16 rounding of scale and zero point, round, clamp,
 append per tensor), a fixed cost a step that no context length amortises; `quantise_tokens`
 does the same arithmetic in one pass, bit for bit, straight into the cache's buffers.
 
-It is built at first use with the machine's C++ compiler (`caches.native`, about a
-second) and loaded with ctypes. Where it cannot be built (no compiler, another CPU),
-`kernel()` is None, `NOTE` says why in one line, and the caches keep their torch path;
-`KVCACHE_CODE_ATTENTION=torch` asks for that path, to time one against the other.
+It is built at first use with the machine's C++ compiler (`caches.native`; some 15 s
+of CPU where its AVX-512 path is compiled, once per CPU and compiler) and loaded with
+ctypes. Where it cannot be built (no compiler, another CPU), `kernel()` is None, `NOTE`
+says why in one line, and the caches keep their torch path; `KVCACHE_CODE_ATTENTION=torch`
+asks for that path, to time one against the other.
 """
 
 from __future__ import annotations
