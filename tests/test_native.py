@@ -62,3 +62,13 @@ def test_this_machines_key_names_its_compiler_version():
     head = key.splitlines()[0]
     assert head and any(ch.isdigit() for ch in head), key
     assert len(key.splitlines()) > 1, key  # the resolved CPU, or /proc/cpuinfo's flags
+
+
+def test_a_library_is_rebuilt_when_a_file_its_source_includes_changes(tmp_path, monkeypatch):
+    monkeypatch.setattr(native, "target", lambda compiler: "c++ 12.2.0\n-march=x")
+    source = tmp_path / "kernel.cpp"
+    source.write_text('#include <vector>\n#include "part.h"  // beside it\nint f();\n')
+    (tmp_path / "part.h").write_text("int g();\n")
+    before = native.library(source, "c++")
+    (tmp_path / "part.h").write_text("int h();\n")
+    assert native.library(source, "c++") != before

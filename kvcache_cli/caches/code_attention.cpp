@@ -1,7 +1,10 @@
 // One decoding token's attention over a quantised cache's codes, read as codes.
 //
 // Built at first use by `caches/code_attention.py` (c++ -O3 -march=native -fopenmp), called
-// through ctypes: plain C arguments, no torch headers, so it builds in about a second.
+// through ctypes: plain C arguments, no torch headers. Where the CPU has AVX-512 the blocks
+// run `code_attention_simd.h`'s vector code (its head of file says what it changes and why);
+// the plain loops below run elsewhere, on shapes it does not take, and built with
+// -DCODE_ATTENTION_SCALAR (tests compare the two).
 //
 // `attend_half` does the same over a half-precision cache (fp16 or bf16, 2 bytes a number):
 // each key and value row widened to float32 as it is read (F16C's vcvtph2ps where the CPU
@@ -17,17 +20,18 @@
 // Codes are affine, x = c * scale + zero (quantized.py's layout): values per token, a scale
 // and zero per G channels; keys per token likewise, or per channel (KIVI), a scale and zero
 // per channel and G tokens. A per-token key is dequantised as it is read (hs multiply-adds,
-// then one dot product a query, where one a group summed its lanes as often again); per-channel key scales fold into the query once per G tokens, and value
-// scales into the weights. Codes are packed 8 / bits to a byte, the first in the
+// then one dot product a query); per-channel key scales fold into the query once per G
+// tokens, and value scales into the weights (the vector path dequantises values as read). Codes are packed 8 / bits to a byte, the first in the
 // lowest bits. Work is split over (row, block of tokens), so 2 threads share 3 KV heads
 // evenly; the blocks' partial sums are merged at the end.
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
-#ifdef __F16C__
+#if defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -101,6 +105,41 @@ inline void block_softmax(float* scores, int64_t g, int64_t len, int64_t hs, flo
     }
 }
 
+// Numbers kept at full precision, by the flag the kernel takes: float16, bfloat16, float32.
+enum Format { kF16 = 0, kBF16 = 1, kF32 = 2 };
+
+// One row of hs stored numbers widened to float32.
+template <int fmt>
+inline void widen_row(const void* row, float* out, int64_t hs) {
+    if constexpr (fmt == kF32) {
+        std::memcpy(out, row, hs * sizeof(float));
+    } else if constexpr (fmt == kBF16) {
+        const uint16_t* x = static_cast<const uint16_t*>(row);
+        for (int64_t d = 0; d < hs; ++d) {  // bf16 is the top 16 bits of a float32
+            const uint32_t bits = static_cast<uint32_t>(x[d]) << 16;
+            std::memcpy(out + d, &bits, sizeof bits);
+        }
+    } else {
+        const uint16_t* x = static_cast<const uint16_t*>(row);
+        int64_t d = 0;
+#ifdef __F16C__
+        for (; d + 8 <= hs; d += 8)
+            _mm256_storeu_ps(out + d, _mm256_cvtph_ps(_mm_loadu_si128(
+                                          reinterpret_cast<const __m128i*>(x + d))));
+#endif
+        for (; d < hs; ++d) {
+            _Float16 h;
+            std::memcpy(&h, x + d, sizeof h);
+            out[d] = static_cast<float>(h);
+        }
+    }
+}
+
+template <int fmt>
+constexpr int64_t kBytes = fmt == kF32 ? 4 : 2;
+
+#include "code_attention_simd.h"  // the AVX-512 path, where the CPU has it
+
 template <int bits, int HS, int GS>
 void block(const float* q, const Cache& c, int64_t row, int64_t a, int64_t b, int64_t g,
            int64_t hs_, int64_t G_, bool key_channels, float* m_out, float* l_out,
@@ -173,6 +212,10 @@ void block(const float* q, const Cache& c, int64_t row, int64_t a, int64_t b, in
 template <int bits>
 void sized(const float* q, const Cache& c, int64_t row, int64_t a, int64_t b, int64_t g,
            int64_t hs, int64_t G, bool key_channels, float* m, float* l, float* acc) {
+#ifdef CODE_ATTENTION_SIMD
+    if (hs % 16 == 0 && hs <= 16 * simd::kChunks && (G % 16 == 0 || 16 % G == 0))
+        return simd::codes_block<bits>(q, c, row, a, b, g, hs, G, key_channels, m, l, acc);
+#endif
     if (hs == 64 && G == 32) block<bits, 64, 32>(q, c, row, a, b, g, hs, G, key_channels, m, l, acc);
     else if (hs == 64 && G == 64) block<bits, 64, 64>(q, c, row, a, b, g, hs, G, key_channels, m, l, acc);
     else if (hs == 128 && G == 32) block<bits, 128, 32>(q, c, row, a, b, g, hs, G, key_channels, m, l, acc);
@@ -221,39 +264,6 @@ void over_blocks(int64_t rows, const std::vector<int64_t>& lengths, int64_t g, i
         }
 }
 
-// Numbers kept at full precision, by the flag the kernel takes: float16, bfloat16, float32.
-enum Format { kF16 = 0, kBF16 = 1, kF32 = 2 };
-
-// One row of hs stored numbers widened to float32.
-template <int fmt>
-inline void widen_row(const void* row, float* out, int64_t hs) {
-    if constexpr (fmt == kF32) {
-        std::memcpy(out, row, hs * sizeof(float));
-    } else if constexpr (fmt == kBF16) {
-        const uint16_t* x = static_cast<const uint16_t*>(row);
-        for (int64_t d = 0; d < hs; ++d) {  // bf16 is the top 16 bits of a float32
-            const uint32_t bits = static_cast<uint32_t>(x[d]) << 16;
-            std::memcpy(out + d, &bits, sizeof bits);
-        }
-    } else {
-        const uint16_t* x = static_cast<const uint16_t*>(row);
-        int64_t d = 0;
-#ifdef __F16C__
-        for (; d + 8 <= hs; d += 8)
-            _mm256_storeu_ps(out + d, _mm256_cvtph_ps(_mm_loadu_si128(
-                                          reinterpret_cast<const __m128i*>(x + d))));
-#endif
-        for (; d < hs; ++d) {
-            _Float16 h;
-            std::memcpy(&h, x + d, sizeof h);
-            out[d] = static_cast<float>(h);
-        }
-    }
-}
-
-template <int fmt>
-constexpr int64_t kBytes = fmt == kF32 ? 4 : 2;
-
 // The partial sums of g queries over stored tokens a .. b - 1 of one cache row.
 template <int fmt, int HS>
 void half_block(const float* q, const void* k_, const void* v_, int64_t a, int64_t b,
@@ -284,6 +294,9 @@ void half_block(const float* q, const void* k_, const void* v_, int64_t a, int64
 template <int fmt>
 void half_sized(const float* q, const void* k, const void* v, int64_t a, int64_t b, int64_t g,
                 int64_t hs, float* m, float* l, float* acc) {
+#ifdef CODE_ATTENTION_SIMD
+    if (hs % 16 == 0) return simd::stored_block<fmt>(q, k, v, a, b, g, hs, m, l, acc);
+#endif
     if (hs == 64) half_block<fmt, 64>(q, k, v, a, b, g, hs, m, l, acc);
     else if (hs == 128) half_block<fmt, 128>(q, k, v, a, b, g, hs, m, l, acc);
     else half_block<fmt, 0>(q, k, v, a, b, g, hs, m, l, acc);

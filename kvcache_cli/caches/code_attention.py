@@ -15,10 +15,11 @@ minimum and maximum, the float16 rounding of scale and zero point, round, clamp,
 append per tensor), a fixed cost a step that no context length amortises; `quantise_tokens`
 does the same arithmetic in one pass, bit for bit, straight into the cache's buffers.
 
-It is built at first use with the machine's C++ compiler (`caches.native`, about a
-second) and loaded with ctypes. Where it cannot be built (no compiler, another CPU),
-`kernel()` is None, `NOTE` says why in one line, and the caches keep their torch path;
-`KVCACHE_CODE_ATTENTION=torch` asks for that path, to time one against the other.
+It is built at first use with the machine's C++ compiler (`caches.native`; some 15 s
+of CPU where its AVX-512 path is compiled, once per CPU and compiler) and loaded with
+ctypes. Where it cannot be built (no compiler, another CPU), `kernel()` is None, `NOTE`
+says why in one line, and the caches keep their torch path; `KVCACHE_CODE_ATTENTION=torch`
+asks for that path, to time one against the other.
 """
 
 from __future__ import annotations
@@ -39,10 +40,19 @@ NOTE: list[str] = []  # why the kernel is not in use, once it was asked for
 @cache
 def kernel() -> ctypes.CDLL | None:
     """The built kernel, or None (and a line in NOTE) where it cannot be built here."""
-    lib, why = native.build(SOURCE, off="KVCACHE_CODE_ATTENTION")
+    lib, why = load()
     if lib is None:
         NOTE.append(f"attention over codes runs in torch: {why}")
-        return None
+    return lib
+
+
+def load(defines: tuple[str, ...] = ()) -> tuple[ctypes.CDLL | None, str | None]:
+    """(the kernel built with `defines`, None), or (None, why not). `-DCODE_ATTENTION_SCALAR`
+    builds its plain loops, which a CPU without AVX-512 (or a head size not a multiple of
+    16) runs, so both are tested and timed on one machine."""
+    lib, why = native.build(SOURCE, off="KVCACHE_CODE_ATTENTION", defines=defines)
+    if lib is None:
+        return None, why
     lib.attend_codes.restype = ctypes.c_int
     lib.attend_codes.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 12 + \
         ([ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2) * 2 + [ctypes.c_int64] + \
@@ -53,7 +63,7 @@ def kernel() -> ctypes.CDLL | None:
     lib.quantise_tokens.restype = ctypes.c_int
     lib.quantise_tokens.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 6 + \
         [ctypes.c_void_p, ctypes.c_int64] * 3
-    return lib
+    return lib, None
 
 
 def attend_codes(qr: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: Tensor,

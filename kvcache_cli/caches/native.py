@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -61,10 +62,18 @@ def target(compiler: str) -> str:
     return "\n".join([head, *chosen])
 
 
+def text(source: Path) -> bytes:
+    """The source's bytes and those of the files beside it that it includes (`#include
+    "name"`): a library is rebuilt when any of them changes."""
+    own = source.read_bytes()
+    named = re.findall(rb'^#include "([^"]+)"', own, flags=re.MULTILINE)
+    return own + b"".join(text(source.with_name(n.decode())) for n in named)
+
+
 def library(source: Path, compiler: str, defines: tuple[str, ...] = ()) -> Path:
     """Where the library built from `source` by `compiler` for this CPU lives."""
     flags = " ".join(COMPILE_FLAGS + LINK_FLAGS + defines)
-    key = source.read_bytes() + flags.encode() + target(compiler).encode()
+    key = text(source) + flags.encode() + target(compiler).encode()
     return folder() / f"{source.stem}-{hashlib.sha256(key).hexdigest()[:16]}.so"
 
 

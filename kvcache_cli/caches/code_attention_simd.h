@@ -1,0 +1,306 @@
+// Part of code_attention.cpp, included inside its anonymous namespace after the plain
+// loops' helpers it shares (Cache, Format, kBytes, block_softmax).
+//
+// The same partial sums in AVX-512 registers, 16 numbers a vector. Where the plain loops'
+// time went (perf samples): each dot product of a key with a query ended in a reduction
+// across the vector's lanes (some 8 shuffles and adds after 4 multiply-adds at a head size of
+// 64); the values' accumulators lived in memory (they may alias the row being read, so every
+// multiply-add loaded and stored one); codes and float16 scales were widened one number at a
+// time, and a group's index was a division a read. Here a key row is widened once and
+// multiplied with each of its KV head's queries (GQA: read once for all of them), two tokens
+// at a time so their multiply-add chains overlap; 16 tokens' lane vectors are reduced
+// together (`sum16`: 46 operations for 16 dot products); the values' accumulators of up to 4
+// queries and 64 channels stay in registers over a block's tokens; codes are widened 16 at a
+// time and a block's scales in one pass; rows are prefetched ahead. Sums run in another order
+// than the plain loops' (as -ffast-math already lets those); the arithmetic is the same: a
+// key or value dequantised (code * scale + zero), then float32 products and sums.
+// Shapes it takes: head sizes a multiple of 16, groups a multiple of 16 or dividing 16.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && !defined(CODE_ATTENTION_SCALAR)
+#define CODE_ATTENTION_SIMD
+namespace simd {
+
+// Lane t of the result: the sum of v[t]'s 16 lanes. A transpose-and-add tree: pairs of
+// vectors exchange halves, then quarters, then pairs and single lanes of each quarter.
+inline __m512 sum16(const __m512* v) {
+    __m512 w[8], u[4], s[2];
+    for (int k = 0; k < 8; ++k)  // lanes 0-3 token 2k's partial sums, 4-7 token 2k + 1's ...
+        w[k] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0xEE));
+    for (int k = 0; k < 4; ++k)  // quarter j: token 4k + j's 4 partial sums
+        u[k] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * k], w[2 * k + 1], 0x88),
+                             _mm512_shuffle_f32x4(w[2 * k], w[2 * k + 1], 0xDD));
+    for (int k = 0; k < 2; ++k)  // quarter j: tokens 8k + j and 8k + 4 + j, 2 sums each
+        s[k] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * k], u[2 * k + 1], 0x44),
+                             _mm512_shuffle_ps(u[2 * k], u[2 * k + 1], 0xEE));
+    const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(s[0], s[1], 0x88),
+                                   _mm512_shuffle_ps(s[0], s[1], 0xDD));  // lane 4j + e: j + 4e
+    return _mm512_permutexvar_ps(
+        _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), r);
+}
+
+// 16 codes of `bits` bits from p (the first in the lowest bits of p[0]), as float32.
+template <int bits>
+inline __m512 codes16(const uint8_t* p) {
+    if constexpr (bits == 8) {
+        return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+    } else {
+        constexpr int per = 8 / bits;  // codes a byte: each byte copied to `per` lanes,
+        int64_t word = 0;              // then shifted by its code's place and masked
+        std::memcpy(&word, p, 16 / per);
+        __m128i spread;
+        __m512i shift;
+        if constexpr (bits == 4) {
+            spread = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+            shift = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
+        } else {
+            spread = _mm_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+            shift = _mm512_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6);
+        }
+        const __m512i lanes = _mm512_srlv_epi32(
+            _mm512_cvtepu8_epi32(_mm_shuffle_epi8(_mm_cvtsi64_si128(word), spread)), shift);
+        // a table of the code values read by the lanes' low 4 bits (vpermps ignores the
+        // rest): the mask and the conversion to float in one operation
+        const __m512 values = bits == 4 ? _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,
+                                                         12, 13, 14, 15)
+                                        : _mm512_setr_ps(0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3,
+                                                         0, 1, 2, 3);
+        return _mm512_permutexvar_ps(lanes, values);
+    }
+}
+
+// 16 stored numbers from p widened to float32.
+template <int fmt>
+inline __m512 widen16(const char* p) {
+    if constexpr (fmt == kF32) return _mm512_loadu_ps(p);
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    if constexpr (fmt == kF16) return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));  // bf16
+}
+
+// Rows are read front to back, but the hardware prefetcher stops at each 4 KiB page and
+// starts again only after misses: each row is asked for kAhead tokens early (4 KiB of float16
+// rows of 64, less for codes), a prefetch never faults past the end.
+constexpr int64_t kAhead = 32;
+constexpr int64_t kChunks = 64;  // of 16 channels: head sizes up to 1,024 on this path
+
+inline void lines(const void* p, int64_t bytes) {
+    for (int64_t at = 0; at < bytes; at += 64)
+        _mm_prefetch(static_cast<const char*>(p) + at, _MM_HINT_T0);
+}
+
+// Readers: `chunk(t, c)`, channels 16c .. 16c + 15 of the block's token t in float32.
+template <int fmt>
+struct Stored {  // full-precision rows, hs numbers a token
+    const char* rows;
+    int64_t hs;
+    __m512 chunk(int64_t t, int64_t c) const {
+        return widen16<fmt>(rows + (t * hs + 16 * c) * kBytes<fmt>);
+    }
+    void prefetch(int64_t t) const { lines(rows + t * hs * kBytes<fmt>, hs * kBytes<fmt>); }
+};
+
+template <int bits, bool affine>
+struct Codes {  // codes a token, dequantised with its groups' scales (float32, J a token)
+    const uint8_t* codes;  // or, not affine, the codes as they are (per-channel keys)
+    int64_t width, J;
+    const float *scale, *zero;
+    int32_t first[kChunks];  // the group of chunk c's first channel (no division a read)
+    __m512i lanes;           // groups under 16 wide: lane l's group, from the chunk's first
+    bool narrow;
+    Codes(const uint8_t* codes, int64_t width, int64_t J, int64_t G, const float* scale,
+          const float* zero)
+        : codes(codes), width(width), J(J), scale(scale), zero(zero), narrow(G < 16) {
+        for (int64_t c = 0; c < kChunks; ++c) first[c] = static_cast<int32_t>(16 * c / G);
+        lanes = _mm512_srlv_epi32(
+            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+            _mm512_set1_epi32(__builtin_ctzll(G)));
+    }
+    void prefetch(int64_t t) const { lines(codes + t * width, width); }
+    __m512 chunk(int64_t t, int64_t c) const {
+        const __m512 x = codes16<bits>(codes + t * width + c * 2 * bits);
+        if constexpr (!affine) return x;
+        const int64_t at = t * J + first[c];
+        if (!narrow)
+            return _mm512_fmadd_ps(x, _mm512_set1_ps(scale[at]), _mm512_set1_ps(zero[at]));
+        return _mm512_fmadd_ps(x, _mm512_permutexvar_ps(lanes, _mm512_loadu_ps(scale + at)),
+                               _mm512_permutexvar_ps(lanes, _mm512_loadu_ps(zero + at)));
+    }
+};
+
+// Scores of tokens t0 .. t1 - 1 for GQ queries (GQ rows of hs at q) into scores (rows len
+// apart): a tile of 16 tokens' lane-vectors, then `sum16`.
+template <int GQ, int HS, class Reader>  // HS: the head size, or 0 (known at run time)
+void key_scores(const Reader r, int64_t t0, int64_t t1, const float* q, int64_t hs_,
+                float* scores, int64_t len) {
+    const int64_t hs = HS ? HS : hs_;
+    __m512 part[GQ][16];
+    for (int64_t tile = t0; tile < t1; tile += 16) {
+        const int64_t n = t1 - tile < 16 ? t1 - tile : 16;
+        for (int64_t k = 0; k < 16; k += 2) {  // two tokens at once: twice the chains
+            r.prefetch(tile + k + kAhead);
+            r.prefetch(tile + k + 1 + kAhead);
+            __m512 acc[2][GQ];
+            for (int u = 0; u < 2; ++u)
+                for (int i = 0; i < GQ; ++i) acc[u][i] = _mm512_setzero_ps();
+            const int64_t t0 = tile + k, t1 = k + 1 < n ? t0 + 1 : t0;  // past n: ignored
+            if (k < n)
+                for (int64_t c = 0; c < hs / 16; ++c) {
+                    const __m512 x0 = r.chunk(t0, c), x1 = r.chunk(t1, c);
+                    for (int i = 0; i < GQ; ++i) {
+                        const __m512 qc = _mm512_loadu_ps(q + i * hs + 16 * c);
+                        acc[0][i] = _mm512_fmadd_ps(qc, x0, acc[0][i]);
+                        acc[1][i] = _mm512_fmadd_ps(qc, x1, acc[1][i]);
+                    }
+                }
+            for (int i = 0; i < GQ; ++i) {
+                part[i][k] = acc[0][i];
+                part[i][k + 1] = acc[1][i];
+            }
+        }
+        const __mmask16 keep = static_cast<__mmask16>((1u << n) - 1);
+        for (int i = 0; i < GQ; ++i)
+            _mm512_mask_storeu_ps(scores + i * len + tile, keep, sum16(part[i]));
+    }
+}
+
+// `key_scores` with the common head sizes' loops unrolled whole.
+template <int GQ, class Reader>
+void sized_scores(const Reader& r, int64_t t0, int64_t t1, const float* q, int64_t hs,
+                  float* scores, int64_t len) {
+    if (hs == 64) key_scores<GQ, 64>(r, t0, t1, q, hs, scores, len);
+    else if (hs == 128) key_scores<GQ, 128>(r, t0, t1, q, hs, scores, len);
+    else key_scores<GQ, 0>(r, t0, t1, q, hs, scores, len);
+}
+
+// acc (GQ rows of hs) = sum over the block's tokens t of p[i * len + t] * value t, NC
+// vectors of channels at a time (hs a multiple of 16 NC), so the accumulators stay in
+// registers over the block's tokens.
+template <int GQ, int NC, int HS, class Reader>
+void value_sums(const Reader r, int64_t len, const float* p, int64_t hs_, float* acc_out) {
+    const int64_t hs = HS ? HS : hs_;
+    for (int64_t c0 = 0; c0 < hs / 16; c0 += NC) {
+        __m512 acc[GQ][NC];
+        for (int i = 0; i < GQ; ++i)
+            for (int c = 0; c < NC; ++c) acc[i][c] = _mm512_setzero_ps();
+        for (int64_t t = 0; t < len; ++t) {
+            r.prefetch(t + kAhead);
+            __m512 w[GQ];
+            for (int i = 0; i < GQ; ++i) w[i] = _mm512_set1_ps(p[i * len + t]);
+            for (int c = 0; c < NC; ++c) {
+                const __m512 x = r.chunk(t, c0 + c);
+                for (int i = 0; i < GQ; ++i) acc[i][c] = _mm512_fmadd_ps(w[i], x, acc[i][c]);
+            }
+        }
+        for (int i = 0; i < GQ; ++i)
+            for (int c = 0; c < NC; ++c)
+                _mm512_storeu_ps(acc_out + i * hs + 16 * (c0 + c), acc[i][c]);
+    }
+}
+
+// f(GQ, i) for the g queries in groups of at most 4 (GQ a compile-time constant).
+template <class F>
+void by_queries(int64_t g, F f) {
+    for (int64_t i = 0; i < g; i += 4) {
+        const int64_t n = g - i < 4 ? g - i : 4;
+        if (n == 4) f(std::integral_constant<int, 4>{}, i);
+        else if (n == 3) f(std::integral_constant<int, 3>{}, i);
+        else if (n == 2) f(std::integral_constant<int, 2>{}, i);
+        else f(std::integral_constant<int, 1>{}, i);
+    }
+}
+
+// The partial sums of g queries over a block of len tokens read by key and value readers;
+// `keys(i0, GQ, scores)` fills GQ rows of scores from query i0.
+template <class Keys, class Values>
+void partial(Keys keys, const Values& values, int64_t g, int64_t len, int64_t hs,
+             float* m_out, float* l_out, float* acc_out) {
+    std::vector<float> scores(g * len);
+    by_queries(g, [&](auto GQ, int64_t i) { keys(GQ, i, scores.data() + i * len); });
+    block_softmax(scores.data(), g, len, hs, m_out, l_out, acc_out);
+    by_queries(g, [&](auto GQ, int64_t i) {
+        constexpr int n = decltype(GQ)::value;
+        float* p = scores.data() + i * len;
+        if (hs == 64) value_sums<n, 4, 64>(values, len, p, hs, acc_out + i * hs);
+        else if (hs == 128) value_sums<n, 4, 128>(values, len, p, hs, acc_out + i * hs);
+        else if (hs % 64 == 0) value_sums<n, 4, 0>(values, len, p, hs, acc_out + i * hs);
+        else if (hs % 32 == 0) value_sums<n, 2, 0>(values, len, p, hs, acc_out + i * hs);
+        else value_sums<n, 1, 0>(values, len, p, hs, acc_out + i * hs);
+    });
+}
+
+
+// Floats of n float16 numbers (scales and zero points), 16 more for `Codes`' whole-vector
+// loads past the last.
+inline std::vector<float> widened(const _Float16* x, int64_t n) {
+    std::vector<float> out(n + 16, 0.f);
+    int64_t e = 0;
+    for (; e + 16 <= n; e += 16)
+        _mm512_storeu_ps(out.data() + e, widen16<kF16>(reinterpret_cast<const char*>(x + e)));
+    for (; e < n; ++e) out[e] = static_cast<float>(x[e]);
+    return out;
+}
+
+// `block` on this path: tokens a .. b - 1 of cache row `row`.
+template <int bits>
+void codes_block(const float* q, const Cache& c, int64_t row, int64_t a, int64_t b, int64_t g,
+                 int64_t hs, int64_t G, bool key_channels, float* m, float* l, float* acc) {
+    const int64_t len = b - a, width = hs * bits / 8, J = hs / G;
+    const float* qr = q + row * g * hs;
+    const std::vector<float> vs = widened(c.vs + row * c.vs_row + a * J, len * J),
+                             vz = widened(c.vz + row * c.vs_row + a * J, len * J);
+    const Codes<bits, true> values{c.vc + row * c.vc_row + a * width, width, J, G, vs.data(), vz.data()};
+    if (!key_channels) {  // per-token keys: dequantised as read, like the values
+        const std::vector<float> ks = widened(c.ks + row * c.ks_row + a * J, len * J),
+                                 kz = widened(c.kz + row * c.ks_row + a * J, len * J);
+        const Codes<bits, true> keys{c.kc + row * c.kc_row + a * width, width, J, G, ks.data(),
+                               kz.data()};
+        return partial([&](auto GQ, int64_t i, float* s) {
+            sized_scores<decltype(GQ)::value>(keys, 0, len, qr + i * hs, hs, s, len);
+        }, values, g, len, hs, m, l, acc);
+    }
+    // per-channel keys: the codes as they are, times the query scaled by the scales of
+    // their group of G tokens, plus the query's dot product with the group's zero points
+    const Codes<bits, false> keys{c.kc + row * c.kc_row + a * width, width, J, G, nullptr, nullptr};
+    partial([&](auto GQ, int64_t i, float* s) {
+        constexpr int n = decltype(GQ)::value;
+        std::vector<float> qs(n * hs);
+        for (int64_t t0 = a; t0 < b;) {
+            const int64_t t1 = (t0 / G + 1) * G < b ? (t0 / G + 1) * G : b;
+            const _Float16* sc = c.ks + row * c.ks_row + t0 / G * hs;
+            const _Float16* ze = c.kz + row * c.ks_row + t0 / G * hs;
+            float offset[n];
+            for (int k = 0; k < n; ++k) {
+                const float* qk = qr + (i + k) * hs;
+                __m512 off = _mm512_setzero_ps();
+                for (int64_t d = 0; d < hs; d += 16) {
+                    const __m512 qd = _mm512_loadu_ps(qk + d);
+                    _mm512_storeu_ps(qs.data() + k * hs + d, _mm512_mul_ps(
+                        qd, widen16<kF16>(reinterpret_cast<const char*>(sc + d))));
+                    off = _mm512_fmadd_ps(
+                        qd, widen16<kF16>(reinterpret_cast<const char*>(ze + d)), off);
+                }
+                offset[k] = _mm512_reduce_add_ps(off);
+            }
+            sized_scores<n>(keys, t0 - a, t1 - a, qs.data(), hs, s, len);
+            for (int k = 0; k < n; ++k)
+                for (int64_t t = t0 - a; t < t1 - a; ++t) s[k * len + t] += offset[k];
+            t0 = t1;
+        }
+    }, values, g, len, hs, m, l, acc);
+}
+
+// `half_block` on this path: stored tokens a .. b - 1 of one cache row.
+template <int fmt>
+void stored_block(const float* q, const void* k, const void* v, int64_t a, int64_t b,
+                  int64_t g, int64_t hs, float* m, float* l, float* acc) {
+    const int64_t at = a * hs * kBytes<fmt>;
+    const Stored<fmt> keys{static_cast<const char*>(k) + at, hs},
+                      values{static_cast<const char*>(v) + at, hs};
+    partial([&](auto GQ, int64_t i, float* s) {
+        sized_scores<decltype(GQ)::value>(keys, 0, b - a, q + i * hs, hs, s, b - a);
+    }, values, g, b - a, hs, m, l, acc);
+}
+
+}  // namespace simd
+#endif

@@ -1,0 +1,147 @@
+"""caches/code_attention.cpp's partial sums against a float64 reference of the same arithmetic
+(codes unpacked and dequantised, c * scale + zero, then softmax(q.k) v), on both of its
+paths: the AVX-512 one (`code_attention_simd.h`, where this CPU has it) and the plain loops
+(built with -DCODE_ATTENTION_SCALAR). Every code width, per-token and per-channel keys, group
+sizes on and off the vector path, GQA groups of 1 to 9 queries (the vector path takes them 4
+at a time), lengths that end mid-tile and cross the kernel's 512-token blocks, and the sinks
+and tail read in the same pass."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcache_cli.caches import code_attention
+from kvcache_cli.caches import quantized as qm
+
+
+@pytest.fixture(scope="module", params=["vector", "plain"])
+def lib(request):
+    """The kernel as the caches load it, or its plain loops; skipped where neither builds."""
+    built, why = code_attention.load(() if request.param == "vector" else
+                                     ("-DCODE_ATTENTION_SCALAR",))
+    if built is None:
+        pytest.skip(why)
+    return built
+
+
+@pytest.fixture
+def use(lib, monkeypatch):
+    monkeypatch.setattr(code_attention, "kernel", lambda: lib)
+
+
+def unpack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """(..., hs * bits / 8) uint8 -> (..., hs) float64, the first code in the lowest bits."""
+    per, mask = 8 // bits, (1 << bits) - 1
+    parts = [(codes.long() >> (k * bits)) & mask for k in range(per)]
+    return torch.stack(parts, -1).flatten(-2).double()
+
+
+def reference(q, keys, values, full=()):
+    """m, l, acc over keys, values (B, nkv, n, hs) float64 and the sinks' and tail's,
+    for queries q (B, nkv, g, hs): the partial sums the kernel returns."""
+    if full:
+        keys = torch.cat([full[0].double(), keys, full[2].double()], 2)
+        values = torch.cat([full[1].double(), values, full[3].double()], 2)
+    s = q.double() @ keys.transpose(-1, -2)  # (B, nkv, g, n)
+    m = s.amax(-1)
+    p = (s - m[..., None]).exp()
+    return m, p.sum(-1), p @ values
+
+
+def dequantised(x, bits, G, per_channel):
+    """x (B, nkv, n, hs) quantised as the cache does; its codes and their float64 values."""
+    k_axis = qm._Channels if per_channel else qm._Tokens
+    kc, ks, kz = k_axis.encode(x[0], bits, G)
+    vc, vs, vz = qm._Tokens.encode(x[1], bits, G)
+    B, nkv, n, hs = x[0].shape
+    if per_channel:  # scales (B, nkv, n / G, hs): one row for each G tokens
+        keys = unpack(kc, bits) * ks.double().repeat_interleave(G, 2) + \
+            kz.double().repeat_interleave(G, 2)
+    else:  # scales (B, nkv, n, hs / G): one for each G channels
+        keys = unpack(kc, bits) * ks.double().repeat_interleave(G, 3) + \
+            kz.double().repeat_interleave(G, 3)
+    values = unpack(vc, bits) * vs.double().repeat_interleave(G, 3) + \
+        vz.double().repeat_interleave(G, 3)
+    return (kc, ks, kz, vc, vs, vz), keys, values
+
+
+def check(got, want, scale=1.0):
+    m, l_sum, acc = got
+    wm, wl, wacc = want
+    # float32 products and sums of some hundred terms, in another order than float64's
+    torch.testing.assert_close(m.double(), wm, atol=1e-4 * scale, rtol=1e-5)
+    torch.testing.assert_close((acc / l_sum[..., None]).double(), wacc / wl[..., None],
+                               atol=2e-5 * scale, rtol=1e-4)
+
+
+@pytest.mark.usefixtures("use")
+@pytest.mark.parametrize("bits", [8, 4, 2])
+@pytest.mark.parametrize("per_channel", [False, True])
+@pytest.mark.parametrize(("hs", "G", "n", "g"), [
+    (64, 32, 1100, 3),  # SmolLM2's shape: blocks of 512, a short last tile
+    (64, 64, 96, 4),
+    (128, 32, 64, 1),
+    (48, 16, 48, 5),   # a head size of no unrolled loop; 5 queries: 4 and 1
+    (32, 8, 40, 9),    # groups under 16 wide (a permute of scales); 9 queries: 4, 4, 1
+    (32, 4, 20, 2),
+    (16, 16, 16, 3),
+    (24, 8, 24, 2),    # a head size the vector path does not take: the plain loops
+])
+def test_codes_equal_float64_attention_over_the_dequantised_cache(bits, per_channel, hs, G, n,
+                                                                   g):
+    gen = torch.Generator().manual_seed(bits * 100 + hs + G + n + g)
+    B, nkv = 2, 3
+    n -= n % G if per_channel else 0  # per-channel keys are quantised G tokens at a time
+    x = torch.randn(2, B, nkv, n, hs, generator=gen)
+    stored, keys, values = dequantised(x, bits, G, per_channel)
+    q = torch.randn(B, nkv, g, hs, generator=gen) / hs ** 0.5
+    got = code_attention.attend_codes(q, *stored, bits, G, per_channel)
+    check(got, reference(q, keys, values), scale=keys.abs().max().item())
+
+
+@pytest.mark.usefixtures("use")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("sinks", "tail"), [(4, 0), (0, 7), (3, 17)])
+def test_sinks_and_tail_join_the_codes_in_one_pass(dtype, sinks, tail):
+    gen = torch.Generator().manual_seed(sinks * 10 + tail)
+    B, nkv, n, hs, g, bits, G = 1, 3, 544, 64, 3, 8, 32
+    x = torch.randn(2, B, nkv, n, hs, generator=gen)
+    stored, keys, values = dequantised(x, bits, G, False)
+    full = tuple(torch.randn(B, nkv, k, hs, generator=gen).to(dtype)
+                 for k in (sinks, sinks, tail, tail))
+    q = torch.randn(B, nkv, g, hs, generator=gen) / 8
+    got = code_attention.attend_codes(q, *stored, bits, G, False, full=full)
+    check(got, reference(q, keys, values, full), scale=keys.abs().max().item())
+
+
+@pytest.mark.usefixtures("use")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("hs", "n", "g"), [(64, 8176, 3), (64, 1, 3), (64, 33, 4),
+                                            (128, 515, 2), (256, 40, 4), (48, 17, 7),
+                                            (24, 30, 3)])
+def test_half_rows_equal_float64_attention(dtype, hs, n, g):
+    gen = torch.Generator().manual_seed(hs + n + g)
+    B, nkv = 1, 3
+    keys, values = (torch.randn(B, nkv, n, hs, generator=gen).to(dtype) for _ in range(2))
+    q = torch.randn(B, nkv, g, hs, generator=gen) / hs ** 0.5
+    got = code_attention.attend_half(q, keys, values)
+    check(got, reference(q, keys.double(), values.double()))
+
+
+def test_the_vector_path_and_the_plain_loops_agree_on_every_width(monkeypatch):
+    built = [code_attention.load(d)[0] for d in ((), ("-DCODE_ATTENTION_SCALAR",))]
+    if None in built:
+        pytest.skip("the kernel cannot be built here")
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(2, 1, 3, 1024, 64, generator=gen)
+    q = torch.randn(1, 3, 3, 64, generator=gen) / 8
+    for bits in (8, 4, 2):
+        stored, _, _ = dequantised(x, bits, 32, bits != 8)
+        outs = []
+        for lib in built:
+            monkeypatch.setattr(code_attention, "kernel", lambda lib=lib: lib)
+            m, l_sum, acc = code_attention.attend_codes(q, *stored, bits, 32, bits != 8)
+            outs.append(acc / l_sum[..., None])
+        # the same float32 arithmetic summed in another order
+        torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
