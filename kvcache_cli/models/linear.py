@@ -122,22 +122,30 @@ _products: list = []  # the loaded library (or None), once: read by every forwar
 
 def products():
     """The native product library (`products.cpp`, built at first use), or None with a line
-    in NOTE: no compiler, a CPU without AVX2/FMA/F16C, or KVCACHE_PRODUCTS=torch."""
+    in NOTE: no compiler, or KVCACHE_PRODUCTS=torch."""
     if not _products:
-        import ctypes
-
-        from kvcache_cli.caches import native
-
-        lib, why = native.build(PRODUCTS_SOURCE, off="KVCACHE_PRODUCTS")
+        lib, why = load_products()
         if lib is None:
             NOTE.append(f"products run in torch: {why}")
-        else:
-            ptr, size = ctypes.c_void_p, ctypes.c_int64
-            lib.product_int8.argtypes = [ptr] * 5 + [size] * 3 + [ctypes.c_int]
-            for name in ("product_f16", "product_f32"):
-                getattr(lib, name).argtypes = [ptr] * 4 + [size] * 3 + [ctypes.c_int]
         _products.append(lib)
     return _products[0]
+
+
+def load_products(defines: tuple[str, ...] = ()):
+    """(the product library built with `defines`, None), or (None, why not): -DPRODUCTS_AVX2
+    keeps an AVX-512 CPU to AVX2's lanes, -DPRODUCTS_SCALAR to plain loops (what a CPU
+    without AVX2 builds), so one machine checks every path."""
+    import ctypes
+
+    from kvcache_cli.caches import native
+
+    lib, why = native.build(PRODUCTS_SOURCE, off="KVCACHE_PRODUCTS", defines=defines)
+    if lib is not None:
+        ptr, size = ctypes.c_void_p, ctypes.c_int64
+        lib.product_int8.argtypes = [ptr] * 5 + [size] * 3 + [ctypes.c_int]
+        for name in ("product_f16", "product_f32"):
+            getattr(lib, name).argtypes = [ptr] * 4 + [size] * 3 + [ctypes.c_int]
+    return lib, why
 
 
 def native_rows(x: Tensor) -> bool:
