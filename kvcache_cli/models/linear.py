@@ -122,22 +122,30 @@ _products: list = []  # the loaded library (or None), once: read by every forwar
 
 def products():
     """The native product library (`products.cpp`, built at first use), or None with a line
-    in NOTE: no compiler, a CPU without AVX2/FMA/F16C, or KVCACHE_PRODUCTS=torch."""
+    in NOTE: no compiler, or KVCACHE_PRODUCTS=torch."""
     if not _products:
-        import ctypes
-
-        from kvcache_cli.caches import native
-
-        lib, why = native.build(PRODUCTS_SOURCE, off="KVCACHE_PRODUCTS")
+        lib, why = load_products()
         if lib is None:
             NOTE.append(f"products run in torch: {why}")
-        else:
-            ptr, size = ctypes.c_void_p, ctypes.c_int64
-            lib.product_int8.argtypes = [ptr] * 5 + [size] * 3 + [ctypes.c_int]
-            for name in ("product_f16", "product_f32"):
-                getattr(lib, name).argtypes = [ptr] * 4 + [size] * 3 + [ctypes.c_int]
         _products.append(lib)
     return _products[0]
+
+
+def load_products(defines: tuple[str, ...] = ()):
+    """(the product library built with `defines`, None), or (None, why not): -DPRODUCTS_AVX2
+    keeps an AVX-512 CPU to AVX2's lanes, -DPRODUCTS_SCALAR to plain loops (what a CPU
+    without AVX2 builds), so one machine checks every path."""
+    import ctypes
+
+    from kvcache_cli.caches import native
+
+    lib, why = native.build(PRODUCTS_SOURCE, off="KVCACHE_PRODUCTS", defines=defines)
+    if lib is not None:
+        ptr, size = ctypes.c_void_p, ctypes.c_int64
+        lib.product_int8.argtypes = [ptr] * 5 + [size] * 3 + [ctypes.c_int]
+        for name in ("product_f16", "product_f32"):
+            getattr(lib, name).argtypes = [ptr] * 4 + [size] * 3 + [ctypes.c_int]
+    return lib, why
 
 
 def native_rows(x: Tensor) -> bool:
@@ -152,29 +160,31 @@ def native_rows(x: Tensor) -> bool:
 def native_product(x: Tensor, w: Tensor, scales: Tensor | None, bias: Tensor | None) -> Tensor:
     """x (..., K) @ w (N, K)^T (times bfloat16 scales (N,)) (+ bias): the native kernel,
     one op that torch.compile keeps whole."""
-    rows = x.reshape(-1, x.shape[-1])  # (R, K)
+    bias = None if bias is None else bias.float()
     # Eager calls skip the custom op's dispatch (tens of µs, a fifth of a small product's
-    # time); a compiled graph needs the op to keep the call whole.
-    run = _native if torch.compiler.is_compiling() else _native_call
-    y = run(rows, w, scales, None if bias is None else bias.float())  # (R, N)
+    # time) and the reshapes around it; a compiled graph needs the op to keep the call whole.
+    if not torch.compiler.is_compiling():
+        return _native_call(x, w, scales, bias)
+    y = _native(x.reshape(-1, x.shape[-1]), w, scales, bias)  # (R, N)
     return y.view(*x.shape[:-1], w.shape[0])
 
 
-def _native_call(rows: Tensor, w: Tensor, scales: Tensor | None, bias: Tensor | None) -> Tensor:
+def _native_call(x: Tensor, w: Tensor, scales: Tensor | None, bias: Tensor | None) -> Tensor:
+    """x (..., K) @ w (N, K)^T -> (..., N): the rows as they lie, one kernel call."""
     lib = products()
-    rows = rows.contiguous()
-    R, K = rows.shape
-    N = w.shape[0]
-    y = rows.new_empty(R, N)
+    x = x.contiguous()
+    K, N = x.shape[-1], w.shape[0]
+    y = x.new_empty(*x.shape[:-1], N)
+    R = x.numel() // K
     scales_at = None if scales is None else scales.data_ptr()
     bias_at = None if bias is None else bias.data_ptr()
     threads = torch.get_num_threads()
     if w.dtype == torch.int8:
-        lib.product_int8(rows.data_ptr(), w.data_ptr(), scales_at, bias_at, y.data_ptr(),
+        lib.product_int8(x.data_ptr(), w.data_ptr(), scales_at, bias_at, y.data_ptr(),
                          R, N, K, threads)
     else:
         fn = lib.product_f16 if w.dtype == torch.float16 else lib.product_f32
-        fn(rows.data_ptr(), w.data_ptr(), bias_at, y.data_ptr(), R, N, K, threads)
+        fn(x.data_ptr(), w.data_ptr(), bias_at, y.data_ptr(), R, N, K, threads)
     return y
 
 

@@ -1,83 +1,262 @@
-// One decoding row's products with a weight matrix, read once, on the CPU.
+// A decode's few rows' products with a weight matrix, read once, on the CPU.
 //
 // Built at first use by `models/linear.py` (through `caches/native.py`), called through
 // ctypes. A decode step multiplies a few rows by every matrix and does almost no arithmetic
 // a weight, so its time is how fast the weights stream from memory. Each output is a dot
-// product over one weight row (nn.Linear's (out, in) order, contiguous), threads take
-// contiguous ranges of outputs, and each weight is widened to float32 in registers as it
-// is read: int8 (times its row's bfloat16 scale, after the sum), float16 (F16C), or
-// float32. Sums are float32 in four interleaved lanes of eight.
+// product over one weight row (nn.Linear's (out, in) order, contiguous). Threads take equal
+// runs of rows, so each core streams one stretch of the matrix, a page ahead of itself;
+// four weight rows are multiplied at once with up to four rows of x, all accumulators in
+// registers, so a weight is read from memory once for every row of x and a row of x once a
+// tile (a batch of 16 is bound by loads of x, not of weights, without it). Each weight is
+// widened to float32 in registers as it is read: int8 (times its row's bfloat16 scale,
+// after the sum), float16, or float32.
+//
+// An output's sum is the same float32 operations whichever rows come with it and however
+// the threads split the outputs: one accumulator of L lanes, the row's chunks of L added in
+// order (the last zero-padded), then its lanes. So a batched decode's rows equal each one's
+// solo product bit for bit. L is 16 with AVX-512 (F, BW, VL), 8 with AVX2/FMA/F16C, and 8
+// in plain loops without them or built with -DPRODUCTS_SCALAR; -DPRODUCTS_AVX2 keeps to
+// AVX2 on an AVX-512 CPU: the tests build all three and compare, so a machine with only
+// AVX2 runs a checked path too.
 
 #include <cstdint>
-#include <immintrin.h>
+#include <cstring>
 
-#if !defined(__AVX2__) || !defined(__FMA__) || !defined(__F16C__)
-#error "the product kernels need AVX2, FMA and F16C"
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(PRODUCTS_SCALAR)
+#include <immintrin.h>
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    !defined(PRODUCTS_AVX2)
+#define PRODUCTS_512 1
+#else
+#define PRODUCTS_256 1
+#endif
 #endif
 
 namespace {
 
-inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_hadd_ps(s, s);
-    return _mm_cvtss_f32(_mm_hadd_ps(s, s));
-}
+#if defined(PRODUCTS_512)
+constexpr int L = 16;
+using V = __m512;
+inline V zero() { return _mm512_setzero_ps(); }
+inline V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+inline float lanes_sum(V v) { return _mm512_reduce_add_ps(v); }
+inline __mmask16 first(int n) { return static_cast<__mmask16>((1u << n) - 1); }
+inline V floats(const float* p) { return _mm512_loadu_ps(p); }
+inline V floats(const float* p, int n) { return _mm512_maskz_loadu_ps(first(n), p); }
 
 struct Int8 {
     using T = int8_t;
-    static __m256 load(const T* p) {
-        const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+    static V load(const T* p) {
+        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
     }
-    static float one(T v) { return static_cast<float>(v); }
+    static V load(const T* p, int n) {  // masked: the bytes past n are never touched
+        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(first(n), p)));
+    }
 };
 
 struct Half {
     using T = uint16_t;
-    static __m256 load(const T* p) {
-        return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    static V load(const T* p) {
+        return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     }
-    static float one(T v) { return _cvtsh_ss(v); }
+    static V load(const T* p, int n) {
+        return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(first(n), p));
+    }
 };
 
 struct Float {
     using T = float;
-    static __m256 load(const T* p) { return _mm256_loadu_ps(p); }
-    static float one(T v) { return v; }
+    static V load(const T* p) { return _mm512_loadu_ps(p); }
+    static V load(const T* p, int n) { return _mm512_maskz_loadu_ps(first(n), p); }
 };
 
-template <class W>
-inline float dot(const typename W::T* w, const float* x, int64_t K) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-    __m256 a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-    int64_t k = 0;
-    for (; k + 32 <= K; k += 32) {
-        a0 = _mm256_fmadd_ps(W::load(w + k), _mm256_loadu_ps(x + k), a0);
-        a1 = _mm256_fmadd_ps(W::load(w + k + 8), _mm256_loadu_ps(x + k + 8), a1);
-        a2 = _mm256_fmadd_ps(W::load(w + k + 16), _mm256_loadu_ps(x + k + 16), a2);
-        a3 = _mm256_fmadd_ps(W::load(w + k + 24), _mm256_loadu_ps(x + k + 24), a3);
-    }
-    float s = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
-    for (; k < K; ++k) s += W::one(w[k]) * x[k];
+#else  // eight lanes: AVX2's registers, or plain loops the compiler may vectorise
+constexpr int L = 8;
+
+#if defined(PRODUCTS_256)
+using V = __m256;
+inline V zero() { return _mm256_setzero_ps(); }
+inline V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+inline float lanes_sum(V v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_hadd_ps(s, s);
+    return _mm_cvtss_f32(_mm_hadd_ps(s, s));
+}
+inline V floats(const float* p) { return _mm256_loadu_ps(p); }
+inline float widen_half(uint16_t h) { return _cvtsh_ss(h); }
+#else
+// The compiler's own vectors, lane by lane as the intrinsics are: with loops over an
+// array of floats, vectorised and (under -ffast-math) reordered anew wherever they were
+// inlined, a batch's rows did not equal their solo products bit for bit.
+using V = float __attribute__((vector_size(4 * L)));
+inline V zero() { return V{}; }
+inline V fma(V a, V b, V c) { return c + a * b; }
+inline float lanes_sum(V v) {
+    float s = v[0];
+    for (int i = 1; i < L; ++i) s += v[i];
     return s;
 }
+inline V floats(const float* p) {
+    V v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+}
+inline float widen_half(uint16_t h) {
+    const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+    const uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+    if (exp == 0) {  // zero or subnormal: man * 2^-24, exact in float32
+        const float f = static_cast<float>(man) * 5.9604644775390625e-8f;
+        return sign ? -f : f;
+    }
+    const uint32_t bits = sign | (exp == 31 ? 0x7f800000u | (man << 13)
+                                            : ((exp + 112) << 23) | (man << 13));
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    return f;
+}
+#endif
+
+// The last chunk of a row, n < L values widened into zeroed lanes: no byte past the row read.
+template <class T, class Widen>
+inline V part(const T* p, int n, Widen widen) {
+    alignas(32) float f[L] = {};
+    for (int i = 0; i < n; ++i) f[i] = widen(p[i]);
+    return floats(f);
+}
+inline V floats(const float* p, int n) {
+    return part(p, n, [](float v) { return v; });
+}
+
+struct Int8 {
+    using T = int8_t;
+#if defined(PRODUCTS_256)
+    static V load(const T* p) {
+        const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+    }
+#else
+    static V load(const T* p) { return load(p, L); }
+#endif
+    static V load(const T* p, int n) {
+        return part(p, n, [](T v) { return static_cast<float>(v); });
+    }
+};
+
+struct Half {
+    using T = uint16_t;
+#if defined(PRODUCTS_256)
+    static V load(const T* p) {
+        return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    }
+#else
+    static V load(const T* p) { return load(p, L); }
+#endif
+    static V load(const T* p, int n) { return part(p, n, widen_half); }
+};
+
+struct Float {
+    using T = float;
+    static V load(const T* p) { return floats(p); }
+    static V load(const T* p, int n) { return floats(p, n); }
+};
+#endif
+
+// A tile of TW weight rows by RX rows of x, one accumulator an output, in registers: each
+// chunk of weights loaded serves RX rows and each chunk of x TW weight rows. AVX2's 16
+// registers hold 4 x 2 accumulators beside their operands, AVX-512's 32 hold 4 x 4.
+constexpr int TW = 4;  // product() below dispatches 1 to 4
+#if defined(PRODUCTS_512)
+constexpr int RX = 4;
+#else
+constexpr int RX = 2;
+#endif
+constexpr int64_t AHEAD = 4096;  // bytes: one page ahead of the weights being multiplied
 
 inline float from_bf16(uint16_t v) {
     const uint32_t bits = static_cast<uint32_t>(v) << 16;  // bfloat16: float32's top half
     float f;
-    __builtin_memcpy(&f, &bits, sizeof f);
+    std::memcpy(&f, &bits, sizeof f);
     return f;
 }
 
+// What each output is scaled by and shifted by: int8's row scale (1 for float) and the bias.
+struct Affine {
+    const uint16_t* scales;  // (N,) bfloat16, or null
+    const float* bias;       // (N,), or null
+    float scale(int64_t n) const { return scales ? from_bf16(scales[n]) : 1.0f; }
+    float shift(int64_t n) const { return bias ? bias[n] : 0.0f; }
+};
+
+// y[r, n + t] = (x[r] . w[n + t]) * scale + shift for t < T, r < R: w (N, K), x (R, K),
+// y (R, N) row-major. The lanes of an output's accumulator sum its chunks of L in order.
+template <class W, int T, int R>
+inline void tile(const typename W::T* w, const float* x, int64_t n, int64_t N, int64_t K,
+                 Affine f, float* y) {
+    using E = typename W::T;
+    const E* row = w + n * K;
+    V acc[R][T];
+    for (auto& a : acc)
+        for (V& v : a) v = zero();
+    auto chunk = [&](int64_t k, int m) {  // m = L, or the last chunk's m < L values
+        V wt[T];
+        for (int t = 0; t < T; ++t) wt[t] = m == L ? W::load(row + t * K + k)
+                                                   : W::load(row + t * K + k, m);
+        for (int r = 0; r < R; ++r) {
+            const V xr = m == L ? floats(x + r * K + k) : floats(x + r * K + k, m);
+            for (int t = 0; t < T; ++t) acc[r][t] = fma(wt[t], xr, acc[r][t]);
+        }
+    };
+    // The rows lie end to end, so a thread's range is one stream; the hardware's prefetcher
+    // stops at each 4 KiB page and starts again only after the first misses on the next, so
+    // each cache line of a row asks for the line a page ahead (past the matrix: a no-op).
+    constexpr int LINE = 64 / sizeof(E) >= L ? 64 / sizeof(E) : L;  // values a step
+    int64_t k = 0;
+    for (; k + LINE <= K; k += LINE) {
+        for (int t = 0; t < T; ++t)
+            __builtin_prefetch(reinterpret_cast<const char*>(row + t * K + k) + AHEAD);
+        for (int c = 0; c < LINE; c += L) chunk(k + c, L);
+    }
+    for (; k < K; k += L) chunk(k, K - k < L ? static_cast<int>(K - k) : L);
+    for (int t = 0; t < T; ++t) {
+        const float scale = f.scale(n + t), shift = f.shift(n + t);
+        for (int r = 0; r < R; ++r) y[r * N + n + t] = lanes_sum(acc[r][t]) * scale + shift;
+    }
+}
+
+// The R rows of x (any number) by T weight rows from n: RX rows of x at a time, the first
+// tile reading the weights from memory, the later ones finding them in L1.
+template <class W, int T>
+void weight_rows(const typename W::T* w, const float* x, int64_t n, int64_t R, int64_t N,
+                 int64_t K, Affine f, float* y) {
+    int64_t r = 0;
+    for (; r + RX <= R; r += RX) tile<W, T, RX>(w, x + r * K, n, N, K, f, y + r * N);
+    const float* xr = x + r * K;
+    float* yr = y + r * N;
+    switch (R - r) {  // fewer than RX left
+        case 3: if constexpr (RX > 3) tile<W, T, 3>(w, xr, n, N, K, f, yr); break;
+        case 2: if constexpr (RX > 2) tile<W, T, 2>(w, xr, n, N, K, f, yr); break;
+        case 1: tile<W, T, 1>(w, xr, n, N, K, f, yr); break;
+        default: break;
+    }
+}
+
 // y (R, N) = x (R, K) @ w (N, K)^T, each output times scales[n] where given, plus bias[n].
+// Threads take equal runs of TW-row tiles (OpenMP's pool: started once, kept between calls).
 template <class W>
 void product(const float* x, const typename W::T* w, const uint16_t* scales, const float* bias,
              float* y, int64_t R, int64_t N, int64_t K, int threads) {
+    const Affine f{scales, bias};
+    const int64_t tiles = (N + TW - 1) / TW;
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t n = 0; n < N; ++n) {
-        const typename W::T* row = w + n * K;
-        const float scale = scales ? from_bf16(scales[n]) : 1.0f, shift = bias ? bias[n] : 0.0f;
-        for (int64_t r = 0; r < R; ++r) y[r * N + n] = dot<W>(row, x + r * K, K) * scale + shift;
+    for (int64_t i = 0; i < tiles; ++i) {
+        const int64_t n = i * TW;
+        switch (N - n < TW ? N - n : TW) {
+            case 4: weight_rows<W, 4>(w, x, n, R, N, K, f, y); break;
+            case 3: weight_rows<W, 3>(w, x, n, R, N, K, f, y); break;
+            case 2: weight_rows<W, 2>(w, x, n, R, N, K, f, y); break;
+            default: weight_rows<W, 1>(w, x, n, R, N, K, f, y); break;
+        }
     }
 }
 
