@@ -105,6 +105,9 @@ def qk_rotary(qkv: Tensor, nq: int, nk: int, cos: Tensor, sin: Tensor, pos: Tens
     """In place on qkv (B, T, nq + nk + nv, hs), contiguous, a q|k|v product's rows: q's
     and k's heads normed (where weights are given), rotated to their positions pos ((T,)
     or (B, T), rows of the tables cos and sin (ctx, hs)), q then times q_scale."""
+    if not qkv.is_contiguous():  # a contiguous copy would leave the caller's heads as they were
+        raise ValueError(f"qk_rotary rotates a contiguous q|k|v in place; got strides "
+                         f"{qkv.stride()} for shape {tuple(qkv.shape)}")
     if pos.dtype != torch.int64:
         pos = pos.long()
     run = _eager_or_op(_qk_rotary_call, _qk_rotary)
