@@ -240,3 +240,11 @@ def test_the_compiled_step_keeps_the_fused_ops_and_the_eager_tokens(family):
     with torch.inference_mode():
         got = list(stream_tokens(model, prompt, n, "static", cache=cache, forward=step))
     assert got == expected
+
+
+def test_a_q_k_v_that_cannot_be_rotated_in_place_is_refused_with_its_strides():
+    table = torch.randn(8, 4)
+    qkv = torch.randn(1, 2, 3, 8)[..., :4]  # (1, 2, 3, 4), every head a strided half
+    with pytest.raises(ValueError, match="strides"):
+        fused.qk_rotary(qkv, 1, 1, table, table, torch.tensor([0, 1]), None, None, 0.0,
+                        1e-6, 1.0)
