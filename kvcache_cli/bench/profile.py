@@ -5,8 +5,12 @@ decode step into products, attention, norms, activations, cache writes, other te
 and the rest: the step's wall time minus every op's, which is Python and dispatch between
 the ops. The products are what a step must spend streaming the weights; everything else
 is what fewer or fused ops could close. It also counts the ops a step dispatches, each a
-few microseconds of the CPU's time. Llama's RMSNorm and rotary positions are built of
-elementwise ops (pow, mean, rsqrt, mul; cat, neg), which land in "other ops".
+few microseconds of the CPU's time. On a decode's float32 rows the Llama family's norms,
+residual adds, QK-norm and rotation, and gated activations are fused calls (`models.fused`):
+the norms and the adds land in "norms", q's and k's norm and rotation in "rotary", SwiGLU
+and GeGLU in "activations". Where they run in torch (bf16, fp16 activations, a machine
+that cannot build the kernels) RMSNorm and the rotation are elementwise ops (pow, mean,
+rsqrt, mul; cat, neg), which land in "other ops".
 """
 
 from __future__ import annotations
@@ -31,8 +35,10 @@ KINDS = {
     "attention": ("aten::_scaled_dot_product_flash_attention_for_cpu",
                   "aten::scaled_dot_product_attention", "aten::_softmax",
                   "aten::_scaled_dot_product_attention_math"),
-    "norms": ("aten::native_layer_norm", "aten::layer_norm"),
-    "activations": ("aten::gelu", "aten::silu"),
+    "norms": ("aten::native_layer_norm", "aten::layer_norm", "kvcache::rms_norm",
+              "kvcache::add_rms_norm", "kvcache::add_normed"),
+    "rotary": ("kvcache::qk_rotary",),
+    "activations": ("aten::gelu", "aten::silu", "kvcache::glu"),
     "cache writes": ("aten::index_copy_", "aten::index_put_", "aten::copy_", "aten::slice_scatter",
                      "aten::cat"),
 }
@@ -61,13 +67,17 @@ def _kind(name: str) -> str:
 
 @contextlib.contextmanager
 def _named_native_products():
-    """Eager calls of the native products skip the dispatcher (`linear.native_product`,
-    `gguf.blocks.block_product`: tens of µs a call), so the profiler would see no op and
-    count their time as Python's; while profiling, each call is a named range instead."""
+    """Eager calls of the native products and the fused ops skip the dispatcher
+    (`linear.native_product`, `gguf.blocks.block_product`, `models.fused`: tens of µs a
+    call), so the profiler would see no op and count their time as Python's; while
+    profiling, each call is a named range instead."""
+    from kvcache_cli.models import fused
     from kvcache_cli.models.gguf import blocks
 
     calls = [(linear, "_native_call", "kvcache::native_product"),
-             (blocks, "_product", "kvcache::block_product")]
+             (blocks, "_product", "kvcache::block_product"),
+             *((fused, f"_{name}_call", f"kvcache::{name}") for name in
+               ("rms_norm", "add_rms_norm", "add_normed", "qk_rotary", "glu"))]
     kept = [getattr(module, name) for module, name, _ in calls]
 
     def named(call, op):

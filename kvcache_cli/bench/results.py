@@ -79,7 +79,7 @@ class BenchResult:
     weights_note: str | None  # e.g. why the weights are random
     # Why a C++ kernel was not used (None: every one asked for was): a quantised cache's
     # attention in torch (`caches.code_attention.NOTE`), the products in torch
-    # (`models.linear.NOTE`).
+    # (`models.linear.NOTE`), the fused small ops in torch (`models.fused.NOTE`).
     kernel_note: str | None
     device: str
     device_name: str

@@ -145,11 +145,12 @@ def _with_ratios(results: list[ModeResult]) -> tuple[ModeResult, ...]:
 
 def kernel_note() -> str | None:
     """Why a C++ kernel this process asked for runs in torch instead, in one line (None:
-    every one asked for was built): attention over codes, the products."""
+    every one asked for was built): attention over codes, the products, the fused ops."""
     from kvcache_cli.caches import code_attention
-    from kvcache_cli.models import linear
+    from kvcache_cli.models import fused, linear
 
-    return "; ".join(notes[-1] for notes in (code_attention.NOTE, linear.NOTE) if notes) or None
+    notes = (code_attention.NOTE, linear.NOTE, fused.NOTE)
+    return "; ".join(note[-1] for note in notes if note) or None
 
 
 def bench_result(model, plan: BenchPlan, measured: Measured, threads: int,

@@ -22,7 +22,7 @@ query heads that share each one.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +39,11 @@ class Step:
     # row holds several sequences or padding (serve's packed and padded layouts); None:
     # each row's last token is its sequence's.
     last: Tensor | None = None
+    # `visible`'s masks made this forward, by the held positions' tensor (kept here, so
+    # that its id names it for the whole forward), window and sinks: a ring hands every
+    # layer the same tensor, and Gemma 3's 15 sliding layers built the same mask 15 times,
+    # about 20 small ops each.
+    _masks: dict = field(default_factory=dict, init=False, compare=False, repr=False)
 
     @classmethod
     def at(cls, start: int | Tensor, T: int, context: int, device) -> Step:
@@ -87,7 +92,14 @@ class Step:
         """Which keys each query may see, (B|1, nkv|1, T, S), for keys holding the positions
         `held`: (S,), (B, S) or (B, nkv, S), -1 for an empty slot. With a window, the band:
         positions p - window + 1 .. p, and the first `sinks` whatever their age (a chunk's
-        early queries must not see what the window has moved past for its later ones)."""
+        early queries must not see what the window has moved past for its later ones).
+        Made once a forward for each tensor of held positions (`_masks`)."""
+        key = (id(held), window, sinks)
+        if key not in self._masks:
+            self._masks[key] = (held, self._visible(held, window, sinks))
+        return self._masks[key][1]
+
+    def _visible(self, held: Tensor, window: int | None, sinks: int) -> Tensor:
         rows = self.pos if self.pos.dim() == 2 else self.pos[None]  # (B|1, T)
         if held.dim() == 1:  # (S,): the same for every row and head
             held = held[None, None]
@@ -145,7 +157,8 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool =
     """SDPA (B, nh, T, hs) of q (B, nh, T, hs) over k, v (B, nkv, S, hs) under a boolean
     mask (True: may attend), its KV heads expanded to the query heads inside the kernel."""
     nh, nkv = q.size(1), k.size(1)
-    if mask is not None and mask.dim() == 4 and mask.size(1) == nkv < nh:
+    # A mask per KV head is one per query head; one KV head's (B, 1, T, S) broadcasts as is.
+    if mask is not None and mask.dim() == 4 and mask.size(1) == nkv and 1 < nkv < nh:
         mask = mask.repeat_interleave(nh // nkv, dim=1)  # (B, nh, T, S): per query head
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
                                           enable_gqa=nkv < nh)

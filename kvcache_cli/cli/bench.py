@@ -101,7 +101,7 @@ def bench(
     ] = None,
     profile: Annotated[bool, typer.Option(
         "--profile", help="Where one decode step of the static loop goes, by kind of op "
-        "(products, attention, norms, activations, cache writes, other ops, Python and "
+        "(products, attention, norms, rotary, activations, cache writes, other ops, Python and "
         f"dispatch), under torch.profiler on the CPU; --new-tokens: the steps profiled "
         f"(default {PROFILE_STEPS} here); --dtype and --weights-dtype: the format.")
     ] = False,

@@ -208,7 +208,9 @@ class GemmaRMSNorm(RMSNorm):
     """RMSNorm with gain (1 + weight), applied in float32 before the cast back (Llama casts
     first): transformers' Gemma3RMSNorm, so a checkpoint's zero weight is a gain of 1."""
 
-    def forward(self, x: Tensor) -> Tensor:
+    offset = 1.0
+
+    def in_torch(self, x: Tensor) -> Tensor:
         return (self.normed(x) * (1.0 + self.weight.float())).to(x.dtype)
 
 
@@ -223,21 +225,21 @@ class Gemma3Attention(LlamaAttention):
         self.k_norm = GemmaRMSNorm(config.head_size, config.rms_eps)
         self.q_scale = math.sqrt(config.head_size / config.query_pre_attn_scalar)  # 1 in 270M
 
-    def project(self, x: Tensor, rope: RotaryAt) -> tuple[Tensor, Tensor, Tensor]:
-        """q (B, nh, T, hs) and k, v (B, nkv, T, hs) of x (B, T, C), q and k normed, rotated."""
-        B, T, _ = x.shape
-        nh, nkv = self.n_head, self.n_kv_head
-        qkv = self.qkv_proj(x).view(B, T, nh + 2 * nkv, self.head_size).transpose(1, 2)
-        q = rope(self.q_norm(qkv[:, :nh]))  # (B, nh, T, hs)
+    def rotated(self, qk: Tensor, rope: RotaryAt) -> tuple[Tensor, Tensor]:
+        """q (B, nh, T, hs) and k (B, nkv, T, hs) of q's and k's heads qk, each normed, then
+        rotated, in torch (`LlamaAttention.project` fuses the same on a decode's rows)."""
+        nh = self.n_head
+        q = rope(self.q_norm(qk[:, :nh]))  # (B, nh, T, hs)
         if self.q_scale != 1.0:
             q = q * self.q_scale
-        return q, rope(self.k_norm(qkv[:, nh:nh + nkv])), qkv[:, nh + nkv:]
+        return q, rope(self.k_norm(qk[:, nh:]))
 
 
 class Gemma3MLP(LlamaMLP):
-    def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)  # (B, T, I) each
-        return self.down_proj(F.gelu(gate, approximate="tanh") * up)  # GeGLU
+    activation = "gelu_tanh"
+
+    def gated(self, gate: Tensor) -> Tensor:
+        return F.gelu(gate, approximate="tanh")  # GeGLU
 
 
 class Gemma3Block(nn.Module):
@@ -253,10 +255,12 @@ class Gemma3Block(nn.Module):
         self.post_feedforward_layernorm = GemmaRMSNorm(C, eps)
 
     def forward(self, x: Tensor, step: Step, rope: RotaryAt, cache: KVCache | None) -> Tensor:
-        # Normed after each sublayer too, before the residual add.
-        x = x + self.post_attention_layernorm(
-            self.self_attn(self.input_layernorm(x), step, rope, cache))
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        # Normed after each sublayer too, before the residual add: that norm, the add and
+        # the next sublayer's norm one call on a decode's rows (`RMSNorm.add_then_norm`).
+        x, h = self.pre_feedforward_layernorm.add_then_norm(
+            x, self.self_attn(self.input_layernorm(x), step, rope, cache),
+            self.post_attention_layernorm)
+        return self.post_feedforward_layernorm.norm_then_add(x, self.mlp(h))
 
 
 def rotaries(config: Gemma3Config) -> nn.ModuleDict:

@@ -248,6 +248,9 @@ def arrange_weights(model: FamilyModel) -> FamilyModel:
     values are unchanged; the tied embedding follows the LM head (a lookup reads one
     strided row, which costs nothing).
     """
+    from kvcache_cli.models import fused
+
+    fused.library()  # the small ops a decode's rows fuse, built now, before any forward
     with torch.no_grad():
         for module in model.modules():
             if isinstance(module, Linear):

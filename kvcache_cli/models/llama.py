@@ -27,6 +27,7 @@ from torch import Tensor
 
 from kvcache_cli.caches.base import CacheShape, KVCache, LayerType
 from kvcache_cli.caches.step import Step
+from kvcache_cli.models import fused
 from kvcache_cli.models.base import FamilyModel, causal_attention, merge_heads
 from kvcache_cli.models.linear import Linear
 
@@ -100,6 +101,11 @@ class LlamaConfig:
 
 
 class RMSNorm(nn.Module):
+    """transformers' LlamaRMSNorm; on a decode's rows (`fused.rows`) one fused call, with
+    the residual add before it where the block asks (`add_then_norm`, `norm_then_add`)."""
+
+    offset = 0.0  # the gain is offset + weight (Gemma's is 1 + weight)
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
@@ -112,8 +118,30 @@ class RMSNorm(nn.Module):
         h = x.float()
         return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def in_torch(self, x: Tensor) -> Tensor:
         return self.weight * self.normed(x).to(x.dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if fused.rows(x):
+            return fused.rms_norm(x, self.weight, self.eps, self.offset)
+        return self.in_torch(x)
+
+    def add_then_norm(self, x: Tensor, delta: Tensor, delta_norm: RMSNorm | None = None
+                      ) -> tuple[Tensor, Tensor]:
+        """(x + delta, that sum normed): a residual add and the next sublayer's norm; delta
+        normed by `delta_norm` first where given (Gemma's norm after each sublayer, of this
+        norm's eps and form)."""
+        if fused.rows(x):
+            return fused.add_rms_norm(x, delta, None if delta_norm is None else
+                                      delta_norm.weight, self.weight, self.eps, self.offset)
+        x = x + (delta if delta_norm is None else delta_norm(delta))
+        return x, self(x)
+
+    def norm_then_add(self, x: Tensor, delta: Tensor) -> Tensor:
+        """x + delta normed: Gemma's residual add of a sublayer's normed output."""
+        if fused.rows(x):
+            return fused.add_normed(x, delta, self.weight, self.eps, self.offset)
+        return x + self(delta)
 
 
 class Rotary(nn.Module):
@@ -211,14 +239,32 @@ class LlamaAttention(nn.Module):
         # q_proj, k_proj and v_proj are its rows (`FUSED`).
         self.qkv_proj = Linear(C, (config.n_head + 2 * config.n_kv_head) * hs, bias=False)
         self.o_proj = Linear(config.n_head * hs, C, bias=False)
+        # Gemma 3's QK-norm and query scale (`Gemma3Attention`); Llama has neither.
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        self.q_scale = 1.0
 
     def project(self, x: Tensor, rope: RotaryAt) -> tuple[Tensor, Tensor, Tensor]:
-        """q (B, nh, T, hs) and k, v (B, nkv, T, hs) of x (B, T, C), q and k rotated."""
+        """q (B, nh, T, hs) and k, v (B, nkv, T, hs) of x (B, T, C), q and k normed (where
+        the family norms them) and rotated."""
         B, T, _ = x.shape
         nh, nkv = self.n_head, self.n_kv_head
-        qkv = self.qkv_proj(x).view(B, T, nh + 2 * nkv, self.head_size).transpose(1, 2)
-        qk = rope(qkv[:, :nh + nkv])  # (B, nh + nkv, T, hs): q's and k's heads at once
-        return qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv:]
+        qkv = self.qkv_proj(x).view(B, T, nh + 2 * nkv, self.head_size)  # (B, T, H, hs)
+        if fused.rows(x):  # q's and k's heads normed and rotated in place, one call
+            norms = [None if n is None else n.weight for n in (self.q_norm, self.k_norm)]
+            offset, eps = (0.0, 0.0) if self.q_norm is None else (self.q_norm.offset,
+                                                                  self.q_norm.eps)
+            fused.qk_rotary(qkv, nh, nkv, rope.table.cos, rope.table.sin, rope.pos, *norms,
+                            offset, eps, self.q_scale)
+            qkv = qkv.transpose(1, 2)  # (B, H, T, hs)
+            return qkv[:, :nh], qkv[:, nh:nh + nkv], qkv[:, nh + nkv:]
+        qkv = qkv.transpose(1, 2)  # (B, H, T, hs)
+        return (*self.rotated(qkv[:, :nh + nkv], rope), qkv[:, nh + nkv:])
+
+    def rotated(self, qk: Tensor, rope: RotaryAt) -> tuple[Tensor, Tensor]:
+        """q (B, nh, T, hs) and k (B, nkv, T, hs) of q's and k's heads qk, rotated in torch."""
+        qk = rope(qk)  # (B, nh + nkv, T, hs): q's and k's heads at once
+        return qk[:, :self.n_head], qk[:, self.n_head:]
 
     def forward(self, x: Tensor, step: Step, rope: RotaryAt, cache: KVCache | None) -> Tensor:
         q, k, v = self.project(x, rope)
@@ -230,6 +276,8 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
+    activation = "silu"  # of the gate (SwiGLU); one of `fused.ACTIVATIONS`
+
     def __init__(self, config: LlamaConfig):
         super().__init__()
         self.intermediate = config.intermediate
@@ -239,8 +287,14 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(config.intermediate, config.n_embd, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)  # (B, T, I) each
-        return self.down_proj(F.silu(gate) * up)  # SwiGLU
+        gate_up = self.gate_up_proj(x)  # (B, T, 2I)
+        if fused.rows(x):
+            return self.down_proj(fused.glu(gate_up, self.activation))
+        gate, up = gate_up.split(self.intermediate, dim=-1)  # (B, T, I) each
+        return self.down_proj(self.gated(gate) * up)
+
+    def gated(self, gate: Tensor) -> Tensor:
+        return F.silu(gate)  # SwiGLU
 
 
 class LlamaBlock(nn.Module):
@@ -252,8 +306,9 @@ class LlamaBlock(nn.Module):
         self.mlp = LlamaMLP(config)
 
     def forward(self, x: Tensor, step: Step, rope: RotaryAt, cache: KVCache | None) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), step, rope, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x, h = self.post_attention_layernorm.add_then_norm(
+            x, self.self_attn(self.input_layernorm(x), step, rope, cache))
+        return x + self.mlp(h)
 
 
 # The products that read one input, each run as one matrix whose rows are the
@@ -277,11 +332,11 @@ def join_fused(state: dict, config: LlamaConfig, prefix: str = "") -> None:
     so load_state_dict names what is missing and what it did not expect."""
     for layer in range(config.n_layer):
         block = f"{prefix}model.layers.{layer}."
-        for fused, parts in FUSED.items():
+        for product, parts in FUSED.items():
             names = [f"{block}{part}.weight" for part in parts]
             if not all(name in state for name in names):
                 continue
-            state[f"{block}{fused}.weight"] = torch.cat([state.pop(n) for n in names])
+            state[f"{block}{product}.weight"] = torch.cat([state.pop(n) for n in names])
 
 
 def split_fused(state: dict, config: LlamaConfig, prefix: str = "") -> None:
@@ -291,12 +346,12 @@ def split_fused(state: dict, config: LlamaConfig, prefix: str = "") -> None:
     rows = fused_rows(config)
     for layer in range(config.n_layer):
         block = f"{prefix}model.layers.{layer}."
-        for fused, parts in FUSED.items():
+        for product, parts in FUSED.items():
             for field in ("weight", "scales"):
-                name = f"{block}{fused}.{field}"
-                if name not in state or state[name].size(0) != sum(rows[fused]):
+                name = f"{block}{product}.{field}"
+                if name not in state or state[name].size(0) != sum(rows[product]):
                     continue
-                for part, t in zip(parts, state.pop(name).split(rows[fused])):
+                for part, t in zip(parts, state.pop(name).split(rows[product])):
                     state[f"{block}{part}.{field}"] = t
 
 
