@@ -12,9 +12,9 @@ from kvcache_cli.models.gguf.blocks import BLOCK_TYPES, BlockLinear
 from kvcache_cli.models.linear import Linear
 
 
-def set_gguf(model, name: str = "gguf") -> None:
+def set_gguf(model, fmt: str = "gguf") -> None:
     """Every product of a model read from a GGUF whose tensors are all of BLOCK_TYPES, the
-    LM head included, as a BlockLinear on the file's own blocks in weights format `name`
+    LM head included, as a BlockLinear on the file's own blocks in weights format `fmt`
     (gguf or gguf-q8), in place; the rest stay the float32 Linear they were loaded as
     (gguf-q8 refused those before loading: `blocks.gguf_problem`). A fused product
     (`llama.FUSED`) takes its parts' blocks, row after row."""
@@ -33,7 +33,7 @@ def set_gguf(model, name: str = "gguf") -> None:
     for name, (parent, child_name, child) in products.items():
         parts = [stored[source] for source in sources[name]]
         if all(kind in BLOCK_TYPES for _, kind in parts):
-            module = BlockLinear(_merged(parts), child.in_features, name)
+            module = BlockLinear(_merged(parts), child.in_features, fmt)
             if module.out_features != child.out_features:
                 raise ValueError(f"{c.gguf}: {name} holds {module.out_features:,} rows, the "
                                  f"model {child.out_features:,}; expected the file it was "
