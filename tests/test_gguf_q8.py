@@ -273,23 +273,101 @@ def test_q8_0_sets_every_product_and_rounds_the_embedding(smollm2):
                           dequantize_q8_0(quantize_q8_0(table)))
 
 
-def _llama_tokens(path, prompt: list[int], n: int) -> list[int]:
-    from kvcache_cli.models.llama_cpp import LlamaFile, LlamaRunner
+def _ggml_cpu():
+    """llama.cpp's own CPU library (the llama extra's build) with its type traits: each
+    type's row rounding (from_float of its vec_dot_type) and vec_dot."""
+    import ctypes
+    import os
 
-    runner = LlamaRunner(LlamaFile("gguf", "gguf", path, 0, True, 0, 0), len(prompt) + n, 1)
+    class Traits(ctypes.Structure):  # ggml-cpu.h's ggml_type_traits_cpu
+        _fields_ = [("from_float", ctypes.c_void_p), ("vec_dot", ctypes.c_void_p),
+                    ("vec_dot_type", ctypes.c_int), ("nrows", ctypes.c_int64)]
+
+    import llama_cpp as bindings
+
+    folder = os.path.join(os.path.dirname(bindings.__file__), "lib")
+    ctypes.CDLL(os.path.join(folder, "libggml-base.so"), mode=ctypes.RTLD_GLOBAL)
+    lib = ctypes.CDLL(os.path.join(folder, "libggml-cpu.so"), mode=ctypes.RTLD_GLOBAL)
+    lib.ggml_cpu_init()  # its float16 tables
+    lib.ggml_get_type_traits_cpu.restype = ctypes.POINTER(Traits)
+    return lib
+
+
+@has_llama
+@pytest.mark.parametrize("kind", list(BLOCK_TYPES))
+def test_the_kernel_gives_llama_cpps_own_cpu_kernels_numbers(simd, kind):
+    """ggml's from_float and vec_dot from the installed llama.cpp, one output at a time."""
+    import ctypes
+
+    ggml = _ggml_cpu()
+    traits = ggml.ggml_get_type_traits_cpu(BLOCK_TYPES[kind][0]).contents
+    row_type = {"q8_0": 8, "q8_1": 9, "q8_K": 15}[ROW_TYPE[kind]]  # GGMLQuantizationType
+    assert traits.vec_dot_type == row_type
+    from_float = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)(
+        ggml.ggml_get_type_traits_cpu(row_type).contents.from_float)
+    vec_dot = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.POINTER(ctypes.c_float),
+                               ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t,
+                               ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)(traits.vec_dot)
+    blocks = _blocks(kind, 37, 5, seed=11)
+    K = 5 * BLOCK_TYPES[kind][1]
+    x = _row(1, K, seed=12)
+    rounded = np.zeros(4 * K, np.uint8)  # more than any row type's bytes
+    from_float(x.ctypes.data, rounded.ctypes.data, K)
+    theirs = np.zeros(37, f32)
+    for n in range(37):
+        out = ctypes.c_float()
+        vec_dot(K, ctypes.byref(out), 0, blocks[n].ctypes.data, 0, rounded.ctypes.data, 0, 1)
+        theirs[n] = out.value
+    # The same integers and scales; the float terms in their lanes' order or another.
+    _close(_product(simd, kind, x, blocks)[0], theirs)
+
+
+def _llama_steps(path, prompt: list[int], n: int) -> tuple[list[int], list[np.ndarray]]:
+    """llama.cpp's greedy tokens on `path` and each step's logits (float32 cache, so the
+    comparison is of the products, not of its float16 cache's rounding)."""
+    import llama_cpp as bindings
+
+    llm = bindings.Llama(model_path=str(path), n_ctx=len(prompt) + n, n_batch=len(prompt) + n,
+                         n_threads=1, type_k=0, type_v=0, swa_full=False, verbose=False)
+    tokens, logits, ids = [], [], list(prompt)
     try:
-        return list(runner.stream(prompt, n))
+        for _ in range(n):
+            llm.eval(ids)
+            step = np.ctypeslib.as_array(bindings.llama_get_logits_ith(llm.ctx, -1),
+                                         shape=(llm.n_vocab(),)).copy()
+            logits.append(step)
+            tokens.append(int(step.argmax()))
+            ids = [tokens[-1]]
     finally:
-        runner.close()
+        llm.close()
+    return tokens, logits
+
+
+def _same_or_near_tie(model, path, prompt: list[int], n: int) -> None:
+    """Our greedy tokens are llama.cpp's, or part where llama.cpp's own two choices are a
+    near-tie. Rounding the row to 8 bits makes the product a step function of it: where a
+    block holds an outlier (SmolLM2's activations reach the hundreds) one step is a large
+    change, so float32 differences of 1e-7 elsewhere in the step (norms, rotary, softmax:
+    our implementations, not ggml's) flip an integer now and then and move a logit by
+    up to ~1 (measured: the embedding scaled by 1 + 1e-6 noise moves SmolLM2's logits
+    by 0.8 under gguf-q8 and by 1e-4 under gguf)."""
+    from kvcache_cli.bench.weight_check import NEAR_TIE_SHARE
+
+    with torch.inference_mode():
+        mine = list(stream_tokens(model, prompt, n, "static"))
+    theirs, logits = _llama_steps(path, prompt, n)
+    assert len(set(theirs)) > 3, theirs
+    step = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), None)
+    if step is not None:
+        at = logits[step]
+        share = (at[theirs[step]] - at[mine[step]]) / (at.max() - at.min())
+        assert step >= 4 and share < NEAR_TIE_SHARE, (step, mine, theirs, share)
 
 
 @has_llama
 def test_smollm2_gguf_q8_gives_llama_cpps_tokens_on_its_file(smollm2):
     model = set_weights_dtype(copy.deepcopy(smollm2), "gguf-q8")
-    prompt = [504, 3575, 282, 4649, 314]  # "The capital of France is"
-    with torch.inference_mode():
-        mine = list(stream_tokens(model, prompt, 24, "static"))
-    assert len(set(mine)) > 3 and mine == _llama_tokens(model.config.gguf, prompt, 24)
+    _same_or_near_tie(model, model.config.gguf, [504, 3575, 282, 4649, 314], 24)
 
 
 @has_llama
@@ -300,12 +378,12 @@ def test_smollm2_q8_0_gives_llama_cpps_tokens_on_the_q8_0_file_of_its_weights(sm
     model = set_weights_dtype(copy.deepcopy(smollm2), "q8_0")
     file = llama_cpp.prepare(smollm2, "llama.cpp-q8_0", tmp_path)  # from the float weights
     tensors = {t.name: t for t in GGUFReader(file.path).tensors}
+    # llama.cpp's quantiser wrote the very blocks q8_0 holds.
     assert np.array_equal(np.asarray(tensors["blk.3.ffn_down.weight"].data),
                           model.model.layers[3].mlp.down_proj.blocks0.numpy())
-    prompt = [504, 3575, 282, 4649, 314]
-    with torch.inference_mode():
-        mine = list(stream_tokens(model, prompt, 24, "static"))
-    assert len(set(mine)) > 3 and mine == _llama_tokens(file.path, prompt, 24)
+    assert np.array_equal(np.asarray(tensors["token_embd.weight"].data),
+                          model.lm_head.blocks0.numpy())
+    _same_or_near_tie(model, file.path, [504, 3575, 282, 4649, 314], 24)
 
 
 @has_llama
@@ -317,10 +395,7 @@ def test_gemma3_gguf_q8_gives_llama_cpps_tokens_on_its_file():
     model = set_weights_dtype(load_model("gemma3").model, "gguf-q8")
     kinds = {k for m in model.modules() if isinstance(m, BlockLinear) for k in m.kinds}
     assert kinds == {"Q4_K", "Q5_0", "Q6_K", "Q8_0"}
-    prompt = [2, 818, 5279, 529, 7001, 563]  # <bos>The capital of France is
-    with torch.inference_mode():
-        mine = list(stream_tokens(model, prompt, 16, "static"))
-    assert len(set(mine)) > 3 and mine == _llama_tokens(model.config.gguf, prompt, 16)
+    _same_or_near_tie(model, model.config.gguf, [2, 818, 5279, 529, 7001, 563], 16)
 
 
 def test_gguf_q8_and_q8_0_are_refused_where_they_cannot_run(tmp_path):
