@@ -427,3 +427,11 @@ def test_the_cli_refuses_them_in_one_line_before_loading(model, fmt, words):
     assert out.exit_code == 2, out.output
     assert out.stdout == "" and out.stderr.count("\n") == 1, out.output
     assert out.stderr.startswith(f"error: --weights-dtype: {words}")
+
+
+def test_bench_pairs_q8_0_and_gguf_q8_with_the_llama_cpp_modes_of_the_same_arithmetic():
+    from kvcache_cli.bench.context import LLAMA_MODE_FOR_WEIGHTS
+
+    assert set(LLAMA_MODE_FOR_WEIGHTS) == set(linear.WEIGHT_DTYPES)
+    assert LLAMA_MODE_FOR_WEIGHTS["q8_0"] == "llama.cpp-q8_0"
+    assert LLAMA_MODE_FOR_WEIGHTS["gguf-q8"] == "llama.cpp-gguf"
