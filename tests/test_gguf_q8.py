@@ -435,3 +435,54 @@ def test_bench_pairs_q8_0_and_gguf_q8_with_the_llama_cpp_modes_of_the_same_arith
     assert set(LLAMA_MODE_FOR_WEIGHTS) == set(linear.WEIGHT_DTYPES)
     assert LLAMA_MODE_FOR_WEIGHTS["q8_0"] == "llama.cpp-q8_0"
     assert LLAMA_MODE_FOR_WEIGHTS["gguf-q8"] == "llama.cpp-gguf"
+
+
+@has_llama
+def test_a_tiny_llama_under_gguf_q8_gives_llama_cpps_tokens_exactly(tmp_path, monkeypatch):
+    """Without outlier activations a rounding flip is rare and small: the same tokens."""
+    from llamakit import tiny_hf, write_tiny_gguf
+
+    monkeypatch.setenv("KVCACHE_CACHE", str(tmp_path / "kvcache-cache"))
+    path = write_tiny_gguf(tiny_hf(seed=3, vocab_size=300), tmp_path / "tiny-q4_1.gguf", "Q4_1")
+    model = set_weights_dtype(load_model(str(path)).model, "gguf-q8")
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    with torch.inference_mode():
+        mine = list(stream_tokens(model, prompt, 16, "static"))
+    theirs, _ = _llama_steps(path, prompt, 16)
+    assert len(set(mine)) > 3 and mine == theirs
+
+
+def test_q8_0_runs_a_model_with_biases_near_its_float_logits():
+    model = load_model("stdlib-bytes").model  # GPT-2's shape: every product has a bias
+    q8 = set_weights_dtype(copy.deepcopy(model), "q8_0")
+    assert all(m.bias is not None for m in q8.modules() if isinstance(m, BlockLinear)
+               and m is not q8.lm_head)
+    ids = torch.tensor([list(b"def main():\n    return")])
+    with torch.inference_mode():
+        for rows in (ids, ids[:, :8]):  # a prefill past 16 rows (exact path), then the kernel's
+            reference, logits = model(rows, 0), q8(rows, 0)
+            # 8-bit weights and rows: a few % of the logits' range, as int8's
+            assert (logits - reference).abs().max() / reference.abs().max() < 0.05
+
+
+def test_the_compiled_step_runs_gguf_q8_as_one_operator(tmp_path, monkeypatch):
+    from llamakit import tiny_hf, write_tiny_gguf
+
+    from kvcache_cli.caches import make_cache
+    from kvcache_cli.generate import CompiledDecode
+
+    monkeypatch.setenv("KVCACHE_CACHE", str(tmp_path / "kvcache-cache"))
+    path = write_tiny_gguf(tiny_hf(seed=3, vocab_size=300), tmp_path / "tiny-q4_1.gguf", "Q4_1")
+    model = set_weights_dtype(load_model(str(path)).model, "gguf-q8")
+    prompt, n = [3, 1, 4, 1, 5, 9, 2, 6], 12
+
+    def cache():
+        return make_cache("static", model, max_len=len(prompt) + n, batch=1, whole=True)
+
+    with torch.inference_mode():
+        expected = list(stream_tokens(model, prompt, n, "static", cache=cache()))
+        torch._dynamo.reset()
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            got = list(stream_tokens(model, prompt, n, "static", cache=cache(),
+                                     forward=CompiledDecode(model)))
+    assert len(set(expected)) > 3 and got == expected
