@@ -343,31 +343,23 @@ def _llama_steps(path, prompt: list[int], n: int) -> tuple[list[int], list[np.nd
     return tokens, logits
 
 
-def _same_or_near_tie(model, path, prompt: list[int], n: int) -> None:
-    """Our greedy tokens are llama.cpp's, or part where llama.cpp's own two choices are a
-    near-tie. Rounding the row to 8 bits makes the product a step function of it: where a
-    block holds an outlier (SmolLM2's activations reach the hundreds) one step is a large
-    change, so float32 differences of 1e-7 elsewhere in the step (norms, rotary, softmax:
-    our implementations, not ggml's) flip an integer now and then and move a logit by
-    up to ~1 (measured: the embedding scaled by 1 + 1e-6 noise moves SmolLM2's logits
-    by 0.8 under gguf-q8 and by 1e-4 under gguf)."""
-    from kvcache_cli.bench.weight_check import NEAR_TIE_SHARE
-
+def _same_tokens(model, path, prompt: list[int], n: int) -> None:
+    """Our greedy tokens are llama.cpp's on the same file. Its cache is float32 here, as
+    ours: against its default float16 cache the two part at a near-tie (SmolLM2 under
+    gguf-q8 at the 6th token, llama.cpp's margin 0.19), because rounding the row to 8 bits
+    makes the product a step function of it, and where a block holds an outlier (SmolLM2's
+    activations reach the hundreds) one step is a large change: scaling the embedding by
+    1 + 1e-6 noise moves SmolLM2's logits by 0.8 under gguf-q8 (1e-4 under gguf)."""
     with torch.inference_mode():
         mine = list(stream_tokens(model, prompt, n, "static"))
-    theirs, logits = _llama_steps(path, prompt, n)
-    assert len(set(theirs)) > 3, theirs
-    step = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), None)
-    if step is not None:
-        at = logits[step]
-        share = (at[theirs[step]] - at[mine[step]]) / (at.max() - at.min())
-        assert step >= 4 and share < NEAR_TIE_SHARE, (step, mine, theirs, share)
+    theirs, _ = _llama_steps(path, prompt, n)
+    assert len(set(theirs)) > 3 and mine == theirs
 
 
 @has_llama
 def test_smollm2_gguf_q8_gives_llama_cpps_tokens_on_its_file(smollm2):
     model = set_weights_dtype(copy.deepcopy(smollm2), "gguf-q8")
-    _same_or_near_tie(model, model.config.gguf, [504, 3575, 282, 4649, 314], 24)
+    _same_tokens(model, model.config.gguf, [504, 3575, 282, 4649, 314], 24)
 
 
 @has_llama
@@ -383,7 +375,7 @@ def test_smollm2_q8_0_gives_llama_cpps_tokens_on_the_q8_0_file_of_its_weights(sm
                           model.model.layers[3].mlp.down_proj.blocks0.numpy())
     assert np.array_equal(np.asarray(tensors["token_embd.weight"].data),
                           model.lm_head.blocks0.numpy())
-    _same_or_near_tie(model, file.path, [504, 3575, 282, 4649, 314], 24)
+    _same_tokens(model, file.path, [504, 3575, 282, 4649, 314], 24)
 
 
 @has_llama
@@ -395,7 +387,7 @@ def test_gemma3_gguf_q8_gives_llama_cpps_tokens_on_its_file():
     model = set_weights_dtype(load_model("gemma3").model, "gguf-q8")
     kinds = {k for m in model.modules() if isinstance(m, BlockLinear) for k in m.kinds}
     assert kinds == {"Q4_K", "Q5_0", "Q6_K", "Q8_0"}
-    _same_or_near_tie(model, model.config.gguf, [2, 818, 5279, 529, 7001, 563], 16)
+    _same_tokens(model, model.config.gguf, [2, 818, 5279, 529, 7001, 563], 16)
 
 
 def test_gguf_q8_and_q8_0_are_refused_where_they_cannot_run(tmp_path):

@@ -102,12 +102,12 @@ def gguf_problem(config, device, name: str = "gguf") -> str | None:
 
 class BlockLinear(nn.Module):
     """A Linear whose (out, in) weight is a GGUF's blocks: parts of rows, one block type
-    each (a fused product's q, k and v may be stored in different types). `format`: the
+    each (a fused product's q, k and v may be stored in different types). `fmt`: the
     weights format it runs, gguf (exact to the dequantised matrix) or gguf-q8 / q8_0
     (llama.cpp's arithmetic for a decode's rows)."""
 
     def __init__(self, parts: list[tuple[np.ndarray, str]], in_features: int,
-                 format: str = "gguf", bias: Tensor | None = None):
+                 fmt: str = "gguf", bias: Tensor | None = None):
         """parts: (blocks (rows, row bytes) uint8, their type), rows in order; a ValueError
         if a part's rows are not whole blocks of in_features (the kernel would read past
         them)."""
@@ -117,7 +117,7 @@ class BlockLinear(nn.Module):
             if in_features % block or blocks.shape[1] != in_features // block * size:
                 raise ValueError(f"{kind} rows of {blocks.shape[1]:,} bytes are not "
                                  f"{in_features:,} inputs in blocks of {block}")
-        self.in_features, self.format = in_features, format
+        self.in_features, self.format = in_features, fmt
         self.out_features = sum(blocks.shape[0] for blocks, _ in parts)
         self.types = [BLOCK_TYPES[kind][0] for _, kind in parts]
         self.kinds = [kind for _, kind in parts]
