@@ -227,10 +227,13 @@ def test_the_rows_ties_round_to_even_as_ggmls_x86_build_does(simd, kind):
 
 @pytest.mark.parametrize("kind", list(BLOCK_TYPES))
 @pytest.mark.parametrize("rows", [1, 6])
-def test_the_avx2_and_plain_builds_agree_with_this_cpus(simd, other_build, kind, rows):
+@pytest.mark.parametrize("size", [1.0, 1e-4])  # 1e-4: the rows' float16 d are subnormal
+def test_the_avx2_and_plain_builds_agree_with_this_cpus(simd, other_build, kind, rows, size):
     blocks = _blocks(kind, 21, 3, seed=7)
-    x = _row(rows, 3 * BLOCK_TYPES[kind][1], seed=3)
-    _close(_product(other_build, kind, x, blocks), _product(simd, kind, x, blocks))
+    x = _row(rows, 3 * BLOCK_TYPES[kind][1], seed=3) * f32(size)
+    plain = _product(other_build, kind, x, blocks)
+    _close(plain, _product(simd, kind, x, blocks))
+    _close(plain, reference(x, blocks, kind))
 
 
 def test_q8_0_blocks_are_gguf_pys_quantisers_and_llama_cpps_roundf():
