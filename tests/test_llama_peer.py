@@ -52,7 +52,7 @@ def _one_line(out, code: int = 2) -> str:
 def test_unknown_weights_dtype_is_one_line_with_the_choices():
     err = _one_line(_cli("--device", "cpu", "--weights-dtype", "int4"))
     assert err == ("error: --weights-dtype: unknown weights dtype 'int4'; expected fp32, "
-                   "bf16, fp16, int8, q4, gguf\n")
+                   "bf16, fp16, int8, q4, gguf, gguf-q8, q8_0\n")
 
 
 def test_int8_for_a_width_its_kernel_cannot_run_is_refused_before_loading(tmp_path):

@@ -38,10 +38,13 @@ LIKE_FOR_LIKE = {"f16": "fp16", "q8_0": "int8", "q4_0": "int4"}
 # --cache without a list: the float32 cache kvcache has always measured, the half-precision
 # one engines deploy (the float baseline llama.cpp's f16 is matched with), int8 and int4.
 DEFAULT_CACHES = "static,fp16,int8,int4"
-# Weights format -> the llama.cpp bench mode that runs the same weights.
+# Weights format -> the llama.cpp bench mode that runs the same weights: q8_0 and gguf-q8
+# in its very arithmetic (the same blocks, the row rounded to 8 bits alike), int8 (one
+# scale a row) and gguf (exact float products) the nearest it has.
 LLAMA_MODE_FOR_WEIGHTS = {"fp32": "llama.cpp", "fp16": "llama.cpp-f16", "bf16": "llama.cpp-f16",
-                          "int8": "llama.cpp-q8_0", "q4": "llama.cpp-gguf",
-                          "gguf": "llama.cpp-gguf"}
+                          "int8": "llama.cpp-q8_0", "q8_0": "llama.cpp-q8_0",
+                          "q4": "llama.cpp-gguf", "gguf": "llama.cpp-gguf",
+                          "gguf-q8": "llama.cpp-gguf"}
 
 # (what is being timed, points done, points in all)
 ContextProgress = Callable[[str, int, int], None]

@@ -45,8 +45,11 @@ WeightsDTypeOption = Annotated[str | None, typer.Option(
     "--weights-dtype",
     help="How the products' matrices are stored: fp32, bf16, fp16, int8 (weight-only, "
     "one scale per output channel, gpt-fast's; CPU only), q4 (a GGUF's own Q4_0/Q4_1 "
-    "blocks, not re-quantised; CPU only), or gguf (every block type of the GGUF as stored, "
-    "multiplied in place; CPU only). Default: --dtype's. Another "
+    "blocks, not re-quantised; CPU only), gguf (every block type of the GGUF as stored, "
+    "multiplied in place, exact to the dequantised matrix; CPU only), gguf-q8 (the same "
+    "blocks in llama.cpp's arithmetic: a decode's rows rounded to 8 bits, integer dots; "
+    "CPU only), or q8_0 (the weights rounded to llama.cpp's Q8_0 blocks, its arithmetic; "
+    "CPU only). Default: --dtype's. Another "
     "format than float32 is checked against float32: logits' error, greedy tokens.")]
 
 # OpenMP allocates per thread up front: a billion threads aborts the process.

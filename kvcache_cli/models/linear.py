@@ -275,9 +275,12 @@ def pin_threads(model: FamilyModel) -> FamilyModel:
 # one row in and out of each product; int8 is `Int8Linear`; q4 is a GGUF's own 4-bit
 # blocks (`Int4Linear`, packed two to a byte), for a Llama read from one; gguf is the
 # file's blocks of every type as stored (`gguf.blocks.BlockLinear`, bytes), for any
-# family read from one.
+# family read from one; gguf-q8 the same blocks in llama.cpp's arithmetic (the row rounded
+# to 8 bits, integer dots); q8_0 the float weights rounded to Q8_0 blocks as llama.cpp's
+# quantiser rounds them, run by the same integer dots (`gguf.q8_0`), for any model.
 WEIGHT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
-                 "int8": torch.int8, "q4": torch.quint4x2, "gguf": torch.uint8}  # fmt: skip
+                 "int8": torch.int8, "q4": torch.quint4x2, "gguf": torch.uint8,
+                 "gguf-q8": torch.uint8, "q8_0": torch.uint8}  # fmt: skip
 
 
 def check_weights_dtype(name: str, config: FamilyConfig, device: str | torch.device,
@@ -287,10 +290,12 @@ def check_weights_dtype(name: str, config: FamilyConfig, device: str | torch.dev
     (q4 runs only those blocks)."""
     if name not in WEIGHT_DTYPES:
         raise ValueError(f"unknown weights dtype {name!r}; expected {', '.join(WEIGHT_DTYPES)}")
-    if name == "gguf":
+    if name in ("gguf", "gguf-q8", "q8_0"):
         from kvcache_cli.models.gguf.blocks import gguf_problem
+        from kvcache_cli.models.gguf.q8_0 import q8_0_problem
 
-        problem = gguf_problem(config, device)
+        problem = (q8_0_problem(config, device) if name == "q8_0"
+                   else gguf_problem(config, device, name))
         if problem:
             raise ValueError(problem)
         return
@@ -343,8 +348,9 @@ def weights_format(model: FamilyModel) -> str:
     """The name in WEIGHT_DTYPES of how the model's product matrices are stored."""
     from kvcache_cli.models.gguf.blocks import BlockLinear
 
-    if any(isinstance(m, BlockLinear) for m in model.modules()):
-        return "gguf"
+    block = next((m for m in model.modules() if isinstance(m, BlockLinear)), None)
+    if block is not None:
+        return block.format
     head = model.lm_head
     if isinstance(head, Int4Linear):
         return "q4"

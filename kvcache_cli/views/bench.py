@@ -93,6 +93,10 @@ def _weights_line(r: BenchResult) -> str:
     what = {"int8": "int8, one scale per output channel",
             "q4": "q4, the GGUF's own 4-bit blocks of 32 (products on bfloat16 rows)",
             "gguf": "gguf, the file's blocks as stored (products on float32 rows)",
+            "gguf-q8": "gguf-q8, the file's blocks as stored (llama.cpp's: rows rounded to 8 "
+                       "bits, integer dots)",
+            "q8_0": "q8_0, llama.cpp's Q8_0 blocks of 32 (rows rounded to 8 bits, integer "
+                    "dots)",
             "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[r.weights_format]
     line = f"[bold]{what}[/]; activations and cache {r.dtype}"
     c = r.weights_check

@@ -17,7 +17,9 @@ from kvcache_cli.views.style import figures_table, label_grid
 
 WEIGHTS = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16",
            "int8": "int8 (one scale per output channel)", "q4": "the GGUF's own 4-bit blocks",
-           "gguf": "the GGUF's blocks as stored"}
+           "gguf": "the GGUF's blocks as stored",
+           "gguf-q8": "the GGUF's blocks as stored, in llama.cpp's integer arithmetic",
+           "q8_0": "llama.cpp's Q8_0 blocks, in its integer arithmetic"}
 
 
 def _header(r: ContextResult) -> Table:

@@ -1,5 +1,6 @@
-"""`--weights-dtype gguf`: every product of a model read from a GGUF on the file's own
-blocks (`blocks.BlockLinear`), read from the file as it stores them."""
+"""`--weights-dtype gguf` and `gguf-q8`: every product of a model read from a GGUF on the
+file's own blocks (`blocks.BlockLinear`), read from the file as it stores them; gguf-q8
+multiplies them in llama.cpp's arithmetic (the row rounded to 8 bits, integer dots)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,12 @@ from kvcache_cli.models.gguf.blocks import BLOCK_TYPES, BlockLinear
 from kvcache_cli.models.linear import Linear
 
 
-def set_gguf(model) -> None:
+def set_gguf(model, fmt: str = "gguf") -> None:
     """Every product of a model read from a GGUF whose tensors are all of BLOCK_TYPES, the
-    LM head included, as a BlockLinear on the file's own blocks, in place; the rest stay
-    the float32 Linear they were loaded as. A fused product (`llama.FUSED`) takes its
-    parts' blocks, row after row."""
+    LM head included, as a BlockLinear on the file's own blocks in weights format `fmt`
+    (gguf or gguf-q8), in place; the rest stay the float32 Linear they were loaded as
+    (gguf-q8 refused those before loading: `blocks.gguf_problem`). A fused product
+    (`llama.FUSED`) takes its parts' blocks, row after row."""
     from kvcache_cli.models.gguf.q4 import sources_of
     from kvcache_cli.models.llama import FUSED
 
@@ -31,12 +33,26 @@ def set_gguf(model) -> None:
     for name, (parent, child_name, child) in products.items():
         parts = [stored[source] for source in sources[name]]
         if all(kind in BLOCK_TYPES for _, kind in parts):
-            module = BlockLinear(_merged(parts), child.in_features)
+            module = BlockLinear(_merged(parts), child.in_features, fmt)
             if module.out_features != child.out_features:
                 raise ValueError(f"{c.gguf}: {name} holds {module.out_features:,} rows, the "
                                  f"model {child.out_features:,}; expected the file it was "
                                  "read from")
             setattr(parent, child_name, module)
+
+
+def stored_types(path: str | Path) -> dict[str, str]:
+    """transformers' name → the GGUF type its tensor is stored in, from the file's header
+    (no tensor read)."""
+    from kvcache_cli.models.gguf.layout import open_file, read_layout
+    from kvcache_cli.models.gguf.reader import hf_name
+
+    path = Path(path)
+    data, size = open_file(path)
+    layout = read_layout(path, data, size)
+    arch = "gemma3" if layout.metadata.get("general.architecture") == "gemma3" else "llama"
+    return {hf_name(t.name, arch): t.kind for t in layout.tensors
+            if hf_name(t.name, arch) is not None}
 
 
 def file_blocks(path: str | Path, names: set[str], n_head: int,

@@ -1,0 +1,541 @@
+// A decoding row's products with GGUF blocks in llama.cpp's arithmetic: the row rounded to
+// 8-bit blocks once a call, integer dot products with the weights' integers, the float
+// scales after. The blocks are ggml's (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, the
+// layouts `gguf_products.cpp` reads too); each is met by the row type its vec_dot takes in
+// ggml's CPU backend: Q8_0 for Q4_0/Q5_0/Q8_0, Q8_1 (with d times the sum of its integers)
+// for Q4_1/Q5_1, Q8_K (float d, sums a 16) for the k-quants.
+//
+// The row is rounded as ggml's x86 build rounds it (ggml-cpu/arch/x86/quants.c): Q8_0 and
+// Q8_1 with d = amax / 127 stored as float16, integers round-to-even of x * (127 / amax);
+// Q8_K as ggml-quants.c's quantize_row_q8_K_ref: iscale = -127 / (the element of largest
+// magnitude), round-to-even, at most 127, d = 1 / iscale. Each block's integer sum is exact;
+// the float sums, d_w d_x times it, and for Q4_1/Q5_1 m s, for the k-quants dmin d times the
+// minimums against the sums a 32, follow ggml's vec_dot_*; only their order differs (lanes).
+// So the product is llama.cpp's, not the dequantised matrix's (the `gguf` format's kernel).
+//
+// With AVX2 the dots are maddubs (unsigned weights times signed row, pairs to 16 bits) and
+// madd; with AVX-512 VNNI (and VL) dpbusd; the signed types take |w| and the row's signs
+// moved onto it, as ggml does. -DGGUF_SCALAR builds plain loops, -DGGUF_AVX2 keeps AVX2 on a
+// VNNI CPU: the tests build all three and compare. Built by `models/gguf/blocks.py`.
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(GGUF_SCALAR)
+#define Q8_SIMD 1
+#include <immintrin.h>
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && !defined(GGUF_AVX2)
+#define Q8_VNNI 1
+#endif
+#endif
+
+namespace {
+
+// A constant the compiler cannot see: -ffast-math would turn a division by a known constant
+// into a multiplication by its rounded reciprocal, and the rounding must be ggml's.
+inline float opaque(float c) {
+    volatile float v = c;
+    return v;
+}
+
+inline uint16_t half_at(const uint8_t* p) {
+    uint16_t h;
+    std::memcpy(&h, p, sizeof h);
+    return h;
+}
+
+float from_half(uint16_t h) {
+#ifdef Q8_SIMD
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+    const uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+    if (exp == 0) {  // zero or subnormal: man * 2^-24, exact in float32
+        const float f = static_cast<float>(man) * 5.9604644775390625e-8f;
+        return sign ? -f : f;
+    }
+    const uint32_t bits = sign | (exp == 31 ? 0x7f800000u | (man << 13)
+                                            : ((exp + 112) << 23) | (man << 13));
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    return f;
+#endif
+}
+
+// f rounded to the nearest float16, ties to even (F16C's and ggml's conversion), as a float.
+float half_rounded(float f) {
+#ifdef Q8_SIMD
+    return _cvtsh_ss(_cvtss_sh(f, 0));
+#else
+    uint32_t bits;
+    std::memcpy(&bits, &f, sizeof bits);
+    const uint32_t magnitude = bits & 0x7fffffffu;
+    if (magnitude < 0x38800000u) {  // under 2^-14: float16's subnormals, steps of 2^-24
+        return std::nearbyint(f * 16777216.0f) * 5.9604644775390625e-8f;
+    }
+    if (magnitude >= 0x477ff000u) return std::copysign(INFINITY, f);  // past 65504
+    bits += 0xfffu + ((bits >> 13) & 1);  // 23 bits of mantissa to 10, ties to even
+    bits &= ~0x1fffu;
+    std::memcpy(&f, &bits, sizeof f);
+    return f;
+#endif
+}
+
+// R rows rounded to the row type a weight type's dot takes; per row K integers and per block
+// d (and s for Q8_1: float16 of d times the block's integer sum); sums16: each 16's integer
+// sum (Q8_K's bsums), which the k-quants' minimums and Q6_K's offset of 32 are taken against.
+struct Rows8 {
+    std::vector<int8_t> q;
+    std::vector<float> d, s;
+    std::vector<int32_t> sums16;
+};
+
+// ggml's x86 quantize_row_q8_0 / q8_1: one block of 32.
+void round_q8_32(const float* x, int8_t* q, float& d, float& s) {
+    float amax = 0.0f;
+    for (int j = 0; j < 32; ++j) amax = std::fmax(amax, std::fabs(x[j]));
+    const float dd = amax / opaque(127.0f);
+    const float id = amax != 0.0f ? opaque(127.0f) / amax : 0.0f;
+    int sum = 0;
+    for (int j = 0; j < 32; ++j) {
+        const int v = static_cast<int>(std::nearbyint(x[j] * id));
+        q[j] = static_cast<int8_t>(v);
+        sum += v;
+    }
+    d = half_rounded(dd);
+    s = half_rounded(dd * static_cast<float>(sum));
+}
+
+// ggml's quantize_row_q8_K_ref: one block of 256.
+void round_q8_k(const float* x, int8_t* q, float& d, int32_t* sums16) {
+    float amax = 0.0f, max = 0.0f;
+    for (int j = 0; j < 256; ++j) {
+        if (std::fabs(x[j]) > amax) {  // the first of the largest magnitude, with its sign
+            amax = std::fabs(x[j]);
+            max = x[j];
+        }
+    }
+    if (amax == 0.0f) {
+        std::memset(q, 0, 256);
+        std::memset(sums16, 0, 16 * sizeof(int32_t));
+        d = 0.0f;
+        return;
+    }
+    const float iscale = opaque(-127.0f) / max;
+    for (int j = 0; j < 256; ++j) {
+        const int v = static_cast<int>(std::nearbyint(iscale * x[j]));
+        q[j] = static_cast<int8_t>(v < 127 ? v : 127);
+    }
+    for (int g = 0; g < 16; ++g) {
+        int32_t sum = 0;
+        for (int j = 0; j < 16; ++j) sum += q[16 * g + j];
+        sums16[g] = sum;
+    }
+    d = opaque(1.0f) / iscale;
+}
+
+Rows8 rounded(const float* x, int64_t R, int64_t K, bool k_blocks) {
+    Rows8 r;
+    const int64_t qk = k_blocks ? 256 : 32, nb = R * K / qk;
+    r.q.resize(R * K);
+    r.d.resize(nb);
+    r.s.resize(nb);
+    r.sums16.resize(R * K / 16);
+    for (int64_t b = 0; b < nb; ++b) {
+        if (k_blocks) {
+            round_q8_k(x + qk * b, r.q.data() + qk * b, r.d[b], r.sums16.data() + 16 * b);
+        } else {
+            round_q8_32(x + qk * b, r.q.data() + qk * b, r.d[b], r.s[b]);
+        }
+    }
+    return r;
+}
+
+// 32 weights' integers as bytes, and the integer dots of them with 32 of the row's.
+#ifdef Q8_SIMD
+using Bytes = __m256i;
+using Ints = __m256i;  // 8 partial sums
+
+inline Ints zero_ints() { return _mm256_setzero_si256(); }
+
+// Unsigned weights (at most 127, so no pair of products leaves 16 bits) times the signed row.
+inline Ints dot_u(Bytes w, __m256i y) {
+#ifdef Q8_VNNI
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, y);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, y), _mm256_set1_epi16(1));
+#endif
+}
+
+inline __m256i row_bytes(const int8_t* y) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y));
+}
+
+inline Ints dot_unsigned(Bytes w, const int8_t* y) { return dot_u(w, row_bytes(y)); }
+
+// Signed weights: |w| times the row with w's signs (ggml's mul_sum_i8_pairs).
+inline Ints dot_signed(Bytes w, const int8_t* y) {
+    return dot_u(_mm256_sign_epi8(w, w), _mm256_sign_epi8(row_bytes(y), w));
+}
+
+// Unsigned weights (at most 63), the first 16 products times scale a, the next 16 times b.
+inline Ints dot_scaled(Bytes w, const int8_t* y, int a, int b) {
+    const __m256i scales = _mm256_set_m128i(_mm_set1_epi16(static_cast<int16_t>(b)),
+                                            _mm_set1_epi16(static_cast<int16_t>(a)));
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, row_bytes(y)), scales);
+}
+
+inline Ints add(Ints a, Ints b) { return _mm256_add_epi32(a, b); }
+inline Ints minus(Ints a, int32_t c) {
+    return _mm256_sub_epi32(a, _mm256_setr_epi32(c, 0, 0, 0, 0, 0, 0, 0));
+}
+
+struct Acc {
+    __m256 v = _mm256_setzero_ps();
+    void add(Ints i, float d) {
+        v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), _mm256_set1_ps(d), v);
+    }
+    float sum() const {
+        __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+    }
+};
+
+inline Bytes load32(const uint8_t* p) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+
+// 16 bytes of nibbles: the low ones as weights 0..15, the high ones as 16..31.
+inline Bytes nibbles16(const uint8_t* p) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), _mm256_set1_epi8(15));
+}
+
+inline Bytes low_nibbles(Bytes v) { return _mm256_and_si256(v, _mm256_set1_epi8(15)); }
+inline Bytes high_nibbles(Bytes v) {
+    return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(15));
+}
+
+// 0xff in byte j where bit j of the 32 bits is set.
+inline Bytes bit_bytes(uint32_t bits) {
+    const __m256i spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32(static_cast<int>(bits)),
+        _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL, 0x0101010101010101LL, 0));
+    const __m256i mask = _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ULL));
+    return _mm256_cmpeq_epi8(_mm256_and_si256(spread, mask), mask);
+}
+
+inline Bytes or_bits(Bytes v, Bytes set, int value) {
+    return _mm256_or_si256(v, _mm256_and_si256(set, _mm256_set1_epi8(static_cast<char>(value))));
+}
+inline Bytes minus8(Bytes v, int c) {
+    return _mm256_sub_epi8(v, _mm256_set1_epi8(static_cast<char>(c)));
+}
+
+// Each byte's bits at `shift` (a field of `width` bits) moved to bits 4 and up.
+inline Bytes field_to_top(Bytes h, int shift, int width) {
+    const __m256i f = _mm256_and_si256(_mm256_srl_epi16(h, _mm_cvtsi32_si128(shift)),
+                                       _mm256_set1_epi8(static_cast<char>((1 << width) - 1)));
+    return _mm256_slli_epi16(f, 4);  // at most 0x30: no bit crosses into the next byte
+}
+#else
+struct Bytes {
+    int8_t v[32];
+};
+using Ints = int32_t;
+
+inline Ints zero_ints() { return 0; }
+inline Ints dot_unsigned(const Bytes& w, const int8_t* y) {
+    int32_t s = 0;
+    for (int j = 0; j < 32; ++j) s += w.v[j] * y[j];
+    return s;
+}
+inline Ints dot_signed(const Bytes& w, const int8_t* y) { return dot_unsigned(w, y); }
+inline Ints dot_scaled(const Bytes& w, const int8_t* y, int a, int b) {
+    int32_t sa = 0, sb = 0;
+    for (int j = 0; j < 16; ++j) {
+        sa += w.v[j] * y[j];
+        sb += w.v[16 + j] * y[16 + j];
+    }
+    return a * sa + b * sb;
+}
+inline Ints add(Ints a, Ints b) { return a + b; }
+inline Ints minus(Ints a, int32_t c) { return a - c; }
+
+struct Acc {
+    float v = 0.0f;
+    void add(Ints i, float d) { v += static_cast<float>(i) * d; }
+    float sum() const { return v; }
+};
+
+inline Bytes load32(const uint8_t* p) {
+    Bytes b;
+    std::memcpy(b.v, p, 32);
+    return b;
+}
+inline Bytes nibbles16(const uint8_t* p) {
+    Bytes b;
+    for (int j = 0; j < 16; ++j) {
+        b.v[j] = static_cast<int8_t>(p[j] & 15);
+        b.v[16 + j] = static_cast<int8_t>(p[j] >> 4);
+    }
+    return b;
+}
+inline Bytes low_nibbles(Bytes v) {
+    for (auto& x : v.v) x = static_cast<int8_t>(static_cast<uint8_t>(x) & 15);
+    return v;
+}
+inline Bytes high_nibbles(Bytes v) {
+    for (auto& x : v.v) x = static_cast<int8_t>(static_cast<uint8_t>(x) >> 4);
+    return v;
+}
+inline Bytes bit_bytes(uint32_t bits) {
+    Bytes b;
+    for (int j = 0; j < 32; ++j) b.v[j] = static_cast<int8_t>(((bits >> j) & 1) ? -1 : 0);
+    return b;
+}
+inline Bytes or_bits(Bytes v, const Bytes& set, int value) {
+    for (int j = 0; j < 32; ++j) v.v[j] = static_cast<int8_t>(v.v[j] | (set.v[j] & value));
+    return v;
+}
+inline Bytes minus8(Bytes v, int c) {
+    for (auto& x : v.v) x = static_cast<int8_t>(x - c);
+    return v;
+}
+inline Bytes field_to_top(Bytes h, int shift, int width) {
+    for (auto& x : h.v)
+        x = static_cast<int8_t>(((static_cast<uint8_t>(x) >> shift) & ((1 << width) - 1)) << 4);
+    return h;
+}
+#endif
+
+// One weight block unpacked: its integers a 32 as bytes, its float scale(s), and the k-quants'
+// integer scales and minimums.
+struct Unpacked {
+    Bytes q[8];
+    float d, m;     // m: the _1 types' minimum; the k-quants' dmin
+    int sc[16];     // Q4_K/Q5_K: one a 32 (8); Q6_K: one a 16
+    int mins[8];
+};
+
+inline uint32_t u32_at(const uint8_t* p) {
+    uint32_t v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+}
+
+// Q4_K/Q5_K's eight 6-bit scales and minimums, packed in 12 bytes (ggml's get_scale_min_k4).
+inline void scales_and_mins(const uint8_t* s, Unpacked& u) {
+    for (int j = 0; j < 8; ++j) {
+        u.sc[j] = j < 4 ? s[j] & 63 : (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4);
+        u.mins[j] = j < 4 ? s[j + 4] & 63 : (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+
+enum RowType { ROW_Q8_0, ROW_Q8_1, ROW_Q8_K };
+
+// Each type: QK weights in BYTES bytes, the row type its dot takes, how it unpacks, and how
+// one unpacked block meets one row's block (acc: the float sums; off: the scalar terms).
+struct Q4_0 {
+    static constexpr int QK = 32, BYTES = 18;
+    static constexpr RowType ROW = ROW_Q8_0;
+    static void unpack(const uint8_t* b, Unpacked& u) {
+        u.d = from_half(half_at(b));
+        u.q[0] = minus8(nibbles16(b + 2), 8);
+    }
+};
+
+struct Q4_1 {
+    static constexpr int QK = 32, BYTES = 20;
+    static constexpr RowType ROW = ROW_Q8_1;
+    static void unpack(const uint8_t* b, Unpacked& u) {
+        u.d = from_half(half_at(b));
+        u.m = from_half(half_at(b + 2));
+        u.q[0] = nibbles16(b + 4);
+    }
+};
+
+struct Q5_0 {
+    static constexpr int QK = 32, BYTES = 22;
+    static constexpr RowType ROW = ROW_Q8_0;
+    static void unpack(const uint8_t* b, Unpacked& u) {
+        u.d = from_half(half_at(b));
+        // (q | fifth bit << 4) - 16: where the bit is clear, q - 16 is q with 0xf0 set
+        u.q[0] = or_bits(nibbles16(b + 6), bit_bytes(~u32_at(b + 2)), 0xf0);
+    }
+};
+
+struct Q5_1 {
+    static constexpr int QK = 32, BYTES = 24;
+    static constexpr RowType ROW = ROW_Q8_1;
+    static void unpack(const uint8_t* b, Unpacked& u) {
+        u.d = from_half(half_at(b));
+        u.m = from_half(half_at(b + 2));
+        u.q[0] = or_bits(nibbles16(b + 8), bit_bytes(u32_at(b + 4)), 0x10);
+    }
+};
+
+struct Q8_0 {
+    static constexpr int QK = 32, BYTES = 34;
+    static constexpr RowType ROW = ROW_Q8_0;
+    static void unpack(const uint8_t* b, Unpacked& u) {
+        u.d = from_half(half_at(b));
+        u.q[0] = load32(b + 2);
+    }
+};
+
+struct Q4_K {
+    static constexpr int QK = 256, BYTES = 144;
+    static constexpr RowType ROW = ROW_Q8_K;
+    static void unpack(const uint8_t* b, Unpacked& u) {
+        u.d = from_half(half_at(b));
+        u.m = from_half(half_at(b + 2));
+        scales_and_mins(b + 4, u);
+        for (int c = 0; c < 4; ++c) {  // 32 bytes: the low nibbles 32 weights, the high 32 more
+            const Bytes v = load32(b + 16 + 32 * c);
+            u.q[2 * c] = low_nibbles(v);
+            u.q[2 * c + 1] = high_nibbles(v);
+        }
+    }
+};
+
+struct Q5_K {
+    static constexpr int QK = 256, BYTES = 176;
+    static constexpr RowType ROW = ROW_Q8_K;
+    static void unpack(const uint8_t* b, Unpacked& u) {
+        u.d = from_half(half_at(b));
+        u.m = from_half(half_at(b + 2));
+        scales_and_mins(b + 4, u);
+        const Bytes qh = load32(b + 16);
+        for (int c = 0; c < 4; ++c) {  // run j of 32 takes bit j of qh[0..31]
+            const Bytes v = load32(b + 48 + 32 * c);
+            u.q[2 * c] = _or(low_nibbles(v), field_to_top(qh, 2 * c, 1));
+            u.q[2 * c + 1] = _or(high_nibbles(v), field_to_top(qh, 2 * c + 1, 1));
+        }
+    }
+#ifdef Q8_SIMD
+    static Bytes _or(Bytes a, Bytes b) { return _mm256_or_si256(a, b); }
+#else
+    static Bytes _or(Bytes a, const Bytes& b) {
+        for (int j = 0; j < 32; ++j) a.v[j] = static_cast<int8_t>(a.v[j] | b.v[j]);
+        return a;
+    }
+#endif
+};
+
+struct Q6_K {
+    static constexpr int QK = 256, BYTES = 210;
+    static constexpr RowType ROW = ROW_Q8_K;
+    static void unpack(const uint8_t* b, Unpacked& u) {
+        u.d = from_half(half_at(b + 208));
+        for (int g = 0; g < 16; ++g) u.sc[g] = static_cast<int8_t>(b[192 + g]);
+        for (int h = 0; h < 2; ++h) {  // 128 weights: 64 bytes of ql, 32 of qh; 0..63 each
+            const Bytes ql0 = load32(b + 64 * h), ql1 = load32(b + 64 * h + 32);
+            const Bytes qh = load32(b + 128 + 32 * h);
+            u.q[4 * h] = Q5_K::_or(low_nibbles(ql0), field_to_top(qh, 0, 2));
+            u.q[4 * h + 1] = Q5_K::_or(low_nibbles(ql1), field_to_top(qh, 2, 2));
+            u.q[4 * h + 2] = Q5_K::_or(high_nibbles(ql0), field_to_top(qh, 4, 2));
+            u.q[4 * h + 3] = Q5_K::_or(high_nibbles(ql1), field_to_top(qh, 6, 2));
+        }
+    }
+};
+
+// One unpacked block of B times block `b` of row `r` (its integers at y): into acc, off.
+template <class B>
+inline void meet(const Unpacked& u, const Rows8& x, const int8_t* y, int64_t blk, int64_t g16,
+                 Acc& acc, float& off) {
+    const float dx = x.d[blk];
+    if constexpr (B::ROW == ROW_Q8_0) {
+        acc.add(dot_signed(u.q[0], y), u.d * dx);
+    } else if constexpr (B::ROW == ROW_Q8_1) {
+        acc.add(dot_unsigned(u.q[0], y), u.d * dx);
+        off += u.m * x.s[blk];
+    } else if constexpr (B::QK == 256 && B::BYTES == 210) {  // Q6_K: 0..63, less 32 each
+        Ints sum = zero_ints();
+        int32_t offset = 0;
+        for (int j = 0; j < 8; ++j) {
+            sum = add(sum, dot_scaled(u.q[j], y + 32 * j, u.sc[2 * j], u.sc[2 * j + 1]));
+            offset += u.sc[2 * j] * x.sums16[g16 + 2 * j]
+                      + u.sc[2 * j + 1] * x.sums16[g16 + 2 * j + 1];
+        }
+        acc.add(minus(sum, 32 * offset), u.d * dx);
+    } else {  // Q4_K, Q5_K: the minimums against each 32's sum, apart (ggml's dmin term)
+        Ints sum = zero_ints();
+        int32_t mins = 0;
+        for (int j = 0; j < 8; ++j) {
+            sum = add(sum, dot_scaled(u.q[j], y + 32 * j, u.sc[j], u.sc[j]));
+            mins += u.mins[j] * (x.sums16[g16 + 2 * j] + x.sums16[g16 + 2 * j + 1]);
+        }
+        acc.add(sum, u.d * dx);
+        off -= u.m * dx * static_cast<float>(mins);
+    }
+}
+
+constexpr int64_t AHEAD = 4096;  // bytes: one page ahead (gguf_products.cpp says why)
+
+// RT rounded rows, from row r0, times one weight row of K / QK blocks: y[r * ldy].
+template <class B, int RT>
+void rows_times(const uint8_t* w, const Rows8& x, int64_t r0, int64_t K, float* y,
+                int64_t ldy) {
+    Acc acc[RT];
+    float off[RT] = {};
+    Unpacked u;
+    const int64_t nb = K / B::QK;
+    for (int64_t b = 0; b < nb; ++b) {
+        for (int o = 0; o < B::BYTES; o += 64) __builtin_prefetch(w + b * B::BYTES + AHEAD + o);
+        B::unpack(w + b * B::BYTES, u);
+        for (int r = 0; r < RT; ++r) {
+            const int64_t row = r0 + r;
+            const int64_t at = row * K + b * B::QK;
+            meet<B>(u, x, x.q.data() + at, row * nb + b, at / 16, acc[r], off[r]);
+        }
+    }
+    for (int r = 0; r < RT; ++r) y[r * ldy] = acc[r].sum() + off[r];
+}
+
+// y (R rows, stride ldy) [:, :N] = x (R, K) rounded @ W^T, W's N rows each K / QK blocks.
+template <class B>
+void product(const float* x, const uint8_t* w, float* y, int64_t R, int64_t N, int64_t K,
+             int64_t ldy, int threads) {
+    const Rows8 rows = rounded(x, R, K, B::ROW == ROW_Q8_K);  // once, before the threads
+    const int64_t row_bytes = K / B::QK * B::BYTES;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t n = 0; n < N; ++n) {
+        const uint8_t* row = w + n * row_bytes;
+        int64_t r = 0;  // rows four at a time: each block unpacked once for four
+        for (; r + 4 <= R; r += 4) rows_times<B, 4>(row, rows, r, K, y + r * ldy + n, ldy);
+        float* yr = y + r * ldy + n;
+        switch (R - r) {
+            case 3: rows_times<B, 3>(row, rows, r, K, yr, ldy); break;
+            case 2: rows_times<B, 2>(row, rows, r, K, yr, ldy); break;
+            case 1: rows_times<B, 1>(row, rows, r, K, yr, ldy); break;
+            default: break;
+        }
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+// 0, or -1 for a type this file does not read. K: a whole number of the type's blocks.
+// The type numbers are ggml's (GGMLQuantizationType).
+int gguf_q8_product(int type, const float* x, const uint8_t* w, float* y, int64_t R, int64_t N,
+                    int64_t K, int64_t ldy, int threads) {
+    switch (type) {
+        case 2: product<Q4_0>(x, w, y, R, N, K, ldy, threads); return 0;
+        case 3: product<Q4_1>(x, w, y, R, N, K, ldy, threads); return 0;
+        case 6: product<Q5_0>(x, w, y, R, N, K, ldy, threads); return 0;
+        case 7: product<Q5_1>(x, w, y, R, N, K, ldy, threads); return 0;
+        case 8: product<Q8_0>(x, w, y, R, N, K, ldy, threads); return 0;
+        case 12: product<Q4_K>(x, w, y, R, N, K, ldy, threads); return 0;
+        case 13: product<Q5_K>(x, w, y, R, N, K, ldy, threads); return 0;
+        case 14: product<Q6_K>(x, w, y, R, N, K, ldy, threads); return 0;
+        default: return -1;
+    }
+}
+
+}  // extern "C"
