@@ -283,6 +283,13 @@ WEIGHT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.fl
                  "gguf-q8": torch.uint8, "q8_0": torch.uint8}  # fmt: skip
 
 
+def is_product(tensor: str, config) -> bool:
+    """Whether a GGUF-read tensor (transformers' name) is a product's matrix: a projection,
+    the head, or the embedding where the head is tied to it."""
+    return tensor.endswith("proj.weight") or tensor == "lm_head.weight" or (
+        tensor == "model.embed_tokens.weight" and config.tie_word_embeddings)
+
+
 def check_weights_dtype(name: str, config: FamilyConfig, device: str | torch.device,
                         source_types: dict[str, str] | None = None) -> None:
     """Refuse, before any weights load, a weight format this model or device cannot run.
@@ -457,9 +464,7 @@ def q4_problem(config, types: dict[str, str] | None) -> str | None:
             return (f"q4 weights need the {what} a multiple of {multiple} (torch's int4 "
                     f"packing); this model's is {n}")
     for name, kind in sorted(types.items()):
-        product = name.endswith("proj.weight") or name == "lm_head.weight" or (
-            name == "model.embed_tokens.weight" and config.tie_word_embeddings)
-        if product and kind not in BLOCK_TYPES:
+        if is_product(name, config) and kind not in BLOCK_TYPES:
             return (f"q4 runs {', '.join(BLOCK_TYPES)} blocks without re-quantising; "
                     f"{name} is {kind} in {Path(config.gguf).name}")
     return None

@@ -85,6 +85,7 @@ def gguf_problem(config, device, name: str = "gguf") -> str | None:
     gguf-q8 takes only BLOCK_TYPES for the products (their types read from the file's
     header: the weights are not loaded)."""
     from kvcache_cli.models.gguf.as_stored import stored_types
+    from kvcache_cli.models.linear import is_product
 
     if getattr(config, "gguf", None) is None:
         model = getattr(config, "name", "this model")
@@ -92,9 +93,7 @@ def gguf_problem(config, device, name: str = "gguf") -> str | None:
                 "was not read from one (expected -m smollm2, -m gemma3 or a .gguf)")
     types = stored_types(config.gguf) if name == "gguf-q8" else {}
     for tensor, kind in sorted(types.items()):
-        product = tensor.endswith("proj.weight") or tensor == "lm_head.weight" or (
-            tensor == "model.embed_tokens.weight" and config.tie_word_embeddings)
-        if product and kind not in BLOCK_TYPES:
+        if is_product(tensor, config) and kind not in BLOCK_TYPES:
             return (f"gguf-q8 multiplies {', '.join(BLOCK_TYPES)} blocks; {tensor} is "
                     f"{kind} in {Path(config.gguf).name} (--weights-dtype gguf runs it)")
     return block_problem(name, device)
