@@ -14,15 +14,26 @@ different numbers of new tokens reads the pool through a view bound to its layou
 layout. Built from a spec
 (`paged:b16`, for generate, bench and eval) it owns its blocks alone: each row gets
 the blocks its longest sequence needs, in order, as a block manager would hand out.
-A gather in plain torch runs on CPU and CUDA alike; it is not vLLM's fused kernel, which reads the
-blocks in place (the gather copies every key once more per step).
+
+The gather copies every key once more a layer and step. `PackedRows` (serve's layout) reads
+its one-token rows' blocks in place instead, as vLLM's paged attention does: a C++ kernel
+(`paged_attention.cpp`, built at first use by `caches.native`) walks each row's block table
+straight through the pool, on the CPU, for float32 queries over a float32, float16 or
+bfloat16 pool; only the prompt chunks' rows are gathered. Elsewhere (CUDA, no compiler, a
+quantised pool, `KVCACHE_PAGED_ATTENTION=torch` to time one against the other) every row is
+gathered, in plain torch.
 """
 
 from __future__ import annotations
 
+import ctypes
+from functools import cache
+from pathlib import Path
+
 import torch
 from torch import Tensor
 
+from kvcache_cli.caches import native
 from kvcache_cli.caches.base import KVCache, RollbackError, nbytes
 from kvcache_cli.caches.step import Step, attend_in_order, sdpa
 
@@ -108,7 +119,12 @@ class PagedCache(KVCache):
 
     def gather(self, layer: int) -> tuple[Tensor, Tensor]:
         """Every bound row's keys and values, (B, nkv, S, hs) with key j at slot j."""
-        return self.read(layer, self.block_tables)
+        return self.read(*self.pages(layer))
+
+    def pages(self, layer: int) -> tuple[int, Tensor]:
+        """The pool layer holding model layer `layer`, and the block tables it is read
+        through, (B, max blocks)."""
+        return layer, self.block_tables
 
     def read(self, layer: int, table: Tensor) -> tuple[Tensor, Tensor]:
         """The keys and values of pool layer `layer` through `table` (B, max blocks),
@@ -177,25 +193,49 @@ class PackedRows(KVCache):
                                           device=dev)  # (B1,)
             self.single_rows = torch.tensor(self.singles, device=dev)  # (B1,)
         self.single_pos = torch.tensor([starts[b] for b in self.singles], device=dev)  # (B1,)
+        self._first: dict[int | None, Tensor] = {}  # `first_seen`'s, by window
+        self.chunks = [b for b, t in enumerate(lengths) if t > 1]  # the prompt chunks' rows
+        self.chunk_rows = torch.tensor(self.chunks, device=dev, dtype=torch.long)  # (B2,)
+        self.chunk_width = max((-(-(starts[b] + lengths[b]) // bs) for b in self.chunks),
+                               default=0)  # the blocks the longest chunk row reads
+
+    def first_seen(self, window: int | None) -> Tensor:
+        """(B1,) the first slot each one-token row's query sees: 0, or in a sliding window
+        of `window` the window's first (at position start, start - window + 1)."""
+        if window not in self._first:
+            self._first[window] = torch.zeros_like(self.single_pos) if window is None else \
+                (self.single_pos - window + 1).clamp(min=0)
+        return self._first[window]
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, step: Step) -> Tensor:
         q, k, v = q[0], k[0], v[0]  # (nh, N, hs), and (nkv, N, hs): the one packed row
         window = self.pool.window_of(layer)
         self.pool.write(layer, self.blocks, self.slots, k, v)
-        keys, values = self.pool.gather(layer)  # (B, nkv, S, hs), every row's own
+        j, table = self.pool.pages(layer)  # the pool layer, (B, max blocks)
         y = torch.empty_like(q)  # (nh, N, hs)
-        if self.singles:
+        in_place = bool(self.singles) and reads_in_place(self.pool, q)
+        if in_place:
+            ys = y[:, self.single_at] if isinstance(self.single_at, slice) else \
+                q.new_empty(q.size(0), len(self.singles), q.size(2))  # (nh, B1, hs)
+            attend_paged(q[:, self.single_at], self.pool.k[j], self.pool.v[j],
+                         table[self.single_rows], self.first_seen(window), self.single_pos, ys)
+            if not isinstance(self.single_at, slice):
+                y[:, self.single_at] = ys
+        if self.chunks or not in_place:
+            # SDPA's rows gathered: the chunks' alone, as wide as the longest needs; or all
+            keys, values = self.pool.read(j, table[self.chunk_rows, : self.chunk_width]
+                                          if in_place else table)  # (B2|B, nkv, S, hs)
+        if self.singles and not in_place:
             # One query a row, at position start: it may see slots 0 .. start.
             qs = q[:, self.single_at].transpose(0, 1)[:, :, None]  # (B1, nh, 1, hs)
             ys = attend_in_window(qs, keys[self.single_rows], values[self.single_rows],
                                   self.single_pos[:, None], window)  # (B1, nh, 1, hs)
             y[:, self.single_at] = ys[:, :, 0].transpose(0, 1)  # (nh, B1, hs)
-        for b, (start, length) in enumerate(zip(self.starts, self.lengths)):
-            if length == 1:
-                continue
-            end, at = start + length, self.offsets[b]  # the chunk's queries see keys 0 .. end - 1
+        for i, b in enumerate(self.chunks):
+            start, length, at = self.starts[b], self.lengths[b], self.offsets[b]
+            end, r = start + length, i if in_place else b  # the chunk sees keys 0 .. end - 1
             qc = q[None, :, at : at + length]  # (1, nh, T, hs)
-            kc, vc = keys[b : b + 1, :, :end], values[b : b + 1, :, :end]  # (1, nkv, end, hs)
+            kc, vc = keys[r : r + 1, :, :end], values[r : r + 1, :, :end]  # (1, nkv, end, hs)
             pos = torch.arange(start, end, device=q.device)[None]  # (1, T): query i at start + i
             y[:, at : at + length] = attend_in_window(qc, kc, vc, pos, window)[0]
         return y[None]  # (1, nh, N, hs)
@@ -236,3 +276,57 @@ def attend_in_window(q: Tensor, k: Tensor, v: Tensor, positions: Tensor,
     slots = torch.arange(k.size(2), device=q.device)  # (S,)
     p = positions[:, :, None]  # (B|1, T, 1)
     return sdpa(q, k, v, ((slots <= p) & (slots > p - window)).unsqueeze(1))  # (B|1, 1, T, S)
+
+
+SOURCE = Path(__file__).with_name("paged_attention.cpp")
+# The pool dtypes the kernel reads, by the flag it takes.
+POOL_FLAGS = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
+
+
+@cache
+def kernel() -> ctypes.CDLL | None:
+    """The built kernel, or None where it cannot be built here (every row then gathered)."""
+    return load()[0]
+
+
+def load(defines: tuple[str, ...] = ()) -> tuple[ctypes.CDLL | None, str | None]:
+    """(the kernel built with `defines`, None), or (None, why not).
+    `-DCODE_ATTENTION_SCALAR` builds its plain loops, which a CPU without AVX-512 runs."""
+    lib, why = native.build(SOURCE, off="KVCACHE_PAGED_ATTENTION", defines=defines)
+    if lib is None:
+        return None, why
+    lib.attend_paged.restype = ctypes.c_int
+    lib.attend_paged.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 2 + \
+        [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 6 + [ctypes.c_void_p] + \
+        [ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + \
+        [ctypes.c_void_p] + [ctypes.c_int64] * 2
+    return lib, None
+
+
+def reads_in_place(pool: PagedCache, q: Tensor) -> bool:
+    """Whether `attend_paged` reads this pool for these queries: float32 queries on the CPU,
+    a float32/float16/bfloat16 pool (not a quantised one's codes), the kernel built."""
+    return q.device.type == "cpu" and q.dtype == torch.float32 and \
+        pool.k.dtype in POOL_FLAGS and kernel() is not None
+
+
+def attend_paged(q: Tensor, k: Tensor, v: Tensor, table: Tensor, first: Tensor, last: Tensor,
+                 out: Tensor) -> None:
+    """One query a row, each over its own blocks in place, into out (nh, B1, hs): queries q
+    (nh, B1, hs) float32, scaled by 1 / sqrt(hs) here as SDPA does; k, v one pool layer
+    (nkv, n_blocks, bs, hs); table (B1, max blocks) block ids; row r sees slots first[r] ..
+    last[r] (B1,). GQA: query head i reads KV head i // (nh / nkv)."""
+    nh, rows, hs = q.shape
+    nkv, n_blocks, bs, _ = k.shape
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    table = table.contiguous()  # (B1, width): row r at r * width
+    assert k.is_contiguous() and v.is_contiguous() and v.dtype == k.dtype, (k.stride(), v.dtype)
+    assert out.stride(-1) == 1 and first.dtype == last.dtype == table.dtype == torch.long
+    status = kernel().attend_paged(
+        q.data_ptr(), q.stride(1), q.stride(0), k.data_ptr(), v.data_ptr(), POOL_FLAGS[k.dtype],
+        n_blocks, bs, nkv, hs, nh // nkv, table.data_ptr(), table.size(1), first.data_ptr(),
+        last.data_ptr(), rows, torch.get_num_threads(), out.data_ptr(), out.stride(1),
+        out.stride(0))
+    if status:
+        raise ValueError("paged attention: a row's slots run past its block table, or a "
+                         f"block id lies outside the pool's {n_blocks} blocks")

@@ -53,9 +53,9 @@ class HybridPool(PagedCache):
         g, j = self._route[layer]
         super().write(j, blocks[g], slots, k, v)
 
-    def gather(self, layer: int) -> tuple[Tensor, Tensor]:
+    def pages(self, layer: int) -> tuple[int, Tensor]:
         g, j = self._route[layer]
-        return self.read(j, self.block_tables[g])  # group g's table, (B, max blocks)
+        return j, self.block_tables[g]  # group g's table, (B, max blocks)
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, step: Step) -> Tensor:
         keys, values = self.update(layer, step.start, k, v)  # (B, nkv, S, hs), key j at j

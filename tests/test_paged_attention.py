@@ -1,0 +1,159 @@
+"""caches/paged_attention.cpp: a serving step's one-token rows read their blocks in place.
+
+The kernel against a float64 reference of the same attention (each row's blocks gathered
+through its table, softmax(q.k / sqrt(hs)) v over the slots it sees), on both of its paths
+(the AVX-512 readers and the plain loops, built with -DCODE_ATTENTION_SCALAR): block sizes
+16 and 32 and an odd 5, ragged lengths, GQA groups of 1 to 9 queries, head sizes 64 and 256,
+sliding windows, float32/float16/bfloat16 pools. Then `PackedRows.attend` with the kernel
+against the same step gathered and run through SDPA (decodes first and interleaved with
+prompt chunks, a `HybridPool`'s per-group tables and sliding window)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcache_cli.caches import paged
+from kvcache_cli.caches.base import CacheShape
+from kvcache_cli.caches.paged import PackedRows, PagedCache
+from kvcache_cli.caches.step import Step
+from kvcache_cli.serving.hybrid_blocks import Group
+from kvcache_cli.serving.hybrid_pool import HybridPool
+
+
+@pytest.fixture(scope="module", params=["vector", "plain"])
+def lib(request):
+    """The kernel as serve loads it, or its plain loops; skipped where neither builds."""
+    built, why = paged.load(() if request.param == "vector" else ("-DCODE_ATTENTION_SCALAR",))
+    if built is None:
+        pytest.skip(why)
+    return built
+
+
+@pytest.fixture
+def use(lib, monkeypatch):
+    monkeypatch.setattr(paged, "kernel", lambda: lib)
+
+
+def scattered(nkv, n_blocks, bs, hs, dtype, seed=0):
+    """A pool layer (nkv, n_blocks, bs, hs) of random keys and values."""
+    g = torch.Generator().manual_seed(seed)
+    k, v = (torch.randn(nkv, n_blocks, bs, hs, generator=g).to(dtype) for _ in range(2))
+    return k, v
+
+
+def reference(q, k, v, table, first, last):
+    """(nh, B1, hs) float64: row r's query over slots first[r] .. last[r] of its blocks."""
+    nh, rows, hs = q.shape
+    nkv, _, bs, _ = k.shape
+    out = torch.empty(nh, rows, hs, dtype=torch.float64)
+    for r in range(rows):
+        keys = k[:, table[r]].flatten(1, 2).double()[:, first[r] : last[r] + 1]  # (nkv, n, hs)
+        values = v[:, table[r]].flatten(1, 2).double()[:, first[r] : last[r] + 1]
+        keys = keys.repeat_interleave(nh // nkv, 0)  # (nh, n, hs): head i reads i // g
+        values = values.repeat_interleave(nh // nkv, 0)
+        s = (q[:, r, None].double() @ keys.transpose(1, 2))[:, 0] / hs**0.5  # (nh, n)
+        out[:, r] = s.softmax(-1)[:, None].matmul(values)[:, 0]
+    return out
+
+
+@pytest.mark.parametrize("bs", [16, 32, 5])
+@pytest.mark.parametrize(("nh", "nkv", "hs"), [(9, 3, 64), (4, 1, 256), (2, 2, 64),
+                                               (9, 1, 64), (3, 3, 24)])
+@pytest.mark.parametrize("window", [None, 7, 40])
+def test_each_row_reads_its_own_blocks_like_a_float64_reference(use, bs, nh, nkv, hs, window):
+    lengths = [1, 2, 15, 16, 17, 33, 100, 301]  # tokens held, ragged around the block sizes
+    width = -(-max(lengths) // bs)
+    n_blocks = len(lengths) * width + 3
+    k, v = scattered(nkv, n_blocks, bs, hs, torch.float32)
+    # Each row's blocks drawn from anywhere in the pool, in no order.
+    table = torch.randperm(n_blocks, generator=torch.Generator().manual_seed(1))
+    table = table[: len(lengths) * width].view(len(lengths), width)  # (B1, width)
+    last = torch.tensor(lengths) - 1  # (B1,): the query at the last position
+    first = last * 0 if window is None else (last - window + 1).clamp(min=0)
+    q = torch.randn(nh, len(lengths), hs, generator=torch.Generator().manual_seed(2))
+    out = torch.full_like(q, float("nan"))
+    paged.attend_paged(q, k, v, table, first, last, out)
+    torch.testing.assert_close(out.double(), reference(q, k, v, table, first, last),
+                               atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_half_precision_pool_is_widened_as_it_is_read(use, dtype):
+    nkv, nh, hs, bs = 3, 9, 64, 16
+    k, v = scattered(nkv, 40, bs, hs, dtype)
+    table = torch.arange(40).flip(0).view(4, 10)  # (4, 10)
+    last = torch.tensor([0, 37, 100, 159])
+    q = torch.randn(nh, 4, hs)
+    out = torch.empty_like(q)
+    paged.attend_paged(q, k, v, table, last * 0, last, out)
+    torch.testing.assert_close(out.double(), reference(q, k, v, table, last * 0, last),
+                               atol=2e-5, rtol=1e-4)
+
+
+def test_a_row_past_its_table_is_refused_not_read(use):
+    k, v = scattered(1, 4, 16, 64, torch.float32)
+    q = torch.randn(1, 1, 64)
+    with pytest.raises(ValueError, match="past its block table"):
+        paged.attend_paged(q, k, v, torch.tensor([[0, 1]]), torch.tensor([0]),
+                           torch.tensor([32]), torch.empty_like(q))
+    with pytest.raises(ValueError, match="outside the pool's 4 blocks"):
+        paged.attend_paged(q, k, v, torch.tensor([[0, 9]]), torch.tensor([0]),
+                           torch.tensor([20]), torch.empty_like(q))
+
+
+def step_through(pool, starts, lengths, nh, in_place, monkeypatch, layers=1):
+    """Every layer's `PackedRows.attend` output of one step (1, nh, N, hs), its keys written
+    first; in place or every row gathered."""
+    monkeypatch.setattr(paged, "reads_in_place", lambda pool, q: in_place)
+    pos = torch.cat([torch.arange(s, s + t) for s, t in zip(starts, lengths)])  # (N,)
+    view = PackedRows(pool, starts, lengths, pos)
+    g = torch.Generator().manual_seed(5)
+    nkv, hs, N = pool.k.size(1), pool.k.size(-1), len(pos)
+    step = Step(pos[:1], pos[None], view.last)
+    out = []
+    for layer in range(layers):
+        q = torch.randn(1, N, nh, hs, generator=g).transpose(1, 2)  # (1, nh, N, hs), a view
+        k, v = (torch.randn(1, nkv, N, hs, generator=g) for _ in range(2))
+        out.append(view.attend(layer, q, k, v, step))
+    return out
+
+
+@pytest.mark.parametrize(("starts", "lengths"), [
+    ([40, 7, 299, 0, 18], [1, 1, 1, 1, 1]),       # decodes only
+    ([40, 7, 299, 0, 18], [1, 1, 1, 23, 9]),      # decodes first, then prompt chunks
+    ([40, 0, 299, 16, 18], [1, 23, 1, 40, 1]),    # decodes among the chunks
+])
+def test_packed_rows_in_place_equal_the_gathered_step(use, monkeypatch, starts, lengths):
+    shape = CacheShape(n_layer=2, n_kv_head=3, head_size=64, context=512)
+    pool = PagedCache(shape, 120, 16, "cpu", torch.float32)
+    gen = torch.Generator().manual_seed(3)
+    pool.k.normal_(generator=gen)
+    pool.v.normal_(generator=gen)
+    pool.bind(torch.randperm(120, generator=gen)[:5 * 22].view(5, 22))  # (B, 22)
+    saved = pool.k.clone(), pool.v.clone()
+    want = step_through(pool, starts, lengths, 9, False, monkeypatch, layers=2)
+    pool.k, pool.v = saved[0].clone(), saved[1].clone()
+    got = step_through(pool, starts, lengths, 9, True, monkeypatch, layers=2)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=2e-5, rtol=1e-4)
+
+
+def test_a_hybrid_pools_groups_read_their_own_tables_and_window(use, monkeypatch):
+    groups = (Group(8, (0, 2)), Group(None, (1, 3)))  # a sliding group, a global one
+    shape = CacheShape(n_layer=4, n_kv_head=1, head_size=32, context=512)
+    pool = HybridPool(shape, groups, 90, 4, "cpu", torch.float32)
+    gen = torch.Generator().manual_seed(4)
+    pool.k.normal_(generator=gen)
+    pool.v.normal_(generator=gen)
+    tables = torch.stack([torch.randperm(90, generator=gen)[:3 * 25].view(3, 25)
+                          for _ in groups])  # (groups, B, 25)
+    tables[0, :2, :2] = 0  # blocks the sliding group gave back: read as block 0, unseen
+    pool.bind(tables)
+    saved = pool.k.clone(), pool.v.clone()
+    starts, lengths = [60, 31, 0], [1, 1, 12]
+    want = step_through(pool, starts, lengths, 4, False, monkeypatch, layers=4)
+    pool.k, pool.v = saved[0].clone(), saved[1].clone()
+    got = step_through(pool, starts, lengths, 4, True, monkeypatch, layers=4)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=2e-5, rtol=1e-4)
