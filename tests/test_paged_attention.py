@@ -16,6 +16,7 @@ import torch
 from kvcache_cli.caches import paged
 from kvcache_cli.caches.base import CacheShape
 from kvcache_cli.caches.paged import PackedRows, PagedCache
+from kvcache_cli.caches.quantized_pool import QuantPagedCache
 from kvcache_cli.caches.step import Step
 from kvcache_cli.serving.hybrid_blocks import Group
 from kvcache_cli.serving.hybrid_pool import HybridPool
@@ -157,3 +158,17 @@ def test_a_hybrid_pools_groups_read_their_own_tables_and_window(use, monkeypatch
     got = step_through(pool, starts, lengths, 4, True, monkeypatch, layers=4)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, atol=2e-5, rtol=1e-4)
+
+
+def test_codes_half_queries_and_the_torch_switch_keep_the_gather(lib, monkeypatch):
+    """A quantised pool's codes and queries not in float32 are gathered and run through SDPA;
+    KVCACHE_PAGED_ATTENTION=torch asks for that path everywhere."""
+    monkeypatch.setattr(paged, "kernel", lambda: lib)
+    shape = CacheShape(n_layer=1, n_kv_head=1, head_size=64, context=64)
+    q = torch.randn(1, 1, 1, 64)
+    assert paged.reads_in_place(PagedCache(shape, 4, 16, "cpu", torch.float16), q)
+    assert not paged.reads_in_place(PagedCache(shape, 4, 16, "cpu", torch.float32), q.half())
+    for fmt in ("int8", "int4", "fp8"):
+        assert not paged.reads_in_place(QuantPagedCache(shape, 4, 16, "cpu", torch.float32, fmt), q)
+    monkeypatch.setenv("KVCACHE_PAGED_ATTENTION", "torch")
+    assert paged.load() == (None, "KVCACHE_PAGED_ATTENTION=torch")
