@@ -165,8 +165,9 @@ class PagedCache(KVCache):
 class PackedRows(KVCache):
     """The pool as one serving step reads it in vLLM's varlen layout: every row's new
     tokens one after another as a single sequence of N tokens, so the matmuls (most of a
-    step) do exactly N rows; attention alone is per row: the one-token rows in one batched
-    call, each chunk in its own. Only real tokens are written."""
+    step) do exactly N rows; attention alone is per row: the one-token rows in one call
+    (`attend_paged`, over their blocks in place, where it runs), each chunk in its own
+    (gathered, SDPA). Only real tokens are written."""
 
     def __init__(self, pool: PagedCache, starts: list[int], lengths: list[int], pos: Tensor):
         """Rows of `lengths` new tokens from positions `starts`, bound to the pool's block
