@@ -44,8 +44,10 @@ inline float inv_rms(const float* x, int64_t n, float eps) {
 }
 
 // y = (x * r) * (offset + w): a normed row times its gain, ggml's two products in its order
-// (offset 1: Gemma's 1 + w, which is the GGUF's stored gain again: w = stored - 1 exactly).
-// Two passes, as ggml's two ops: in one, fast math may reassociate x * r * g as x * (r * g).
+// (offset 1: Gemma's 1 + w, w read as the GGUF's stored gain less 1, so 1 + w is the stored
+// gain again wherever that subtraction was exact: a gain of at least 0.5, and every gain of
+// the real 270M file). Two passes, as ggml's two ops: in one, fast math reassociates
+// x * r * g as x * (r * g) (GCC 12 does).
 inline void scaled(const float* x, float r, const float* w, float offset, float* y, int64_t n) {
 #pragma omp simd
     for (int64_t i = 0; i < n; ++i) y[i] = x[i] * r;
@@ -95,7 +97,7 @@ void add_rms_norm(const float* x, const float* delta, const float* dw, const flo
         const float* dr = delta + r * C;
         float* sr = sum + r * C;
         if (dw) {
-            // normed into sum, then added: in one pass fast math would fuse the last product
+            // normed into sum, then added: in one pass fast math may fuse the last product
             // and the add into one rounding, which ggml's separate ops do not
             scaled(dr, inv_rms(dr, C, eps), dw, offset, sr, C);
 #pragma omp simd
