@@ -377,9 +377,11 @@ def _same_tokens(model, path, prompt: list[int], n: int, torch_ops: bool = False
 def test_smollm2_gguf_q8_gives_llama_cpps_tokens_on_its_file(smollm2):
     model = set_weights_dtype(copy.deepcopy(smollm2), "gguf-q8")
     # Fused, every norm and product of the prompt's 5 rows equals llama.cpp's to the bit
-    # through layer 17; its attention output (kqv_out) differs in the last place (another
-    # summation order), and at layer 18 that flips one 8-bit rounding of the last row
-    # before o_proj: the 6th token then parts at llama.cpp's margin 0.03.
+    # through layer 17; the attention's output (kqv_out) differs in the last place: q and k
+    # do already (llama.cpp's angles are p * s^i by float recurrence, its rotation two fused
+    # multiply-adds), and with those made its own the attention alone still does (another
+    # order of sums). At layer 18 that flips one 8-bit rounding of the last row before
+    # o_proj: the 6th token then parts at llama.cpp's margin 0.03.
     _same_tokens(model, model.config.gguf, [504, 3575, 282, 4649, 314], 24, torch_ops=True)
 
 
@@ -409,8 +411,9 @@ def test_gemma3_gguf_q8_gives_llama_cpps_tokens_on_its_file():
     kinds = {k for m in model.modules() if isinstance(m, BlockLinear) for k in m.kinds}
     assert kinds == {"Q4_K", "Q5_0", "Q6_K", "Q8_0"}
     # Fused, the norms are ggml's to the bit, but layer 0's o_proj (Q4_K) gives another last
-    # place than llama.cpp's on the same rounded row (its float terms' order), and the
-    # attention's output differs in the last place too: the 12th token parts.
+    # place than llama.cpp's on the same row (its float terms' order), and the rotation's
+    # and the attention's outputs differ in the last place, as on SmolLM2: the 12th token
+    # parts.
     _same_tokens(model, model.config.gguf, [2, 818, 5279, 529, 7001, 563], 16,
                  torch_ops=True)
 
