@@ -2,13 +2,15 @@
 Llama and Gemma 3 blocks fused against the same blocks in torch, and the torch path kept
 wherever the rows are not a float32 decode's few with no gradient.
 
-Tolerances: every kernel sums in float32 in another order than torch (and normalises by a
-factor computed in double), so each result equals torch's within a few units of float32's
-last place: rtol 1e-5 on one op, 1e-4 of the logits' scale through a model's layers.
+Tolerances: every kernel sums in another order than torch (the norms in double, as
+llama.cpp's CPU backend), so each result equals torch's within a few units of float32's
+last place: rtol 1e-5 on one op, 1e-4 of the logits' scale through a model's layers. The
+norms equal ggml's arithmetic to the bit (`ggml_rms_norm` here).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -63,6 +65,45 @@ def test_the_residual_add_and_the_norm_after_it_equal_torchs(R, C, delta_normed)
     if delta_normed:  # Gemma's add after the MLP: the normed output added, no norm after
         torch.testing.assert_close(fused.add_normed(x, delta, dw, 1e-5, offset), added,
                                    **ONE_OP)
+
+
+def ggml_rms_norm(x: np.ndarray, gain: np.ndarray, eps: float) -> np.ndarray:
+    """ggml-cpu's rms_norm then its mul by the gain (ops.cpp): each square rounded to
+    float32, summed in float64 one after another, the mean rounded to float32, then
+    1.0f / sqrtf(mean + eps), the row times it, then times the gain, each in float32."""
+    f32 = np.float32
+    total = np.cumsum((x * x).astype(np.float64), axis=-1)[..., -1:]
+    scale = f32(1) / np.sqrt((total / x.shape[-1]).astype(f32) + f32(eps))
+    return (x * scale) * gain
+
+
+@pytest.mark.parametrize("C", WIDTHS + (256,))  # and Gemma 3's head size (QK-norm)
+def test_the_norms_are_ggmls_arithmetic_to_the_bit(C):
+    """What makes a decode's rows, rounded to 8 bits (gguf-q8, q8_0), llama.cpp's rows:
+    the norm, Gemma's norm of a sublayer's output then the residual add, and QK-norm."""
+    rng = np.random.default_rng(C)
+    x = (rng.standard_normal((16, C)) * np.logspace(-3, 3, 16)[:, None]).astype(np.float32)
+    x[:, 3] *= 100  # an outlier channel, as SmolLM2's
+    delta = (rng.standard_normal((16, C)) * 5).astype(np.float32)
+    w, dw = (rng.standard_normal((2, C)) * 0.5).astype(np.float32)
+    gain, delta_gain = np.float32(1) + w, np.float32(1) + dw  # Gemma's 1 + w, as stored
+    t = torch.from_numpy
+    assert np.array_equal(fused.rms_norm(t(x), t(w), 1e-6, 0.0).numpy(),
+                          ggml_rms_norm(x, w, 1e-6))
+    assert np.array_equal(fused.rms_norm(t(x), t(w), 1e-6, 1.0).numpy(),
+                          ggml_rms_norm(x, gain, 1e-6))
+    s, y = fused.add_rms_norm(t(x), t(delta), t(dw), t(w), 1e-6, 1.0)
+    added = x + ggml_rms_norm(delta, delta_gain, 1e-6)
+    assert np.array_equal(s.numpy(), added)
+    assert np.array_equal(y.numpy(), ggml_rms_norm(added, gain, 1e-6))
+    # QK-norm with a rotation by angle 0 (cos 1, sin 0), which leaves the normed heads be
+    qkv = t(x.copy()).view(1, 16, 1, C).expand(1, 16, 3, C).contiguous()  # (B, T, q|k|v, hs)
+    ones, zeros = torch.ones(1, C), torch.zeros(1, C)
+    fused.qk_rotary(qkv, 1, 1, ones, zeros, torch.zeros(16, dtype=torch.int64), t(w), t(dw),
+                    1.0, 1e-6, 1.0)
+    assert np.array_equal(qkv[0, :, 0].numpy(), ggml_rms_norm(x, gain, 1e-6))
+    assert np.array_equal(qkv[0, :, 1].numpy(), ggml_rms_norm(x, delta_gain, 1e-6))
+    assert np.array_equal(qkv[0, :, 2].numpy(), x)
 
 
 def rotated_in_torch(qkv, nq, nk, rope, q_norm, k_norm, q_scale):

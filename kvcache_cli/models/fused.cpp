@@ -5,8 +5,12 @@
 // norms a layer) is a few large products among thousands of small torch ops: each norm
 // five to eight of them, the rotation six, the gated activation three, each a few
 // microseconds of dispatch for a few hundred numbers. Each function below does in one pass
-// what those ops did, in the same arithmetic (float32, the row's mean square in float32
-// lanes, its inverse root in double), so the results equal torch's to float32 rounding.
+// what those ops did. The norms do llama.cpp's CPU arithmetic (ggml's rms_norm, then its mul
+// by the gain, then its add), so that where a product rounds its row to 8 bits as llama.cpp's
+// does (`gguf-q8`, `q8_0`) the rounded integers are llama.cpp's too: the row's squares summed
+// in double, their mean rounded to float, 1 / sqrt(mean + eps) in float (two roundings), the
+// row times that, then times the gain, then the residual added, each product rounded to
+// float. The rest equals torch's ops to float32 rounding.
 // Plain loops the compiler vectorises (-O3 -march=native), one thread: a decode's rows are
 // too few to share.
 
@@ -16,18 +20,39 @@
 
 namespace {
 
-// 1 / sqrt(mean of squares + eps) of one row of n floats: RMSNorm's factor.
-inline float inv_rms(const float* x, int64_t n, float eps) {
-    float s = 0.f;
-#pragma omp simd reduction(+ : s)
-    for (int64_t i = 0; i < n; ++i) s += x[i] * x[i];
-    return static_cast<float>(1.0 / std::sqrt(static_cast<double>(s) / n + eps));
+// v as computed: the compiler may not rewrite across this point. Under -ffast-math it may
+// narrow the double steps below to float ones and make 1.0f / sqrtf an approximate
+// reciprocal root (clang does), which is not ggml's rounding.
+template <class T>
+inline T kept(T v) {
+    asm volatile("" : "+m"(v));
+    return v;
 }
 
-// y = x * r * (offset + w): a normed row with its gain (offset 1: Gemma's 1 + w).
+// 1 / sqrt(mean of squares + eps) of one row of n floats, RMSNorm's factor, as ggml's
+// rms_norm: each square rounded to float, summed in double (in lanes here, serially there:
+// a double sum of floats is exact enough that the float mean rounds alike), the mean
+// rounded to float, then sqrtf and 1.0f / it, each correctly rounded (float's sqrt and
+// quotient equal double's rounded to float).
+inline float inv_rms(const float* x, int64_t n, float eps) {
+    double s = 0.0;
+#pragma omp simd reduction(+ : s)
+    for (int64_t i = 0; i < n; ++i) s += static_cast<double>(x[i] * x[i]);
+    const float mean = kept(static_cast<float>(s / static_cast<double>(n)));
+    const float root = kept(static_cast<float>(std::sqrt(static_cast<double>(mean + eps))));
+    return kept(static_cast<float>(1.0 / static_cast<double>(root)));
+}
+
+// y = (x * r) * (offset + w): a normed row times its gain, ggml's two products in its order
+// (offset 1: Gemma's 1 + w, w read as the GGUF's stored gain less 1, so 1 + w is the stored
+// gain again wherever that subtraction was exact: a gain of at least 0.5, and every gain of
+// the real 270M file). Two passes, as ggml's two ops: in one, fast math reassociates
+// x * r * g as x * (r * g) (GCC 12 does).
 inline void scaled(const float* x, float r, const float* w, float offset, float* y, int64_t n) {
 #pragma omp simd
-    for (int64_t i = 0; i < n; ++i) y[i] = x[i] * r * (offset + w[i]);
+    for (int64_t i = 0; i < n; ++i) y[i] = x[i] * r;
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) y[i] *= offset + w[i];
 }
 
 // e^x in arithmetic a loop vectorises (glibc's expf is a scalar call here), within a unit
@@ -72,9 +97,11 @@ void add_rms_norm(const float* x, const float* delta, const float* dw, const flo
         const float* dr = delta + r * C;
         float* sr = sum + r * C;
         if (dw) {
-            const float rd = inv_rms(dr, C, eps);
+            // normed into sum, then added: in one pass fast math may fuse the last product
+            // and the add into one rounding, which ggml's separate ops do not
+            scaled(dr, inv_rms(dr, C, eps), dw, offset, sr, C);
 #pragma omp simd
-            for (int64_t i = 0; i < C; ++i) sr[i] = xr[i] + dr[i] * rd * (offset + dw[i]);
+            for (int64_t i = 0; i < C; ++i) sr[i] += xr[i];
         } else {
 #pragma omp simd
             for (int64_t i = 0; i < C; ++i) sr[i] = xr[i] + dr[i];
