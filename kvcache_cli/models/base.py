@@ -54,9 +54,23 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
                                           enable_gqa=k.size(1) < q.size(1))
 
 
+def heads(qkv: Tensor, first: int, count: int) -> Tensor:
+    """Heads first to first + count - 1 of a q|k|v product's rows qkv (B, T, H, hs), as
+    attention takes them, (B, count, T, hs): one view op, where a transpose and a slice
+    are two (each with an as_strided of its own), for three such views a layer."""
+    B, T, _, hs = qkv.shape
+    sB, sT, sH, sD = qkv.stride()
+    return qkv.as_strided((B, count, T, hs), (sB, sH, sT, sD),
+                          qkv.storage_offset() + first * sH)
+
+
 def merge_heads(y: Tensor) -> Tensor:
-    """Attention's output (B, nh, T, hs) as the rows its output projection reads, (B, T, C)."""
+    """Attention's output (B, nh, T, hs) as the rows its output projection reads, (B, T, C):
+    a decode's one token, contiguous, is already those rows (one view op, not a transpose
+    and a reshape)."""
     B, nh, T, hs = y.shape
+    if T == 1 and y.is_contiguous():
+        return y.view(B, T, nh * hs)
     return y.transpose(1, 2).reshape(B, T, nh * hs)
 
 
