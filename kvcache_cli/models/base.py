@@ -58,6 +58,8 @@ def heads(qkv: Tensor, first: int, count: int) -> Tensor:
     """Heads first to first + count - 1 of a q|k|v product's rows qkv (B, T, H, hs), as
     attention takes them, (B, count, T, hs): one view op, where a transpose and a slice
     are two (each with an as_strided of its own), for three such views a layer."""
+    if torch.compiler.is_compiling():  # a graph has no dispatch to save (nor storage_offset)
+        return qkv.transpose(1, 2)[:, first:first + count]
     B, T, _, hs = qkv.shape
     sB, sT, sH, sD = qkv.stride()
     return qkv.as_strided((B, count, T, hs), (sB, sH, sT, sD),
