@@ -54,16 +54,15 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
                                           enable_gqa=k.size(1) < q.size(1))
 
 
-def heads(qkv: Tensor, first: int, count: int) -> Tensor:
-    """Heads first to first + count - 1 of a q|k|v product's rows qkv (B, T, H, hs), as
-    attention takes them, (B, count, T, hs): one view op, where a transpose and a slice
-    are two (each with an as_strided of its own), for three such views a layer."""
+def heads(qkv: Tensor, first: int, count: int, hs: int) -> Tensor:
+    """Heads first to first + count - 1 of a q|k|v product's rows qkv (B, T, H * hs), last
+    axis contiguous, as attention takes them, (B, count, T, hs): one view op, where a view
+    to heads, a transpose and a slice are three (two with an as_strided of their own)."""
     if torch.compiler.is_compiling():  # a graph has no dispatch to save (nor storage_offset)
-        return qkv.transpose(1, 2)[:, first:first + count]
-    B, T, _, hs = qkv.shape
-    sB, sT, sH, sD = qkv.stride()
-    return qkv.as_strided((B, count, T, hs), (sB, sH, sT, sD),
-                          qkv.storage_offset() + first * sH)
+        return qkv.unflatten(-1, (-1, hs)).transpose(1, 2)[:, first:first + count]
+    B, T, _ = qkv.shape
+    sB, sT, _ = qkv.stride()
+    return qkv.as_strided((B, count, T, hs), (sB, hs, sT, 1), qkv.storage_offset() + first * hs)
 
 
 def merge_heads(y: Tensor) -> Tensor:

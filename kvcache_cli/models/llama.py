@@ -258,15 +258,16 @@ class LlamaAttention(nn.Module):
         the family norms them) and rotated."""
         B, T, _ = x.shape
         nh, nkv = self.n_head, self.n_kv_head
-        qkv = self.qkv_proj(x).view(B, T, nh + 2 * nkv, self.head_size)  # (B, T, H, hs)
+        qkv = self.qkv_proj(x)  # (B, T, H * hs)
         if fused.rows(x):  # q's and k's heads normed and rotated in place, one call
             norms = [None if n is None else n.weight for n in (self.q_norm, self.k_norm)]
             offset, eps = (0.0, 0.0) if self.q_norm is None else (self.q_norm.offset,
                                                                   self.q_norm.eps)
             fused.qk_rotary(qkv, nh, nkv, rope.table.cos, rope.table.sin, rope.pos, *norms,
                             offset, eps, self.q_scale)
-            return heads(qkv, 0, nh), heads(qkv, nh, nkv), heads(qkv, nh + nkv, nkv)
-        qkv = qkv.transpose(1, 2)  # (B, H, T, hs)
+            hs = self.head_size
+            return heads(qkv, 0, nh, hs), heads(qkv, nh, nkv, hs), heads(qkv, nh + nkv, nkv, hs)
+        qkv = qkv.view(B, T, nh + 2 * nkv, self.head_size).transpose(1, 2)  # (B, H, T, hs)
         return (*self.rotated(qkv[:, :nh + nkv], rope), qkv[:, nh + nkv:])
 
     def rotated(self, qk: Tensor, rope: RotaryAt) -> tuple[Tensor, Tensor]:
