@@ -92,8 +92,8 @@ def test_q_and_k_normed_and_rotated_in_place_equal_torchs(B, T, hs, nq, nk, qk_n
     q_scale = 0.75 if qk_norm else 1.0
     q, k = rotated_in_torch(qkv, nq, nk, rope, q_norm, k_norm, q_scale)
     v = qkv[:, :, nq + nk:].clone()
-    fused.qk_rotary(qkv.flatten(2), nq, nk, table.cos, table.sin, pos, q_norm, k_norm,
-                    1.0 if qk_norm else 0.0, 1e-6, q_scale)  # the rows, a view: in place
+    fused.qk_rotary(qkv, nq, nk, table.cos, table.sin, pos, q_norm, k_norm,
+                    1.0 if qk_norm else 0.0, 1e-6, q_scale)
     heads = qkv.transpose(1, 2)
     torch.testing.assert_close(heads[:, :nq], q, **ONE_OP)
     torch.testing.assert_close(heads[:, nq:nq + nk], k, **ONE_OP)
@@ -119,7 +119,7 @@ def test_each_fused_op_is_a_custom_op_the_compiler_can_trace():
     cases = [(fused._rms_norm, (x, w[0], 1e-6, 1.0)),
              (fused._add_rms_norm, (x, d, w[0], w[1], 1e-6, 0.0)),
              (fused._add_normed, (x, d, w[0], 1e-6, 1.0)),
-             (fused._qk_rotary, (torch.randn(1, 2, 12, generator=g), 1, 1, table, table,
+             (fused._qk_rotary, (torch.randn(1, 2, 3, 4, generator=g), 1, 1, table, table,
                                  torch.tensor([3, 5]), None, None, 0.0, 1e-6, 1.0)),
              (fused._glu, (x, 1))]
     for op, args in cases:
@@ -244,7 +244,7 @@ def test_the_compiled_step_keeps_the_fused_ops_and_the_eager_tokens(family):
 
 def test_a_q_k_v_that_cannot_be_rotated_in_place_is_refused_with_its_strides():
     table = torch.randn(8, 4)
-    qkv = torch.randn(1, 2, 24)[..., :12]  # (1, 2, 3 * 4), every row a strided half
+    qkv = torch.randn(1, 2, 3, 8)[..., :4]  # (1, 2, 3, 4), every head a strided half
     with pytest.raises(ValueError, match="strides"):
         fused.qk_rotary(qkv, 1, 1, table, table, torch.tensor([0, 1]), None, None, 0.0,
                         1e-6, 1.0)
@@ -281,3 +281,15 @@ def test_a_fused_decode_step_makes_outputs_and_views_but_no_lookup_transpose_or_
     # embedding scale is one mul by a number.
     allowed = {"embedding", "empty", "as_strided", "view", "add", "mul"}
     assert model_ops(tiny(family)) <= allowed
+
+
+@pytest.mark.parametrize("hs,nq,nk", [(64, 9, 3), (256, 4, 1)])
+def test_a_q_k_v_products_rows_as_made_rotate_as_its_heads_do(hs, nq, nk):
+    g = torch.Generator().manual_seed(hs)
+    table, pos = torch.randn(16, hs, generator=g), torch.arange(3, 8)
+    heads = torch.randn(2, 5, nq + 2 * nk, hs, generator=g)  # (B, T, H, hs)
+    rows = heads.clone().flatten(2)  # (B, T, H * hs): what the product returns
+    w = torch.randn(hs, generator=g)
+    for qkv in (heads, rows):
+        fused.qk_rotary(qkv, nq, nk, table, table.flip(0), pos, w, w, 1.0, 1e-6, 0.5)
+    assert torch.equal(rows, heads.flatten(2))

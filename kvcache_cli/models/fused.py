@@ -92,10 +92,10 @@ def add_normed(x: Tensor, delta: Tensor, delta_weight: Tensor, eps: float, offse
 def qk_rotary(qkv: Tensor, nq: int, nk: int, cos: Tensor, sin: Tensor, pos: Tensor,
               q_weight: Tensor | None, k_weight: Tensor | None, offset: float, eps: float,
               q_scale: float) -> None:
-    """In place on qkv (B, T, (nq + nk + nv) * hs), contiguous, a q|k|v product's rows as
-    it makes them (no view to dispatch): q's and k's heads normed (where weights are given),
-    rotated to their positions pos ((T,) or (B, T), rows of the tables cos and sin
-    (ctx, hs), which give the head size), q then times q_scale."""
+    """In place on qkv, contiguous, a q|k|v product's rows as it makes them, (B, T, H * hs)
+    (no view to dispatch), or as heads, (B, T, H, hs), H = nq + nk + nv: q's and k's heads
+    normed (where weights are given), rotated to their positions pos ((T,) or (B, T), rows
+    of the tables cos and sin (ctx, hs), which give the head size), q then times q_scale."""
     if not qkv.is_contiguous():  # a contiguous copy would leave the caller's heads as they were
         raise ValueError(f"qk_rotary rotates a contiguous q|k|v in place; got strides "
                          f"{qkv.stride()} for shape {tuple(qkv.shape)}")
@@ -141,7 +141,7 @@ def _qk_rotary_call(qkv: Tensor, nq: int, nk: int, cos: Tensor, sin: Tensor, pos
                     q_weight: Tensor | None, k_weight: Tensor | None, offset: float, eps: float,
                     q_scale: float) -> None:
     hs = cos.shape[-1]
-    heads = qkv.shape[-1] // hs
+    heads = qkv.shape[-2] if qkv.shape[-1] == hs else qkv.shape[-1] // hs  # H >= 3: no tie
     _lib[0].qk_rotary(qkv.data_ptr(), qkv.numel() // (heads * hs), heads, nq, nk, hs,
                       _at(q_weight), _at(k_weight), offset, eps, cos.data_ptr(), sin.data_ptr(),
                       pos.data_ptr(), pos.numel(), q_scale)
