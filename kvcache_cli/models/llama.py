@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from functools import cached_property
 
 import torch
 import torch.nn as nn
@@ -180,28 +179,31 @@ class Rotary(nn.Module):
         return self.at(pos, x.dtype)(x)
 
 
-@dataclass(frozen=True)
+@dataclass
 class RotaryAt:
     """`Rotary` at the positions of one forward's tokens. The tables' rows are looked up
-    when the torch path first rotates; a decode's fused rows read the tables by position
-    (`fused.qk_rotary`), so their step makes no lookup."""
+    when the torch path first rotates, once for every layer; a decode's fused rows read
+    the tables by position (`fused.qk_rotary`), so their step makes no lookup."""
 
     table: Rotary
     pos: Tensor  # (T,) or (B, T)
     dtype: torch.dtype  # the activations'
+    # cos and sin at these positions, (T, hs) or (B, 1, T, hs), once looked up (an
+    # attribute set, not functools.cached_property, whose lock torch.compile cannot trace)
+    rows: tuple[Tensor, Tensor] | None = dataclasses.field(default=None, init=False, repr=False)
 
-    @cached_property
     def cos_sin(self) -> tuple[Tensor, Tensor]:
-        """cos and sin at these positions, (T, hs) or (B, 1, T, hs)."""
-        t, pos = self.table, self.pos
-        cos, sin = t.cos[pos].to(self.dtype), t.sin[pos].to(self.dtype)  # (T|B,T, hs)
-        if pos.dim() == 2:  # per row: one more axis for the heads
-            cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, hs)
-        return cos, sin
+        if self.rows is None:
+            t, pos = self.table, self.pos
+            cos, sin = t.cos[pos].to(self.dtype), t.sin[pos].to(self.dtype)  # (T|B,T, hs)
+            if pos.dim() == 2:  # per row: one more axis for the heads
+                cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, hs)
+            self.rows = cos, sin
+        return self.rows
 
     def __call__(self, x: Tensor) -> Tensor:
         """x (B, h, T, hs) rotated to these positions."""
-        cos, sin = self.cos_sin
+        cos, sin = self.cos_sin()
         half = x.size(-1) // 2
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)  # rotate_half
         return x * cos + rotated * sin
