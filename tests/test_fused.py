@@ -289,3 +289,48 @@ def test_a_q_k_v_that_cannot_be_rotated_in_place_is_refused_with_its_strides():
     with pytest.raises(ValueError, match="strides"):
         fused.qk_rotary(qkv, 1, 1, table, table, torch.tensor([0, 1]), None, None, 0.0,
                         1e-6, 1.0)
+
+
+def model_ops(model) -> set[str]:
+    """The torch ops a decode step's model code (kvcache_cli/models, not the cache's)
+    dispatches, by name."""
+    import traceback
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    names: set[str] = set()
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            caller = [f.filename for f in traceback.extract_stack() if "kvcache_cli" in f.filename]
+            if caller and "kvcache_cli/models/" in caller[-1].replace("\\", "/"):
+                names.add(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    cache = make_cache("static", model, max_len=4, batch=1)
+    with torch.inference_mode():
+        model(torch.tensor([[1]]), 0, cache)
+        with Record():
+            model(torch.tensor([[2]]), 1, cache)
+    return names
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_a_fused_decode_step_makes_outputs_and_views_but_no_lookup_transpose_or_slice(family):
+    # The rotary tables are read by position in the fused call (no index), the heads are
+    # one view each (no transpose or slice), each product's output one torch.empty; Gemma's
+    # embedding scale is one mul by a number.
+    allowed = {"embedding", "empty", "as_strided", "view", "add", "mul"}
+    assert model_ops(tiny(family)) <= allowed
+
+
+@pytest.mark.parametrize("hs,nq,nk", [(64, 9, 3), (256, 4, 1)])
+def test_a_q_k_v_products_rows_as_made_rotate_as_its_heads_do(hs, nq, nk):
+    g = torch.Generator().manual_seed(hs)
+    table, pos = torch.randn(16, hs, generator=g), torch.arange(3, 8)
+    heads = torch.randn(2, 5, nq + 2 * nk, hs, generator=g)  # (B, T, H, hs)
+    rows = heads.clone().flatten(2)  # (B, T, H * hs): what the product returns
+    w = torch.randn(hs, generator=g)
+    for qkv in (heads, rows):
+        fused.qk_rotary(qkv, nq, nk, table, table.flip(0), pos, w, w, 1.0, 1e-6, 0.5)
+    assert torch.equal(rows, heads.flatten(2))

@@ -54,9 +54,24 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
                                           enable_gqa=k.size(1) < q.size(1))
 
 
+def heads(qkv: Tensor, first: int, count: int, hs: int) -> Tensor:
+    """Heads first to first + count - 1 of a q|k|v product's rows qkv (B, T, H * hs), last
+    axis contiguous, as attention takes them, (B, count, T, hs): one view op, where a view
+    to heads, a transpose and a slice are three (two with an as_strided of their own)."""
+    if torch.compiler.is_compiling():  # a graph has no dispatch to save (nor storage_offset)
+        return qkv.unflatten(-1, (-1, hs)).transpose(1, 2)[:, first:first + count]
+    B, T, _ = qkv.shape
+    sB, sT, _ = qkv.stride()
+    return qkv.as_strided((B, count, T, hs), (sB, hs, sT, 1), qkv.storage_offset() + first * hs)
+
+
 def merge_heads(y: Tensor) -> Tensor:
-    """Attention's output (B, nh, T, hs) as the rows its output projection reads, (B, T, C)."""
+    """Attention's output (B, nh, T, hs) as the rows its output projection reads, (B, T, C):
+    a decode's one token, contiguous, is already those rows (one view op, not a transpose
+    and a reshape)."""
     B, nh, T, hs = y.shape
+    if T == 1 and y.is_contiguous():
+        return y.view(B, T, nh * hs)
     return y.transpose(1, 2).reshape(B, T, nh * hs)
 
 

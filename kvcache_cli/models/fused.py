@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from kvcache_cli.models.linear import native_rows
+from kvcache_cli.models.linear import empty, native_rows, whole
 
 SOURCE = Path(__file__).with_name("fused.cpp")
 ACTIVATIONS = ("silu", "gelu_tanh")  # the kernel's code for each gated activation: its index
@@ -63,16 +63,6 @@ def _at(t: Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def _whole(t: Tensor) -> Tensor:
-    # A check, not a call: contiguous() on a contiguous tensor is still an op to dispatch.
-    return t if t.is_contiguous() else t.contiguous()
-
-
-def _empty(shape, like: Tensor) -> Tensor:
-    # torch.empty is one op to dispatch; new_empty and empty_like are two.
-    return torch.empty(shape, dtype=like.dtype, device=like.device)
-
-
 def _eager_or_op(call, op):
     """An eager call goes to the library directly (the custom op's dispatch costs more than
     a norm of 576 numbers); a compiled graph needs the op to keep the call whole."""
@@ -81,7 +71,7 @@ def _eager_or_op(call, op):
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, offset: float) -> Tensor:
     """x (..., C) normed to unit root mean square, times offset + weight (C,)."""
-    return _eager_or_op(_rms_norm_call, _rms_norm)(_whole(x), weight, eps, offset)
+    return _eager_or_op(_rms_norm_call, _rms_norm)(whole(x), weight, eps, offset)
 
 
 def add_rms_norm(x: Tensor, delta: Tensor, delta_weight: Tensor | None, weight: Tensor,
@@ -89,39 +79,40 @@ def add_rms_norm(x: Tensor, delta: Tensor, delta_weight: Tensor | None, weight: 
     """(s, s normed with gain offset + weight) for s = x + delta, delta first normed with
     gain offset + delta_weight where given; x, delta (..., C)."""
     run = _eager_or_op(_add_rms_norm_call, _add_rms_norm)
-    return run(_whole(x), _whole(delta), delta_weight, weight, eps, offset)
+    return run(whole(x), whole(delta), delta_weight, weight, eps, offset)
 
 
 def add_normed(x: Tensor, delta: Tensor, delta_weight: Tensor, eps: float, offset: float
                ) -> Tensor:
     """x + delta normed with gain offset + delta_weight; x, delta (..., C)."""
     run = _eager_or_op(_add_normed_call, _add_normed)
-    return run(_whole(x), _whole(delta), delta_weight, eps, offset)
+    return run(whole(x), whole(delta), delta_weight, eps, offset)
 
 
 def qk_rotary(qkv: Tensor, nq: int, nk: int, cos: Tensor, sin: Tensor, pos: Tensor,
               q_weight: Tensor | None, k_weight: Tensor | None, offset: float, eps: float,
               q_scale: float) -> None:
-    """In place on qkv (B, T, nq + nk + nv, hs), contiguous, a q|k|v product's rows: q's
-    and k's heads normed (where weights are given), rotated to their positions pos ((T,)
-    or (B, T), rows of the tables cos and sin (ctx, hs)), q then times q_scale."""
+    """In place on qkv, contiguous, a q|k|v product's rows as it makes them, (B, T, H * hs)
+    (no view to dispatch), or as heads, (B, T, H, hs), H = nq + nk + nv: q's and k's heads
+    normed (where weights are given), rotated to their positions pos ((T,) or (B, T), rows
+    of the tables cos and sin (ctx, hs), which give the head size), q then times q_scale."""
     if not qkv.is_contiguous():  # a contiguous copy would leave the caller's heads as they were
         raise ValueError(f"qk_rotary rotates a contiguous q|k|v in place; got strides "
                          f"{qkv.stride()} for shape {tuple(qkv.shape)}")
     if pos.dtype != torch.int64:
         pos = pos.long()
     run = _eager_or_op(_qk_rotary_call, _qk_rotary)
-    run(qkv, nq, nk, cos, sin, _whole(pos), q_weight, k_weight, offset, eps, q_scale)
+    run(qkv, nq, nk, cos, sin, whole(pos), q_weight, k_weight, offset, eps, q_scale)
 
 
 def glu(gate_up: Tensor, activation: str) -> Tensor:
     """act(gate) * up (..., I) of a gate|up product (..., 2I), gate first; act one of
     ACTIVATIONS."""
-    return _eager_or_op(_glu_call, _glu)(_whole(gate_up), ACTIVATIONS.index(activation))
+    return _eager_or_op(_glu_call, _glu)(whole(gate_up), ACTIVATIONS.index(activation))
 
 
 def _rms_norm_call(x: Tensor, weight: Tensor, eps: float, offset: float) -> Tensor:
-    y = _empty(x.shape, x)  # (..., C)
+    y = empty(x.shape, x)  # (..., C)
     C = x.shape[-1]
     _lib[0].rms_norm(x.data_ptr(), weight.data_ptr(), offset, eps, y.data_ptr(),
                      x.numel() // C, C)
@@ -130,7 +121,7 @@ def _rms_norm_call(x: Tensor, weight: Tensor, eps: float, offset: float) -> Tens
 
 def _add_rms_norm_call(x: Tensor, delta: Tensor, delta_weight: Tensor | None, weight: Tensor,
                        eps: float, offset: float) -> tuple[Tensor, Tensor]:
-    s, y = _empty(x.shape, x), _empty(x.shape, x)
+    s, y = empty(x.shape, x), empty(x.shape, x)
     C = x.shape[-1]
     _lib[0].add_rms_norm(x.data_ptr(), delta.data_ptr(), _at(delta_weight), weight.data_ptr(),
                          offset, eps, s.data_ptr(), y.data_ptr(), x.numel() // C, C)
@@ -139,7 +130,7 @@ def _add_rms_norm_call(x: Tensor, delta: Tensor, delta_weight: Tensor | None, we
 
 def _add_normed_call(x: Tensor, delta: Tensor, delta_weight: Tensor, eps: float,
                      offset: float) -> Tensor:
-    s = _empty(x.shape, x)
+    s = empty(x.shape, x)
     C = x.shape[-1]
     _lib[0].add_rms_norm(x.data_ptr(), delta.data_ptr(), delta_weight.data_ptr(), None,
                          offset, eps, s.data_ptr(), None, x.numel() // C, C)
@@ -149,7 +140,8 @@ def _add_normed_call(x: Tensor, delta: Tensor, delta_weight: Tensor, eps: float,
 def _qk_rotary_call(qkv: Tensor, nq: int, nk: int, cos: Tensor, sin: Tensor, pos: Tensor,
                     q_weight: Tensor | None, k_weight: Tensor | None, offset: float, eps: float,
                     q_scale: float) -> None:
-    heads, hs = qkv.shape[-2:]
+    hs = cos.shape[-1]
+    heads = qkv.shape[-2] if qkv.shape[-1] == hs else qkv.shape[-1] // hs  # H >= 3: no tie
     _lib[0].qk_rotary(qkv.data_ptr(), qkv.numel() // (heads * hs), heads, nq, nk, hs,
                       _at(q_weight), _at(k_weight), offset, eps, cos.data_ptr(), sin.data_ptr(),
                       pos.data_ptr(), pos.numel(), q_scale)
@@ -157,7 +149,7 @@ def _qk_rotary_call(qkv: Tensor, nq: int, nk: int, cos: Tensor, sin: Tensor, pos
 
 def _glu_call(gate_up: Tensor, act: int) -> Tensor:
     I = gate_up.shape[-1] // 2  # noqa: E741 (the MLP's inner width, as the config names it)
-    y = _empty((*gate_up.shape[:-1], I), gate_up)  # (..., I)
+    y = empty((*gate_up.shape[:-1], I), gate_up)  # (..., I)
     _lib[0].glu(gate_up.data_ptr(), y.data_ptr(), gate_up.numel() // (2 * I), I, act)
     return y
 

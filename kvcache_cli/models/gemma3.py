@@ -23,6 +23,7 @@ matters to the cache:
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -263,6 +264,14 @@ class Gemma3Block(nn.Module):
         return self.post_feedforward_layernorm.norm_then_add(x, self.mlp(h))
 
 
+@functools.cache
+def embedding_scale(n_embd: int, dtype: torch.dtype) -> float:
+    """sqrt(C) made in float32 and rounded to the activations' dtype, as transformers does
+    (in bfloat16 sqrt(640) = 25.298 is 25.25): a number, made once, so a step multiplies by
+    it with one op, not four (a tensor made, cast and multiplied)."""
+    return torch.tensor(n_embd ** 0.5).to(dtype).item()
+
+
 def rotaries(config: Gemma3Config) -> nn.ModuleDict:
     """A `Rotary` per layer kind present ('full', 'sliding'), each of its base and factor."""
     kinds = dict.fromkeys(t.kind for t in config.layer_types)  # in layer order, once each
@@ -281,9 +290,7 @@ class Gemma3(FamilyModel):
         if not isinstance(step, Step):
             step = Step.at(step, idx.size(1), self.config.context, idx.device)
         x = self.model.embed_tokens(idx)  # (B, T, C)
-        # sqrt(C) made in float32 and cast to the activations' dtype, as transformers does
-        # (in bfloat16 sqrt(640) = 25.298 is 25.25).
-        x = x * torch.tensor(self.config.n_embd ** 0.5).to(x.dtype)
+        x = x * embedding_scale(self.config.n_embd, x.dtype)
         ropes = {kind: r.at(step.pos, x.dtype) for kind, r in self.rotary.items()}  # once each
         for block in self.model.layers:
             x = block(x, step, ropes[block.kind], cache)

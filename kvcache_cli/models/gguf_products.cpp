@@ -24,34 +24,13 @@
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(GGUF_SCALAR)
 #define GGUF_SIMD 1
+#define HALF_F16C 1
 #include <immintrin.h>
 #endif
 
+#include "half.h"
+
 namespace {
-
-float from_half(uint16_t h) {
-#ifdef GGUF_SIMD
-    return _cvtsh_ss(h);
-#else
-    const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-    const uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff;
-    if (exp == 0) {  // zero or subnormal: man * 2^-24, exact in float32
-        const float f = static_cast<float>(man) * 5.9604644775390625e-8f;
-        return sign ? -f : f;
-    }
-    const uint32_t bits = sign | (exp == 31 ? 0x7f800000u | (man << 13)
-                                            : ((exp + 112) << 23) | (man << 13));
-    float f;
-    std::memcpy(&f, &bits, sizeof f);
-    return f;
-#endif
-}
-
-inline uint16_t half_at(const uint8_t* p) {
-    uint16_t h;
-    std::memcpy(&h, p, sizeof h);
-    return h;
-}
 
 // One block unpacked: w[i] = d[i / 16] * q[i] + m[i / 32] (m only where MINS).
 struct Unpacked {

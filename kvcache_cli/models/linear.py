@@ -160,7 +160,8 @@ def native_rows(x: Tensor) -> bool:
 def native_product(x: Tensor, w: Tensor, scales: Tensor | None, bias: Tensor | None) -> Tensor:
     """x (..., K) @ w (N, K)^T (times bfloat16 scales (N,)) (+ bias): the native kernel,
     one op that torch.compile keeps whole."""
-    bias = None if bias is None else bias.float()
+    if bias is not None and bias.dtype != torch.float32:
+        bias = bias.float()
     # Eager calls skip the custom op's dispatch (tens of µs, a fifth of a small product's
     # time) and the reshapes around it; a compiled graph needs the op to keep the call whole.
     if not torch.compiler.is_compiling():
@@ -172,9 +173,9 @@ def native_product(x: Tensor, w: Tensor, scales: Tensor | None, bias: Tensor | N
 def _native_call(x: Tensor, w: Tensor, scales: Tensor | None, bias: Tensor | None) -> Tensor:
     """x (..., K) @ w (N, K)^T -> (..., N): the rows as they lie, one kernel call."""
     lib = products()
-    x = x.contiguous()
+    x = whole(x)
     K, N = x.shape[-1], w.shape[0]
-    y = x.new_empty(*x.shape[:-1], N)
+    y = empty((*x.shape[:-1], N), x)
     R = x.numel() // K
     scales_at = None if scales is None else scales.data_ptr()
     bias_at = None if bias is None else bias.data_ptr()
@@ -186,6 +187,18 @@ def _native_call(x: Tensor, w: Tensor, scales: Tensor | None, bias: Tensor | Non
         fn = lib.product_f16 if w.dtype == torch.float16 else lib.product_f32
         fn(x.data_ptr(), w.data_ptr(), bias_at, y.data_ptr(), R, N, K, threads)
     return y
+
+
+def whole(t: Tensor) -> Tensor:
+    """t, contiguous: a decode's wrappers check rather than call, since contiguous() on a
+    contiguous tensor still costs a call through torch's Python binding."""
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def empty(shape: tuple[int, ...], like: Tensor) -> Tensor:
+    """An output of `shape` with like's dtype and device: one op to dispatch, where
+    new_empty and empty_like are two (a step makes some 150 of them)."""
+    return torch.empty(shape, dtype=like.dtype, device=like.device)
 
 
 @torch.library.custom_op("kvcache::native_product", mutates_args=())
@@ -401,13 +414,14 @@ class Int4Linear(nn.Module):
         self.planes = len(planes)
 
     def forward(self, x: Tensor) -> Tensor:
-        rows = x.reshape(-1, self.in_features).to(torch.bfloat16)  # (R, in)
+        rows = whole(x).view(-1, self.in_features).to(torch.bfloat16)  # (R, in)
         y = None
         for i in range(self.planes):
             part = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 rows, getattr(self, f"packed{i}"), GROUP, getattr(self, f"scales{i}"))
             y = part.float() if y is None else y + part.float()  # (R, out)
-        return y.view(*x.shape[:-1], self.out_features).to(x.dtype)  # (..., out)
+        y = y.view(*x.shape[:-1], self.out_features)  # (..., out)
+        return y if x.dtype == torch.float32 else y.to(x.dtype)  # a check: no op to dispatch
 
     def dequantized(self) -> Tensor:
         """The float32 weight this module computes with, (out, in)."""

@@ -28,7 +28,7 @@ from torch import Tensor
 from kvcache_cli.caches.base import CacheShape, KVCache, LayerType
 from kvcache_cli.caches.step import Step
 from kvcache_cli.models import fused
-from kvcache_cli.models.base import FamilyModel, causal_attention, merge_heads
+from kvcache_cli.models.base import FamilyModel, causal_attention, heads, merge_heads
 from kvcache_cli.models.linear import Linear
 
 
@@ -169,37 +169,48 @@ class Rotary(nn.Module):
         self.register_buffer("sin", angles.sin(), persistent=False)
 
     def at(self, pos: Tensor, dtype: torch.dtype) -> RotaryAt:
-        """The rotation to positions pos, (T,) for every row or (B, T), looked up once: a
-        forward makes it once and its 30 layers share it (SmolLM2 looked the table up
-        120 times a step, four small ops each)."""
-        cos, sin = self.cos[pos].to(dtype), self.sin[pos].to(dtype)  # (T|B,T, hs)
-        if pos.dim() == 2:  # per row: one more axis for the heads
-            cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, hs)
-        return RotaryAt(self, pos, cos, sin)
+        """The rotation to positions pos, (T,) for every row or (B, T): a forward makes it
+        once and its 30 layers share it (SmolLM2 looked the table up 120 times a step, four
+        small ops each)."""
+        return RotaryAt(self, pos, dtype)
 
     def forward(self, x: Tensor, pos: Tensor) -> Tensor:
         """x (B, h, T, hs) rotated to positions pos: (T,) for every row, or (B, T)."""
         return self.at(pos, x.dtype)(x)
 
 
-@dataclass(frozen=True)
+@dataclass
 class RotaryAt:
-    """`Rotary` looked up at the positions of one forward's tokens."""
+    """`Rotary` at the positions of one forward's tokens. The tables' rows are looked up
+    when the torch path first rotates, once for every layer; a decode's fused rows read
+    the tables by position (`fused.qk_rotary`), so their step makes no lookup."""
 
     table: Rotary
     pos: Tensor  # (T,) or (B, T)
-    cos: Tensor  # (T, hs) or (B, 1, T, hs)
-    sin: Tensor
+    dtype: torch.dtype  # the activations'
+    # cos and sin at these positions, (T, hs) or (B, 1, T, hs), once looked up (an
+    # attribute set, not functools.cached_property, whose lock torch.compile cannot trace)
+    rows: tuple[Tensor, Tensor] | None = dataclasses.field(default=None, init=False, repr=False)
+
+    def cos_sin(self) -> tuple[Tensor, Tensor]:
+        if self.rows is None:
+            t, pos = self.table, self.pos
+            cos, sin = t.cos[pos].to(self.dtype), t.sin[pos].to(self.dtype)  # (T|B,T, hs)
+            if pos.dim() == 2:  # per row: one more axis for the heads
+                cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, hs)
+            self.rows = cos, sin
+        return self.rows
 
     def __call__(self, x: Tensor) -> Tensor:
         """x (B, h, T, hs) rotated to these positions."""
+        cos, sin = self.cos_sin()
         half = x.size(-1) // 2
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)  # rotate_half
-        return x * self.cos + rotated * self.sin
+        return x * cos + rotated * sin
 
     def moved_to(self, pos: Tensor) -> RotaryAt:
         """The same table at other positions."""
-        return self.table.at(pos, self.cos.dtype)
+        return self.table.at(pos, self.dtype)
 
 
 @dataclass(frozen=True)
@@ -249,16 +260,16 @@ class LlamaAttention(nn.Module):
         the family norms them) and rotated."""
         B, T, _ = x.shape
         nh, nkv = self.n_head, self.n_kv_head
-        qkv = self.qkv_proj(x).view(B, T, nh + 2 * nkv, self.head_size)  # (B, T, H, hs)
+        qkv = self.qkv_proj(x)  # (B, T, H * hs)
         if fused.rows(x):  # q's and k's heads normed and rotated in place, one call
             norms = [None if n is None else n.weight for n in (self.q_norm, self.k_norm)]
             offset, eps = (0.0, 0.0) if self.q_norm is None else (self.q_norm.offset,
                                                                   self.q_norm.eps)
             fused.qk_rotary(qkv, nh, nkv, rope.table.cos, rope.table.sin, rope.pos, *norms,
                             offset, eps, self.q_scale)
-            qkv = qkv.transpose(1, 2)  # (B, H, T, hs)
-            return qkv[:, :nh], qkv[:, nh:nh + nkv], qkv[:, nh + nkv:]
-        qkv = qkv.transpose(1, 2)  # (B, H, T, hs)
+            hs = self.head_size
+            return heads(qkv, 0, nh, hs), heads(qkv, nh, nkv, hs), heads(qkv, nh + nkv, nkv, hs)
+        qkv = qkv.view(B, T, nh + 2 * nkv, self.head_size).transpose(1, 2)  # (B, H, T, hs)
         return (*self.rotated(qkv[:, :nh + nkv], rope), qkv[:, nh + nkv:])
 
     def rotated(self, qk: Tensor, rope: RotaryAt) -> tuple[Tensor, Tensor]:

@@ -29,8 +29,11 @@
 #define PRODUCTS_512 1
 #else
 #define PRODUCTS_256 1
+#define HALF_F16C 1  // half.h's conversion by F16C
 #endif
 #endif
+
+#include "half.h"
 
 namespace {
 
@@ -84,7 +87,6 @@ inline float lanes_sum(V v) {
     return _mm_cvtss_f32(_mm_hadd_ps(s, s));
 }
 inline V floats(const float* p) { return _mm256_loadu_ps(p); }
-inline float widen_half(uint16_t h) { return _cvtsh_ss(h); }
 #else
 // The compiler's own vectors, lane by lane as the intrinsics are: with loops over an
 // array of floats, vectorised and (under -ffast-math) reordered anew wherever they were
@@ -101,19 +103,6 @@ inline V floats(const float* p) {
     V v;
     std::memcpy(&v, p, sizeof v);
     return v;
-}
-inline float widen_half(uint16_t h) {
-    const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-    const uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff;
-    if (exp == 0) {  // zero or subnormal: man * 2^-24, exact in float32
-        const float f = static_cast<float>(man) * 5.9604644775390625e-8f;
-        return sign ? -f : f;
-    }
-    const uint32_t bits = sign | (exp == 31 ? 0x7f800000u | (man << 13)
-                                            : ((exp + 112) << 23) | (man << 13));
-    float f;
-    std::memcpy(&f, &bits, sizeof f);
-    return f;
 }
 #endif
 
@@ -152,7 +141,7 @@ struct Half {
 #else
     static V load(const T* p) { return load(p, L); }
 #endif
-    static V load(const T* p, int n) { return part(p, n, widen_half); }
+    static V load(const T* p, int n) { return part(p, n, from_half); }
 };
 
 struct Float {

@@ -31,6 +31,8 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
+from kvcache_cli.models.linear import empty, whole
+
 # ggml's block types the kernel reads: (GGMLQuantizationType's number, weights a block,
 # bytes a block), as gguf's GGML_QUANT_SIZES has them.
 BLOCK_TYPES = {"Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22),
@@ -130,11 +132,13 @@ class BlockLinear(nn.Module):
         return [getattr(self, f"blocks{i}") for i in range(len(self.types))]
 
     def forward(self, x: Tensor) -> Tensor:
-        rows = x.reshape(-1, self.in_features).float()  # (R, in)
+        # Each cast, reshape or add a check, not a call, on a decode's float32 rows: each
+        # call is an op to dispatch, a few µs, for every product of every step.
+        rows = x if x.dtype == torch.float32 else x.float()  # (..., in)
         run = block_product if torch.compiler.is_compiling() else _product
-        y = run(rows, self.parts(), self.types, self.format != "gguf")  # (R, out)
+        y = run(rows, self.parts(), self.types, self.format != "gguf")  # (..., out)
         y = y if self.bias is None else y + self.bias
-        return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
 
     def dequantized(self) -> Tensor:
         """The float32 weight its blocks hold, (out, in)."""
@@ -150,27 +154,28 @@ def _unpacked(blocks: Tensor, kind: int, K: int) -> Tensor:
     return out
 
 
-def _product(rows: Tensor, parts: list[Tensor], types: list[int], integer: bool) -> Tensor:
-    """(R, K) @ the parts' rows^T -> (R, N): a decode's few rows by the block kernel
+def _product(x: Tensor, parts: list[Tensor], types: list[int], integer: bool) -> Tensor:
+    """x (..., K) @ the parts' rows^T -> (..., N): a decode's few rows by the block kernel
     (`integer`: llama.cpp's, the row rounded to 8 bits), a prefill's many through float32
     slices of rows and torch's matrix product."""
     lib, threads = kernels(), torch.get_num_threads()
     product = kernels(Q8_SOURCE).gguf_q8_product if integer else lib.gguf_product
-    rows = rows.contiguous()
-    R, K = rows.shape
-    N = sum(p.shape[0] for p in parts)
-    y = rows.new_empty(R, N)
+    x = whole(x)
+    K, N = x.shape[-1], sum(p.shape[0] for p in parts)
+    R = x.numel() // K
+    y = empty((*x.shape[:-1], N), x)
     at = 0
     for blocks, kind in zip(parts, types, strict=True):
         n = blocks.shape[0]
         if R <= DECODE_ROWS:  # written straight into its columns: rows N apart
-            product(kind, rows.data_ptr(), blocks.data_ptr(), y.data_ptr() + 4 * at, R, n, K,
+            product(kind, x.data_ptr(), blocks.data_ptr(), y.data_ptr() + 4 * at, R, n, K,
                     N, threads)
         else:
+            rows, out = x.view(R, K), y.view(R, N)
             step = max(1, DEQUANTIZE_FLOATS // K)
             for i in range(0, n, step):
                 w = _unpacked(blocks[i:i + step], kind, K)  # (step, K)
-                y[:, at + i:at + i + w.shape[0]] = rows @ w.t()
+                out[:, at + i:at + i + w.shape[0]] = rows @ w.t()
         at += n
     return y
 
@@ -184,4 +189,4 @@ def block_product(rows: Tensor, parts: list[Tensor], types: list[int], integer: 
 
 @block_product.register_fake
 def _(rows: Tensor, parts: list[Tensor], types: list[int], integer: bool) -> Tensor:
-    return rows.new_empty(rows.size(0), sum(p.size(0) for p in parts))
+    return rows.new_empty(*rows.shape[:-1], sum(p.size(0) for p in parts))
