@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from nativekit import kernel_fixtures
 
 from kvcache_cli.caches import paged
 from kvcache_cli.caches.base import CacheShape
@@ -21,19 +22,7 @@ from kvcache_cli.caches.step import Step
 from kvcache_cli.serving.hybrid_blocks import Group
 from kvcache_cli.serving.hybrid_pool import HybridPool
 
-
-@pytest.fixture(scope="module", params=["vector", "plain"])
-def lib(request):
-    """The kernel as serve loads it, or its plain loops; skipped where neither builds."""
-    built, why = paged.load(() if request.param == "vector" else ("-DCODE_ATTENTION_SCALAR",))
-    if built is None:
-        pytest.skip(why)
-    return built
-
-
-@pytest.fixture
-def use(lib, monkeypatch):
-    monkeypatch.setattr(paged, "kernel", lambda: lib)
+lib, use = kernel_fixtures(paged)
 
 
 def scattered(nkv, n_blocks, bs, hs, dtype, seed=0):
@@ -103,10 +92,9 @@ def test_a_row_past_its_table_is_refused_not_read(use):
                            torch.tensor([20]), torch.empty_like(q))
 
 
-def step_through(pool, starts, lengths, nh, in_place, monkeypatch, layers=1):
+def step_through(pool, starts, lengths, nh, layers=1):
     """Every layer's `PackedRows.attend` output of one step (1, nh, N, hs), its keys written
-    first; in place or every row gathered."""
-    monkeypatch.setattr(paged, "reads_in_place", lambda pool, q: in_place)
+    first."""
     pos = torch.cat([torch.arange(s, s + t) for s, t in zip(starts, lengths)])  # (N,)
     view = PackedRows(pool, starts, lengths, pos)
     g = torch.Generator().manual_seed(5)
@@ -120,6 +108,37 @@ def step_through(pool, starts, lengths, nh, in_place, monkeypatch, layers=1):
     return out
 
 
+def random_pool(pool, rows: int, width: int, seed: int, groups: int = 0):
+    """pool with random keys and values, bound to random tables (rows, width): each row's
+    blocks anywhere in the pool, in no order; one table per group where groups."""
+    gen = torch.Generator().manual_seed(seed)
+    pool.k.normal_(generator=gen)
+    pool.v.normal_(generator=gen)
+    n_blocks = pool.k.size(2)
+    tables = [torch.randperm(n_blocks, generator=gen)[: rows * width].view(rows, width)
+              for _ in range(max(groups, 1))]
+    pool.bind(torch.stack(tables) if groups else tables[0])  # ([groups,] rows, width)
+    return pool
+
+
+def in_place_equals_gathered(pool, monkeypatch, run):
+    """run() (a list of outputs) on the pool as it is, every row gathered, then again from
+    the same pool in place: the same outputs within float32 rounding, and the same
+    `length` and `bytes_copied`."""
+    saved = pool.k.clone(), pool.v.clone()
+    runs = []
+    for in_place in (False, True):
+        monkeypatch.setattr(paged, "reads_in_place", lambda pool, q, on=in_place: on)
+        pool.k.copy_(saved[0])
+        pool.v.copy_(saved[1])
+        pool.reset()
+        runs.append((run(), pool.length, pool.bytes_copied))
+    (want, *books), (got, *kept) = runs
+    assert kept == books
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=2e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize(("starts", "lengths"), [
     ([40, 7, 299, 0, 18], [1, 1, 1, 1, 1]),       # decodes only
     ([40, 7, 299, 0, 18], [1, 1, 1, 23, 9]),      # decodes first, then prompt chunks
@@ -127,37 +146,18 @@ def step_through(pool, starts, lengths, nh, in_place, monkeypatch, layers=1):
 ])
 def test_packed_rows_in_place_equal_the_gathered_step(use, monkeypatch, starts, lengths):
     shape = CacheShape(n_layer=2, n_kv_head=3, head_size=64, context=512)
-    pool = PagedCache(shape, 120, 16, "cpu", torch.float32)
-    gen = torch.Generator().manual_seed(3)
-    pool.k.normal_(generator=gen)
-    pool.v.normal_(generator=gen)
-    pool.bind(torch.randperm(120, generator=gen)[:5 * 22].view(5, 22))  # (B, 22)
-    saved = pool.k.clone(), pool.v.clone()
-    want = step_through(pool, starts, lengths, 9, False, monkeypatch, layers=2)
-    pool.k, pool.v = saved[0].clone(), saved[1].clone()
-    got = step_through(pool, starts, lengths, 9, True, monkeypatch, layers=2)
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g, w, atol=2e-5, rtol=1e-4)
+    pool = random_pool(PagedCache(shape, 120, 16, "cpu", torch.float32), 5, 22, 3)
+    in_place_equals_gathered(pool, monkeypatch,
+                             lambda: step_through(pool, starts, lengths, 9, layers=2))
 
 
 def test_a_hybrid_pools_groups_read_their_own_tables_and_window(use, monkeypatch):
     groups = (Group(8, (0, 2)), Group(None, (1, 3)))  # a sliding group, a global one
     shape = CacheShape(n_layer=4, n_kv_head=1, head_size=32, context=512)
-    pool = HybridPool(shape, groups, 90, 4, "cpu", torch.float32)
-    gen = torch.Generator().manual_seed(4)
-    pool.k.normal_(generator=gen)
-    pool.v.normal_(generator=gen)
-    tables = torch.stack([torch.randperm(90, generator=gen)[:3 * 25].view(3, 25)
-                          for _ in groups])  # (groups, B, 25)
-    tables[0, :2, :2] = 0  # blocks the sliding group gave back: read as block 0, unseen
-    pool.bind(tables)
-    saved = pool.k.clone(), pool.v.clone()
-    starts, lengths = [60, 31, 0], [1, 1, 12]
-    want = step_through(pool, starts, lengths, 4, False, monkeypatch, layers=4)
-    pool.k, pool.v = saved[0].clone(), saved[1].clone()
-    got = step_through(pool, starts, lengths, 4, True, monkeypatch, layers=4)
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g, w, atol=2e-5, rtol=1e-4)
+    pool = random_pool(HybridPool(shape, groups, 90, 4, "cpu", torch.float32), 3, 25, 4, 2)
+    pool.block_tables[0, :2, :2] = 0  # blocks the sliding group gave back: block 0, unseen
+    in_place_equals_gathered(pool, monkeypatch,
+                             lambda: step_through(pool, [60, 31, 0], [1, 1, 12], 4, layers=4))
 
 
 def test_codes_half_queries_and_the_torch_switch_keep_the_gather(lib, monkeypatch):
