@@ -13,12 +13,16 @@ from __future__ import annotations
 import pytest
 import torch
 from nativekit import kernel_fixtures
+from torch.profiler import ProfilerActivity, profile
 
-from kvcache_cli.caches import paged
-from kvcache_cli.caches.base import CacheShape
-from kvcache_cli.caches.paged import PackedRows, PagedCache
+from kvcache_cli.caches import make_cache, paged
+from kvcache_cli.caches.base import CacheShape, LayerType
+from kvcache_cli.caches.paged import PackedRows, PaddedRows, PagedCache
 from kvcache_cli.caches.quantized_pool import QuantPagedCache
 from kvcache_cli.caches.step import Step
+from kvcache_cli.generate import generate
+from kvcache_cli.models.gemma3 import Gemma3, Gemma3Config
+from kvcache_cli.models.llama import Llama, LlamaConfig, init_random
 from kvcache_cli.serving.hybrid_blocks import Group
 from kvcache_cli.serving.hybrid_pool import HybridPool
 
@@ -158,6 +162,120 @@ def test_a_hybrid_pools_groups_read_their_own_tables_and_window(use, monkeypatch
     pool.block_tables[0, :2, :2] = 0  # blocks the sliding group gave back: block 0, unseen
     in_place_equals_gathered(pool, monkeypatch,
                              lambda: step_through(pool, [60, 31, 0], [1, 1, 12], 4, layers=4))
+
+
+def decode_through(cache, start, nh, layers):
+    """Every layer's `PagedCache.attend` output of one decode step (B, nh, 1, hs) from
+    start (an int, or (B,) per row)."""
+    g = torch.Generator().manual_seed(6)
+    B, nkv, hs = cache.block_tables.size(-2), cache.k.size(1), cache.k.size(-1)
+    step = Step.at(start, 1, 512, "cpu")
+    return [cache.attend(layer, torch.randn(B, nh, 1, hs, generator=g),
+                         torch.randn(B, nkv, 1, hs, generator=g),
+                         torch.randn(B, nkv, 1, hs, generator=g), step)
+            for layer in range(layers)]
+
+
+@pytest.mark.parametrize("start", [37, torch.tensor([40, 7, 299, 0])])
+def test_a_decode_step_reads_its_rows_in_place_like_the_gather(use, monkeypatch, start):
+    """generate, bench and eval (one start), and serve's prefill-first decode (a start a
+    row), through `PagedCache.attend`."""
+    shape = CacheShape(n_layer=2, n_kv_head=3, head_size=64, context=512)
+    pool = random_pool(PagedCache(shape, 120, 16, "cpu", torch.float32), 4, 22, 7)
+    in_place_equals_gathered(pool, monkeypatch, lambda: decode_through(pool, start, 9, 2))
+
+
+def test_a_hybrid_pools_decode_step_keeps_each_groups_window_in_place(use, monkeypatch):
+    groups = (Group(8, (0, 2)), Group(None, (1, 3)))  # a sliding group, a global one
+    shape = CacheShape(n_layer=4, n_kv_head=1, head_size=32, context=512)
+    pool = random_pool(HybridPool(shape, groups, 90, 4, "cpu", torch.float32), 3, 25, 8, 2)
+    pool.block_tables[0, :2, :2] = 0  # blocks the sliding group gave back: block 0, unseen
+    start = torch.tensor([60, 31, 90])
+    in_place_equals_gathered(pool, monkeypatch, lambda: decode_through(pool, start, 4, 4))
+
+
+@pytest.mark.parametrize(("starts", "lengths"), [
+    ([40, 7, 299, 0], [1, 1, 1, 1]),     # decodes only: T == 1
+    ([40, 7, 200, 18], [1, 1, 23, 9]),   # decodes first, then prompt chunks
+    ([40, 0, 299, 16], [1, 23, 1, 40]),  # decodes among the chunks
+])
+def test_padded_rows_decodes_in_place_equal_the_gathered_step(use, monkeypatch, starts,
+                                                              lengths):
+    shape = CacheShape(n_layer=2, n_kv_head=3, head_size=64, context=512)
+    pool = random_pool(PagedCache(shape, 120, 16, "cpu", torch.float32), 4, 22, 9)
+    start, length = torch.tensor(starts), torch.tensor(lengths)  # (B,) each
+    T = max(lengths)
+    steps = torch.arange(T)  # (T,)
+    real = steps < length[:, None]  # (B, T)
+    pos = start[:, None] + torch.minimum(steps, length[:, None] - 1)  # (B, T), as serve's
+    step = Step(start, pos, torch.arange(4) * T + length - 1)
+
+    def run():
+        view, g = PaddedRows(pool, pos, real), torch.Generator().manual_seed(5)
+        out = []
+        for layer in range(2):
+            q = torch.randn(4, 9, T, 64, generator=g)  # (B, nh, T, hs)
+            k, v = (torch.randn(4, 3, T, 64, generator=g) for _ in range(2))
+            out.append(view.attend(layer, q, k, v, step).transpose(1, 2)[real])  # (N, nh, hs)
+        return out
+
+    in_place_equals_gathered(pool, monkeypatch, run)
+
+
+def tiny_llama():
+    config = LlamaConfig(n_layer=2, n_head=6, n_kv_head=2, n_embd=48, intermediate=64,
+                         vocab_size=96, context=128)
+    return init_random(Llama(config), 0.3, 0).eval()
+
+
+def tiny_gemma3():
+    """6 layers, (sliding of 8, sliding, full) x 2: the rings hold the sliding layers, the
+    pool the full ones."""
+    types = (LayerType(8, 10_000.0),) * 2 + (LayerType(None, 1e6),)
+    config = Gemma3Config(n_layer=6, n_head=4, n_kv_head=1, n_embd=64, intermediate=96,
+                          vocab_size=211, context=256, head_dim=32, layer_types=types * 2,
+                          query_pre_attn_scalar=24)
+    torch.manual_seed(0)
+    model = Gemma3(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):  # the post-norms' gains near 2: tokens vary
+                p.normal_(1.0 if ".post_" in name else 0.0, 0.3)
+            else:
+                p.normal_(0, 0.05 if "embed" in name else 0.3)
+    return model
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_gemma3])
+def test_generate_through_a_paged_cache_in_place_makes_the_static_tokens(use, monkeypatch,
+                                                                         make):
+    model, calls = make(), []
+    read = paged.attend_paged
+    monkeypatch.setattr(paged, "attend_paged", lambda *a: calls.append(1) or read(*a))
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3]  # past one block of 16
+    with torch.no_grad():
+        static = generate(model, prompt, 40, "static").tokens
+        assert not calls
+        got = generate(model, prompt, 40, "paged:b16").tokens
+    assert len(set(static)) >= 8  # tokens that vary: a repeated one would prove little
+    assert list(got) == list(static) and calls  # the decode steps read in place
+
+
+def test_a_paged_decode_step_runs_fewer_ops_in_place(use, monkeypatch):
+    model = tiny_llama()
+    prompt = list(range(10, 30))
+
+    def ops(in_place: bool) -> int:
+        monkeypatch.setattr(paged, "reads_in_place", lambda pool, q: in_place)
+        cache = make_cache("paged:b16", model, max_len=32)
+        with torch.no_grad():
+            model(torch.tensor([prompt]), 0, cache)
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                model(torch.tensor([[7]]), len(prompt), cache)
+        return sum(e.count for e in prof.key_averages())
+
+    gathered, in_place = ops(False), ops(True)
+    assert in_place < gathered, (in_place, gathered)
 
 
 def test_codes_half_queries_and_the_torch_switch_keep_the_gather(lib, monkeypatch):
