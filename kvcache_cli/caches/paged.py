@@ -15,8 +15,10 @@ layout. Built from a spec
 (`paged:b16`, for generate, bench and eval) it owns its blocks alone: each row gets
 the blocks its longest sequence needs, in order, as a block manager would hand out.
 
-The gather copies every key once more a layer and step. `PackedRows` (serve's layout) reads
-its one-token rows' blocks in place instead, as vLLM's paged attention does: a C++ kernel
+The gather copies every key once more a layer and step. A row of one new token (a decode
+step through `PagedCache.attend`, for generate, bench, eval and serve's prefill-first; a
+`PackedRows` or `PaddedRows` one-token row) reads its blocks in place instead, as vLLM's
+paged attention does (`attend_in_place`, shared by all three): a C++ kernel
 (`paged_attention.cpp`, built at first use by `caches.native`) walks each row's block table
 straight through the pool, on the CPU, for float32 queries over a float32, float16 or
 bfloat16 pool; only the prompt chunks' rows are gathered. Elsewhere (CUDA, no compiler, a
