@@ -12,16 +12,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gemmakit import random_gemma3
 from nativekit import kernel_fixtures
 from torch.profiler import ProfilerActivity, profile
 
 from kvcache_cli.caches import make_cache, paged
-from kvcache_cli.caches.base import CacheShape, LayerType
+from kvcache_cli.caches.base import CacheShape
 from kvcache_cli.caches.paged import PackedRows, PaddedRows, PagedCache
 from kvcache_cli.caches.quantized_pool import QuantPagedCache
 from kvcache_cli.caches.step import Step
 from kvcache_cli.generate import generate
-from kvcache_cli.models.gemma3 import Gemma3, Gemma3Config
 from kvcache_cli.models.llama import Llama, LlamaConfig, init_random
 from kvcache_cli.serving.hybrid_blocks import Group
 from kvcache_cli.serving.hybrid_pool import HybridPool
@@ -228,25 +228,7 @@ def tiny_llama():
     return init_random(Llama(config), 0.3, 0).eval()
 
 
-def tiny_gemma3():
-    """6 layers, (sliding of 8, sliding, full) x 2: the rings hold the sliding layers, the
-    pool the full ones."""
-    types = (LayerType(8, 10_000.0),) * 2 + (LayerType(None, 1e6),)
-    config = Gemma3Config(n_layer=6, n_head=4, n_kv_head=1, n_embd=64, intermediate=96,
-                          vocab_size=211, context=256, head_dim=32, layer_types=types * 2,
-                          query_pre_attn_scalar=24)
-    torch.manual_seed(0)
-    model = Gemma3(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):  # the post-norms' gains near 2: tokens vary
-                p.normal_(1.0 if ".post_" in name else 0.0, 0.3)
-            else:
-                p.normal_(0, 0.05 if "embed" in name else 0.3)
-    return model
-
-
-@pytest.mark.parametrize("make", [tiny_llama, tiny_gemma3])
+@pytest.mark.parametrize("make", [tiny_llama, random_gemma3])
 def test_generate_through_a_paged_cache_in_place_makes_the_static_tokens(use, monkeypatch,
                                                                          make):
     model, calls = make(), []
