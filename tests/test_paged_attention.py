@@ -4,9 +4,12 @@ The kernel against a float64 reference of the same attention (each row's blocks 
 through its table, softmax(q.k / sqrt(hs)) v over the slots it sees), on both of its paths
 (the AVX-512 readers and the plain loops, built with -DCODE_ATTENTION_SCALAR): block sizes
 16 and 32 and an odd 5, ragged lengths, GQA groups of 1 to 9 queries, head sizes 64 and 256,
-sliding windows, float32/float16/bfloat16 pools. Then `PackedRows.attend` with the kernel
-against the same step gathered and run through SDPA (decodes first and interleaved with
-prompt chunks, a `HybridPool`'s per-group tables and sliding window)."""
+sliding windows, float32/float16/bfloat16 pools. Then each caller of `attend_in_place`
+against the same step gathered and run through SDPA: `PackedRows` and `PaddedRows` (decodes
+alone, first, and interleaved with prompt chunks), `PagedCache.attend`'s decode step (one
+start, a start a row) and a `HybridPool`'s (per-group tables, a sliding window); greedy
+tokens of `paged:b16` against `static` (a tiny Llama, a tiny Gemma 3), and the ops a step
+saves."""
 
 from __future__ import annotations
 
@@ -128,17 +131,19 @@ def random_pool(pool, rows: int, width: int, seed: int, groups: int = 0):
 def in_place_equals_gathered(pool, monkeypatch, run):
     """run() (a list of outputs) on the pool as it is, every row gathered, then again from
     the same pool in place: the same outputs within float32 rounding, and the same
-    `length` and `bytes_copied`."""
+    `length` and `bytes_copied`; the kernel called in place only."""
     saved = pool.k.clone(), pool.v.clone()
-    runs = []
+    read, runs, calls = paged.attend_paged, [], []  # calls: in place or not, per kernel call
     for in_place in (False, True):
         monkeypatch.setattr(paged, "reads_in_place", lambda pool, q, on=in_place: on)
+        monkeypatch.setattr(paged, "attend_paged",
+                            lambda *a, on=in_place: calls.append(on) or read(*a))
         pool.k.copy_(saved[0])
         pool.v.copy_(saved[1])
         pool.reset()
         runs.append((run(), pool.length, pool.bytes_copied))
     (want, *books), (got, *kept) = runs
-    assert kept == books
+    assert kept == books and set(calls) == {True}
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, atol=2e-5, rtol=1e-4)
 
