@@ -123,3 +123,27 @@ def gemma3_or_skip() -> Path:
     except ImportError:
         pytest.skip(f"Gemma 3 270M is not installed ({GEMMA3_INSTALL})")
     return package.assemble()
+
+
+def random_gemma3(window: int = 8):
+    """A random Gemma 3 (ours), float32, 6 layers (sliding of `window`, sliding, full) x 2,
+    one KV head; weights wide enough that greedy tokens vary (agreement then means
+    something)."""
+    import torch
+
+    from kvcache_cli.caches.base import LayerType
+    from kvcache_cli.models.gemma3 import Gemma3, Gemma3Config
+
+    pattern = (LayerType(window, 10_000.0),) * 2 + (LayerType(None, 1e6),)
+    config = Gemma3Config(n_layer=6, n_head=4, n_kv_head=1, n_embd=64, intermediate=96,
+                          vocab_size=211, context=256, head_dim=32, layer_types=pattern * 2,
+                          query_pre_attn_scalar=24)
+    torch.manual_seed(0)
+    model = Gemma3(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.normal_(1.0 if ".post_" in name else 0.0, 0.3)
+            else:
+                p.normal_(0, 0.05 if "embed" in name else 0.3)
+    return model

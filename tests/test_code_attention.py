@@ -10,24 +10,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from nativekit import kernel_fixtures
 
 from kvcache_cli.caches import code_attention
 from kvcache_cli.caches import quantized as qm
 
-
-@pytest.fixture(scope="module", params=["vector", "plain"])
-def lib(request):
-    """The kernel as the caches load it, or its plain loops; skipped where neither builds."""
-    built, why = code_attention.load(() if request.param == "vector" else
-                                     ("-DCODE_ATTENTION_SCALAR",))
-    if built is None:
-        pytest.skip(why)
-    return built
-
-
-@pytest.fixture
-def use(lib, monkeypatch):
-    monkeypatch.setattr(code_attention, "kernel", lambda: lib)
+lib, use = kernel_fixtures(code_attention)
 
 
 def unpack(codes: torch.Tensor, bits: int) -> torch.Tensor:

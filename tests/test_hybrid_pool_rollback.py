@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_serving_hybrid import BS, ROOMY, SPEC, W, gemma3_folder, tiny_gemma3
+from gemmakit import random_gemma3
+from test_serving_hybrid import BS, ROOMY, SPEC, W, gemma3_folder
 
 from kvcache_cli.caches import RollbackError, make_cache
 from kvcache_cli.caches.quantized_pool import pool_block_bytes
@@ -30,7 +31,7 @@ QUANTISED = ["paged-int8", "paged-int4", "paged-fp8"]
 
 @pytest.fixture(scope="module")
 def model():
-    return tiny_gemma3()
+    return random_gemma3(W)
 
 
 def solo(model, requests, kind: str) -> dict[int, list[int]]:

@@ -10,10 +10,11 @@ import json
 import pytest
 import servingkit
 import torch
+from gemmakit import random_gemma3
 
 from kvcache_cli.caches.base import LayerType
 from kvcache_cli.caches.paged import block_bytes
-from kvcache_cli.models.gemma3 import Gemma3, Gemma3Config
+from kvcache_cli.models.gemma3 import Gemma3
 from kvcache_cli.serving import engines as E
 from kvcache_cli.serving import plan as serving_plan
 from kvcache_cli.serving.hybrid_blocks import NULL, Group, HybridBlockManager, kv_groups
@@ -23,33 +24,15 @@ from kvcache_cli.serving.workload import WorkloadSpec, make_requests
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 W, BS = 8, 4  # the window, two blocks of it
-PATTERN = (LayerType(W, 10_000.0),) * 2 + (LayerType(None, 1e6),)  # x 2: 4 sliding, 2 full
 # Prompts of 10 to 40 tokens after a shared prefix of 20: up to seven windows.
 SPEC = WorkloadSpec(requests=6, prompt_len=(10, 40), output_len=(4, 20), shared_prefix=20,
                     rate=None, seed=3)
 ROOMY = 1 << 20
 
 
-def tiny_gemma3() -> Gemma3:
-    """A random Gemma 3, float32, 6 layers (sliding, sliding, full) x 2, one KV head;
-    weights wide enough that greedy tokens vary (agreement then means something)."""
-    config = Gemma3Config(n_layer=6, n_head=4, n_kv_head=1, n_embd=64, intermediate=96,
-                          vocab_size=211, context=256, head_dim=32, layer_types=PATTERN * 2,
-                          query_pre_attn_scalar=24)
-    torch.manual_seed(0)
-    model = Gemma3(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.normal_(1.0 if ".post_" in name else 0.0, 0.3)
-            else:
-                p.normal_(0, 0.05 if "embed" in name else 0.3)
-    return model
-
-
 @pytest.fixture(scope="module")
 def model() -> Gemma3:
-    return tiny_gemma3()
+    return random_gemma3(W)
 
 
 def page_bytes(model) -> int:

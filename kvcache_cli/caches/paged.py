@@ -15,8 +15,10 @@ layout. Built from a spec
 (`paged:b16`, for generate, bench and eval) it owns its blocks alone: each row gets
 the blocks its longest sequence needs, in order, as a block manager would hand out.
 
-The gather copies every key once more a layer and step. `PackedRows` (serve's layout) reads
-its one-token rows' blocks in place instead, as vLLM's paged attention does: a C++ kernel
+The gather copies every key once more a layer and step. A row of one new token (a decode
+step through `PagedCache.attend`, for generate, bench, eval and serve's prefill-first; a
+`PackedRows` or `PaddedRows` one-token row) reads its blocks in place instead, as vLLM's
+paged attention does (`attend_in_place`, shared by all three): a C++ kernel
 (`paged_attention.cpp`, built at first use by `caches.native`) walks each row's block table
 straight through the pool, on the CPU, for float32 queries over a float32, float16 or
 bfloat16 pool; only the prompt chunks' rows are gathered. Elsewhere (CUDA, no compiler, a
@@ -71,33 +73,72 @@ class PagedCache(KVCache):
         # Nothing to clear: a slot is read only after its sequence wrote it.
         self.length = 0
         self.bytes_copied = 0
+        self._decode = None  # `_decoding`'s: (the step, its blocks, slots and rows)
 
     def bind(self, block_tables: Tensor) -> None:
         """The block table of each row of the next forward, (B, max blocks), padded
         with any valid block id (the mask hides what padding reads)."""
         self.block_tables = block_tables
+        self._decode = None
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, step: Step) -> Tensor:
+        """`KVCache.attend`, a sliding layer's window kept (`window_of`); a decode step (one
+        new token a row) reads each row's blocks in place (`attend_in_place`) where the kernel
+        runs, every key gathered elsewhere."""
+        if q.size(2) == 1 and reads_in_place(self, q):
+            blocks, slots, decode = self._decoding(step, q.size(0))
+            self.write(layer, blocks, slots, k.transpose(0, 1), v.transpose(0, 1))
+            self._grown(step.start, 1)
+            y = torch.empty_like(q)  # (B, nh, 1, hs)
+            attend_in_place(self, layer, q[:, :, 0].transpose(0, 1), *decode,
+                            y[:, :, 0].transpose(0, 1))  # both (nh, B, hs) views
+            return y
+        keys, values = self.update(layer, step.start, k, v)  # (B, nkv, S, hs), key j at j
+        window = self.window_of(layer)
+        if window is None:
+            return step.in_order(q, keys, values)
+        pos = step.pos if step.pos.dim() == 2 else step.pos[None]  # (B|1, T)
+        return attend_in_window(q, keys, values, pos, window)
 
     def update(self, layer: int, start_pos: int | Tensor, k: Tensor, v: Tensor
                ) -> tuple[Tensor, Tensor]:
         B, nkv, T, hs = k.shape
+        blocks, slots = self._where(start_pos, B, T, k.device)
+        self.write(layer, blocks, slots, k.transpose(0, 1), v.transpose(0, 1))
+        keys, values = self.gather(layer)
+        if self._grown(start_pos, T):
+            return keys, values  # every row's own keys, padded; the mask hides the rest
+        return keys[:, :, : self.length], values[:, :, : self.length]  # the filled prefix
+
+    def _where(self, start_pos: int | Tensor, B: int, T: int, device) -> tuple[Tensor, Tensor]:
+        """The pool blocks and slots (B, T) of T new tokens a row from start_pos."""
         table = self.block_tables
         if table is None or table.size(-2) != B:
             raise ValueError(f"bind a block table per row first ({B} rows)")
         start = start_pos if isinstance(start_pos, Tensor) else torch.full(
-            (B,), start_pos, device=k.device)  # (B,)
-        positions = start[:, None] + torch.arange(T, device=k.device)  # (B, T)
-        blocks = self.locate(torch.arange(B, device=k.device)[:, None], positions)  # (B, T)
-        slots = positions % self.block_size  # (B, T)
-        self.write(layer, blocks, slots, k.transpose(0, 1), v.transpose(0, 1))
-        n = table.size(-1) * self.block_size
-        keys, values = self.gather(layer)
+            (B,), start_pos, device=device)  # (B,)
+        positions = start[:, None] + torch.arange(T, device=device)  # (B, T)
+        blocks = self.locate(torch.arange(B, device=device)[:, None], positions)  # (B, T)
+        return blocks, positions % self.block_size
+
+    def _grown(self, start_pos: int | Tensor, T: int) -> bool:
+        """Set `length` after T new tokens a row from start_pos; whether the rows were at
+        different positions (`length` then the padded width: reading the longest row's
+        length would wait for the device every layer)."""
         if isinstance(start_pos, Tensor):
-            # Rows of different lengths: `length` is the padded width (reading the
-            # longest row's length would wait for the device every layer).
-            self.length = n
-            return keys, values  # every row's own keys, padded; the mask hides the rest
+            self.length = self.block_tables.size(-1) * self.block_size
+            return True
         self.length = start_pos + T
-        return keys[:, :, : self.length], values[:, :, : self.length]  # the filled prefix
+        return False
+
+    def _decoding(self, step: Step, B: int) -> tuple[Tensor, Tensor, tuple]:
+        """A decode step's blocks and slots (B, 1) and `attend_in_place`'s rows, positions
+        and first slots: made at its first layer, the same for every other."""
+        if self._decode is None or self._decode[0] is not step:
+            blocks, slots = self._where(step.start, B, 1, step.pos.device)
+            last = step.pos.reshape(-1).expand(B) if step.pos.dim() == 1 else step.pos[:, 0]
+            self._decode = step, (blocks, slots, (slice(None), last.contiguous(), {}))
+        return self._decode[1]
 
     def locate(self, rows: Tensor, positions: Tensor) -> Tensor:
         """The pool block of each position of each row (rows and positions broadcast
@@ -194,19 +235,11 @@ class PackedRows(KVCache):
                                           device=dev)  # (B1,)
             self.single_rows = torch.tensor(self.singles, device=dev)  # (B1,)
         self.single_pos = torch.tensor([starts[b] for b in self.singles], device=dev)  # (B1,)
-        self._first: dict[int | None, Tensor] = {}  # `first_seen`'s, by window
+        self._first: dict[int | None, Tensor] = {}  # `attend_in_place`'s, by window
         self.chunks = [b for b, t in enumerate(lengths) if t > 1]  # the prompt chunks' rows
         self.chunk_rows = torch.tensor(self.chunks, device=dev, dtype=torch.long)  # (B2,)
         self.chunk_width = max((-(-(starts[b] + lengths[b]) // bs) for b in self.chunks),
                                default=0)  # the blocks the longest chunk row reads
-
-    def first_seen(self, window: int | None) -> Tensor:
-        """(B1,) the first slot each one-token row's query sees: 0, or in a sliding window
-        of `window` the window's first (at position start, start - window + 1)."""
-        if window not in self._first:
-            self._first[window] = torch.zeros_like(self.single_pos) if window is None else \
-                (self.single_pos - window + 1).clamp(min=0)
-        return self._first[window]
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, step: Step) -> Tensor:
         q, k, v = q[0], k[0], v[0]  # (nh, N, hs), and (nkv, N, hs): the one packed row
@@ -218,8 +251,8 @@ class PackedRows(KVCache):
         if in_place:
             ys = y[:, self.single_at] if isinstance(self.single_at, slice) else \
                 q.new_empty(q.size(0), len(self.singles), q.size(2))  # (nh, B1, hs)
-            attend_paged(q[:, self.single_at], self.pool.k[j], self.pool.v[j],
-                         table[self.single_rows], self.first_seen(window), self.single_pos, ys)
+            attend_in_place(self.pool, layer, q[:, self.single_at], self.single_rows,
+                            self.single_pos, self._first, ys)
             if not isinstance(self.single_at, slice):
                 y[:, self.single_at] = ys
         if self.chunks or not in_place:
@@ -246,25 +279,47 @@ class PaddedRows(KVCache):
     """The pool as one serving step reads it in a padded (B, T) batch: every row padded to
     the longest, through one attention call under a per-row mask; the matmuls do B x T
     rows, padding included. Only real tokens write the pool, so padding never lands on a
-    live slot."""
+    live slot. A row of one real token (a decode) reads its blocks in place where the
+    kernel runs (`attend_in_place`), the others gathered."""
 
     def __init__(self, pool: PagedCache, pos: Tensor, real: Tensor):
         """pos (B, T) every token's position, padding included; real (B, T) which are not
-        padding."""
+        padding (a row's first tokens)."""
         self.pool, self.real = pool, real
-        rows = torch.arange(pos.size(0), device=pos.device)[:, None]  # (B, 1)
+        dev = pos.device
+        rows = torch.arange(pos.size(0), device=dev)[:, None]  # (B, 1)
         self.blocks = pool.locate(rows, pos)[..., real]  # (N,), or (groups, N)
         self.slots = (pos % pool.block_size)[real]  # (N,)
+        counts = real.sum(1).tolist()
+        singles = [b for b, n in enumerate(counts) if n == 1]
+        self.n_singles = len(singles)
+        self.singles = slice(len(singles)) if singles == list(range(len(singles))) else \
+            torch.tensor(singles, device=dev, dtype=torch.long)  # (B1,)
+        self.single_pos = pos[self.singles, 0].contiguous()  # (B1,)
+        self.chunks = torch.tensor([b for b, n in enumerate(counts) if n > 1], device=dev,
+                                   dtype=torch.long)  # (B2,)
+        self._first: dict[int | None, Tensor] = {}  # `attend_in_place`'s, by window
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, step: Step) -> Tensor:
         # q (B, nh, T, hs); k, v (B, nkv, T, hs), of which the real tokens are written
         self.pool.write(layer, self.blocks, self.slots, k.transpose(0, 1)[:, self.real],
                         v.transpose(0, 1)[:, self.real])  # (nkv, N, hs) each
-        keys, values = self.pool.gather(layer)  # (B, nkv, S, hs)
         window = self.pool.window_of(layer)
-        if window is None:
-            return step.in_order(q, keys, values)
-        return attend_in_window(q, keys, values, step.pos, window)
+        if not (self.n_singles and reads_in_place(self.pool, q)):
+            keys, values = self.pool.gather(layer)  # (B, nkv, S, hs)
+            return attend_in_window(q, keys, values, step.pos, window)
+        y = torch.empty_like(q)  # (B, nh, T, hs)
+        ys = q.new_empty(q.size(1), self.n_singles, q.size(3))  # (nh, B1, hs)
+        attend_in_place(self.pool, layer, q[self.singles, :, 0].transpose(0, 1), self.singles,
+                        self.single_pos, self._first, ys)
+        # A decode's padding repeats its token at its position: the same output.
+        y[self.singles] = ys.transpose(0, 1)[:, :, None]  # (B1, nh, T, hs)
+        if self.chunks.numel():
+            j, table = self.pool.pages(layer)
+            keys, values = self.pool.read(j, table[self.chunks])  # (B2, nkv, S, hs)
+            y[self.chunks] = attend_in_window(q[self.chunks], keys, values,
+                                              step.pos[self.chunks], window)
+        return y
 
 
 def attend_in_window(q: Tensor, k: Tensor, v: Tensor, positions: Tensor,
@@ -309,6 +364,20 @@ def reads_in_place(pool: PagedCache, q: Tensor) -> bool:
     a float32/float16/bfloat16 pool (not a quantised one's codes), the kernel built."""
     return q.device.type == "cpu" and q.dtype == torch.float32 and \
         pool.k.dtype in POOL_FLAGS and kernel() is not None
+
+
+def attend_in_place(pool: PagedCache, layer: int, q: Tensor, rows: slice | Tensor,
+                    last: Tensor, firsts: dict, out: Tensor) -> None:
+    """Model layer `layer`'s attention for one query a row over the row's blocks in place
+    (`attend_paged`), into out (nh, B1, hs): queries q (nh, B1, hs) of the bound rows `rows`
+    (a slice or (B1,)) at positions last (B1,), each seeing slots 0 .. last, or a sliding
+    layer's window. `firsts` keeps each window's first slots (B1,), made once a step."""
+    j, table = pool.pages(layer)  # the pool layer, (B, max blocks)
+    window = pool.window_of(layer)
+    if window not in firsts:
+        firsts[window] = torch.zeros_like(last) if window is None else \
+            (last - window + 1).clamp(min=0)
+    attend_paged(q, pool.k[j], pool.v[j], table[rows], firsts[window], last, out)
 
 
 def attend_paged(q: Tensor, k: Tensor, v: Tensor, table: Tensor, first: Tensor, last: Tensor,

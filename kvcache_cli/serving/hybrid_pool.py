@@ -21,10 +21,9 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
-from kvcache_cli.caches.paged import PagedCache, attend_in_window
+from kvcache_cli.caches.paged import PagedCache
 from kvcache_cli.caches.quantized_pool import QuantPagedCache, pool_block_bytes
 from kvcache_cli.caches.spec_quantized import check_head_dim
-from kvcache_cli.caches.step import Step
 from kvcache_cli.serving.hybrid_blocks import Group
 
 
@@ -56,14 +55,6 @@ class HybridPool(PagedCache):
     def pages(self, layer: int) -> tuple[int, Tensor]:
         g, j = self._route[layer]
         return j, self.block_tables[g]  # group g's table, (B, max blocks)
-
-    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, step: Step) -> Tensor:
-        keys, values = self.update(layer, step.start, k, v)  # (B, nkv, S, hs), key j at j
-        window = self.window_of(layer)
-        if window is None:
-            return step.in_order(q, keys, values)
-        pos = step.pos if step.pos.dim() == 2 else step.pos[None]  # (B|1, T)
-        return attend_in_window(q, keys, values, pos, window)
 
 
 class HybridQuantPool(HybridPool, QuantPagedCache):
