@@ -171,17 +171,16 @@ def test_the_cases_it_does_not_take_keep_sdpas_path(case, monkeypatch):
     T = 3 if case == "prefill" else 1
     gen = torch.Generator().manual_seed(4)
     q, k, v = (torch.randn(2, n, T, 64, generator=gen) for n in (9, 3, 3))
-    start = torch.tensor([9, 9]) if case == "tensor start" else 9
-    step = Step.at(start, T, 512, "cpu")
+    # a compiled decode's Step: its position a tensor (`generate.CompiledDecode`)
+    step = Step(torch.tensor([9]), torch.tensor([9])) if case == "tensor start" else \
+        Step.at(9, T, 512, "cpu")
     made = caches(whole=case == "whole")
     if case == "float64":  # a model run in float64: its static cache's buffers too
         q, k, v = q.double(), k.double(), v.double()
         made = [StaticCache(SHAPE, 64, 2, "cpu", torch.float64)]
         made[0].update(0, 0, *torch.randn(2, 2, 3, 9, 64, dtype=torch.float64))
     for cache in made:
-        if case == "tensor start":  # `generate.CompiledDecode`: the write, then its record
-            y = cache.attend(0, q, k, v, step)
+        y = cache.attend(0, q, k, v, step)
+        if case == "tensor start":  # the write recorded after the graph
             cache.advance(9, T)
-        else:
-            y = cache.attend(0, q, k, v, step)
         assert cache.length == 9 + T and y.shape == (2, 9, T, 64)
