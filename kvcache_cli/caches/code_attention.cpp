@@ -373,7 +373,7 @@ void store_row(int64_t fmt, const float* x, void* out, int64_t hs) {
 }  // namespace
 
 // A decoding step's attention for one new token a row, B rows at the same position `start`
-// (a static cache's step), in one call instead of some fifteen to forty torch ops a layer:
+// (a static cache's step), in one call instead of 26 to 28 torch ops a layer:
 // the token's keys and values k, v (B, nkv, hs) and queries q (B, nh, hs), each a view of
 // the q|k|v product (element [b, h, d] at b * x_b + h * x_h + d), the keys and values
 // written into the buffers (B, nkv, slots, hs), contiguous, of format fmt, at slot `start`;

@@ -10,8 +10,8 @@ the scales into the query and the weights, and keeps the softmax's partial sums
 static cache's buffers are read the same way (`attend_decode`): float32, or a half-precision
 cache's 2 bytes a number (`caches.half`), each row widened to float32 as it is read, so no
 float32 copy of the history is made; and the new token's key and value are written in and
-the softmax finished in the same call, one call a layer where SDPA's path was some forty
-torch ops (the slice writes, the slices, SDPA's own, the transposes).
+the softmax finished in the same call, one call a layer where SDPA's path was 28 torch ops
+(the slice writes, the slices, SDPA's own, the transposes).
 
 Storing a decoding token's codes took some twenty small torch ops a layer (the groups'
 minimum and maximum, the float16 rounding of scale and zero point, round, clamp, pack, an

@@ -140,9 +140,9 @@ class StaticCache(KVCache):
 
     def decode(self, layer: int, q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:
         """`update`'s write of one token a row at slot `start` and the attention (B, nh, 1,
-        hs) of q over slots 0..start, in one call (`code_attention.attend_decode`): some
-        forty torch ops a layer at SDPA's float32, fifteen at a half cache's, become one.
-        The same arithmetic as SDPA's, its sums in another order."""
+        hs) of q over slots 0..start, in one call (`code_attention.attend_decode`): the 28
+        torch ops a layer of the slice writes, slices and SDPA (26 of a half cache's) become
+        one. The same arithmetic as SDPA's, its sums in another order."""
         if start + 1 > self.max_len:
             raise IndexError(f"position {start} past the static cache's {self.max_len} slots")
         y = code_attention.attend_decode(q, k, v, self.k[layer], self.v[layer], start)
