@@ -160,7 +160,8 @@ def test_a_step_past_the_last_slot_is_refused_as_update_refuses_it():
         cache.attend(0, q, k, v, Step(4, torch.tensor([4])))
 
 
-@pytest.mark.parametrize("case", ["prefill", "tensor start", "whole", "no kernel", "float64"])
+@pytest.mark.parametrize("case", ["prefill", "tensor start", "whole", "no kernel", "float64",
+                                  "gradient"])
 def test_the_cases_it_does_not_take_keep_sdpas_path(case, monkeypatch):
     def refused(*args):
         raise AssertionError("attend_decode called")
@@ -170,7 +171,8 @@ def test_the_cases_it_does_not_take_keep_sdpas_path(case, monkeypatch):
         monkeypatch.setattr(code_attention, "kernel", lambda: None)
     T = 3 if case == "prefill" else 1
     gen = torch.Generator().manual_seed(4)
-    q, k, v = (torch.randn(2, n, T, 64, generator=gen) for n in (9, 3, 3))
+    q, k, v = (torch.randn(2, n, T, 64, generator=gen, requires_grad=case == "gradient")
+               for n in (9, 3, 3))
     # a compiled decode's Step: its position a tensor (`generate.CompiledDecode`)
     step = Step(torch.tensor([9]), torch.tensor([9])) if case == "tensor start" else \
         Step.at(9, T, 512, "cpu")

@@ -24,9 +24,11 @@ def _check_crop(cache: KVCache, length: int) -> None:
 
 def _native(q: Tensor, k: Tensor, v: Tensor) -> bool:
     """Whether `code_attention.attend_decode` takes these: float32 on the CPU, each head's
-    numbers contiguous, the kernel built (not KVCACHE_CODE_ATTENTION=torch)."""
+    numbers contiguous, no gradient to keep (the call writes and reads raw memory), the
+    kernel built (not KVCACHE_CODE_ATTENTION=torch)."""
     return q.dtype == k.dtype == v.dtype == torch.float32 and q.device.type == "cpu" and \
         q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and \
+        not (q.requires_grad or k.requires_grad or v.requires_grad) and \
         code_attention.kernel() is not None
 
 
