@@ -68,7 +68,9 @@ def test_exact_kinds_score_kl_zero_through_the_command(checkpoint):
     assert [c["cache"] for c in out["caches"]] == ["static", "concat", "paged:b16"]
     assert out["tokens"] == BLOCK
     for row in out["caches"]:
-        assert row["kl_max"] <= 1e-10 and row["top1_agreement"] == 1.0, row
+        # static's one-token steps sum attention in the native decode call's order, the
+        # others in SDPA's: float32 rounding, some 2e-10 here (logits moved by about 1e-5)
+        assert row["kl_max"] <= 1e-8 and row["top1_agreement"] == 1.0, row
 
 
 def test_eval_reads_the_tokens_prompt_and_chunk_asked_for(checkpoint, tmp_path):

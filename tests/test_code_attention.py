@@ -103,20 +103,6 @@ def test_sinks_and_tail_join_the_codes_in_one_pass(dtype, sinks, tail):
     check(got, reference(q, keys, values, full), scale=keys.abs().max().item())
 
 
-@pytest.mark.usefixtures("use")
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize(("hs", "n", "g"), [(64, 8176, 3), (64, 1, 3), (64, 33, 4),
-                                            (128, 515, 2), (256, 40, 4), (48, 17, 7),
-                                            (24, 30, 3)])
-def test_half_rows_equal_float64_attention(dtype, hs, n, g):
-    gen = torch.Generator().manual_seed(hs + n + g)
-    B, nkv = 1, 3
-    keys, values = (torch.randn(B, nkv, n, hs, generator=gen).to(dtype) for _ in range(2))
-    q = torch.randn(B, nkv, g, hs, generator=gen) / hs ** 0.5
-    got = code_attention.attend_half(q, keys, values)
-    check(got, reference(q, keys.double(), values.double()))
-
-
 def test_the_vector_path_and_the_plain_loops_agree_on_every_width(monkeypatch):
     built = [code_attention.load(d)[0] for d in ((), ("-DCODE_ATTENTION_SCALAR",))]
     if None in built:

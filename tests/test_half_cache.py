@@ -114,8 +114,8 @@ def test_the_kernel_and_the_torch_path_agree(fmt, monkeypatch):
     if code_attention.kernel() is None:
         pytest.skip(f"the kernel cannot be built here: {code_attention.NOTE}")
     calls = []
-    real = code_attention.attend_half
-    monkeypatch.setattr(code_attention, "attend_half", lambda *a: calls.append(1) or real(*a))
+    real = code_attention.attend_decode
+    monkeypatch.setattr(code_attention, "attend_decode", lambda *a: calls.append(1) or real(*a))
     kernel, *_ = _filled(fmt, 600)
     assert calls  # the decode step read the stored numbers through the kernel
     monkeypatch.setattr(code_attention, "kernel", lambda: None)

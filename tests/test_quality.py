@@ -38,9 +38,10 @@ class NoisyKeys(StaticCache):
         super().__init__(*args, **kwargs)
         self.noise = torch.Generator().manual_seed(1)
 
-    def update(self, layer, start_pos, k, v):
+    def attend(self, layer, q, k, v, step):
+        # here, not in `update`: a decoding token's write bypasses it (`StaticCache.decode`)
         k = k + 0.5 * torch.randn(k.shape, generator=self.noise, dtype=k.dtype)
-        return super().update(layer, start_pos, k, v)
+        return super().attend(layer, q, k, v, step)
 
 
 def noisy(model: GPT, max_len: int) -> NoisyKeys:
@@ -55,7 +56,10 @@ def test_exact_caches_score_kl_zero_and_agree_on_every_top1(chunk):
     for row in result.caches:
         assert row.kl_mean <= KL_EXACT and row.kl_max <= KL_EXACT, row
         assert row.top1_agreement == 1.0, row
-        assert row.perplexity == pytest.approx(result.caches[0].perplexity, rel=1e-9)
+        # static's one-token steps run the native decode call (`StaticCache.decode`), the
+        # others SDPA: the same float32 arithmetic summed in another order, which moves the
+        # perplexity by some 5e-8 of itself (float32's unit roundoff is 6e-8)
+        assert row.perplexity == pytest.approx(result.caches[0].perplexity, rel=1e-6)
 
 
 def test_perplexity_is_exp_of_the_mean_nll_of_a_full_forward():

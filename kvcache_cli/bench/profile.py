@@ -34,7 +34,7 @@ KINDS = {
                  "kvcache::block_product"),
     "attention": ("aten::_scaled_dot_product_flash_attention_for_cpu",
                   "aten::scaled_dot_product_attention", "aten::_softmax",
-                  "aten::_scaled_dot_product_attention_math"),
+                  "aten::_scaled_dot_product_attention_math", "kvcache::attend_decode"),
     "norms": ("aten::native_layer_norm", "aten::layer_norm", "kvcache::rms_norm",
               "kvcache::add_rms_norm", "kvcache::add_normed"),
     "rotary": ("kvcache::qk_rotary",),
@@ -67,15 +67,18 @@ def _kind(name: str) -> str:
 
 @contextlib.contextmanager
 def _named_native_products():
-    """Eager calls of the native products and the fused ops skip the dispatcher
-    (`linear.native_product`, `gguf.blocks.block_product`, `models.fused`: tens of µs a
-    call), so the profiler would see no op and count their time as Python's; while
-    profiling, each call is a named range instead."""
+    """Eager calls of the native products, the fused ops and a decoding token's attention
+    skip the dispatcher (`linear.native_product`, `gguf.blocks.block_product`,
+    `models.fused`, `code_attention.attend_decode`: tens of µs a call), so the profiler
+    would see no op and count their time as Python's; while profiling, each call is a
+    named range instead."""
+    from kvcache_cli.caches import code_attention
     from kvcache_cli.models import fused
     from kvcache_cli.models.gguf import blocks
 
     calls = [(linear, "_native_call", "kvcache::native_product"),
              (blocks, "_product", "kvcache::block_product"),
+             (code_attention, "attend_decode", "kvcache::attend_decode"),
              *((fused, f"_{name}_call", f"kvcache::{name}") for name in
                ("rms_norm", "add_rms_norm", "add_normed", "qk_rotary", "glu"))]
     kept = [getattr(module, name) for module, name, _ in calls]

@@ -6,13 +6,15 @@
 // the plain loops below run elsewhere, on shapes it does not take, and built with
 // -DCODE_ATTENTION_SCALAR (tests compare the two).
 //
-// `attend_half` does the same over a half-precision cache (fp16 or bf16, 2 bytes a number):
-// each key and value row widened to float32 as it is read (F16C's vcvtph2ps where the CPU
-// has it; bf16 is float32's top half, a shift), every product and sum in float32.
+// `attend_decode` does the same over a static cache's buffers (float32, or fp16 or bf16, 2
+// bytes a number), a whole decoding step of one layer in one call: the new token's key and
+// value written in, each row widened to float32 as it is read (F16C's vcvtph2ps where the
+// CPU has it; bf16 is float32's top half, a shift), every product and sum in float32, the
+// softmax finished.
 //
 // For each row b * nkv + h of the cache and each of its g query heads, over the n quantised
 // tokens and, where the caller passes them, the full-precision sinks and tail (float32,
-// fp16 or bf16 rows, read as `attend_half` reads its own): the softmax's partial sums as
+// fp16 or bf16 rows, read as `attend_decode` reads its own): the softmax's partial sums as
 // flash-decoding keeps them, m = the largest score, l = sum exp(score - m) and
 // acc = sum exp(score - m) * v, so y = acc / l, or the caller merges them with its own
 // scores exactly (a rotated cache's codes are read with a rotated query, its tail is not).
@@ -345,18 +347,67 @@ extern "C" int attend_codes(const float* q, const uint8_t* kc, const _Float16* k
     return 0;
 }
 
-// Keys and values (rows, n, hs) of 2-byte numbers, fp16 (bf16 = 0) or bf16, a row's tokens
-// contiguous, k_row / v_row elements from one cache row to the next.
-extern "C" int attend_half(const float* q, const uint16_t* k, const uint16_t* v, int64_t k_row,
-                           int64_t v_row, int64_t rows, int64_t n, int64_t g, int64_t hs,
-                           int64_t bf16, int64_t threads, float* m_out, float* l_out,
-                           float* acc_out) {
-    over_blocks(rows, {n}, g, hs, threads, [&](int64_t row, int64_t, int64_t a, int64_t b,
-                                               float* mo, float* lo, float* ao) {
-        const float* qr = q + row * g * hs;
-        if (bf16) half_sized<kBF16>(qr, k + row * k_row, v + row * v_row, a, b, g, hs, mo, lo, ao);
-        else half_sized<kF16>(qr, k + row * k_row, v + row * v_row, a, b, g, hs, mo, lo, ao);
-    }, m_out, l_out, acc_out);
+namespace {
+
+// One row of hs float32 numbers stored in format fmt, rounded to nearest, ties to even, as
+// torch's cast rounds (a float16 conversion does; bfloat16 is float32's top half, rounded by
+// hand, a NaN kept a quiet NaN as torch keeps it).
+void store_row(int64_t fmt, const float* x, void* out, int64_t hs) {
+    if (fmt == kF32) {
+        std::memcpy(out, x, hs * sizeof(float));
+    } else if (fmt == kF16) {
+        _Float16* h = static_cast<_Float16*>(out);
+        for (int64_t d = 0; d < hs; ++d) h[d] = static_cast<_Float16>(x[d]);
+    } else {
+        uint16_t* h = static_cast<uint16_t*>(out);
+        for (int64_t d = 0; d < hs; ++d) {
+            uint32_t u;
+            std::memcpy(&u, x + d, sizeof u);
+            h[d] = (u & 0x7fffffffu) > 0x7f800000u
+                       ? 0x7fc0
+                       : static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+        }
+    }
+}
+
+}  // namespace
+
+// A decoding step's attention for one new token a row, B rows at the same position `start`
+// (a static cache's step), in one call instead of 26 to 28 torch ops a layer:
+// the token's keys and values k, v (B, nkv, hs) and queries q (B, nh, hs), each a view of
+// the q|k|v product (element [b, h, d] at b * x_b + h * x_h + d), the keys and values
+// written into the buffers (B, nkv, slots, hs), contiguous, of format fmt, at slot `start`;
+// then each query head h, scaled by 1 / sqrt(hs), over slots 0 .. start of KV head
+// h / (nh / nkv), the partial sums finished (acc / l) into y (B, nh, hs).
+extern "C" int attend_decode(const float* q, int64_t q_b, int64_t q_h, const float* k,
+                             int64_t k_b, int64_t k_h, const float* v, int64_t v_b,
+                             int64_t v_h, void* k_buf, void* v_buf, int64_t slots, int64_t fmt,
+                             int64_t B, int64_t nh, int64_t nkv, int64_t hs, int64_t start,
+                             int64_t threads, float* y) {
+    if (fmt < kF16 || fmt > kF32 || start < 0 || start >= slots || nh % nkv) return 1;
+    const int64_t g = nh / nkv, rows = B * nkv, stride = slots * hs;  // elements a cache row
+    const int64_t bytes = fmt == kF32 ? 4 : 2;
+    for (int64_t r = 0; r < rows; ++r) {
+        const int64_t b = r / nkv, h = r % nkv, at = (r * stride + start * hs) * bytes;
+        store_row(fmt, k + b * k_b + h * k_h, static_cast<char*>(k_buf) + at, hs);
+        store_row(fmt, v + b * v_b + h * v_h, static_cast<char*>(v_buf) + at, hs);
+    }
+    std::vector<float> qs(B * nh * hs), m(B * nh), l(B * nh);  // row b * nkv + h's g queries
+    const float scale = 1.f / std::sqrt(static_cast<float>(hs));
+    for (int64_t b = 0; b < B; ++b)
+        for (int64_t h = 0; h < nh; ++h)
+            for (int64_t d = 0; d < hs; ++d)
+                qs[(b * nh + h) * hs + d] = q[b * q_b + h * q_h + d] * scale;
+    // query head h of row b is query i = h % g of cache row b * nkv + h / g: the partial sums'
+    // (row * g + i) * hs is y's (b * nh + h) * hs
+    over_blocks(rows, {start + 1}, g, hs, threads, [&](int64_t r, int64_t, int64_t a,
+                                                        int64_t b, float* mo, float* lo,
+                                                        float* ao) {
+        stored_block(fmt, qs.data() + r * g * hs, k_buf, v_buf, stride, r, a, b, g, hs, mo, lo,
+                     ao);
+    }, m.data(), l.data(), y);
+    for (int64_t i = 0; i < B * nh; ++i)
+        for (int64_t d = 0; d < hs; ++d) y[i * hs + d] /= l[i];
     return 0;
 }
 

@@ -7,8 +7,11 @@ turn their codes into float32 first (a copy a chunk at a time, then float produc
 cost more than SDPA reading float32 outright; this kernel reads the codes as bytes, folds
 the scales into the query and the weights, and keeps the softmax's partial sums
 (flash-decoding's m, l, acc), so the full-precision sinks and tail merge in exactly. A
-half-precision cache (`caches.half`) is read the same way: 2 bytes a number, each row widened
-to float32 as it is read (`attend_half`), so no float32 copy of the history is made.
+static cache's buffers are read the same way (`attend_decode`): float32, or a half-precision
+cache's 2 bytes a number (`caches.half`), each row widened to float32 as it is read, so no
+float32 copy of the history is made; and the new token's key and value are written in and
+the softmax finished in the same call, one call a layer where SDPA's path was 28 torch ops
+(the slice writes, the slices, SDPA's own, the transposes).
 
 Storing a decoding token's codes took some twenty small torch ops a layer (the groups'
 minimum and maximum, the float16 rounding of scale and zero point, round, clamp, pack, an
@@ -57,9 +60,9 @@ def load(defines: tuple[str, ...] = ()) -> tuple[ctypes.CDLL | None, str | None]
     lib.attend_codes.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 12 + \
         ([ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2) * 2 + [ctypes.c_int64] + \
         [ctypes.c_void_p] * 3
-    lib.attend_half.restype = ctypes.c_int
-    lib.attend_half.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 8 + \
-        [ctypes.c_void_p] * 3
+    lib.attend_decode.restype = ctypes.c_int
+    lib.attend_decode.argtypes = ([ctypes.c_void_p] + [ctypes.c_int64] * 2) * 3 + \
+        [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 8 + [ctypes.c_void_p]
     lib.quantise_tokens.restype = ctypes.c_int
     lib.quantise_tokens.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 6 + \
         [ctypes.c_void_p, ctypes.c_int64] * 3
@@ -120,26 +123,26 @@ def _stored(*pair: Tensor) -> tuple[Tensor, Tensor]:
                  t.stride(3) == 1 else t.contiguous() for t in pair)
 
 
-def attend_half(qr: Tensor, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """`attend_codes`' partial sums over keys and values kept in half precision: queries qr
-    (B, nkv, g, hs) float32, already scaled by 1 / sqrt(hs); keys, values (B, nkv, n, hs)
-    float16 or bfloat16, each a view whose tokens are contiguous rows (a static buffer's
-    filled prefix). m, l (B, nkv, g) and acc (B, nkv, g, hs): y = acc / l, in float32."""
-    B, nkv, g, hs = qr.shape
-    n = keys.size(2)
-    q = qr.contiguous()
-    m = q.new_empty(B, nkv, g)
-    l_sum = q.new_empty(B, nkv, g)
-    acc = q.new_empty(B, nkv, g, hs)
-    for t in (keys, values):
-        # rows of one (b, h) reached by one stride, each row's tokens hs apart
-        assert t.dtype == keys.dtype and t.stride(-1) == 1 and t.stride(-2) == hs \
-            and t.stride(0) == nkv * t.stride(1), (t.dtype, t.stride())
-    kernel().attend_half(
-        q.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.stride(1), values.stride(1),
-        B * nkv, n, g, hs, HALF_FLAGS[keys.dtype], torch.get_num_threads(),
-        m.data_ptr(), l_sum.data_ptr(), acc.data_ptr())
-    return m, l_sum, acc
+def attend_decode(q: Tensor, k: Tensor, v: Tensor, keys: Tensor, values: Tensor,
+                  start: int) -> Tensor:
+    """A decoding step's attention (B, nh, 1, hs), float32, in one call: the new token's k,
+    v (B, nkv, 1, hs) float32 written into the buffers keys, values (B, nkv, slots, hs),
+    contiguous, float32 or half (FULL_FLAGS), at slot `start` (rounded as torch's cast
+    rounds), then queries q (B, nh, 1, hs) over slots 0 .. start, query head h on KV head
+    h // (nh / nkv), scaled by 1 / sqrt(hs). q, k, v may be any views whose last axis is
+    contiguous (the q|k|v product's heads); `merge_heads` reads the result as a view."""
+    B, nh, _, hs = q.shape
+    nkv, slots = keys.shape[1:3]
+    # (B, nh, 1, hs): one op to dispatch; merge_heads' transpose and reshape of it are views
+    y = torch.empty(B, nh, 1, hs, dtype=torch.float32)
+    status = kernel().attend_decode(
+        q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1),
+        v.data_ptr(), v.stride(0), v.stride(1), keys.data_ptr(), values.data_ptr(), slots,
+        FULL_FLAGS[keys.dtype], B, nh, nkv, hs, start, torch.get_num_threads(), y.data_ptr())
+    if status:
+        raise ValueError(f"decode attention: slot {start} of {slots}, {nh} query heads on "
+                         f"{nkv} KV heads, {keys.dtype}")
+    return y
 
 
 def quantise_tokens(x: Tensor, codes: Tensor, scale: Tensor, zero: Tensor, bits: int,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from kvcache_cli.caches import code_attention
 from kvcache_cli.caches.base import KVCache, RollbackError, nbytes
 from kvcache_cli.caches.step import Step
 
@@ -19,6 +20,16 @@ def _check_crop(cache: KVCache, length: int) -> None:
     if not 0 <= length <= cache.length:
         raise RollbackError(f"cannot crop to {length} positions: the cache holds "
                             f"{cache.length}; expected 0..{cache.length}")
+
+
+def _native(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether `code_attention.attend_decode` takes these: float32 on the CPU, each head's
+    numbers contiguous, no gradient to keep (the call writes and reads raw memory), the
+    kernel built (not KVCACHE_CODE_ATTENTION=torch)."""
+    return q.dtype == k.dtype == v.dtype == torch.float32 and q.device.type == "cpu" and \
+        q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and \
+        not (q.requires_grad or k.requires_grad or v.requires_grad) and \
+        code_attention.kernel() is not None
 
 
 class ConcatCache(KVCache):
@@ -116,12 +127,30 @@ class StaticCache(KVCache):
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, step: Step) -> Tensor:
         """gpt-fast's: the write, then SDPA over the filled prefix, or over the whole buffer
-        under a mask; a compiled step's position is a tensor (`write_at`)."""
+        under a mask; a compiled step's position is a tensor (`write_at`). A float32
+        decoding token on the CPU: the write and the attention in one native call
+        (`decode`)."""
+        if q.size(2) == 1 and not isinstance(step.start, Tensor) and not self.whole and \
+                self.k[layer].dtype in code_attention.FULL_FLAGS and _native(q, k, v) and \
+                not torch.compiler.is_compiling():
+            return self.decode(layer, q, k, v, step.start)
         if isinstance(step.start, Tensor):  # the position as data: `generate.CompiledDecode`
             keys, values = self.write_at(layer, step.pos, k, v)  # (B, nkv, max_len, hs)
             return step.in_order(q, keys, values)
         keys, values = self.update(layer, step.start, k, v)  # (B, nkv, S, hs)
         return step.whole(q, keys, values) if self.whole else step.in_order(q, keys, values)
+
+    def decode(self, layer: int, q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:
+        """`update`'s write of one token a row at slot `start` and the attention (B, nh, 1,
+        hs) of q over slots 0..start, in one call (`code_attention.attend_decode`): the 28
+        torch ops a layer of the slice writes, slices and SDPA (26 of a half cache's) become
+        one. The same arithmetic as SDPA's, its sums in another order."""
+        if start + 1 > self.max_len:
+            raise IndexError(f"position {start} past the static cache's {self.max_len} slots")
+        y = code_attention.attend_decode(q, k, v, self.k[layer], self.v[layer], start)
+        self.bytes_copied += 2 * k.numel() * self.k[layer].element_size()  # as stored
+        self.length = start + 1
+        return y  # (B, nh, 1, hs)
 
     def write_at(self, layer: int, pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Write k, v (B, nkv, T, hs) at positions pos (T,), a tensor, and return the whole

@@ -7,30 +7,28 @@ what the cache holds is rounded, once, as it is written (round to nearest), so a
 value comes back within a relative 2^-11 (fp16) or 2^-8 (bf16) of itself, and every
 product and sum of attention is float32. Half of `static`'s bytes under a float32 model.
 
-A decoding token's attention on the CPU reads the stored numbers in place through the
-C++ kernel the quantised caches use (`code_attention.attend_half`): each row widened to
-float32 as it is read, no float32 copy of the history made. A prefill or a chunk of draft
-tokens, another device, or a machine where the kernel cannot be built reads `update`'s
-float32 copy of the window it attends (SDPA), the same arithmetic up to the order of sums.
+A decoding token's step on the CPU is `StaticCache.decode`'s one native call
+(`code_attention.attend_decode`): the new key and value rounded into the buffers as torch's
+cast rounds them, then the stored numbers read in place by the kernel the quantised caches
+use, each row widened to float32 as it is read, no float32 copy of the history made. A
+prefill or a chunk of draft tokens, another device, or a machine where the kernel cannot be
+built reads `update`'s float32 copy of the window it attends (SDPA), the same arithmetic up
+to the order of sums.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
-from kvcache_cli.caches import code_attention
 from kvcache_cli.caches.exact import StaticCache
-from kvcache_cli.caches.step import Step
 
 HALF_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 class HalfCache(StaticCache):
     """`StaticCache`'s buffers in float16 or bfloat16: written in place at each position,
-    read back at the model's dtype (`update`), or in place by the kernel (`attend`)."""
+    read back at the model's dtype (`update`), or in place by the kernel (`decode`)."""
 
     def __init__(self, shape, max_len: int, batch: int, device, dtype: torch.dtype, *,
                  store: torch.dtype, whole: bool = False):
@@ -50,17 +48,3 @@ class HalfCache(StaticCache):
         store = self.k[layer].dtype
         keys, values = super().write_at(layer, pos, k.to(store), v.to(store))
         return keys.to(self.dtype), values.to(self.dtype)  # (B, nkv, max_len, hs)
-
-    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, step: Step) -> Tensor:
-        """One float32 decoding token on the CPU: the kernel over the buffers' filled
-        prefix, read as stored. Anything else: SDPA over `update`'s widened copy."""
-        if q.size(2) != 1 or isinstance(step.start, Tensor) or self.whole or \
-                q.dtype != torch.float32 or q.device.type != "cpu" or \
-                code_attention.kernel() is None:
-            return super().attend(layer, q, k, v, step)
-        keys, values = StaticCache.update(self, layer, step.start, k, v)  # (B, nkv, S, hs)
-        B, nh, _, hs = q.shape
-        nkv = keys.size(1)
-        qg = q.reshape(B, nkv, nh // nkv, hs) / math.sqrt(hs)  # (B, nkv, g, hs)
-        _, total, acc = code_attention.attend_half(qg, keys, values)
-        return (acc / total[..., None]).view(B, nh, 1, hs)

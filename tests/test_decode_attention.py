@@ -1,0 +1,188 @@
+"""A decoding step's attention through a static or half cache in one native call
+(`code_attention.attend_decode`, `StaticCache.decode`): the new key and value written into
+the buffers as torch's slice write writes them (rounded alike), the attention over slots
+0..start equal to a float64 reference, on the kernel's vector path and its plain loops;
+the layer's `attend` dispatching one torch op; and the cases it does not take keeping
+SDPA's path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from kvcache_cli.caches import code_attention
+from kvcache_cli.caches.base import CacheShape
+from kvcache_cli.caches.exact import StaticCache
+from kvcache_cli.caches.half import HalfCache
+from kvcache_cli.caches.step import Step
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+STORES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+@pytest.fixture(scope="module", params=["vector", "plain"])
+def lib(request):
+    """The kernel as the caches load it, or its plain loops; skipped where neither builds."""
+    built, why = code_attention.load(() if request.param == "vector" else
+                                     ("-DCODE_ATTENTION_SCALAR",))
+    if built is None:
+        pytest.skip(why)
+    return built
+
+
+@pytest.fixture
+def use(lib, monkeypatch):
+    monkeypatch.setattr(code_attention, "kernel", lambda: lib)
+
+
+def product(B: int, nh: int, nkv: int, hs: int, gen: torch.Generator):
+    """q (B, nh, 1, hs), k, v (B, nkv, 1, hs): views of one q|k|v product (B, 1, H, hs),
+    as the fused model hands them to `attend`."""
+    qkv = torch.randn(B, 1, nh + 2 * nkv, hs, generator=gen).transpose(1, 2)  # (B, H, 1, hs)
+    return qkv[:, :nh], qkv[:, nh:nh + nkv], qkv[:, nh + nkv:]
+
+
+def buffers(B: int, nkv: int, slots: int, hs: int, store, gen):
+    """Keys and values (B, nkv, slots, hs) in `store`, every slot holding a number."""
+    return tuple(torch.randn(B, nkv, slots, hs, generator=gen).to(store) for _ in range(2))
+
+
+def reference(q, keys, values, end: int):
+    """softmax(q k / sqrt(hs)) v in float64 over slots 0..end - 1, query head h on KV head
+    h // g: (B, nh, 1, hs)."""
+    nh, nkv, hs = q.size(1), keys.size(1), q.size(-1)
+    k = keys[:, :, :end].double().repeat_interleave(nh // nkv, 1)  # (B, nh, end, hs)
+    v = values[:, :, :end].double().repeat_interleave(nh // nkv, 1)
+    w = (q.double() @ k.transpose(-1, -2) / hs ** 0.5).softmax(-1)  # (B, nh, 1, end)
+    return w @ v
+
+
+@pytest.mark.usefixtures("use")
+@pytest.mark.parametrize("store", STORES)
+@pytest.mark.parametrize("g", [1, 3, 4])
+@pytest.mark.parametrize("hs", [64, 256, 24])  # SmolLM2's, Gemma 3's, off the vector path
+@pytest.mark.parametrize(("slots", "start"), [(40, 0), (40, 17), (40, 39), (1300, 1299)])
+@pytest.mark.parametrize("B", [1, 3])
+def test_one_call_writes_the_token_and_equals_float64_attention(store, g, hs, slots, start, B):
+    gen = torch.Generator().manual_seed(hs + g + start + B)
+    nkv = 2
+    q, k, v = product(B, g * nkv, nkv, hs, gen)
+    keys, values = buffers(B, nkv, slots, hs, store, gen)
+    want_k, want_v = keys.clone(), values.clone()
+    want_k[:, :, start:start + 1] = k  # torch's slice write, cast to the buffers' dtype
+    want_v[:, :, start:start + 1] = v
+    y = code_attention.attend_decode(q, k, v, keys, values, start)
+    assert torch.equal(keys, want_k) and torch.equal(values, want_v)
+    assert y.shape == (B, g * nkv, 1, hs) and y.is_contiguous()
+    torch.testing.assert_close(y.double(), reference(q, keys, values, start + 1),
+                               rtol=1e-4, atol=2e-6)
+
+
+@pytest.mark.parametrize("store", [torch.float16, torch.bfloat16])
+def test_the_written_bits_are_torchs_cast_at_ties_and_edges(store):
+    if code_attention.kernel() is None:
+        pytest.skip(f"the kernel cannot be built here: {code_attention.NOTE}")
+    # halfway between two half numbers (ties to even, down and up), past the largest,
+    # under the smallest, zeros, infinities and NaN
+    tie = 2.0 ** -11 if store == torch.float16 else 2.0 ** -8
+    odd = 1 + 2 * tie
+    special = [1 + tie, odd + tie, -(1 + tie), -(odd + tie), 1 + tie * 1.001, 7e4, 4e38,
+               1e-8, 3e-39, -0.0, 0.0, float("inf"), float("-inf"), float("nan"),
+               65519.0, 65520.0]
+    x = torch.tensor(special + [0.0] * (64 - len(special)))
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = product(1, 3, 3, 64, gen)
+    k[0, 0, 0], v[0, 2, 0] = x, -x
+    keys, values = buffers(1, 3, 8, 64, store, gen)
+    want_k, want_v = keys.clone(), values.clone()
+    want_k[:, :, 5:6], want_v[:, :, 5:6] = k, v
+    code_attention.attend_decode(q, k, v, keys, values, 5)
+    for got, want in ((keys, want_k), (values, want_v)):
+        # a NaN stays a NaN; its bits are torch's choice of path (its vector cast writes a
+        # bfloat16 NaN as 0xffff, its scalar one as 0x7fc0)
+        assert torch.equal(got.isnan(), want.isnan())
+        assert torch.equal(got.nan_to_num().view(torch.int16),
+                           want.nan_to_num().view(torch.int16))
+
+
+class Ops(TorchDispatchMode):
+    """The torch ops dispatched under it, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+SHAPE = CacheShape(n_layer=2, n_kv_head=3, head_size=64, context=512)
+
+
+def caches(B: int = 2, whole: bool = False):
+    """A float32 static cache and the two half ones, the same prompt of 9 tokens in each."""
+    made = [StaticCache(SHAPE, 64, B, "cpu", torch.float32, whole)] + \
+        [HalfCache(SHAPE, 64, B, "cpu", torch.float32, store=s, whole=whole)
+         for s in (torch.float16, torch.bfloat16)]
+    prompt = torch.randn(2, B, 3, 9, 64, generator=torch.Generator().manual_seed(1))
+    for c in made:
+        for layer in range(2):
+            c.update(layer, 0, prompt[0], prompt[1])
+    return made
+
+
+def test_a_decode_step_is_one_call_a_layer_with_updates_bookkeeping():
+    if code_attention.kernel() is None:
+        pytest.skip(f"the kernel cannot be built here: {code_attention.NOTE}")
+    q, k, v = product(2, 9, 3, 64, torch.Generator().manual_seed(2))
+    for cache in caches():
+        held, copied = cache.bytes_held, cache.bytes_copied
+        step = Step(9, torch.tensor([9]))
+        with Ops() as ops:
+            y = cache.attend(1, q, k, v, step)
+        assert ops.names == ["aten.empty.memory_format"], ops.names
+        assert cache.length == 10 and cache.bytes_held == held
+        assert cache.bytes_copied == copied + 2 * 2 * 3 * 64 * cache.k[1].element_size()
+        keys, values = cache.k[1][:, :, :10], cache.v[1][:, :, :10]
+        torch.testing.assert_close(y.double(), reference(q, keys, values, 10),
+                                   rtol=1e-4, atol=2e-6)
+        merged = y.transpose(1, 2).reshape(2, 1, 9 * 64)  # models.base.merge_heads
+        assert merged.data_ptr() == y.data_ptr()  # a view: no copy
+
+
+def test_a_step_past_the_last_slot_is_refused_as_update_refuses_it():
+    q, k, v = product(1, 3, 3, 64, torch.Generator().manual_seed(3))
+    cache = StaticCache(SHAPE, 4, 1, "cpu", torch.float32)
+    with pytest.raises(IndexError, match="past the static cache's 4 slots"):
+        cache.attend(0, q, k, v, Step(4, torch.tensor([4])))
+
+
+@pytest.mark.parametrize("case", ["prefill", "tensor start", "whole", "no kernel", "float64",
+                                  "gradient"])
+def test_the_cases_it_does_not_take_keep_sdpas_path(case, monkeypatch):
+    def refused(*args):
+        raise AssertionError("attend_decode called")
+
+    monkeypatch.setattr(code_attention, "attend_decode", refused)
+    if case == "no kernel":
+        monkeypatch.setattr(code_attention, "kernel", lambda: None)
+    T = 3 if case == "prefill" else 1
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(2, n, T, 64, generator=gen, requires_grad=case == "gradient")
+               for n in (9, 3, 3))
+    # a compiled decode's Step: its position a tensor (`generate.CompiledDecode`)
+    step = Step(torch.tensor([9]), torch.tensor([9])) if case == "tensor start" else \
+        Step.at(9, T, 512, "cpu")
+    made = caches(whole=case == "whole")
+    if case == "float64":  # a model run in float64: its static cache's buffers too
+        q, k, v = q.double(), k.double(), v.double()
+        made = [StaticCache(SHAPE, 64, 2, "cpu", torch.float64)]
+        made[0].update(0, 0, *torch.randn(2, 2, 3, 9, 64, dtype=torch.float64))
+    for cache in made:
+        y = cache.attend(0, q, k, v, step)
+        if case == "tensor start":  # the write recorded after the graph
+            cache.advance(9, T)
+        assert cache.length == 9 + T and y.shape == (2, 9, T, 64)
