@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from nativekit import kernel_fixtures
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvcache_cli.caches import code_attention
@@ -22,19 +23,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 STORES = [torch.float32, torch.float16, torch.bfloat16]
 
 
-@pytest.fixture(scope="module", params=["vector", "plain"])
-def lib(request):
-    """The kernel as the caches load it, or its plain loops; skipped where neither builds."""
-    built, why = code_attention.load(() if request.param == "vector" else
-                                     ("-DCODE_ATTENTION_SCALAR",))
-    if built is None:
-        pytest.skip(why)
-    return built
-
-
-@pytest.fixture
-def use(lib, monkeypatch):
-    monkeypatch.setattr(code_attention, "kernel", lambda: lib)
+lib, use = kernel_fixtures(code_attention)
 
 
 def product(B: int, nh: int, nkv: int, hs: int, gen: torch.Generator):

@@ -39,6 +39,8 @@
 
 namespace {
 
+#include "attention_common.h"
+
 constexpr int64_t kBlock = 512;  // tokens a work item covers
 
 template <int bits>
@@ -53,62 +55,6 @@ inline void unpack_row(const uint8_t* packed, float* out, int64_t hs) {
         }
     }
 }
-
-struct Cache {
-    const uint8_t *kc, *vc;
-    const _Float16 *ks, *kz, *vs, *vz;
-    int64_t kc_row, vc_row, ks_row, vs_row;  // elements from one cache row (b, h) to the next
-};
-
-// e^x for x <= 0 (a score less the largest), within a unit in float32's last place, in
-// arithmetic a loop vectorises: with -fno-finite-math-only gcc defines no __FAST_MATH__, so
-// glibc declares no vector expf and std::exp was a scalar call for every score, a large share
-// of the kernel's time. Cephes' expf: e^x = 2^n * e^r, |r| <= ln 2 / 2, e^r by
-// its polynomial; below -87.3 (e^x under float's smallest normal) the smallest normal.
-inline float exp_nonpositive(float x) {
-    x = x < -87.3f ? -87.3f : x;
-    const float n = std::floor(x * 1.44269504088896341f + 0.5f);  // x / ln 2, rounded
-    // ln 2 in two parts, as fused multiply-adds: fast math would fold a plain x - n * a + n * b
-    // into x - n * (a - b) and lose the split's low bits (60 units in the last place at -68)
-    const float r = std::fma(n, 2.12194440e-4f, std::fma(n, -0.693359375f, x));
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.f;
-    const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;  // 2^n, n >= -126
-    float scale;
-    std::memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
-}
-
-// HS and GS, when not 0, fix the head size and group size at compile time: the common
-// shapes' loops are then unrolled whole (a runtime length made them 2-3x slower).
-// A block's scores (g rows of len) turned in place into exp(s - m), with each row's max m
-// and sum l written out for the merge across blocks (flash-decoding's partial softmax),
-// and the row's accumulator zeroed for the values that follow.
-inline void block_softmax(float* scores, int64_t g, int64_t len, int64_t hs, float* m_out,
-                          float* l_out, float* acc_out) {
-    for (int64_t i = 0; i < g; ++i) {
-        float m = -INFINITY, l = 0.f;
-        float* s = scores + i * len;
-#pragma omp simd reduction(max : m)
-        for (int64_t t = 0; t < len; ++t) m = s[t] > m ? s[t] : m;
-#pragma omp simd reduction(+ : l)
-        for (int64_t t = 0; t < len; ++t) {
-            s[t] = exp_nonpositive(s[t] - m);
-            l += s[t];
-        }
-        m_out[i] = m;
-        l_out[i] = l;
-        for (int64_t d = 0; d < hs; ++d) acc_out[i * hs + d] = 0.f;
-    }
-}
-
-// Numbers kept at full precision, by the flag the kernel takes: float16, bfloat16, float32.
-enum Format { kF16 = 0, kBF16 = 1, kF32 = 2 };
 
 // One row of hs stored numbers widened to float32.
 template <int fmt>
@@ -137,11 +83,10 @@ inline void widen_row(const void* row, float* out, int64_t hs) {
     }
 }
 
-template <int fmt>
-constexpr int64_t kBytes = fmt == kF32 ? 4 : 2;
-
 #include "code_attention_simd.h"  // the AVX-512 path, where the CPU has it
 
+// HS and GS, when not 0, fix the head size and group size at compile time: the common
+// shapes' loops are then unrolled whole (a runtime length made them 2-3x slower).
 template <int bits, int HS, int GS>
 void block(const float* q, const Cache& c, int64_t row, int64_t a, int64_t b, int64_t g,
            int64_t hs_, int64_t G_, bool key_channels, float* m_out, float* l_out,

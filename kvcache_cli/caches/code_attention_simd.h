@@ -1,5 +1,5 @@
-// Part of code_attention.cpp, included inside its anonymous namespace after the plain
-// loops' helpers it shares (Cache, Format, kBytes, block_softmax).
+// Part of code_attention.cpp and paged_attention.cpp, included inside their anonymous
+// namespaces after attention_common.h (Cache, Format, kBytes, block_softmax).
 //
 // The same partial sums in AVX-512 registers, 16 numbers a vector. Where the plain loops'
 // time went (perf samples): each dot product of a key with a query ended in a reduction

@@ -63,11 +63,12 @@ def target(compiler: str) -> str:
 
 
 def text(source: Path) -> bytes:
-    """The source's bytes and those of the files beside it that it includes (`#include
-    "name"`): a library is rebuilt when any of them changes."""
+    """The source's bytes and those of the files it includes by a path from its folder
+    (`#include "name"`, `#include "../caches/name"`): a library is rebuilt when any of them
+    changes."""
     own = source.read_bytes()
     named = re.findall(rb'^#include "([^"]+)"', own, flags=re.MULTILINE)
-    return own + b"".join(text(source.with_name(n.decode())) for n in named)
+    return own + b"".join(text(source.parent / n.decode()) for n in named)
 
 
 def library(source: Path, compiler: str, defines: tuple[str, ...] = ()) -> Path:

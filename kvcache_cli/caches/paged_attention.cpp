@@ -28,59 +28,7 @@
 
 namespace {
 
-// What code_attention_simd.h builds on, as code_attention.cpp defines it before including it
-// (the header is shared, that file is not: it also builds the quantised caches' kernels,
-// some 13 s of compiling): `Cache` (its code readers' argument, unused here), the formats,
-// their sizes, e^x and a block's softmax.
-struct Cache {
-    const uint8_t *kc, *vc;
-    const _Float16 *ks, *kz, *vs, *vz;
-    int64_t kc_row, vc_row, ks_row, vs_row;
-};
-
-enum Format { kF16 = 0, kBF16 = 1, kF32 = 2 };  // the flag `attend_paged` takes
-
-template <int fmt>
-constexpr int64_t kBytes = fmt == kF32 ? 4 : 2;
-
-// e^x for x <= 0, within a unit in float32's last place, in arithmetic a loop vectorises
-// (code_attention.cpp's `exp_nonpositive`, whose comments say why each step is as it is).
-inline float exp_nonpositive(float x) {
-    x = x < -87.3f ? -87.3f : x;
-    const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-    const float r = std::fma(n, 2.12194440e-4f, std::fma(n, -0.693359375f, x));
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.f;
-    const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-    float scale;
-    std::memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
-}
-
-// g rows of len scores turned in place into exp(s - m), each row's max m and sum l written
-// out, and its accumulator zeroed for the values that follow.
-inline void block_softmax(float* scores, int64_t g, int64_t len, int64_t hs, float* m_out,
-                          float* l_out, float* acc_out) {
-    for (int64_t i = 0; i < g; ++i) {
-        float m = -INFINITY, l = 0.f;
-        float* s = scores + i * len;
-#pragma omp simd reduction(max : m)
-        for (int64_t t = 0; t < len; ++t) m = s[t] > m ? s[t] : m;
-#pragma omp simd reduction(+ : l)
-        for (int64_t t = 0; t < len; ++t) {
-            s[t] = exp_nonpositive(s[t] - m);
-            l += s[t];
-        }
-        m_out[i] = m;
-        l_out[i] = l;
-        for (int64_t d = 0; d < hs; ++d) acc_out[i * hs + d] = 0.f;
-    }
-}
+#include "attention_common.h"  // the formats, e^x, a block's softmax
 
 // Places listed past a pair's last token: the vector path prefetches rows up to
 // simd::kAhead tokens ahead of a 16-token tile (a prefetch never faults, its address must

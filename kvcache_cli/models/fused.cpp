@@ -55,25 +55,11 @@ inline void scaled(const float* x, float r, const float* w, float offset, float*
     for (int64_t i = 0; i < n; ++i) y[i] *= offset + w[i];
 }
 
-// e^x in arithmetic a loop vectorises (glibc's expf is a scalar call here), within a unit
-// in float32's last place: Cephes' expf, e^x = 2^n * e^r, |r| <= ln 2 / 2, e^r by its
-// polynomial; x clamped to [-87.3, 88] (below: float's smallest normal; above: finite).
+#include "../caches/fast_exp.h"
+
+// e^x with x clamped to [-87.3, 88] (below: float's smallest normal; above: finite).
 inline float exp_clamped(float x) {
-    x = x < -87.3f ? -87.3f : (x > 88.f ? 88.f : x);
-    const float n = std::floor(x * 1.44269504088896341f + 0.5f);  // x / ln 2, rounded
-    // ln 2 in two parts, as fused multiply-adds: fast math would fold them into one
-    const float r = std::fma(n, 2.12194440e-4f, std::fma(n, -0.693359375f, x));
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.f;
-    const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;  // 2^n, -126 <= n <= 127
-    float scale;
-    std::memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
+    return exp_in_range(x < -87.3f ? -87.3f : (x > 88.f ? 88.f : x));
 }
 
 }  // namespace
