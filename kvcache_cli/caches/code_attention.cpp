@@ -56,33 +56,6 @@ inline void unpack_row(const uint8_t* packed, float* out, int64_t hs) {
     }
 }
 
-// One row of hs stored numbers widened to float32.
-template <int fmt>
-inline void widen_row(const void* row, float* out, int64_t hs) {
-    if constexpr (fmt == kF32) {
-        std::memcpy(out, row, hs * sizeof(float));
-    } else if constexpr (fmt == kBF16) {
-        const uint16_t* x = static_cast<const uint16_t*>(row);
-        for (int64_t d = 0; d < hs; ++d) {  // bf16 is the top 16 bits of a float32
-            const uint32_t bits = static_cast<uint32_t>(x[d]) << 16;
-            std::memcpy(out + d, &bits, sizeof bits);
-        }
-    } else {
-        const uint16_t* x = static_cast<const uint16_t*>(row);
-        int64_t d = 0;
-#ifdef __F16C__
-        for (; d + 8 <= hs; d += 8)
-            _mm256_storeu_ps(out + d, _mm256_cvtph_ps(_mm_loadu_si128(
-                                          reinterpret_cast<const __m128i*>(x + d))));
-#endif
-        for (; d < hs; ++d) {
-            _Float16 h;
-            std::memcpy(&h, x + d, sizeof h);
-            out[d] = static_cast<float>(h);
-        }
-    }
-}
-
 #include "code_attention_simd.h"  // the AVX-512 path, where the CPU has it
 
 // HS and GS, when not 0, fix the head size and group size at compile time: the common

@@ -35,27 +35,6 @@ namespace {
 // still be read from the list).
 constexpr int64_t kPad = 64;
 
-// Number d of a stored row, as float32.
-template <int fmt>
-inline float number(const char* row, int64_t d) {
-    if constexpr (fmt == kF32) {
-        float x;
-        std::memcpy(&x, row + 4 * d, sizeof x);
-        return x;
-    } else if constexpr (fmt == kF16) {
-        _Float16 h;
-        std::memcpy(&h, row + 2 * d, sizeof h);
-        return static_cast<float>(h);
-    } else {  // bf16 is the top 16 bits of a float32
-        uint16_t b;
-        std::memcpy(&b, row + 2 * d, sizeof b);
-        const uint32_t bits = static_cast<uint32_t>(b) << 16;
-        float x;
-        std::memcpy(&x, &bits, sizeof x);
-        return x;
-    }
-}
-
 // The partial sums of g queries (q, g rows of hs, already scaled) over len tokens whose rows
 // lie at elements off[t] of one head's keys k and values v: the plain loops.
 template <int fmt>
@@ -64,7 +43,7 @@ void plain(const float* q, const char* k, const char* v, const int64_t* off, int
     std::vector<float> scores(g * len), x(hs);
     for (int64_t t = 0; t < len; ++t) {
         const char* row = k + off[t] * kBytes<fmt>;
-        for (int64_t d = 0; d < hs; ++d) x[d] = number<fmt>(row, d);
+        widen_row<fmt>(row, x.data(), hs);
         for (int64_t i = 0; i < g; ++i) {
             float s = 0.f;
             for (int64_t d = 0; d < hs; ++d) s += q[i * hs + d] * x[d];
@@ -74,7 +53,7 @@ void plain(const float* q, const char* k, const char* v, const int64_t* off, int
     block_softmax(scores.data(), g, len, hs, m, l, acc);
     for (int64_t t = 0; t < len; ++t) {
         const char* row = v + off[t] * kBytes<fmt>;
-        for (int64_t d = 0; d < hs; ++d) x[d] = number<fmt>(row, d);
+        widen_row<fmt>(row, x.data(), hs);
         for (int64_t i = 0; i < g; ++i) {
             const float p = scores[i * len + t];
             for (int64_t d = 0; d < hs; ++d) acc[i * hs + d] += p * x[d];
