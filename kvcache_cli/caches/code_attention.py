@@ -13,6 +13,14 @@ float32 copy of the history is made; and the new token's key and value are writt
 the softmax finished in the same call, one call a layer where SDPA's path was 28 torch ops
 (the slice writes, the slices, SDPA's own, the transposes).
 
+A quantised cache's decoding token is one call a layer too (`decode_codes`): int8's default
+(per-token keys, no residual) quantises the new key and value straight into the code rows
+(`quantise_tokens`' arithmetic, bit for bit), a cache with a residual window has put the
+token in its tail first; then the queries, read as views of the q|k|v product, over sinks,
+codes and tail, the softmax finished where `merge_heads` reads it. What it replaced (the
+query's scaling and reshape, the appends, the partial sums' division, the wrapper's checks)
+cost more a layer at SmolLM2's shape than the kernel's own gap to fp16's step.
+
 Storing a decoding token's codes took some twenty small torch ops a layer (the groups'
 minimum and maximum, the float16 rounding of scale and zero point, round, clamp, pack, an
 append per tensor), a fixed cost a step that no context length amortises; `quantise_tokens`

@@ -59,7 +59,9 @@ or a caller outside attention reads. A decoding token's attention does not: `att
 reads the codes where they lie, their scales folded into the query and the weights, so
 no float copy of the history is made at every step. On the CPU it runs in one C++ kernel
 (`code_attention`, built at first use), which reads the codes as bytes once, because
-converting every code to float first cost more than reading a float cache outright; on
+converting every code to float first cost more than reading a float cache outright; a
+float32 decoding token's whole layer (its store, the attention, the softmax's finish) is
+one call of it (`QuantizedCache._decode`), as fp16's is (`StaticCache.decode`); on
 another device, or where the kernel cannot be built (or `KVCACHE_CODE_ATTENTION=torch`),
 in torch a chunk of `ATTEND_CHUNK` tokens at a time (`QuantizedCache._attend`). The
 integer kinds' codes and scales grow in place (`_Rows`); fp8 and the paged pool still read
