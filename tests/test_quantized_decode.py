@@ -73,14 +73,16 @@ def calls(monkeypatch) -> list[bool]:
     ("int8", True), ("int8:s3", True), ("int4:g16:ktok:r0", True), ("int2:g8:ktok:r0:s2", True),
     ("int4", False), ("int4:g32:kchan:r16:s4", False), ("int8:g64:kchan:r5", False),
     ("int2:g32:ktok:r7:s1", False)])
-@pytest.mark.parametrize(("B", "prompt"), [(1, 201), (2, 1101)])  # odd; blocks of 512 merged
+# odd lengths; 33 steps pass a per-channel group's flush of 32; 1,101 tokens merge blocks of 512
+@pytest.mark.parametrize(("B", "prompt", "steps"), [(1, 201, 33), (2, 1101, 3)])
 def test_one_call_equals_float64_attention_over_what_the_cache_holds(spec, write, B, prompt,
-                                                                     threads, monkeypatch):
+                                                                     steps, threads,
+                                                                     monkeypatch):
     gen = torch.Generator().manual_seed(prompt)
     cache = build(spec, B)
     cache.update(0, 0, *(torch.randn(B, 3, prompt, 64, generator=gen) * 2 for _ in range(2)))
     written = calls(monkeypatch)
-    for start in range(prompt, prompt + 33):  # past a per-channel group's flush of 32
+    for start in range(prompt, prompt + steps):
         q, k, v = product(B, gen)
         y = cache.attend(0, q * 3, k, v, Step(start, torch.tensor([start])))
         assert cache.length == start + 1
@@ -90,7 +92,7 @@ def test_one_call_equals_float64_attention_over_what_the_cache_holds(spec, write
         # float64's: a code misread or a scale off by a group moves them by units
         torch.testing.assert_close(y.double(), reference(q * 3, keys, values),
                                    rtol=1e-4, atol=2e-5)
-    assert written == [write] * 33
+    assert written == [write] * steps
 
 
 def _awkward(gen: torch.Generator, B: int, T: int) -> torch.Tensor:
