@@ -385,13 +385,13 @@ class QuantizedCache(KVCache):
     def _one_call(self, L: _IntLayer, q: Tensor, k: Tensor, v: Tensor) -> bool:
         """Whether `_decode` takes this step: float32 on the CPU, each head's numbers
         contiguous, no gradient to keep (the call writes and reads raw memory), no rotation
-        (its query and values' sum are turned in torch), the kernel built."""
+        (its query and values' sum are turned in torch), not traced, the kernel built."""
         return self.rotation is None and q.device.type == "cpu" and \
             q.dtype == k.dtype == v.dtype == torch.float32 and \
             L.tail_k.dtype in code_attention.FULL_FLAGS and \
             q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and \
             not (q.requires_grad or k.requires_grad or v.requires_grad) and \
-            code_attention.kernel() is not None
+            not torch.compiler.is_compiling() and code_attention.kernel() is not None
 
     def _decode(self, layer: int, q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:
         """A decoding token's store and attention (B, nh, 1, hs) in one native call
