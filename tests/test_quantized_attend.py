@@ -48,7 +48,7 @@ def _whole_copy(monkeypatch):
 def test_attention_over_codes_gives_the_whole_copys_logits(spec, monkeypatch):
     m, idx = model(), decoding.tokens(100, CONFIG.vocab_size)
     answered = []
-    for name in ("_attend_kernel", "_attend"):  # the codes' paths
+    for name in ("_decode", "_attend_kernel", "_attend"):  # the codes' paths
         def counted(self, *args, read=getattr(QuantizedCache, name)):
             answered.append(True)
             return read(self, *args)

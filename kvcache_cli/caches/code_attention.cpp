@@ -234,6 +234,29 @@ void stored_block(int64_t fmt, const float* q, const void* k, const void* v, int
     else half_sized<kF16>(q, kr, vr, a, b, g, hs, m, l, acc);
 }
 
+// Every row's partial sums over its n codes, s sinks and t tail tokens (both of format fmt, a
+// row's tokens contiguous, sink_row / tail_row elements from one row to the next): the pass
+// `attend_codes` and `decode_codes` share.
+void over_codes(const float* q, const Cache& c, int64_t rows, int64_t n, int64_t g, int64_t hs,
+                int64_t bits, int64_t G, bool key_channels, int64_t threads, const void* sink_k,
+                const void* sink_v, int64_t sink_row, int64_t s, const void* tail_k,
+                const void* tail_v, int64_t tail_row, int64_t t, int64_t fmt, float* m_out,
+                float* l_out, float* acc_out) {
+    over_blocks(rows, {n, s, t}, g, hs, threads, [&](int64_t row, int64_t seg, int64_t a,
+                                                      int64_t b, float* mo, float* lo,
+                                                      float* ao) {
+        if (seg == 1)
+            stored_block(fmt, q + row * g * hs, sink_k, sink_v, sink_row, row, a, b, g, hs, mo,
+                         lo, ao);
+        else if (seg == 2)
+            stored_block(fmt, q + row * g * hs, tail_k, tail_v, tail_row, row, a, b, g, hs, mo,
+                         lo, ao);
+        else if (bits == 8) sized<8>(q, c, row, a, b, g, hs, G, key_channels, mo, lo, ao);
+        else if (bits == 4) sized<4>(q, c, row, a, b, g, hs, G, key_channels, mo, lo, ao);
+        else sized<2>(q, c, row, a, b, g, hs, G, key_channels, mo, lo, ao);
+    }, m_out, l_out, acc_out);
+}
+
 }  // namespace
 
 // full: the sinks' and the tail's keys and values (rows, s or t, hs) at full precision, format
@@ -249,19 +272,8 @@ extern "C" int attend_codes(const float* q, const uint8_t* kc, const _Float16* k
                             int64_t fmt, float* m_out, float* l_out, float* acc_out) {
     if (bits != 8 && bits != 4 && bits != 2) return 1;
     const Cache c{kc, vc, ks, kz, vs, vz, kc_row, vc_row, ks_row, vs_row};
-    over_blocks(rows, {n, s, t}, g, hs, threads, [&](int64_t row, int64_t seg, int64_t a,
-                                                      int64_t b, float* mo, float* lo,
-                                                      float* ao) {
-        if (seg == 1)
-            stored_block(fmt, q + row * g * hs, sink_k, sink_v, sink_row, row, a, b, g, hs, mo,
-                         lo, ao);
-        else if (seg == 2)
-            stored_block(fmt, q + row * g * hs, tail_k, tail_v, tail_row, row, a, b, g, hs, mo,
-                         lo, ao);
-        else if (bits == 8) sized<8>(q, c, row, a, b, g, hs, G, key_channels, mo, lo, ao);
-        else if (bits == 4) sized<4>(q, c, row, a, b, g, hs, G, key_channels, mo, lo, ao);
-        else sized<2>(q, c, row, a, b, g, hs, G, key_channels, mo, lo, ao);
-    }, m_out, l_out, acc_out);
+    over_codes(q, c, rows, n, g, hs, bits, G, key_channels, threads, sink_k, sink_v, sink_row,
+               s, tail_k, tail_v, tail_row, t, fmt, m_out, l_out, acc_out);
     return 0;
 }
 
@@ -381,6 +393,25 @@ EXACT_MATH void quantise_group(const float* x, int64_t G, int levels, uint8_t* q
     *zero = z;
 }
 
+// One token's hs numbers x: J = hs / G groups' codes packed into `codes` (hs * bits / 8
+// bytes), their scales and zero points into scale[0 .. J), zero[0 .. J).
+EXACT_MATH void quantise_token(const float* x, int64_t hs, int bits, int64_t G, uint8_t* codes,
+                               _Float16* scale, _Float16* zero) {
+    const int per = 8 / bits, levels = (1 << bits) - 1;
+    uint8_t q[1024];  // a head's codes, unpacked: head sizes up to 1,024 (checked)
+    for (int64_t j = 0; j < hs / G; ++j)
+        quantise_group(x + j * G, G, levels, q + j * G, scale + j, zero + j);
+    for (int64_t i = 0; i < hs * bits / 8; ++i) {
+        int byte = 0;
+        for (int k = 0; k < per; ++k) byte |= q[i * per + k] << (k * bits);
+        codes[i] = static_cast<uint8_t>(byte);
+    }
+}
+
+bool quantisable(int64_t bits, int64_t hs, int64_t G) {
+    return (bits == 8 || bits == 4 || bits == 2) && G > 0 && hs % G == 0 && hs <= 1024;
+}
+
 }  // namespace
 
 // x (rows, T, hs) float32, a row's tokens contiguous, x_row elements from one row to the next;
@@ -390,26 +421,59 @@ extern "C" EXACT_MATH int quantise_tokens(const float* x, int64_t x_row, int64_t
                                           int64_t hs, int64_t bits, int64_t G, uint8_t* codes,
                                           int64_t c_row, _Float16* scale, int64_t s_row,
                                           _Float16* zero, int64_t z_row) {
-    if ((bits != 8 && bits != 4 && bits != 2) || hs % G) return 1;
-    const int per = 8 / bits, levels = (1 << bits) - 1;
+    if (!quantisable(bits, hs, G)) return 1;
     const int64_t width = hs * bits / 8, J = hs / G;
-    std::vector<uint8_t> q(hs);
     for (int64_t r = 0; r < rows; ++r)
-        for (int64_t t = 0; t < T; ++t) {
-            const float* xt = x + r * x_row + t * hs;
-            for (int64_t j = 0; j < J; ++j)
-                quantise_group(xt + j * G, G, levels, q.data() + j * G,
-                               scale + r * s_row + t * J + j, zero + r * z_row + t * J + j);
-            uint8_t* out = codes + r * c_row + t * width;
-            for (int64_t i = 0; i < width; ++i) {
-                int byte = 0;
-                for (int k = 0; k < per; ++k) byte |= q[i * per + k] << (k * bits);
-                out[i] = static_cast<uint8_t>(byte);
-            }
-        }
+        for (int64_t t = 0; t < T; ++t)
+            quantise_token(x + r * x_row + t * hs, hs, static_cast<int>(bits), G,
+                           codes + r * c_row + t * width, scale + r * s_row + t * J,
+                           zero + r * z_row + t * J);
     return 0;
 }
 
 #ifdef __clang__
 #pragma float_control(pop)
 #endif
+
+// A quantised cache's decoding step of one layer in one call, as `attend_decode` is a static
+// cache's: with `write`, the new token's keys and values k, v (B, nkv, hs) quantised per token
+// into code row n - 1 (its n counts the token: int8's r0, where every token leaves the tail at
+// once; a cache that keeps the token at full precision has put it in its tail); then the
+// queries q (B, nh, hs), scaled by 1 / sqrt(hs), over codes, sinks and tail (as `attend_codes`
+// reads them), query head h on KV head h / (nh / nkv), the softmax finished into y (B, nh, hs).
+// q, k, v: views of the q|k|v product, element [b, h, d] at b * x_b + h * x_h + d.
+extern "C" int decode_codes(const float* q, int64_t q_b, int64_t q_h, const float* k,
+                            int64_t k_b, int64_t k_h, const float* v, int64_t v_b, int64_t v_h,
+                            int64_t write, uint8_t* kc, _Float16* ks, _Float16* kz, uint8_t* vc,
+                            _Float16* vs, _Float16* vz, int64_t kc_row, int64_t vc_row,
+                            int64_t ks_row, int64_t vs_row, int64_t B, int64_t nh, int64_t nkv,
+                            int64_t n, int64_t hs, int64_t bits, int64_t G, int64_t key_channels,
+                            int64_t threads, const void* sink_k, const void* sink_v,
+                            int64_t sink_row, int64_t s, const void* tail_k, const void* tail_v,
+                            int64_t tail_row, int64_t t, int64_t fmt, float* y) {
+    if (!quantisable(bits, hs, G) || nh % nkv || (write && (key_channels || n < 1)) ||
+        fmt < kF16 || fmt > kF32)
+        return 1;
+    const int64_t g = nh / nkv, rows = B * nkv, width = hs * bits / 8, J = hs / G;
+    for (int64_t r = 0; write && r < rows; ++r) {
+        const int64_t b = r / nkv, h = r % nkv;
+        quantise_token(k + b * k_b + h * k_h, hs, static_cast<int>(bits), G,
+                       kc + r * kc_row + (n - 1) * width, ks + r * ks_row + (n - 1) * J,
+                       kz + r * ks_row + (n - 1) * J);
+        quantise_token(v + b * v_b + h * v_h, hs, static_cast<int>(bits), G,
+                       vc + r * vc_row + (n - 1) * width, vs + r * vs_row + (n - 1) * J,
+                       vz + r * vs_row + (n - 1) * J);
+    }
+    std::vector<float> qs(B * nh * hs), m(B * nh), l(B * nh);  // row b * nkv + h's g queries
+    const float scale = 1.f / std::sqrt(static_cast<float>(hs));
+    for (int64_t b = 0; b < B; ++b)
+        for (int64_t h = 0; h < nh; ++h)
+            for (int64_t d = 0; d < hs; ++d)
+                qs[(b * nh + h) * hs + d] = q[b * q_b + h * q_h + d] * scale;
+    const Cache c{kc, vc, ks, kz, vs, vz, kc_row, vc_row, ks_row, vs_row};
+    over_codes(qs.data(), c, rows, n, g, hs, bits, G, key_channels, threads, sink_k, sink_v,
+               sink_row, s, tail_k, tail_v, tail_row, t, fmt, m.data(), l.data(), y);
+    for (int64_t i = 0; i < B * nh; ++i)  // (row * g + i) * hs is y's (b * nh + h) * hs
+        for (int64_t d = 0; d < hs; ++d) y[i * hs + d] /= l[i];
+    return 0;
+}

@@ -13,6 +13,14 @@ float32 copy of the history is made; and the new token's key and value are writt
 the softmax finished in the same call, one call a layer where SDPA's path was 28 torch ops
 (the slice writes, the slices, SDPA's own, the transposes).
 
+A quantised cache's decoding token is one call a layer too (`decode_codes`): int8's default
+(per-token keys, no residual) quantises the new key and value straight into the code rows
+(`quantise_tokens`' arithmetic, bit for bit), a cache with a residual window has put the
+token in its tail first; then the queries, read as views of the q|k|v product, over sinks,
+codes and tail, the softmax finished where `merge_heads` reads it. What it replaced (the
+query's scaling and reshape, the appends, the partial sums' division, the wrapper's checks)
+cost more a layer at SmolLM2's shape than the kernel's own gap to fp16's step.
+
 Storing a decoding token's codes took some twenty small torch ops a layer (the groups'
 minimum and maximum, the float16 rounding of scale and zero point, round, clamp, pack, an
 append per tensor), a fixed cost a step that no context length amortises; `quantise_tokens`
@@ -63,6 +71,10 @@ def load(defines: tuple[str, ...] = ()) -> tuple[ctypes.CDLL | None, str | None]
     lib.attend_decode.restype = ctypes.c_int
     lib.attend_decode.argtypes = ([ctypes.c_void_p] + [ctypes.c_int64] * 2) * 3 + \
         [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 8 + [ctypes.c_void_p]
+    lib.decode_codes.restype = ctypes.c_int
+    lib.decode_codes.argtypes = ([ctypes.c_void_p] + [ctypes.c_int64] * 2) * 3 + \
+        [ctypes.c_int64] + [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 13 + \
+        ([ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2) * 2 + [ctypes.c_int64, ctypes.c_void_p]
     lib.quantise_tokens.restype = ctypes.c_int
     lib.quantise_tokens.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 6 + \
         [ctypes.c_void_p, ctypes.c_int64] * 3
@@ -142,6 +154,41 @@ def attend_decode(q: Tensor, k: Tensor, v: Tensor, keys: Tensor, values: Tensor,
     if status:
         raise ValueError(f"decode attention: slot {start} of {slots}, {nh} query heads on "
                          f"{nkv} KV heads, {keys.dtype}")
+    return y
+
+
+def decode_codes(q: Tensor, k: Tensor, v: Tensor, rows: tuple[Tensor, ...], n: int,
+                 bits: int, G: int, per_channel: bool, write: bool,
+                 full: tuple[Tensor, Tensor, Tensor, Tensor]) -> Tensor:
+    """A quantised cache's decoding step of one layer (B, nh, 1, hs), float32, in one call,
+    as `attend_decode` is a static cache's. rows: the code and scale buffers k_codes,
+    k_scale, k_zero, v_codes, v_scale, v_zero, each (B, nkv, capacity, width) with rows
+    (the token axis) contiguous, n of their tokens filled. With `write` the new token's k,
+    v (B, nkv, 1, hs) float32 are quantised per token into row n - 1, bit for bit as
+    `quantise_tokens` writes them; without, the caller has put them in the tail. Then the
+    queries q (B, nh, 1, hs) over the codes and full = (sink_k, sink_v, tail_k, tail_v)
+    (B, nkv, s or t, hs), query head h on KV head h // (nh / nkv), scaled by 1 / sqrt(hs),
+    the softmax finished. q, k, v may be any views whose last axis is contiguous (the q|k|v
+    product's heads); `merge_heads` reads the result as a view."""
+    B, nh, _, hs = q.shape
+    nkv = rows[0].size(1)
+    sink_k, sink_v = _stored(*full[:2])
+    tail_k, tail_v = _stored(*full[2:])
+    kc, ks, kz, vc, vs, vz = rows
+    y = torch.empty(B, nh, 1, hs, dtype=torch.float32)  # (B, nh, 1, hs)
+    status = kernel().decode_codes(
+        q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1),
+        v.data_ptr(), v.stride(0), v.stride(1), int(write), kc.data_ptr(), ks.data_ptr(),
+        kz.data_ptr(), vc.data_ptr(), vs.data_ptr(), vz.data_ptr(), kc.stride(1),
+        vc.stride(1), ks.stride(1), vs.stride(1), B, nh, nkv, n, hs, bits, G,
+        int(per_channel), torch.get_num_threads(),
+        sink_k.data_ptr(), sink_v.data_ptr(), sink_k.size(2) * hs, sink_k.size(2),
+        tail_k.data_ptr(), tail_v.data_ptr(), tail_k.size(2) * hs, tail_k.size(2),
+        FULL_FLAGS[tail_k.dtype], y.data_ptr())
+    if status:
+        raise ValueError(f"decoding over codes: {bits}-bit codes in groups of {G} of {hs}, "
+                         f"{nh} query heads on {nkv} KV heads, write {write}, "
+                         f"{tail_k.dtype} tail: not supported")
     return y
 
 

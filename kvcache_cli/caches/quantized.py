@@ -59,7 +59,9 @@ or a caller outside attention reads. A decoding token's attention does not: `att
 reads the codes where they lie, their scales folded into the query and the weights, so
 no float copy of the history is made at every step. On the CPU it runs in one C++ kernel
 (`code_attention`, built at first use), which reads the codes as bytes once, because
-converting every code to float first cost more than reading a float cache outright; on
+converting every code to float first cost more than reading a float cache outright; a
+float32 decoding token's whole layer (its store, the attention, the softmax's finish) is
+one call of it (`QuantizedCache._decode`), as fp16's is (`StaticCache.decode`); on
 another device, or where the kernel cannot be built (or `KVCACHE_CODE_ATTENTION=torch`),
 in torch a chunk of `ATTEND_CHUNK` tokens at a time (`QuantizedCache._attend`). The
 integer kinds' codes and scales grow in place (`_Rows`); fp8 and the paged pool still read
@@ -264,19 +266,24 @@ class _Rows:
     def t(self) -> Tensor:
         return self.buf[:, :, :self.n]  # (B, nkv, n, width)
 
-    def claim(self, T: int) -> tuple[Tensor, int]:
-        """The next T rows (B, nkv, T, width), counted as filled, for a writer to fill in
-        place; and the bytes they and a growth of the capacity moved."""
+    def grow(self, T: int) -> int:
+        """Count T more rows as filled, for a writer that fills them in place at rows
+        n - T .. n - 1 of `buf`; the bytes they and a growth of the capacity moved."""
         need, moved = self.n + T, 0
-        if need > self.buf.size(2):
-            B, nkv, cap, width = self.buf.shape
+        B, nkv, cap, width = self.buf.shape
+        if need > cap:
             grown = self.buf.new_empty(B, nkv, max(need, 2 * cap, 64), width)
             grown[:, :, :self.n] = self.t
             moved += nbytes(self.t)
             self.buf = grown
-        rows = self.buf[:, :, self.n:need]
         self.n = need
-        return rows, moved + nbytes(rows)
+        return moved + B * nkv * T * width * self.buf.element_size()
+
+    def claim(self, T: int) -> tuple[Tensor, int]:
+        """The next T rows (B, nkv, T, width), counted as filled, for a writer to fill in
+        place; and the bytes they and a growth of the capacity moved."""
+        moved = self.grow(T)
+        return self.buf[:, :, self.n - T:self.n], moved
 
     def append(self, x: Tensor) -> int:
         """Write x (B, nkv, T, width) after the filled rows; the bytes this moved."""
@@ -321,7 +328,7 @@ class _IntLayer:
 
     @property
     def quantised(self) -> int:
-        return self.k_codes.size(2)
+        return self.codes["k"].n  # k_codes.size(2), without making the view
 
 
 class QuantizedCache(KVCache):
@@ -368,10 +375,46 @@ class QuantizedCache(KVCache):
                 self.layers[layer].quantised == 0:
             keys, values = self.update(layer, step.start, k, v)  # (B, nkv, S, hs)
             return step.in_order(q, keys, values)
+        if self._one_call(self.layers[layer], q, k, v):
+            return self._decode(layer, q, k, v, step.start)
         L = self._store(layer, step.start, k, v)
         if L.k_codes.device.type == "cpu" and code_attention.kernel() is not None:
             return self._attend_kernel(L, q)
         return self._attend(L, q)
+
+    def _one_call(self, L: _IntLayer, q: Tensor, k: Tensor, v: Tensor) -> bool:
+        """Whether `_decode` takes this step: float32 on the CPU, each head's numbers
+        contiguous, no gradient to keep (the call writes and reads raw memory), no rotation
+        (its query and values' sum are turned in torch), not traced, the kernel built."""
+        return self.rotation is None and q.device.type == "cpu" and \
+            q.dtype == k.dtype == v.dtype == torch.float32 and \
+            L.tail_k.dtype in code_attention.FULL_FLAGS and \
+            q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and \
+            not (q.requires_grad or k.requires_grad or v.requires_grad) and \
+            not torch.compiler.is_compiling() and code_attention.kernel() is not None
+
+    def _decode(self, layer: int, q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:
+        """A decoding token's store and attention (B, nh, 1, hs) in one native call
+        (`code_attention.decode_codes`), as `StaticCache.decode` is fp16's. Where the token
+        is quantised at once (per-token keys, no residual, the sinks full: int8's default)
+        the call writes its codes in place too, the same bits `_store` writes; otherwise
+        `_store` puts it in the tail (and quantises what leaves it) first. The torch ops a
+        layer of the appends, the query's scaling and the softmax's finish were a fixed cost
+        of every step, larger at SmolLM2's shape than the kernel's arithmetic's gap to fp16's."""
+        L = self.layers[layer]
+        write = self.residual == 0 and not self.per_channel and L.tail_k.size(2) == 0 and \
+            L.sink_k.size(2) == self.sinks
+        rows = (L.codes["k"], L.scales["k_scale"], L.scales["k_zero"], L.codes["v"],
+                L.scales["v_scale"], L.scales["v_zero"])
+        if write:
+            self._check_append(layer, start)
+            self.bytes_copied += sum(r.grow(1) for r in rows)  # filled by the call
+            self.lengths[layer] = self.length = start + 1
+        else:
+            self._store(layer, start, k, v)
+        return code_attention.decode_codes(
+            q, k, v, tuple(r.buf for r in rows), L.quantised, self.bits, self.group,
+            self.per_channel, write, (L.sink_k, L.sink_v, L.tail_k, L.tail_v))
 
     def _attend_kernel(self, L: _IntLayer, q: Tensor) -> Tensor:
         """`_attend` in one C++ kernel (`code_attention`): the codes read as bytes, once,
@@ -400,10 +443,13 @@ class QuantizedCache(KVCache):
         y = (acc * codes_w[..., None] + p @ values) / (total * codes_w + p.sum(-1))[..., None]
         return y.view(B, nh, 1, hs).to(q.dtype)
 
-    def _store(self, layer: int, start_pos: int, k: Tensor, v: Tensor) -> _IntLayer:
+    def _check_append(self, layer: int, start_pos: int) -> None:
         if isinstance(start_pos, Tensor) or start_pos != self.lengths[layer]:
             raise ValueError(f"a quantised cache appends: layer {layer} holds "
                              f"{self.lengths[layer]} positions, asked to write at {start_pos}")
+
+    def _store(self, layer: int, start_pos: int, k: Tensor, v: Tensor) -> _IntLayer:
+        self._check_append(layer, start_pos)
         L = self.layers[layer]
         T = k.size(2)
         room = max(0, self.sinks - L.sink_k.size(2))
