@@ -4,20 +4,23 @@ step's own calls), and bad input refused in one line. Timings are never compared
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
 import pytest
 import torch
+from gemmakit import random_gemma3
 from llamakit import tiny_hf, write_tiny_gguf
 from typer.testing import CliRunner
 
-from kvcache_cli.bench.profile import ORDER, recording, replay
+from kvcache_cli.bench.profile import ORDER, on_cache, recording, replay
 from kvcache_cli.caches import make_cache
 from kvcache_cli.cli import app
 from kvcache_cli.generate import stream_tokens
 from kvcache_cli.measure import linears
 from kvcache_cli.models import load_model, set_weights_dtype
+from kvcache_cli.models.linear import arrange_weights
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 runner = CliRunner()
@@ -87,23 +90,31 @@ def tiny_llama(tmp_path_factory) -> Path:
     return write_tiny_gguf(tiny_hf(), tmp_path_factory.mktemp("llama") / "tiny.gguf")
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def _model(request, family: str):
+    if family == "gemma3":  # sliding layers of a window of 4: the prompt wraps their rings
+        return arrange_weights(random_gemma3(window=4))
+    fixture = {"gpt2": "checkpoint", "llama": "tiny_llama"}[family]
+    return load_model(str(request.getfixturevalue(fixture))).model
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "gemma3"])
 @pytest.mark.parametrize("weights", ["fp32", "fp16", "int8"])
-def test_replay_makes_the_steps_own_calls_outputs_equal(checkpoint, tiny_llama, family,
-                                                       weights):
-    model = load_model(str(checkpoint if family == "gpt2" else tiny_llama)).model
+def test_replay_makes_the_steps_own_calls_outputs_equal(request, family, weights):
+    model = _model(request, family)
     set_weights_dtype(model, weights)
     prompt = [5, 17, 3, 40, 8]
     with torch.inference_mode():
         cache = make_cache("static", model, max_len=len(prompt) + 4, batch=1)
         tokens = stream_tokens(model, prompt, 4, "static", cache=cache)
         kept = [next(tokens)]
+        before = copy.deepcopy(cache)
         with recording(model, cache) as (products, attention):
             kept.append(next(tokens))
         kept += list(tokens)  # the steps after it: recording left the model as it was
         unrecorded = list(stream_tokens(model, prompt, 4, "static"))
-        # Replayed after later steps wrote their slots: attention reads its own slots only.
-        outputs = replay(products), replay(attention)
+        # Replayed after later steps: the products on their recorded rows, the attention
+        # on the cache as the recorded step met it.
+        outputs = replay(products), replay(on_cache(attention, before))
     assert kept == unrecorded and len(set(unrecorded)) > 1, unrecorded
     n_layer = model.config.n_layer
     assert len(products) == len(linears(model)) == 4 * n_layer + 1  # each matrix once

@@ -22,6 +22,7 @@ than a peer's whole step say the products are the gap; if not, it lies between t
 from __future__ import annotations
 
 import contextlib
+import copy
 import itertools
 import statistics
 import time
@@ -155,13 +156,15 @@ def _recorder(run: Callable, calls: list[Call]) -> Callable:
     depth = [0]
 
     def recorded(*args):
+        outer = depth[0] == 0
+        kept = tuple(_kept(a) for a in args) if outer else ()  # before the call can write
         depth[0] += 1
         try:
             output = run(*args)
         finally:
             depth[0] -= 1
-        if depth[0] == 0:
-            calls.append(Call(run, tuple(_kept(a) for a in args), output.clone()))
+        if outer:
+            calls.append(Call(run, kept, output.clone()))
         return output
     return recorded
 
@@ -182,6 +185,13 @@ def recording(model: FamilyModel, cache) -> Iterator[tuple[list[Call], list[Call
         for module in modules:
             del module.forward
         del cache.attend
+
+
+def on_cache(calls: list[Call], cache) -> list[Call]:
+    """Attention calls made to run on `cache`: a copy of the cache as the recorded step met
+    it, since a cache that writes positions in order (a sliding layer's window) refuses the
+    recorded token's slot once it holds the next."""
+    return [Call(cache.attend, call.args, call.output) for call in calls]
 
 
 def replay(calls: list[Call]) -> list[Tensor]:
@@ -212,9 +222,10 @@ def _limit(device: torch.device) -> tuple[float, str]:
 
 def time_parts(tokens: Iterator[int], model: FamilyModel, cache, repeats: int) -> StepParts:
     """One step of `tokens` recorded, then `repeats` times: a whole step (the cache moves on
-    one token), the recorded products, the recorded attention. The attention replays write
-    the recorded token's key and value at its own slot again and attend the slots up to it,
-    so each repeat does the recorded step's work."""
+    one token), the recorded products, the recorded attention. The attention replays run on
+    a fresh copy of the cache as the recorded step met it (copied outside the clock): each
+    writes the recorded token's key and value and attends what that step attended."""
+    before = copy.deepcopy(cache)
     with recording(model, cache) as (products, attention):
         next(tokens)
     step, prods, attn = [], [], []
@@ -223,7 +234,7 @@ def time_parts(tokens: Iterator[int], model: FamilyModel, cache, repeats: int) -
         next(tokens)
         step.append((time.perf_counter() - start) * 1e3)
         prods.append(_replay_ms(products))
-        attn.append(_replay_ms(attention))
+        attn.append(_replay_ms(on_cache(attention, copy.deepcopy(before))))
     step_ms, products_ms, attention_ms = (statistics.median(t) for t in (step, prods, attn))
     nbytes = _product_bytes(products)
     gbps = nbytes / products_ms / 1e6
