@@ -11,19 +11,32 @@ the norms and the adds land in "norms", q's and k's norm and rotation in "rotary
 and GeGLU in "activations". Where they run in torch (bf16, fp16 activations, a machine
 that cannot build the kernels) RMSNorm and the rotation are elementwise ops (pow, mean,
 rsqrt, mul; cat, neg), which land in "other ops".
+
+What the profiler cannot tell, the step against its parts alone (`StepParts`): whole decode
+steps timed with no profiler, then one step's product calls (each module and the row it was
+handed) replayed back to back, then its attention calls (`cache.attend`, the same arguments)
+the same way, interleaved repeat by repeat in one process, medians. Products alone slower
+than a peer's whole step say the products are the gap; if not, it lies between them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
+import itertools
+import statistics
 import time
 from collections import defaultdict
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
+from kvcache_cli.bench.bandwidth import copy_probe, measure_read
 from kvcache_cli.caches import make_cache
 from kvcache_cli.generate import stream_tokens
+from kvcache_cli.measure import linears, measure_bandwidth
 from kvcache_cli.models import linear
 from kvcache_cli.models.base import FamilyModel
 
@@ -47,6 +60,25 @@ ORDER = (*KINDS, "other ops", "Python and dispatch")
 
 
 @dataclass(frozen=True)
+class StepParts:
+    """A decode step against its products alone and its attention alone, each the median
+    of `repeats` interleaved timings in one process (no profiler)."""
+
+    repeats: int
+    step_ms: float  # a whole decode step
+    products_ms: float  # one step's product calls replayed back to back
+    attention_ms: float  # one step's attention calls (`cache.attend`) replayed
+    rest_ms: float  # step - products - attention: norms, rotary, Python, dispatch, sampling
+    product_calls: int
+    attention_calls: int
+    product_bytes: int  # the matrices those calls read (weights, scales, biases)
+    product_gbps: float  # product_bytes over products_ms
+    limit_gbps: float  # the best of the read and copy probes (bench/bandwidth.py)
+    limit_probe: str  # which probe set it
+    product_share: float  # product_gbps / limit_gbps
+
+
+@dataclass(frozen=True)
 class StepProfile:
     model: str
     weights: str  # the products' format: fp32, bf16, int8, q4, ...
@@ -56,6 +88,7 @@ class StepProfile:
     step_ms: float  # wall time a decode step
     ops_per_step: float
     split_ms: tuple[tuple[str, float], ...]  # (kind, ms a step) in ORDER
+    parts: StepParts
 
 
 def _kind(name: str) -> str:
@@ -98,27 +131,142 @@ def _named_native_products():
             setattr(module, name, call)
 
 
+@dataclass(frozen=True)
+class Call:
+    """One call a decode step made, to replay: the function, a copy of its arguments as
+    they were handed in (tensors with their strides), and what it returned."""
+
+    run: Callable
+    args: tuple
+    output: Tensor
+
+
+def _kept(arg):
+    """A tensor argument copied with its sizes and strides (a view of the q|k|v product
+    stays a strided view, so the replay reads memory as the step did); anything else as is."""
+    if not isinstance(arg, Tensor):
+        return arg
+    return torch.empty_strided(arg.size(), arg.stride(), dtype=arg.dtype,
+                               device=arg.device).copy_(arg)
+
+
+def _recorder(run: Callable, calls: list[Call]) -> Callable:
+    """`run`, recording each outermost call into `calls` (a product that casts its row and
+    calls its own forward again is one call)."""
+    depth = [0]
+
+    def recorded(*args):
+        outer = depth[0] == 0
+        kept = tuple(_kept(a) for a in args) if outer else ()  # before the call can write
+        depth[0] += 1
+        try:
+            output = run(*args)
+        finally:
+            depth[0] -= 1
+        if outer:
+            calls.append(Call(run, kept, output.clone()))
+        return output
+    return recorded
+
+
+@contextlib.contextmanager
+def recording(model: FamilyModel, cache) -> Iterator[tuple[list[Call], list[Call]]]:
+    """(product calls, attention calls) of the forwards run inside: each product module's
+    forward and the cache's `attend`, as instance attributes that shadow the class's."""
+    products: list[Call] = []
+    attention: list[Call] = []
+    modules = linears(model)
+    for module in modules:
+        module.forward = _recorder(module.forward, products)
+    cache.attend = _recorder(cache.attend, attention)
+    try:
+        yield products, attention
+    finally:
+        for module in modules:
+            del module.forward
+        del cache.attend
+
+
+def on_cache(calls: list[Call], cache) -> list[Call]:
+    """Attention calls made to run on `cache`: a copy of the cache as the recorded step met
+    it, since a cache that writes positions in order (a sliding layer's window) refuses the
+    recorded token's slot once it holds the next."""
+    return [Call(cache.attend, call.args, call.output) for call in calls]
+
+
+def replay(calls: list[Call]) -> list[Tensor]:
+    """The recorded calls again, back to back: their outputs."""
+    return [call.run(*call.args) for call in calls]
+
+
+def _replay_ms(calls: list[Call]) -> float:
+    start = time.perf_counter()
+    for call in calls:
+        call.run(*call.args)
+    return (time.perf_counter() - start) * 1e3
+
+
+def _product_bytes(calls: list[Call]) -> int:
+    """The bytes of the matrices the product calls read, each module's once a call."""
+    return sum(t.numel() * t.element_size() for call in calls
+               for t in (*call.run.__self__.parameters(), *call.run.__self__.buffers()))
+
+
+def _limit(device: torch.device) -> tuple[float, str]:
+    """(GB/s, probe): the best of the read and copy probes. The product probe is left out:
+    it is our products themselves, the thing measured against the limit."""
+    probes = [measure_read(device), copy_probe(measure_bandwidth(device))]
+    best = max(probes, key=lambda probe: probe.median_gbps)
+    return best.median_gbps, best.name
+
+
+def time_parts(tokens: Iterator[int], model: FamilyModel, cache, repeats: int) -> StepParts:
+    """One step of `tokens` recorded, then `repeats` times: a whole step (the cache moves on
+    one token), the recorded products, the recorded attention. The attention replays run on
+    a fresh copy of the cache as the recorded step met it (copied outside the clock): each
+    writes the recorded token's key and value and attends what that step attended."""
+    before = copy.deepcopy(cache)
+    with recording(model, cache) as (products, attention):
+        next(tokens)
+    step, prods, attn = [], [], []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        next(tokens)
+        step.append((time.perf_counter() - start) * 1e3)
+        prods.append(_replay_ms(products))
+        attn.append(_replay_ms(on_cache(attention, copy.deepcopy(before))))
+    step_ms, products_ms, attention_ms = (statistics.median(t) for t in (step, prods, attn))
+    nbytes = _product_bytes(products)
+    gbps = nbytes / products_ms / 1e6
+    limit, probe = _limit(next(model.parameters()).device)
+    return StepParts(repeats, step_ms, products_ms, attention_ms,
+                     step_ms - products_ms - attention_ms, len(products), len(attention),
+                     nbytes, gbps, limit, probe, gbps / limit)
+
+
 def profile_step(model: FamilyModel, steps: int, model_name: str, dtype: str,
                  prompt_len: int = 32) -> StepProfile:
     """The split of a decode step over `steps` steps of the static loop after a warm-up,
-    a seeded random prompt of `prompt_len` tokens prefilled first (not profiled). `dtype`:
-    the activations' and the cache's, as named on the command line."""
+    a seeded random prompt of `prompt_len` tokens prefilled first (not profiled), then the
+    step against its parts alone (`time_parts`), `steps` repeats on the same cache.
+    `dtype`: the activations' and the cache's, as named on the command line."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     prompt = torch.randint(0, model.config.vocab_size, (prompt_len,),
                            generator=torch.Generator().manual_seed(0)).tolist()
-    max_len = prompt_len + steps + 1
+    new_tokens = parts_tokens(steps)
     with torch.inference_mode():
         list(stream_tokens(model, prompt, 8, "static"))  # warm-up
-        cache = make_cache("static", model, max_len=max_len, batch=1)
-        tokens = stream_tokens(model, prompt, steps + 1, "static", cache=cache)
+        cache = make_cache("static", model, max_len=prompt_len + new_tokens, batch=1)
+        tokens = stream_tokens(model, prompt, new_tokens, "static", cache=cache)
         next(tokens)  # the prefill, not profiled
         with _named_native_products(), torch_profile(activities=[ProfilerActivity.CPU]) as prof:
             start = time.perf_counter()
-            for _ in tokens:
+            for _ in itertools.islice(tokens, steps):
                 pass
             wall = (time.perf_counter() - start) * 1e3 / steps
+        parts = time_parts(tokens, model, cache, steps)
     per_kind: dict[str, float] = defaultdict(float)
     ops = 0
     for event in prof.key_averages():
@@ -127,4 +275,10 @@ def profile_step(model: FamilyModel, steps: int, model_name: str, dtype: str,
     per_kind["Python and dispatch"] = max(0.0, wall - sum(per_kind.values()))
     return StepProfile(model_name, linear.weights_format(model), dtype,
                        torch.get_num_threads(), steps, wall, ops / steps,
-                       tuple((k, per_kind.get(k, 0.0)) for k in ORDER))
+                       tuple((k, per_kind.get(k, 0.0)) for k in ORDER), parts)
+
+
+def parts_tokens(steps: int) -> int:
+    """The tokens `profile_step` generates after the prompt: the first (the prefill's),
+    `steps` profiled, one recorded and `steps` timed against their parts."""
+    return 2 * steps + 2

@@ -102,7 +102,8 @@ def bench(
     profile: Annotated[bool, typer.Option(
         "--profile", help="Where one decode step of the static loop goes, by kind of op "
         "(products, attention, norms, rotary, activations, cache writes, other ops, Python and "
-        f"dispatch), under torch.profiler on the CPU; --new-tokens: the steps profiled "
+        "dispatch), under torch.profiler on the CPU, then the step against its products "
+        "and its attention replayed alone; --new-tokens: the steps profiled and timed "
         f"(default {PROFILE_STEPS} here); --dtype and --weights-dtype: the format.")
     ] = False,
     tasks: Annotated[str | None, typer.Option(
@@ -362,10 +363,11 @@ def _profile(ctx, device: str, model: str, weights: str, dtype: DType,
     _check_lengths(ctx, model, prompt_len, steps)
     import torch
 
-    from kvcache_cli.bench.profile import profile_step
+    from kvcache_cli.bench.profile import parts_tokens, profile_step
     from kvcache_cli.models import load_model, set_weights_dtype
     from kvcache_cli.views.bench import profile_view
 
+    _check_parts_length(model, prompt_len, steps, parts_tokens(steps))
     pick_threads(threads, dev)
     try:
         loaded = load_model(model, weights=weights, device=dev,
@@ -378,6 +380,21 @@ def _profile(ctx, device: str, model: str, weights: str, dtype: DType,
     except (RuntimeError, OSError) as err:
         fail(str(err), code=1)
     show_then_plot(result, profile_view, as_json, None, None, "")  # no plot: save is unused
+
+
+def _check_parts_length(model: str, prompt_len: int, steps: int, tokens: int) -> None:
+    """The profiled steps, then as many timed against their parts, run on one cache:
+    `tokens` after the prompt, within the context window."""
+    from kvcache_cli.models import model_config
+
+    try:
+        window = model_config(model).context
+    except ValueError:
+        return  # not a model: the loader says so in its own words
+    if prompt_len + tokens > window:
+        fail(f"--profile runs {tokens:,} tokens for --new-tokens {steps:,} (the steps "
+             f"profiled, then as many timed against their parts): --prompt-len "
+             f"{prompt_len:,} + {tokens:,} past context window {window:,}")
 
 
 def _cpu_only(device: str, flag: str, why: str):

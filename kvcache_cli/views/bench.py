@@ -265,9 +265,17 @@ def render(r: BenchResult) -> RenderableType:
 
 
 def profile_view(p) -> str:
-    """`bench --profile` (a bench.profile.StepProfile) as the two lines the bench page
-    quotes: what ran, then the step split by kind of op, ms and share of the step."""
+    """`bench --profile` (a bench.profile.StepProfile) as the three lines the bench page
+    quotes: what ran, the step split by kind of op (ms and share of the step), then the
+    step against its products and its attention alone and the products' bandwidth."""
     fmt = p.weights if p.dtype in (p.weights, "fp32") else f"{p.dtype}+{p.weights}"
     cells = ", ".join(f"{kind} {ms:.2f} ({ms / p.step_ms:.0%})" for kind, ms in p.split_ms)
+    t = p.parts
+    parts = ", ".join(f"{name} {ms:.2f} ({ms / t.step_ms:.0%})" for name, ms in
+                      (("products", t.products_ms), ("attention", t.attention_ms),
+                       ("the rest", t.rest_ms)))
     return (f"{p.model}, {p.threads} threads, ms a decode step (share), {p.steps} steps "
-            f"profiled\n{fmt}: step {p.step_ms:.2f} ms, {p.ops_per_step:.0f} ops: {cells}")
+            f"profiled\n{fmt}: step {p.step_ms:.2f} ms, {p.ops_per_step:.0f} ops: {cells}\n"
+            f"alone, medians of {t.repeats} interleaved: step {t.step_ms:.2f} ms: {parts}; "
+            f"products {t.product_gbps:.1f} GB/s, {t.product_share:.0%} of the "
+            f"{t.limit_probe} limit {t.limit_gbps:.1f} GB/s")
