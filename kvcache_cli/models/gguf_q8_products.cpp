@@ -69,6 +69,7 @@ struct Rows8 {
     std::vector<int8_t> q;
     std::vector<float> d, s;
     std::vector<int32_t> sums16;
+    std::vector<int32_t> lane_starts;  // with VNNI, Q8_0's row: 8 a block (`offset_dots`)
 };
 
 // ggml's x86 quantize_row_q8_0 / q8_1: one block of 32.
@@ -147,7 +148,7 @@ void round_q8_k(const float* x, int8_t* q, float& d, int32_t* sums16) {
 }
 
 // The rows rounded into a buffer kept between calls (a step makes some hundred of them).
-const Rows8& rounded(const float* x, int64_t R, int64_t K, bool k_blocks) {
+Rows8& rounded(const float* x, int64_t R, int64_t K, bool k_blocks) {
     thread_local Rows8 r;
     const int64_t qk = k_blocks ? 256 : 32, nb = R * K / qk;
     r.q.resize(R * K);
@@ -185,6 +186,32 @@ inline __m256i row_bytes(const int8_t* y) {
 }
 
 inline Ints dot_unsigned(Bytes w, const int8_t* y) { return dot_u(w, row_bytes(y)); }
+
+#ifdef Q8_VNNI
+// The signed types' weights w as u - offset, u unsigned (Q4_0 0..15, Q5_0 0..31, Q8_0 w xor
+// 0x80): dpbusd multiplies u with the row, each lane starting from -offset times the sum of
+// its four row integers, so each lane ends on the very integer |w| times the row's signs
+// gives (ggml's lanes), one instruction instead of three.
+#define Q8_OFFSET_DOTS 1
+
+// Each block of 32 of the row: its 8 lanes' starts for weights `offset` below their u.
+void offset_dots(Rows8& x, int offset) {
+    const int64_t nb = static_cast<int64_t>(x.d.size());
+    x.lane_starts.resize(8 * nb);
+    const __m256i ones = _mm256_set1_epi8(1), less = _mm256_set1_epi32(-offset);
+    for (int64_t b = 0; b < nb; ++b) {
+        const __m256i sums = _mm256_dpbusd_epi32(_mm256_setzero_si256(), ones,
+                                                 row_bytes(x.q.data() + 32 * b));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(x.lane_starts.data() + 8 * b),
+                            _mm256_mullo_epi32(sums, less));
+    }
+}
+
+inline Ints dot_offset(Bytes u, const int8_t* y, const int32_t* starts) {
+    return _mm256_dpbusd_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(starts)), u,
+                               row_bytes(y));
+}
+#endif
 
 // Signed weights: |w| times the row with w's signs (ggml's mul_sum_i8_pairs).
 inline Ints dot_signed(Bytes w, const int8_t* y) {
@@ -353,9 +380,14 @@ enum RowType { ROW_Q8_0, ROW_Q8_1, ROW_Q8_K };
 struct Q4_0 {
     static constexpr int QK = 32, BYTES = 18;
     static constexpr RowType ROW = ROW_Q8_0;
+    static constexpr int OFFSET = 8;
     static void unpack(const uint8_t* b, Unpacked& u) {
         u.d = from_half(half_at(b));
-        u.q[0] = minus8(nibbles16(b + 2), 8);
+#ifdef Q8_OFFSET_DOTS
+        u.q[0] = nibbles16(b + 2);
+#else
+        u.q[0] = minus8(nibbles16(b + 2), OFFSET);
+#endif
     }
 };
 
@@ -372,10 +404,15 @@ struct Q4_1 {
 struct Q5_0 {
     static constexpr int QK = 32, BYTES = 22;
     static constexpr RowType ROW = ROW_Q8_0;
+    static constexpr int OFFSET = 16;
     static void unpack(const uint8_t* b, Unpacked& u) {
         u.d = from_half(half_at(b));
+#ifdef Q8_OFFSET_DOTS
+        u.q[0] = or_bits(nibbles16(b + 6), bit_bytes(u32_at(b + 2)), 0x10);
+#else
         // (q | fifth bit << 4) - 16: where the bit is clear, q - 16 is q with 0xf0 set
         u.q[0] = or_bits(nibbles16(b + 6), bit_bytes(~u32_at(b + 2)), 0xf0);
+#endif
     }
 };
 
@@ -392,9 +429,14 @@ struct Q5_1 {
 struct Q8_0 {
     static constexpr int QK = 32, BYTES = 34;
     static constexpr RowType ROW = ROW_Q8_0;
+    static constexpr int OFFSET = 128;
     static void unpack(const uint8_t* b, Unpacked& u) {
         u.d = from_half(half_at(b));
+#ifdef Q8_OFFSET_DOTS
+        u.q[0] = _mm256_xor_si256(load32(b + 2), _mm256_set1_epi8(static_cast<char>(0x80)));
+#else
         u.q[0] = load32(b + 2);
+#endif
     }
 };
 
@@ -460,7 +502,11 @@ inline void meet(const Unpacked& u, const Rows8& x, const int8_t* y, int64_t blk
                  Acc& acc, float& off) {
     const float dx = x.d[blk];
     if constexpr (B::ROW == ROW_Q8_0) {
+#ifdef Q8_OFFSET_DOTS
+        acc.add(dot_offset(u.q[0], y, x.lane_starts.data() + 8 * blk), u.d * dx);
+#else
         acc.add(dot_signed(u.q[0], y), u.d * dx);
+#endif
     } else if constexpr (B::ROW == ROW_Q8_1) {
         acc.add(dot_unsigned(u.q[0], y), u.d * dx);
         off += u.m * x.s[blk];
@@ -536,11 +582,15 @@ void rows_of(const uint8_t* w, int64_t row_bytes, const Rows8& x, int64_t R, int
 template <class B>
 void product(const float* x, const uint8_t* w, float* y, int64_t R, int64_t N, int64_t K,
              int64_t ldy, int threads) {
-    const Rows8& rows = rounded(x, R, K, B::ROW == ROW_Q8_K);  // once, before the threads
+    Rows8& rows = rounded(x, R, K, B::ROW == ROW_Q8_K);  // once, before the threads
+#ifdef Q8_OFFSET_DOTS
+    if constexpr (B::ROW == ROW_Q8_0) offset_dots(rows, B::OFFSET);
+#endif
     const int64_t row_bytes = K / B::QK * B::BYTES;
     // Several rows of x share each unpacked block already; one row shares its blocks across
-    // weight rows instead. The threads take runs of whole groups, as ggml's take chunks.
-    const int64_t group = R == 1 ? WEIGHT_ROWS : 1, groups = N / group;
+    // weight rows instead (the blocks of 32: a k-quant's unpacked block is too large to keep
+    // four, and ran slower so). The threads take runs of whole groups, as ggml's take chunks.
+    const int64_t group = R == 1 && B::QK == 32 ? WEIGHT_ROWS : 1, groups = N / group;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t g = 0; g < groups; ++g) {
         const int64_t n = g * group;
