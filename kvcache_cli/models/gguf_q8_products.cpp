@@ -14,9 +14,11 @@
 // So the product is llama.cpp's, not the dequantised matrix's (the `gguf` format's kernel).
 //
 // With AVX2 the dots are maddubs (unsigned weights times signed row, pairs to 16 bits) and
-// madd; with AVX-512 VNNI (and VL) dpbusd; the signed types take |w| and the row's signs
-// moved onto it, as ggml does. -DGGUF_SCALAR builds plain loops, -DGGUF_AVX2 keeps AVX2 on a
-// VNNI CPU: the tests build all three and compare. Built by `models/gguf/blocks.py`.
+// madd, the signed types taking |w| and the row's signs moved onto it, as ggml does; with
+// AVX-512 VNNI (and VL) dpbusd, the signed types of 32 as unsigned integers less an offset
+// (`offset_dots`): the same integer in every lane, in one instruction. A decode's one row
+// meets four weight rows a pass. -DGGUF_SCALAR builds plain loops, -DGGUF_AVX2 keeps AVX2 on
+// a VNNI CPU: the tests build all three and compare. Built by `models/gguf/blocks.py`.
 
 #include <cmath>
 #include <cstdint>
