@@ -235,6 +235,32 @@ def test_the_rows_ties_round_to_even_as_ggmls_x86_build_does(simd, kind):
     assert not np.allclose(reference(away, blocks, kind), expected, rtol=RTOL, atol=0)
 
 
+@pytest.mark.parametrize("kind", ["Q4_0", "Q5_0", "Q8_0"])
+@pytest.mark.parametrize("outputs", [3, 37])  # fewer than a pass's four weight rows; 9 and 1
+@pytest.mark.parametrize("rows", [1, 16])
+def test_the_signed_types_take_their_whole_integer_range(simd, kind, outputs, rows):
+    # The VNNI build multiplies these weights as unsigned integers less an offset (Q8_0's
+    # 128): its extremes, -128 included (which gguf's quantiser never writes but a file may
+    # hold), against the reference, through every build.
+    blocks = _blocks(kind, outputs, 3, seed=outputs + rows)
+    if kind == "Q8_0":
+        raw = blocks.reshape(outputs, 3, 34)
+        raw[..., 2:] = np.random.default_rng(rows).choice([0x80, 0x81, 0x7f, 0x00, 0xff],
+                                                         raw[..., 2:].shape)
+    else:  # every nibble, and Q5_0's fifth bits, at 0 or at its largest
+        size = BLOCK_TYPES[kind][2]
+        raw = blocks.reshape(outputs, 3, size)
+        raw[..., 2:size] = np.random.default_rng(rows).choice([0x00, 0xff, 0x0f, 0xf0],
+                                                              raw[..., 2:size].shape)
+    x = _row(rows, 3 * 32, seed=rows) * f32(100)
+    expected = reference(x, blocks, kind)
+    _close(_product(simd, kind, x, blocks), expected)
+    for define in ("-DGGUF_AVX2", "-DGGUF_SCALAR"):
+        lib, why = gguf_blocks.load((define,), Q8_SOURCE)
+        if lib is not None:
+            _close(_product(lib, kind, x, blocks), expected)
+
+
 @pytest.mark.parametrize("kind", list(BLOCK_TYPES))
 @pytest.mark.parametrize("rows", [1, 6])
 @pytest.mark.parametrize("size", [1.0, 1e-4])  # 1e-4: the rows' float16 d are subnormal

@@ -14,9 +14,11 @@
 // So the product is llama.cpp's, not the dequantised matrix's (the `gguf` format's kernel).
 //
 // With AVX2 the dots are maddubs (unsigned weights times signed row, pairs to 16 bits) and
-// madd; with AVX-512 VNNI (and VL) dpbusd; the signed types take |w| and the row's signs
-// moved onto it, as ggml does. -DGGUF_SCALAR builds plain loops, -DGGUF_AVX2 keeps AVX2 on a
-// VNNI CPU: the tests build all three and compare. Built by `models/gguf/blocks.py`.
+// madd, the signed types taking |w| and the row's signs moved onto it, as ggml does; with
+// AVX-512 VNNI (and VL) dpbusd, the signed types of 32 as unsigned integers less an offset
+// (`offset_dots`): the same integer in every lane, in one instruction. A decode's one row
+// meets four weight rows a pass. -DGGUF_SCALAR builds plain loops, -DGGUF_AVX2 keeps AVX2 on
+// a VNNI CPU: the tests build all three and compare. Built by `models/gguf/blocks.py`.
 
 #include <cmath>
 #include <cstdint>
@@ -69,10 +71,41 @@ struct Rows8 {
     std::vector<int8_t> q;
     std::vector<float> d, s;
     std::vector<int32_t> sums16;
+    std::vector<int32_t> lane_starts;  // with VNNI, Q8_0's row: 8 a block (`offset_dots`)
 };
 
 // ggml's x86 quantize_row_q8_0 / q8_1: one block of 32.
 void round_q8_32(const float* x, int8_t* q, float& d, float& s) {
+#ifdef Q8_SIMD
+    // ggml's own steps: the largest |x| by lanes, x * (127 / it) rounded to even by
+    // round_ps, packed to bytes (each lane's value is the plain loop's, below).
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 v[4], amax8 = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+        v[i] = _mm256_loadu_ps(x + 8 * i);
+        amax8 = _mm256_max_ps(amax8, _mm256_and_ps(v[i], magnitude));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_extractf128_ps(amax8, 1), _mm256_castps256_ps128(amax8));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+    const float dd = amax / opaque(127.0f);
+    const __m256 id = _mm256_set1_ps(amax != 0.0f ? opaque(127.0f) / amax : 0.0f);
+    __m256i n[4];
+    for (int i = 0; i < 4; ++i)
+        n[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], id),
+                                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    const __m256i sum8 = _mm256_add_epi32(_mm256_add_epi32(n[0], n[1]),
+                                          _mm256_add_epi32(n[2], n[3]));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum8), _mm256_extracti128_si256(sum8, 1));
+    s4 = _mm_hadd_epi32(s4, s4);
+    const int sum = _mm_cvtsi128_si32(_mm_hadd_epi32(s4, s4));
+    // packs works within 128-bit halves: the permute puts the four runs of 8 back in order
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]),
+                                             _mm256_packs_epi32(n[2], n[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                        _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6,
+                                                                             3, 7)));
+#else
     float amax = 0.0f;
     for (int j = 0; j < 32; ++j) amax = std::fmax(amax, std::fabs(x[j]));
     const float dd = amax / opaque(127.0f);
@@ -83,6 +116,7 @@ void round_q8_32(const float* x, int8_t* q, float& d, float& s) {
         q[j] = static_cast<int8_t>(v);
         sum += v;
     }
+#endif
     d = half_rounded(dd);
     s = half_rounded(dd * static_cast<float>(sum));
 }
@@ -115,8 +149,9 @@ void round_q8_k(const float* x, int8_t* q, float& d, int32_t* sums16) {
     d = opaque(1.0f) / iscale;
 }
 
-Rows8 rounded(const float* x, int64_t R, int64_t K, bool k_blocks) {
-    Rows8 r;
+// The rows rounded into a buffer kept between calls (a step makes some hundred of them).
+Rows8& rounded(const float* x, int64_t R, int64_t K, bool k_blocks) {
+    thread_local Rows8 r;
     const int64_t qk = k_blocks ? 256 : 32, nb = R * K / qk;
     r.q.resize(R * K);
     r.d.resize(nb);
@@ -153,6 +188,32 @@ inline __m256i row_bytes(const int8_t* y) {
 }
 
 inline Ints dot_unsigned(Bytes w, const int8_t* y) { return dot_u(w, row_bytes(y)); }
+
+#ifdef Q8_VNNI
+// The signed types' weights w as u - offset, u unsigned (Q4_0 0..15, Q5_0 0..31, Q8_0 w xor
+// 0x80): dpbusd multiplies u with the row, each lane starting from -offset times the sum of
+// its four row integers, so each lane ends on the very integer |w| times the row's signs
+// gives (ggml's lanes), one instruction instead of three.
+#define Q8_OFFSET_DOTS 1
+
+// Each block of 32 of the row: its 8 lanes' starts for weights `offset` below their u.
+void offset_dots(Rows8& x, int offset) {
+    const int64_t nb = static_cast<int64_t>(x.d.size());
+    x.lane_starts.resize(8 * nb);
+    const __m256i ones = _mm256_set1_epi8(1), less = _mm256_set1_epi32(-offset);
+    for (int64_t b = 0; b < nb; ++b) {
+        const __m256i sums = _mm256_dpbusd_epi32(_mm256_setzero_si256(), ones,
+                                                 row_bytes(x.q.data() + 32 * b));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(x.lane_starts.data() + 8 * b),
+                            _mm256_mullo_epi32(sums, less));
+    }
+}
+
+inline Ints dot_offset(Bytes u, const int8_t* y, const int32_t* starts) {
+    return _mm256_dpbusd_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(starts)), u,
+                               row_bytes(y));
+}
+#endif
 
 // Signed weights: |w| times the row with w's signs (ggml's mul_sum_i8_pairs).
 inline Ints dot_signed(Bytes w, const int8_t* y) {
@@ -321,9 +382,14 @@ enum RowType { ROW_Q8_0, ROW_Q8_1, ROW_Q8_K };
 struct Q4_0 {
     static constexpr int QK = 32, BYTES = 18;
     static constexpr RowType ROW = ROW_Q8_0;
+    static constexpr int OFFSET = 8;
     static void unpack(const uint8_t* b, Unpacked& u) {
         u.d = from_half(half_at(b));
-        u.q[0] = minus8(nibbles16(b + 2), 8);
+#ifdef Q8_OFFSET_DOTS
+        u.q[0] = nibbles16(b + 2);
+#else
+        u.q[0] = minus8(nibbles16(b + 2), OFFSET);
+#endif
     }
 };
 
@@ -340,10 +406,15 @@ struct Q4_1 {
 struct Q5_0 {
     static constexpr int QK = 32, BYTES = 22;
     static constexpr RowType ROW = ROW_Q8_0;
+    static constexpr int OFFSET = 16;
     static void unpack(const uint8_t* b, Unpacked& u) {
         u.d = from_half(half_at(b));
+#ifdef Q8_OFFSET_DOTS
+        u.q[0] = or_bits(nibbles16(b + 6), bit_bytes(u32_at(b + 2)), 0x10);
+#else
         // (q | fifth bit << 4) - 16: where the bit is clear, q - 16 is q with 0xf0 set
         u.q[0] = or_bits(nibbles16(b + 6), bit_bytes(~u32_at(b + 2)), 0xf0);
+#endif
     }
 };
 
@@ -360,9 +431,14 @@ struct Q5_1 {
 struct Q8_0 {
     static constexpr int QK = 32, BYTES = 34;
     static constexpr RowType ROW = ROW_Q8_0;
+    static constexpr int OFFSET = 128;
     static void unpack(const uint8_t* b, Unpacked& u) {
         u.d = from_half(half_at(b));
+#ifdef Q8_OFFSET_DOTS
+        u.q[0] = _mm256_xor_si256(load32(b + 2), _mm256_set1_epi8(static_cast<char>(0x80)));
+#else
         u.q[0] = load32(b + 2);
+#endif
     }
 };
 
@@ -428,7 +504,11 @@ inline void meet(const Unpacked& u, const Rows8& x, const int8_t* y, int64_t blk
                  Acc& acc, float& off) {
     const float dx = x.d[blk];
     if constexpr (B::ROW == ROW_Q8_0) {
+#ifdef Q8_OFFSET_DOTS
+        acc.add(dot_offset(u.q[0], y, x.lane_starts.data() + 8 * blk), u.d * dx);
+#else
         acc.add(dot_signed(u.q[0], y), u.d * dx);
+#endif
     } else if constexpr (B::ROW == ROW_Q8_1) {
         acc.add(dot_unsigned(u.q[0], y), u.d * dx);
         off += u.m * x.s[blk];
@@ -455,45 +535,75 @@ inline void meet(const Unpacked& u, const Rows8& x, const int8_t* y, int64_t blk
 
 constexpr int64_t AHEAD = 4096;  // bytes: one page ahead (gguf_products.cpp says why)
 
-// RT rounded rows, from row r0, times one weight row of K / QK blocks: y[r * ldy].
-template <class B, int RT>
-void rows_times(const uint8_t* w, const Rows8& x, int64_t r0, int64_t K, float* y,
-                int64_t ldy) {
-    Acc acc[RT];
-    float off[RT] = {};
+// RT rounded rows, from row r0, times NW weight rows (row_bytes apart) of K / QK blocks:
+// y[r * ldy + i] for r < RT, i < NW. A decode's one row meets four weight rows a pass: each
+// of its blocks is read once for four, and the four sums do not wait on each other. Each
+// output's float terms are added in the same order whatever RT and NW are.
+template <class B, int RT, int NW>
+void rows_times(const uint8_t* w, int64_t row_bytes, const Rows8& x, int64_t r0, int64_t K,
+                float* y, int64_t ldy) {
+    Acc acc[RT][NW];
+    float off[RT][NW] = {};
     Unpacked u;
     const int64_t nb = K / B::QK;
     for (int64_t b = 0; b < nb; ++b) {
-        for (int o = 0; o < B::BYTES; o += 64) __builtin_prefetch(w + b * B::BYTES + AHEAD + o);
-        B::unpack(w + b * B::BYTES, u);
-        for (int r = 0; r < RT; ++r) {
-            const int64_t row = r0 + r;
-            const int64_t at = row * K + b * B::QK;
-            meet<B>(u, x, x.q.data() + at, row * nb + b, at / 16, acc[r], off[r]);
+        for (int i = 0; i < NW; ++i) {
+            const uint8_t* block = w + i * row_bytes + b * B::BYTES;
+            for (int o = 0; o < B::BYTES; o += 64) __builtin_prefetch(block + AHEAD + o);
+            B::unpack(block, u);
+            for (int r = 0; r < RT; ++r) {
+                const int64_t row = r0 + r;
+                const int64_t at = row * K + b * B::QK;
+                meet<B>(u, x, x.q.data() + at, row * nb + b, at / 16, acc[r][i], off[r][i]);
+            }
         }
     }
-    for (int r = 0; r < RT; ++r) y[r * ldy] = acc[r].sum() + off[r];
+    for (int r = 0; r < RT; ++r)
+        for (int i = 0; i < NW; ++i) y[r * ldy + i] = acc[r][i].sum() + off[r][i];
+}
+
+// One weight row (NW = 1) or, for a single rounded row, WEIGHT_ROWS of them, times every
+// rounded row: rows of x four at a time, so each block is unpacked once for four.
+constexpr int WEIGHT_ROWS = 4;
+
+template <class B, int NW>
+void rows_of(const uint8_t* w, int64_t row_bytes, const Rows8& x, int64_t R, int64_t K,
+             float* y, int64_t ldy) {
+    int64_t r = 0;
+    for (; r + 4 <= R; r += 4) rows_times<B, 4, NW>(w, row_bytes, x, r, K, y + r * ldy, ldy);
+    float* yr = y + r * ldy;
+    switch (R - r) {
+        case 3: rows_times<B, 3, NW>(w, row_bytes, x, r, K, yr, ldy); break;
+        case 2: rows_times<B, 2, NW>(w, row_bytes, x, r, K, yr, ldy); break;
+        case 1: rows_times<B, 1, NW>(w, row_bytes, x, r, K, yr, ldy); break;
+        default: break;
+    }
 }
 
 // y (R rows, stride ldy) [:, :N] = x (R, K) rounded @ W^T, W's N rows each K / QK blocks.
 template <class B>
 void product(const float* x, const uint8_t* w, float* y, int64_t R, int64_t N, int64_t K,
              int64_t ldy, int threads) {
-    const Rows8 rows = rounded(x, R, K, B::ROW == ROW_Q8_K);  // once, before the threads
+    Rows8& rows = rounded(x, R, K, B::ROW == ROW_Q8_K);  // once, before the threads
+#ifdef Q8_OFFSET_DOTS
+    if constexpr (B::ROW == ROW_Q8_0) offset_dots(rows, B::OFFSET);
+#endif
     const int64_t row_bytes = K / B::QK * B::BYTES;
+    // Several rows of x share each unpacked block already; one row shares its blocks across
+    // weight rows instead (the blocks of 32: a k-quant's unpacked block is too large to keep
+    // four, and ran slower so). The threads take runs of whole groups, as ggml's take chunks.
+    const int64_t group = R == 1 && B::QK == 32 ? WEIGHT_ROWS : 1, groups = N / group;
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t n = 0; n < N; ++n) {
-        const uint8_t* row = w + n * row_bytes;
-        int64_t r = 0;  // rows four at a time: each block unpacked once for four
-        for (; r + 4 <= R; r += 4) rows_times<B, 4>(row, rows, r, K, y + r * ldy + n, ldy);
-        float* yr = y + r * ldy + n;
-        switch (R - r) {
-            case 3: rows_times<B, 3>(row, rows, r, K, yr, ldy); break;
-            case 2: rows_times<B, 2>(row, rows, r, K, yr, ldy); break;
-            case 1: rows_times<B, 1>(row, rows, r, K, yr, ldy); break;
-            default: break;
+    for (int64_t g = 0; g < groups; ++g) {
+        const int64_t n = g * group;
+        if (group == WEIGHT_ROWS) {
+            rows_of<B, WEIGHT_ROWS>(w + n * row_bytes, row_bytes, rows, R, K, y + n, ldy);
+        } else {
+            rows_of<B, 1>(w + n * row_bytes, row_bytes, rows, R, K, y + n, ldy);
         }
     }
+    for (int64_t n = groups * group; n < N; ++n)  // the few rows past the last whole group
+        rows_of<B, 1>(w + n * row_bytes, row_bytes, rows, R, K, y + n, ldy);
 }
 
 }  // namespace
