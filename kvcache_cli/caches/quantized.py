@@ -64,8 +64,8 @@ float32 decoding token's whole layer (its store, the attention, the softmax's fi
 one call of it (`QuantizedCache._decode`), as fp16's is (`StaticCache.decode`); on
 another device, or where the kernel cannot be built (or `KVCACHE_CODE_ATTENTION=torch`),
 in torch a chunk of `ATTEND_CHUNK` tokens at a time (`QuantizedCache._attend`). The
-integer kinds' codes and scales grow in place (`_Rows`); fp8 and the paged pool still read
-the whole copy.
+integer kinds' codes, scales and full-precision tail grow in place (`_Rows`); fp8 and the
+paged pool still read the whole copy.
 
 `crop(n)` (speculative decoding's rollback): exact when the forgotten tokens are all
 full-precision; it may also cut into the quantised part where a cut leaves every kept
