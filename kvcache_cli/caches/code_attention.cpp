@@ -436,12 +436,16 @@ extern "C" EXACT_MATH int quantise_tokens(const float* x, int64_t x_row, int64_t
 #endif
 
 // A quantised cache's decoding step of one layer in one call, as `attend_decode` is a static
-// cache's: with `write`, the new token's keys and values k, v (B, nkv, hs) quantised per token
-// into code row n - 1 (its n counts the token: int8's r0, where every token leaves the tail at
-// once; a cache that keeps the token at full precision has put it in its tail); then the
+// cache's: the new token's keys and values k, v (B, nkv, hs) written where the cache keeps
+// them, by `write`: kWriteCodes quantised per token into code row n - 1 (its n counts the
+// token: int8's r0, where every token leaves the tail at once), kWriteTail stored in format
+// fmt into tail row t - 1 (a residual window's step that quantises nothing: int4's r128 but
+// for its flush every G steps), kWriteNone already stored by the caller; then the
 // queries q (B, nh, hs), scaled by 1 / sqrt(hs), over codes, sinks and tail (as `attend_codes`
 // reads them), query head h on KV head h / (nh / nkv), the softmax finished into y (B, nh, hs).
 // q, k, v: views of the q|k|v product, element [b, h, d] at b * x_b + h * x_h + d.
+enum Write { kWriteNone = 0, kWriteCodes = 1, kWriteTail = 2 };
+
 extern "C" int decode_codes(const float* q, int64_t q_b, int64_t q_h, const float* k,
                             int64_t k_b, int64_t k_h, const float* v, int64_t v_b, int64_t v_h,
                             int64_t write, uint8_t* kc, _Float16* ks, _Float16* kz, uint8_t* vc,
@@ -449,13 +453,21 @@ extern "C" int decode_codes(const float* q, int64_t q_b, int64_t q_h, const floa
                             int64_t ks_row, int64_t vs_row, int64_t B, int64_t nh, int64_t nkv,
                             int64_t n, int64_t hs, int64_t bits, int64_t G, int64_t key_channels,
                             int64_t threads, const void* sink_k, const void* sink_v,
-                            int64_t sink_row, int64_t s, const void* tail_k, const void* tail_v,
+                            int64_t sink_row, int64_t s, void* tail_k, void* tail_v,
                             int64_t tail_row, int64_t t, int64_t fmt, float* y) {
-    if (!quantisable(bits, hs, G) || nh % nkv || (write && (key_channels || n < 1)) ||
+    if (!quantisable(bits, hs, G) || nh % nkv || write < kWriteNone || write > kWriteTail ||
+        (write == kWriteCodes && (key_channels || n < 1)) || (write == kWriteTail && t < 1) ||
         fmt < kF16 || fmt > kF32)
         return 1;
     const int64_t g = nh / nkv, rows = B * nkv, width = hs * bits / 8, J = hs / G;
-    for (int64_t r = 0; write && r < rows; ++r) {
+    const int64_t bytes = fmt == kF32 ? 4 : 2;
+    for (int64_t r = 0; write == kWriteTail && r < rows; ++r) {
+        const int64_t b = r / nkv, h = r % nkv, at = (r * tail_row + (t - 1) * hs) * bytes;
+        // the tail is the caller's buffer, written here as `attend_decode` writes its own
+        store_row(fmt, k + b * k_b + h * k_h, static_cast<char*>(tail_k) + at, hs);
+        store_row(fmt, v + b * v_b + h * v_h, static_cast<char*>(tail_v) + at, hs);
+    }
+    for (int64_t r = 0; write == kWriteCodes && r < rows; ++r) {
         const int64_t b = r / nkv, h = r % nkv;
         quantise_token(k + b * k_b + h * k_h, hs, static_cast<int>(bits), G,
                        kc + r * kc_row + (n - 1) * width, ks + r * ks_row + (n - 1) * J,

@@ -102,15 +102,16 @@ def attend_codes(qr: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: Tensor,
     for t in (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero):
         # rows of one (b, h) reached by one stride: true of the growing buffers' views
         assert t.stride(-1) == 1 and t.stride(0) == nkv * t.stride(1), t.stride()
-    sink_k, sink_v = _stored(*full[:2]) if full else (k_codes[:, :, :0],) * 2  # none: n 0
-    tail_k, tail_v = _stored(*full[2:]) if full else (k_codes[:, :, :0],) * 2
+    none = (k_codes[:, :, :0], k_codes[:, :, :0], 0)  # n 0
+    sink_k, sink_v, sink_row = _stored(*full[:2]) if full else none
+    tail_k, tail_v, tail_row = _stored(*full[2:]) if full else none
     status = kernel().attend_codes(
         q.data_ptr(), k_codes.data_ptr(), k_scale.data_ptr(), k_zero.data_ptr(),
         v_codes.data_ptr(), v_scale.data_ptr(), v_zero.data_ptr(),
         k_codes.stride(1), v_codes.stride(1), k_scale.stride(1), v_scale.stride(1),
         B * nkv, n, g, hs, bits, G, int(per_channel), torch.get_num_threads(),
-        sink_k.data_ptr(), sink_v.data_ptr(), sink_k.size(2) * hs, sink_k.size(2),
-        tail_k.data_ptr(), tail_v.data_ptr(), tail_k.size(2) * hs, tail_k.size(2),
+        sink_k.data_ptr(), sink_v.data_ptr(), sink_row, sink_k.size(2),
+        tail_k.data_ptr(), tail_v.data_ptr(), tail_row, tail_k.size(2),
         FULL_FLAGS.get(tail_k.dtype, 0),
         m.data_ptr(), l_sum.data_ptr(), acc.data_ptr())
     if status:
@@ -124,15 +125,26 @@ HALF_FLAGS = {torch.float16: 0, torch.bfloat16: 1}
 FULL_FLAGS = {**HALF_FLAGS, torch.float32: 2}
 
 
-def _stored(*pair: Tensor) -> tuple[Tensor, Tensor]:
-    """Keys, values (B, nkv, n, hs) as the kernel reads them, row (b, h) at (b * nkv + h) *
-    n * hs elements: copied contiguous where a view's are not (a sink sliced from a
-    prefill's keys, a tail cropped in place)."""
+def _stored(*pair: Tensor) -> tuple[Tensor, Tensor, int]:
+    """Keys, values (B, nkv, n, hs) as the kernel reads them, and the elements from one row
+    (b, h) to the next, row (b, h) at (b * nkv + h) * that: a row's tokens contiguous, rows
+    one stride apart (a contiguous tensor, or the filled part of a tail's buffer, read in
+    place); both copied contiguous where they are not (a sink sliced from a prefill's keys)."""
     B, nkv, n, hs = pair[0].shape
-    stride = n * hs  # of a contiguous tensor; size-1 dimensions' strides do not count
-    return tuple(t if (B == 1 or t.stride(0) == nkv * stride) and
-                 (nkv == 1 or t.stride(1) == stride) and (n <= 1 or t.stride(2) == hs) and
-                 t.stride(3) == 1 else t.contiguous() for t in pair)
+
+    def row_stride(t: Tensor) -> int | None:  # size-1 dimensions' strides do not count
+        if t.stride(3) != 1 or (n > 1 and t.stride(2) != hs):
+            return None
+        if B * nkv == 1:
+            return n * hs
+        row = t.stride(1) if nkv > 1 else t.stride(0)
+        even = B == 1 or nkv == 1 or t.stride(0) == nkv * row
+        return row if even and row >= n * hs else None
+
+    rows = {row_stride(t) for t in pair}
+    if None in rows or len(rows) > 1:
+        return pair[0].contiguous(), pair[1].contiguous(), n * hs
+    return pair[0], pair[1], rows.pop()
 
 
 def attend_decode(q: Tensor, k: Tensor, v: Tensor, keys: Tensor, values: Tensor,
@@ -157,38 +169,48 @@ def attend_decode(q: Tensor, k: Tensor, v: Tensor, keys: Tensor, values: Tensor,
     return y
 
 
+# What `decode_codes` writes of the new token, by the flag the kernel takes.
+WRITES = {None: 0, "codes": 1, "tail": 2}
+
+
 def decode_codes(q: Tensor, k: Tensor, v: Tensor, rows: tuple[Tensor, ...], n: int,
-                 bits: int, G: int, per_channel: bool, write: bool,
-                 full: tuple[Tensor, Tensor, Tensor, Tensor]) -> Tensor:
+                 bits: int, G: int, per_channel: bool, write: str | None,
+                 full: tuple[Tensor, Tensor, Tensor, Tensor], t: int) -> Tensor:
     """A quantised cache's decoding step of one layer (B, nh, 1, hs), float32, in one call,
     as `attend_decode` is a static cache's. rows: the code and scale buffers k_codes,
     k_scale, k_zero, v_codes, v_scale, v_zero, each (B, nkv, capacity, width) with rows
-    (the token axis) contiguous, n of their tokens filled. With `write` the new token's k,
-    v (B, nkv, 1, hs) float32 are quantised per token into row n - 1, bit for bit as
-    `quantise_tokens` writes them; without, the caller has put them in the tail. Then the
-    queries q (B, nh, 1, hs) over the codes and full = (sink_k, sink_v, tail_k, tail_v)
-    (B, nkv, s or t, hs), query head h on KV head h // (nh / nkv), scaled by 1 / sqrt(hs),
-    the softmax finished. q, k, v may be any views whose last axis is contiguous (the q|k|v
-    product's heads); `merge_heads` reads the result as a view."""
+    (the token axis) contiguous, n of their tokens filled. The new token's k, v (B, nkv, 1,
+    hs) float32 are written by `write`: "codes", quantised per token into row n - 1, bit for
+    bit as `quantise_tokens` writes them; "tail", into the tail's row t - 1, rounded as
+    torch's cast rounds; None, put in the tail by the caller. Then the queries q (B, nh, 1,
+    hs) over the codes, full = (sink_k, sink_v, tail_k, tail_v), the sinks (B, nkv, s, hs)
+    and the tail's buffers (B, nkv, capacity, hs) with t of their tokens filled (no view to
+    make: a slice is a torch op a layer), query head h on
+    KV head h // (nh / nkv), scaled by 1 / sqrt(hs), the softmax finished. q, k, v may be
+    any views whose last axis is contiguous (the q|k|v product's heads); `merge_heads` reads
+    the result as a view."""
     B, nh, _, hs = q.shape
     nkv = rows[0].size(1)
-    sink_k, sink_v = _stored(*full[:2])
-    tail_k, tail_v = _stored(*full[2:])
+    sink_k, sink_v, sink_row = _stored(*full[:2])
+    tail_k, tail_v, tail_row = _stored(*full[2:])
+    if write == "tail" and tail_k.data_ptr() != full[2].data_ptr():  # copied: not in place
+        raise ValueError(f"decoding over codes: a tail of strides {full[2].stride()} cannot "
+                         "be written in place")
     kc, ks, kz, vc, vs, vz = rows
     y = torch.empty(B, nh, 1, hs, dtype=torch.float32)  # (B, nh, 1, hs)
     status = kernel().decode_codes(
         q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1),
-        v.data_ptr(), v.stride(0), v.stride(1), int(write), kc.data_ptr(), ks.data_ptr(),
+        v.data_ptr(), v.stride(0), v.stride(1), WRITES[write], kc.data_ptr(), ks.data_ptr(),
         kz.data_ptr(), vc.data_ptr(), vs.data_ptr(), vz.data_ptr(), kc.stride(1),
         vc.stride(1), ks.stride(1), vs.stride(1), B, nh, nkv, n, hs, bits, G,
         int(per_channel), torch.get_num_threads(),
-        sink_k.data_ptr(), sink_v.data_ptr(), sink_k.size(2) * hs, sink_k.size(2),
-        tail_k.data_ptr(), tail_v.data_ptr(), tail_k.size(2) * hs, tail_k.size(2),
-        FULL_FLAGS[tail_k.dtype], y.data_ptr())
+        sink_k.data_ptr(), sink_v.data_ptr(), sink_row, sink_k.size(2),
+        tail_k.data_ptr(), tail_v.data_ptr(), tail_row, t, FULL_FLAGS[tail_k.dtype],
+        y.data_ptr())
     if status:
         raise ValueError(f"decoding over codes: {bits}-bit codes in groups of {G} of {hs}, "
                          f"{nh} query heads on {nkv} KV heads, write {write}, "
-                         f"{tail_k.dtype} tail: not supported")
+                         f"{tail_k.dtype} tail of {t}: not supported")
     return y
 
 

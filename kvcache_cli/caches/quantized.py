@@ -64,8 +64,8 @@ float32 decoding token's whole layer (its store, the attention, the softmax's fi
 one call of it (`QuantizedCache._decode`), as fp16's is (`StaticCache.decode`); on
 another device, or where the kernel cannot be built (or `KVCACHE_CODE_ATTENTION=torch`),
 in torch a chunk of `ATTEND_CHUNK` tokens at a time (`QuantizedCache._attend`). The
-integer kinds' codes and scales grow in place (`_Rows`); fp8 and the paged pool still read
-the whole copy.
+integer kinds' codes, scales and full-precision tail grow in place (`_Rows`); fp8 and the
+paged pool still read the whole copy.
 
 `crop(n)` (speculative decoding's rollback): exact when the forgotten tokens are all
 full-precision; it may also cut into the quantised part where a cut leaves every kept
@@ -294,6 +294,20 @@ class _Rows:
     def crop(self, n: int) -> None:
         self.n = n
 
+    def keep_last(self, m: int, capacity: int) -> int:
+        """Forget all filled rows but the last m, which move to the front; a buffer grown
+        past `capacity` rows (a prefill's) is given back for one of that size. The bytes
+        moved."""
+        rest = self.buf[:, :, self.n - m:self.n]  # (B, nkv, m, width)
+        if self.buf.size(2) > capacity:
+            B, nkv, _, width = self.buf.shape
+            self.buf = self.buf.new_empty(B, nkv, max(capacity, m), width)
+        elif m:
+            rest = rest.clone()  # it overlaps where it goes
+        self.buf[:, :, :m] = rest
+        self.n = m
+        return nbytes(rest)
+
 
 class _IntLayer:
     """One layer's store: sinks, quantised keys and values, the full-precision tail."""
@@ -304,9 +318,8 @@ class _IntLayer:
         width = hs * bits // 8
         self.sink_k = torch.empty(B, nkv, 0, hs, **fp)  # (B, nkv, s, hs)
         self.sink_v = torch.empty(B, nkv, 0, hs, **fp)
-        self.tail_k = torch.empty(B, nkv, 0, hs, **fp)  # (B, nkv, t, hs)
-        self.tail_v = torch.empty(B, nkv, 0, hs, **fp)
-        self.none = torch.empty(B, nkv, 0, hs, **fp)  # an emptied tail: never written in place
+        # the full-precision tail grows in place, so a decoding call writes its token there
+        self.tails = {w: _Rows(B, nkv, hs, device, dtype) for w in "kv"}  # (B, nkv, t, hs)
         self.codes = {w: _Rows(B, nkv, width, device, torch.uint8) for w in "kv"}
         # Keys per channel: (B, nkv, Tq/G, hs); per token, as values: (B, nkv, Tq, hs/G).
         key_width = hs if per_channel else hs // G
@@ -315,6 +328,8 @@ class _IntLayer:
                        for name in ("k_scale", "k_zero", "v_scale", "v_zero")}
 
     # The filled parts, as views: what bytes_held counts and attention reads.
+    tail_k = property(lambda self: self.tails["k"].t)
+    tail_v = property(lambda self: self.tails["v"].t)
     k_codes = property(lambda self: self.codes["k"].t)
     v_codes = property(lambda self: self.codes["v"].t)
     k_scale = property(lambda self: self.scales["k_scale"].t)
@@ -388,7 +403,7 @@ class QuantizedCache(KVCache):
         (its query and values' sum are turned in torch), not traced, the kernel built."""
         return self.rotation is None and q.device.type == "cpu" and \
             q.dtype == k.dtype == v.dtype == torch.float32 and \
-            L.tail_k.dtype in code_attention.FULL_FLAGS and \
+            L.tails["k"].buf.dtype in code_attention.FULL_FLAGS and \
             q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and \
             not (q.requires_grad or k.requires_grad or v.requires_grad) and \
             not torch.compiler.is_compiling() and code_attention.kernel() is not None
@@ -397,24 +412,31 @@ class QuantizedCache(KVCache):
         """A decoding token's store and attention (B, nh, 1, hs) in one native call
         (`code_attention.decode_codes`), as `StaticCache.decode` is fp16's. Where the token
         is quantised at once (per-token keys, no residual, the sinks full: int8's default)
-        the call writes its codes in place too, the same bits `_store` writes; otherwise
-        `_store` puts it in the tail (and quantises what leaves it) first. The torch ops a
+        the call writes its codes in place too, the same bits `_store` writes; where it stays
+        in the tail and no chunk leaves (a residual window's step but one in G), the call
+        writes it into the tail's buffer; otherwise `_store` puts it in the tail and
+        quantises what leaves it first, so a flush reads as it did. The torch ops a
         layer of the appends, the query's scaling and the softmax's finish were a fixed cost
         of every step, larger at SmolLM2's shape than the kernel's arithmetic's gap to fp16's."""
         L = self.layers[layer]
-        write = self.residual == 0 and not self.per_channel and L.tail_k.size(2) == 0 and \
-            L.sink_k.size(2) == self.sinks
+        t, sinks_full = L.tails["k"].n, L.sink_k.size(2) == self.sinks
+        to_codes = self.residual == 0 and not self.per_channel and t == 0 and sinks_full
+        # the token stays in the tail and no chunk leaves it this step (int4's r128 but one
+        # step in G): the call writes it into the tail's buffer
+        to_tail = not to_codes and sinks_full and t + 1 - self.residual < self.chunk
         rows = (L.codes["k"], L.scales["k_scale"], L.scales["k_zero"], L.codes["v"],
                 L.scales["v_scale"], L.scales["v_zero"])
-        if write:
+        if to_codes or to_tail:
             self._check_append(layer, start)
-            self.bytes_copied += sum(r.grow(1) for r in rows)  # filled by the call
+            grown = rows if to_codes else (L.tails["k"], L.tails["v"])
+            self.bytes_copied += sum(r.grow(1) for r in grown)  # filled by the call
             self.lengths[layer] = self.length = start + 1
         else:
             self._store(layer, start, k, v)
         return code_attention.decode_codes(
             q, k, v, tuple(r.buf for r in rows), L.quantised, self.bits, self.group,
-            self.per_channel, write, (L.sink_k, L.sink_v, L.tail_k, L.tail_v))
+            self.per_channel, "codes" if to_codes else "tail" if to_tail else None,
+            (L.sink_k, L.sink_v, L.tails["k"].buf, L.tails["v"].buf), L.tails["k"].n)
 
     def _attend_kernel(self, L: _IntLayer, q: Tensor) -> Tensor:
         """`_attend` in one C++ kernel (`code_attention`): the codes read as bytes, once,
@@ -456,8 +478,7 @@ class QuantizedCache(KVCache):
         if room:  # the first S positions stay at full precision, never quantised
             L.sink_k, L.sink_v = _cat(L.sink_k, k[:, :, :room]), _cat(L.sink_v, v[:, :, :room])
             k, v = k[:, :, room:], v[:, :, room:]
-        L.tail_k, L.tail_v = _cat(L.tail_k, k), _cat(L.tail_v, v)  # (B, nkv, t, hs)
-        self.bytes_copied += nbytes(L.tail_k) + nbytes(L.tail_v)
+        self.bytes_copied += L.tails["k"].append(k) + L.tails["v"].append(v)  # (B, nkv, t, hs)
         self._flush(L)
         self.lengths[layer] = start_pos + T
         self.length = self.lengths[layer]
@@ -465,19 +486,17 @@ class QuantizedCache(KVCache):
 
     def _flush(self, L: _IntLayer) -> None:
         """Quantise the oldest tail tokens beyond the residual, whole chunks only."""
-        out = (L.tail_k.size(2) - self.residual) // self.chunk * self.chunk
+        out = (L.tails["k"].n - self.residual) // self.chunk * self.chunk
         if out <= 0:
             return
-        whole = out == L.tail_k.size(2)  # every tail token leaves (int8's r0, each step)
-        k, v = (L.tail_k, L.tail_v) if whole else (L.tail_k[:, :, :out], L.tail_v[:, :, :out])
+        k, v = L.tail_k[:, :, :out], L.tail_v[:, :, :out]
         if self.rotation is not None:
             k, v = self.rotation.rotate(k), self.rotation.rotate(v)
         self._encode(L, "k", k, self.keys)
         self._encode(L, "v", v, _Tokens)
-        # clone: a slice would keep the whole old tail alive behind it.
-        L.tail_k, L.tail_v = (L.none, L.none) if whole else \
-            (L.tail_k[:, :, out:].clone(), L.tail_v[:, :, out:].clone())
-        self.bytes_copied += nbytes(L.tail_k) + nbytes(L.tail_v)
+        # the rest moves to the front; the most a tail holds between flushes fits the buffer
+        self.bytes_copied += sum(r.keep_last(r.n - out, self.residual + self.chunk)
+                                 for r in L.tails.values())
 
     def _encode(self, L: _IntLayer, which: str, x: Tensor, axis) -> None:
         """x (B, nkv, T, hs) quantised along `axis` and appended to the layer's `which`
@@ -587,7 +606,8 @@ class QuantizedCache(KVCache):
         keep_q = min(q, max(0, length - s))
         keep_t = max(0, length - s - q)
         L.sink_k, L.sink_v = L.sink_k[:, :, :keep_s], L.sink_v[:, :, :keep_s]
-        L.tail_k, L.tail_v = L.tail_k[:, :, :keep_t], L.tail_v[:, :, :keep_t]
+        L.tails["k"].crop(keep_t)
+        L.tails["v"].crop(keep_t)
         if keep_q < q:  # whole groups only (checked): the kept rows stay bit for bit
             kg = keep_q // self.group if self.per_channel else keep_q
             L.codes["k"].crop(keep_q)
@@ -595,8 +615,8 @@ class QuantizedCache(KVCache):
             for name, n in (("k_scale", kg), ("k_zero", kg), ("v_scale", keep_q),
                             ("v_zero", keep_q)):
                 L.scales[name].crop(n)
-        # No copy: the tail is a view the next append concatenates afresh, and the codes'
-        # storage is written over by the next flush.
+        # No copy: the tail's and the codes' storage past the cut is written over by the
+        # next append and the next flush.
 
     @property
     def bytes_held(self) -> int:
