@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from kvcache_cli.models.linear import empty, whole
+from kvcache_cli.models.linear import whole
 
 # ggml's block types the kernel reads: (GGMLQuantizationType's number, weights a block,
 # bytes a block), as gguf's GGML_QUANT_SIZES has them.
@@ -163,7 +163,7 @@ def _product(x: Tensor, parts: list[Tensor], types: list[int], integer: bool) ->
     x = whole(x)
     K, N = x.shape[-1], sum(p.shape[0] for p in parts)
     R = x.numel() // K
-    y = empty((*x.shape[:-1], N), x)
+    y = x.new_empty((*x.shape[:-1], N))
     at = 0
     for blocks, kind in zip(parts, types, strict=True):
         n = blocks.shape[0]
