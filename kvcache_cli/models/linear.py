@@ -51,9 +51,13 @@ class Linear(nn.Linear):
     threads = 1  # the thread count a compiled forward splits for (`pin_threads`)
 
     def forward(self, x: Tensor) -> Tensor:
-        w = self.weight  # (out, in); stored (in, out) when its first stride is 1
-        if native_rows(x) and w.dtype in (torch.float32, torch.float16) and w.is_contiguous():
-            return native_product(x, w, None, self.bias)
+        # The parameters read from their dict: as attributes each goes through nn.Module's
+        # __getattr__, a Python call, and a decode step runs some 120 products.
+        params = self._parameters
+        w = params["weight"]  # (out, in); stored (in, out) when its first stride is 1
+        bias = params["bias"]
+        if native_rows(x) and w.dtype in NATIVE_FLOATS and w.is_contiguous():
+            return native_product(x, w, None, bias)
         if w.dtype != x.dtype:  # a weight format of its own (set_weights_dtype)
             return self.forward(x.to(w.dtype)).to(x.dtype)
         if x.device.type != "cpu":
@@ -110,6 +114,8 @@ def blocked_product(rows: Tensor, blocks: Tensor, bias: Tensor | None) -> Tensor
 def _(rows: Tensor, blocks: Tensor, bias: Tensor | None) -> Tensor:
     return rows.new_empty(rows.size(0), rows.size(1), blocks.size(2))
 
+
+NATIVE_FLOATS = (torch.float32, torch.float16)  # the float weights the native products read
 
 # The native products serve decode-sized inputs, a batched decode's included; a prefill's
 # many rows are a matrix product, which MKL does better than a dot product a row. Where the
@@ -173,8 +179,9 @@ def native_product(x: Tensor, w: Tensor, scales: Tensor | None, bias: Tensor | N
 
 
 def _native_call(x: Tensor, w: Tensor, scales: Tensor | None, bias: Tensor | None) -> Tensor:
-    """x (..., K) @ w (N, K)^T -> (..., N): the rows as they lie, one kernel call."""
-    lib = products()
+    """x (..., K) @ w (N, K)^T -> (..., N): the rows as they lie, one kernel call (the
+    library loaded: `native_rows` said so)."""
+    lib = _products[0]
     x = whole(x)
     K, N = x.shape[-1], w.shape[0]
     y = x.new_empty((*x.shape[:-1], N))
