@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from kvcache_cli.models.linear import empty, native_rows, whole
+from kvcache_cli.models.linear import native_rows, whole
 
 SOURCE = Path(__file__).with_name("fused.cpp")
 ACTIVATIONS = ("silu", "gelu_tanh")  # the kernel's code for each gated activation: its index
@@ -112,7 +112,7 @@ def glu(gate_up: Tensor, activation: str) -> Tensor:
 
 
 def _rms_norm_call(x: Tensor, weight: Tensor, eps: float, offset: float) -> Tensor:
-    y = empty(x.shape, x)  # (..., C)
+    y = torch.empty_like(x)  # (..., C)
     C = x.shape[-1]
     _lib[0].rms_norm(x.data_ptr(), weight.data_ptr(), offset, eps, y.data_ptr(),
                      x.numel() // C, C)
@@ -121,7 +121,7 @@ def _rms_norm_call(x: Tensor, weight: Tensor, eps: float, offset: float) -> Tens
 
 def _add_rms_norm_call(x: Tensor, delta: Tensor, delta_weight: Tensor | None, weight: Tensor,
                        eps: float, offset: float) -> tuple[Tensor, Tensor]:
-    s, y = empty(x.shape, x), empty(x.shape, x)
+    s, y = torch.empty_like(x), torch.empty_like(x)
     C = x.shape[-1]
     _lib[0].add_rms_norm(x.data_ptr(), delta.data_ptr(), _at(delta_weight), weight.data_ptr(),
                          offset, eps, s.data_ptr(), y.data_ptr(), x.numel() // C, C)
@@ -130,7 +130,7 @@ def _add_rms_norm_call(x: Tensor, delta: Tensor, delta_weight: Tensor | None, we
 
 def _add_normed_call(x: Tensor, delta: Tensor, delta_weight: Tensor, eps: float,
                      offset: float) -> Tensor:
-    s = empty(x.shape, x)
+    s = torch.empty_like(x)
     C = x.shape[-1]
     _lib[0].add_rms_norm(x.data_ptr(), delta.data_ptr(), delta_weight.data_ptr(), None,
                          offset, eps, s.data_ptr(), None, x.numel() // C, C)
@@ -149,7 +149,7 @@ def _qk_rotary_call(qkv: Tensor, nq: int, nk: int, cos: Tensor, sin: Tensor, pos
 
 def _glu_call(gate_up: Tensor, act: int) -> Tensor:
     I = gate_up.shape[-1] // 2  # noqa: E741 (the MLP's inner width, as the config names it)
-    y = empty((*gate_up.shape[:-1], I), gate_up)  # (..., I)
+    y = gate_up.new_empty((*gate_up.shape[:-1], I))  # (..., I)
     _lib[0].glu(gate_up.data_ptr(), y.data_ptr(), gate_up.numel() // (2 * I), I, act)
     return y
 

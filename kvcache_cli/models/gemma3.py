@@ -259,9 +259,9 @@ class Gemma3Block(nn.Module):
         # Normed after each sublayer too, before the residual add: that norm, the add and
         # the next sublayer's norm one call on a decode's rows (`RMSNorm.add_then_norm`).
         x, h = self.pre_feedforward_layernorm.add_then_norm(
-            x, self.self_attn(self.input_layernorm(x), step, rope, cache),
+            x, self.self_attn.forward(self.input_layernorm.forward(x), step, rope, cache),
             self.post_attention_layernorm)
-        return self.post_feedforward_layernorm.norm_then_add(x, self.mlp(h))
+        return self.post_feedforward_layernorm.norm_then_add(x, self.mlp.forward(h))
 
 
 @functools.cache
@@ -292,8 +292,8 @@ class Gemma3(FamilyModel):
         x = self.model.embed_tokens(idx)  # (B, T, C)
         x = x * embedding_scale(self.config.n_embd, x.dtype)
         ropes = {kind: r.at(step.pos, x.dtype) for kind, r in self.rotary.items()}  # once each
-        for block in self.model.layers:
-            x = block(x, step, ropes[block.kind], cache)
+        for block in self.model.layers:  # `forward`, not the call: `models.llama`'s docstring
+            x = block.forward(x, step, ropes[block.kind], cache)
         if last_only:
             x = step.last_rows(x)  # (B, 1, C): the LM head is the largest matmul
         logits = self.lm_head(self.model.norm(x))  # (B, T, vocab), or (B, 1, vocab)

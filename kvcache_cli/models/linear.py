@@ -51,9 +51,13 @@ class Linear(nn.Linear):
     threads = 1  # the thread count a compiled forward splits for (`pin_threads`)
 
     def forward(self, x: Tensor) -> Tensor:
-        w = self.weight  # (out, in); stored (in, out) when its first stride is 1
-        if native_rows(x) and w.dtype in (torch.float32, torch.float16) and w.is_contiguous():
-            return native_product(x, w, None, self.bias)
+        # The parameters read from their dict: as attributes each goes through nn.Module's
+        # __getattr__, a Python call, and a decode step runs some 120 products.
+        params = self._parameters
+        w = params["weight"]  # (out, in); stored (in, out) when its first stride is 1
+        bias = params["bias"]
+        if native_rows(x) and w.dtype in NATIVE_FLOATS and w.is_contiguous():
+            return native_product(x, w, None, bias)
         if w.dtype != x.dtype:  # a weight format of its own (set_weights_dtype)
             return self.forward(x.to(w.dtype)).to(x.dtype)
         if x.device.type != "cpu":
@@ -111,6 +115,8 @@ def _(rows: Tensor, blocks: Tensor, bias: Tensor | None) -> Tensor:
     return rows.new_empty(rows.size(0), rows.size(1), blocks.size(2))
 
 
+NATIVE_FLOATS = (torch.float32, torch.float16)  # the float weights the native products read
+
 # The native products serve decode-sized inputs, a batched decode's included; a prefill's
 # many rows are a matrix product, which MKL does better than a dot product a row. Where the
 # two cross was measured at 1 to 32 rows ("The products, native" in docs/bench.md).
@@ -152,7 +158,9 @@ def native_rows(x: Tensor) -> bool:
     """Whether x's rows go to the native products: float32 rows on the CPU, a decode's
     few, no gradient asked for (the kernel has none: training keeps torch's product), the
     library built (loaded when weights were arranged or quantised)."""
-    return (x.device.type == "cpu" and x.dtype == torch.float32 and bool(_products)
+    # x.is_cpu, not x.device.type: a decode step asks some 240 times, and building the
+    # device object costs several times the flag.
+    return (x.is_cpu and x.dtype == torch.float32 and bool(_products)
             and _products[0] is not None and not torch.is_grad_enabled()
             and x.numel() <= NATIVE_MAX_ROWS * x.shape[-1])
 
@@ -171,11 +179,12 @@ def native_product(x: Tensor, w: Tensor, scales: Tensor | None, bias: Tensor | N
 
 
 def _native_call(x: Tensor, w: Tensor, scales: Tensor | None, bias: Tensor | None) -> Tensor:
-    """x (..., K) @ w (N, K)^T -> (..., N): the rows as they lie, one kernel call."""
-    lib = products()
+    """x (..., K) @ w (N, K)^T -> (..., N): the rows as they lie, one kernel call (the
+    library loaded: `native_rows` said so)."""
+    lib = _products[0]
     x = whole(x)
     K, N = x.shape[-1], w.shape[0]
-    y = empty((*x.shape[:-1], N), x)
+    y = x.new_empty((*x.shape[:-1], N))
     R = x.numel() // K
     scales_at = None if scales is None else scales.data_ptr()
     bias_at = None if bias is None else bias.data_ptr()
@@ -195,10 +204,10 @@ def whole(t: Tensor) -> Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
 
-def empty(shape: tuple[int, ...], like: Tensor) -> Tensor:
-    """An output of `shape` with like's dtype and device: one op to dispatch, where
-    new_empty and empty_like are two (a step makes some 150 of them)."""
-    return torch.empty(shape, dtype=like.dtype, device=like.device)
+# A decode step makes some 270 outputs for its native calls: each as t.new_empty(shape),
+# or torch.empty_like(t) where the shape is t's (contiguous t only: it keeps t's strides).
+# torch.empty(shape, dtype=t.dtype, device=t.device) costs about twice as much, most of it
+# in building t.device, a Python object, each call (measured per call in one process).
 
 
 @torch.library.custom_op("kvcache::native_product", mutates_args=())

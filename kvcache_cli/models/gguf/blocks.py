@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from kvcache_cli.models.linear import empty, whole
+from kvcache_cli.models.linear import whole
 
 # ggml's block types the kernel reads: (GGMLQuantizationType's number, weights a block,
 # bytes a block), as gguf's GGML_QUANT_SIZES has them.
@@ -129,7 +129,10 @@ class BlockLinear(nn.Module):
         self.register_buffer("bias", bias)  # (out,) float32, or None
 
     def parts(self) -> list[Tensor]:
-        return [getattr(self, f"blocks{i}") for i in range(len(self.types))]
+        # From the buffers' dict: as attributes each goes through nn.Module's __getattr__,
+        # a Python call, for every part of every product of a step.
+        buffers = self._buffers
+        return [buffers[f"blocks{i}"] for i in range(len(self.types))]
 
     def forward(self, x: Tensor) -> Tensor:
         # Each cast, reshape or add a check, not a call, on a decode's float32 rows: each
@@ -137,7 +140,8 @@ class BlockLinear(nn.Module):
         rows = x if x.dtype == torch.float32 else x.float()  # (..., in)
         run = block_product if torch.compiler.is_compiling() else _product
         y = run(rows, self.parts(), self.types, self.format != "gguf")  # (..., out)
-        y = y if self.bias is None else y + self.bias
+        bias = self._buffers["bias"]  # as `parts`
+        y = y if bias is None else y + bias
         return y if x.dtype == torch.float32 else y.to(x.dtype)
 
     def dequantized(self) -> Tensor:
@@ -158,12 +162,12 @@ def _product(x: Tensor, parts: list[Tensor], types: list[int], integer: bool) ->
     """x (..., K) @ the parts' rows^T -> (..., N): a decode's few rows by the block kernel
     (`integer`: llama.cpp's, the row rounded to 8 bits), a prefill's many through float32
     slices of rows and torch's matrix product."""
-    lib, threads = kernels(), torch.get_num_threads()
-    product = kernels(Q8_SOURCE).gguf_q8_product if integer else lib.gguf_product
+    threads = torch.get_num_threads()
+    product = kernels(Q8_SOURCE).gguf_q8_product if integer else kernels().gguf_product
     x = whole(x)
     K, N = x.shape[-1], sum(p.shape[0] for p in parts)
     R = x.numel() // K
-    y = empty((*x.shape[:-1], N), x)
+    y = x.new_empty((*x.shape[:-1], N))
     at = 0
     for blocks, kind in zip(parts, types, strict=True):
         n = blocks.shape[0]
