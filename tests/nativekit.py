@@ -1,8 +1,10 @@
-"""What the tests of a native attention kernel share: its two builds as fixtures."""
+"""What the tests of a native attention kernel share: its two builds as fixtures, and a
+recorder of the torch ops a call dispatches."""
 
 from __future__ import annotations
 
 import pytest
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def kernel_fixtures(module):
@@ -24,3 +26,15 @@ def kernel_fixtures(module):
         monkeypatch.setattr(module, "kernel", lambda: lib)
 
     return lib, use
+
+
+class Ops(TorchDispatchMode):
+    """The torch ops dispatched under it, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from nativekit import kernel_fixtures
-from torch.utils._python_dispatch import TorchDispatchMode
+from nativekit import Ops, kernel_fixtures
 
 from kvcache_cli.caches import code_attention
 from kvcache_cli.caches.base import CacheShape
@@ -94,18 +93,6 @@ def test_the_written_bits_are_torchs_cast_at_ties_and_edges(store):
         assert torch.equal(got.isnan(), want.isnan())
         assert torch.equal(got.nan_to_num().view(torch.int16),
                            want.nan_to_num().view(torch.int16))
-
-
-class Ops(TorchDispatchMode):
-    """The torch ops dispatched under it, by name."""
-
-    def __init__(self):
-        super().__init__()
-        self.names: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(str(func))
-        return func(*args, **(kwargs or {}))
 
 
 SHAPE = CacheShape(n_layer=2, n_kv_head=3, head_size=64, context=512)

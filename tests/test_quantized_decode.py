@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from nativekit import kernel_fixtures
-from torch.utils._python_dispatch import TorchDispatchMode
+from nativekit import Ops, kernel_fixtures
 
 from kvcache_cli.caches import code_attention
 from kvcache_cli.caches.base import CacheShape
@@ -138,18 +137,6 @@ def test_the_call_writes_each_tokens_codes_and_tail_as_torch_does(spec, dtype, m
     for a, b in zip(fused.layers[0].tensors(), torch_.layers[0].tensors(), strict=True):
         # by value: a group whose minimum is zero may keep either sign of zero point
         assert a.dtype == b.dtype and torch.equal(a, b)
-
-
-class Ops(TorchDispatchMode):
-    """The torch ops dispatched under it, by name."""
-
-    def __init__(self):
-        super().__init__()
-        self.names: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(str(func))
-        return func(*args, **(kwargs or {}))
 
 
 def test_an_int8_step_is_one_call_a_layer_dispatching_one_torch_op():

@@ -300,6 +300,20 @@ void store_row(int64_t fmt, const float* x, void* out, int64_t hs) {
     }
 }
 
+// The queries q (B, nh, hs), element [b, h, d] at b * q_b + h * q_h + d, times 1 / sqrt(hs),
+// contiguous: query head h of batch row b at (b * nh + h) * hs, so cache row b * nkv + h'
+// finds its g queries together.
+std::vector<float> scaled_queries(const float* q, int64_t q_b, int64_t q_h, int64_t B,
+                                  int64_t nh, int64_t hs) {
+    std::vector<float> qs(B * nh * hs);
+    const float scale = 1.f / std::sqrt(static_cast<float>(hs));
+    for (int64_t b = 0; b < B; ++b)
+        for (int64_t h = 0; h < nh; ++h)
+            for (int64_t d = 0; d < hs; ++d)
+                qs[(b * nh + h) * hs + d] = q[b * q_b + h * q_h + d] * scale;
+    return qs;
+}
+
 }  // namespace
 
 // A decoding step's attention for one new token a row, B rows at the same position `start`
@@ -322,12 +336,9 @@ extern "C" int attend_decode(const float* q, int64_t q_b, int64_t q_h, const flo
         store_row(fmt, k + b * k_b + h * k_h, static_cast<char*>(k_buf) + at, hs);
         store_row(fmt, v + b * v_b + h * v_h, static_cast<char*>(v_buf) + at, hs);
     }
-    std::vector<float> qs(B * nh * hs), m(B * nh), l(B * nh);  // row b * nkv + h's g queries
-    const float scale = 1.f / std::sqrt(static_cast<float>(hs));
-    for (int64_t b = 0; b < B; ++b)
-        for (int64_t h = 0; h < nh; ++h)
-            for (int64_t d = 0; d < hs; ++d)
-                qs[(b * nh + h) * hs + d] = q[b * q_b + h * q_h + d] * scale;
+    // row b * nkv + h's g queries
+    const std::vector<float> qs = scaled_queries(q, q_b, q_h, B, nh, hs);
+    std::vector<float> m(B * nh), l(B * nh);
     // query head h of row b is query i = h % g of cache row b * nkv + h / g: the partial sums'
     // (row * g + i) * hs is y's (b * nh + h) * hs
     over_blocks(rows, {start + 1}, g, hs, threads, [&](int64_t r, int64_t, int64_t a,
@@ -476,12 +487,9 @@ extern "C" int decode_codes(const float* q, int64_t q_b, int64_t q_h, const floa
                        vc + r * vc_row + (n - 1) * width, vs + r * vs_row + (n - 1) * J,
                        vz + r * vs_row + (n - 1) * J);
     }
-    std::vector<float> qs(B * nh * hs), m(B * nh), l(B * nh);  // row b * nkv + h's g queries
-    const float scale = 1.f / std::sqrt(static_cast<float>(hs));
-    for (int64_t b = 0; b < B; ++b)
-        for (int64_t h = 0; h < nh; ++h)
-            for (int64_t d = 0; d < hs; ++d)
-                qs[(b * nh + h) * hs + d] = q[b * q_b + h * q_h + d] * scale;
+    // row b * nkv + h's g queries
+    const std::vector<float> qs = scaled_queries(q, q_b, q_h, B, nh, hs);
+    std::vector<float> m(B * nh), l(B * nh);
     const Cache c{kc, vc, ks, kz, vs, vz, kc_row, vc_row, ks_row, vs_row};
     over_codes(qs.data(), c, rows, n, g, hs, bits, G, key_channels, threads, sink_k, sink_v,
                sink_row, s, tail_k, tail_v, tail_row, t, fmt, m.data(), l.data(), y);
