@@ -12,8 +12,7 @@ import pytest
 import torch
 from nativekit import kernel_fixtures
 
-from kvcache_cli.caches import code_attention
-from kvcache_cli.caches import quantized as qm
+from kvcache_cli.caches import affine, code_attention
 
 lib, use = kernel_fixtures(code_attention)
 
@@ -39,9 +38,9 @@ def reference(q, keys, values, full=()):
 
 def dequantised(x, bits, G, per_channel):
     """x (B, nkv, n, hs) quantised as the cache does; its codes and their float64 values."""
-    k_axis = qm._Channels if per_channel else qm._Tokens
+    k_axis = affine._Channels if per_channel else affine._Tokens
     kc, ks, kz = k_axis.encode(x[0], bits, G)
-    vc, vs, vz = qm._Tokens.encode(x[1], bits, G)
+    vc, vs, vz = affine._Tokens.encode(x[1], bits, G)
     B, nkv, n, hs = x[0].shape
     if per_channel:  # scales (B, nkv, n / G, hs): one row for each G tokens
         keys = unpack(kc, bits) * ks.double().repeat_interleave(G, 2) + \

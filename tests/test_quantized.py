@@ -7,9 +7,9 @@ import torch
 from decoding import decode_logits
 
 from kvcache_cli.caches import RollbackError, make_cache
+from kvcache_cli.caches.affine import pack, quantise, unpack
 from kvcache_cli.caches.fp8 import Fp8Cache
 from kvcache_cli.caches.grammar import CacheSpecError
-from kvcache_cli.caches.quantized import pack, quantise, unpack
 from kvcache_cli.caches.spec import check_spec, layer_bytes, parse_cache_spec
 from kvcache_cli.caches.spec_quantized import quantised_split
 from kvcache_cli.models.gpt2 import GPT, GPTConfig

@@ -167,7 +167,7 @@ def _awkward(g: torch.Generator, T: int) -> torch.Tensor:
                                   "int4:g32:ktok:r2:rot"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_kernel_stores_each_tokens_codes_as_torch_quantises_them(spec, dtype, monkeypatch):
-    # quantise_tokens against quantized.quantise: the same codes and scales bit for bit,
+    # quantise_tokens against affine.quantise: the same codes and scales bit for bit,
     # the same zero points by value (a group whose minimum is zero may keep either sign).
     if code_attention.kernel() is None:
         pytest.skip(code_attention.NOTE[-1])

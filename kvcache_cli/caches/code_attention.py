@@ -216,7 +216,7 @@ def decode_codes(q: Tensor, k: Tensor, v: Tensor, rows: tuple[Tensor, ...], n: i
 
 def quantise_tokens(x: Tensor, codes: Tensor, scale: Tensor, zero: Tensor, bits: int,
                     G: int) -> None:
-    """`quantized._Tokens.encode` of x (B, nkv, T, hs) written in place, bit for bit: codes
+    """`affine._Tokens.encode` of x (B, nkv, T, hs) written in place, bit for bit: codes
     (B, nkv, T, hs * bits / 8) uint8, scale and zero (B, nkv, T, hs / G) float16, each a
     view whose rows (the token axis) are contiguous, as `_Rows.claim` hands them out."""
     B, nkv, T, hs = x.shape

@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from kvcache_cli.caches.affine import SCALE_DTYPE, _Tokens
 from kvcache_cli.caches.base import nbytes
 from kvcache_cli.caches.fp8 import fp8_range
 from kvcache_cli.caches.paged import PagedCache
-from kvcache_cli.caches.quantized import SCALE_DTYPE, _Tokens
 from kvcache_cli.caches.spec_quantized import check_head_dim
 
 
