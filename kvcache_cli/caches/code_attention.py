@@ -185,10 +185,9 @@ def decode_codes(q: Tensor, k: Tensor, v: Tensor, rows: tuple[Tensor, ...], n: i
     torch's cast rounds; None, put in the tail by the caller. Then the queries q (B, nh, 1,
     hs) over the codes, full = (sink_k, sink_v, tail_k, tail_v), the sinks (B, nkv, s, hs)
     and the tail's buffers (B, nkv, capacity, hs) with t of their tokens filled (no view to
-    make: a slice is a torch op a layer), query head h on
-    KV head h // (nh / nkv), scaled by 1 / sqrt(hs), the softmax finished. q, k, v may be
-    any views whose last axis is contiguous (the q|k|v product's heads); `merge_heads` reads
-    the result as a view."""
+    make: a slice is a torch op a layer), query head h on KV head h // (nh / nkv), scaled by
+    1 / sqrt(hs), the softmax finished. q, k, v may be any views whose last axis is
+    contiguous (the q|k|v product's heads); `merge_heads` reads the result as a view."""
     B, nh, _, hs = q.shape
     nkv = rows[0].size(1)
     sink_k, sink_v, sink_row = _stored(*full[:2])
