@@ -132,12 +132,15 @@ class CompiledDecode:
 
     The step is one graph at every position, so it compiles once and never breaks:
     the cache is static and read whole (`StaticCache(whole=True)`: one shape at every
-    step), the position enters as a tensor, never as a Python int (an int is a guard,
-    and each new value a recompile), and nothing inside the graph reads or writes a
-    Python number: the cache records each write after the graph (`StaticCache.
-    advance`). The step is the model's own forward, with a `Step` whose position is a
-    tensor (the cache then writes with `write_at`), so every family compiles the same
-    way. Called as a `Forward`; T > 1 tokens (the prefill) go to the eager model.
+    step; a sliding layer's ring, `RingCache(whole=True)`, every slot under the mask of
+    the positions it holds), the position enters as a tensor, never as a Python int (an
+    int is a guard, and each new value a recompile), and nothing inside the graph reads
+    or writes a Python number: the cache records each write after the graph
+    (`advance`). The step is the model's own forward, with a `Step` whose position is a
+    tensor (the cache then writes with `write_at` / `attend_at`), so every family
+    compiles the same way. Called as a `Forward`; T > 1 tokens (the prefill) go to the
+    eager model. The caches' buffers are marked as static addresses, so on CUDA
+    (mode "reduce-overhead") the step replays as one CUDA graph.
     """
 
     def __init__(self, model: FamilyModel, mode: str = "default"):
@@ -148,13 +151,11 @@ class CompiledDecode:
 
     def __call__(self, idx: Tensor, start_pos: int, cache: KVCache | None,
                  last_only: bool = False) -> Tensor:
-        from kvcache_cli.caches.exact import StaticCache
-
         if idx.size(1) > 1:
             return self.model(idx, start_pos, cache, last_only=last_only)
-        if not (isinstance(cache, StaticCache) and cache.whole):
-            raise ValueError("a compiled decode step reads a static cache whole: "
-                             "make_cache('static', ..., whole=True)")
+        if cache is None or not cache.whole or not hasattr(cache, "advance"):
+            raise ValueError("a compiled decode step reads a static cache whole (and a "
+                             "sliding layer's ring): make_cache('static', ..., whole=True)")
         pos = torch.tensor([start_pos], device=idx.device)  # (1,): the position as data
         logits = self.step(self.model, idx, Step(pos, pos), cache)  # (B, 1, vocab)
         cache.advance(start_pos, 1)

@@ -93,8 +93,8 @@ class LateRing(RingCache):
             self.slot_pos = self.positions()
             return keys, values
         i = (start_pos + 1) % self.window  # one slot late
-        self.k[layer, :, :, i] = k[:, :, 0]
-        self.v[layer, :, :, i] = v[:, :, 0]
+        self.k[layer][:, :, i] = k[:, :, 0]
+        self.v[layer][:, :, i] = v[:, :, 0]
         if layer == 0:
             self.length = start_pos + 1
             self.slot_pos[i] = start_pos

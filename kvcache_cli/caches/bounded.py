@@ -95,24 +95,41 @@ class RingCache(PositionedCache):
     hides from every query, so that a crop can go N + 1 positions back after the ring has
     wrapped (speculative decoding's rejected tokens) and still be exact.
 
-    Two buffers allocated once, min(max_len, S + R) slots per layer, written in place:
+    Two buffers a layer allocated once, min(max_len, S + R) slots each, written in place:
     bytes held are the same at every step. Which position a slot holds follows from the
     length alone (`positions`); one vector of them, shared by every layer, is kept up to
     date as slots are written, so a decode step reads it without recomputing it (8 bytes
     a slot for the whole cache: bookkeeping, like `length`, outside `bytes_held`).
+
+    `whole`: built for a compiled decode step (`generate.CompiledDecode`, Gemma 3's
+    sliding layers), whose position is a tensor: the token goes to its slot by
+    `index_copy_` and attention reads every slot under the mask of the positions they
+    hold, all computed from that tensor, so one graph serves every position; the
+    bookkeeping follows the graph (`advance`), as the static cache's does.
     """
 
     def __init__(self, shape, sinks: int, window: int, max_len: int, batch: int, device,
-                 dtype: torch.dtype, name: str, spare: int = 0, rope: Rope | None = None):
+                 dtype: torch.dtype, name: str, spare: int = 0, rope: Rope | None = None,
+                 whole: bool = False):
         if not 0 < max_len <= shape.context:
             raise ValueError(f"max_len {max_len} outside the context window 1..{shape.context}")
         self.name, self.sinks, self.window, self.max_len = name, sinks, window, max_len
         self.rope = rope  # set: `rerotate`, the sinks moved up to the window (module doc)
         self.ring = window + spare  # slots after the sinks; the band is `window` of them
         self.slots = min(max_len, sinks + self.ring)  # never more than the sequence needs
-        dims = (shape.n_layer, batch, shape.n_kv_head, self.slots, shape.head_size)
-        self.k = torch.zeros(dims, device=device, dtype=dtype)  # (L, B, nkv, slots, hs)
-        self.v = torch.zeros(dims, device=device, dtype=dtype)
+        if whole and rope is not None and sinks:
+            raise ValueError(f"{name}: a compiled step reads the sinks at the angle they were "
+                             f"written; rerotate moves them by a shift it cannot compute "
+                             f"from a tensor position: drop :rerotate or run eager")
+        self.whole = whole
+        dims = (batch, shape.n_kv_head, self.slots, shape.head_size)
+        # per layer, as the static cache's: a compiled write into one layer's slice of a
+        # buffer for every layer copies them all
+        self.k = [torch.zeros(dims, device=device, dtype=dtype) for _ in range(shape.n_layer)]
+        self.v = [torch.zeros(dims, device=device, dtype=dtype) for _ in range(shape.n_layer)]
+        if whole:  # written in place by a compiled step: CUDA graphs need them marked
+            for buffer in self.k + self.v:
+                torch._dynamo.mark_static_address(buffer)
         self.device = device
         self.reset()
 
@@ -121,7 +138,7 @@ class RingCache(PositionedCache):
         check_context(spec, shape.context)  # a budget it could never fill: refused
         params = dict(spec.params)
         return cls(shape, params.get("sinks", 0), params["window"], max_len, batch, device,
-                   dtype, str(spec), params.get("spare", 0), _rope_of(spec, shape))
+                   dtype, str(spec), params.get("spare", 0), _rope_of(spec, shape), whole)
 
     def reset(self) -> None:
         # Nothing to clear: a slot's position says whether it is filled (-1: empty).
@@ -134,8 +151,9 @@ class RingCache(PositionedCache):
         S = self.sinks
         return pos if pos < S else S + (pos - S) % self.ring
 
-    def positions(self, length: int | None = None) -> Tensor:
-        """The position each slot holds once `length` positions are written, -1: empty."""
+    def positions(self, length: int | Tensor | None = None) -> Tensor:
+        """The position each slot holds once `length` positions are written (an int, or
+        a (1,) tensor in a compiled step), -1: empty."""
         n = self.length if length is None else length
         S, R = self.sinks, self.ring
         s = torch.arange(self.slots, device=self.device)  # (slots,)
@@ -167,15 +185,15 @@ class RingCache(PositionedCache):
             # Decode: the newest token goes into its slot first (evicting p - R), then the
             # query reads the filled slots: its band, and any spare slots the mask hides.
             i = self.slot(start)
-            self.k[layer, :, :, i] = k[:, :, 0]
-            self.v[layer, :, :, i] = v[:, :, 0]
+            self.k[layer][:, :, i] = k[:, :, 0]
+            self.v[layer][:, :, i] = v[:, :, 0]
             self.bytes_copied += nbytes(k) + nbytes(v)
             n = min(end, self.slots)
-            return self._moved(self.k[layer, :, :, :n], start, end), self.v[layer, :, :, :n]
+            return self._moved(self.k[layer][:, :, :n], start, end), self.v[layer][:, :, :n]
         # A chunk: its queries need keys its own later tokens would overwrite, so what the
         # cache held and the chunk are returned together and the band is the mask's job.
-        keys = torch.cat([self.k[layer, :, :, :filled], k], dim=2)  # (B, nkv, filled + T, hs)
-        values = torch.cat([self.v[layer, :, :, :filled], v], dim=2)
+        keys = torch.cat([self.k[layer][:, :, :filled], k], dim=2)  # (B, nkv, filled + T, hs)
+        values = torch.cat([self.v[layer][:, :, :filled], v], dim=2)
         keep = [p for p in range(start, end) if p < self.sinks or p >= end - self.ring]
         slots = torch.tensor([self.slot(p) for p in keep], dtype=torch.long, device=k.device)
         rows = torch.tensor([p - start for p in keep], dtype=torch.long, device=k.device)
@@ -183,6 +201,36 @@ class RingCache(PositionedCache):
         self.v[layer].index_copy_(2, slots, v.index_select(2, rows))
         self.bytes_copied += nbytes(keys) + nbytes(values) + 2 * len(keep) * nbytes(k[:, :, :1])
         return self._moved(keys, start, end), values
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, step: Step) -> Tensor:
+        if self.whole and isinstance(step.start, Tensor):  # `generate.CompiledDecode`
+            return self.attend_at(layer, q, k, v, step)
+        return super().attend(layer, q, k, v, step)
+
+    def attend_at(self, layer: int, q: Tensor, k: Tensor, v: Tensor, step: Step) -> Tensor:
+        """A compiled step's write of one token k, v (B, nkv, 1, hs) at position step.pos
+        (1,), a tensor, and its attention over every slot, masked by the positions they
+        then hold. It reads and changes no Python number (each would be a guard in the
+        graph); the caller records the write afterwards (`advance`)."""
+        if k.size(2) != 1:
+            raise ValueError(f"{self.name}: a compiled step writes one token at a time")
+        pos, S = step.pos, self.sinks
+        slot = torch.where(pos < S, pos, S + torch.remainder(pos - S, self.ring))  # (1,)
+        self.k[layer].index_copy_(2, slot, k)
+        self.v[layer].index_copy_(2, slot, v)
+        held = self.positions(pos + 1)  # (slots,)
+        return step.by_position(q, self.k[layer], self.v[layer], held, self.window, S)
+
+    def advance(self, start_pos: int, T: int) -> None:
+        """Record what `attend_at` wrote at every layer: T positions from start_pos."""
+        end = start_pos + T
+        if end > self.max_len:
+            raise IndexError(f"position {end - 1} past the {self.name} cache's max_len "
+                             f"{self.max_len}")
+        self.length = end
+        self.bytes_copied += T * (self.bytes_held // self.slots)
+        self._pos = self.positions()
+        self._held = None
 
     def _shift(self, pos: int) -> int:
         """Positions evicted between the sinks and the window of the query at `pos`."""
@@ -228,7 +276,7 @@ class RingCache(PositionedCache):
 
     @property
     def bytes_held(self) -> int:
-        return nbytes(self.k) + nbytes(self.v)
+        return sum(nbytes(t) for t in self.k + self.v)
 
 
 class HeavyHitterCache(KVCache):

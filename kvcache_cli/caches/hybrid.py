@@ -119,6 +119,16 @@ class HybridCache(KVCache):
         return self._route[0][0].length
 
     @property
+    def whole(self) -> bool:
+        """Every cache built for a compiled decode step (`generate.CompiledDecode`)."""
+        return all(c.whole for c in self.caches)
+
+    def advance(self, start_pos: int, T: int) -> None:
+        """Record a compiled step's writes in every cache."""
+        for cache in self.caches:
+            cache.advance(start_pos, T)
+
+    @property
     def bytes_held(self) -> int:
         return sum(c.bytes_held for c in self.caches)
 

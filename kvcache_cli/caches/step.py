@@ -93,7 +93,10 @@ class Step:
         `held`: (S,), (B, S) or (B, nkv, S), -1 for an empty slot. With a window, the band:
         positions p - window + 1 .. p, and the first `sinks` whatever their age (a chunk's
         early queries must not see what the window has moved past for its later ones).
-        Made once a forward for each tensor of held positions (`_masks`)."""
+        Made once a forward for each tensor of held positions (`_masks`); in a compiled
+        graph, where a tensor has no lasting id, the compiler shares the equal masks."""
+        if torch.compiler.is_compiling():
+            return self._visible(held, window, sinks)
         key = (id(held), window, sinks)
         if key not in self._masks:
             self._masks[key] = (held, self._visible(held, window, sinks))

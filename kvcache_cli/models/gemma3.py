@@ -23,7 +23,6 @@ matters to the cache:
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -264,12 +263,17 @@ class Gemma3Block(nn.Module):
         return self.post_feedforward_layernorm.norm_then_add(x, self.mlp.forward(h))
 
 
-@functools.cache
+_SCALES: dict[tuple[int, torch.dtype], float] = {}
+
+
 def embedding_scale(n_embd: int, dtype: torch.dtype) -> float:
     """sqrt(C) made in float32 and rounded to the activations' dtype, as transformers does
     (in bfloat16 sqrt(640) = 25.298 is 25.25): a number, made once, so a step multiplies by
-    it with one op, not four (a tensor made, cast and multiplied)."""
-    return torch.tensor(n_embd ** 0.5).to(dtype).item()
+    it with one op, not four (a tensor made, cast and multiplied). Kept in a plain dict, not
+    functools.cache, which torch.compile traces through with a warning."""
+    if (n_embd, dtype) not in _SCALES:
+        _SCALES[n_embd, dtype] = torch.tensor(n_embd ** 0.5).to(dtype).item()
+    return _SCALES[n_embd, dtype]
 
 
 def rotaries(config: Gemma3Config) -> nn.ModuleDict:
