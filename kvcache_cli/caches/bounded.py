@@ -127,7 +127,8 @@ class RingCache(PositionedCache):
         # buffer for every layer copies them all
         self.k = [torch.zeros(dims, device=device, dtype=dtype) for _ in range(shape.n_layer)]
         self.v = [torch.zeros(dims, device=device, dtype=dtype) for _ in range(shape.n_layer)]
-        if whole:  # written in place by a compiled step: CUDA graphs need them marked
+        if whole and torch.device(device).type == "cuda":  # written in place by a compiled
+            # step: CUDA graphs need them marked (`caches.exact.StaticCache`)
             for buffer in self.k + self.v:
                 torch._dynamo.mark_static_address(buffer)
         self.device = device

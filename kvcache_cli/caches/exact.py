@@ -102,7 +102,7 @@ class StaticCache(KVCache):
         # per layer: (B, nkv, max_len, hs)
         self.k = [torch.zeros(dims, device=device, dtype=dtype) for _ in range(shape.n_layer)]
         self.v = [torch.zeros(dims, device=device, dtype=dtype) for _ in range(shape.n_layer)]
-        if whole:
+        if whole and torch.device(device).type == "cuda":
             # A compiled step writes these in place; unmarked, CUDA graphs refuse a graph
             # that mutates its inputs and the step runs kernel by kernel (transformers
             # marks its StaticCache's buffers the same way).
