@@ -139,8 +139,8 @@ class CompiledDecode:
     (`advance`). The step is the model's own forward, with a `Step` whose position is a
     tensor (the cache then writes with `write_at` / `attend_at`), so every family
     compiles the same way. Called as a `Forward`; T > 1 tokens (the prefill) go to the
-    eager model. The caches' buffers are marked as static addresses, so on CUDA
-    (mode "reduce-overhead") the step replays as one CUDA graph.
+    eager model. On CUDA the caches' buffers are marked as static addresses, so the step
+    (mode "reduce-overhead") replays as one CUDA graph.
     """
 
     def __init__(self, model: FamilyModel, mode: str = "default"):

@@ -75,3 +75,11 @@ def test_the_static_cache_refuses_a_write_past_its_slots():
     cache = make_cache("static", model, max_len=4, batch=1, whole=True)
     with pytest.raises(IndexError, match="past the static cache's 4 slots"):
         cache.advance(3, 2)
+
+
+def test_a_ring_with_rerotated_sinks_refuses_to_be_built_for_a_compiled_step():
+    # its sinks turn by a shift read from a Python position, which a graph cannot hold
+    model = tiny("llama")
+    with pytest.raises(ValueError, match="drop :rerotate or run eager"):
+        make_cache("sink:2+8:rerotate", model, max_len=32, batch=1, whole=True)
+    assert make_cache("sink:2+8", model, max_len=32, batch=1, whole=True).whole

@@ -213,8 +213,6 @@ class RingCache(PositionedCache):
         (1,), a tensor, and its attention over every slot, masked by the positions they
         then hold. It reads and changes no Python number (each would be a guard in the
         graph); the caller records the write afterwards (`advance`)."""
-        if k.size(2) != 1:
-            raise ValueError(f"{self.name}: a compiled step writes one token at a time")
         pos, S = step.pos, self.sinks
         slot = torch.where(pos < S, pos, S + torch.remainder(pos - S, self.ring))  # (1,)
         self.k[layer].index_copy_(2, slot, k)
