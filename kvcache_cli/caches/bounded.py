@@ -56,6 +56,7 @@ import torch
 from torch import Tensor
 
 from kvcache_cli.caches.base import KVCache, PositionedCache, RollbackError, Rope, nbytes
+from kvcache_cli.caches.exact import layer_buffers
 from kvcache_cli.caches.spec import check_context
 from kvcache_cli.caches.step import Step
 
@@ -122,15 +123,9 @@ class RingCache(PositionedCache):
                              f"written; rerotate moves them by a shift it cannot compute "
                              f"from a tensor position: drop :rerotate or run eager")
         self.whole = whole
-        dims = (batch, shape.n_kv_head, self.slots, shape.head_size)
-        # per layer, as the static cache's: a compiled write into one layer's slice of a
-        # buffer for every layer copies them all
-        self.k = [torch.zeros(dims, device=device, dtype=dtype) for _ in range(shape.n_layer)]
-        self.v = [torch.zeros(dims, device=device, dtype=dtype) for _ in range(shape.n_layer)]
-        if whole and torch.device(device).type == "cuda":  # written in place by a compiled
-            # step: CUDA graphs need them marked (`caches.exact.StaticCache`)
-            for buffer in self.k + self.v:
-                torch._dynamo.mark_static_address(buffer)
+        # per layer: (B, nkv, slots, hs)
+        self.k, self.v = layer_buffers(shape.n_layer, (batch, shape.n_kv_head, self.slots,
+                                                       shape.head_size), device, dtype, whole)
         self.device = device
         self.reset()
 

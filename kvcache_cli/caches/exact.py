@@ -79,6 +79,21 @@ class ConcatCache(KVCache):
         return sum(nbytes(t) for t in self.k + self.v)
 
 
+def layer_buffers(n_layer: int, dims: tuple[int, ...], device, dtype: torch.dtype,
+                  compiled: bool) -> tuple[list[Tensor], list[Tensor]]:
+    """Zeroed key and value buffers of shape `dims` for each layer: one a layer, since a
+    compiled write into one layer's slice of a buffer for every layer copies them all.
+    `compiled` ones on CUDA are marked as static addresses: a compiled step writes them in
+    place, and CUDA graphs refuse a graph that mutates unmarked inputs, so the step would
+    run kernel by kernel (transformers marks its StaticCache's buffers the same way)."""
+    k = [torch.zeros(dims, device=device, dtype=dtype) for _ in range(n_layer)]
+    v = [torch.zeros(dims, device=device, dtype=dtype) for _ in range(n_layer)]
+    if compiled and torch.device(device).type == "cuda":
+        for buffer in k + v:
+            torch._dynamo.mark_static_address(buffer)
+    return k, v
+
+
 class StaticCache(KVCache):
     """Two buffers allocated once for `max_len` positions, written in place (gpt-fast).
 
@@ -98,16 +113,9 @@ class StaticCache(KVCache):
             raise ValueError(f"max_len {max_len} outside the context window 1..{shape.context}")
         self.max_len = max_len
         self.whole = whole
-        dims = (batch, shape.n_kv_head, max_len, shape.head_size)
         # per layer: (B, nkv, max_len, hs)
-        self.k = [torch.zeros(dims, device=device, dtype=dtype) for _ in range(shape.n_layer)]
-        self.v = [torch.zeros(dims, device=device, dtype=dtype) for _ in range(shape.n_layer)]
-        if whole and torch.device(device).type == "cuda":
-            # A compiled step writes these in place; unmarked, CUDA graphs refuse a graph
-            # that mutates its inputs and the step runs kernel by kernel (transformers
-            # marks its StaticCache's buffers the same way).
-            for buffer in self.k + self.v:
-                torch._dynamo.mark_static_address(buffer)
+        self.k, self.v = layer_buffers(shape.n_layer, (batch, shape.n_kv_head, max_len,
+                                                       shape.head_size), device, dtype, whole)
         self.reset()
 
     @classmethod
