@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from kvcache_cli.caches import MODES, CacheSpec, KVCache, make_cache
+from kvcache_cli.caches.exact import StaticCache
 from kvcache_cli.caches.step import Step
 from kvcache_cli.models.base import FamilyConfig, FamilyModel
 
@@ -160,6 +161,210 @@ class CompiledDecode:
         logits = self.step(self.model, idx, Step(pos, pos), cache)  # (B, 1, vocab)
         cache.advance(start_pos, 1)
         return logits
+
+
+class ReplayedDecode:
+    """A decode step's native calls recorded once and run again, without the Python
+    between them: the CPU's answer to a CUDA graph.
+
+    On a decode's float32 rows a step of the Llama family is native calls alone: the
+    products, the fused norms, rotation and adds, and the attention (`models.fused`,
+    `caches.code_attention.attend_decode`), some nine a layer, and the Python that makes
+    them costs as much as several of its products. This forward records a step's calls
+    (`caches.native.recorded`) and the torch ops it dispatches (`_StepOps`: allocations,
+    views and the embedding's lookup may run, nothing else), then records a second step at
+    the next position; where the two made the same calls on the same memory, each fresh
+    buffer named by its order of allocation and the cache's by its place, the first
+    step's calls serve every later position of any cache of that kind and shape. A
+    replay looks the token's embedding up into the buffer the first call reads, writes
+    the position where the calls read it (the step's positions: the rotation and the
+    attention read them from memory), records the write in the cache (`advance`), and
+    makes the calls. A step that is not native calls alone (a cache kind other than the
+    static ones, half-precision activations, Gemma 3's rings and embedding scale, a GPU)
+    runs eager, and `why_not` says why. Called as a `Forward`; T > 1 tokens (the prefill)
+    go to the eager model.
+    """
+
+    def __init__(self, model: FamilyModel):
+        self.model = model
+        self.pos = torch.zeros(1, dtype=torch.long, device=model.device)  # what the calls read
+        self.why_not: str | None = None  # why the step runs eager, once a capture failed
+        self._key: tuple | None = None  # what the capture or plan below was made for
+        self._first: _Recorded | None = None  # a step recorded, before a second confirms it
+        self._plan: _Plan | None = None
+
+    def __call__(self, idx: Tensor, start_pos: int, cache: KVCache | None,
+                 last_only: bool = False) -> Tensor:
+        if idx.size(1) > 1 or cache is None:
+            return self.model(idx, start_pos, cache, last_only=last_only)
+        if not isinstance(cache, StaticCache):  # its calls would move with the position
+            self._refuse(f"a {type(cache).__name__} is not a static cache")
+            return self.model(idx, start_pos, cache, last_only=last_only)
+        context = self.model.config.context
+        if not 0 <= start_pos < context:
+            raise IndexError(f"position {start_pos} past context window {context}")
+        key = (type(cache), [(t.shape, t.dtype) for t in cache.buffers()], idx.size(0),
+               last_only, torch.get_num_threads(), torch.is_grad_enabled())
+        if key != self._key:
+            self._key, self._first, self._plan, self.why_not = key, None, None, None
+        if self._plan is not None:
+            return self._plan.run(idx, start_pos, cache)
+        self.pos.fill_(start_pos)
+        step = Step(start_pos, self.pos)
+        if self.why_not is not None:
+            return self.model(idx, step, cache, last_only=last_only)
+        recorded = _Recorded.of(self.model, idx, step, cache, last_only)
+        if recorded.refused is not None:
+            self._refuse(recorded.refused)
+        elif self._first is None:
+            self._first = recorded
+        else:
+            why = self._first.differs(recorded)
+            if why is None:
+                self._plan = _Plan(self._first, self.pos)
+            else:
+                self._refuse(why)
+            self._first = None
+        return recorded.logits.clone()  # a plan's calls write these again
+
+    def _refuse(self, why: str) -> None:
+        """Run eager from now on, and say why once."""
+        if self.why_not != why:
+            self.why_not = why
+            REPLAY_NOTE.append(f"decode steps not replayed: {why}")
+
+
+REPLAY_NOTE: list[str] = []  # why a `ReplayedDecode` ran its steps eager, once found
+
+# The torch ops a replayed step may dispatch: fresh buffers for the native calls' outputs,
+# and the token's embedding, looked up again at each replay; views cost nothing and run too.
+_ALLOCATIONS = (torch.ops.aten.empty.memory_format, torch.ops.aten.empty_like.default,
+                torch.ops.aten.new_empty.default, torch.ops.aten.empty_strided.default)
+_LOOKUP = torch.ops.aten.embedding.default
+
+
+@dataclass
+class _Recorded:
+    """One decode step as it ran: the native calls, their pointers named (`_named`), the
+    fresh tensors they point into (kept alive), the embedding looked up, the logits."""
+
+    calls: list[tuple[Callable, tuple]]
+    ops: list[str]  # every torch op dispatched, by name
+    fresh: list[Tensor]  # every tensor the step allocated, in order
+    lookup: tuple[Tensor, int] | None  # (the embedding's weight, its output's place in fresh)
+    logits: Tensor
+    refused: str | None  # the op that makes the step not native calls alone
+    named: list[tuple]  # the calls' arguments, each pointer named by what it points into
+
+    @classmethod
+    def of(cls, model: FamilyModel, idx: Tensor, step: Step, cache: StaticCache,
+           last_only: bool) -> _Recorded:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        from kvcache_cli.caches import native
+
+        ops: list[str] = []
+        fresh: list[Tensor] = []
+        lookup: list[tuple[Tensor, int]] = []
+        refused: list[str] = []
+
+        class StepOps(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                ops.append(str(func))
+                if func in _ALLOCATIONS or (func is _LOOKUP and not lookup):
+                    if func is _LOOKUP:
+                        lookup.append((args[0], len(fresh)))
+                    fresh.append(out)
+                elif not func.is_view and not refused:
+                    refused.append(f"the step runs torch's {func} (not a native call)")
+                return out
+
+        calls: list[tuple[Callable, tuple]] = []
+        with native.recorded(calls), StepOps():
+            logits = model(idx, step, cache, last_only=last_only)
+        if not calls:
+            refused.append("the step makes no native call (its kernels cannot run here)")
+        recorded = cls(calls, ops, fresh, lookup[0] if lookup else None, logits,
+                       refused[0] if refused else None, [])
+        recorded.named = [_named(args, recorded.places(cache, step.pos)) for _, args in calls]
+        if recorded.lookup is None and recorded.refused is None:
+            recorded.refused = "the step looks up no embedding to replay"
+        return recorded
+
+    def places(self, cache: StaticCache, pos: Tensor) -> list[tuple[int, int, tuple]]:
+        """(first byte, end, name) of the memory a call may point into: this step's fresh
+        tensors, the cache's buffers and the position."""
+        held = [(t, ("fresh", i)) for i, t in enumerate(self.fresh)]
+        held += [(t, ("cache", i)) for i, t in enumerate(cache.buffers())]
+        return [(t.data_ptr(), t.data_ptr() + t.nbytes, name)
+                for t, name in [*held, (pos, ("pos",))]]
+
+    def differs(self, other: _Recorded) -> str | None:
+        """Why this step's calls would not serve `other`'s position, or None: the same ops
+        and the same calls on the same named memory."""
+        if self.ops != other.ops:
+            return "two steps dispatched different torch ops"
+        if [f for f, _ in self.calls] != [f for f, _ in other.calls]:
+            return "two steps made different native calls"
+        for (function, _), mine, theirs in zip(self.calls, self.named, other.named,
+                                              strict=True):
+            if mine != theirs:
+                return (f"two steps called {function.__name__} with different arguments "
+                        "(a number that moves with the position)")
+        return None
+
+
+def _named(args: tuple, places: list[tuple[int, int, tuple]]) -> tuple:
+    """args with each pointer into a fresh tensor, the cache or the position replaced by
+    (its name, offset); other numbers, and pointers into the model's weights, as they are."""
+    def name(arg):
+        if isinstance(arg, int) and not isinstance(arg, bool):
+            for first, end, what in places:
+                if first <= arg < end:
+                    return (*what, arg - first)
+        return arg
+    return tuple(name(arg) for arg in args)
+
+
+class _Plan:
+    """A recorded step's calls, ready to run again on any cache of its kind and shape."""
+
+    def __init__(self, recorded: _Recorded, pos: Tensor):
+        self.recorded, self.pos = recorded, pos
+        self.weight, at = recorded.lookup  # the embedding's weight, and where its row goes
+        self.embedded = recorded.fresh[at]  # (B, 1, C)
+        self.cache: StaticCache | None = None  # what `calls` were resolved for
+        self.calls: list[tuple[Callable, tuple]] = []
+
+    def run(self, idx: Tensor, start_pos: int, cache: StaticCache) -> Tensor:
+        if cache is not self.cache:
+            self.cache, self.calls = cache, self._resolved(cache)
+        cache.advance(start_pos, 1)  # refused past the cache's slots, before any write
+        self.pos.fill_(start_pos)
+        torch.index_select(self.weight, 0, idx.view(-1),
+                           out=self.embedded.view(idx.numel(), -1))  # (B, C)
+        for function, args in self.calls:
+            function(*args)
+        # the recorded step's logits, a view of one of its fresh tensors, written again
+        return self.recorded.logits.clone()
+
+    def _resolved(self, cache: StaticCache) -> list[tuple[Callable, tuple]]:
+        """The calls with each named pointer made an address again, the cache's into `cache`."""
+        fresh = [t.data_ptr() for t in self.recorded.fresh]
+        buffers = [t.data_ptr() for t in cache.buffers()]
+
+        def address(arg):
+            if not isinstance(arg, tuple):
+                return arg
+            if arg[0] == "fresh":
+                return fresh[arg[1]] + arg[2]
+            if arg[0] == "cache":
+                return buffers[arg[1]] + arg[2]
+            return self.pos.data_ptr() + arg[1]
+        return [(function, tuple(address(a) for a in named))
+                for (function, _), named in zip(self.recorded.calls, self.recorded.named,
+                                                strict=True)]
 
 
 def _decode_step(model: FamilyModel, idx: Tensor, step: Step, cache: KVCache) -> Tensor:

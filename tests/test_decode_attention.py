@@ -61,7 +61,7 @@ def test_one_call_writes_the_token_and_equals_float64_attention(store, g, hs, sl
     want_k, want_v = keys.clone(), values.clone()
     want_k[:, :, start:start + 1] = k  # torch's slice write, cast to the buffers' dtype
     want_v[:, :, start:start + 1] = v
-    y = code_attention.attend_decode(q, k, v, keys, values, start)
+    y = code_attention.attend_decode(q, k, v, keys, values, torch.tensor([start]))
     assert torch.equal(keys, want_k) and torch.equal(values, want_v)
     assert y.shape == (B, g * nkv, 1, hs) and y.is_contiguous()
     torch.testing.assert_close(y.double(), reference(q, keys, values, start + 1),
@@ -86,7 +86,7 @@ def test_the_written_bits_are_torchs_cast_at_ties_and_edges(store):
     keys, values = buffers(1, 3, 8, 64, store, gen)
     want_k, want_v = keys.clone(), values.clone()
     want_k[:, :, 5:6], want_v[:, :, 5:6] = k, v
-    code_attention.attend_decode(q, k, v, keys, values, 5)
+    code_attention.attend_decode(q, k, v, keys, values, torch.tensor([5]))
     for got, want in ((keys, want_k), (values, want_v)):
         # a NaN stays a NaN; its bits are torch's choice of path (its vector cast writes a
         # bfloat16 NaN as 0xffff, its scalar one as 0x7fc0)

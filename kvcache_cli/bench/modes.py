@@ -8,7 +8,9 @@ import contextlib
 from kvcache_cli.models.llama_cpp import LLAMA_MODES
 
 # hf-static is transformers' generate() with its static cache; a "-compiled" mode is
-# the same under torch.compile (the compile is paid in the untimed warm-up). hf-quanto is
+# the same under torch.compile (the compile is paid in the untimed warm-up);
+# static-replayed is static with each decode step's native calls recorded once and run
+# again without the Python between them (`generate.ReplayedDecode`). hf-quanto is
 # generate() with its QuantizedCache (quanto, int4, groups of 64, residual 128: its
 # defaults), the peer of kvcache's quantised caches as a transformers user runs it.
 # llama.cpp, llama.cpp-f16, llama.cpp-q8_0 run llama.cpp (the `llama` extra) on the
@@ -16,11 +18,21 @@ from kvcache_cli.models.llama_cpp import LLAMA_MODES
 # llama.cpp-gguf runs the very file a Llama-family model was read from.
 MODES = (
     "naive", "concat", "static", "hf", "hf-static", "static-compiled", "hf-static-compiled",
-    "hf-quanto", *LLAMA_MODES,
+    "static-replayed", "hf-quanto", *LLAMA_MODES,
 )  # fmt: skip
 
 # The project's own loops; every other mode is a peer it is measured against.
-OURS = ("naive", "concat", "static", "static-compiled")
+OURS = ("naive", "concat", "static", "static-compiled", "static-replayed")
+
+# The cache each of our step's ways runs on: a compiled or replayed static mode's is static.
+STEP_SUFFIXES = ("-compiled", "-replayed")
+
+
+def cache_of(mode: str) -> str:
+    """The cache spec a mode of ours decodes with: `static-compiled` -> `static`."""
+    for suffix in STEP_SUFFIXES:
+        mode = mode.removesuffix(suffix)
+    return mode
 
 DEFAULT_MODES = ("naive", "concat", "static", "hf", "hf-static")
 

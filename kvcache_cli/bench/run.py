@@ -281,7 +281,7 @@ def _llama_runners(model, plan: BenchPlan, counter: _Counter, gguf_dir,
 def _measure_with(model, plan: BenchPlan, bandwidth_mib: int | None, counter: _Counter,
                   finished: FinishedFn | None, llama: dict[str, LlamaRunner]) -> Measured:
 
-    from kvcache_cli.generate import CompiledDecode
+    from kvcache_cli.generate import CompiledDecode, ReplayedDecode
 
     device = next(model.parameters()).device
     modes = plan.modes
@@ -289,6 +289,7 @@ def _measure_with(model, plan: BenchPlan, bandwidth_mib: int | None, counter: _C
     compiled = None
     if any(m.endswith("-compiled") and not m.startswith("hf") for m in modes):
         compiled = CompiledDecode(model, COMPILE_MODE[device.type])
+    replayed = ReplayedDecode(model) if "static-replayed" in modes else None
     measured = Measured({mode: [] for mode in modes}, {"read": [], "copy": [], "product": []},
                          {}, {mode: runner.file for mode, runner in llama.items()})  # fmt: skip
     prompt, new_tokens = plan.prompt, plan.new_tokens
@@ -306,7 +307,8 @@ def _measure_with(model, plan: BenchPlan, bandwidth_mib: int | None, counter: _C
                                       on_token)  # fmt: skip
         return run_ours(model, prompt, n, mode, device, on_token,
                         max_len=len(prompt) + new_tokens,
-                        forward=compiled if mode.endswith("-compiled") else None)
+                        forward=compiled if mode.endswith("-compiled") else
+                        replayed if mode == "static-replayed" else None)
 
     for mode in modes:
         start = time.perf_counter()

@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvcache_cli.bench.modes import COMPILE_MODE
+from kvcache_cli.bench.modes import COMPILE_MODE, cache_of
 from kvcache_cli.bench.results import TimedRun
 from kvcache_cli.measure import quiet_transformers, synchronize
 
@@ -74,7 +74,8 @@ def run_ours(
 ) -> TimedRun:
     """`max_len` sizes a static cache: the run's own length, also for a shorter warm-up,
     so a compiled step sees in the warm-up the cache shapes it is timed with. `forward`:
-    the compiled step of a `-compiled` mode (`generate.CompiledDecode`)."""
+    the compiled step of a `-compiled` mode (`generate.CompiledDecode`), or the replayed
+    one of `static-replayed` (`generate.ReplayedDecode`)."""
     from kvcache_cli.caches import make_cache
     from kvcache_cli.generate import stream_tokens
 
@@ -82,12 +83,12 @@ def run_ours(
     cache = None
     if mode != "naive":
         # Compiled, the cache is read whole under a mask: one shape at every step.
-        cache = make_cache(mode.removesuffix("-compiled"), model, max_len=max_len, batch=1,
+        cache = make_cache(cache_of(mode), model, max_len=max_len, batch=1,
                            whole=mode.endswith("-compiled"))
     tokens: list[int] = []
     clock = _Clock(device, on_token)
-    for token in stream_tokens(model, prompt_ids, new_tokens, mode.removesuffix("-compiled"),
-                               cache=cache, forward=forward):  # fmt: skip
+    for token in stream_tokens(model, prompt_ids, new_tokens, cache_of(mode), cache=cache,
+                               forward=forward):
         clock.tick()
         tokens.append(token)
     if cache is None:

@@ -145,11 +145,13 @@ def _with_ratios(results: list[ModeResult]) -> tuple[ModeResult, ...]:
 
 def kernel_note() -> str | None:
     """Why a C++ kernel this process asked for runs in torch instead, in one line (None:
-    every one asked for was built): attention over codes, the products, the fused ops."""
+    every one asked for was built): attention over codes, the products, the fused ops; or
+    why a replayed mode's steps ran eager."""
     from kvcache_cli.caches import code_attention
+    from kvcache_cli.generate import REPLAY_NOTE
     from kvcache_cli.models import fused, linear
 
-    notes = (code_attention.NOTE, linear.NOTE, fused.NOTE)
+    notes = (code_attention.NOTE, linear.NOTE, fused.NOTE, REPLAY_NOTE)
     return "; ".join(note[-1] for note in notes if note) or None
 
 

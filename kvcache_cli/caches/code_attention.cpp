@@ -317,7 +317,9 @@ std::vector<float> scaled_queries(const float* q, int64_t q_b, int64_t q_h, int6
 }  // namespace
 
 // A decoding step's attention for one new token a row, B rows at the same position `start`
-// (a static cache's step), in one call instead of 26 to 28 torch ops a layer:
+// (a static cache's step), in one call instead of 26 to 28 torch ops a layer. The position is
+// read from memory (*at, the step's positions), not passed: a replayed step's calls are the
+// same at every position (`generate.ReplayedDecode`).
 // the token's keys and values k, v (B, nkv, hs) and queries q (B, nh, hs), each a view of
 // the q|k|v product (element [b, h, d] at b * x_b + h * x_h + d), the keys and values
 // written into the buffers (B, nkv, slots, hs), contiguous, of format fmt, at slot `start`;
@@ -326,8 +328,9 @@ std::vector<float> scaled_queries(const float* q, int64_t q_b, int64_t q_h, int6
 extern "C" int attend_decode(const float* q, int64_t q_b, int64_t q_h, const float* k,
                              int64_t k_b, int64_t k_h, const float* v, int64_t v_b,
                              int64_t v_h, void* k_buf, void* v_buf, int64_t slots, int64_t fmt,
-                             int64_t B, int64_t nh, int64_t nkv, int64_t hs, int64_t start,
-                             int64_t threads, float* y) {
+                             int64_t B, int64_t nh, int64_t nkv, int64_t hs,
+                             const int64_t* at, int64_t threads, float* y) {
+    const int64_t start = *at;
     if (fmt < kF16 || fmt > kF32 || start < 0 || start >= slots || nh % nkv) return 1;
     const int64_t g = nh / nkv, rows = B * nkv, stride = slots * hs;  // elements a cache row
     const int64_t bytes = fmt == kF32 ? 4 : 2;

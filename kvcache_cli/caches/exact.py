@@ -147,21 +147,23 @@ class StaticCache(KVCache):
         if q.size(2) == 1 and not isinstance(step.start, Tensor) and not self.whole and \
                 self.k[layer].dtype in code_attention.FULL_FLAGS and _native(q, k, v) and \
                 not torch.compiler.is_compiling():
-            return self.decode(layer, q, k, v, step.start)
+            return self.decode(layer, q, k, v, step)
         if isinstance(step.start, Tensor):  # the position as data: `generate.CompiledDecode`
             keys, values = self.write_at(layer, step.pos, k, v)  # (B, nkv, max_len, hs)
             return step.in_order(q, keys, values)
         keys, values = self.update(layer, step.start, k, v)  # (B, nkv, S, hs)
         return step.whole(q, keys, values) if self.whole else step.in_order(q, keys, values)
 
-    def decode(self, layer: int, q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:
-        """`update`'s write of one token a row at slot `start` and the attention (B, nh, 1,
-        hs) of q over slots 0..start, in one call (`code_attention.attend_decode`): the 28
-        torch ops a layer of the slice writes, slices and SDPA (26 of a half cache's) become
-        one. The same arithmetic as SDPA's, its sums in another order."""
+    def decode(self, layer: int, q: Tensor, k: Tensor, v: Tensor, step: Step) -> Tensor:
+        """`update`'s write of one token a row at slot start = step.start and the attention
+        (B, nh, 1, hs) of q over slots 0..start, in one call (`code_attention.attend_decode`,
+        which reads the position from step.pos): the 28 torch ops a layer of the slice
+        writes, slices and SDPA (26 of a half cache's) become one. The same arithmetic as
+        SDPA's, its sums in another order."""
+        start = step.start
         if start + 1 > self.max_len:
             raise IndexError(f"position {start} past the static cache's {self.max_len} slots")
-        y = code_attention.attend_decode(q, k, v, self.k[layer], self.v[layer], start)
+        y = code_attention.attend_decode(q, k, v, self.k[layer], self.v[layer], step.pos)
         self.bytes_copied += 2 * k.numel() * self.k[layer].element_size()  # as stored
         self.length = start + 1
         return y  # (B, nh, 1, hs)
@@ -193,3 +195,7 @@ class StaticCache(KVCache):
     @property
     def bytes_held(self) -> int:
         return sum(nbytes(t) for t in self.k + self.v)
+
+    def buffers(self) -> list[Tensor]:
+        """Every layer's key buffer, then every layer's value buffer."""
+        return [*self.k, *self.v]

@@ -13,6 +13,7 @@ one line saying why, and the caller keeps its torch path.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -20,6 +21,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable, Iterator
 from functools import cache
 from pathlib import Path
 
@@ -105,4 +107,36 @@ def build(source: Path, off: str, defines: tuple[str, ...] = ()
                 first = (errors or run.stderr.strip().splitlines() or ["no message"])[0]
                 return None, f"{compiler} could not build {source.name} ({first.strip()})"
             os.replace(built, path)
-    return ctypes.CDLL(str(path)), None
+    lib = ctypes.CDLL(str(path))
+    _loaded.append(lib)
+    return lib, None
+
+
+_loaded: list[ctypes.CDLL] = []  # every library `build` loaded: what `recorded` watches
+
+
+@contextlib.contextmanager
+def recorded(calls: list[tuple[Callable, tuple]]) -> Iterator[None]:
+    """Every call into a built library made inside, appended to `calls` as (function, its
+    arguments) as it runs: what a replayed decode step runs again (`generate.ReplayedDecode`).
+    A library's functions are the ctypes objects it keeps as attributes once named (each
+    module names its own when it loads them, to give their argument types), so each is
+    shadowed by a recorder for the while, and the call sites stay as they are."""
+    shadowed = []
+    for lib in _loaded:
+        for name, function in list(vars(lib).items()):
+            if isinstance(function, lib._FuncPtr):
+                setattr(lib, name, _recorder(function, calls))
+                shadowed.append((lib, name, function))
+    try:
+        yield
+    finally:
+        for lib, name, function in shadowed:
+            setattr(lib, name, function)
+
+
+def _recorder(function: Callable, calls: list[tuple[Callable, tuple]]) -> Callable:
+    def call(*args):
+        calls.append((function, args))
+        return function(*args)
+    return call

@@ -57,7 +57,8 @@ def bench(
     modes: Annotated[str, typer.Option(
         help="Comma-separated, from: naive, concat, static, hf (transformers' generate), "
         "hf-static (its static cache), hf-quanto (its QuantizedCache, quanto int4), "
-        "static-compiled, hf-static-compiled, llama.cpp, "
+        "static-compiled, hf-static-compiled, static-replayed (static, each step's native "
+        "calls recorded once and run again), llama.cpp, "
         "llama.cpp-f16, llama.cpp-q8_0 (llama.cpp on the same weights written to GGUF; "
         "needs the llama extra, pip install 'kvcache[llama]', which builds llama.cpp "
         "from source: minutes), llama.cpp-gguf (the GGUF file the model was read from, "

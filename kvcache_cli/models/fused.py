@@ -89,6 +89,20 @@ def add_normed(x: Tensor, delta: Tensor, delta_weight: Tensor, eps: float, offse
     return run(whole(x), whole(delta), delta_weight, eps, offset)
 
 
+def add(x: Tensor, delta: Tensor) -> Tensor:
+    """x + delta (..., C), a residual add: on a decode's eager rows one call (so that the
+    step is native calls alone, which a replayed step needs: `generate.ReplayedDecode`),
+    else torch's add, which a compiled graph fuses with what is around it."""
+    if not rows(x) or torch.compiler.is_compiling():
+        return x + delta
+    x, delta = whole(x), whole(delta)
+    s = torch.empty_like(x)
+    C = x.shape[-1]
+    _lib[0].add_rms_norm(x.data_ptr(), delta.data_ptr(), None, None, 0.0, 0.0, s.data_ptr(),
+                         None, x.numel() // C, C)
+    return s
+
+
 def qk_rotary(qkv: Tensor, nq: int, nk: int, cos: Tensor, sin: Tensor, pos: Tensor,
               q_weight: Tensor | None, k_weight: Tensor | None, offset: float, eps: float,
               q_scale: float) -> None:

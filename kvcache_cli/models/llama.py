@@ -326,7 +326,7 @@ class LlamaBlock(nn.Module):
     def forward(self, x: Tensor, step: Step, rope: RotaryAt, cache: KVCache | None) -> Tensor:
         x, h = self.post_attention_layernorm.add_then_norm(
             x, self.self_attn.forward(self.input_layernorm.forward(x), step, rope, cache))
-        return x + self.mlp.forward(h)
+        return fused.add(x, self.mlp.forward(h))
 
 
 # The products that read one input, each run as one matrix whose rows are the

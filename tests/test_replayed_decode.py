@@ -1,0 +1,140 @@
+"""The replayed decode step (`generate.ReplayedDecode`): a step's native calls recorded once
+and run again, which must decode exactly as the eager step does, or run eager and say why.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcache_cli.caches import make_cache, native
+from kvcache_cli.generate import REPLAY_NOTE, ReplayedDecode, _Recorded, token_steps
+from kvcache_cli.models import fused, linear
+from kvcache_cli.models.gemma3 import Gemma3, Gemma3Config
+from kvcache_cli.models.llama import LayerType, Llama, LlamaConfig, init_random
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
+
+
+@pytest.fixture(autouse=True)
+def kernels():
+    if fused.library() is None or linear.products() is None:
+        pytest.skip(f"no native kernels here: {(fused.NOTE or linear.NOTE)[-1]}")
+
+
+def tiny_llama(seed: int = 0) -> Llama:
+    model = Llama(LlamaConfig(n_layer=2, n_head=6, n_kv_head=2, n_embd=192, intermediate=96,
+                              vocab_size=96, context=64))
+    return linear.arrange_weights(init_random(model, 0.3, seed)).eval()
+
+
+def steps(model, forward, cache, n: int = 20) -> list[tuple[int, torch.Tensor]]:
+    """(token, logits) of each step, the logits copied out."""
+    return [(token, logits.clone()) for token, logits in
+            token_steps(model, PROMPT, n, "static", cache, lambda x: x.argmax(-1), forward)]
+
+
+@pytest.mark.parametrize("cache_spec", ["static", "fp16", "bf16"])
+@pytest.mark.parametrize("weights", ["fp32", "fp16", "int8"])
+def test_replayed_steps_equal_the_eager_steps_bit_for_bit(cache_spec, weights):
+    model = linear.set_weights_dtype(tiny_llama(), weights)
+    eager_cache = make_cache(cache_spec, model, len(PROMPT) + 20)
+    eager = steps(model, None, eager_cache)
+    replayed = ReplayedDecode(model)
+    cache = make_cache(cache_spec, model, len(PROMPT) + 20)
+    got = steps(model, replayed, cache)
+    assert replayed.why_not is None and replayed._plan is not None
+    assert [t for t, _ in got] == [t for t, _ in eager]
+    for (_, want), (_, have) in zip(eager, got, strict=True):
+        assert torch.equal(have, want)  # the same kernels on the same numbers
+    for mine, theirs in zip(cache.buffers(), eager_cache.buffers(), strict=True):
+        assert torch.equal(mine, theirs)
+    assert (cache.length, cache.bytes_copied) == (eager_cache.length, eager_cache.bytes_copied)
+
+
+def test_one_plan_serves_a_fresh_cache_and_every_earlier_logits_stay_as_they_were():
+    model = tiny_llama(1)
+    replayed = ReplayedDecode(model)
+    first = steps(model, replayed, make_cache("static", model, len(PROMPT) + 20))
+    kept = [logits.clone() for _, logits in first]
+    plan = replayed._plan
+    second = steps(model, replayed, make_cache("static", model, len(PROMPT) + 20))
+    assert replayed._plan is plan  # recorded once, resolved for the new cache
+    assert [t for t, _ in second] == [t for t, _ in first]
+    assert all(torch.equal(a, b) for (_, a), b in zip(first, kept, strict=True))
+
+
+def test_a_replayed_step_past_the_last_slot_is_refused_as_the_eager_step_is():
+    model = tiny_llama()
+    replayed = ReplayedDecode(model)
+    cache = make_cache("static", model, len(PROMPT) + 4)
+    steps(model, replayed, cache, n=5)  # four decode steps: two recorded, two replayed
+    before = [t.clone() for t in cache.buffers()]
+    with pytest.raises(IndexError, match="past the static cache's 12 slots"):
+        replayed(torch.tensor([[7]]), len(PROMPT) + 4, cache)
+    assert all(torch.equal(a, b) for a, b in zip(cache.buffers(), before, strict=True))
+    with pytest.raises(IndexError, match="past context window 64"):
+        replayed(torch.tensor([[7]]), 64, cache)
+
+
+def gemma3(*types: LayerType) -> Gemma3:
+    model = Gemma3(Gemma3Config(n_layer=2, n_head=2, n_kv_head=1, n_embd=96, head_dim=64,
+                                intermediate=160, vocab_size=96, context=64, layer_types=types,
+                                query_pre_attn_scalar=64))
+    return linear.arrange_weights(init_random(model, 0.3, 0)).eval()
+
+
+@pytest.mark.parametrize(("model", "spec", "why"), [
+    # every layer global, so a static cache, but the embedding is scaled by a torch op
+    (lambda: gemma3(LayerType(rope_theta=1e6), LayerType(rope_theta=1e6)), "static",
+     "aten.mul"),
+    # a sliding layer's ring beside a global layer's static cache
+    (lambda: gemma3(LayerType(window=8, rope_theta=1e4), LayerType(rope_theta=1e6)), "static",
+     "a HybridCache is not a static cache"),
+    (tiny_llama, "int8", "a QuantizedCache is not a static cache"),
+    (tiny_llama, "concat", "a ConcatCache is not a static cache"),
+], ids=["gemma3-global", "gemma3-rings", "int8", "concat"])
+def test_a_step_that_is_not_native_calls_alone_runs_eager_and_says_why(model, spec, why):
+    model = model()
+    REPLAY_NOTE.clear()
+    eager = steps(model, None, make_cache(spec, model, len(PROMPT) + 20))
+    replayed = ReplayedDecode(model)
+    got = steps(model, replayed, make_cache(spec, model, len(PROMPT) + 20))
+    assert [t for t, _ in got] == [t for t, _ in eager]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(got, eager, strict=True))
+    assert replayed._plan is None
+    assert why in replayed.why_not and REPLAY_NOTE == [f"decode steps not replayed: "
+                                                       f"{replayed.why_not}"]
+
+
+def test_two_steps_whose_calls_differ_by_a_number_are_not_replayed():
+    model = tiny_llama()
+    calls = []
+    cache = make_cache("static", model, 16)
+    with native.recorded(calls):
+        steps(model, None, cache, n=3)
+    assert {f.__name__ for f, _ in calls} == {"rms_norm", "product_f32", "qk_rotary",
+                                              "attend_decode", "add_rms_norm", "glu"}
+    function, args = calls[0]
+
+    def recorded(number):
+        return _Recorded([(function, args)], ["op"], [], None, torch.zeros(1), None,
+                         [(*args[:-1], number)])
+    assert recorded(5).differs(recorded(5)) is None
+    assert "different arguments" in recorded(5).differs(recorded(6))
+
+
+def test_recording_hands_every_library_function_back():
+    lib = fused.library()
+    before = {name: f for name, f in vars(lib).items() if isinstance(f, lib._FuncPtr)}
+    calls = []
+    with pytest.raises(RuntimeError), native.recorded(calls):
+        assert not isinstance(lib.rms_norm, lib._FuncPtr)
+        raise RuntimeError
+    assert {name: getattr(lib, name) for name in before} == before
+
+
+def test_the_residual_add_is_torchs_add():
+    x, delta = torch.randn(3, 1, 37), torch.randn(3, 1, 37)
+    assert torch.equal(fused.add(x, delta), x + delta)
