@@ -18,7 +18,6 @@ import torch
 from torch import Tensor
 
 from kvcache_cli.caches import MODES, CacheSpec, KVCache, make_cache
-from kvcache_cli.caches.exact import StaticCache
 from kvcache_cli.caches.step import Step
 from kvcache_cli.models.base import FamilyConfig, FamilyModel
 
@@ -167,22 +166,22 @@ class ReplayedDecode:
     """A decode step's native calls recorded once and run again, without the Python
     between them: the CPU's answer to a CUDA graph.
 
-    On a decode's float32 rows a step of the Llama family is native calls alone: the
-    products, the fused norms, rotation and adds, and the attention (`models.fused`,
-    `caches.code_attention.attend_decode`), some nine a layer, and the Python that makes
-    them costs as much as several of its products. This forward records a step's calls
-    (`caches.native.recorded`) and the torch ops it dispatches (`_StepOps`: allocations,
-    views and the embedding's lookup may run, nothing else), then records a second step at
-    the next position; where the two made the same calls on the same memory, each fresh
-    buffer named by its order of allocation and the cache's by its place, the first
-    step's calls serve every later position of any cache of that kind and shape. A
-    replay looks the token's embedding up into the buffer the first call reads, writes
-    the position where the calls read it (the step's positions: the rotation and the
-    attention read them from memory), records the write in the cache (`advance`), and
-    makes the calls. A step that is not native calls alone (a cache kind other than the
-    static ones, half-precision activations, Gemma 3's rings and embedding scale, a GPU)
-    runs eager, and `why_not` says why. Called as a `Forward`; T > 1 tokens (the prefill)
-    go to the eager model.
+    On a decode's float32 rows a step of the Llama family (SmolLM2, Gemma 3) is native
+    calls alone: the products, the fused norms, rotation, adds and embedding scale, and the
+    attention (`models.fused`, `caches.code_attention.attend_decode`), nine or ten a layer,
+    and the Python that makes them costs as much as several of its products. This forward
+    records a step's calls (`caches.native.recorded`) and the torch ops it dispatches
+    (allocations, views and the embedding's lookup may run, nothing else), then records a
+    second step at the next position; where the two made the same calls on the same
+    memory, each fresh buffer named by its order of allocation and the cache's by its
+    place (`KVCache.buffers`), the first step's calls serve every later position of any
+    cache of that kind and shape. A replay looks the token's embedding up into the buffer
+    the first call reads, writes the position where the calls read it (the step's
+    positions: the rotation and the attention read them from memory), records the write
+    in the cache (`advance`), and makes the calls. A step that is not native calls alone
+    (a cache without fixed buffers: the quantised kinds, a window with sinks; half-precision
+    activations; GPT-2's torch blocks; a GPU) runs eager, and `why_not` says why. Called
+    as a `Forward`; T > 1 tokens (the prefill) go to the eager model.
     """
 
     def __init__(self, model: FamilyModel):
@@ -197,14 +196,16 @@ class ReplayedDecode:
                  last_only: bool = False) -> Tensor:
         if idx.size(1) > 1 or cache is None:
             return self.model(idx, start_pos, cache, last_only=last_only)
-        if not isinstance(cache, StaticCache):  # its calls would move with the position
-            self._refuse(f"a {type(cache).__name__} is not a static cache")
+        buffers = cache.buffers()
+        if buffers is None:  # its decoding step's calls would move with the position
+            self._refuse(f"a {type(cache).__name__} has no fixed buffers to replay a step "
+                         "over (static and fp16/bf16 caches and plain sliding windows do)")
             return self.model(idx, start_pos, cache, last_only=last_only)
         context = self.model.config.context
         if not 0 <= start_pos < context:
             raise IndexError(f"position {start_pos} past context window {context}")
-        key = (type(cache), [(t.shape, t.dtype) for t in cache.buffers()], idx.size(0),
-               last_only, torch.get_num_threads(), torch.is_grad_enabled())
+        key = (type(cache), [(t.shape, t.dtype) for t in buffers], idx.size(0), last_only,
+               torch.get_num_threads(), torch.is_grad_enabled())
         if key != self._key:
             self._key, self._first, self._plan, self.why_not = key, None, None, None
         if self._plan is not None:
@@ -257,7 +258,7 @@ class _Recorded:
     named: list[tuple]  # the calls' arguments, each pointer named by what it points into
 
     @classmethod
-    def of(cls, model: FamilyModel, idx: Tensor, step: Step, cache: StaticCache,
+    def of(cls, model: FamilyModel, idx: Tensor, step: Step, cache: KVCache,
            last_only: bool) -> _Recorded:
         from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -292,7 +293,7 @@ class _Recorded:
             recorded.refused = "the step looks up no embedding to replay"
         return recorded
 
-    def places(self, cache: StaticCache, pos: Tensor) -> list[tuple[int, int, tuple]]:
+    def places(self, cache: KVCache, pos: Tensor) -> list[tuple[int, int, tuple]]:
         """(first byte, end, name) of the memory a call may point into: this step's fresh
         tensors, the cache's buffers and the position."""
         held = [(t, ("fresh", i)) for i, t in enumerate(self.fresh)]
@@ -334,10 +335,10 @@ class _Plan:
         self.recorded, self.pos = recorded, pos
         self.weight, at = recorded.lookup  # the embedding's weight, and where its row goes
         self.embedded = recorded.fresh[at]  # (B, 1, C)
-        self.cache: StaticCache | None = None  # what `calls` were resolved for
+        self.cache: KVCache | None = None  # what `calls` were resolved for
         self.calls: list[tuple[Callable, tuple]] = []
 
-    def run(self, idx: Tensor, start_pos: int, cache: StaticCache) -> Tensor:
+    def run(self, idx: Tensor, start_pos: int, cache: KVCache) -> Tensor:
         if cache is not self.cache:
             self.cache, self.calls = cache, self._resolved(cache)
         cache.advance(start_pos, 1)  # refused past the cache's slots, before any write
@@ -349,7 +350,7 @@ class _Plan:
         # the recorded step's logits, a view of one of its fresh tensors, written again
         return self.recorded.logits.clone()
 
-    def _resolved(self, cache: StaticCache) -> list[tuple[Callable, tuple]]:
+    def _resolved(self, cache: KVCache) -> list[tuple[Callable, tuple]]:
         """The calls with each named pointer made an address again, the cache's into `cache`."""
         fresh = [t.data_ptr() for t in self.recorded.fresh]
         buffers = [t.data_ptr() for t in cache.buffers()]

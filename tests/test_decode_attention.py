@@ -162,3 +162,52 @@ def test_the_cases_it_does_not_take_keep_sdpas_path(case, monkeypatch):
         if case == "tensor start":  # the write recorded after the graph
             cache.advance(9, T)
         assert cache.length == 9 + T and y.shape == (2, 9, T, 64)
+
+
+@pytest.mark.usefixtures("use")
+@pytest.mark.parametrize("window", [6, 64])  # wraps, and never fills
+def test_a_plain_windows_decoding_step_in_one_call_equals_its_torch_path(window, monkeypatch):
+    from kvcache_cli.caches.bounded import RingCache
+
+    shape = CacheShape(1, 3, 64, 512)
+    # a ring holds the model's dtype: float32 where a decode's rows are native
+    native, torch_path = (RingCache(shape, 0, window, 24, 1, "cpu", torch.float32,
+                                    f"window:{window}") for _ in range(2))
+    assert native.buffers() is not None
+    gen = torch.Generator().manual_seed(6)
+    prompt = torch.randn(2, 1, 3, 5, 64, generator=gen)  # keys, values of 5 tokens
+    for cache in (native, torch_path):  # a prefill through the torch path
+        cache.update(0, 0, *prompt)
+    for pos in range(5, 24):
+        q, k, v = product(1, 9, 3, 64, gen)
+        step = Step.at(pos, 1, 512, "cpu")
+        with Ops() as ops:
+            got = native.attend(0, q, k, v, step)
+        assert len(ops.names) == 1  # the output's allocation: the rest is the kernel
+        with monkeypatch.context() as m:
+            m.setattr(code_attention, "kernel", lambda: None)
+            want = torch_path.attend(0, q, k, v, step)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        assert native.length == torch_path.length == pos + 1
+        assert native.bytes_copied == torch_path.bytes_copied
+    assert all(torch.equal(a, b) for a, b in zip(native.buffers(), torch_path.buffers(),
+                                                   strict=True))
+    # what the native steps left unrecorded (which slot holds which position) is worked
+    # out when the torch path asks: the last token rolled back and written again through it
+    for cache in (native, torch_path):
+        cache.crop(23)
+    token = torch.randn(2, 1, 3, 1, 64, generator=gen)
+    assert all(torch.equal(a, b) for a, b in zip(native.update(0, 23, *token),
+                                                   torch_path.update(0, 23, *token), strict=True))
+    assert torch.equal(native.key_positions(0), torch_path.key_positions(0))
+
+
+@pytest.mark.parametrize("spec", ["sink:2+6", "window:6:k2"])
+def test_a_window_with_sinks_or_spare_slots_keeps_its_torch_path(spec):
+    from kvcache_cli.caches.bounded import RingCache
+    from kvcache_cli.caches.spec import parse_cache_spec
+
+    shape = CacheShape(1, 3, 64, 512)
+    cache = RingCache.build(parse_cache_spec(spec), shape, max_len=24, batch=1, device="cpu",
+                            dtype=torch.float32, whole=False)
+    assert cache.buffers() is None and not cache.decodes_in_one_call

@@ -35,10 +35,26 @@ def steps(model, forward, cache, n: int = 20) -> list[tuple[int, torch.Tensor]]:
             token_steps(model, PROMPT, n, "static", cache, lambda x: x.argmax(-1), forward)]
 
 
+
+def gemma3(*types: LayerType) -> Gemma3:
+    model = Gemma3(Gemma3Config(n_layer=2, n_head=2, n_kv_head=1, n_embd=96, head_dim=64,
+                                intermediate=160, vocab_size=96, context=64, layer_types=types,
+                                query_pre_attn_scalar=64))
+    return linear.arrange_weights(init_random(model, 0.3, 0)).eval()
+
+
+def gemma3_rings() -> Gemma3:
+    """A sliding layer's ring of 6, which the 8-token prompt and 20 new tokens wrap, beside a
+    global layer."""
+    return gemma3(LayerType(window=6, rope_theta=1e4), LayerType(rope_theta=1e6))
+
+
 @pytest.mark.parametrize("cache_spec", ["static", "fp16", "bf16"])
-@pytest.mark.parametrize("weights", ["fp32", "fp16", "int8"])
-def test_replayed_steps_equal_the_eager_steps_bit_for_bit(cache_spec, weights):
-    model = linear.set_weights_dtype(tiny_llama(), weights)
+@pytest.mark.parametrize(("family", "weights"), [("llama", "fp32"), ("llama", "fp16"),
+                                                 ("llama", "int8"), ("gemma3", "fp32")])
+def test_replayed_steps_equal_the_eager_steps_bit_for_bit(cache_spec, family, weights):
+    model = linear.set_weights_dtype(tiny_llama() if family == "llama" else gemma3_rings(),
+                                     weights)
     eager_cache = make_cache(cache_spec, model, len(PROMPT) + 20)
     eager = steps(model, None, eager_cache)
     replayed = ReplayedDecode(model)
@@ -78,25 +94,14 @@ def test_a_replayed_step_past_the_last_slot_is_refused_as_the_eager_step_is():
         replayed(torch.tensor([[7]]), 64, cache)
 
 
-def gemma3(*types: LayerType) -> Gemma3:
-    model = Gemma3(Gemma3Config(n_layer=2, n_head=2, n_kv_head=1, n_embd=96, head_dim=64,
-                                intermediate=160, vocab_size=96, context=64, layer_types=types,
-                                query_pre_attn_scalar=64))
-    return linear.arrange_weights(init_random(model, 0.3, 0)).eval()
 
-
-@pytest.mark.parametrize(("model", "spec", "why"), [
-    # every layer global, so a static cache, but the embedding is scaled by a torch op
-    (lambda: gemma3(LayerType(rope_theta=1e6), LayerType(rope_theta=1e6)), "static",
-     "aten.mul"),
-    # a sliding layer's ring beside a global layer's static cache
-    (lambda: gemma3(LayerType(window=8, rope_theta=1e4), LayerType(rope_theta=1e6)), "static",
-     "a HybridCache is not a static cache"),
-    (tiny_llama, "int8", "a QuantizedCache is not a static cache"),
-    (tiny_llama, "concat", "a ConcatCache is not a static cache"),
-], ids=["gemma3-global", "gemma3-rings", "int8", "concat"])
-def test_a_step_that_is_not_native_calls_alone_runs_eager_and_says_why(model, spec, why):
-    model = model()
+@pytest.mark.parametrize(("spec", "why"), [
+    ("int8", "a QuantizedCache has no fixed buffers"),
+    ("concat", "a ConcatCache has no fixed buffers"),
+    ("sink:2+6", "a RingCache has no fixed buffers"),  # its sinks: not a plain window
+])
+def test_a_step_that_is_not_native_calls_alone_runs_eager_and_says_why(spec, why):
+    model = tiny_llama()
     REPLAY_NOTE.clear()
     eager = steps(model, None, make_cache(spec, model, len(PROMPT) + 20))
     replayed = ReplayedDecode(model)
@@ -106,6 +111,16 @@ def test_a_step_that_is_not_native_calls_alone_runs_eager_and_says_why(model, sp
     assert replayed._plan is None
     assert why in replayed.why_not and REPLAY_NOTE == [f"decode steps not replayed: "
                                                        f"{replayed.why_not}"]
+
+
+def test_a_torch_op_in_the_step_is_named_and_the_step_runs_eager(monkeypatch):
+    model = gemma3_rings()
+    monkeypatch.setattr(fused, "scale", lambda x, s: x * s)  # the embedding scale in torch
+    eager = steps(model, None, make_cache("static", model, len(PROMPT) + 20))
+    replayed = ReplayedDecode(model)
+    got = steps(model, replayed, make_cache("static", model, len(PROMPT) + 20))
+    assert [t for t, _ in got] == [t for t, _ in eager]
+    assert replayed._plan is None and "aten.mul" in replayed.why_not
 
 
 def test_two_steps_whose_calls_differ_by_a_number_are_not_replayed():
@@ -138,3 +153,9 @@ def test_recording_hands_every_library_function_back():
 def test_the_residual_add_is_torchs_add():
     x, delta = torch.randn(3, 1, 37), torch.randn(3, 1, 37)
     assert torch.equal(fused.add(x, delta), x + delta)
+
+
+def test_the_embedding_scale_is_torchs_product():
+    x = torch.randn(2, 1, 640)
+    s = 640 ** 0.5
+    assert torch.equal(fused.scale(x, s), x * s)

@@ -71,6 +71,8 @@ class SlotMaskedRing(RingCache):
     counted from the start of the newest token's lap. Before the ring wraps that is
     the truth; after, every slot past the newest looks like a future position."""
 
+    decodes_in_one_call = False  # its bug lives in the torch path's slots and mask
+
     def key_positions(self, layer: int) -> Tensor | None:
         held = super().key_positions(layer)
         newest = self.length - 1
@@ -82,6 +84,8 @@ class LateRing(RingCache):
     """`ring-off-by-one`: a decode step writes position p into slot (p + 1) mod W. It
     records which position each slot holds, so its mask is right for what it holds;
     what it loses is the key that slot held, still in the query's window."""
+
+    decodes_in_one_call = False  # its bug lives in the torch path's slots and mask
 
     def reset(self) -> None:
         super().reset()
@@ -108,6 +112,8 @@ class SlotRotatedRing(RingCache):
     key rotated on by (slot index - text position), so the key at slot i reads as
     position i, as it would from a cache that kept keys unrotated and rotated them by where
     they sit. The mask still bands by text position: only the rotation is wrong."""
+
+    decodes_in_one_call = False  # its bug lives in the torch path's slots and mask
 
     def __init__(self, shape, sinks: int, window: int, max_len: int, batch: int, device,
                  dtype, name: str):

@@ -176,6 +176,14 @@ class KVCache:
     def reset(self) -> None:
         raise NotImplementedError
 
+    def buffers(self) -> list[Tensor] | None:
+        """The cache's memory where it is fixed for the cache's life and a decoding token's
+        write and attention are one native call that reads its position from the step
+        (`code_attention.attend_decode`), so a step's calls are the same at every position
+        and can be replayed (`generate.ReplayedDecode`), the cache's bookkeeping then
+        recorded by `advance(start_pos, T)`; None for any other cache."""
+        return None
+
 
 class PositionedCache(KVCache):
     """A cache whose key j is not the token at position j (a ring buffer, kept sinks, an

@@ -55,8 +55,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from kvcache_cli.caches import code_attention
 from kvcache_cli.caches.base import KVCache, PositionedCache, RollbackError, Rope, nbytes
-from kvcache_cli.caches.exact import layer_buffers
+from kvcache_cli.caches.exact import decodes_natively, layer_buffers
 from kvcache_cli.caches.spec import check_context
 from kvcache_cli.caches.step import Step
 
@@ -169,6 +170,8 @@ class RingCache(PositionedCache):
         start, end = _check_step(self, layer, start_pos, T)
         filled = min(start, self.slots)  # slots in use before this step
         if layer == 0:
+            if self._pos is None:  # native decoding steps (`decode`) left it to be worked out
+                self._pos = self.positions()
             self.length = end
             if T == 1:  # the newest token's slot holds it now: exactly its band
                 self._pos[self.slot(start)] = start
@@ -201,7 +204,36 @@ class RingCache(PositionedCache):
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, step: Step) -> Tensor:
         if self.whole and isinstance(step.start, Tensor):  # `generate.CompiledDecode`
             return self.attend_at(layer, q, k, v, step)
+        if q.size(2) == 1 and self.decodes_in_one_call and not isinstance(step.start, Tensor) and \
+                self.k[layer].dtype in code_attention.FULL_FLAGS and decodes_natively(q, k, v) and \
+                not torch.compiler.is_compiling():
+            return self.decode(layer, q, k, v, step)
         return super().attend(layer, q, k, v, step)
+
+    @property
+    def decodes_in_one_call(self) -> bool:
+        """Whether a float32 decoding token on the CPU is one native call (`decode`): for a
+        window alone (no sinks, no spare slots, nothing rerotated), every filled slot holds
+        a position of the newest token's band, so the step reads them all."""
+        return self.sinks == 0 and self.ring == self.window and self.rope is None
+
+    def decode(self, layer: int, q: Tensor, k: Tensor, v: Tensor, step: Step) -> Tensor:
+        """A decoding token's write into its slot and its attention (B, nh, 1, hs) over
+        the filled slots, one native call (`code_attention.attend_decode` over the ring).
+        Which position each slot holds is worked out again when next asked for (`update`):
+        written here it would be a torch op in a step that is otherwise native calls."""
+        start, end = _check_step(self, layer, step.start, 1)
+        y = code_attention.attend_decode(q, k, v, self.k[layer], self.v[layer], step.pos,
+                                         ring=True)
+        self.bytes_copied += nbytes(k) + nbytes(v)
+        if layer == 0:
+            self.length, self._pos, self._held = end, None, None
+        return y  # (B, nh, 1, hs)
+
+    def buffers(self) -> list[Tensor] | None:
+        """Every layer's key ring, then every value ring, where a decoding step is one
+        native call (`KVCache.buffers`)."""
+        return [*self.k, *self.v] if self.decodes_in_one_call else None
 
     def attend_at(self, layer: int, q: Tensor, k: Tensor, v: Tensor, step: Step) -> Tensor:
         """A compiled step's write of one token k, v (B, nkv, 1, hs) at position step.pos
@@ -216,7 +248,8 @@ class RingCache(PositionedCache):
         return step.by_position(q, self.k[layer], self.v[layer], held, self.window, S)
 
     def advance(self, start_pos: int, T: int) -> None:
-        """Record what `attend_at` wrote at every layer: T positions from start_pos."""
+        """Record what `attend_at`, or a replayed step's `decode`, wrote at every layer: T
+        positions from start_pos."""
         end = start_pos + T
         if end > self.max_len:
             raise IndexError(f"position {end - 1} past the {self.name} cache's max_len "

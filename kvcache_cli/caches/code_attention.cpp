@@ -319,7 +319,10 @@ std::vector<float> scaled_queries(const float* q, int64_t q_b, int64_t q_h, int6
 // A decoding step's attention for one new token a row, B rows at the same position `start`
 // (a static cache's step), in one call instead of 26 to 28 torch ops a layer. The position is
 // read from memory (*at, the step's positions), not passed: a replayed step's calls are the
-// same at every position (`generate.ReplayedDecode`).
+// same at every position (`generate.ReplayedDecode`). With `ring`, the buffers are a sliding
+// window's ring of `slots` (no sinks, no spare slots): the token goes to slot start % slots and
+// the queries read the min(start + 1, slots) filled ones, which hold exactly the window (the
+// order of the keys is nothing to attention).
 // the token's keys and values k, v (B, nkv, hs) and queries q (B, nh, hs), each a view of
 // the q|k|v product (element [b, h, d] at b * x_b + h * x_h + d), the keys and values
 // written into the buffers (B, nkv, slots, hs), contiguous, of format fmt, at slot `start`;
@@ -329,13 +332,17 @@ extern "C" int attend_decode(const float* q, int64_t q_b, int64_t q_h, const flo
                              int64_t k_b, int64_t k_h, const float* v, int64_t v_b,
                              int64_t v_h, void* k_buf, void* v_buf, int64_t slots, int64_t fmt,
                              int64_t B, int64_t nh, int64_t nkv, int64_t hs,
-                             const int64_t* at, int64_t threads, float* y) {
-    const int64_t start = *at;
-    if (fmt < kF16 || fmt > kF32 || start < 0 || start >= slots || nh % nkv) return 1;
+                             const int64_t* at, int64_t ring, int64_t threads, float* y) {
+    const int64_t position = *at;
+    if (fmt < kF16 || fmt > kF32 || position < 0 || (!ring && position >= slots) || nh % nkv)
+        return 1;
+    // the token's slot, and the last slot the queries read
+    const int64_t start = ring && position >= slots ? slots - 1 : position;
+    const int64_t slot = ring ? position % slots : position;
     const int64_t g = nh / nkv, rows = B * nkv, stride = slots * hs;  // elements a cache row
     const int64_t bytes = fmt == kF32 ? 4 : 2;
     for (int64_t r = 0; r < rows; ++r) {
-        const int64_t b = r / nkv, h = r % nkv, at = (r * stride + start * hs) * bytes;
+        const int64_t b = r / nkv, h = r % nkv, at = (r * stride + slot * hs) * bytes;
         store_row(fmt, k + b * k_b + h * k_h, static_cast<char*>(k_buf) + at, hs);
         store_row(fmt, v + b * v_b + h * v_h, static_cast<char*>(v_buf) + at, hs);
     }

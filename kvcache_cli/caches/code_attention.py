@@ -70,8 +70,8 @@ def load(defines: tuple[str, ...] = ()) -> tuple[ctypes.CDLL | None, str | None]
         [ctypes.c_void_p] * 3
     lib.attend_decode.restype = ctypes.c_int
     lib.attend_decode.argtypes = ([ctypes.c_void_p] + [ctypes.c_int64] * 2) * 3 + \
-        [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 6 + [ctypes.c_void_p, ctypes.c_int64,
-                                                        ctypes.c_void_p]
+        [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 6 + [ctypes.c_void_p] + \
+        [ctypes.c_int64] * 2 + [ctypes.c_void_p]
     lib.decode_codes.restype = ctypes.c_int
     lib.decode_codes.argtypes = ([ctypes.c_void_p] + [ctypes.c_int64] * 2) * 3 + \
         [ctypes.c_int64] + [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 13 + \
@@ -149,12 +149,14 @@ def _stored(*pair: Tensor) -> tuple[Tensor, Tensor, int]:
 
 
 def attend_decode(q: Tensor, k: Tensor, v: Tensor, keys: Tensor, values: Tensor,
-                  pos: Tensor) -> Tensor:
+                  pos: Tensor, ring: bool = False) -> Tensor:
     """A decoding step's attention (B, nh, 1, hs), float32, in one call: the new token's k,
     v (B, nkv, 1, hs) float32 written into the buffers keys, values (B, nkv, slots, hs),
     contiguous, float32 or half (FULL_FLAGS), at slot start = pos[0] (rounded as torch's
     cast rounds), then queries q (B, nh, 1, hs) over slots 0 .. start, query head h on KV
-    head h // (nh / nkv), scaled by 1 / sqrt(hs). The kernel reads the position from pos
+    head h // (nh / nkv), scaled by 1 / sqrt(hs). With `ring`, the buffers are a sliding
+    window's ring (no sinks, no spare slots): the token goes to slot start % slots and the
+    queries read every filled slot, min(start + 1, slots). The kernel reads the position from pos
     (int64, the step's positions), so the call's arguments are the same at every position
     (`generate.ReplayedDecode` runs it again). q, k, v may be any views whose last axis is
     contiguous (the q|k|v product's heads); `merge_heads` reads the result as a view."""
@@ -167,7 +169,7 @@ def attend_decode(q: Tensor, k: Tensor, v: Tensor, keys: Tensor, values: Tensor,
     status = kernel().attend_decode(
         q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1),
         v.data_ptr(), v.stride(0), v.stride(1), keys.data_ptr(), values.data_ptr(), slots,
-        FULL_FLAGS[keys.dtype], B, nh, nkv, hs, pos.data_ptr(), torch.get_num_threads(),
+        FULL_FLAGS[keys.dtype], B, nh, nkv, hs, pos.data_ptr(), ring, torch.get_num_threads(),
         y.data_ptr())
     if status:
         raise ValueError(f"decode attention: slot {int(pos[0])} of {slots}, {nh} query heads on "

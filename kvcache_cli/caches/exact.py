@@ -22,7 +22,7 @@ def _check_crop(cache: KVCache, length: int) -> None:
                             f"{cache.length}; expected 0..{cache.length}")
 
 
-def _native(q: Tensor, k: Tensor, v: Tensor) -> bool:
+def decodes_natively(q: Tensor, k: Tensor, v: Tensor) -> bool:
     """Whether `code_attention.attend_decode` takes these: float32 on the CPU, each head's
     numbers contiguous, no gradient to keep (the call writes and reads raw memory), the
     kernel built (not KVCACHE_CODE_ATTENTION=torch)."""
@@ -145,7 +145,7 @@ class StaticCache(KVCache):
         decoding token on the CPU: the write and the attention in one native call
         (`decode`)."""
         if q.size(2) == 1 and not isinstance(step.start, Tensor) and not self.whole and \
-                self.k[layer].dtype in code_attention.FULL_FLAGS and _native(q, k, v) and \
+                self.k[layer].dtype in code_attention.FULL_FLAGS and decodes_natively(q, k, v) and \
                 not torch.compiler.is_compiling():
             return self.decode(layer, q, k, v, step)
         if isinstance(step.start, Tensor):  # the position as data: `generate.CompiledDecode`
@@ -197,5 +197,5 @@ class StaticCache(KVCache):
         return sum(nbytes(t) for t in self.k + self.v)
 
     def buffers(self) -> list[Tensor]:
-        """Every layer's key buffer, then every layer's value buffer."""
+        """Every layer's key buffer, then every layer's value buffer (`KVCache.buffers`)."""
         return [*self.k, *self.v]

@@ -124,9 +124,14 @@ class HybridCache(KVCache):
         return all(c.whole for c in self.caches)
 
     def advance(self, start_pos: int, T: int) -> None:
-        """Record a compiled step's writes in every cache."""
+        """Record a compiled or replayed step's writes in every cache."""
         for cache in self.caches:
             cache.advance(start_pos, T)
+
+    def buffers(self) -> list[Tensor] | None:
+        """Every cache's buffers, in turn, where each has them (`KVCache.buffers`)."""
+        each = [c.buffers() for c in self.caches]
+        return None if None in each else [t for held in each for t in held]
 
     @property
     def bytes_held(self) -> int:

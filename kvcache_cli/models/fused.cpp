@@ -146,4 +146,11 @@ void glu(const float* gate_up, float* y, int64_t R, int64_t I, int act) {
     }
 }
 
+// y (n) = x (n) times s: Gemma's embedding scale, so that its decoding step is native calls
+// alone (a replayed step's: `generate.ReplayedDecode`).
+void scale(const float* x, float s, float* y, int64_t n) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) y[i] = x[i] * s;
+}
+
 }  // extern "C"

@@ -49,6 +49,7 @@ def library():
             lib.qk_rotary.argtypes = ([ptr] + [size] * 5 + [ptr, ptr, f32, f32, ptr, ptr, ptr,
                                                             size, f32])
             lib.glu.argtypes = [ptr, ptr, size, size, ctypes.c_int]
+            lib.scale.argtypes = [ptr, f32, ptr, size]
         _lib.append(lib)
     return _lib[0]
 
@@ -101,6 +102,17 @@ def add(x: Tensor, delta: Tensor) -> Tensor:
     _lib[0].add_rms_norm(x.data_ptr(), delta.data_ptr(), None, None, 0.0, 0.0, s.data_ptr(),
                          None, x.numel() // C, C)
     return s
+
+
+def scale(x: Tensor, s: float) -> Tensor:
+    """x * s (..., C): Gemma's embedding scale, one call on a decode's eager rows (as `add`),
+    else torch's product."""
+    if not rows(x) or torch.compiler.is_compiling():
+        return x * s
+    x = whole(x)
+    y = torch.empty_like(x)
+    _lib[0].scale(x.data_ptr(), s, y.data_ptr(), x.numel())
+    return y
 
 
 def qk_rotary(qkv: Tensor, nq: int, nk: int, cos: Tensor, sin: Tensor, pos: Tensor,

@@ -33,6 +33,7 @@ from torch import Tensor
 
 from kvcache_cli.caches.base import CacheShape, KVCache, LayerType
 from kvcache_cli.caches.step import Step
+from kvcache_cli.models import fused
 from kvcache_cli.models.base import FamilyModel
 from kvcache_cli.models.llama import (
     LlamaAttention,
@@ -294,7 +295,7 @@ class Gemma3(FamilyModel):
         if not isinstance(step, Step):
             step = Step.at(step, idx.size(1), self.config.context, idx.device)
         x = self.model.embed_tokens(idx)  # (B, T, C)
-        x = x * embedding_scale(self.config.n_embd, x.dtype)
+        x = fused.scale(x, embedding_scale(self.config.n_embd, x.dtype))
         ropes = {kind: r.at(step.pos, x.dtype) for kind, r in self.rotary.items()}  # once each
         for block in self.model.layers:  # `forward`, not the call: `models.llama`'s docstring
             x = block.forward(x, step, ropes[block.kind], cache)
