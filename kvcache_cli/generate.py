@@ -172,7 +172,8 @@ class ReplayedDecode:
     and the Python that makes them costs as much as several of its products. This forward
     records a step's calls (`caches.native.recorded`) and the torch ops it dispatches
     (allocations, views and the embedding's lookup may run, nothing else), then records a
-    second step at the next position; where the two made the same calls on the same
+    second step at the next position (and a third, where the first did what later ones do
+    not: a kernel built on first use); where two in a row made the same calls on the same
     memory, each fresh buffer named by its order of allocation and the cache's by its
     place (`KVCache.buffers`), the first step's calls serve every later position of any
     cache of that kind and shape. A replay looks the token's embedding up into the buffer
@@ -191,6 +192,8 @@ class ReplayedDecode:
         self._key: tuple | None = None  # what the capture or plan below was made for
         self._first: _Recorded | None = None  # a step recorded, before a second confirms it
         self._plan: _Plan | None = None
+        self._recordings = 0  # steps recorded for the key
+        self.steps_replayed = 0
 
     def __call__(self, idx: Tensor, start_pos: int, cache: KVCache | None,
                  last_only: bool = False) -> Tensor:
@@ -208,24 +211,27 @@ class ReplayedDecode:
                torch.get_num_threads(), torch.is_grad_enabled())
         if key != self._key:
             self._key, self._first, self._plan, self.why_not = key, None, None, None
+            self._recordings = 0
         if self._plan is not None:
-            return self._plan.run(idx, start_pos, cache)
+            logits = self._plan.run(idx, start_pos, cache)
+            self.steps_replayed += 1
+            return logits
         self.pos.fill_(start_pos)
         step = Step(start_pos, self.pos)
         if self.why_not is not None:
             return self.model(idx, step, cache, last_only=last_only)
         recorded = _Recorded.of(self.model, idx, step, cache, last_only)
+        self._recordings += 1
         if recorded.refused is not None:
             self._refuse(recorded.refused)
-        elif self._first is None:
+        elif self._first is not None and (why := self._first.differs(recorded)) is None:
+            self._plan, self._first = _Plan(self._first, self.pos), None
+        elif self._recordings < RECORDINGS:
+            # a first step may do what later ones do not (build a kernel on first use,
+            # make a memo): the next pair is compared
             self._first = recorded
         else:
-            why = self._first.differs(recorded)
-            if why is None:
-                self._plan = _Plan(self._first, self.pos)
-            else:
-                self._refuse(why)
-            self._first = None
+            self._refuse(why)
         return recorded.logits.clone()  # a plan's calls write these again
 
     def _refuse(self, why: str) -> None:
@@ -236,6 +242,7 @@ class ReplayedDecode:
 
 
 REPLAY_NOTE: list[str] = []  # why a `ReplayedDecode` ran its steps eager, once found
+RECORDINGS = 3  # steps a `ReplayedDecode` records, at most, to find two alike in a row
 
 # The torch ops a replayed step may dispatch: fresh buffers for the native calls' outputs,
 # and the token's embedding, looked up again at each replay; views cost nothing and run too.
@@ -440,6 +447,7 @@ class Generation:
     cache_bytes_held: int  # 0 for naive
     cache_bytes_copied: int
     stopped: bool = False  # ended at a stop token (a chat reply's end of turn), not the count
+    steps_replayed: int = 0  # decode steps made by a recorded step's calls (`ReplayedDecode`)
 
 
 def generate(
@@ -456,12 +464,17 @@ def generate(
 ) -> Generation:
     """Run one request to the end; `on_token` sees each token as it is made. `spec` is one
     of MODES or any cache spec (`paged:b16`, ...). A token in `stop_ids` (a chat model's
-    end of turn) is the last one made."""
+    end of turn) is the last one made. On the CPU, with a cache of fixed buffers (static,
+    fp16, bf16, a plain window), the decode steps are replayed (`ReplayedDecode`): the
+    eager steps' tokens and logits, without their Python."""
     # Before sizing a cache for it.
     _check_generation(model, prompt_ids, max_new_tokens, spec, temperature, top_k)
     cache = make_cache(spec, model, len(prompt_ids) + max_new_tokens)
+    replayed = None
+    if cache is not None and cache.buffers() is not None and model.device.type == "cpu":
+        replayed = ReplayedDecode(model)
     stream = _tokens(model, prompt_ids, max_new_tokens, spec, cache,
-                     temperature, top_k, generator, None)
+                     temperature, top_k, generator, replayed)
     tokens: list[int] = []
     start = time.perf_counter()
     first, outside = start, 0.0  # outside: time spent in on_token, not generating
@@ -489,6 +502,7 @@ def generate(
         cache_bytes_held=cache.bytes_held if cache is not None else 0,
         cache_bytes_copied=cache.bytes_copied if cache is not None else 0,
         stopped=bool(tokens) and tokens[-1] in stop_ids,
+        steps_replayed=0 if replayed is None else replayed.steps_replayed,
     )
 
 

@@ -159,3 +159,18 @@ def test_the_embedding_scale_is_torchs_product():
     x = torch.randn(2, 1, 640)
     s = 640 ** 0.5
     assert torch.equal(fused.scale(x, s), x * s)
+
+
+def test_generate_replays_its_decode_steps_where_it_can_and_says_so():
+    from kvcache_cli.generate import generate
+
+    model = tiny_llama()
+    for spec, replays in (("static", True), ("fp16", True), ("int8", False), ("naive", False)):
+        got = generate(model, PROMPT, 20, spec)
+        # 19 decode steps: two recorded (three where the first built a kernel), the rest
+        # replayed
+        assert got.steps_replayed in ((17, 16) if replays else (0,)), spec
+        want = [t for t, _ in token_steps(model, PROMPT, 20, spec,
+                                           make_cache(spec, model, len(PROMPT) + 20),
+                                           lambda x: x.argmax(-1))]
+        assert list(got.tokens) == want

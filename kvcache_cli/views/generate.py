@@ -86,7 +86,8 @@ def generation_view(g: Generation) -> RenderableType:
     table.add_row("first token", f"{g.first_token_s * 1e3:.1f} ms (prefill + first choice)")
     rate = g.decode_tokens_per_s
     if rate == rate:  # not NaN: at least one decode step ran
-        table.add_row("decode", f"{rate:.1f} tokens/s ({1e3 / rate:.1f} ms/token)")
+        replayed = f", {g.steps_replayed} replayed" if g.steps_replayed else ""
+        table.add_row("decode", f"{rate:.1f} tokens/s ({1e3 / rate:.1f} ms/token{replayed})")
     if g.mode == "naive":
         table.add_row("cache", "none: every step re-runs the whole sequence")
     else:
