@@ -93,10 +93,25 @@ inline V floats(const float* p) { return _mm256_loadu_ps(p); }
 // inlined, a batch's rows did not equal their solo products bit for bit.
 using V = float __attribute__((vector_size(4 * L)));
 inline V zero() { return V{}; }
-inline V fma(V a, V b, V c) { return c + a * b; }
+// The product and the sum each kept as computed: fast math lets the compiler fuse the two
+// into one rounding, or reassociate an accumulator's chain of sums, where it chooses, and
+// it chose differently for a tile of one row of x than for two (GCC 12 with AVX2), so a
+// batch's rows left their solo products.
+inline V fma(V a, V b, V c) {
+    V p = a * b;
+    asm volatile("" : "+m"(p));
+    V s = c + p;
+    asm volatile("" : "+m"(s));
+    return s;
+}
+// Lane by lane in order, each sum kept as it is: fast math lets the compiler reassociate a
+// sum of lanes, and, as with `fma`, it did so differently for one row of x than for two.
 inline float lanes_sum(V v) {
     float s = v[0];
-    for (int i = 1; i < L; ++i) s += v[i];
+    for (int i = 1; i < L; ++i) {
+        s += v[i];
+        asm volatile("" : "+m"(s));
+    }
     return s;
 }
 inline V floats(const float* p) {
