@@ -317,17 +317,17 @@ std::vector<float> scaled_queries(const float* q, int64_t q_b, int64_t q_h, int6
 }  // namespace
 
 // A decoding step's attention for one new token a row, B rows at the same position `start`
-// (a static cache's step), in one call instead of 26 to 28 torch ops a layer. The position is
-// read from memory (*at, the step's positions), not passed: a replayed step's calls are the
-// same at every position (`generate.ReplayedDecode`). With `ring`, the buffers are a sliding
-// window's ring of `slots` (no sinks, no spare slots): the token goes to slot start % slots and
-// the queries read the min(start + 1, slots) filled ones, which hold exactly the window (the
-// order of the keys is nothing to attention).
+// (a static cache's step), in one call instead of 26 to 28 torch ops a layer:
 // the token's keys and values k, v (B, nkv, hs) and queries q (B, nh, hs), each a view of
 // the q|k|v product (element [b, h, d] at b * x_b + h * x_h + d), the keys and values
 // written into the buffers (B, nkv, slots, hs), contiguous, of format fmt, at slot `start`;
 // then each query head h, scaled by 1 / sqrt(hs), over slots 0 .. start of KV head
-// h / (nh / nkv), the partial sums finished (acc / l) into y (B, nh, hs).
+// h / (nh / nkv), the partial sums finished (acc / l) into y (B, nh, hs). The position is
+// read from memory (*at, the step's positions), not passed: a replayed step's calls are the
+// same at every position (`generate.ReplayedDecode`). With `ring`, the buffers are a sliding
+// window's ring of `slots` (no sinks, no spare slots): the token goes to slot start % slots
+// and the queries read the min(start + 1, slots) filled ones, which hold exactly the window
+// (the order of the keys is nothing to attention).
 extern "C" int attend_decode(const float* q, int64_t q_b, int64_t q_h, const float* k,
                              int64_t k_b, int64_t k_h, const float* v, int64_t v_b,
                              int64_t v_h, void* k_buf, void* v_buf, int64_t slots, int64_t fmt,

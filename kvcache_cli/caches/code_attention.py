@@ -156,10 +156,11 @@ def attend_decode(q: Tensor, k: Tensor, v: Tensor, keys: Tensor, values: Tensor,
     cast rounds), then queries q (B, nh, 1, hs) over slots 0 .. start, query head h on KV
     head h // (nh / nkv), scaled by 1 / sqrt(hs). With `ring`, the buffers are a sliding
     window's ring (no sinks, no spare slots): the token goes to slot start % slots and the
-    queries read every filled slot, min(start + 1, slots). The kernel reads the position from pos
-    (int64, the step's positions), so the call's arguments are the same at every position
-    (`generate.ReplayedDecode` runs it again). q, k, v may be any views whose last axis is
-    contiguous (the q|k|v product's heads); `merge_heads` reads the result as a view."""
+    queries read every filled slot, min(start + 1, slots). The kernel reads the position
+    from pos (int64, the step's positions), so the call's arguments are the same at every
+    position (`generate.ReplayedDecode` runs it again). q, k, v may be any views whose last
+    axis is contiguous (the q|k|v product's heads); `merge_heads` reads the result as a
+    view."""
     if pos.dtype != torch.int64:
         raise ValueError(f"decode attention reads its position as int64; got {pos.dtype}")
     B, nh, _, hs = q.shape
@@ -172,8 +173,8 @@ def attend_decode(q: Tensor, k: Tensor, v: Tensor, keys: Tensor, values: Tensor,
         FULL_FLAGS[keys.dtype], B, nh, nkv, hs, pos.data_ptr(), ring, torch.get_num_threads(),
         y.data_ptr())
     if status:
-        raise ValueError(f"decode attention: slot {int(pos[0])} of {slots}, {nh} query heads on "
-                         f"{nkv} KV heads, {keys.dtype}")
+        raise ValueError(f"decode attention: slot {int(pos[0])} of {slots}, {nh} query heads "
+                         f"on {nkv} KV heads, {keys.dtype}")
     return y
 
 
