@@ -238,9 +238,10 @@ class ReplayedDecode:
 
     def _refuse(self, why: str) -> None:
         """Run eager from now on, and say why once."""
-        if self.why_not != why:
-            self.why_not = why
-            REPLAY_NOTE.append(f"decode steps not replayed: {why}")
+        self.why_not = why
+        line = f"decode steps not replayed: {why}"
+        if REPLAY_NOTE[-1:] != [line]:  # once, however many generations met it
+            REPLAY_NOTE.append(line)
 
 
 REPLAY_NOTE: list[str] = []  # why a `ReplayedDecode` ran its steps eager, once found
