@@ -174,3 +174,21 @@ def test_generate_replays_its_decode_steps_where_it_can_and_says_so():
                                            make_cache(spec, model, len(PROMPT) + 20),
                                            lambda x: x.argmax(-1))]
         assert list(got.tokens) == want
+
+
+def test_bench_times_the_replayed_mode_beside_static_and_says_when_it_ran_eager():
+    from kvcache_cli.bench import run as bench_run
+    from kvcache_cli.models.gpt2 import GPT, GPTConfig
+
+    options = dict(modes=("static", "static-replayed"), prompt_len=8, new_tokens=12,
+                   repeats=1, bandwidth_mib=4)
+    REPLAY_NOTE.clear()
+    result = bench_run.run_bench(tiny_llama(), **options)
+    replayed = result.mode("static-replayed")
+    assert replayed.same_tokens and replayed.tokens == result.mode("static").tokens
+    assert result.kernel_note is None
+    torch.manual_seed(0)
+    gpt2 = GPT(GPTConfig(block_size=64, vocab_size=96, n_layer=2, n_head=4, n_embd=32)).eval()
+    result = bench_run.run_bench(gpt2, **options)  # its blocks are torch ops: eager
+    assert result.mode("static-replayed").same_tokens
+    assert "decode steps not replayed: the step runs torch's" in result.kernel_note
