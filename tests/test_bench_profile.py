@@ -83,6 +83,19 @@ def test_profile_times_the_step_against_its_parts_alone_with_consistent_fields(c
     assert t["product_gbps"] == pytest.approx(t["product_bytes"] / t["products_ms"] / 1e6)
     assert t["limit_probe"] in ("read", "copy") and t["limit_gbps"] > 0
     assert t["product_share"] == pytest.approx(t["product_gbps"] / t["limit_gbps"])
+    # GPT-2's blocks are torch ops: its step is not replayed, and the reason is given
+    assert t["replayed_step_ms"] is None and "the step runs torch's" in t["not_replayed"]
+
+
+def test_profile_times_a_replayed_step_beside_the_eager_one(request):
+    from kvcache_cli.bench.profile import profile_step
+    from kvcache_cli.views.bench import profile_view
+
+    model = _model(request, "llama")
+    p = profile_step(model, 3, "tiny llama", "fp32", prompt_len=8)
+    t = p.parts
+    assert t.replayed_step_ms > 0 and t.not_replayed is None
+    assert profile_view(p).splitlines()[-1].startswith("replayed: step ")
 
 
 @pytest.fixture(scope="module")

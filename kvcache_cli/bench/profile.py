@@ -35,7 +35,7 @@ from torch import Tensor
 
 from kvcache_cli.bench.bandwidth import copy_probe, measure_read
 from kvcache_cli.caches import make_cache
-from kvcache_cli.generate import stream_tokens
+from kvcache_cli.generate import RECORDINGS, ReplayedDecode, stream_tokens
 from kvcache_cli.measure import linears, measure_bandwidth
 from kvcache_cli.models import linear
 from kvcache_cli.models.base import FamilyModel
@@ -76,6 +76,10 @@ class StepParts:
     limit_gbps: float  # the best of the read and copy probes (bench/bandwidth.py)
     limit_probe: str  # which probe set it
     product_share: float  # product_gbps / limit_gbps
+    # The same step replayed (`generate.ReplayedDecode`), interleaved with the others: its
+    # calls without the Python between them; None, with the reason, where it runs eager.
+    replayed_step_ms: float | None = None
+    not_replayed: str | None = None
 
 
 @dataclass(frozen=True)
@@ -220,28 +224,37 @@ def _limit(device: torch.device) -> tuple[float, str]:
     return best.median_gbps, best.name
 
 
-def time_parts(tokens: Iterator[int], model: FamilyModel, cache, repeats: int) -> StepParts:
+def time_parts(tokens: Iterator[int], model: FamilyModel, cache, repeats: int,
+               replayed: tuple[Iterator[int], ReplayedDecode] | None = None) -> StepParts:
     """One step of `tokens` recorded, then `repeats` times: a whole step (the cache moves on
-    one token), the recorded products, the recorded attention. The attention replays run on
-    a fresh copy of the cache as the recorded step met it (copied outside the clock): each
+    one token), the recorded products, the recorded attention, and a step of `replayed`'s
+    tokens (its own cache, its steps already recorded). The attention replays run on a
+    fresh copy of the cache as the recorded step met it (copied outside the clock): each
     writes the recorded token's key and value and attends what that step attended."""
     before = copy.deepcopy(cache)
     with recording(model, cache) as (products, attention):
         next(tokens)
-    step, prods, attn = [], [], []
+    step, prods, attn, again = [], [], [], []
     for _ in range(repeats):
         start = time.perf_counter()
         next(tokens)
         step.append((time.perf_counter() - start) * 1e3)
         prods.append(_replay_ms(products))
         attn.append(_replay_ms(on_cache(attention, copy.deepcopy(before))))
+        if replayed is not None:
+            start = time.perf_counter()
+            next(replayed[0])
+            again.append((time.perf_counter() - start) * 1e3)
     step_ms, products_ms, attention_ms = (statistics.median(t) for t in (step, prods, attn))
+    replay = replayed is not None and replayed[1].steps_replayed >= repeats
     nbytes = _product_bytes(products)
     gbps = nbytes / products_ms / 1e6
     limit, probe = _limit(next(model.parameters()).device)
     return StepParts(repeats, step_ms, products_ms, attention_ms,
                      step_ms - products_ms - attention_ms, len(products), len(attention),
-                     nbytes, gbps, limit, probe, gbps / limit)
+                     nbytes, gbps, limit, probe, gbps / limit,
+                     statistics.median(again) if replay else None,
+                     None if replay or replayed is None else replayed[1].why_not)
 
 
 def profile_step(model: FamilyModel, steps: int, model_name: str, dtype: str,
@@ -266,7 +279,13 @@ def profile_step(model: FamilyModel, steps: int, model_name: str, dtype: str,
             for _ in itertools.islice(tokens, steps):
                 pass
             wall = (time.perf_counter() - start) * 1e3 / steps
-        parts = time_parts(tokens, model, cache, steps)
+        replayed = ReplayedDecode(model)
+        n = 1 + RECORDINGS + steps  # the prefill's token, the recorded steps', the timed
+        again = stream_tokens(model, prompt, n, "static", forward=replayed,
+                              cache=make_cache("static", model, prompt_len + n, batch=1))
+        for _ in range(1 + RECORDINGS):  # the prefill, and the steps it records
+            next(again)
+        parts = time_parts(tokens, model, cache, steps, (again, replayed))
     per_kind: dict[str, float] = defaultdict(float)
     ops = 0
     for event in prof.key_averages():
@@ -279,6 +298,7 @@ def profile_step(model: FamilyModel, steps: int, model_name: str, dtype: str,
 
 
 def parts_tokens(steps: int) -> int:
-    """The tokens `profile_step` generates after the prompt: the first (the prefill's),
-    `steps` profiled, one recorded and `steps` timed against their parts."""
-    return 2 * steps + 2
+    """The tokens `profile_step` generates after the prompt, in the longer of its two runs:
+    the first (the prefill's), `steps` profiled, one recorded and `steps` timed against
+    their parts; or the first, those the replay records and `steps` replayed."""
+    return max(2 * steps + 2, 1 + RECORDINGS + steps)
