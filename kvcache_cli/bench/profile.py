@@ -121,9 +121,9 @@ def _named_native_products():
     kept = [getattr(module, name) for module, name, _ in calls]
 
     def named(call, op):
-        def run(*args):
+        def run(*args, **options):
             with torch.profiler.record_function(op):
-                return call(*args)
+                return call(*args, **options)
         return run
 
     for (module, name, op), call in zip(calls, kept, strict=True):
