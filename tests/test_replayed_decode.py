@@ -186,7 +186,7 @@ def test_bench_times_the_replayed_mode_beside_static_and_says_when_it_ran_eager(
     result = bench_run.run_bench(tiny_llama(), **options)
     replayed = result.mode("static-replayed")
     assert replayed.same_tokens and replayed.tokens == result.mode("static").tokens
-    assert result.kernel_note is None
+    assert "decode steps not replayed" not in (result.kernel_note or "")
     torch.manual_seed(0)
     gpt2 = GPT(GPTConfig(block_size=64, vocab_size=96, n_layer=2, n_head=4, n_embd=32)).eval()
     result = bench_run.run_bench(gpt2, **options)  # its blocks are torch ops: eager
