@@ -1,24 +1,37 @@
-"""What the tests of a native attention kernel share: its two builds as fixtures, and a
+"""What the tests of a native attention kernel share: its builds as fixtures, and a
 recorder of the torch ops a call dispatches."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from torch.utils._python_dispatch import TorchDispatchMode
+
+CPUINFO = Path("/proc/cpuinfo")
+# A kernel's builds: the CPU's own (its vector path: AVX-512's lanes or AVX2's), AVX2's lanes
+# where the CPU has AVX-512 (elsewhere that is the CPU's own build again), and the plain
+# loops a CPU without AVX2 runs.
+BUILDS = {"vector": (), "plain": ("-DCODE_ATTENTION_SCALAR",)}
+if not CPUINFO.exists() or "avx512bw" in CPUINFO.read_text():
+    BUILDS["avx2"] = ("-DCODE_ATTENTION_AVX2",)
 
 
 def kernel_fixtures(module):
     """The fixtures `lib` and `use` for a kernel module (`caches.code_attention`,
-    `caches.paged`): `lib` the kernel as the caches load it, or its plain loops (built with
-    -DCODE_ATTENTION_SCALAR), skipped where neither builds; `use` makes `module.kernel()`
-    that build for one test. Bind both names in the test module: `lib, use = ...`."""
+    `caches.paged`): `lib` each of the kernel's BUILDS, skipped where it does not build or is
+    the CPU's own build again (the AVX2 one on a CPU without AVX-512); `use` makes
+    `module.kernel()` that build for one test. Bind both names in the test module:
+    `lib, use = ...`."""
 
-    @pytest.fixture(scope="module", params=["vector", "plain"])
+    @pytest.fixture(scope="module", params=list(BUILDS))
     def lib(request):
-        built, why = module.load(() if request.param == "vector" else
-                                 ("-DCODE_ATTENTION_SCALAR",))
+        built, why = module.load(BUILDS[request.param])
         if built is None:
             pytest.skip(why)
+        own = module.load()[0]
+        if request.param == "avx2" and built.vector_lanes() == own.vector_lanes():
+            pytest.skip(f"the CPU's own build here ({own.vector_lanes()} lanes)")
         return built
 
     @pytest.fixture

@@ -1,16 +1,16 @@
 """caches/code_attention.cpp's partial sums against a float64 reference of the same arithmetic
-(codes unpacked and dequantised, c * scale + zero, then softmax(q.k) v), on both of its
-paths: the AVX-512 one (`code_attention_simd.h`, where this CPU has it) and the plain loops
-(built with -DCODE_ATTENTION_SCALAR). Every code width, per-token and per-channel keys, group
-sizes on and off the vector path, GQA groups of 1 to 9 queries (the vector path takes them 4
-at a time), lengths that end mid-tile and cross the kernel's 512-token blocks, and the sinks
-and tail read in the same pass."""
+(codes unpacked and dequantised, c * scale + zero, then softmax(q.k) v), on each of its
+paths: the vector one (`code_attention_simd.h`, with AVX-512's lanes where this CPU has them,
+and with AVX2's) and the plain loops (built with -DCODE_ATTENTION_SCALAR). Every code width,
+per-token and per-channel keys, group sizes on and off the vector path, GQA groups of 1 to 9
+queries (the vector path takes them 4 at a time), lengths that end mid-tile and cross the
+kernel's 512-token blocks, and the sinks and tail read in the same pass."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from nativekit import kernel_fixtures
+from nativekit import BUILDS, kernel_fixtures
 
 from kvcache_cli.caches import affine, code_attention
 
@@ -70,10 +70,12 @@ def check(got, want, scale=1.0):
     (64, 64, 96, 4),
     (128, 32, 64, 1),
     (48, 16, 48, 5),   # a head size of no unrolled loop; 5 queries: 4 and 1
-    (32, 8, 40, 9),    # groups under 16 wide (a permute of scales); 9 queries: 4, 4, 1
-    (32, 4, 20, 2),
+    (32, 8, 40, 9),    # groups narrower than AVX-512's lanes (a permute of scales); 9 queries
+    (32, 4, 20, 2),    # narrower than AVX2's lanes too
+    (16, 2, 24, 2),
     (16, 16, 16, 3),
-    (24, 8, 24, 2),    # a head size the vector path does not take: the plain loops
+    (24, 8, 24, 2),    # a head size AVX2's lanes divide and AVX-512's do not (plain loops there)
+    (20, 4, 30, 3),    # a head size no vector path takes: the plain loops
 ])
 def test_codes_equal_float64_attention_over_the_dequantised_cache(bits, per_channel, hs, G, n,
                                                                    g):
@@ -102,8 +104,8 @@ def test_sinks_and_tail_join_the_codes_in_one_pass(dtype, sinks, tail):
     check(got, reference(q, keys, values, full), scale=keys.abs().max().item())
 
 
-def test_the_vector_path_and_the_plain_loops_agree_on_every_width(monkeypatch):
-    built = [code_attention.load(d)[0] for d in ((), ("-DCODE_ATTENTION_SCALAR",))]
+def test_the_vector_paths_and_the_plain_loops_agree_on_every_width(monkeypatch):
+    built = [code_attention.load(d)[0] for d in BUILDS.values()]
     if None in built:
         pytest.skip("the kernel cannot be built here")
     gen = torch.Generator().manual_seed(7)
@@ -117,4 +119,5 @@ def test_the_vector_path_and_the_plain_loops_agree_on_every_width(monkeypatch):
             m, l_sum, acc = code_attention.attend_codes(q, *stored, bits, 32, bits != 8)
             outs.append(acc / l_sum[..., None])
         # the same float32 arithmetic summed in another order
-        torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+        for out in outs[1:]:
+            torch.testing.assert_close(out, outs[0], atol=1e-5, rtol=1e-5)

@@ -1,10 +1,11 @@
 """caches/paged_attention.cpp: a serving step's one-token rows read their blocks in place.
 
 The kernel against a float64 reference of the same attention (each row's blocks gathered
-through its table, softmax(q.k / sqrt(hs)) v over the slots it sees), on both of its paths
-(the AVX-512 readers and the plain loops, built with -DCODE_ATTENTION_SCALAR): block sizes
-16 and 32 and an odd 5, ragged lengths, GQA groups of 1 to 9 queries, head sizes 64 and 256,
-sliding windows, float32/float16/bfloat16 pools. Then each caller of `attend_in_place`
+through its table, softmax(q.k / sqrt(hs)) v over the slots it sees), on each of its paths
+(the vector readers with AVX-512's lanes and with AVX2's, and the plain loops, built with
+-DCODE_ATTENTION_SCALAR): block sizes 16 and 32 and an odd 5, ragged lengths, GQA groups of
+1 to 9 queries, head sizes 64 and 256, sliding windows, float32/float16/bfloat16 pools. Then
+each caller of `attend_in_place`
 against the same step gathered and run through SDPA: `PackedRows` and `PaddedRows` (decodes
 alone, first, and interleaved with prompt chunks), `PagedCache.attend`'s decode step (one
 start, a start a row) and a `HybridPool`'s (per-group tables, a sliding window); greedy

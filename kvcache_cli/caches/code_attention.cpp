@@ -1,10 +1,10 @@
 // One decoding token's attention over a quantised cache's codes, read as codes.
 //
 // Built at first use by `caches/code_attention.py` (c++ -O3 -march=native -fopenmp), called
-// through ctypes: plain C arguments, no torch headers. Where the CPU has AVX-512 the blocks
-// run `code_attention_simd.h`'s vector code (its head of file says what it changes and why);
-// the plain loops below run elsewhere, on shapes it does not take, and built with
-// -DCODE_ATTENTION_SCALAR (tests compare the two).
+// through ctypes: plain C arguments, no torch headers. Where the CPU has AVX-512 or AVX2 the
+// blocks run `code_attention_simd.h`'s vector code (its head of file says what it changes and
+// why); the plain loops below run elsewhere, on shapes it does not take, and built with
+// -DCODE_ATTENTION_SCALAR (tests compare them).
 //
 // `attend_decode` does the same over a static cache's buffers (float32, or fp16 or bf16, 2
 // bytes a number), a whole decoding step of one layer in one call: the new token's key and
@@ -56,7 +56,7 @@ inline void unpack_row(const uint8_t* packed, float* out, int64_t hs) {
     }
 }
 
-#include "code_attention_simd.h"  // the AVX-512 path, where the CPU has it
+#include "code_attention_simd.h"  // the vector path, where the CPU has AVX-512 or AVX2
 
 // HS and GS, when not 0, fix the head size and group size at compile time: the common
 // shapes' loops are then unrolled whole (a runtime length made them 2-3x slower).
@@ -133,7 +133,8 @@ template <int bits>
 void sized(const float* q, const Cache& c, int64_t row, int64_t a, int64_t b, int64_t g,
            int64_t hs, int64_t G, bool key_channels, float* m, float* l, float* acc) {
 #ifdef CODE_ATTENTION_SIMD
-    if (hs % 16 == 0 && hs <= 16 * simd::kChunks && (G % 16 == 0 || 16 % G == 0))
+    if (hs % simd::kLanes == 0 && hs <= simd::kLanes * simd::kChunks &&
+        (G % simd::kLanes == 0 || simd::kLanes % G == 0))
         return simd::codes_block<bits>(q, c, row, a, b, g, hs, G, key_channels, m, l, acc);
 #endif
     if (hs == 64 && G == 32) block<bits, 64, 32>(q, c, row, a, b, g, hs, G, key_channels, m, l, acc);
@@ -215,7 +216,7 @@ template <int fmt>
 void half_sized(const float* q, const void* k, const void* v, int64_t a, int64_t b, int64_t g,
                 int64_t hs, float* m, float* l, float* acc) {
 #ifdef CODE_ATTENTION_SIMD
-    if (hs % 16 == 0) return simd::stored_block<fmt>(q, k, v, a, b, g, hs, m, l, acc);
+    if (hs % simd::kLanes == 0) return simd::stored_block<fmt>(q, k, v, a, b, g, hs, m, l, acc);
 #endif
     if (hs == 64) half_block<fmt, 64>(q, k, v, a, b, g, hs, m, l, acc);
     else if (hs == 128) half_block<fmt, 128>(q, k, v, a, b, g, hs, m, l, acc);
@@ -258,6 +259,15 @@ void over_codes(const float* q, const Cache& c, int64_t rows, int64_t n, int64_t
 }
 
 }  // namespace
+
+// The vector path's lanes (16 with AVX-512, 8 with AVX2), or 0 where the plain loops run.
+extern "C" int vector_lanes() {
+#ifdef CODE_ATTENTION_SIMD
+    return CODE_ATTENTION_SIMD;
+#else
+    return 0;
+#endif
+}
 
 // full: the sinks' and the tail's keys and values (rows, s or t, hs) at full precision, format
 // fmt, a row's tokens contiguous, sink_row / tail_row elements from one row to the next; they

@@ -27,7 +27,7 @@ append per tensor), a fixed cost a step that no context length amortises; `quant
 does the same arithmetic in one pass, bit for bit, straight into the cache's buffers.
 
 It is built at first use with the machine's C++ compiler (`caches.native`; some 15 s
-of CPU where its AVX-512 path is compiled, once per CPU and compiler) and loaded with
+of CPU where its vector path is compiled, once per CPU and compiler) and loaded with
 ctypes. Where it cannot be built (no compiler, another CPU), `kernel()` is None, `NOTE`
 says why in one line, and the caches keep their torch path; `KVCACHE_CODE_ATTENTION=torch`
 asks for that path, to time one against the other.
@@ -59,11 +59,13 @@ def kernel() -> ctypes.CDLL | None:
 
 def load(defines: tuple[str, ...] = ()) -> tuple[ctypes.CDLL | None, str | None]:
     """(the kernel built with `defines`, None), or (None, why not). `-DCODE_ATTENTION_SCALAR`
-    builds its plain loops, which a CPU without AVX-512 (or a head size not a multiple of
-    16) runs, so both are tested and timed on one machine."""
+    builds its plain loops, which a CPU without AVX2 (or a head size not a multiple of the
+    vector's lanes) runs, and `-DCODE_ATTENTION_AVX2` keeps an AVX-512 CPU to AVX2's lanes,
+    so every path is tested and timed on one machine (`vector_lanes()` says which)."""
     lib, why = native.build(SOURCE, off="KVCACHE_CODE_ATTENTION", defines=defines)
     if lib is None:
         return None, why
+    lib.vector_lanes.restype = ctypes.c_int
     lib.attend_codes.restype = ctypes.c_int
     lib.attend_codes.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 12 + \
         ([ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2) * 2 + [ctypes.c_int64] + \

@@ -1,27 +1,58 @@
 // Part of code_attention.cpp and paged_attention.cpp, included inside their anonymous
 // namespaces after attention_common.h (Cache, Format, kBytes, block_softmax).
 //
-// The same partial sums in AVX-512 registers, 16 numbers a vector. Where the plain loops'
-// time went (perf samples): each dot product of a key with a query ended in a reduction
-// across the vector's lanes (some 8 shuffles and adds after 4 multiply-adds at a head size of
-// 64); the values' accumulators lived in memory (they may alias the row being read, so every
-// multiply-add loaded and stored one); codes and float16 scales were widened one number at a
-// time, and a group's index was a division a read. Here a key row is widened once and
-// multiplied with each of its KV head's queries (GQA: read once for all of them), two tokens
-// at a time so their multiply-add chains overlap; 16 tokens' lane vectors are reduced
-// together (`sum16`: 46 operations for 16 dot products); the values' accumulators of up to 4
-// queries and 64 channels stay in registers over a block's tokens; codes are widened 16 at a
-// time and a block's scales in one pass; rows are prefetched ahead. Sums run in another order
-// than the plain loops' (as -ffast-math already lets those); the arithmetic is the same: a
-// key or value dequantised (code * scale + zero), then float32 products and sums.
-// Shapes it takes: head sizes a multiple of 16, groups a multiple of 16 or dividing 16.
-#if defined(__AVX512F__) && defined(__AVX512BW__) && !defined(CODE_ATTENTION_SCALAR)
-#define CODE_ATTENTION_SIMD
+// The same partial sums in vector registers: kLanes numbers a vector, 16 with AVX-512, 8
+// with AVX2 (and FMA, F16C), where the few operations below differ and the rest is written
+// once. Where the plain loops' time went (perf samples): each dot product of a key with a
+// query ended in a reduction across the vector's lanes (some 8 shuffles and adds after 4
+// multiply-adds at a head size of 64); the values' accumulators lived in memory (they may
+// alias the row being read, so every multiply-add loaded and stored one); codes and float16
+// scales were widened one number at a time, and a group's index was a division a read. Here
+// a key row is widened once and multiplied with each of its KV head's queries (GQA: read
+// once for all of them), two tokens at a time so their multiply-add chains overlap; kLanes
+// tokens' lane vectors are reduced together (`lane_sums`: 16 dot products in 46 operations
+// with AVX-512); the values' accumulators of up to 4 queries stay in registers over a
+// block's tokens; codes are widened a vector at a time and a block's scales in one pass;
+// rows are prefetched ahead. Sums run in another order than the plain loops' (as
+// -ffast-math already lets those); the arithmetic is the same: a key or value dequantised
+// (code * scale + zero), then float32 products and sums.
+// Shapes it takes: head sizes a multiple of kLanes, groups a multiple of kLanes or dividing
+// it. -DCODE_ATTENTION_AVX2 keeps an AVX-512 CPU to AVX2's lanes, so the tests check both.
+#if !defined(CODE_ATTENTION_SCALAR) && defined(__AVX512F__) && defined(__AVX512BW__) && \
+    !defined(CODE_ATTENTION_AVX2)
+#define CODE_ATTENTION_SIMD 16
+#elif !defined(CODE_ATTENTION_SCALAR) && defined(__AVX2__) && defined(__FMA__) && \
+    defined(__F16C__)
+#define CODE_ATTENTION_SIMD 8
+#endif
+#ifdef CODE_ATTENTION_SIMD
 namespace simd {
+
+constexpr int64_t kLanes = CODE_ATTENTION_SIMD;
+
+#if CODE_ATTENTION_SIMD == 16
+using vec = __m512;
+using lane_index = __m512i;
+inline vec zero() { return _mm512_setzero_ps(); }
+inline vec load(const float* p) { return _mm512_loadu_ps(p); }
+inline void store(float* p, vec x) { _mm512_storeu_ps(p, x); }
+inline void store_first(float* p, vec x, int64_t n) {  // lanes 0 .. n - 1
+    _mm512_mask_storeu_ps(p, static_cast<__mmask16>((1u << n) - 1), x);
+}
+inline vec broadcast(float x) { return _mm512_set1_ps(x); }
+inline vec mul(vec a, vec b) { return _mm512_mul_ps(a, b); }
+inline vec fmadd(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline float lanes_total(vec x) { return _mm512_reduce_add_ps(x); }
+inline vec permute(lane_index i, vec x) { return _mm512_permutexvar_ps(i, x); }
+inline lane_index lanes_over(int shift) {  // lane l's number: l >> shift
+    return _mm512_srlv_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_epi32(shift));
+}
 
 // Lane t of the result: the sum of v[t]'s 16 lanes. A transpose-and-add tree: pairs of
 // vectors exchange halves, then quarters, then pairs and single lanes of each quarter.
-inline __m512 sum16(const __m512* v) {
+inline vec lane_sums(const vec* v) {
     __m512 w[8], u[4], s[2];
     for (int k = 0; k < 8; ++k)  // lanes 0-3 token 2k's partial sums, 4-7 token 2k + 1's ...
         w[k] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0x44),
@@ -40,7 +71,7 @@ inline __m512 sum16(const __m512* v) {
 
 // 16 codes of `bits` bits from p (the first in the lowest bits of p[0]), as float32.
 template <int bits>
-inline __m512 codes16(const uint8_t* p) {
+inline vec codes(const uint8_t* p) {
     if constexpr (bits == 8) {
         return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
             _mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
@@ -71,31 +102,101 @@ inline __m512 codes16(const uint8_t* p) {
 
 // 16 stored numbers from p widened to float32.
 template <int fmt>
-inline __m512 widen16(const char* p) {
+inline vec widen(const char* p) {
     if constexpr (fmt == kF32) return _mm512_loadu_ps(p);
     const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     if constexpr (fmt == kF16) return _mm512_cvtph_ps(h);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));  // bf16
 }
 
+#else  // AVX2: 8 lanes, 16 registers
+using vec = __m256;
+using lane_index = __m256i;
+inline vec zero() { return _mm256_setzero_ps(); }
+inline vec load(const float* p) { return _mm256_loadu_ps(p); }
+inline void store(float* p, vec x) { _mm256_storeu_ps(p, x); }
+inline void store_first(float* p, vec x, int64_t n) {  // lanes 0 .. n - 1
+    const __m256i first = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)),
+                                             _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    _mm256_maskstore_ps(p, first, x);
+}
+inline vec broadcast(float x) { return _mm256_set1_ps(x); }
+inline vec mul(vec a, vec b) { return _mm256_mul_ps(a, b); }
+inline vec fmadd(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline float lanes_total(vec x) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+inline vec permute(lane_index i, vec x) { return _mm256_permutevar8x32_ps(x, i); }
+inline lane_index lanes_over(int shift) {  // lane l's number: l >> shift
+    return _mm256_srlv_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                             _mm256_set1_epi32(shift));
+}
+
+// Lane t of the result: the sum of v[t]'s 8 lanes. Pairwise sums of neighbouring lanes
+// (vhaddps) twice leave each 128-bit half with 4 vectors' half-sums, then the halves add.
+inline vec lane_sums(const vec* v) {
+    const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    // a: lanes 0-3 vectors 0-3's sums over their lanes 0-3, lanes 4-7 over their lanes 4-7
+    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+// 8 codes of `bits` bits from p (the first in the lowest bits of p[0]), as float32.
+template <int bits>
+inline vec codes(const uint8_t* p) {
+    if constexpr (bits == 8) {
+        return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+    } else {
+        constexpr int per = 8 / bits;  // codes a byte: each byte copied to `per` lanes,
+        int32_t word = 0;              // then shifted by its code's place and masked
+        std::memcpy(&word, p, 8 / per);
+        __m128i spread;
+        __m256i shift;
+        if constexpr (bits == 4) {
+            spread = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 0, 0, 0, 0, 0, 0, 0, 0);
+            shift = _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4);
+        } else {
+            spread = _mm_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+            shift = _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6);
+        }
+        const __m256i lanes = _mm256_srlv_epi32(
+            _mm256_cvtepu8_epi32(_mm_shuffle_epi8(_mm_cvtsi32_si128(word), spread)), shift);
+        return _mm256_cvtepi32_ps(_mm256_and_si256(lanes, _mm256_set1_epi32((1 << bits) - 1)));
+    }
+}
+
+// 8 stored numbers from p widened to float32.
+template <int fmt>
+inline vec widen(const char* p) {
+    if constexpr (fmt == kF32) return _mm256_loadu_ps(reinterpret_cast<const float*>(p));
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    if constexpr (fmt == kF16) return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));  // bf16
+}
+#endif
+
 // Rows are read front to back, but the hardware prefetcher stops at each 4 KiB page and
 // starts again only after misses: each row is asked for kAhead tokens early (4 KiB of float16
 // rows of 64, less for codes), a prefetch never faults past the end.
 constexpr int64_t kAhead = 32;
-constexpr int64_t kChunks = 64;  // of 16 channels: head sizes up to 1,024 on this path
+constexpr int64_t kChunks = 1024 / kLanes;  // of kLanes channels: head sizes up to 1,024
 
 inline void lines(const void* p, int64_t bytes) {
     for (int64_t at = 0; at < bytes; at += 64)
         _mm_prefetch(static_cast<const char*>(p) + at, _MM_HINT_T0);
 }
 
-// Readers: `chunk(t, c)`, channels 16c .. 16c + 15 of the block's token t in float32.
+// Readers: `chunk(t, c)`, channels kLanes * c onwards (kLanes of them) of the block's token t
+// in float32.
 template <int fmt>
 struct Stored {  // full-precision rows, hs numbers a token
     const char* rows;
     int64_t hs;
-    __m512 chunk(int64_t t, int64_t c) const {
-        return widen16<fmt>(rows + (t * hs + 16 * c) * kBytes<fmt>);
+    vec chunk(int64_t t, int64_t c) const {
+        return widen<fmt>(rows + (t * hs + kLanes * c) * kBytes<fmt>);
     }
     void prefetch(int64_t t) const { lines(rows + t * hs * kBytes<fmt>, hs * kBytes<fmt>); }
 };
@@ -106,51 +207,47 @@ struct Codes {  // codes a token, dequantised with its groups' scales (float32, 
     int64_t width, J;
     const float *scale, *zero;
     int32_t first[kChunks];  // the group of chunk c's first channel (no division a read)
-    __m512i lanes;           // groups under 16 wide: lane l's group, from the chunk's first
+    lane_index lanes;        // groups narrower than a vector: lane l's, from the chunk's first
     bool narrow;
     Codes(const uint8_t* codes, int64_t width, int64_t J, int64_t G, const float* scale,
           const float* zero)
-        : codes(codes), width(width), J(J), scale(scale), zero(zero), narrow(G < 16) {
-        for (int64_t c = 0; c < kChunks; ++c) first[c] = static_cast<int32_t>(16 * c / G);
-        lanes = _mm512_srlv_epi32(
-            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-            _mm512_set1_epi32(__builtin_ctzll(G)));
+        : codes(codes), width(width), J(J), scale(scale), zero(zero),
+          lanes(lanes_over(__builtin_ctzll(G))), narrow(G < kLanes) {
+        for (int64_t c = 0; c < kChunks; ++c) first[c] = static_cast<int32_t>(kLanes * c / G);
     }
     void prefetch(int64_t t) const { lines(codes + t * width, width); }
-    __m512 chunk(int64_t t, int64_t c) const {
-        const __m512 x = codes16<bits>(codes + t * width + c * 2 * bits);
+    vec chunk(int64_t t, int64_t c) const {
+        const vec x = simd::codes<bits>(codes + t * width + c * kLanes * bits / 8);
         if constexpr (!affine) return x;
         const int64_t at = t * J + first[c];
-        if (!narrow)
-            return _mm512_fmadd_ps(x, _mm512_set1_ps(scale[at]), _mm512_set1_ps(zero[at]));
-        return _mm512_fmadd_ps(x, _mm512_permutexvar_ps(lanes, _mm512_loadu_ps(scale + at)),
-                               _mm512_permutexvar_ps(lanes, _mm512_loadu_ps(zero + at)));
+        if (!narrow) return fmadd(x, broadcast(scale[at]), broadcast(zero[at]));
+        return fmadd(x, permute(lanes, load(scale + at)), permute(lanes, load(zero + at)));
     }
 };
 
 // Scores of tokens t0 .. t1 - 1 for GQ queries (GQ rows of hs at q) into scores (rows len
-// apart): a tile of 16 tokens' lane-vectors, then `sum16`.
+// apart): a tile of kLanes tokens' lane-vectors, then `lane_sums`.
 template <int GQ, int HS, class Reader>  // HS: the head size, or 0 (known at run time)
 void key_scores(const Reader r, int64_t t0, int64_t t1, const float* q, int64_t hs_,
                 float* scores, int64_t len) {
     const int64_t hs = HS ? HS : hs_;
-    __m512 part[GQ][16];
-    for (int64_t tile = t0; tile < t1; tile += 16) {
-        const int64_t n = t1 - tile < 16 ? t1 - tile : 16;
-        for (int64_t k = 0; k < 16; k += 2) {  // two tokens at once: twice the chains
+    vec part[GQ][kLanes];
+    for (int64_t tile = t0; tile < t1; tile += kLanes) {
+        const int64_t n = t1 - tile < kLanes ? t1 - tile : kLanes;
+        for (int64_t k = 0; k < kLanes; k += 2) {  // two tokens at once: twice the chains
             r.prefetch(tile + k + kAhead);
             r.prefetch(tile + k + 1 + kAhead);
-            __m512 acc[2][GQ];
+            vec acc[2][GQ];
             for (int u = 0; u < 2; ++u)
-                for (int i = 0; i < GQ; ++i) acc[u][i] = _mm512_setzero_ps();
+                for (int i = 0; i < GQ; ++i) acc[u][i] = zero();
             const int64_t t0 = tile + k, t1 = k + 1 < n ? t0 + 1 : t0;  // past n: ignored
             if (k < n)
-                for (int64_t c = 0; c < hs / 16; ++c) {
-                    const __m512 x0 = r.chunk(t0, c), x1 = r.chunk(t1, c);
+                for (int64_t c = 0; c < hs / kLanes; ++c) {
+                    const vec x0 = r.chunk(t0, c), x1 = r.chunk(t1, c);
                     for (int i = 0; i < GQ; ++i) {
-                        const __m512 qc = _mm512_loadu_ps(q + i * hs + 16 * c);
-                        acc[0][i] = _mm512_fmadd_ps(qc, x0, acc[0][i]);
-                        acc[1][i] = _mm512_fmadd_ps(qc, x1, acc[1][i]);
+                        const vec qc = load(q + i * hs + kLanes * c);
+                        acc[0][i] = fmadd(qc, x0, acc[0][i]);
+                        acc[1][i] = fmadd(qc, x1, acc[1][i]);
                     }
                 }
             for (int i = 0; i < GQ; ++i) {
@@ -158,9 +255,7 @@ void key_scores(const Reader r, int64_t t0, int64_t t1, const float* q, int64_t 
                 part[i][k + 1] = acc[1][i];
             }
         }
-        const __mmask16 keep = static_cast<__mmask16>((1u << n) - 1);
-        for (int i = 0; i < GQ; ++i)
-            _mm512_mask_storeu_ps(scores + i * len + tile, keep, sum16(part[i]));
+        for (int i = 0; i < GQ; ++i) store_first(scores + i * len + tile, lane_sums(part[i]), n);
     }
 }
 
@@ -174,28 +269,39 @@ void sized_scores(const Reader& r, int64_t t0, int64_t t1, const float* q, int64
 }
 
 // acc (GQ rows of hs) = sum over the block's tokens t of p[i * len + t] * value t, NC
-// vectors of channels at a time (hs a multiple of 16 NC), so the accumulators stay in
+// vectors of channels at a time (hs a multiple of kLanes * NC), so the accumulators stay in
 // registers over the block's tokens.
 template <int GQ, int NC, int HS, class Reader>
 void value_sums(const Reader r, int64_t len, const float* p, int64_t hs_, float* acc_out) {
     const int64_t hs = HS ? HS : hs_;
-    for (int64_t c0 = 0; c0 < hs / 16; c0 += NC) {
-        __m512 acc[GQ][NC];
+    for (int64_t c0 = 0; c0 < hs / kLanes; c0 += NC) {
+        vec acc[GQ][NC];
         for (int i = 0; i < GQ; ++i)
-            for (int c = 0; c < NC; ++c) acc[i][c] = _mm512_setzero_ps();
+            for (int c = 0; c < NC; ++c) acc[i][c] = zero();
         for (int64_t t = 0; t < len; ++t) {
             r.prefetch(t + kAhead);
-            __m512 w[GQ];
-            for (int i = 0; i < GQ; ++i) w[i] = _mm512_set1_ps(p[i * len + t]);
+            vec w[GQ];
+            for (int i = 0; i < GQ; ++i) w[i] = broadcast(p[i * len + t]);
             for (int c = 0; c < NC; ++c) {
-                const __m512 x = r.chunk(t, c0 + c);
-                for (int i = 0; i < GQ; ++i) acc[i][c] = _mm512_fmadd_ps(w[i], x, acc[i][c]);
+                const vec x = r.chunk(t, c0 + c);
+                for (int i = 0; i < GQ; ++i) acc[i][c] = fmadd(w[i], x, acc[i][c]);
             }
         }
         for (int i = 0; i < GQ; ++i)
-            for (int c = 0; c < NC; ++c)
-                _mm512_storeu_ps(acc_out + i * hs + 16 * (c0 + c), acc[i][c]);
+            for (int c = 0; c < NC; ++c) store(acc_out + i * hs + kLanes * (c0 + c), acc[i][c]);
     }
+}
+
+// `value_sums` with as many vectors of channels at a time as the registers hold beside GQ
+// weights: 4 in AVX-512's 32 registers; in AVX2's 16, 4 for 1 or 2 queries, 2 for 3 or 4.
+template <int GQ, class Reader>
+void sized_values(const Reader& r, int64_t len, const float* p, int64_t hs, float* acc_out) {
+    constexpr int NC = kLanes == 16 || GQ <= 2 ? 4 : 2;
+    if (hs == 64) value_sums<GQ, NC, 64>(r, len, p, hs, acc_out);
+    else if (hs == 128) value_sums<GQ, NC, 128>(r, len, p, hs, acc_out);
+    else if (hs % (kLanes * NC) == 0) value_sums<GQ, NC, 0>(r, len, p, hs, acc_out);
+    else if (hs % (kLanes * 2) == 0) value_sums<GQ, 2, 0>(r, len, p, hs, acc_out);
+    else value_sums<GQ, 1, 0>(r, len, p, hs, acc_out);
 }
 
 // f(GQ, i) for the g queries in groups of at most 4 (GQ a compile-time constant).
@@ -219,24 +325,19 @@ void partial(Keys keys, const Values& values, int64_t g, int64_t len, int64_t hs
     by_queries(g, [&](auto GQ, int64_t i) { keys(GQ, i, scores.data() + i * len); });
     block_softmax(scores.data(), g, len, hs, m_out, l_out, acc_out);
     by_queries(g, [&](auto GQ, int64_t i) {
-        constexpr int n = decltype(GQ)::value;
-        float* p = scores.data() + i * len;
-        if (hs == 64) value_sums<n, 4, 64>(values, len, p, hs, acc_out + i * hs);
-        else if (hs == 128) value_sums<n, 4, 128>(values, len, p, hs, acc_out + i * hs);
-        else if (hs % 64 == 0) value_sums<n, 4, 0>(values, len, p, hs, acc_out + i * hs);
-        else if (hs % 32 == 0) value_sums<n, 2, 0>(values, len, p, hs, acc_out + i * hs);
-        else value_sums<n, 1, 0>(values, len, p, hs, acc_out + i * hs);
+        sized_values<decltype(GQ)::value>(values, len, scores.data() + i * len, hs,
+                                          acc_out + i * hs);
     });
 }
 
 
-// Floats of n float16 numbers (scales and zero points), 16 more for `Codes`' whole-vector
-// loads past the last.
+// Floats of n float16 numbers (scales and zero points), a vector more for `Codes`'
+// whole-vector loads past the last.
 inline std::vector<float> widened(const _Float16* x, int64_t n) {
-    std::vector<float> out(n + 16, 0.f);
+    std::vector<float> out(n + kLanes, 0.f);
     int64_t e = 0;
-    for (; e + 16 <= n; e += 16)
-        _mm512_storeu_ps(out.data() + e, widen16<kF16>(reinterpret_cast<const char*>(x + e)));
+    for (; e + kLanes <= n; e += kLanes)
+        store(out.data() + e, widen<kF16>(reinterpret_cast<const char*>(x + e)));
     for (; e < n; ++e) out[e] = static_cast<float>(x[e]);
     return out;
 }
@@ -272,15 +373,14 @@ void codes_block(const float* q, const Cache& c, int64_t row, int64_t a, int64_t
             float offset[n];
             for (int k = 0; k < n; ++k) {
                 const float* qk = qr + (i + k) * hs;
-                __m512 off = _mm512_setzero_ps();
-                for (int64_t d = 0; d < hs; d += 16) {
-                    const __m512 qd = _mm512_loadu_ps(qk + d);
-                    _mm512_storeu_ps(qs.data() + k * hs + d, _mm512_mul_ps(
-                        qd, widen16<kF16>(reinterpret_cast<const char*>(sc + d))));
-                    off = _mm512_fmadd_ps(
-                        qd, widen16<kF16>(reinterpret_cast<const char*>(ze + d)), off);
+                vec off = zero();
+                for (int64_t d = 0; d < hs; d += kLanes) {
+                    const vec qd = load(qk + d);
+                    store(qs.data() + k * hs + d,
+                          mul(qd, widen<kF16>(reinterpret_cast<const char*>(sc + d))));
+                    off = fmadd(qd, widen<kF16>(reinterpret_cast<const char*>(ze + d)), off);
                 }
-                offset[k] = _mm512_reduce_add_ps(off);
+                offset[k] = lanes_total(off);
             }
             sized_scores<n>(keys, t0 - a, t1 - a, qs.data(), hs, s, len);
             for (int k = 0; k < n; ++k)

@@ -13,8 +13,8 @@
 // tokens' places in the pool once (K and V share them), scores its g queries (GQA) by
 // 1 / sqrt(hs), and takes the softmax's partial sums as code_attention_simd.h computes them
 // for a contiguous cache, reading through the places (`Paged`); y = acc / l. Where the CPU has
-// no AVX-512 (or hs is not a multiple of 16, or built with -DCODE_ATTENTION_SCALAR, which
-// the tests compare) plain loops do the same arithmetic.
+// neither AVX-512 nor AVX2 (or hs is not a multiple of the vector's lanes, or built with
+// -DCODE_ATTENTION_SCALAR, which the tests compare) plain loops do the same arithmetic.
 
 #include <cmath>
 #include <cstdint>
@@ -31,8 +31,8 @@ namespace {
 #include "attention_common.h"  // the formats, e^x, a block's softmax
 
 // Places listed past a pair's last token: the vector path prefetches rows up to
-// simd::kAhead tokens ahead of a 16-token tile (a prefetch never faults, its address must
-// still be read from the list).
+// simd::kAhead tokens ahead of a tile of up to 16 tokens (a prefetch never faults, its
+// address must still be read from the list).
 constexpr int64_t kPad = 64;
 
 // The partial sums of g queries (q, g rows of hs, already scaled) over len tokens whose rows
@@ -64,7 +64,7 @@ void plain(const float* q, const char* k, const char* v, const int64_t* off, int
 }  // namespace
 
 namespace {
-#include "code_attention_simd.h"  // the AVX-512 readers and partial sums, where the CPU has them
+#include "code_attention_simd.h"  // the vector readers and partial sums, where the CPU has them
 
 #ifdef CODE_ATTENTION_SIMD
 namespace simd {
@@ -76,8 +76,8 @@ struct Paged {
     const char* head;
     const int64_t* off;
     int64_t hs;
-    __m512 chunk(int64_t t, int64_t c) const {
-        return widen16<fmt>(head + (off[t] + 16 * c) * kBytes<fmt>);
+    vec chunk(int64_t t, int64_t c) const {
+        return widen<fmt>(head + (off[t] + kLanes * c) * kBytes<fmt>);
     }
     void prefetch(int64_t t) const { lines(head + off[t] * kBytes<fmt>, hs * kBytes<fmt>); }
 };
@@ -98,13 +98,22 @@ template <int fmt>
 void pair_sums(const float* q, const char* k, const char* v, const int64_t* off, int64_t len,
                int64_t g, int64_t hs, float* m, float* l, float* acc) {
 #ifdef CODE_ATTENTION_SIMD
-    if (hs % 16 == 0 && hs <= 16 * simd::kChunks)
+    if (hs % simd::kLanes == 0 && hs <= simd::kLanes * simd::kChunks)
         return simd::paged<fmt>(q, k, v, off, len, g, hs, m, l, acc);
 #endif
     plain<fmt>(q, k, v, off, len, g, hs, m, l, acc);
 }
 
 }  // namespace
+
+// The vector path's lanes (16 with AVX-512, 8 with AVX2), or 0 where the plain loops run.
+extern "C" int vector_lanes() {
+#ifdef CODE_ATTENTION_SIMD
+    return CODE_ATTENTION_SIMD;
+#else
+    return 0;
+#endif
+}
 
 // q: each row's nkv * g query heads (float32), q_row / q_head elements from one row / head to
 // the next, a head's hs numbers contiguous; y likewise (y_row, y_head). k, v: one pool layer,
