@@ -245,7 +245,11 @@ void key_scores(const Reader r, int64_t t0, int64_t t1, const float* q, int64_t 
                 for (int64_t c = 0; c < hs / kLanes; ++c) {
                     const vec x0 = r.chunk(t0, c), x1 = r.chunk(t1, c);
                     for (int i = 0; i < GQ; ++i) {
-                        const vec qc = load(q + i * hs + kLanes * c);
+                        vec qc = load(q + i * hs + kLanes * c);
+                        // one load for both tokens: the compiler would read q again as each
+                        // multiply-add's operand, and the loads, not the arithmetic, bound
+                        // this loop (AVX2 on AMD Zen: 2 a cycle)
+                        asm("" : "+v"(qc));
                         acc[0][i] = fmadd(qc, x0, acc[0][i]);
                         acc[1][i] = fmadd(qc, x1, acc[1][i]);
                     }
@@ -293,10 +297,12 @@ void value_sums(const Reader r, int64_t len, const float* p, int64_t hs_, float*
 }
 
 // `value_sums` with as many vectors of channels at a time as the registers hold beside GQ
-// weights: 4 in AVX-512's 32 registers; in AVX2's 16, 4 for 1 or 2 queries, 2 for 3 or 4.
+// weights and a value: 4 in AVX-512's 32 registers; in AVX2's 16, 4 for up to 3 queries (all
+// 16 registers at 3: each pass over the block reads the rows from the caches again, which
+// cost more than a spill), 2 for 4.
 template <int GQ, class Reader>
 void sized_values(const Reader& r, int64_t len, const float* p, int64_t hs, float* acc_out) {
-    constexpr int NC = kLanes == 16 || GQ <= 2 ? 4 : 2;
+    constexpr int NC = kLanes == 16 || GQ <= 3 ? 4 : 2;
     if (hs == 64) value_sums<GQ, NC, 64>(r, len, p, hs, acc_out);
     else if (hs == 128) value_sums<GQ, NC, 128>(r, len, p, hs, acc_out);
     else if (hs % (kLanes * NC) == 0) value_sums<GQ, NC, 0>(r, len, p, hs, acc_out);
