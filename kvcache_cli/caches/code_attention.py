@@ -26,7 +26,7 @@ minimum and maximum, the float16 rounding of scale and zero point, round, clamp,
 append per tensor), a fixed cost a step that no context length amortises; `quantise_tokens`
 does the same arithmetic in one pass, bit for bit, straight into the cache's buffers.
 
-It is built at first use with the machine's C++ compiler (`caches.native`; some 15 s
+It is built at first use with the machine's C++ compiler (`caches.native`; some 30 s
 of CPU where its vector path is compiled, once per CPU and compiler) and loaded with
 ctypes. Where it cannot be built (no compiler, another CPU), `kernel()` is None, `NOTE`
 says why in one line, and the caches keep their torch path; `KVCACHE_CODE_ATTENTION=torch`

@@ -190,9 +190,12 @@ inline void lines(const void* p, int64_t bytes) {
 }
 
 // Readers: `chunk(t, c)`, channels kLanes * c onwards (kLanes of them) of the block's token t
-// in float32.
+// in float32; `unrolled`: whether the loops over a row's chunks are unrolled whole where the
+// head size is known (a grouped reader's, so each chunk's group is a constant; a float
+// reader's ran faster rolled).
 template <int fmt>
 struct Stored {  // full-precision rows, hs numbers a token
+    static constexpr bool unrolled = false;
     const char* rows;
     int64_t hs;
     vec chunk(int64_t t, int64_t c) const {
@@ -201,8 +204,13 @@ struct Stored {  // full-precision rows, hs numbers a token
     void prefetch(int64_t t) const { lines(rows + t * hs * kBytes<fmt>, hs * kBytes<fmt>); }
 };
 
-template <int bits, bool affine>
+// GS: the group size where it is a compile-time constant (the common 32), else 0. Then each
+// chunk's group is a constant of the unrolled loops, and a group's scale and zero point are
+// loaded once for all its chunks: read from a table, they were loaded again for each chunk,
+// and loads, not arithmetic, bound these loops.
+template <int bits, bool affine, int GS = 0>
 struct Codes {  // codes a token, dequantised with its groups' scales (float32, J a token)
+    static constexpr bool unrolled = GS > 0;
     const uint8_t* codes;  // or, not affine, the codes as they are (per-channel keys)
     int64_t width, J;
     const float *scale, *zero;
@@ -219,8 +227,9 @@ struct Codes {  // codes a token, dequantised with its groups' scales (float32, 
     vec chunk(int64_t t, int64_t c) const {
         const vec x = simd::codes<bits>(codes + t * width + c * kLanes * bits / 8);
         if constexpr (!affine) return x;
-        const int64_t at = t * J + first[c];
-        if (!narrow) return fmadd(x, broadcast(scale[at]), broadcast(zero[at]));
+        const int64_t at = t * J + (GS ? kLanes * c / GS : first[c]);
+        if (GS ? GS >= kLanes : !narrow)
+            return fmadd(x, broadcast(scale[at]), broadcast(zero[at]));
         return fmadd(x, permute(lanes, load(scale + at)), permute(lanes, load(zero + at)));
     }
 };
@@ -241,19 +250,25 @@ void key_scores(const Reader r, int64_t t0, int64_t t1, const float* q, int64_t 
             for (int u = 0; u < 2; ++u)
                 for (int i = 0; i < GQ; ++i) acc[u][i] = zero();
             const int64_t t0 = tile + k, t1 = k + 1 < n ? t0 + 1 : t0;  // past n: ignored
-            if (k < n)
-                for (int64_t c = 0; c < hs / kLanes; ++c) {
-                    const vec x0 = r.chunk(t0, c), x1 = r.chunk(t1, c);
-                    for (int i = 0; i < GQ; ++i) {
-                        vec qc = load(q + i * hs + kLanes * c);
-                        // one load for both tokens: the compiler would read q again as each
-                        // multiply-add's operand, and the loads, not the arithmetic, bound
-                        // this loop (AVX2 on AMD Zen: 2 a cycle)
-                        asm("" : "+v"(qc));
-                        acc[0][i] = fmadd(qc, x0, acc[0][i]);
-                        acc[1][i] = fmadd(qc, x1, acc[1][i]);
-                    }
+            const auto chunk = [&](int64_t c) __attribute__((always_inline)) {
+                const vec x0 = r.chunk(t0, c), x1 = r.chunk(t1, c);
+                for (int i = 0; i < GQ; ++i) {
+                    vec qc = load(q + i * hs + kLanes * c);
+                    // one load for both tokens: the compiler would read q again as each
+                    // multiply-add's operand, and the loads, not the arithmetic, bound this
+                    // loop (AVX2 on AMD Zen: 2 a cycle)
+                    asm("" : "+v"(qc));
+                    acc[0][i] = fmadd(qc, x0, acc[0][i]);
+                    acc[1][i] = fmadd(qc, x1, acc[1][i]);
                 }
+            };
+            if (k >= n) {
+            } else if constexpr (HS > 0 && Reader::unrolled) {
+#pragma GCC unroll 16
+                for (int64_t c = 0; c < HS / kLanes; ++c) chunk(c);
+            } else {
+                for (int64_t c = 0; c < hs / kLanes; ++c) chunk(c);
+            }
             for (int i = 0; i < GQ; ++i) {
                 part[i][k] = acc[0][i];
                 part[i][k + 1] = acc[1][i];
@@ -263,7 +278,7 @@ void key_scores(const Reader r, int64_t t0, int64_t t1, const float* q, int64_t 
     }
 }
 
-// `key_scores` with the common head sizes' loops unrolled whole.
+// `key_scores` at the common head sizes, known at compile time.
 template <int GQ, class Reader>
 void sized_scores(const Reader& r, int64_t t0, int64_t t1, const float* q, int64_t hs,
                   float* scores, int64_t len) {
@@ -278,7 +293,7 @@ void sized_scores(const Reader& r, int64_t t0, int64_t t1, const float* q, int64
 template <int GQ, int NC, int HS, class Reader>
 void value_sums(const Reader r, int64_t len, const float* p, int64_t hs_, float* acc_out) {
     const int64_t hs = HS ? HS : hs_;
-    for (int64_t c0 = 0; c0 < hs / kLanes; c0 += NC) {
+    const auto pass = [&](int64_t c0) __attribute__((always_inline)) {  // NC vectors from c0
         vec acc[GQ][NC];
         for (int i = 0; i < GQ; ++i)
             for (int c = 0; c < NC; ++c) acc[i][c] = zero();
@@ -293,6 +308,12 @@ void value_sums(const Reader r, int64_t len, const float* p, int64_t hs_, float*
         }
         for (int i = 0; i < GQ; ++i)
             for (int c = 0; c < NC; ++c) store(acc_out + i * hs + kLanes * (c0 + c), acc[i][c]);
+    };
+    if constexpr (HS > 0 && Reader::unrolled) {
+#pragma GCC unroll 16
+        for (int64_t c0 = 0; c0 < HS / kLanes; c0 += NC) pass(c0);
+    } else {
+        for (int64_t c0 = 0; c0 < hs / kLanes; c0 += NC) pass(c0);
     }
 }
 
@@ -348,20 +369,22 @@ inline std::vector<float> widened(const _Float16* x, int64_t n) {
     return out;
 }
 
-// `block` on this path: tokens a .. b - 1 of cache row `row`.
-template <int bits>
-void codes_block(const float* q, const Cache& c, int64_t row, int64_t a, int64_t b, int64_t g,
-                 int64_t hs, int64_t G, bool key_channels, float* m, float* l, float* acc) {
+// `block` on this path: tokens a .. b - 1 of cache row `row`, groups of GS (or G, GS = 0).
+template <int bits, int GS>
+void grouped_block(const float* q, const Cache& c, int64_t row, int64_t a, int64_t b,
+                   int64_t g, int64_t hs, int64_t G, bool key_channels, float* m, float* l,
+                   float* acc) {
     const int64_t len = b - a, width = hs * bits / 8, J = hs / G;
     const float* qr = q + row * g * hs;
     const std::vector<float> vs = widened(c.vs + row * c.vs_row + a * J, len * J),
                              vz = widened(c.vz + row * c.vs_row + a * J, len * J);
-    const Codes<bits, true> values{c.vc + row * c.vc_row + a * width, width, J, G, vs.data(), vz.data()};
+    const Codes<bits, true, GS> values{c.vc + row * c.vc_row + a * width, width, J, G, vs.data(),
+                                       vz.data()};
     if (!key_channels) {  // per-token keys: dequantised as read, like the values
         const std::vector<float> ks = widened(c.ks + row * c.ks_row + a * J, len * J),
                                  kz = widened(c.kz + row * c.ks_row + a * J, len * J);
-        const Codes<bits, true> keys{c.kc + row * c.kc_row + a * width, width, J, G, ks.data(),
-                               kz.data()};
+        const Codes<bits, true, GS> keys{c.kc + row * c.kc_row + a * width, width, J, G,
+                                         ks.data(), kz.data()};
         return partial([&](auto GQ, int64_t i, float* s) {
             sized_scores<decltype(GQ)::value>(keys, 0, len, qr + i * hs, hs, s, len);
         }, values, g, len, hs, m, l, acc);
@@ -394,6 +417,13 @@ void codes_block(const float* q, const Cache& c, int64_t row, int64_t a, int64_t
             t0 = t1;
         }
     }, values, g, len, hs, m, l, acc);
+}
+
+template <int bits>
+void codes_block(const float* q, const Cache& c, int64_t row, int64_t a, int64_t b, int64_t g,
+                 int64_t hs, int64_t G, bool key_channels, float* m, float* l, float* acc) {
+    if (G == 32) grouped_block<bits, 32>(q, c, row, a, b, g, hs, G, key_channels, m, l, acc);
+    else grouped_block<bits, 0>(q, c, row, a, b, g, hs, G, key_channels, m, l, acc);
 }
 
 // `half_block` on this path: stored tokens a .. b - 1 of one cache row.

@@ -73,6 +73,7 @@ namespace simd {
 // element off[t] (the header's `Stored` reads row t at t * hs).
 template <int fmt>
 struct Paged {
+    static constexpr bool unrolled = false;
     const char* head;
     const int64_t* off;
     int64_t hs;
