@@ -262,12 +262,13 @@ void key_scores(const Reader r, int64_t t0, int64_t t1, const float* q, int64_t 
                     acc[1][i] = fmadd(qc, x1, acc[1][i]);
                 }
             };
-            if (k >= n) {
-            } else if constexpr (HS > 0 && Reader::unrolled) {
+            if (k < n) {
+                if constexpr (HS > 0 && Reader::unrolled) {
 #pragma GCC unroll 16
-                for (int64_t c = 0; c < HS / kLanes; ++c) chunk(c);
-            } else {
-                for (int64_t c = 0; c < hs / kLanes; ++c) chunk(c);
+                    for (int64_t c = 0; c < HS / kLanes; ++c) chunk(c);
+                } else {
+                    for (int64_t c = 0; c < hs / kLanes; ++c) chunk(c);
+                }
             }
             for (int i = 0; i < GQ; ++i) {
                 part[i][k] = acc[0][i];
