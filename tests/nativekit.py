@@ -19,9 +19,8 @@ if not CPUINFO.exists() or "avx512bw" in CPUINFO.read_text():
 
 def kernel_fixtures(module):
     """The fixtures `lib` and `use` for a kernel module (`caches.code_attention`,
-    `caches.paged`): `lib` each of the kernel's BUILDS, skipped where it does not build or is
-    the CPU's own build again (the AVX2 one on a CPU without AVX-512); `use` makes
-    `module.kernel()` that build for one test. Bind both names in the test module:
+    `caches.paged`): `lib` each of the kernel's BUILDS, skipped where it does not build; `use`
+    makes `module.kernel()` that build for one test. Bind both names in the test module:
     `lib, use = ...`."""
 
     @pytest.fixture(scope="module", params=list(BUILDS))
@@ -29,9 +28,6 @@ def kernel_fixtures(module):
         built, why = module.load(BUILDS[request.param])
         if built is None:
             pytest.skip(why)
-        own = module.load()[0]
-        if request.param == "avx2" and built.vector_lanes() == own.vector_lanes():
-            pytest.skip(f"the CPU's own build here ({own.vector_lanes()} lanes)")
         return built
 
     @pytest.fixture

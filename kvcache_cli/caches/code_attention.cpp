@@ -260,15 +260,6 @@ void over_codes(const float* q, const Cache& c, int64_t rows, int64_t n, int64_t
 
 }  // namespace
 
-// The vector path's lanes (16 with AVX-512, 8 with AVX2), or 0 where the plain loops run.
-extern "C" int vector_lanes() {
-#ifdef CODE_ATTENTION_SIMD
-    return CODE_ATTENTION_SIMD;
-#else
-    return 0;
-#endif
-}
-
 // full: the sinks' and the tail's keys and values (rows, s or t, hs) at full precision, format
 // fmt, a row's tokens contiguous, sink_row / tail_row elements from one row to the next; they
 // join the codes' partial sums in the same pass (s = t = 0: the codes alone).

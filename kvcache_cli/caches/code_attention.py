@@ -61,11 +61,10 @@ def load(defines: tuple[str, ...] = ()) -> tuple[ctypes.CDLL | None, str | None]
     """(the kernel built with `defines`, None), or (None, why not). `-DCODE_ATTENTION_SCALAR`
     builds its plain loops, which a CPU without AVX2 (or a head size not a multiple of the
     vector's lanes) runs, and `-DCODE_ATTENTION_AVX2` keeps an AVX-512 CPU to AVX2's lanes,
-    so every path is tested and timed on one machine (`vector_lanes()` says which)."""
+    so every path is tested and timed on one machine."""
     lib, why = native.build(SOURCE, off="KVCACHE_CODE_ATTENTION", defines=defines)
     if lib is None:
         return None, why
-    lib.vector_lanes.restype = ctypes.c_int
     lib.attend_codes.restype = ctypes.c_int
     lib.attend_codes.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 12 + \
         ([ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2) * 2 + [ctypes.c_int64] + \

@@ -348,11 +348,10 @@ def kernel() -> ctypes.CDLL | None:
 def load(defines: tuple[str, ...] = ()) -> tuple[ctypes.CDLL | None, str | None]:
     """(the kernel built with `defines`, None), or (None, why not).
     `-DCODE_ATTENTION_SCALAR` builds its plain loops, which a CPU without AVX2 runs,
-    `-DCODE_ATTENTION_AVX2` AVX2's lanes on an AVX-512 CPU (`vector_lanes()` says which)."""
+    `-DCODE_ATTENTION_AVX2` AVX2's lanes on an AVX-512 CPU."""
     lib, why = native.build(SOURCE, off="KVCACHE_PAGED_ATTENTION", defines=defines)
     if lib is None:
         return None, why
-    lib.vector_lanes.restype = ctypes.c_int
     lib.attend_paged.restype = ctypes.c_int
     lib.attend_paged.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 2 + \
         [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 6 + [ctypes.c_void_p] + \

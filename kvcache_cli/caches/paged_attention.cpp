@@ -107,15 +107,6 @@ void pair_sums(const float* q, const char* k, const char* v, const int64_t* off,
 
 }  // namespace
 
-// The vector path's lanes (16 with AVX-512, 8 with AVX2), or 0 where the plain loops run.
-extern "C" int vector_lanes() {
-#ifdef CODE_ATTENTION_SIMD
-    return CODE_ATTENTION_SIMD;
-#else
-    return 0;
-#endif
-}
-
 // q: each row's nkv * g query heads (float32), q_row / q_head elements from one row / head to
 // the next, a head's hs numbers contiguous; y likewise (y_row, y_head). k, v: one pool layer,
 // (nkv, n_blocks, bs, hs) contiguous, format fmt. table: (rows, width) block ids; row r sees
