@@ -13,8 +13,18 @@ CPUINFO = Path("/proc/cpuinfo")
 # where the CPU has AVX-512 (elsewhere that is the CPU's own build again), and the plain
 # loops a CPU without AVX2 runs.
 BUILDS = {"vector": (), "plain": ("-DCODE_ATTENTION_SCALAR",)}
-if not CPUINFO.exists() or "avx512bw" in CPUINFO.read_text():
+FLAGS = CPUINFO.read_text() if CPUINFO.exists() else "avx512bw avx2"
+if "avx512bw" in FLAGS:
     BUILDS["avx2"] = ("-DCODE_ATTENTION_AVX2",)
+VECTOR_PATH = "avx2" in FLAGS  # where the builds but "plain" run the vector code
+
+
+def keys_in_words(build: str, bits: int, per_channel: bool, hs: int, G: int) -> bool:
+    """Whether `build` multiplies these keys in integers (`code_attention_simd.h`'s
+    `word_dots`), the query rounded to 16-bit words: the vector builds, at head sizes 64 and
+    128, for 8-bit per-token keys in groups of 32 and 8- or 4-bit per-channel ones."""
+    return (build != "plain" and VECTOR_PATH and hs in (64, 128) and
+            (bits in (8, 4) if per_channel else bits == 8 and G == 32))
 
 
 def kernel_fixtures(module):

@@ -4,13 +4,15 @@ paths: the vector one (`code_attention_simd.h`, with AVX-512's lanes where this 
 and with AVX2's) and the plain loops (built with -DCODE_ATTENTION_SCALAR). Every code width,
 per-token and per-channel keys, group sizes on and off the vector path, GQA groups of 1 to 9
 queries (the vector path takes them 4 at a time), lengths that end mid-tile and cross the
-kernel's 512-token blocks, and the sinks and tail read in the same pass."""
+kernel's 512-token blocks, and the sinks and tail read in the same pass. Where the vector
+path multiplies keys in integers (8-bit per-token keys in groups of 32, 8- and 4-bit
+per-channel ones, head sizes 64 and 128), the reference rounds the query as it does."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from nativekit import BUILDS, kernel_fixtures
+from nativekit import BUILDS, VECTOR_PATH, kernel_fixtures, keys_in_words
 
 from kvcache_cli.caches import affine, code_attention
 
@@ -24,13 +26,14 @@ def unpack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.stack(parts, -1).flatten(-2).double()
 
 
-def reference(q, keys, values, full=()):
+def reference(q, keys, values, full=(), scores=None):
     """m, l, acc over keys, values (B, nkv, n, hs) float64 and the sinks' and tail's,
-    for queries q (B, nkv, g, hs): the partial sums the kernel returns."""
+    for queries q (B, nkv, g, hs): the partial sums the kernel returns; `scores`, the keys'
+    scores where they are not q . k (`word_scores`)."""
     if full:
         keys = torch.cat([full[0].double(), keys, full[2].double()], 2)
         values = torch.cat([full[1].double(), values, full[3].double()], 2)
-    s = q.double() @ keys.transpose(-1, -2)  # (B, nkv, g, n)
+    s = q.double() @ keys.transpose(-1, -2) if scores is None else scores  # (B, nkv, g, n)
     m = s.amax(-1)
     p = (s - m[..., None]).exp()
     return m, p.sum(-1), p @ values
@@ -51,6 +54,30 @@ def dequantised(x, bits, G, per_channel):
     values = unpack(vc, bits) * vs.double().repeat_interleave(G, 3) + \
         vz.double().repeat_interleave(G, 3)
     return (kc, ks, kz, vc, vs, vz), keys, values
+
+
+def rounded(x):
+    """x (..., hs) float32 rounded as the integer path rounds a query, on one step a row (its
+    largest magnitude to 32767) to whole steps, as float64."""
+    big = x.abs().amax(-1, keepdim=True)
+    inverse = torch.where(big > 0, 32767 / big, torch.zeros_like(big))
+    return torch.round(x * inverse).double() * (big / 32767).double()
+
+
+def word_scores(q, stored, bits, G, per_channel):
+    """float64 scores of queries q (B, nkv, g, hs) over the codes as the integer path makes
+    them: the query rounded (per-token keys), or the query times a group's channel scales
+    rounded (per-channel keys), times the codes; plus the query times the zero points."""
+    kc, ks, kz = stored[:3]
+    codes = unpack(kc, bits)  # (B, nkv, n, hs)
+    if per_channel:
+        scaled = rounded(q[:, :, :, None] * ks.float()[:, :, None])  # (B, nkv, g, n / G, hs)
+        raw = (scaled.repeat_interleave(G, 3) * codes[:, :, None]).sum(-1)
+        zeros = kz.double().repeat_interleave(G, 2)
+    else:
+        raw = rounded(q) @ (codes * ks.double().repeat_interleave(G, 3)).transpose(-1, -2)
+        zeros = kz.double().repeat_interleave(G, 3)
+    return raw + q.double() @ zeros.transpose(-1, -2)
 
 
 def check(got, want, scale=1.0):
@@ -78,7 +105,7 @@ def check(got, want, scale=1.0):
     (20, 4, 30, 3),    # a head size no vector path takes: the plain loops
 ])
 def test_codes_equal_float64_attention_over_the_dequantised_cache(bits, per_channel, hs, G, n,
-                                                                   g):
+                                                                   g, request):
     gen = torch.Generator().manual_seed(bits * 100 + hs + G + n + g)
     B, nkv = 2, 3
     n -= n % G if per_channel else 0  # per-channel keys are quantised G tokens at a time
@@ -86,7 +113,31 @@ def test_codes_equal_float64_attention_over_the_dequantised_cache(bits, per_chan
     stored, keys, values = dequantised(x, bits, G, per_channel)
     q = torch.randn(B, nkv, g, hs, generator=gen) / hs ** 0.5
     got = code_attention.attend_codes(q, *stored, bits, G, per_channel)
-    check(got, reference(q, keys, values), scale=keys.abs().max().item())
+    scores = None
+    if keys_in_words(request.node.callspec.params["lib"], bits, per_channel, hs, G):
+        scores = word_scores(q, stored, bits, G, per_channel)
+    check(got, reference(q, keys, values, scores=scores), scale=keys.abs().max().item())
+
+
+@pytest.mark.usefixtures("use")
+@pytest.mark.parametrize(("bits", "per_channel"), [(8, False), (8, True), (4, True)])
+def test_the_integer_path_rounds_the_query_to_16_bit_words(bits, per_channel, request):
+    # one channel 10^4 times the rest: a step of the rounding is then some 10^-4 of the others
+    # (q8_0's 8 bits would have rounded them all to 0)
+    gen = torch.Generator().manual_seed(bits)
+    B, nkv, n, hs, g, G = 1, 3, 256, 64, 3, 32
+    x = torch.randn(2, B, nkv, n, hs, generator=gen)
+    stored, keys, values = dequantised(x, bits, G, per_channel)
+    q = torch.randn(B, nkv, g, hs, generator=gen) / 8
+    q[..., 5] = 1e3
+    got = code_attention.attend_codes(q, *stored, bits, G, per_channel)
+    build = request.node.callspec.params["lib"]
+    words = word_scores(q, stored, bits, G, per_channel)
+    floats = q.double() @ keys.transpose(-1, -2)
+    moved = (words - floats).abs().max() / floats.abs().max()
+    assert 1e-6 < moved < 1e-3  # the rounding is seen in the scores, and small beside them
+    want = words if keys_in_words(build, bits, per_channel, hs, G) else None
+    check(got, reference(q, keys, values, scores=want), scale=keys.abs().max().item())
 
 
 @pytest.mark.usefixtures("use")
@@ -118,6 +169,10 @@ def test_the_vector_paths_and_the_plain_loops_agree_on_every_width(monkeypatch):
             monkeypatch.setattr(code_attention, "kernel", lambda lib=lib: lib)
             m, l_sum, acc = code_attention.attend_codes(q, *stored, bits, 32, bits != 8)
             outs.append(acc / l_sum[..., None])
-        # the same float32 arithmetic summed in another order
-        for out in outs[1:]:
-            torch.testing.assert_close(out, outs[0], atol=1e-5, rtol=1e-5)
+        # the same float32 arithmetic summed in another order; but the vector builds multiply
+        # keys of 8 and 4 bits in integers, the query rounded within some 1e-5 of its largest,
+        # and the plain loops do not
+        for name, out in zip(BUILDS, outs):
+            rounding = VECTOR_PATH and name == "plain" and bits != 2
+            torch.testing.assert_close(out, outs[0], atol=1e-4 if rounding else 1e-5,
+                                       rtol=1e-4 if rounding else 1e-5)

@@ -7,6 +7,7 @@ import decoding
 import pytest
 import torch
 import torch.nn.functional as F
+from nativekit import keys_in_words
 
 from kvcache_cli.caches import code_attention, make_cache
 from kvcache_cli.caches import quantized as quantized_module
@@ -136,7 +137,12 @@ def test_a_long_history_of_two_rows_equals_sdpa_over_the_dequantised_copy(spec):
     expected = F.scaled_dot_product_attention(q, keys, values, enable_gqa=True)
     cache.crop(1100)
     got = cache.attend(0, q, k[:, :, :1], v[:, :, :1], Step(1100, torch.tensor([1100])))
-    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
+    # keys the kernel multiplies in integers, the query rounded to 16-bit words: scores of
+    # ~10 move by ~1e-4, outputs of ~1 by up to some 1e-3
+    words = code_attention.kernel() is not None and keys_in_words(
+        "vector", cache.bits, cache.per_channel, 64, cache.group)
+    torch.testing.assert_close(got, expected, **(dict(atol=2e-3, rtol=1e-3) if words else
+                                                 dict(atol=2e-5, rtol=1e-5)))
 
 
 def test_the_kernel_steps_aside_in_one_line_where_it_cannot_be_built(monkeypatch, tmp_path):

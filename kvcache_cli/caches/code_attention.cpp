@@ -23,8 +23,9 @@
 // and zero per G channels; keys per token likewise, or per channel (KIVI), a scale and zero
 // per channel and G tokens. A per-token key is dequantised as it is read (hs multiply-adds,
 // then one dot product a query); per-channel key scales fold into the query once per G
-// tokens, and value scales into the weights (the vector path dequantises values as read). Codes are packed 8 / bits to a byte, the first in the
-// lowest bits. Work is split over (row, block of tokens), so 2 threads share 3 KV heads
+// tokens, and value scales into the weights. (The vector path multiplies the common keys in
+// integers, its head of file says how.) Codes are packed 8 / bits to a byte, the first in
+// the lowest bits. Work is split over (row, block of tokens), so 2 threads share 3 KV heads
 // evenly; the blocks' partial sums are merged at the end.
 
 #include <cmath>

@@ -4,8 +4,10 @@ kernel (`code_attention.cpp`); and the new tokens' per-token codes, stored in on
 A decoding token's attention reads every cached key and value once: what decides its time
 is how many bytes it reads and what it does to each. In torch the integer caches had to
 turn their codes into float32 first (a copy a chunk at a time, then float products), which
-cost more than SDPA reading float32 outright; this kernel reads the codes as bytes, folds
-the scales into the query and the weights, and keeps the softmax's partial sums
+cost more than SDPA reading float32 outright; this kernel reads the codes as bytes (where
+the CPU has AVX2 or AVX-512, the common keys' codes multiply the query rounded to 16-bit
+words as integers: `code_attention_simd.h` says how close), folds the scales into the query
+and the weights, and keeps the softmax's partial sums
 (flash-decoding's m, l, acc), so the full-precision sinks and tail merge in exactly. A
 static cache's buffers are read the same way (`attend_decode`): float32, or a half-precision
 cache's 2 bytes a number (`caches.half`), each row widened to float32 as it is read, so no

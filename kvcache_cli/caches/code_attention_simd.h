@@ -14,8 +14,14 @@
 // with AVX-512); the values' accumulators of up to 4 queries stay in registers over a
 // block's tokens; codes are widened a vector at a time and a block's scales in one pass;
 // rows are prefetched ahead. Sums run in another order than the plain loops' (as
-// -ffast-math already lets those); the arithmetic is the same: a key or value dequantised
-// (code * scale + zero), then float32 products and sums.
+// -ffast-math already lets those), and two things differ from them:
+// - keys of 8-bit codes (per token, in groups of 32) and of 8 or 4 bits (per channel), at head
+//   sizes 64 and 128, are multiplied in integers (`word_dots`): the query rounded to 16-bit
+//   words, within half a step of some 1e-5 of its row's largest number, which moves a score
+//   by some 1e-5 of it (the codes' own rounding moves it a hundred times more);
+// - 8-bit values in groups of 32 fold their scales into the weights (`value_sums`).
+// Every other key and value is dequantised (code * scale + zero), then float32 products and
+// sums.
 // Shapes it takes: head sizes a multiple of kLanes, groups a multiple of kLanes or dividing
 // it. -DCODE_ATTENTION_AVX2 keeps an AVX-512 CPU to AVX2's lanes, so the tests check both.
 #if !defined(CODE_ATTENTION_SCALAR) && defined(__AVX512F__) && defined(__AVX512BW__) && \
@@ -41,6 +47,7 @@ inline void store_first(float* p, vec x, int64_t n) {  // lanes 0 .. n - 1
 }
 inline vec broadcast(float x) { return _mm512_set1_ps(x); }
 inline vec mul(vec a, vec b) { return _mm512_mul_ps(a, b); }
+inline vec add_floats(vec a, vec b) { return _mm512_add_ps(a, b); }
 inline vec fmadd(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline float lanes_total(vec x) { return _mm512_reduce_add_ps(x); }
 inline vec permute(lane_index i, vec x) { return _mm512_permutexvar_ps(i, x); }
@@ -100,6 +107,16 @@ inline vec codes(const uint8_t* p) {
     }
 }
 
+// 2 * 16 codes of 4 bits from p (16 bytes, the first code in the lowest bits), as float32:
+// one load and split for both vectors, where `codes<4>` takes 7 operations a vector.
+inline void code_pair(const uint8_t* p, vec* out) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    const __m128i mask = _mm_set1_epi8(15);
+    const __m128i low = _mm_and_si128(b, mask), high = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+    out[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(low, high)));
+    out[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi8(low, high)));
+}
+
 // 16 stored numbers from p widened to float32.
 template <int fmt>
 inline vec widen(const char* p) {
@@ -109,6 +126,30 @@ inline vec widen(const char* p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));  // bf16
 }
 
+// Integers, for the keys' integer dot products: 16-bit words, 32-bit sums.
+using ivec = __m512i;
+inline ivec izero() { return _mm512_setzero_si512(); }
+inline ivec words(const uint8_t* p) {  // 2 * kLanes bytes, zero-extended
+    return _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline ivec load_words(const int16_t* p) { return _mm512_loadu_si512(p); }
+inline ivec low_nibbles(ivec w) { return _mm512_and_si512(w, _mm512_set1_epi16(15)); }
+inline ivec high_nibbles(ivec w) { return _mm512_srli_epi16(w, 4); }  // w < 256
+inline ivec dot_pairs(ivec a, ivec b) { return _mm512_madd_epi16(a, b); }  // kLanes sums of 2
+inline ivec add_ints(ivec a, ivec b) { return _mm512_add_epi32(a, b); }
+inline vec floats(ivec a) { return _mm512_cvtepi32_ps(a); }
+inline ivec rounded(vec x) { return _mm512_cvtps_epi32(x); }  // to nearest, ties to even
+inline ivec narrow(ivec a, ivec b) {  // a's 32-bit lanes then b's, as words (saturated)
+    return _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7),
+                                    _mm512_packs_epi32(a, b));
+}
+inline void store_words(int16_t* p, ivec w) { _mm512_storeu_si512(p, w); }
+inline vec larger(vec a, vec b) { return _mm512_max_ps(a, b); }
+inline vec magnitude(vec x) { return _mm512_abs_ps(x); }
+inline float lanes_max(vec x) { return _mm512_reduce_max_ps(x); }
+inline ivec low_words(ivec w) { return _mm512_srai_epi32(_mm512_slli_epi32(w, 16), 16); }
+inline ivec high_words(ivec w) { return _mm512_srai_epi32(w, 16); }  // each lane's, signed
+
 #else  // AVX2: 8 lanes, 16 registers
 using vec = __m256;
 using lane_index = __m256i;
@@ -116,12 +157,14 @@ inline vec zero() { return _mm256_setzero_ps(); }
 inline vec load(const float* p) { return _mm256_loadu_ps(p); }
 inline void store(float* p, vec x) { _mm256_storeu_ps(p, x); }
 inline void store_first(float* p, vec x, int64_t n) {  // lanes 0 .. n - 1
+    if (n == kLanes) return _mm256_storeu_ps(p, x);  // a masked store is slow on AMD Zen
     const __m256i first = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)),
                                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
     _mm256_maskstore_ps(p, first, x);
 }
 inline vec broadcast(float x) { return _mm256_set1_ps(x); }
 inline vec mul(vec a, vec b) { return _mm256_mul_ps(a, b); }
+inline vec add_floats(vec a, vec b) { return _mm256_add_ps(a, b); }
 inline vec fmadd(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline float lanes_total(vec x) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
@@ -168,6 +211,17 @@ inline vec codes(const uint8_t* p) {
     }
 }
 
+// 2 * 8 codes of 4 bits from p (8 bytes, the first code in the lowest bits), as float32:
+// one load and split for both vectors, where `codes<4>` takes 7 operations a vector.
+inline void code_pair(const uint8_t* p, vec* out) {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    const __m128i mask = _mm_set1_epi8(15);
+    const __m128i low = _mm_and_si128(b, mask), high = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+    const __m128i both = _mm_unpacklo_epi8(low, high);  // the 16 codes in order
+    out[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(both));
+    out[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(both, 8)));
+}
+
 // 8 stored numbers from p widened to float32.
 template <int fmt>
 inline vec widen(const char* p) {
@@ -176,6 +230,37 @@ inline vec widen(const char* p) {
     if constexpr (fmt == kF16) return _mm256_cvtph_ps(h);
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));  // bf16
 }
+
+// Integers, for the keys' integer dot products: 16-bit words, 32-bit sums.
+using ivec = __m256i;
+inline ivec izero() { return _mm256_setzero_si256(); }
+inline ivec words(const uint8_t* p) {  // 2 * kLanes bytes, zero-extended
+    return _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline ivec load_words(const int16_t* p) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+inline ivec low_nibbles(ivec w) { return _mm256_and_si256(w, _mm256_set1_epi16(15)); }
+inline ivec high_nibbles(ivec w) { return _mm256_srli_epi16(w, 4); }  // w < 256
+inline ivec dot_pairs(ivec a, ivec b) { return _mm256_madd_epi16(a, b); }  // kLanes sums of 2
+inline ivec add_ints(ivec a, ivec b) { return _mm256_add_epi32(a, b); }
+inline vec floats(ivec a) { return _mm256_cvtepi32_ps(a); }
+inline ivec rounded(vec x) { return _mm256_cvtps_epi32(x); }  // to nearest, ties to even
+inline ivec narrow(ivec a, ivec b) {  // a's 32-bit lanes then b's, as words (saturated)
+    return _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);
+}
+inline void store_words(int16_t* p, ivec w) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), w);
+}
+inline vec larger(vec a, vec b) { return _mm256_max_ps(a, b); }
+inline vec magnitude(vec x) { return _mm256_andnot_ps(_mm256_set1_ps(-0.f), x); }
+inline float lanes_max(vec x) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+inline ivec low_words(ivec w) { return _mm256_srai_epi32(_mm256_slli_epi32(w, 16), 16); }
+inline ivec high_words(ivec w) { return _mm256_srai_epi32(w, 16); }  // each lane's, signed
 #endif
 
 // Rows are read front to back, but the hardware prefetcher stops at each 4 KiB page and
@@ -211,6 +296,7 @@ struct Stored {  // full-precision rows, hs numbers a token
 template <int bits, bool affine, int GS = 0>
 struct Codes {  // codes a token, dequantised with its groups' scales (float32, J a token)
     static constexpr bool unrolled = GS > 0;
+    static constexpr int group_size = GS;
     const uint8_t* codes;  // or, not affine, the codes as they are (per-channel keys)
     int64_t width, J;
     const float *scale, *zero;
@@ -224,8 +310,11 @@ struct Codes {  // codes a token, dequantised with its groups' scales (float32, 
         for (int64_t c = 0; c < kChunks; ++c) first[c] = static_cast<int32_t>(kLanes * c / G);
     }
     void prefetch(int64_t t) const { lines(codes + t * width, width); }
-    vec chunk(int64_t t, int64_t c) const {
-        const vec x = simd::codes<bits>(codes + t * width + c * kLanes * bits / 8);
+    vec raw(int64_t t, int64_t c) const {  // chunk c's codes as they are
+        return simd::codes<bits>(codes + t * width + c * kLanes * bits / 8);
+    }
+    vec chunk(int64_t t, int64_t c) const { return dequantised(raw(t, c), t, c); }
+    vec dequantised(vec x, int64_t t, int64_t c) const {  // codes x of chunk c
         if constexpr (!affine) return x;
         const int64_t at = t * J + (GS ? kLanes * c / GS : first[c]);
         if (GS ? GS >= kLanes : !narrow)
@@ -233,6 +322,20 @@ struct Codes {  // codes a token, dequantised with its groups' scales (float32, 
         return fmadd(x, permute(lanes, load(scale + at)), permute(lanes, load(zero + at)));
     }
 };
+
+// 4-bit codes read two chunks at a time, from one load (`code_pair`); other readers and
+// widths, a chunk at a time.
+template <class Reader>
+constexpr bool paired = false;
+template <bool affine, int GS>
+constexpr bool paired<Codes<4, affine, GS>> = true;
+
+// Values whose group scales fold into the weights (`value_sums`): 8-bit affine codes in groups
+// of a compile-time size, whole chunks each. (4-bit ones, read in pairs, measured slower so.)
+template <class Reader>
+constexpr bool folded = false;
+template <int GS>
+constexpr bool folded<Codes<8, true, GS>> = GS > 0 && GS % kLanes == 0;
 
 // Scores of tokens t0 .. t1 - 1 for GQ queries (GQ rows of hs at q) into scores (rows len
 // apart): a tile of kLanes tokens' lane-vectors, then `lane_sums`.
@@ -288,25 +391,195 @@ void sized_scores(const Reader& r, int64_t t0, int64_t t1, const float* q, int64
     else key_scores<GQ, 0>(r, t0, t1, q, hs, scores, len);
 }
 
+// The keys' integer path, for 8-bit per-token keys in groups of 32 and 8- or 4-bit
+// per-channel ones: a query row rounded to 16-bit words on one step (its largest magnitude to
+// 32767), so a key's codes multiply it as integers, kWords channels an instruction
+// (vpmaddwd), with no conversion to float or dequantisation a channel: the scales apply to
+// each group's sum. A word is within half a step of the query, some 1e-5 of the row's
+// largest number: finer than the float16 that llama.cpp rounds a query to for its own f16
+// cache, and the 8 bits it takes for a q8_0 or q4_0 one. The float path spent as much time
+// on each channel's widening and dequantising as on its products.
+constexpr int64_t kWords = 2 * kLanes;
+
+// q (hs numbers, a multiple of 2 * kWords) rounded to words in out; returns the step (0 for
+// a row of zeros). For 4-bit codes, packed two a byte, each 2 * kWords channels' words are
+// put even channels first, then odd ones, the order `word_dots` unpacks a byte's two codes
+// in. Vector code: this runs once per G tokens for per-channel keys, so a scalar loop here
+// cost as much as the dot products.
+inline float rounded_words(const float* q, int64_t hs, int bits, int16_t* out) {
+    vec big = zero();
+    for (int64_t d = 0; d < hs; d += kLanes) big = larger(big, magnitude(load(q + d)));
+    const float largest = lanes_max(big);
+    const vec inverse = broadcast(largest > 0.f ? 32767.f / largest : 0.f);
+    const auto ints = [&](int64_t d) { return rounded(mul(load(q + d), inverse)); };
+    for (int64_t d = 0; d < hs; d += 2 * kWords) {
+        const ivec first = narrow(ints(d), ints(d + kLanes));  // channels d .. d + kWords - 1
+        const ivec second = narrow(ints(d + 2 * kLanes), ints(d + 3 * kLanes));
+        if (bits == 8) {
+            store_words(out + d, first);
+            store_words(out + d + kWords, second);
+        } else {  // a 32-bit lane's low word is an even channel's, its high word an odd one's
+            store_words(out + d, narrow(low_words(first), low_words(second)));
+            store_words(out + d + kWords, narrow(high_words(first), high_words(second)));
+        }
+    }
+    return largest / 32767.f;
+}
+
+// The integer dot products of GQ rounded queries (rows of HS words at q) with the codes of
+// tokens t0 .. t1 - 1 (rows of HS * bits / 8 bytes), into dots[i * len + t] as float32: the
+// whole row's for per-channel keys (P = HS), or for per-token keys the sum over groups of P
+// channels of each group's times its scale (scale[t * J + j], J = HS / P groups a token).
+// Tiles of kLanes tokens, two at a time, as `key_scores`; a 32-bit sum holds at most
+// 255 * 32767 * 128 (a row of 128).
+template <int GQ, int HS, int bits, int P>
+void word_dots(const uint8_t* codes, int64_t t0, int64_t t1, const int16_t* q,
+               const float* scale, float* dots, int64_t len) {
+    constexpr int64_t width = HS * bits / 8, J = HS / P;
+    constexpr int64_t span = bits == 8 ? kWords : 2 * kWords;  // channels a vector of words
+    static_assert(bits == 8 || bits == 4, "codes of 8 or 4 bits");
+    static_assert(P % span == 0, "whole vectors of words a part");
+    vec part[GQ][kLanes];
+    for (int64_t tile = t0; tile < t1; tile += kLanes) {
+        const int64_t n = t1 - tile < kLanes ? t1 - tile : kLanes;
+        for (int64_t k = 0; k < kLanes; k += 2) {
+            lines(codes + (tile + k + kAhead) * width, width);
+            lines(codes + (tile + k + 1 + kAhead) * width, width);
+            const int64_t t[2] = {tile + k, k + 1 < n ? tile + k + 1 : tile + k};  // past n: ignored
+            const uint8_t* row[2] = {codes + t[0] * width, codes + t[1] * width};
+            vec sum[2][GQ];
+            for (int u = 0; u < 2; ++u)
+                for (int i = 0; i < GQ; ++i) sum[u][i] = zero();
+#pragma GCC unroll 4
+            for (int64_t j = 0; j < J && k < n; ++j) {
+                ivec acc[2][GQ];
+                for (int u = 0; u < 2; ++u)
+                    for (int i = 0; i < GQ; ++i) acc[u][i] = izero();
+#pragma GCC unroll 8
+                for (int64_t c = j * P; c < (j + 1) * P; c += span) {
+                    if constexpr (bits == 8) {
+                        const ivec x[2] = {words(row[0] + c), words(row[1] + c)};
+                        for (int i = 0; i < GQ; ++i) {
+                            ivec qw = load_words(q + i * HS + c);
+                            asm("" : "+v"(qw));  // one load for both tokens, as key_scores'
+                            for (int u = 0; u < 2; ++u)
+                                acc[u][i] = add_ints(acc[u][i], dot_pairs(x[u], qw));
+                        }
+                    } else {  // a byte's two codes: channels c + 2m (low) and c + 2m + 1
+                        ivec low[2], high[2];
+                        for (int u = 0; u < 2; ++u) {
+                            const ivec w = words(row[u] + c / 2);
+                            low[u] = low_nibbles(w);
+                            high[u] = high_nibbles(w);
+                        }
+                        for (int i = 0; i < GQ; ++i) {
+                            ivec even = load_words(q + i * HS + c);
+                            ivec odd = load_words(q + i * HS + c + kWords);
+                            asm("" : "+v"(even), "+v"(odd));
+                            for (int u = 0; u < 2; ++u)
+                                acc[u][i] = add_ints(add_ints(acc[u][i], dot_pairs(low[u], even)),
+                                                     dot_pairs(high[u], odd));
+                        }
+                    }
+                }
+                for (int u = 0; u < 2; ++u) {
+                    if constexpr (J == 1) {
+                        for (int i = 0; i < GQ; ++i) sum[u][i] = floats(acc[u][i]);
+                    } else {
+                        const vec s = broadcast(scale[t[u] * J + j]);
+                        for (int i = 0; i < GQ; ++i) sum[u][i] = fmadd(floats(acc[u][i]), s, sum[u][i]);
+                    }
+                }
+            }
+            for (int i = 0; i < GQ; ++i) {
+                part[i][k] = sum[0][i];
+                part[i][k + 1] = sum[1][i];
+            }
+        }
+        for (int i = 0; i < GQ; ++i) store_first(dots + i * len + tile, lane_sums(part[i]), n);
+    }
+}
+
+// GQ queries from qr (rows of hs) rounded to words (`rounded_words`); their steps in step.
+template <int GQ>
+std::vector<int16_t> query_words(const float* qr, int64_t hs, int bits, float* step) {
+    std::vector<int16_t> w(GQ * hs);
+    for (int i = 0; i < GQ; ++i) step[i] = rounded_words(qr + i * hs, hs, bits, w.data() + i * hs);
+    return w;
+}
+
+// sums[j] = the sum over tokens t < len of p[t] * zeros[t * J + j], J groups a token: a vector
+// of zero points holds kLanes / J tokens' J groups, multiplied by their weights spread to
+// match (lane l: token l / J), where J divides kLanes; J more lanes' sums at the end.
+inline void zero_shares(const float* p, const float* zeros, int64_t len, int64_t J, float* sums) {
+    for (int64_t j = 0; j < J; ++j) sums[j] = 0.f;
+    int64_t t = 0;
+    if (kLanes % J == 0) {
+        const lane_index spread = lanes_over(__builtin_ctzll(J));
+        vec acc = zero();
+        for (; t + kLanes <= len; t += kLanes / J)  // loads p[t .. t + kLanes): inside len
+            acc = fmadd(permute(spread, load(p + t)), load(zeros + t * J), acc);
+        float lanes[kLanes];
+        store(lanes, acc);
+        for (int64_t l = 0; l < kLanes; ++l) sums[l % J] += lanes[l];
+    }
+    for (; t < len; ++t)
+        for (int64_t j = 0; j < J; ++j) sums[j] += p[t] * zeros[t * J + j];
+}
+
 // acc (GQ rows of hs) = sum over the block's tokens t of p[i * len + t] * value t, NC
 // vectors of channels at a time (hs a multiple of kLanes * NC), so the accumulators stay in
-// registers over the block's tokens.
+// registers over the block's tokens. Values in groups of a known size (`folded`) are not
+// dequantised: p * (c * scale + zero) = (p * scale) * c + p * zero, the weights times a
+// group's scale once a token and the zero points' share summed apart, once a block. The
+// dequantising multiply-add needed 2 registers more than AVX2's 16 at 3 queries, and the
+// spilled accumulator's store and reload bound the loop.
 template <int GQ, int NC, int HS, class Reader>
 void value_sums(const Reader r, int64_t len, const float* p, int64_t hs_, float* acc_out) {
     const int64_t hs = HS ? HS : hs_;
+    float shares[GQ][kChunks];  // folded: sum over t of p * zero point, a query and group
+    if constexpr (folded<Reader>)
+        for (int i = 0; i < GQ; ++i) zero_shares(p + i * len, r.zero, len, r.J, shares[i]);
     const auto pass = [&](int64_t c0) __attribute__((always_inline)) {  // NC vectors from c0
+        // chunks a group, and the groups a pass reads (or 1: a part of one)
+        constexpr int64_t G = [] { if constexpr (folded<Reader>) return Reader::group_size / kLanes; else return NC; }();
+        constexpr int64_t groups = NC > G ? NC / G : 1;
+        const int64_t g0 = c0 / G;  // the pass's first group
         vec acc[GQ][NC];
         for (int i = 0; i < GQ; ++i)
             for (int c = 0; c < NC; ++c) acc[i][c] = zero();
         for (int64_t t = 0; t < len; ++t) {
             r.prefetch(t + kAhead);
-            vec w[GQ];
-            for (int i = 0; i < GQ; ++i) w[i] = broadcast(p[i * len + t]);
-            for (int c = 0; c < NC; ++c) {
-                const vec x = r.chunk(t, c0 + c);
-                for (int i = 0; i < GQ; ++i) acc[i][c] = fmadd(w[i], x, acc[i][c]);
+            vec w[GQ][groups];
+            if constexpr (folded<Reader>) {
+                for (int64_t k = 0; k < groups; ++k) {
+                    const vec scale = broadcast(r.scale[t * r.J + g0 + k]);
+                    for (int i = 0; i < GQ; ++i) w[i][k] = mul(broadcast(p[i * len + t]), scale);
+                }
+            } else {
+                for (int i = 0; i < GQ; ++i) w[i][0] = broadcast(p[i * len + t]);
+            }
+            const auto add = [&](int64_t c, vec x) __attribute__((always_inline)) {
+                for (int i = 0; i < GQ; ++i)
+                    acc[i][c] = fmadd(w[i][(c0 + c) / G - g0], x, acc[i][c]);
+            };
+            if constexpr (paired<Reader> && NC % 2 == 0) {
+                for (int c = 0; c < NC; c += 2) {
+                    vec x[2];
+                    code_pair(r.codes + t * r.width + (c0 + c) * kLanes / 2, x);
+                    for (int k = 0; k < 2; ++k)
+                        add(c + k, folded<Reader> ? x[k] : r.dequantised(x[k], t, c0 + c + k));
+                }
+            } else if constexpr (folded<Reader>) {
+                for (int c = 0; c < NC; ++c) add(c, r.raw(t, c0 + c));
+            } else {
+                for (int c = 0; c < NC; ++c) add(c, r.chunk(t, c0 + c));
             }
         }
+        if constexpr (folded<Reader>)  // the zero points' share of each group
+            for (int i = 0; i < GQ; ++i)
+                for (int64_t c = 0; c < NC; ++c)
+                    acc[i][c] = add_floats(acc[i][c], broadcast(shares[i][(c0 + c) / G]));
         for (int i = 0; i < GQ; ++i)
             for (int c = 0; c < NC; ++c) store(acc_out + i * hs + kLanes * (c0 + c), acc[i][c]);
     };
@@ -370,6 +643,29 @@ inline std::vector<float> widened(const _Float16* x, int64_t n) {
     return out;
 }
 
+// Scores of 8-bit per-token keys in groups of 32 (a scale and zero point a group, J a token,
+// widened to float32) for GQ queries from qr (rows of HS): k = c * scale + zero a group, so
+// q . k = the sum over groups of scale * (q . c) + zero * sum(q), q . c in words.
+template <int GQ, int HS>
+void token_word_scores(const uint8_t* kc, const float* ks, const float* kz, int64_t len,
+                       const float* qr, float* s) {
+    constexpr int64_t J = HS / 32;
+    float step[GQ];
+    const std::vector<int16_t> w = query_words<GQ>(qr, HS, 8, step);
+    word_dots<GQ, HS, 8, 32>(kc, 0, len, w.data(), ks, s, len);
+    for (int i = 0; i < GQ; ++i) {
+        float sum[J] = {};
+        for (int64_t j = 0; j < J; ++j)
+            for (int64_t d = 0; d < 32; ++d) sum[j] += qr[i * HS + j * 32 + d];
+        float* out = s + i * len;
+        for (int64_t t = 0; t < len; ++t) {
+            float offset = 0.f;
+            for (int64_t j = 0; j < J; ++j) offset += kz[t * J + j] * sum[j];
+            out[t] = out[t] * step[i] + offset;
+        }
+    }
+}
+
 // `block` on this path: tokens a .. b - 1 of cache row `row`, groups of GS (or G, GS = 0).
 template <int bits, int GS>
 void grouped_block(const float* q, const Cache& c, int64_t row, int64_t a, int64_t b,
@@ -381,18 +677,28 @@ void grouped_block(const float* q, const Cache& c, int64_t row, int64_t a, int64
                              vz = widened(c.vz + row * c.vs_row + a * J, len * J);
     const Codes<bits, true, GS> values{c.vc + row * c.vc_row + a * width, width, J, G, vs.data(),
                                        vz.data()};
-    if (!key_channels) {  // per-token keys: dequantised as read, like the values
+
+    const uint8_t* kc = c.kc + row * c.kc_row + a * width;
+    // the keys' integer path where it applies (`word_dots`), else their codes read as floats
+    const bool in_words = (hs == 64 || hs == 128) &&
+                          (key_channels ? bits == 8 || bits == 4 : bits == 8 && GS == 32);
+    if (!key_channels) {  // per-token keys: dequantised as read, like the values, or in words
         const std::vector<float> ks = widened(c.ks + row * c.ks_row + a * J, len * J),
                                  kz = widened(c.kz + row * c.ks_row + a * J, len * J);
-        const Codes<bits, true, GS> keys{c.kc + row * c.kc_row + a * width, width, J, G,
-                                         ks.data(), kz.data()};
+        if (in_words)
+            return partial([&](auto GQ, int64_t i, float* s) {
+                constexpr int n = decltype(GQ)::value;
+                if (hs == 64) token_word_scores<n, 64>(kc, ks.data(), kz.data(), len, qr + i * hs, s);
+                else token_word_scores<n, 128>(kc, ks.data(), kz.data(), len, qr + i * hs, s);
+            }, values, g, len, hs, m, l, acc);
+        const Codes<bits, true, GS> keys{kc, width, J, G, ks.data(), kz.data()};
         return partial([&](auto GQ, int64_t i, float* s) {
             sized_scores<decltype(GQ)::value>(keys, 0, len, qr + i * hs, hs, s, len);
         }, values, g, len, hs, m, l, acc);
     }
     // per-channel keys: the codes as they are, times the query scaled by the scales of
     // their group of G tokens, plus the query's dot product with the group's zero points
-    const Codes<bits, false> keys{c.kc + row * c.kc_row + a * width, width, J, G, nullptr, nullptr};
+    const Codes<bits, false> keys{kc, width, J, G, nullptr, nullptr};
     partial([&](auto GQ, int64_t i, float* s) {
         constexpr int n = decltype(GQ)::value;
         std::vector<float> qs(n * hs);
@@ -412,9 +718,19 @@ void grouped_block(const float* q, const Cache& c, int64_t row, int64_t a, int64
                 }
                 offset[k] = lanes_total(off);
             }
-            sized_scores<n>(keys, t0 - a, t1 - a, qs.data(), hs, s, len);
+            float step[n];
+            for (int k = 0; k < n; ++k) step[k] = 1.f;
+            if constexpr (bits == 8 || bits == 4) {  // in_words: the scaled query in words
+                if (in_words) {
+                    const std::vector<int16_t> w = query_words<n>(qs.data(), hs, bits, step);
+                    if (hs == 64) word_dots<n, 64, bits, 64>(kc, t0 - a, t1 - a, w.data(), nullptr, s, len);
+                    else word_dots<n, 128, bits, 128>(kc, t0 - a, t1 - a, w.data(), nullptr, s, len);
+                }
+            }
+            if (!in_words) sized_scores<n>(keys, t0 - a, t1 - a, qs.data(), hs, s, len);
             for (int k = 0; k < n; ++k)
-                for (int64_t t = t0 - a; t < t1 - a; ++t) s[k * len + t] += offset[k];
+                for (int64_t t = t0 - a; t < t1 - a; ++t)
+                    s[k * len + t] = s[k * len + t] * step[k] + offset[k];
             t0 = t1;
         }
     }, values, g, len, hs, m, l, acc);
