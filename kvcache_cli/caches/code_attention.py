@@ -135,6 +135,8 @@ def _stored(*pair: Tensor) -> tuple[Tensor, Tensor, int]:
     one stride apart (a contiguous tensor, or the filled part of a tail's buffer, read in
     place); both copied contiguous where they are not (a sink sliced from a prefill's keys)."""
     B, nkv, n, hs = pair[0].shape
+    if pair[0].is_contiguous() and pair[1].is_contiguous():  # the common case, checked in C
+        return pair[0], pair[1], n * hs
 
     def row_stride(t: Tensor) -> int | None:  # size-1 dimensions' strides do not count
         if t.stride(3) != 1 or (n > 1 and t.stride(2) != hs):

@@ -163,6 +163,7 @@ class _Rows:
     def __init__(self, B: int, nkv: int, width: int, device, dtype):
         self.buf = torch.empty(B, nkv, 0, width, device=device, dtype=dtype)  # (B, nkv, cap, w)
         self.n = 0
+        self.row_bytes = B * nkv * width * self.buf.element_size()  # a token's, every (b, h)
 
     @property
     def t(self) -> Tensor:
@@ -172,14 +173,14 @@ class _Rows:
         """Count T more rows as filled, for a writer that fills them in place at rows
         n - T .. n - 1 of `buf`; the bytes they and a growth of the capacity moved."""
         need, moved = self.n + T, 0
-        B, nkv, cap, width = self.buf.shape
-        if need > cap:
+        if need > self.buf.size(2):  # a decoding step's call: one size, not the shape
+            B, nkv, cap, width = self.buf.shape
             grown = self.buf.new_empty(B, nkv, max(need, 2 * cap, 64), width)
             grown[:, :, :self.n] = self.t
             moved += nbytes(self.t)
             self.buf = grown
         self.n = need
-        return moved + B * nkv * T * width * self.buf.element_size()
+        return moved + T * self.row_bytes
 
     def claim(self, T: int) -> tuple[Tensor, int]:
         """The next T rows (B, nkv, T, width), counted as filled, for a writer to fill in
