@@ -17,8 +17,8 @@
 // -ffast-math already lets those), and two things differ from them:
 // - keys of 8-bit codes (per token, in groups of 32) and of 8 or 4 bits (per channel), at head
 //   sizes 64 and 128, are multiplied in integers (`word_dots`): the query rounded to 16-bit
-//   words, within half a step of some 1e-5 of its row's largest number, which moves a score
-//   by some 1e-5 of it (the codes' own rounding moves it a hundred times more);
+//   words, each within 1.5e-5 of its row's largest number, which moves a score by some 1e-5
+//   of it (the codes' own rounding moves it a hundred times more);
 // - 8-bit values in groups of 32 fold their scales into the weights (`value_sums`).
 // Every other key and value is dequantised (code * scale + zero), then float32 products and
 // sums.
@@ -395,10 +395,11 @@ void sized_scores(const Reader& r, int64_t t0, int64_t t1, const float* q, int64
 // per-channel ones: a query row rounded to 16-bit words on one step (its largest magnitude to
 // 32767), so a key's codes multiply it as integers, kWords channels an instruction
 // (vpmaddwd), with no conversion to float or dequantisation a channel: the scales apply to
-// each group's sum. A word is within half a step of the query, some 1e-5 of the row's
-// largest number: finer than the float16 that llama.cpp rounds a query to for its own f16
-// cache, and the 8 bits it takes for a q8_0 or q4_0 one. The float path spent as much time
-// on each channel's widening and dequantising as on its products.
+// each group's sum. A word is within half a step of the query, 1.5e-5 of the row's largest
+// number: for the largest numbers finer than the float16 llama.cpp rounds a query to for its
+// own f16 cache, and everywhere finer than the 8 bits it takes for a q8_0 or q4_0 one. The
+// float path spent as much time on each channel's widening and dequantising as on its
+// products.
 constexpr int64_t kWords = 2 * kLanes;
 
 // q (hs numbers, a multiple of 2 * kWords) rounded to words in out; returns the step (0 for
