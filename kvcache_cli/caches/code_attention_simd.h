@@ -431,8 +431,8 @@ inline float rounded_words(const float* q, int64_t hs, int bits, int16_t* out) {
 // tokens t0 .. t1 - 1 (rows of HS * bits / 8 bytes), into dots[i * len + t] as float32: the
 // whole row's for per-channel keys (P = HS), or for per-token keys the sum over groups of P
 // channels of each group's times its scale (scale[t * J + j], J = HS / P groups a token).
-// Tiles of kLanes tokens, two at a time, as `key_scores`; a 32-bit sum holds at most
-// 255 * 32767 * 128 (a row of 128).
+// Tiles of kLanes tokens, two at a time, as `key_scores`. No 32-bit sum can overflow: a lane
+// adds HS / kLanes products of at most 255 * 32767.
 template <int GQ, int HS, int bits, int P>
 void word_dots(const uint8_t* codes, int64_t t0, int64_t t1, const int16_t* q,
                const float* scale, float* dots, int64_t len) {
@@ -446,7 +446,8 @@ void word_dots(const uint8_t* codes, int64_t t0, int64_t t1, const int16_t* q,
         for (int64_t k = 0; k < kLanes; k += 2) {
             lines(codes + (tile + k + kAhead) * width, width);
             lines(codes + (tile + k + 1 + kAhead) * width, width);
-            const int64_t t[2] = {tile + k, k + 1 < n ? tile + k + 1 : tile + k};  // past n: ignored
+            // the tile's tokens k and k + 1 (past n: token k again, its score ignored)
+            const int64_t t[2] = {tile + k, k + 1 < n ? tile + k + 1 : tile + k};
             const uint8_t* row[2] = {codes + t[0] * width, codes + t[1] * width};
             vec sum[2][GQ];
             for (int u = 0; u < 2; ++u)
@@ -488,7 +489,8 @@ void word_dots(const uint8_t* codes, int64_t t0, int64_t t1, const int16_t* q,
                         for (int i = 0; i < GQ; ++i) sum[u][i] = floats(acc[u][i]);
                     } else {
                         const vec s = broadcast(scale[t[u] * J + j]);
-                        for (int i = 0; i < GQ; ++i) sum[u][i] = fmadd(floats(acc[u][i]), s, sum[u][i]);
+                        for (int i = 0; i < GQ; ++i)
+                            sum[u][i] = fmadd(floats(acc[u][i]), s, sum[u][i]);
                     }
                 }
             }
@@ -543,7 +545,10 @@ void value_sums(const Reader r, int64_t len, const float* p, int64_t hs_, float*
         for (int i = 0; i < GQ; ++i) zero_shares(p + i * len, r.zero, len, r.J, shares[i]);
     const auto pass = [&](int64_t c0) __attribute__((always_inline)) {  // NC vectors from c0
         // chunks a group, and the groups a pass reads (or 1: a part of one)
-        constexpr int64_t G = [] { if constexpr (folded<Reader>) return Reader::group_size / kLanes; else return NC; }();
+        constexpr int64_t G = [] {
+            if constexpr (folded<Reader>) return Reader::group_size / kLanes;
+            else return NC;
+        }();
         constexpr int64_t groups = NC > G ? NC / G : 1;
         const int64_t g0 = c0 / G;  // the pass's first group
         vec acc[GQ][NC];
@@ -568,8 +573,7 @@ void value_sums(const Reader r, int64_t len, const float* p, int64_t hs_, float*
                 for (int c = 0; c < NC; c += 2) {
                     vec x[2];
                     code_pair(r.codes + t * r.width + (c0 + c) * kLanes / 2, x);
-                    for (int k = 0; k < 2; ++k)
-                        add(c + k, folded<Reader> ? x[k] : r.dequantised(x[k], t, c0 + c + k));
+                    for (int k = 0; k < 2; ++k) add(c + k, r.dequantised(x[k], t, c0 + c + k));
                 }
             } else if constexpr (folded<Reader>) {
                 for (int c = 0; c < NC; ++c) add(c, r.raw(t, c0 + c));
@@ -689,8 +693,9 @@ void grouped_block(const float* q, const Cache& c, int64_t row, int64_t a, int64
         if (in_words)
             return partial([&](auto GQ, int64_t i, float* s) {
                 constexpr int n = decltype(GQ)::value;
-                if (hs == 64) token_word_scores<n, 64>(kc, ks.data(), kz.data(), len, qr + i * hs, s);
-                else token_word_scores<n, 128>(kc, ks.data(), kz.data(), len, qr + i * hs, s);
+                const float* qi = qr + i * hs;
+                if (hs == 64) token_word_scores<n, 64>(kc, ks.data(), kz.data(), len, qi, s);
+                else token_word_scores<n, 128>(kc, ks.data(), kz.data(), len, qi, s);
             }, values, g, len, hs, m, l, acc);
         const Codes<bits, true, GS> keys{kc, width, J, G, ks.data(), kz.data()};
         return partial([&](auto GQ, int64_t i, float* s) {
@@ -724,8 +729,9 @@ void grouped_block(const float* q, const Cache& c, int64_t row, int64_t a, int64
             if constexpr (bits == 8 || bits == 4) {  // in_words: the scaled query in words
                 if (in_words) {
                     const std::vector<int16_t> w = query_words<n>(qs.data(), hs, bits, step);
-                    if (hs == 64) word_dots<n, 64, bits, 64>(kc, t0 - a, t1 - a, w.data(), nullptr, s, len);
-                    else word_dots<n, 128, bits, 128>(kc, t0 - a, t1 - a, w.data(), nullptr, s, len);
+                    const int64_t u0 = t0 - a, u1 = t1 - a;  // the group's tokens in the block
+                    if (hs == 64) word_dots<n, 64, bits, 64>(kc, u0, u1, w.data(), nullptr, s, len);
+                    else word_dots<n, 128, bits, 128>(kc, u0, u1, w.data(), nullptr, s, len);
                 }
             }
             if (!in_words) sized_scores<n>(keys, t0 - a, t1 - a, qs.data(), hs, s, len);
