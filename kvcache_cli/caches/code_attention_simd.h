@@ -503,12 +503,11 @@ void word_dots(const uint8_t* codes, int64_t t0, int64_t t1, const int16_t* q,
     }
 }
 
-// GQ queries from qr (rows of hs) rounded to words (`rounded_words`); their steps in step.
+// GQ queries from qr (rows of hs) rounded to words in out (`rounded_words`), their steps in
+// step.
 template <int GQ>
-std::vector<int16_t> query_words(const float* qr, int64_t hs, int bits, float* step) {
-    std::vector<int16_t> w(GQ * hs);
-    for (int i = 0; i < GQ; ++i) step[i] = rounded_words(qr + i * hs, hs, bits, w.data() + i * hs);
-    return w;
+void query_words(const float* qr, int64_t hs, int bits, int16_t* out, float* step) {
+    for (int i = 0; i < GQ; ++i) step[i] = rounded_words(qr + i * hs, hs, bits, out + i * hs);
 }
 
 // sums[j] = the sum over tokens t < len of p[t] * zeros[t * J + j], J groups a token: a vector
@@ -655,9 +654,10 @@ template <int GQ, int HS>
 void token_word_scores(const uint8_t* kc, const float* ks, const float* kz, int64_t len,
                        const float* qr, float* s) {
     constexpr int64_t J = HS / 32;
+    int16_t w[GQ * HS];
     float step[GQ];
-    const std::vector<int16_t> w = query_words<GQ>(qr, HS, 8, step);
-    word_dots<GQ, HS, 8, 32>(kc, 0, len, w.data(), ks, s, len);
+    query_words<GQ>(qr, HS, 8, w, step);
+    word_dots<GQ, HS, 8, 32>(kc, 0, len, w, ks, s, len);
     for (int i = 0; i < GQ; ++i) {
         float sum[J] = {};
         for (int64_t j = 0; j < J; ++j)
@@ -708,6 +708,7 @@ void grouped_block(const float* q, const Cache& c, int64_t row, int64_t a, int64
     partial([&](auto GQ, int64_t i, float* s) {
         constexpr int n = decltype(GQ)::value;
         std::vector<float> qs(n * hs);
+        std::vector<int16_t> w(n * hs);  // qs in words, on the integer path
         for (int64_t t0 = a; t0 < b;) {
             const int64_t t1 = (t0 / G + 1) * G < b ? (t0 / G + 1) * G : b;
             const _Float16* sc = c.ks + row * c.ks_row + t0 / G * hs;
@@ -728,7 +729,7 @@ void grouped_block(const float* q, const Cache& c, int64_t row, int64_t a, int64
             for (int k = 0; k < n; ++k) step[k] = 1.f;
             if constexpr (bits == 8 || bits == 4) {  // in_words: the scaled query in words
                 if (in_words) {
-                    const std::vector<int16_t> w = query_words<n>(qs.data(), hs, bits, step);
+                    query_words<n>(qs.data(), hs, bits, w.data(), step);
                     const int64_t u0 = t0 - a, u1 = t1 - a;  // the group's tokens in the block
                     if (hs == 64) word_dots<n, 64, bits, 64>(kc, u0, u1, w.data(), nullptr, s, len);
                     else word_dots<n, 128, bits, 128>(kc, u0, u1, w.data(), nullptr, s, len);
