@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from nativekit import BUILDS, VECTOR_PATH, kernel_fixtures, keys_in_words
+from nativekit import BUILDS, VECTOR_PATH, kernel_fixtures, keys_in_words, values_in_words
 
 from kvcache_cli.caches import affine, code_attention
 
@@ -26,17 +26,18 @@ def unpack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.stack(parts, -1).flatten(-2).double()
 
 
-def reference(q, keys, values, full=(), scores=None):
+def reference(q, keys, values, full=(), scores=None, weighted=None):
     """m, l, acc over keys, values (B, nkv, n, hs) float64 and the sinks' and tail's,
     for queries q (B, nkv, g, hs): the partial sums the kernel returns; `scores`, the keys'
-    scores where they are not q . k (`word_scores`)."""
+    scores where they are not q . k (`word_scores`); `weighted(p)`, the weights p times the
+    values where that is not p @ values (`word_values`)."""
     if full:
         keys = torch.cat([full[0].double(), keys, full[2].double()], 2)
         values = torch.cat([full[1].double(), values, full[3].double()], 2)
     s = q.double() @ keys.transpose(-1, -2) if scores is None else scores  # (B, nkv, g, n)
     m = s.amax(-1)
     p = (s - m[..., None]).exp()
-    return m, p.sum(-1), p @ values
+    return m, p.sum(-1), p @ values if weighted is None else weighted(p)
 
 
 def dequantised(x, bits, G, per_channel):
@@ -80,6 +81,29 @@ def word_scores(q, stored, bits, G, per_channel):
     return raw + q.double() @ zeros.transpose(-1, -2)
 
 
+def word_values(stored, G, block=512):
+    """p -> float64 p @ values as the integer path makes it, for weights p (B, nkv, g, n):
+    in each block of the kernel's tokens, the weights times each group's scale rounded on one
+    step (the block's largest scale over 32767) times the 4-bit codes, plus the weights
+    times the zero points. p is each block's exp(s - its largest s), as the kernel's."""
+    vc, vs, vz = stored[3:]
+    codes = unpack(vc, 4)  # (B, nkv, n, hs)
+
+    def weighted(p):
+        w = p[..., None] * vs.double()[:, :, None]  # (B, nkv, g, n, hs / G)
+        blocks = []
+        for a in range(0, w.size(3), block):
+            part = w[:, :, :, a:a + block]
+            # the block's largest scale, in p's units: times its largest weight
+            big = vs[:, :, a:a + block].double().amax((-1, -2))[:, :, None, None, None] * \
+                p[:, :, :, a:a + block].amax(3)[..., None, None]
+            blocks.append(torch.round(part / big * 32767) * big / 32767)
+        steps = torch.cat(blocks, 3).repeat_interleave(G, -1)  # (B, nkv, g, n, hs)
+        return (steps * codes[:, :, None]).sum(3) + p @ vz.double().repeat_interleave(G, 3)
+
+    return weighted
+
+
 def check(got, want, scale=1.0):
     m, l_sum, acc = got
     wm, wl, wacc = want
@@ -113,10 +137,14 @@ def test_codes_equal_float64_attention_over_the_dequantised_cache(bits, per_chan
     stored, keys, values = dequantised(x, bits, G, per_channel)
     q = torch.randn(B, nkv, g, hs, generator=gen) / hs ** 0.5
     got = code_attention.attend_codes(q, *stored, bits, G, per_channel)
-    scores = None
-    if keys_in_words(request.node.callspec.params["lib"], bits, per_channel, hs, G):
+    build = request.node.callspec.params["lib"]
+    scores = weighted = None
+    if keys_in_words(build, bits, per_channel, hs, G):
         scores = word_scores(q, stored, bits, G, per_channel)
-    check(got, reference(q, keys, values, scores=scores), scale=keys.abs().max().item())
+    if values_in_words(build, bits, hs, G):
+        weighted = word_values(stored, G)
+    check(got, reference(q, keys, values, scores=scores, weighted=weighted),
+          scale=keys.abs().max().item())
 
 
 @pytest.mark.usefixtures("use")
@@ -138,6 +166,33 @@ def test_the_integer_path_rounds_the_query_to_16_bit_words(bits, per_channel, re
     assert 1e-6 < moved < 1e-3  # the rounding is seen in the scores, and small beside them
     want = words if keys_in_words(build, bits, per_channel, hs, G) else None
     check(got, reference(q, keys, values, scores=want), scale=keys.abs().max().item())
+
+
+@pytest.mark.usefixtures("use")
+@pytest.mark.parametrize(("hs", "G"), [(64, 32), (128, 32), (64, 64)])
+def test_the_integer_path_rounds_the_values_weights_to_16_bit_words(hs, G, request):
+    # a query that picks out a few keys: the rest's weights are then some steps of the
+    # rounding each, 1e-5 of the largest (q4_0's 8-bit weights would have rounded them to 0)
+    gen = torch.Generator().manual_seed(hs + G)
+    B, nkv, n, g = 1, 3, 1088, 3  # two blocks and a part, per-channel keys' groups whole
+    x = torch.randn(2, B, nkv, n, hs, generator=gen)
+    stored, keys, values = dequantised(x, 4, G, True)
+    q = torch.randn(B, nkv, g, hs, generator=gen) / 8
+    q[..., 5] = 30
+    got = code_attention.attend_codes(q, *stored, 4, G, True)
+    build = request.node.callspec.params["lib"]
+    scores = word_scores(q, stored, 4, G, True) if keys_in_words(build, 4, True, hs, G) else None
+    words = reference(q, keys, values, scores=scores, weighted=word_values(stored, G))
+    floats = reference(q, keys, values, scores=scores)
+    out = [acc / l_sum[..., None] for _, l_sum, acc in (words, floats)]
+    moved = (out[0] - out[1]).abs().max() / out[1].abs().max()
+    assert 1e-6 < moved < 1e-3  # the rounding is seen in the outputs, and small beside them
+    follows, other = out if values_in_words(build, 4, hs, G) else out[::-1]
+    y = (got[2] / got[1][..., None]).double()
+    assert (y - follows).abs().mean() < (y - other).abs().mean() / 4
+    # a weight within float32's error of a half step rounds either way: a step's error
+    # across one group's channels
+    torch.testing.assert_close(y, follows, atol=4e-4, rtol=1e-3)
 
 
 @pytest.mark.usefixtures("use")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from nativekit import Ops, kernel_fixtures, keys_in_words
+from nativekit import Ops, kernel_fixtures, keys_in_words, values_in_words
 
 from kvcache_cli.caches import code_attention
 from kvcache_cli.caches.base import CacheShape
@@ -85,9 +85,11 @@ def test_one_call_equals_float64_attention_over_what_the_cache_holds(spec, write
     # float32 products and sums of scores of size ~20 and outputs of size ~2, against
     # float64's: a code misread or a scale off by a group moves them by units. Keys
     # multiplied in integers, the query rounded to 16-bit words: scores move by ~1e-4
-    # (the codes' own rounding moves them by ~1e-2), outputs by up to some 2e-3.
-    words = keys_in_words(request.node.callspec.params["lib"], cache.bits, cache.per_channel,
-                          64, cache.group)
+    # (the codes' own rounding moves them by ~1e-2), outputs by up to some 2e-3; 4-bit values
+    # so, their weights rounded: outputs by ~1e-4 of themselves.
+    lib = request.node.callspec.params["lib"]
+    words = (keys_in_words(lib, cache.bits, cache.per_channel, 64, cache.group) or
+             values_in_words(lib, cache.bits, 64, cache.group))
     tolerance = dict(rtol=1e-3, atol=4e-3) if words else dict(rtol=1e-4, atol=2e-5)
     cache.update(0, 0, *(torch.randn(B, 3, prompt, 64, generator=gen) * 2 for _ in range(2)))
     written, expected = calls(monkeypatch), []

@@ -23,10 +23,10 @@
 // and zero per G channels; keys per token likewise, or per channel (KIVI), a scale and zero
 // per channel and G tokens. A per-token key is dequantised as it is read (hs multiply-adds,
 // then one dot product a query); per-channel key scales fold into the query once per G
-// tokens, and value scales into the weights. (The vector path multiplies the common keys in
-// integers, its head of file says how.) Codes are packed 8 / bits to a byte, the first in
-// the lowest bits. Work is split over (row, block of tokens), so 2 threads share 3 KV heads
-// evenly; the blocks' partial sums are merged at the end.
+// tokens, and value scales into the weights. (The vector path multiplies the common keys and
+// 4-bit values in integers, its head of file says how.) Codes are packed 8 / bits to a byte,
+// the first in the lowest bits. Work is split over (row, block of tokens), so 2 threads share
+// 3 KV heads evenly; the blocks' partial sums are merged at the end.
 
 #include <cmath>
 #include <cstdint>
@@ -58,6 +58,9 @@ inline void unpack_row(const uint8_t* packed, float* out, int64_t hs) {
 }
 
 #include "code_attention_simd.h"  // the vector path, where the CPU has AVX-512 or AVX2
+#ifdef CODE_ATTENTION_SIMD
+static_assert(kBlock <= 4369, "word_values' 32-bit sums of a block");
+#endif
 
 // HS and GS, when not 0, fix the head size and group size at compile time: the common
 // shapes' loops are then unrolled whole (a runtime length made them 2-3x slower).

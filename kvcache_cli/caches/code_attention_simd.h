@@ -14,11 +14,14 @@
 // with AVX-512); the values' accumulators of up to 4 queries stay in registers over a
 // block's tokens; codes are widened a vector at a time and a block's scales in one pass;
 // rows are prefetched ahead. Sums run in another order than the plain loops' (as
-// -ffast-math already lets those), and two things differ from them:
+// -ffast-math already lets those), and three things differ from them:
 // - keys of 8-bit codes (per token, in groups of 32) and of 8 or 4 bits (per channel), at head
 //   sizes 64 and 128, are multiplied in integers (`word_dots`): the query rounded to 16-bit
 //   words, each within 1.5e-5 of its row's largest number, which moves a score by some 1e-5
 //   of it (the codes' own rounding moves it a hundred times more);
+// - 4-bit values in groups of a multiple of 32 are multiplied in integers (`word_values`):
+//   the softmax's weights times the scales rounded to 16-bit words, which moves an output by
+//   some 1e-4 of it;
 // - 8-bit values in groups of 32 fold their scales into the weights (`value_sums`).
 // Every other key and value is dequantised (code * scale + zero), then float32 products and
 // sums.
@@ -149,6 +152,18 @@ inline vec magnitude(vec x) { return _mm512_abs_ps(x); }
 inline float lanes_max(vec x) { return _mm512_reduce_max_ps(x); }
 inline ivec low_words(ivec w) { return _mm512_srai_epi32(_mm512_slli_epi32(w, 16), 16); }
 inline ivec high_words(ivec w) { return _mm512_srai_epi32(w, 16); }  // each lane's, signed
+// For the values' integer products: kLanes bytes from each of a and b, a0 b0 a1 b1 ...,
+// zero-extended to words (a 32-bit lane: byte m of both tokens).
+inline ivec byte_pairs(const uint8_t* a, const uint8_t* b) {
+    const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a));
+    const __m128i y = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
+    return _mm512_cvtepu8_epi16(_mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_unpacklo_epi8(x, y)), _mm_unpackhi_epi8(x, y), 1));
+}
+inline ivec shuffle_bytes(ivec w, __m128i order) {  // within each 16-byte lane
+    return _mm512_shuffle_epi8(w, _mm512_broadcast_i32x4(order));
+}
+inline ivec broadcast_int(int32_t x) { return _mm512_set1_epi32(x); }
 
 #else  // AVX2: 8 lanes, 16 registers
 using vec = __m256;
@@ -261,6 +276,17 @@ inline float lanes_max(vec x) {
 }
 inline ivec low_words(ivec w) { return _mm256_srai_epi32(_mm256_slli_epi32(w, 16), 16); }
 inline ivec high_words(ivec w) { return _mm256_srai_epi32(w, 16); }  // each lane's, signed
+// For the values' integer products: kLanes bytes from each of a and b, a0 b0 a1 b1 ...,
+// zero-extended to words (a 32-bit lane: byte m of both tokens).
+inline ivec byte_pairs(const uint8_t* a, const uint8_t* b) {
+    return _mm256_cvtepu8_epi16(
+        _mm_unpacklo_epi8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(a)),
+                          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b))));
+}
+inline ivec shuffle_bytes(ivec w, __m128i order) {  // within each 16-byte lane
+    return _mm256_shuffle_epi8(w, _mm256_broadcastsi128_si256(order));
+}
+inline ivec broadcast_int(int32_t x) { return _mm256_set1_epi32(x); }
 #endif
 
 // Rows are read front to back, but the hardware prefetcher stops at each 4 KiB page and
@@ -595,6 +621,110 @@ void value_sums(const Reader r, int64_t len, const float* p, int64_t hs_, float*
     }
 }
 
+// 4-bit values multiplied in integers: sum over t of p[t] * (c * scale + zero) is
+// (p * scale) * c summed, plus the zero points' share, and the weights p * scale, rounded to
+// 16-bit words, multiply two tokens' codes a lane (vpmaddwd: w[t] * c[t] + w[t + 1] *
+// c[t + 1]) with no conversion to float or dequantisation a channel, where each multiply-add
+// widened a code to float and dequantised it before. The step is the block's largest scale
+// over 32767: the softmax's weights are at most 1 (each block's scores less their largest),
+// so no word saturates, and the step is the same for every query. A weight is within half a
+// step, 1.5e-5 of the block's largest scale; the codes' own rounding moves a value by up to
+// 1/30 of its group's range. Groups of a multiple of 32 channels (whole passes of 2 * kLanes
+// each), and J = hs / G of 1, 2 or 4 (`paired_words`' shuffles).
+template <class Reader>
+constexpr bool word_valued = false;
+template <int GS>
+constexpr bool word_valued<Codes<4, true, GS>> = true;
+
+inline bool values_in_words(int64_t hs, int64_t J) {
+    return hs % J == 0 && (hs / J) % 32 == 0 && (J == 1 || J == 2 || J == 4);
+}
+
+// Words in (token, group) order, J groups a token, put each pair of tokens' words for a
+// group side by side: token 2u's then 2u + 1's word for group j in 32-bit lane u * J + j.
+// A pair's 2J words lie in one 16-byte lane, so this is a shuffle within lanes.
+inline ivec paired_words(ivec w, int64_t J) {
+    if (J == 2) return shuffle_bytes(w, _mm_setr_epi8(0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13,
+                                                      10, 11, 14, 15));
+    if (J == 4) return shuffle_bytes(w, _mm_setr_epi8(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13,
+                                                      6, 7, 14, 15));
+    return w;  // J == 1: already so
+}
+
+// acc (GQ rows of hs) = sum over the block's len tokens of p[i * len + t] * value t, as
+// `value_sums`, for 4-bit values where `values_in_words`. Each pass reads 2 * kLanes
+// channels (kLanes bytes) of each token: a lane's low nibbles are even channels, its high
+// ones odd. No 32-bit sum can overflow for len up to 4369 (15 * 32767 a token).
+template <int GQ, class Reader>
+void word_values(const Reader& r, int64_t len, const float* p, int64_t hs, float* acc_out) {
+    const int64_t J = r.J, G = hs / J, pairs = (len + 1) / 2;
+    // weights' entries (token, group), whole vectors of words; the padding's weights are 0
+    const int64_t entries = (2 * pairs * J + 2 * kLanes - 1) / (2 * kLanes) * (2 * kLanes);
+    vec big = zero();
+    for (int64_t e = 0; e < entries; e += kLanes) big = larger(big, load(r.scale + e));
+    const float largest = lanes_max(big), step = largest / 32767.f;
+    std::vector<float> units(entries);  // the scales in steps
+    const vec inverse = broadcast(largest > 0.f ? 32767.f / largest : 0.f);
+    for (int64_t e = 0; e < entries; e += kLanes)
+        store(units.data() + e, mul(load(r.scale + e), inverse));
+    std::vector<int32_t> weights(GQ * entries / 2);  // query i's pair (u, j): i * entries / 2
+    std::vector<float> padded(entries / J + kLanes, 0.f);  // a query's p, then zeros
+    float shares[GQ][kChunks];  // sum over t of p * zero point, a query and group
+    const lane_index spread = lanes_over(__builtin_ctzll(J));  // lane l: token l / J
+    for (int i = 0; i < GQ; ++i) {
+        std::memcpy(padded.data(), p + i * len, len * sizeof(float));
+        int32_t* out = weights.data() + i * entries / 2;
+        vec zeros = zero();  // lane l: group l % J's share
+        for (int64_t e = 0; e < entries; e += 2 * kLanes) {
+            const vec p0 = permute(spread, load(padded.data() + e / J));
+            const vec p1 = permute(spread, load(padded.data() + (e + kLanes) / J));
+            zeros = fmadd(p1, load(r.zero + e + kLanes), fmadd(p0, load(r.zero + e), zeros));
+            store_words(reinterpret_cast<int16_t*>(out + e / 2),
+                        paired_words(narrow(rounded(mul(p0, load(units.data() + e))),
+                                            rounded(mul(p1, load(units.data() + e + kLanes)))),
+                                     J));
+        }
+        float lanes[kLanes];
+        store(lanes, zeros);
+        for (int64_t j = 0; j < J; ++j) shares[i][j] = 0.f;
+        for (int64_t l = 0; l < kLanes; ++l) shares[i][l % J] += lanes[l];
+    }
+    for (int64_t c0 = 0; c0 < hs; c0 += 2 * kLanes) {
+        const int64_t j = c0 / G;
+        ivec acc[GQ][2];  // even channels c0 + 2m, odd ones c0 + 2m + 1
+        for (int i = 0; i < GQ; ++i) acc[i][0] = acc[i][1] = izero();
+        const auto add = [&](int64_t u, const uint8_t* a, const uint8_t* b)
+                             __attribute__((always_inline)) {
+            const ivec x = byte_pairs(a + c0 / 2, b + c0 / 2);
+            const ivec even = low_nibbles(x), odd = high_nibbles(x);
+            for (int i = 0; i < GQ; ++i) {
+                const ivec w = broadcast_int(weights[i * entries / 2 + u * J + j]);
+                acc[i][0] = add_ints(acc[i][0], dot_pairs(even, w));
+                acc[i][1] = add_ints(acc[i][1], dot_pairs(odd, w));
+            }
+        };
+        for (int64_t u = 0; u < len / 2; ++u) {
+            const uint8_t* a = r.codes + 2 * u * r.width;
+            if (c0 == 0) lines(a + kAhead * r.width, 2 * r.width);
+            add(u, a, a + r.width);
+        }
+        if (len % 2) {  // the last token pairs with itself, its partner's weight 0
+            const uint8_t* a = r.codes + (len - 1) * r.width;
+            add(len / 2, a, a);
+        }
+        for (int i = 0; i < GQ; ++i) {
+            float even[kLanes], odd[kLanes];
+            store(even, mul(floats(acc[i][0]), broadcast(step)));
+            store(odd, mul(floats(acc[i][1]), broadcast(step)));
+            float* out = acc_out + i * hs + c0;
+            for (int64_t m = 0; m < kLanes; ++m) {
+                out[2 * m] = even[m] + shares[i][j];
+                out[2 * m + 1] = odd[m] + shares[i][j];
+            }
+        }
+    }
+}
+
 // `value_sums` with as many vectors of channels at a time as the registers hold beside GQ
 // weights and a value: 4 in AVX-512's 32 registers; in AVX2's 16, 4 for up to 3 queries (all
 // 16 registers at 3: each pass over the block reads the rows from the caches again, which
@@ -602,6 +732,8 @@ void value_sums(const Reader r, int64_t len, const float* p, int64_t hs_, float*
 template <int GQ, class Reader>
 void sized_values(const Reader& r, int64_t len, const float* p, int64_t hs, float* acc_out) {
     constexpr int NC = kLanes == 16 || GQ <= 3 ? 4 : 2;
+    if constexpr (word_valued<Reader>)
+        if (values_in_words(hs, r.J)) return word_values<GQ>(r, len, p, hs, acc_out);
     if (hs == 64) value_sums<GQ, NC, 64>(r, len, p, hs, acc_out);
     else if (hs == 128) value_sums<GQ, NC, 128>(r, len, p, hs, acc_out);
     else if (hs % (kLanes * NC) == 0) value_sums<GQ, NC, 0>(r, len, p, hs, acc_out);
@@ -636,10 +768,10 @@ void partial(Keys keys, const Values& values, int64_t g, int64_t len, int64_t hs
 }
 
 
-// Floats of n float16 numbers (scales and zero points), a vector more for `Codes`'
-// whole-vector loads past the last.
+// Floats of n float16 numbers (scales and zero points), zeros after them for the whole-vector
+// loads past the last (`Codes`' one vector, `word_values`' whole pairs of vectors and a token).
 inline std::vector<float> widened(const _Float16* x, int64_t n) {
-    std::vector<float> out(n + kLanes, 0.f);
+    std::vector<float> out(n + 3 * kLanes, 0.f);
     int64_t e = 0;
     for (; e + kLanes <= n; e += kLanes)
         store(out.data() + e, widen<kF16>(reinterpret_cast<const char*>(x + e)));
