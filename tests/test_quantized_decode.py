@@ -164,6 +164,31 @@ def test_an_int8_step_is_one_call_a_layer_dispatching_one_torch_op():
     assert merged.data_ptr() == y.data_ptr()  # a view: no copy
 
 
+@pytest.mark.usefixtures("use")
+@pytest.mark.parametrize(("spec", "prompt"), [("int8", 60), ("int4", 200)])
+def test_a_layers_kept_arguments_follow_its_buffers_as_they_grow(spec, prompt):
+    # steps past the buffers' growth (int8's codes as each token is quantised, int4's as a
+    # chunk leaves its 128-token tail): each step's call reads what a call with its
+    # arguments written afresh reads
+    gen = torch.Generator().manual_seed(7)
+    cache = build(spec, 1)
+    cache.update(0, 0, *(torch.randn(1, 3, prompt, 64, generator=gen) for _ in range(2)))
+    L = cache.layers[0]
+    seen = set()
+    for start in range(prompt, prompt + 100):
+        q, k, v = product(1, gen)
+        y = cache.attend(0, q, k, v, Step(start, torch.tensor([start])))
+        rows = tuple(r.buf for r in L.code_rows)
+        full = (L.sink_k, L.sink_v, L.tails["k"].buf, L.tails["v"].buf)
+        assert L.call.buffers == () or all(a is b for a, b in zip(rows + full, L.call.buffers))
+        seen.add(tuple(t.data_ptr() for t in rows + full))
+        afresh = code_attention.decode_codes(q, k, v, rows, L.quantised, cache.bits,
+                                             cache.group, cache.per_channel, None, full,
+                                             L.tails["k"].n)  # writes nothing
+        assert torch.equal(y, afresh)
+    assert len(seen) > 1  # the buffers grew, and the kept arguments followed them
+
+
 def test_rotated_codes_and_a_wrong_position_keep_their_paths(monkeypatch):
     if code_attention.kernel() is None:
         pytest.skip(code_attention.NOTE[-1])

@@ -472,43 +472,61 @@ extern "C" EXACT_MATH int quantise_tokens(const float* x, int64_t x_row, int64_t
 // q, k, v: views of the q|k|v product, element [b, h, d] at b * x_b + h * x_h + d.
 enum Write { kWriteNone = 0, kWriteCodes = 1, kWriteTail = 2 };
 
-extern "C" int decode_codes(const float* q, int64_t q_b, int64_t q_h, const float* k,
-                            int64_t k_b, int64_t k_h, const float* v, int64_t v_b, int64_t v_h,
-                            int64_t write, uint8_t* kc, _Float16* ks, _Float16* kz, uint8_t* vc,
-                            _Float16* vs, _Float16* vz, int64_t kc_row, int64_t vc_row,
-                            int64_t ks_row, int64_t vs_row, int64_t B, int64_t nh, int64_t nkv,
-                            int64_t n, int64_t hs, int64_t bits, int64_t G, int64_t key_channels,
-                            int64_t threads, const void* sink_k, const void* sink_v,
-                            int64_t sink_row, int64_t s, void* tail_k, void* tail_v,
-                            int64_t tail_row, int64_t t, int64_t fmt, float* y) {
+// The call's arguments in one struct of 8-byte fields (code_attention.py's `DecodeArgs`, in
+// the same order): ctypes converts each argument of a call, and 40 of them cost more than a
+// short step's arithmetic; a cache keeps one a layer and rewrites only what a step changes.
+struct DecodeArgs {
+    const float* q;
+    int64_t q_b, q_h;
+    const float* k;
+    int64_t k_b, k_h;
+    const float* v;
+    int64_t v_b, v_h, write;
+    uint8_t* kc;
+    _Float16 *ks, *kz;
+    uint8_t* vc;
+    _Float16 *vs, *vz;
+    int64_t kc_row, vc_row, ks_row, vs_row, B, nh, nkv, n, hs, bits, G, key_channels, threads;
+    const void *sink_k, *sink_v;
+    int64_t sink_row, s;
+    void *tail_k, *tail_v;
+    int64_t tail_row, t, fmt;
+    float* y;
+};
+
+extern "C" int decode_codes(const DecodeArgs* a) {
+    const int64_t B = a->B, nh = a->nh, nkv = a->nkv, n = a->n, hs = a->hs, bits = a->bits;
+    const int64_t G = a->G, t = a->t, fmt = a->fmt, write = a->write;
     if (!quantisable(bits, hs, G) || nh % nkv || write < kWriteNone || write > kWriteTail ||
-        (write == kWriteCodes && (key_channels || n < 1)) || (write == kWriteTail && t < 1) ||
+        (write == kWriteCodes && (a->key_channels || n < 1)) || (write == kWriteTail && t < 1) ||
         fmt < kF16 || fmt > kF32)
         return 1;
     const int64_t g = nh / nkv, rows = B * nkv, width = hs * bits / 8, J = hs / G;
     const int64_t bytes = fmt == kF32 ? 4 : 2;
     for (int64_t r = 0; write == kWriteTail && r < rows; ++r) {
-        const int64_t b = r / nkv, h = r % nkv, at = (r * tail_row + (t - 1) * hs) * bytes;
+        const int64_t b = r / nkv, h = r % nkv, at = (r * a->tail_row + (t - 1) * hs) * bytes;
         // the tail is the caller's buffer, written here as `attend_decode` writes its own
-        store_row(fmt, k + b * k_b + h * k_h, static_cast<char*>(tail_k) + at, hs);
-        store_row(fmt, v + b * v_b + h * v_h, static_cast<char*>(tail_v) + at, hs);
+        store_row(fmt, a->k + b * a->k_b + h * a->k_h, static_cast<char*>(a->tail_k) + at, hs);
+        store_row(fmt, a->v + b * a->v_b + h * a->v_h, static_cast<char*>(a->tail_v) + at, hs);
     }
     for (int64_t r = 0; write == kWriteCodes && r < rows; ++r) {
         const int64_t b = r / nkv, h = r % nkv;
-        quantise_token(k + b * k_b + h * k_h, hs, static_cast<int>(bits), G,
-                       kc + r * kc_row + (n - 1) * width, ks + r * ks_row + (n - 1) * J,
-                       kz + r * ks_row + (n - 1) * J);
-        quantise_token(v + b * v_b + h * v_h, hs, static_cast<int>(bits), G,
-                       vc + r * vc_row + (n - 1) * width, vs + r * vs_row + (n - 1) * J,
-                       vz + r * vs_row + (n - 1) * J);
+        quantise_token(a->k + b * a->k_b + h * a->k_h, hs, static_cast<int>(bits), G,
+                       a->kc + r * a->kc_row + (n - 1) * width, a->ks + r * a->ks_row + (n - 1) * J,
+                       a->kz + r * a->ks_row + (n - 1) * J);
+        quantise_token(a->v + b * a->v_b + h * a->v_h, hs, static_cast<int>(bits), G,
+                       a->vc + r * a->vc_row + (n - 1) * width, a->vs + r * a->vs_row + (n - 1) * J,
+                       a->vz + r * a->vs_row + (n - 1) * J);
     }
     // row b * nkv + h's g queries
-    const std::vector<float> qs = scaled_queries(q, q_b, q_h, B, nh, hs);
+    const std::vector<float> qs = scaled_queries(a->q, a->q_b, a->q_h, B, nh, hs);
     std::vector<float> m(B * nh), l(B * nh);
-    const Cache c{kc, vc, ks, kz, vs, vz, kc_row, vc_row, ks_row, vs_row};
-    over_codes(qs.data(), c, rows, n, g, hs, bits, G, key_channels, threads, sink_k, sink_v,
-               sink_row, s, tail_k, tail_v, tail_row, t, fmt, m.data(), l.data(), y);
+    const Cache c{a->kc, a->vc, a->ks, a->kz, a->vs, a->vz, a->kc_row, a->vc_row, a->ks_row,
+                  a->vs_row};
+    over_codes(qs.data(), c, rows, n, g, hs, bits, G, a->key_channels, a->threads, a->sink_k,
+               a->sink_v, a->sink_row, a->s, a->tail_k, a->tail_v, a->tail_row, t, fmt, m.data(),
+               l.data(), a->y);
     for (int64_t i = 0; i < B * nh; ++i)  // (row * g + i) * hs is y's (b * nh + h) * hs
-        for (int64_t d = 0; d < hs; ++d) y[i * hs + d] /= l[i];
+        for (int64_t d = 0; d < hs; ++d) a->y[i * hs + d] /= l[i];
     return 0;
 }

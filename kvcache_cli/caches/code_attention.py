@@ -38,6 +38,7 @@ asks for that path, to time one against the other.
 from __future__ import annotations
 
 import ctypes
+import operator
 from functools import cache
 from pathlib import Path
 
@@ -76,9 +77,7 @@ def load(defines: tuple[str, ...] = ()) -> tuple[ctypes.CDLL | None, str | None]
         [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 6 + [ctypes.c_void_p] + \
         [ctypes.c_int64] * 2 + [ctypes.c_void_p]
     lib.decode_codes.restype = ctypes.c_int
-    lib.decode_codes.argtypes = ([ctypes.c_void_p] + [ctypes.c_int64] * 2) * 3 + \
-        [ctypes.c_int64] + [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 13 + \
-        ([ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2) * 2 + [ctypes.c_int64, ctypes.c_void_p]
+    lib.decode_codes.argtypes = [ctypes.POINTER(DecodeArgs)]
     lib.quantise_tokens.restype = ctypes.c_int
     lib.quantise_tokens.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 6 + \
         [ctypes.c_void_p, ctypes.c_int64] * 3
@@ -187,9 +186,54 @@ def attend_decode(q: Tensor, k: Tensor, v: Tensor, keys: Tensor, values: Tensor,
 WRITES = {None: 0, "codes": 1, "tail": 2}
 
 
+class DecodeArgs(ctypes.Structure):
+    """`decode_codes`' arguments as the kernel takes them, one struct (code_attention.cpp's
+    `DecodeArgs`, field for field): ctypes converts each argument of a call, and 40 of them
+    took longer than a short step's arithmetic."""
+
+    _fields_ = [(name, ctypes.c_void_p if pointer else ctypes.c_int64) for name, pointer in (
+        ("q", 1), ("q_b", 0), ("q_h", 0), ("k", 1), ("k_b", 0), ("k_h", 0), ("v", 1),
+        ("v_b", 0), ("v_h", 0), ("write", 0), ("kc", 1), ("ks", 1), ("kz", 1), ("vc", 1),
+        ("vs", 1), ("vz", 1), ("kc_row", 0), ("vc_row", 0), ("ks_row", 0), ("vs_row", 0),
+        ("B", 0), ("nh", 0), ("nkv", 0), ("n", 0), ("hs", 0), ("bits", 0), ("G", 0),
+        ("key_channels", 0), ("threads", 0), ("sink_k", 1), ("sink_v", 1), ("sink_row", 0),
+        ("s", 0), ("tail_k", 1), ("tail_v", 1), ("tail_row", 0), ("t", 0), ("fmt", 0),
+        ("y", 1))]
+
+
+class DecodeCall:
+    """One layer's `decode_codes` arguments, kept between its steps: what the buffers fix
+    (their addresses and strides, the sinks, the shape) is written when they change (a
+    capacity's growth), and a step writes only its own (q, k, v, n, t, what to write)."""
+
+    def __init__(self):
+        self.args = DecodeArgs()
+        self.buffers: tuple[Tensor, ...] = ()  # the rows and full it was prepared for
+        self.kept: tuple[Tensor, ...] = ()  # what `args` points into, copies included
+        self.tail_in_place = False
+
+    def prepare(self, rows: tuple[Tensor, ...], full: tuple[Tensor, ...], bits: int, G: int,
+                per_channel: bool) -> None:
+        a = self.args
+        kc, ks, kz, vc, vs, vz = rows
+        sink_k, sink_v, a.sink_row = _stored(*full[:2])
+        tail_k, tail_v, a.tail_row = _stored(*full[2:])
+        self.tail_in_place = tail_k.data_ptr() == full[2].data_ptr()  # not a copy
+        a.kc, a.ks, a.kz, a.vc, a.vs, a.vz = (r.data_ptr() for r in rows)
+        a.kc_row, a.vc_row, a.ks_row, a.vs_row = kc.stride(1), vc.stride(1), ks.stride(1), \
+            vs.stride(1)
+        a.B, a.nkv, a.hs = kc.size(0), kc.size(1), tail_k.size(3)
+        a.bits, a.G, a.key_channels = bits, G, int(per_channel)
+        a.sink_k, a.sink_v, a.s = sink_k.data_ptr(), sink_v.data_ptr(), sink_k.size(2)
+        a.tail_k, a.tail_v, a.fmt = tail_k.data_ptr(), tail_v.data_ptr(), \
+            FULL_FLAGS[tail_k.dtype]
+        self.buffers, self.kept = rows + full, (sink_k, sink_v, tail_k, tail_v)
+
+
 def decode_codes(q: Tensor, k: Tensor, v: Tensor, rows: tuple[Tensor, ...], n: int,
                  bits: int, G: int, per_channel: bool, write: str | None,
-                 full: tuple[Tensor, Tensor, Tensor, Tensor], t: int) -> Tensor:
+                 full: tuple[Tensor, Tensor, Tensor, Tensor], t: int,
+                 prepared: DecodeCall | None = None) -> Tensor:
     """A quantised cache's decoding step of one layer (B, nh, 1, hs), float32, in one call,
     as `attend_decode` is a static cache's. rows: the code and scale buffers k_codes,
     k_scale, k_zero, v_codes, v_scale, v_zero, each (B, nkv, capacity, width) with rows
@@ -201,29 +245,27 @@ def decode_codes(q: Tensor, k: Tensor, v: Tensor, rows: tuple[Tensor, ...], n: i
     and the tail's buffers (B, nkv, capacity, hs) with t of their tokens filled (no view to
     make: a slice is a torch op a layer), query head h on KV head h // (nh / nkv), scaled by
     1 / sqrt(hs), the softmax finished. q, k, v may be any views whose last axis is
-    contiguous (the q|k|v product's heads); `merge_heads` reads the result as a view."""
+    contiguous (the q|k|v product's heads); `merge_heads` reads the result as a view.
+    `prepared`: the layer's arguments from its last step, written again only where these
+    buffers are not the ones they point into."""
     B, nh, _, hs = q.shape
-    nkv = rows[0].size(1)
-    sink_k, sink_v, sink_row = _stored(*full[:2])
-    tail_k, tail_v, tail_row = _stored(*full[2:])
-    if write == "tail" and tail_k.data_ptr() != full[2].data_ptr():  # copied: not in place
+    call = prepared or DecodeCall()
+    if not (call.buffers and all(map(operator.is_, rows + full, call.buffers))):
+        call.prepare(rows, full, bits, G, per_channel)
+    if write == "tail" and not call.tail_in_place:
         raise ValueError(f"decoding over codes: a tail of strides {full[2].stride()} cannot "
                          "be written in place")
-    kc, ks, kz, vc, vs, vz = rows
+    a = call.args
     y = torch.empty(B, nh, 1, hs, dtype=torch.float32)  # (B, nh, 1, hs)
-    status = kernel().decode_codes(
-        q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1),
-        v.data_ptr(), v.stride(0), v.stride(1), WRITES[write], kc.data_ptr(), ks.data_ptr(),
-        kz.data_ptr(), vc.data_ptr(), vs.data_ptr(), vz.data_ptr(), kc.stride(1),
-        vc.stride(1), ks.stride(1), vs.stride(1), B, nh, nkv, n, hs, bits, G,
-        int(per_channel), torch.get_num_threads(),
-        sink_k.data_ptr(), sink_v.data_ptr(), sink_row, sink_k.size(2),
-        tail_k.data_ptr(), tail_v.data_ptr(), tail_row, t, FULL_FLAGS[tail_k.dtype],
-        y.data_ptr())
-    if status:
+    a.q, a.q_b, a.q_h = q.data_ptr(), q.stride(0), q.stride(1)
+    a.k, a.k_b, a.k_h = k.data_ptr(), k.stride(0), k.stride(1)
+    a.v, a.v_b, a.v_h = v.data_ptr(), v.stride(0), v.stride(1)
+    a.nh, a.write, a.n, a.t, a.y = nh, WRITES[write], n, t, y.data_ptr()
+    a.threads = torch.get_num_threads()
+    if kernel().decode_codes(ctypes.byref(a)):
         raise ValueError(f"decoding over codes: {bits}-bit codes in groups of {G} of {hs}, "
-                         f"{nh} query heads on {nkv} KV heads, write {write}, "
-                         f"{tail_k.dtype} tail of {t}: not supported")
+                         f"{nh} query heads on {a.nkv} KV heads, write {write}, "
+                         f"{full[2].dtype} tail of {t}: not supported")
     return y
 
 

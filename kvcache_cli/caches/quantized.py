@@ -82,6 +82,7 @@ scale 1.0. Its block bytes come from the same `layer_bytes`.
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 from torch import Tensor
@@ -212,6 +213,9 @@ class _Rows:
         return nbytes(rest)
 
 
+_BUFFER = operator.attrgetter("buf")
+
+
 class _IntLayer:
     """One layer's store: sinks, quantised keys and values, the full-precision tail."""
 
@@ -229,6 +233,10 @@ class _IntLayer:
         self.scales = {name: _Rows(B, nkv, key_width if name[0] == "k" else hs // G, device,
                                    SCALE_DTYPE)
                        for name in ("k_scale", "k_zero", "v_scale", "v_zero")}
+        # a decoding call's rows, in its order, and its arguments kept between steps
+        self.code_rows = (self.codes["k"], self.scales["k_scale"], self.scales["k_zero"],
+                          self.codes["v"], self.scales["v_scale"], self.scales["v_zero"])
+        self.call = code_attention.DecodeCall()
 
     # The filled parts, as views: what bytes_held counts and attention reads.
     tail_k = property(lambda self: self.tails["k"].t)
@@ -327,19 +335,17 @@ class QuantizedCache(KVCache):
         # the token stays in the tail and no chunk leaves it this step (int4's r128 but one
         # step in G): the call writes it into the tail's buffer
         to_tail = not to_codes and sinks_full and t + 1 - self.residual < self.chunk
-        rows = (L.codes["k"], L.scales["k_scale"], L.scales["k_zero"], L.codes["v"],
-                L.scales["v_scale"], L.scales["v_zero"])
         if to_codes or to_tail:
             self._check_append(layer, start)
-            grown = rows if to_codes else (L.tails["k"], L.tails["v"])
-            self.bytes_copied += sum(r.grow(1) for r in grown)  # filled by the call
+            grown = L.code_rows if to_codes else (L.tails["k"], L.tails["v"])
+            self.bytes_copied += sum([r.grow(1) for r in grown])  # filled by the call
             self.lengths[layer] = self.length = start + 1
         else:
             self._store(layer, start, k, v)
         return code_attention.decode_codes(
-            q, k, v, tuple(r.buf for r in rows), L.quantised, self.bits, self.group,
+            q, k, v, tuple(map(_BUFFER, L.code_rows)), L.quantised, self.bits, self.group,
             self.per_channel, "codes" if to_codes else "tail" if to_tail else None,
-            (L.sink_k, L.sink_v, L.tails["k"].buf, L.tails["v"].buf), L.tails["k"].n)
+            (L.sink_k, L.sink_v, L.tails["k"].buf, L.tails["v"].buf), L.tails["k"].n, L.call)
 
     def _attend_kernel(self, L: _IntLayer, q: Tensor) -> Tensor:
         """`_attend` in one C++ kernel (`code_attention`): the codes read as bytes, once,
