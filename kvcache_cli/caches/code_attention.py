@@ -6,9 +6,9 @@ is how many bytes it reads and what it does to each. In torch the integer caches
 turn their codes into float32 first (a copy a chunk at a time, then float products), which
 cost more than SDPA reading float32 outright; this kernel reads the codes as bytes (where
 the CPU has AVX2 or AVX-512, the common keys' codes multiply the query rounded to 16-bit
-words as integers: `code_attention_simd.h` says how close), folds the scales into the query
-and the weights, and keeps the softmax's partial sums
-(flash-decoding's m, l, acc), so the full-precision sinks and tail merge in exactly. A
+words as integers, and 4-bit values the weights so rounded: `code_attention_simd.h` says how
+close), folds the scales into the query and the weights, and keeps the softmax's partial
+sums (flash-decoding's m, l, acc), so the full-precision sinks and tail merge in exactly. A
 static cache's buffers are read the same way (`attend_decode`): float32, or a half-precision
 cache's 2 bytes a number (`caches.half`), each row widened to float32 as it is read, so no
 float32 copy of the history is made; and the new token's key and value are written in and
@@ -21,7 +21,9 @@ A quantised cache's decoding token is one call a layer too (`decode_codes`): int
 token in its tail first; then the queries, read as views of the q|k|v product, over sinks,
 codes and tail, the softmax finished where `merge_heads` reads it. What it replaced (the
 query's scaling and reshape, the appends, the partial sums' division, the wrapper's checks)
-cost more a layer at SmolLM2's shape than the kernel's own gap to fp16's step.
+cost more a layer at SmolLM2's shape than the kernel's own gap to fp16's step. Its
+arguments are one struct the layer keeps (`DecodeCall`), rewritten where a step changes them:
+ctypes converting 40 arguments a call took as long as a short step's attention.
 
 Storing a decoding token's codes took some twenty small torch ops a layer (the groups'
 minimum and maximum, the float16 rounding of scale and zero point, round, clamp, pack, an

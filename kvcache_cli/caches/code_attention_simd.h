@@ -295,6 +295,22 @@ inline ivec broadcast_int(int32_t x) { return _mm256_set1_epi32(x); }
 constexpr int64_t kAhead = 32;
 constexpr int64_t kChunks = 1024 / kLanes;  // of kLanes channels: head sizes up to 1,024
 
+// A block's temporaries (its scores, its scales widened, ...): the calling thread's buffer
+// `slot` of n elements, uninitialised, kept from block to block. A step at 8k tokens reads
+// some 1,500 blocks, and allocating and zeroing each one's own took a tenth of the kernel.
+enum Slot {
+    kScores, kValueScales, kValueZeros, kKeyScales, kKeyZeros, kQuery, kUnits, kWeights,
+    kPadded, kSlots
+};
+
+template <class T>
+T* scratch(Slot slot, int64_t n) {
+    thread_local std::vector<T> buffers[kSlots];
+    std::vector<T>& buffer = buffers[slot];
+    if (static_cast<int64_t>(buffer.size()) < n) buffer.resize(n);
+    return buffer.data();
+}
+
 inline void lines(const void* p, int64_t bytes) {
     for (int64_t at = 0; at < bytes; at += 64)
         _mm_prefetch(static_cast<const char*>(p) + at, _MM_HINT_T0);
@@ -663,25 +679,28 @@ void word_values(const Reader& r, int64_t len, const float* p, int64_t hs, float
     vec big = zero();
     for (int64_t e = 0; e < entries; e += kLanes) big = larger(big, load(r.scale + e));
     const float largest = lanes_max(big), step = largest / 32767.f;
-    std::vector<float> units(entries);  // the scales in steps
+    float* units = scratch<float>(kUnits, entries);  // the scales in steps
     const vec inverse = broadcast(largest > 0.f ? 32767.f / largest : 0.f);
     for (int64_t e = 0; e < entries; e += kLanes)
-        store(units.data() + e, mul(load(r.scale + e), inverse));
-    std::vector<int32_t> weights(GQ * entries / 2);  // query i's pair (u, j): i * entries / 2
-    std::vector<float> padded(entries / J + kLanes, 0.f);  // a query's p, then zeros
+        store(units + e, mul(load(r.scale + e), inverse));
+    int32_t* weights = scratch<int32_t>(kWeights, GQ * entries / 2);  // query i's pair (u, j)
+    // at i * entries / 2 + u * J + j; and a query's p, then zeros
+    const int64_t padding = entries / J + kLanes - len;
+    float* padded = scratch<float>(kPadded, len + padding);
+    for (int64_t t = len; t < len + padding; ++t) padded[t] = 0.f;
     float shares[GQ][kChunks];  // sum over t of p * zero point, a query and group
     const lane_index spread = lanes_over(__builtin_ctzll(J));  // lane l: token l / J
     for (int i = 0; i < GQ; ++i) {
-        std::memcpy(padded.data(), p + i * len, len * sizeof(float));
-        int32_t* out = weights.data() + i * entries / 2;
+        std::memcpy(padded, p + i * len, len * sizeof(float));
+        int32_t* out = weights + i * entries / 2;
         vec zeros = zero();  // lane l: group l % J's share
         for (int64_t e = 0; e < entries; e += 2 * kLanes) {
-            const vec p0 = permute(spread, load(padded.data() + e / J));
-            const vec p1 = permute(spread, load(padded.data() + (e + kLanes) / J));
+            const vec p0 = permute(spread, load(padded + e / J));
+            const vec p1 = permute(spread, load(padded + (e + kLanes) / J));
             zeros = fmadd(p1, load(r.zero + e + kLanes), fmadd(p0, load(r.zero + e), zeros));
             store_words(reinterpret_cast<int16_t*>(out + e / 2),
-                        paired_words(narrow(rounded(mul(p0, load(units.data() + e))),
-                                            rounded(mul(p1, load(units.data() + e + kLanes)))),
+                        paired_words(narrow(rounded(mul(p0, load(units + e))),
+                                            rounded(mul(p1, load(units + e + kLanes)))),
                                      J));
         }
         float lanes[kLanes];
@@ -758,24 +777,24 @@ void by_queries(int64_t g, F f) {
 template <class Keys, class Values>
 void partial(Keys keys, const Values& values, int64_t g, int64_t len, int64_t hs,
              float* m_out, float* l_out, float* acc_out) {
-    std::vector<float> scores(g * len);
-    by_queries(g, [&](auto GQ, int64_t i) { keys(GQ, i, scores.data() + i * len); });
-    block_softmax(scores.data(), g, len, hs, m_out, l_out, acc_out);
+    float* scores = scratch<float>(kScores, g * len);
+    by_queries(g, [&](auto GQ, int64_t i) { keys(GQ, i, scores + i * len); });
+    block_softmax(scores, g, len, hs, m_out, l_out, acc_out);
     by_queries(g, [&](auto GQ, int64_t i) {
-        sized_values<decltype(GQ)::value>(values, len, scores.data() + i * len, hs,
-                                          acc_out + i * hs);
+        sized_values<decltype(GQ)::value>(values, len, scores + i * len, hs, acc_out + i * hs);
     });
 }
 
 
 // Floats of n float16 numbers (scales and zero points), zeros after them for the whole-vector
 // loads past the last (`Codes`' one vector, `word_values`' whole pairs of vectors and a token).
-inline std::vector<float> widened(const _Float16* x, int64_t n) {
-    std::vector<float> out(n + 3 * kLanes, 0.f);
+inline const float* widened(const _Float16* x, int64_t n, Slot slot) {
+    float* out = scratch<float>(slot, n + 3 * kLanes);
     int64_t e = 0;
     for (; e + kLanes <= n; e += kLanes)
-        store(out.data() + e, widen<kF16>(reinterpret_cast<const char*>(x + e)));
+        store(out + e, widen<kF16>(reinterpret_cast<const char*>(x + e)));
     for (; e < n; ++e) out[e] = static_cast<float>(x[e]);
+    for (; e < n + 3 * kLanes; ++e) out[e] = 0.f;
     return out;
 }
 
@@ -810,26 +829,27 @@ void grouped_block(const float* q, const Cache& c, int64_t row, int64_t a, int64
                    float* acc) {
     const int64_t len = b - a, width = hs * bits / 8, J = hs / G;
     const float* qr = q + row * g * hs;
-    const std::vector<float> vs = widened(c.vs + row * c.vs_row + a * J, len * J),
-                             vz = widened(c.vz + row * c.vs_row + a * J, len * J);
-    const Codes<bits, true, GS> values{c.vc + row * c.vc_row + a * width, width, J, G, vs.data(),
-                                       vz.data()};
+    const Codes<bits, true, GS> values{c.vc + row * c.vc_row + a * width, width, J, G,
+                                       widened(c.vs + row * c.vs_row + a * J, len * J,
+                                               kValueScales),
+                                       widened(c.vz + row * c.vs_row + a * J, len * J,
+                                               kValueZeros)};
 
     const uint8_t* kc = c.kc + row * c.kc_row + a * width;
     // the keys' integer path where it applies (`word_dots`), else their codes read as floats
     const bool in_words = (hs == 64 || hs == 128) &&
                           (key_channels ? bits == 8 || bits == 4 : bits == 8 && GS == 32);
     if (!key_channels) {  // per-token keys: dequantised as read, like the values, or in words
-        const std::vector<float> ks = widened(c.ks + row * c.ks_row + a * J, len * J),
-                                 kz = widened(c.kz + row * c.ks_row + a * J, len * J);
+        const float* ks = widened(c.ks + row * c.ks_row + a * J, len * J, kKeyScales);
+        const float* kz = widened(c.kz + row * c.ks_row + a * J, len * J, kKeyZeros);
         if (in_words)
             return partial([&](auto GQ, int64_t i, float* s) {
                 constexpr int n = decltype(GQ)::value;
                 const float* qi = qr + i * hs;
-                if (hs == 64) token_word_scores<n, 64>(kc, ks.data(), kz.data(), len, qi, s);
-                else token_word_scores<n, 128>(kc, ks.data(), kz.data(), len, qi, s);
+                if (hs == 64) token_word_scores<n, 64>(kc, ks, kz, len, qi, s);
+                else token_word_scores<n, 128>(kc, ks, kz, len, qi, s);
             }, values, g, len, hs, m, l, acc);
-        const Codes<bits, true, GS> keys{kc, width, J, G, ks.data(), kz.data()};
+        const Codes<bits, true, GS> keys{kc, width, J, G, ks, kz};
         return partial([&](auto GQ, int64_t i, float* s) {
             sized_scores<decltype(GQ)::value>(keys, 0, len, qr + i * hs, hs, s, len);
         }, values, g, len, hs, m, l, acc);
@@ -839,8 +859,8 @@ void grouped_block(const float* q, const Cache& c, int64_t row, int64_t a, int64
     const Codes<bits, false> keys{kc, width, J, G, nullptr, nullptr};
     partial([&](auto GQ, int64_t i, float* s) {
         constexpr int n = decltype(GQ)::value;
-        std::vector<float> qs(n * hs);
-        std::vector<int16_t> w(n * hs);  // qs in words, on the integer path
+        float* qs = scratch<float>(kQuery, n * hs);
+        int16_t* w = scratch<int16_t>(kQuery, n * hs);  // qs in words, on the integer path
         for (int64_t t0 = a; t0 < b;) {
             const int64_t t1 = (t0 / G + 1) * G < b ? (t0 / G + 1) * G : b;
             const _Float16* sc = c.ks + row * c.ks_row + t0 / G * hs;
@@ -851,7 +871,7 @@ void grouped_block(const float* q, const Cache& c, int64_t row, int64_t a, int64
                 vec off = zero();
                 for (int64_t d = 0; d < hs; d += kLanes) {
                     const vec qd = load(qk + d);
-                    store(qs.data() + k * hs + d,
+                    store(qs + k * hs + d,
                           mul(qd, widen<kF16>(reinterpret_cast<const char*>(sc + d))));
                     off = fmadd(qd, widen<kF16>(reinterpret_cast<const char*>(ze + d)), off);
                 }
@@ -861,13 +881,13 @@ void grouped_block(const float* q, const Cache& c, int64_t row, int64_t a, int64
             for (int k = 0; k < n; ++k) step[k] = 1.f;
             if constexpr (bits == 8 || bits == 4) {  // in_words: the scaled query in words
                 if (in_words) {
-                    query_words<n>(qs.data(), hs, bits, w.data(), step);
+                    query_words<n>(qs, hs, bits, w, step);
                     const int64_t u0 = t0 - a, u1 = t1 - a;  // the group's tokens in the block
-                    if (hs == 64) word_dots<n, 64, bits, 64>(kc, u0, u1, w.data(), nullptr, s, len);
-                    else word_dots<n, 128, bits, 128>(kc, u0, u1, w.data(), nullptr, s, len);
+                    if (hs == 64) word_dots<n, 64, bits, 64>(kc, u0, u1, w, nullptr, s, len);
+                    else word_dots<n, 128, bits, 128>(kc, u0, u1, w, nullptr, s, len);
                 }
             }
-            if (!in_words) sized_scores<n>(keys, t0 - a, t1 - a, qs.data(), hs, s, len);
+            if (!in_words) sized_scores<n>(keys, t0 - a, t1 - a, qs, hs, s, len);
             for (int k = 0; k < n; ++k)
                 for (int64_t t = t0 - a; t < t1 - a; ++t)
                     s[k * len + t] = s[k * len + t] * step[k] + offset[k];
