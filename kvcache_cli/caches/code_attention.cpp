@@ -473,8 +473,9 @@ extern "C" EXACT_MATH int quantise_tokens(const float* x, int64_t x_row, int64_t
 enum Write { kWriteNone = 0, kWriteCodes = 1, kWriteTail = 2 };
 
 // The call's arguments in one struct of 8-byte fields (code_attention.py's `DecodeArgs`, in
-// the same order): ctypes converts each argument of a call, and 40 of them cost more than a
-// short step's arithmetic; a cache keeps one a layer and rewrites only what a step changes.
+// the same order): ctypes converts each argument of a call, and 40 of them took as long as
+// the kernel's work over a short history; a cache keeps one a layer and rewrites only what
+// a step changes.
 struct DecodeArgs {
     const float* q;
     int64_t q_b, q_h;

@@ -23,7 +23,7 @@ codes and tail, the softmax finished where `merge_heads` reads it. What it repla
 query's scaling and reshape, the appends, the partial sums' division, the wrapper's checks)
 cost more a layer at SmolLM2's shape than the kernel's own gap to fp16's step. Its
 arguments are one struct the layer keeps (`DecodeCall`), rewritten where a step changes them:
-ctypes converting 40 arguments a call took as long as a short step's attention.
+ctypes converting 40 arguments a call took as long as the attention over a short history.
 
 Storing a decoding token's codes took some twenty small torch ops a layer (the groups'
 minimum and maximum, the float16 rounding of scale and zero point, round, clamp, pack, an
@@ -191,7 +191,7 @@ WRITES = {None: 0, "codes": 1, "tail": 2}
 class DecodeArgs(ctypes.Structure):
     """`decode_codes`' arguments as the kernel takes them, one struct (code_attention.cpp's
     `DecodeArgs`, field for field): ctypes converts each argument of a call, and 40 of them
-    took longer than a short step's arithmetic."""
+    took as long as the kernel's work over a short history."""
 
     _fields_ = [(name, ctypes.c_void_p if pointer else ctypes.c_int64) for name, pointer in (
         ("q", 1), ("q_b", 0), ("q_h", 0), ("k", 1), ("k_b", 0), ("k_h", 0), ("v", 1),
