@@ -13,6 +13,7 @@ from kvcache_cli.caches import code_attention, make_cache
 from kvcache_cli.caches import quantized as quantized_module
 from kvcache_cli.caches.base import KVCache
 from kvcache_cli.caches.quantized import QuantizedCache
+from kvcache_cli.caches.spec import parse_cache_spec
 from kvcache_cli.caches.step import Step
 from kvcache_cli.eval.quality import evaluate
 from kvcache_cli.models.gpt2 import GPT, GPTConfig
@@ -65,9 +66,9 @@ def test_attention_over_codes_gives_the_whole_copys_logits(spec, monkeypatch):
     # misplaced or a scale off by a group moves them by units. Where the kernel multiplies
     # 4-bit values in integers, their weights rounded to 16-bit words move an attention's
     # output by ~1e-4 of itself, and the logits by up to ~0.1.
-    cache = make_cache(spec, m, 100)
+    layout = parse_cache_spec(spec)
     words = code_attention.kernel() is not None and values_in_words(
-        "vector", cache.bits, CONFIG.n_embd // CONFIG.n_head, cache.group)
+        "vector", layout["bits"], CONFIG.n_embd // CONFIG.n_head, layout["group"])
     torch.testing.assert_close(chunked, whole, atol=0.25 if words else 2e-2, rtol=1e-3)
 
 
@@ -75,7 +76,6 @@ def test_attention_over_codes_gives_the_whole_copys_logits(spec, monkeypatch):
 @pytest.mark.parametrize("spec", SPECS)
 def test_one_attention_equals_sdpa_over_the_dequantised_copy(spec):
     from kvcache_cli.caches.base import CacheShape
-    from kvcache_cli.caches.spec import parse_cache_spec
 
     g = torch.Generator().manual_seed(0)
     cache = QuantizedCache.build(parse_cache_spec(spec), CacheShape(1, 2, 32, 512),
@@ -133,7 +133,6 @@ def test_eval_perplexity_is_unchanged_by_the_codes_path(spec, monkeypatch):
 def test_a_long_history_of_two_rows_equals_sdpa_over_the_dequantised_copy(spec):
     # 1,100 tokens: the kernel's blocks of 512 and their merge; two rows, sinks and a tail.
     from kvcache_cli.caches.base import CacheShape
-    from kvcache_cli.caches.spec import parse_cache_spec
 
     g = torch.Generator().manual_seed(1)
     cache = QuantizedCache.build(parse_cache_spec(spec), CacheShape(1, 3, 64, 2048),
@@ -188,7 +187,6 @@ def test_the_kernel_stores_each_tokens_codes_as_torch_quantises_them(spec, dtype
     if code_attention.kernel() is None:
         pytest.skip(code_attention.NOTE[-1])
     from kvcache_cli.caches.base import CacheShape
-    from kvcache_cli.caches.spec import parse_cache_spec
 
     stores = []
 
@@ -224,7 +222,6 @@ def test_the_kernel_reads_a_half_precision_models_sinks_and_tail_in_place(dtype,
     if code_attention.kernel() is None:
         pytest.skip(code_attention.NOTE[-1])
     from kvcache_cli.caches.base import CacheShape
-    from kvcache_cli.caches.spec import parse_cache_spec
 
     g = torch.Generator().manual_seed(3)
     k, v = (torch.randn(1, 3, 600, 64, generator=g).to(dtype) for _ in range(2))
