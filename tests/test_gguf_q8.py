@@ -18,7 +18,7 @@ from llamakit import smollm2_or_skip
 from test_gguf_products import _blocks
 from typer.testing import CliRunner
 
-from kvcache_cli.caches import code_attention
+from kvcache_cli.caches import code_attention, make_cache
 from kvcache_cli.cli import app
 from kvcache_cli.generate import stream_tokens
 from kvcache_cli.models import (
@@ -382,13 +382,23 @@ def _llama_steps(path, prompt: list[int], n: int) -> tuple[list[int], list[np.nd
     return tokens, logits
 
 
-def _same_tokens(model, path, prompt: list[int], n: int, torch_ops: bool = False) -> None:
-    """Our greedy tokens are llama.cpp's on the same file. Its cache is float32 here, as
-    ours: against its default float16 cache the two part at a near-tie (SmolLM2 under
-    gguf-q8 at the 6th token, llama.cpp's margin 0.19), because rounding the row to 8 bits
-    makes the product a step function of it, and where a block holds an outlier (SmolLM2's
-    activations reach the hundreds) one step is a large change: scaling the embedding by
-    1 + 1e-6 noise moves SmolLM2's logits by 0.8 under gguf-q8 (1e-4 under gguf).
+# Two logits closer than this, in both engines, are a near tie: either may come first.
+# Rounding a row to 8 bits makes a product a step function of it, and where a block holds an
+# outlier (SmolLM2's activations reach the hundreds) one step is a large change, so a last
+# place that differs anywhere before it moves a logit by up to about one: the gaps where the
+# two engines' picks parted on an AVX2 host were 0.03-0.12 in llama.cpp's logits and
+# 0.03-0.25 in ours.
+NEAR_TIE = 0.3
+
+
+def _same_tokens_but_near_ties(model, path, prompt: list[int], n: int,
+                               torch_ops: bool = False) -> None:
+    """Our greedy pick is llama.cpp's at every step of its own greedy run on the same file
+    (each step fed llama.cpp's tokens, so one flip does not send the two texts apart), but
+    where the two tokens are a near tie in both engines' logits, at most once in eight
+    steps. Its cache is float32 here, as ours. Where llama.cpp runs the same kernels as
+    ours to the last place (the AVX-512 host these tests were written on) the free-running
+    tokens were equal too; its AVX2 kernels sum in another order, and part at near ties.
     The decode's norms are the fused ones, doing ggml's arithmetic to the bit
     (tests/test_fused.py), unless `torch_ops`: the small ops as torch's, where the fused path
     parts at a near tie for a reason outside the norms (see the callers). A static cache's
@@ -396,18 +406,28 @@ def _same_tokens(model, path, prompt: list[int], n: int, torch_ops: bool = False
     (`code_attention.attend_decode`), whose float32 sums, in another order than llama.cpp's,
     part the tokens at a near tie on two of the three files."""
     assert fused.library() is not None
+    theirs, their_logits = _llama_steps(path, prompt, n)
     ops = contextlib.ExitStack()
     ops.enter_context(mock.patch.object(code_attention, "kernel", lambda: None))
     if torch_ops:
         ops.enter_context(mock.patch.object(fused, "_lib", [None]))
     with torch.inference_mode(), ops:
-        mine = list(stream_tokens(model, prompt, n, "static"))
-    theirs, _ = _llama_steps(path, prompt, n)
-    assert len(set(theirs)) > 3 and mine == theirs
+        cache = make_cache("static", model, max_len=len(prompt) + n)
+        ours = [model(torch.tensor([prompt]), 0, cache)[0, -1]]
+        for at, token in enumerate(theirs[:-1]):  # each step fed llama.cpp's pick
+            ours.append(model(torch.tensor([[token]]), len(prompt) + at, cache)[0, -1])
+    parted = []
+    for step, (token, theirs_now, ours_now) in enumerate(zip(theirs, their_logits, ours)):
+        mine = int(ours_now.argmax())
+        if mine != token:
+            gaps = (theirs_now[token] - theirs_now[mine], float(ours_now[mine] - ours_now[token]))
+            assert max(gaps) < NEAR_TIE, (step, token, mine, gaps)
+            parted.append(step)
+    assert len(set(theirs)) > 3 and len(parted) <= n // 8, parted
 
 
 @has_llama
-def test_smollm2_gguf_q8_gives_llama_cpps_tokens_on_its_file(smollm2):
+def test_smollm2_gguf_q8_picks_llama_cpps_tokens_on_its_file_but_near_ties(smollm2):
     model = set_weights_dtype(copy.deepcopy(smollm2), "gguf-q8")
     # Fused, every norm and product of the prompt's 5 rows equals llama.cpp's to the bit
     # through layer 17; the attention's output (kqv_out) differs in the last place: q and k
@@ -415,12 +435,13 @@ def test_smollm2_gguf_q8_gives_llama_cpps_tokens_on_its_file(smollm2):
     # multiply-adds), and with those made its own the attention alone still does (another
     # order of sums). At layer 18 that flips one 8-bit rounding of the last row before
     # o_proj: the 6th token then parts at llama.cpp's margin 0.03.
-    _same_tokens(model, model.config.gguf, [504, 3575, 282, 4649, 314], 24, torch_ops=True)
+    _same_tokens_but_near_ties(model, model.config.gguf, [504, 3575, 282, 4649, 314], 24,
+                               torch_ops=True)
 
 
 @has_llama
-def test_smollm2_q8_0_gives_llama_cpps_tokens_on_the_q8_0_file_of_its_weights(smollm2,
-                                                                              tmp_path):
+def test_smollm2_q8_0_picks_llama_cpps_tokens_on_its_weights_q8_0_file_but_near_ties(
+        smollm2, tmp_path):
     from gguf import GGUFReader
 
     model = set_weights_dtype(copy.deepcopy(smollm2), "q8_0")
@@ -431,11 +452,11 @@ def test_smollm2_q8_0_gives_llama_cpps_tokens_on_the_q8_0_file_of_its_weights(sm
                           model.model.layers[3].mlp.down_proj.blocks0.numpy())
     assert np.array_equal(np.asarray(tensors["token_embd.weight"].data),
                           model.lm_head.blocks0.numpy())
-    _same_tokens(model, file.path, [504, 3575, 282, 4649, 314], 24)
+    _same_tokens_but_near_ties(model, file.path, [504, 3575, 282, 4649, 314], 24)
 
 
 @has_llama
-def test_gemma3_gguf_q8_gives_llama_cpps_tokens_on_its_file():
+def test_gemma3_gguf_q8_picks_llama_cpps_tokens_on_its_file_but_near_ties():
     """The real file's Q4_K, Q5_0, Q6_K and Q8_0 blocks. (About a minute.)"""
     import gemmakit
 
@@ -447,8 +468,8 @@ def test_gemma3_gguf_q8_gives_llama_cpps_tokens_on_its_file():
     # place than llama.cpp's on the same row (its float terms' order), and the rotation's
     # and the attention's outputs differ in the last place, as on SmolLM2: the 12th token
     # parts.
-    _same_tokens(model, model.config.gguf, [2, 818, 5279, 529, 7001, 563], 16,
-                 torch_ops=True)
+    _same_tokens_but_near_ties(model, model.config.gguf, [2, 818, 5279, 529, 7001, 563], 16,
+                               torch_ops=True)
 
 
 def test_gguf_q8_and_q8_0_are_refused_where_they_cannot_run(tmp_path):

@@ -23,6 +23,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(GGUF_SCALAR)
@@ -536,9 +537,10 @@ inline void meet(const Unpacked& u, const Rows8& x, const int8_t* y, int64_t blk
 constexpr int64_t AHEAD = 4096;  // bytes: one page ahead (gguf_products.cpp says why)
 
 // RT rounded rows, from row r0, times NW weight rows (row_bytes apart) of K / QK blocks:
-// y[r * ldy + i] for r < RT, i < NW. A decode's one row meets four weight rows a pass: each
-// of its blocks is read once for four, and the four sums do not wait on each other. Each
-// output's float terms are added in the same order whatever RT and NW are.
+// y[r * ldy + i] for r < RT, i < NW. A decode's one row may meet four weight rows a pass:
+// each of its blocks is then read once for four, and the four sums do not wait on each other
+// (`four_weight_rows`). Each output's float terms are added in the same order whatever RT
+// and NW are.
 template <class B, int RT, int NW>
 void rows_times(const uint8_t* w, int64_t row_bytes, const Rows8& x, int64_t r0, int64_t K,
                 float* y, int64_t ldy) {
@@ -562,9 +564,18 @@ void rows_times(const uint8_t* w, int64_t row_bytes, const Rows8& x, int64_t r0,
         for (int i = 0; i < NW; ++i) y[r * ldy + i] = acc[r][i].sum() + off[r][i];
 }
 
-// One weight row (NW = 1) or, for a single rounded row, WEIGHT_ROWS of them, times every
-// rounded row: rows of x four at a time, so each block is unpacked once for four.
+// One weight row (NW = 1) or, for a single rounded row of a type `four_weight_rows` names,
+// WEIGHT_ROWS of them, times every rounded row: rows of x four at a time, so each block is
+// unpacked once for four.
 constexpr int WEIGHT_ROWS = 4;
+
+// Whether one rounded row meets four weight rows a pass: for the 4- and 5-bit blocks of 32,
+// whose unpacking bounds the product, so four sums that do not wait on each other help. Not
+// for Q8_0, bound by its bytes: four rows' streams side by side came from memory slower than
+// one (as in products.cpp; docs/bench.md, "One weight row a tile"). Not for the k-quants:
+// an unpacked block of 256 is too large to keep four, and ran slower so.
+template <class B>
+constexpr bool four_weight_rows = B::QK == 32 && !std::is_same_v<B, Q8_0>;
 
 template <class B, int NW>
 void rows_of(const uint8_t* w, int64_t row_bytes, const Rows8& x, int64_t R, int64_t K,
@@ -589,10 +600,10 @@ void product(const float* x, const uint8_t* w, float* y, int64_t R, int64_t N, i
     if constexpr (B::ROW == ROW_Q8_0) offset_dots(rows, B::OFFSET);
 #endif
     const int64_t row_bytes = K / B::QK * B::BYTES;
-    // Several rows of x share each unpacked block already; one row shares its blocks across
-    // weight rows instead (the blocks of 32: a k-quant's unpacked block is too large to keep
-    // four, and ran slower so). The threads take runs of whole groups, as ggml's take chunks.
-    const int64_t group = R == 1 && B::QK == 32 ? WEIGHT_ROWS : 1, groups = N / group;
+    // Several rows of x share each unpacked block already; one row may share its blocks
+    // across weight rows instead (`four_weight_rows`). The threads take runs of whole groups,
+    // as ggml's take chunks.
+    const int64_t group = R == 1 && four_weight_rows<B> ? WEIGHT_ROWS : 1, groups = N / group;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t g = 0; g < groups; ++g) {
         const int64_t n = g * group;

@@ -4,10 +4,11 @@
 // ctypes. A decode step multiplies a few rows by every matrix and does almost no arithmetic
 // a weight, so its time is how fast the weights stream from memory. Each output is a dot
 // product over one weight row (nn.Linear's (out, in) order, contiguous). Threads take equal
-// runs of rows, so each core streams one stretch of the matrix, a page ahead of itself;
-// four weight rows are multiplied at once with up to four rows of x, all accumulators in
-// registers, so a weight is read from memory once for every row of x and a row of x once a
-// tile (a batch of 16 is bound by loads of x, not of weights, without it). Each weight is
+// runs of rows, so each core streams one stretch of the matrix, a page ahead of itself. A
+// decode's one or two rows take one weight row at a time, one stream a thread; more rows
+// take four weight rows at once with up to four rows of x, all accumulators in registers,
+// so a weight is read from memory once for every row of x and a row of x once a tile (a
+// batch of 16 is bound by loads of x, not of weights, without it). Each weight is
 // widened to float32 in registers as it is read: int8 (times its row's bfloat16 scale,
 // after the sum), float16, or float32.
 //
@@ -168,7 +169,8 @@ struct Float {
 
 // A tile of TW weight rows by RX rows of x, one accumulator an output, in registers: each
 // chunk of weights loaded serves RX rows and each chunk of x TW weight rows. AVX2's 16
-// registers hold 4 x 2 accumulators beside their operands, AVX-512's 32 hold 4 x 4.
+// registers hold 4 x 2 accumulators beside their operands, AVX-512's 32 hold 4 x 4. (Up to
+// RX rows of x take one weight row a tile: `product`.)
 constexpr int TW = 4;  // product() below dispatches 1 to 4
 #if defined(PRODUCTS_512)
 constexpr int RX = 4;
@@ -246,11 +248,19 @@ void weight_rows(const typename W::T* w, const float* x, int64_t n, int64_t R, i
 }
 
 // y (R, N) = x (R, K) @ w (N, K)^T, each output times scales[n] where given, plus bias[n].
-// Threads take equal runs of TW-row tiles (OpenMP's pool: started once, kept between calls).
+// Threads take equal runs of tiles (OpenMP's pool: started once, kept between calls).
 template <class W>
 void product(const float* x, const typename W::T* w, const uint16_t* scales, const float* bias,
              float* y, int64_t R, int64_t N, int64_t K, int threads) {
     const Affine f{scales, bias};
+    if (R <= RX) {
+        // A decode's one row (or RX) reads no x twice, so its tiles are one weight row: each
+        // thread then reads a single stream in order, which streamed faster from memory
+        // than four rows' streams side by side (docs/bench.md, "One weight row a tile").
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (int64_t n = 0; n < N; ++n) weight_rows<W, 1>(w, x, n, R, N, K, f, y);
+        return;
+    }
     const int64_t tiles = (N + TW - 1) / TW;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t i = 0; i < tiles; ++i) {
