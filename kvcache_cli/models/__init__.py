@@ -189,22 +189,25 @@ def set_weights_dtype(model, name: str):
     """Store every product's matrix of any family's model in weights format `name`, in
     place: q4, gguf and gguf-q8 from the GGUF blocks the model was read from (`gguf.q4`,
     `gguf.as_stored`), q8_0 rounded to Q8_0 blocks (`gguf.q8_0`), the float formats and
-    int8 by `linear`."""
+    int8 by `linear`; each then in memory the kernel may back with 2 MiB pages
+    (`huge_pages`)."""
+    from kvcache_cli.models import huge_pages
+
     if name in ("gguf", "gguf-q8"):
         from kvcache_cli.models.gguf.as_stored import set_gguf
 
         set_gguf(model, name)
-        return model
+        return huge_pages.gather(model)
     if name == "q8_0":
         from kvcache_cli.models.gguf.q8_0 import set_q8_0
 
         set_q8_0(model)
-        return model
+        return huge_pages.gather(model)
     if name == "q4":
         from kvcache_cli.models.gguf.q4 import set_q4
 
         set_q4(model)
-        return model
+        return huge_pages.gather(model)
     from kvcache_cli.models.linear import set_weights_dtype as set_linear
 
     return set_linear(model, name)

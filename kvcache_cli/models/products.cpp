@@ -22,6 +22,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(PRODUCTS_SCALAR)
 #include <immintrin.h>
@@ -216,11 +217,15 @@ inline void tile(const typename W::T* w, const float* x, int64_t n, int64_t N, i
     // The rows lie end to end, so a thread's range is one stream; the hardware's prefetcher
     // stops at each 4 KiB page and starts again only after the first misses on the next, so
     // each cache line of a row asks for the line a page ahead (past the matrix: a no-op).
+    // Not float32's rows: they came from memory faster without the hints (docs/bench.md,
+    // "One weight row a tile"), float16's and int8's slower.
+    constexpr bool hinted = !std::is_same_v<E, float>;
     constexpr int LINE = 64 / sizeof(E) >= L ? 64 / sizeof(E) : L;  // values a step
     int64_t k = 0;
     for (; k + LINE <= K; k += LINE) {
-        for (int t = 0; t < T; ++t)
-            __builtin_prefetch(reinterpret_cast<const char*>(row + t * K + k) + AHEAD);
+        if constexpr (hinted)
+            for (int t = 0; t < T; ++t)
+                __builtin_prefetch(reinterpret_cast<const char*>(row + t * K + k) + AHEAD);
         for (int c = 0; c < LINE; c += L) chunk(k + c, L);
     }
     for (; k < K; k += L) chunk(k, K - k < L ? static_cast<int>(K - k) : L);
