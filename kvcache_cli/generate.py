@@ -173,10 +173,10 @@ class ReplayedDecode:
     records a step's calls (`caches.native.recorded`) and the torch ops it dispatches
     (allocations, views and the embedding's lookup may run, nothing else), then records a
     second step at the next position (and a third, where the first did what later ones do
-    not: a kernel built on first use); where two in a row made the same calls on the same
-    memory, each fresh buffer named by its order of allocation and the cache's by its
-    place (`KVCache.buffers`), the first step's calls serve every later position of any
-    cache of that kind and shape. A replay looks the token's embedding up into the buffer
+    not: a kernel built, or a memo made with a torch op, on first use); where two in a row
+    made the same calls on the same memory, each fresh buffer named by its order of
+    allocation and the cache's by its place (`KVCache.buffers`), the first step's calls
+    serve every later position of any cache of that kind and shape. A replay looks the token's embedding up into the buffer
     the first call reads, writes the position where the calls read it (the step's
     positions: the rotation and the attention read them from memory), records the write
     in the cache (`advance`), and makes the calls. A step that is not native calls alone
@@ -224,16 +224,17 @@ class ReplayedDecode:
             return self.model(idx, step, cache, last_only=last_only)
         recorded = _Recorded.of(self.model, idx, step, cache, last_only)
         self._recordings += 1
-        if recorded.refused is not None:
-            self._refuse(recorded.refused)
-        elif self._first is not None and (why := self._first.differs(recorded)) is None:
+        why = recorded.refused
+        if why is None and self._first is not None:
+            why = self._first.differs(recorded)
+        if why is None and self._first is not None:
             self._plan, self._first = _Plan(self._first, self.pos), None
         elif self._recordings < RECORDINGS:
             # a first step may do what later ones do not (build a kernel on first use,
-            # make a memo): the next pair is compared
-            self._first = recorded
+            # make a memo with a torch op): the next pair is compared
+            self._first = recorded if recorded.refused is None else None
         else:
-            self._refuse(why)
+            self._refuse(why or "no two steps in a row could be recorded")
         return recorded.logits.clone()  # a plan's calls write these again
 
     def _refuse(self, why: str) -> None:

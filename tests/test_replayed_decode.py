@@ -123,6 +123,22 @@ def test_a_torch_op_in_the_step_is_named_and_the_step_runs_eager(monkeypatch):
     assert replayed._plan is None and "aten.mul" in replayed.why_not
 
 
+def test_a_first_step_that_makes_a_memo_is_recorded_again_and_then_replayed(monkeypatch):
+    """A model's first forward may make what later ones reuse with a torch op (Gemma 3's
+    embedding scale, made once): a decode with no prefill before it is still replayed."""
+    from kvcache_cli.models import gemma3 as gemma3_module
+
+    model = gemma3_rings()
+    monkeypatch.setattr(gemma3_module, "_SCALES", {})
+    replayed = ReplayedDecode(model)
+    cache, eager_cache = (make_cache("static", model, 8) for _ in range(2))
+    with torch.inference_mode():
+        for pos, token in enumerate([3, 1, 4, 1, 5]):
+            got = replayed(torch.tensor([[token]]), pos, cache)
+            assert torch.equal(got, model(torch.tensor([[token]]), pos, eager_cache))
+    assert replayed.why_not is None and replayed.steps_replayed == 2
+
+
 def test_two_steps_whose_calls_differ_by_a_number_are_not_replayed():
     model = tiny_llama()
     calls = []
