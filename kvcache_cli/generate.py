@@ -176,13 +176,14 @@ class ReplayedDecode:
     not: a kernel built, or a memo made with a torch op, on first use); where two in a row
     made the same calls on the same memory, each fresh buffer named by its order of
     allocation and the cache's by its place (`KVCache.buffers`), the first step's calls
-    serve every later position of any cache of that kind and shape. A replay looks the token's embedding up into the buffer
-    the first call reads, writes the position where the calls read it (the step's
-    positions: the rotation and the attention read them from memory), records the write
-    in the cache (`advance`), and makes the calls. A step that is not native calls alone
-    (a cache without fixed buffers: the quantised kinds, a window with sinks; half-precision
-    activations; GPT-2's torch blocks; a GPU) runs eager, and `why_not` says why. Called
-    as a `Forward`; T > 1 tokens (the prefill) go to the eager model. The recorded calls
+    serve every later position of any cache of that kind and shape. A replay looks the
+    token's embedding up into the buffer the first call reads, writes the position where
+    the calls read it (the step's positions: the rotation and the attention read them from
+    memory), records the write in the cache (`advance`), and makes the calls. A step that
+    is not native calls alone (a cache without fixed buffers: the quantised kinds, a window
+    with sinks; half-precision activations; GPT-2's torch blocks; a GPU) runs eager, and
+    `why_not` says why. Called as a `Forward`; T > 1 tokens (the prefill) go to the eager
+    model. The recorded calls
     point at the model's weights: one is made for a model whose weights stay as they are
     (a change of `--weights-dtype` makes a new one, as `bench` and `generate` do).
     """

@@ -157,6 +157,43 @@ def test_the_view_states_the_vocabulary_heads_share_of_the_weights(model):
     assert share in console.export_text()
 
 
+def test_replay_steps_the_caches_with_fixed_buffers_replayed_and_says_which(tmp_path):
+    """--replay: our steps as `generate` runs them, each series marked where they were
+    replayed; a cache without fixed buffers (int8) steps eager and the note says why."""
+    from kvcache_cli.generate import REPLAY_NOTE
+    from kvcache_cli.models import fused, linear, llama
+
+    if fused.library() is None or linear.products() is None:
+        pytest.skip("no native kernels here: every step runs eager")
+    tiny = llama.Llama(llama.LlamaConfig(n_layer=2, n_head=6, n_kv_head=2, n_embd=192,
+                                         intermediate=96, vocab_size=96, context=64))
+    tiny = linear.arrange_weights(llama.init_random(tiny, 0.3, 0)).eval()
+    REPLAY_NOTE.clear()
+    r = _run(tiny, "static,fp16,int8", model_name="tiny", replay=True)
+    assert r.replay and [s.replayed for s in r.series] == [True, True, False]
+    assert "a QuantizedCache has no fixed buffers" in r.kernel_note
+    assert not any(s.replayed for s in _run(tiny, "static,fp16", model_name="tiny").series)
+
+
+def test_the_view_marks_a_replayed_series(model):
+    import dataclasses
+    import io
+
+    from rich.console import Console
+
+    from kvcache_cli.views.bench_context import context_view
+
+    r = _run(model, "static,int8")
+    r = dataclasses.replace(r, replay=True,
+                            series=(dataclasses.replace(r.series[0], replayed=True),
+                                    r.series[1]))
+    console = Console(width=160, record=True, file=io.StringIO())
+    console.print(context_view(r))
+    text = console.export_text()
+    assert "static (replayed)" in text and "int8:g32:ktok:r0 (replayed)" not in text
+    assert "as `generate` runs them" in text
+
+
 @pytest.mark.parametrize("args, words", [
     (["--context", "0"], "--context '0' is not a whole number"),
     (["--context", "64,32"], "expected increasing"),
@@ -167,6 +204,7 @@ def test_the_view_states_the_vocabulary_heads_share_of_the_weights(model):
     (["--context", "32", "--modes", "static"], "--modes does not apply with --context"),
     (["--context", "32", "--repeats", "0"], "--repeats 0"),
     (["--context", "32", "--new-tokens", "0"], "--new-tokens '0'"),
+    (["--replay"], "--replay applies to --context"),
 ])
 def test_bad_context_input_is_one_line_before_the_model_loads(args, words, no_model_loads):
     out = CliRunner().invoke(app, ["bench", "-m", "stdlib-bytes", *args])

@@ -64,6 +64,7 @@ class ContextSeries:
     cache: str  # our spec, or llama.cpp's cache type
     matches: str | None  # the other engine's matched cache (None: it has none)
     points: tuple[ContextPoint, ...]
+    replayed: bool = False  # ours: every step after the first recordings replayed
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,7 @@ class ContextResult:
     llama_note: str | None  # why llama.cpp is absent, when it is
     others_cpu_share: float | None
     kernel_note: str | None  # why a C++ kernel (attention over codes, products) was not used
+    replay: bool = False  # our steps asked to be replayed where the cache allows
 
     def of(self, engine: str, cache: str) -> ContextSeries | None:
         return next((s for s in self.series if s.engine == engine and s.cache == cache), None)
@@ -125,14 +127,21 @@ def _fill(model, cache, start: int, end: int, seed: int) -> None:
 
 
 class _Ours:
-    """One of our caches, filled to each context in turn."""
+    """One of our caches, filled to each context in turn; its steps the model's, or, with
+    `replay`, `generate.ReplayedDecode`'s (eager where the cache cannot be replayed)."""
 
-    def __init__(self, model, spec, longest: int, steps: int):
+    def __init__(self, model, spec, longest: int, steps: int, replay: bool = False):
         from kvcache_cli.caches import make_cache
+        from kvcache_cli.generate import ReplayedDecode
 
         self.model, self.spec, self.name = model, spec, str(spec)
         self.cache = make_cache(spec, model, longest + steps)
+        self.forward = ReplayedDecode(model) if replay else None
         self.filled = 0
+
+    @property
+    def replayed(self) -> bool:
+        return self.forward is not None and self.forward.steps_replayed > 0
 
     def to(self, context: int) -> int:
         """Fill to `context`; the cache bytes a step then reads (what `size` counts, not the
@@ -154,7 +163,7 @@ class _Ours:
         with torch.inference_mode():
             for i in range(n):
                 start = time.perf_counter()
-                self.model(token, context + i, self.cache)
+                (self.forward or self.model)(token, context + i, self.cache)
                 times.append(time.perf_counter() - start)
         try:
             self.cache.crop(context)  # the next round starts at the same context
@@ -226,15 +235,17 @@ def _matched(specs: Sequence, kind: str) -> str | None:
 
 def run_context(model, specs: Sequence, contexts: Sequence[int], steps: int, repeats: int,
                 threads: int, model_name: str, weights: str, with_llama: bool = True,
-                progress: ContextProgress | None = None) -> ContextResult:
-    """Every cache's (and llama.cpp's matched cache's) decode step timed at each context."""
+                progress: ContextProgress | None = None, replay: bool = False
+                ) -> ContextResult:
+    """Every cache's (and llama.cpp's matched cache's) decode step timed at each context;
+    ours replayed where a cache allows it, with `replay`."""
     from kvcache_cli.bench.summary import kernel_note
     from kvcache_cli.measure import head_bytes, weight_bytes
 
     others = OtherProcesses()
     c = model.config
     longest = contexts[-1]
-    engines: list = [_Ours(model, spec, longest, steps) for spec in specs]
+    engines: list = [_Ours(model, spec, longest, steps, replay) for spec in specs]
     path, note = llama_file(model, weights) if with_llama else (None, "not asked for")
     if path is not None:
         wanted = [MATCHED[s.kind] for s in specs if s.kind in MATCHED]
@@ -268,8 +279,9 @@ def run_context(model, specs: Sequence, contexts: Sequence[int], steps: int, rep
         for e in engines:
             if isinstance(e, _Llama):
                 e.close()
-    series = [ContextSeries("kvcache", str(s), MATCHED.get(s.kind) if path else None,
-                            tuple(points[str(s)])) for s in specs]
+    series = [ContextSeries("kvcache", e.name, MATCHED.get(e.spec.kind) if path else None,
+                            tuple(points[e.name]), e.replayed)
+              for e in engines if isinstance(e, _Ours)]
     series += [ContextSeries("llama.cpp", e.name, _matched(specs, e.name), tuple(points[e.name]))
                for e in engines if isinstance(e, _Llama)]
     return ContextResult(
@@ -277,4 +289,4 @@ def run_context(model, specs: Sequence, contexts: Sequence[int], steps: int, rep
         head_bytes=head_bytes(model), threads=threads,
         steps=steps, repeats=repeats, contexts=tuple(contexts), series=tuple(series),
         llama_file=path, llama_note=note, others_cpu_share=others.share(),
-        kernel_note=kernel_note())
+        kernel_note=kernel_note(), replay=replay)

@@ -100,6 +100,11 @@ def bench(
         f"--new-tokens: the steps timed a round at each context (default {CONTEXT_STEPS} "
         "here); --repeats: the rounds.")
     ] = None,
+    replay: Annotated[bool, typer.Option(
+        "--replay", help="With --context: our steps as `generate` runs them, each step's "
+        "native calls recorded once and run again where the cache allows it (static, fp16, "
+        "bf16, a model's own sliding windows), eager where it does not (each cache's row "
+        "says which).")] = False,
     profile: Annotated[bool, typer.Option(
         "--profile", help="Where one decode step of the static loop goes, by kind of op "
         "(products, attention, norms, rotary, activations, cache writes, other ops, Python and "
@@ -130,6 +135,9 @@ def bench(
     check_plot(plot)
     refuse_missing_model(model)
     refuse_unbuilt_cuda(device)
+    if replay and context is None:
+        fail("--replay applies to --context; a short run replays its steps with --modes "
+             "static-replayed")
     if pick_engine(model, engine) == "transformers":
         return bench_engine(ctx, model)  # its other options read from ctx.params
     if profile:
@@ -144,7 +152,7 @@ def bench(
         from kvcache_cli.bench.context import DEFAULT_CACHES
 
         _context(ctx, context, cache or DEFAULT_CACHES, device, model, weights, dtype,
-                 weights_dtype, new_tokens, repeats, threads, plot, as_json)
+                 weights_dtype, new_tokens, repeats, threads, plot, as_json, replay)
         return
     if draft is not None:
         _speculative(ctx, draft, speculate, cache or "static", prompt_file, device, model, weights,
@@ -200,7 +208,7 @@ def bench(
 
 def _context(ctx, context: str, cache: str, device: str, model: str, weights: str,
              dtype: DType, weights_dtype: str | None, new_tokens: int, repeats: int,
-             threads: int | None, plot: Path | None, as_json: bool) -> None:
+             threads: int | None, plot: Path | None, as_json: bool, replay: bool) -> None:
     """`bench --context`: each cache's decode step at long contexts, beside llama.cpp's."""
     ignored = [p for p in ("modes", "compile_", "naive_samples", "prompt_len", "draft",
                            "speculate", "prompt_file")
@@ -257,7 +265,7 @@ def _context(ctx, context: str, cache: str, device: str, model: str, weights: st
             result = bench_context.run_context(
                 loaded.model, specs, contexts, steps, repeats, torch.get_num_threads(),
                 model_name=loaded.source, weights=linear.weights_format(loaded.model),
-                with_llama=dev.type == "cpu",
+                with_llama=dev.type == "cpu", replay=replay,
                 progress=lambda label, done, total: update(done, total, label))
     except (ValueError, IndexError) as err:
         fail(str(err))

@@ -33,6 +33,10 @@ def _header(r: ContextResult) -> Table:
                  "the rounds' spread beside them")
     grid.add_row("fill", "ours: seeded random keys and values written into every layer; "
                  "llama.cpp: the same number of tokens as one prefill (flash attention on)")
+    if r.replay:
+        grid.add_row("steps", "ours as `generate` runs them: replayed (each step's native "
+                     "calls recorded once and run again) where the cache says so, eager "
+                     "elsewhere")
     if r.llama_file:
         grid.add_row("llama.cpp", f"the same weights, {r.llama_file}")
     elif r.llama_note:
@@ -50,6 +54,11 @@ def _float_baseline(r: ContextResult):
     return r.of("kvcache", "fp16") or r.of("kvcache", "static")
 
 
+def _name(s) -> str:
+    """Our cache's spec, marked where its steps were replayed."""
+    return f"{s.cache} (replayed)" if s.replayed else s.cache
+
+
 def _rows(r: ContextResult) -> list[tuple[str, ...]]:
     """One row per (context, our cache): its step, against our float cache, and the
     matched llama.cpp cache's step and bytes beside it."""
@@ -61,7 +70,7 @@ def _rows(r: ContextResult) -> list[tuple[str, ...]]:
             over = "-" if base is None else f"{p.step_ms / base.points[i].step_ms:.2f}x"
             peer = r.of("llama.cpp", s.matches) if s.matches else None
             q = peer.points[i] if peer else None
-            rows.append((f"{context:,}" if s is r.series[0] else "", s.cache,
+            rows.append((f"{context:,}" if s is r.series[0] else "", _name(s),
                          f"{p.step_ms:.1f}", f"{p.spread_ms[0]:.1f}-{p.spread_ms[1]:.1f}",
                          decimal_bytes(p.cache_bytes), over,
                          s.matches or "-", "-" if q is None else f"{q.step_ms:.1f}",
@@ -94,7 +103,7 @@ def save_context_plot(r: ContextResult, path: str | Path) -> Path:
         ours = s.engine == "kvcache"
         ax.plot([p.context for p in s.points], [p.step_ms for p in s.points],
                 "o-" if ours else "s--", ms=4, lw=1.2,
-                label=s.cache if ours else f"llama.cpp {s.cache} cache")
+                label=_name(s) if ours else f"llama.cpp {s.cache} cache")
     static = r.of("kvcache", "static")
     if static is not None:  # where a step reads more bytes of cache than of weights
         per_token = static.points[-1].cache_bytes / static.points[-1].context
