@@ -4,13 +4,13 @@
 // ctypes. A decode step multiplies a few rows by every matrix and does almost no arithmetic
 // a weight, so its time is how fast the weights stream from memory. Each output is a dot
 // product over one weight row (nn.Linear's (out, in) order, contiguous). Threads take equal
-// runs of rows, so each core streams one stretch of the matrix, a page ahead of itself. A
-// decode's one or two rows take one weight row at a time, one stream a thread; more rows
-// take four weight rows at once with up to four rows of x, all accumulators in registers,
-// so a weight is read from memory once for every row of x and a row of x once a tile (a
-// batch of 16 is bound by loads of x, not of weights, without it). Each weight is
-// widened to float32 in registers as it is read: int8 (times its row's bfloat16 scale,
-// after the sum), float16, or float32.
+// runs of rows, so each core streams one stretch of the matrix (float16 and int8 asking a
+// page ahead). A decode's one or two rows take one weight row at a time, one stream a
+// thread; more rows take four weight rows at once with up to four rows of x, all
+// accumulators in registers, so a weight is read from memory once for every row of x and a
+// row of x once a tile (a batch of 16 is bound by loads of x, not of weights, without it).
+// Each weight is widened to float32 in registers as it is read: int8 (times its row's
+// bfloat16 scale, after the sum), float16, or float32.
 //
 // An output's sum is the same float32 operations whichever rows come with it and however
 // the threads split the outputs: one accumulator of L lanes, the row's chunks of L added in
@@ -259,9 +259,10 @@ void product(const float* x, const typename W::T* w, const uint16_t* scales, con
              float* y, int64_t R, int64_t N, int64_t K, int threads) {
     const Affine f{scales, bias};
     if (R <= RX) {
-        // A decode's one row (or RX) reads no x twice, so its tiles are one weight row: each
-        // thread then reads a single stream in order, which streamed faster from memory
-        // than four rows' streams side by side (docs/bench.md, "One weight row a tile").
+        // Up to RX rows of x (a decode's one or two) fit one tile beside one weight row, and
+        // x stays in L1 for the next: each thread then reads the weights as one stream in
+        // order, which came from memory faster than four weight rows' streams side by side
+        // (docs/bench.md, "One weight row a tile").
 #pragma omp parallel for num_threads(threads) schedule(static)
         for (int64_t n = 0; n < N; ++n) weight_rows<W, 1>(w, x, n, R, N, K, f, y);
         return;
