@@ -129,15 +129,7 @@ def bench(
     plain decoding with the same cache, interleaved, medians over --repeats.
     """
     model = model if model is not None else default_model()
-    # Checked before torch is imported: values first, then the path, then the device.
-    if threads_error(threads):
-        fail(threads_error(threads))
-    check_plot(plot)
-    refuse_missing_model(model)
-    refuse_unbuilt_cuda(device)
-    if replay and context is None:
-        fail("--replay applies to --context; a short run replays its steps with --modes "
-             "static-replayed")
+    _check_first(threads, plot, model, device, replay and context is None)
     if pick_engine(model, engine) == "transformers":
         return bench_engine(ctx, model)  # its other options read from ctx.params
     if profile:
@@ -204,6 +196,20 @@ def bench(
     except (RuntimeError, OSError) as err:
         fail(str(err), code=1)
     show_then_plot(result, bench_view, as_json, save_plot, plot, "per-step plot")
+
+
+def _check_first(threads: int | None, plot: Path | None, model: str, device: str,
+                 stray_replay: bool) -> None:
+    """What every kind of bench run refuses before torch is imported: values first, then the
+    path, then the device."""
+    if threads_error(threads):
+        fail(threads_error(threads))
+    if stray_replay:
+        fail("--replay applies to --context; a short run replays its steps with --modes "
+             "static-replayed")
+    check_plot(plot)
+    refuse_missing_model(model)
+    refuse_unbuilt_cuda(device)
 
 
 def _context(ctx, context: str, cache: str, device: str, model: str, weights: str,
