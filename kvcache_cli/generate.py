@@ -183,9 +183,9 @@ class ReplayedDecode:
     is not native calls alone (a cache without fixed buffers: the quantised kinds, a window
     with sinks; half-precision activations; GPT-2's torch blocks; a GPU) runs eager, and
     `why_not` says why. Called as a `Forward`; T > 1 tokens (the prefill) go to the eager
-    model. The recorded calls
-    point at the model's weights: one is made for a model whose weights stay as they are
-    (a change of `--weights-dtype` makes a new one, as `bench` and `generate` do).
+    model. The recorded calls point at the model's weights: one is made for a model whose
+    weights stay as they are (a change of `--weights-dtype` makes a new one, as `bench` and
+    `generate` do).
     """
 
     def __init__(self, model: FamilyModel):
