@@ -228,9 +228,10 @@ class ReplayedDecode:
         why = recorded.refused
         if why is None and self._first is not None:
             why = self._first.differs(recorded)
-        if why is None and self._first is not None:
-            self._plan, self._first = _Plan(self._first, self.pos), None
-        elif self._recordings < RECORDINGS:
+            if why is None:  # two steps in a row alike: the first's calls serve every one
+                self._plan, self._first = _Plan(self._first, self.pos), None
+                return recorded.logits.clone()  # the plan's calls write these again
+        if self._recordings < RECORDINGS:
             # a first step may do what later ones do not (build a kernel on first use,
             # make a memo with a torch op): the next pair is compared
             self._first = recorded if recorded.refused is None else None

@@ -197,17 +197,16 @@ def set_weights_dtype(model, name: str):
         from kvcache_cli.models.gguf.as_stored import set_gguf
 
         set_gguf(model, name)
-        return huge_pages.gather(model)
-    if name == "q8_0":
+    elif name == "q8_0":
         from kvcache_cli.models.gguf.q8_0 import set_q8_0
 
         set_q8_0(model)
-        return huge_pages.gather(model)
-    if name == "q4":
+    elif name == "q4":
         from kvcache_cli.models.gguf.q4 import set_q4
 
         set_q4(model)
-        return huge_pages.gather(model)
-    from kvcache_cli.models.linear import set_weights_dtype as set_linear
+    else:
+        from kvcache_cli.models.linear import set_weights_dtype as set_linear
 
-    return set_linear(model, name)
+        return set_linear(model, name)  # which gathers them, as it arranges them
+    return huge_pages.gather(model)

@@ -26,13 +26,15 @@ def gather(model: nn.Module) -> nn.Module:
     tensors = [t for t in (*model.parameters(), *model.buffers())
                if t is not None and t.device.type == "cpu" and t.layout == torch.strided
                and not t.is_quantized]
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in tensors}
-    if not storages or not hasattr(mmap, "MADV_HUGEPAGE"):
+    # Each storage's size by its address, not the storage itself: a reference kept here
+    # would hold every old storage until the end, the model twice whole.
+    sizes = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    if not sizes or not hasattr(mmap, "MADV_HUGEPAGE"):
         return model
     places, size = {}, 0  # where each storage goes, in bytes from the mapping's start
-    for at, storage in storages.items():
+    for at, nbytes in sizes.items():
         places[at] = size
-        size += -(-storage.nbytes() // ALIGN) * ALIGN
+        size += -(-nbytes // ALIGN) * ALIGN
     arena = mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
         arena.madvise(mmap.MADV_HUGEPAGE)
