@@ -81,13 +81,21 @@ def word_scores(q, stored, bits, G, per_channel):
     return raw + q.double() @ zeros.transpose(-1, -2)
 
 
-def word_values(stored, G, block=512):
+def kernel_block(n):
+    """The tokens a block of the kernel covers over n tokens a row (`block_tokens`): 512, or
+    the row's share of the threads rounded up to 16 tokens, if less, down to 64."""
+    share = -(-n // torch.get_num_threads())
+    return min(512, max(64, -(-share // 16) * 16))
+
+
+def word_values(stored, G):
     """p -> float64 p @ values as the integer path makes it, for weights p (B, nkv, g, n):
-    in each block of the kernel's tokens, the weights times each group's scale rounded on one
+    in each block of the kernel's tokens (`kernel_block`), the weights times each group's scale rounded on one
     step (the block's largest scale over 32767) times the 4-bit codes, plus the weights
     times the zero points. p is each block's exp(s - its largest s), as the kernel's."""
     vc, vs, vz = stored[3:]
     codes = unpack(vc, 4)  # (B, nkv, n, hs)
+    block = kernel_block(vc.size(2))
 
     def weighted(p):
         w = p[..., None] * vs.double()[:, :, None]  # (B, nkv, g, n, hs / G)

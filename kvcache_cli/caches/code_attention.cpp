@@ -42,7 +42,8 @@ namespace {
 
 #include "attention_common.h"
 
-constexpr int64_t kBlock = 512;  // tokens a work item covers
+constexpr int64_t kBlock = 512;  // tokens a work item covers, at most
+constexpr int64_t kLeastBlock = 64;  // ... and at least, where a row is split for the threads
 
 template <int bits>
 inline void unpack_row(const uint8_t* packed, float* out, int64_t hs) {
@@ -149,16 +150,29 @@ void sized(const float* q, const Cache& c, int64_t row, int64_t a, int64_t b, in
     else block<bits, 0, 0>(q, c, row, a, b, g, hs, G, key_channels, m, l, acc);
 }
 
-// Every (row, segment, block of kBlock tokens) item's partial sums by
+// Tokens a block covers: kBlock, or a row's share of the threads where that is less (down to
+// kLeastBlock), so that no thread waits on a row of one block (each of Gemma 3's rings is a
+// row of 512 slots: one block, one thread). It depends on the row's length and the threads,
+// not on the rows: a batch's row sums in the order of the same row alone.
+inline int64_t block_tokens(const std::vector<int64_t>& lengths, int64_t threads) {
+    int64_t n = 0;
+    for (const int64_t length : lengths) n += length;
+    const int64_t share = (n + threads - 1) / threads;
+    const int64_t block = (share + 15) / 16 * 16;
+    return block > kBlock ? kBlock : block < kLeastBlock ? kLeastBlock : block;
+}
+
+// Every (row, segment, block of `block_tokens`) item's partial sums by
 // `part(row, segment, a, b, m, l, acc)`, over 2 threads or more, then each row's blocks merged
 // into m_out, l_out, acc_out. A segment is a run of tokens read alike: `attend_codes`' codes,
 // sinks and tail; lengths[i] tokens in segment i.
 template <class Part>
 void over_blocks(int64_t rows, const std::vector<int64_t>& lengths, int64_t g, int64_t hs,
                  int64_t threads, Part part, float* m_out, float* l_out, float* acc_out) {
+    const int64_t block = block_tokens(lengths, threads);
     std::vector<int64_t> seg, first;  // each block of a row: its segment and first token
     for (size_t i = 0; i < lengths.size(); ++i)
-        for (int64_t a = 0; a < lengths[i]; a += kBlock) {
+        for (int64_t a = 0; a < lengths[i]; a += block) {
             seg.push_back(static_cast<int64_t>(i));
             first.push_back(a);
         }
@@ -167,7 +181,7 @@ void over_blocks(int64_t rows, const std::vector<int64_t>& lengths, int64_t g, i
 #pragma omp parallel for schedule(dynamic) num_threads(threads)
     for (int64_t item = 0; item < items; ++item) {
         const int64_t row = item / blocks, k = item % blocks, a = first[k];
-        const int64_t b = a + kBlock < lengths[seg[k]] ? a + kBlock : lengths[seg[k]];
+        const int64_t b = a + block < lengths[seg[k]] ? a + block : lengths[seg[k]];
         part(row, seg[k], a, b, m.data() + item * g, l.data() + item * g,
              acc.data() + item * g * hs);
     }
