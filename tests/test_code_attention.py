@@ -4,7 +4,8 @@ paths: the vector one (`code_attention_simd.h`, with AVX-512's lanes where this 
 and with AVX2's) and the plain loops (built with -DCODE_ATTENTION_SCALAR). Every code width,
 per-token and per-channel keys, group sizes on and off the vector path, GQA groups of 1 to 9
 queries (the vector path takes them 4 at a time), lengths that end mid-tile and cross the
-kernel's 512-token blocks, and the sinks and tail read in the same pass. Where the vector
+kernel's blocks (512 tokens, or a shorter row's share of the threads), and the sinks and tail
+read in the same pass. Where the vector
 path multiplies keys in integers (8-bit per-token keys in groups of 32, 8- and 4-bit
 per-channel ones, head sizes 64 and 128), the reference rounds the query as it does."""
 
@@ -83,9 +84,9 @@ def word_scores(q, stored, bits, G, per_channel):
 
 def kernel_block(n):
     """The tokens a block of the kernel covers over n tokens a row (`block_tokens`): 512, or
-    the row's share of the threads rounded up to 16 tokens, if less, down to 64."""
+    the row's share of the threads rounded up to 16 tokens, if less, down to 128."""
     share = -(-n // torch.get_num_threads())
-    return min(512, max(64, -(-share // 16) * 16))
+    return min(512, max(128, -(-share // 16) * 16))
 
 
 def word_values(stored, G):
@@ -126,6 +127,9 @@ def check(got, want, scale=1.0):
 @pytest.mark.parametrize("per_channel", [False, True])
 @pytest.mark.parametrize(("hs", "G", "n", "g"), [
     (64, 32, 1100, 3),  # SmolLM2's shape: blocks of 512, a short last tile
+    # a row under 512 tokens a thread: blocks of its share (272 at 2 threads), one ending
+    # inside a per-channel group of keys
+    (64, 32, 544, 3),
     (64, 64, 96, 4),
     (128, 32, 64, 1),
     (48, 16, 48, 5),   # a head size of no unrolled loop; 5 queries: 4 and 1

@@ -43,7 +43,7 @@ namespace {
 #include "attention_common.h"
 
 constexpr int64_t kBlock = 512;  // tokens a work item covers, at most
-constexpr int64_t kLeastBlock = 64;  // ... and at least, where a row is split for the threads
+constexpr int64_t kLeastBlock = 128;  // ... and at least, where a row is split for the threads
 
 template <int bits>
 inline void unpack_row(const uint8_t* packed, float* out, int64_t hs) {
