@@ -93,7 +93,8 @@ def word_values(stored, G):
     """p -> float64 p @ values as the integer path makes it, for weights p (B, nkv, g, n):
     in each block of the kernel's tokens (`kernel_block`), the weights times each group's
     scale rounded on one step (the block's largest scale over 32767) times the 4-bit codes,
-    plus the weights times the zero points. p is each block's exp(s - its largest s), as the kernel's."""
+    plus the weights times the zero points. p is each block's exp(s - its largest s), as
+    the kernel's."""
     vc, vs, vz = stored[3:]
     codes = unpack(vc, 4)  # (B, nkv, n, hs)
     block = kernel_block(vc.size(2))
