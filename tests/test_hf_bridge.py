@@ -316,6 +316,26 @@ def test_bytes_held_per_kind_on_a_hybrid_model(one_torch_thread):
         whole.bytes_by_kind().values())
 
 
+def test_a_half_kinds_sliding_layers_store_its_2_bytes_as_its_full_layers_do(one_torch_thread):
+    config = transformers.Gemma2Config(
+        vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=4)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    tokens = torch.randint(0, 128, (1, PROMPT + STEPS), generator=torch.Generator().manual_seed(2))
+    rings = kv_cache(model, "fp16", max_len=PROMPT + STEPS)
+    got = _run(model, rings, tokens)
+    sliding = rings.layers[0]
+    assert isinstance(sliding, DynamicSlidingWindowLayer) and sliding.keys.dtype == torch.float16
+    # transformers' window keeps 3 tokens between steps, 2 bytes a number
+    assert rings.bytes_by_kind()["sliding"] == 2 * 2 * 3 * 16 * 2
+    # the kind on every layer, the band transformers' mask: the same numbers, rounded alike
+    want = _run(model, kv_cache(model, "fp16", max_len=PROMPT + STEPS, sliding="full"), tokens)
+    unrounded = _run(model, transformers.DynamicCache(config=model.config), tokens)
+    for g, w, u in zip(got, want, unrounded, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+        assert not torch.allclose(u, w, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("text", ["int4:g8:kchan:r2:s1:rot", "int2:g16:ktok:r0:rot",
                                   "fp8-e5m2:rot"])
 def test_a_rotated_kind_holds_what_size_predicts(text, one_torch_thread):

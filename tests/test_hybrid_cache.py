@@ -14,6 +14,7 @@ from kvcache_cli.caches.bounded import RingCache
 from kvcache_cli.caches.exact import ConcatCache, StaticCache
 from kvcache_cli.caches.hybrid import BandedCache, HybridCache
 from kvcache_cli.caches.quantized import QuantizedCache
+from kvcache_cli.caches.step import Step
 from kvcache_cli.models.llama import Llama, LlamaConfig, init_random
 from kvcache_cli.sizing.layer_types import layer_types_from_hf
 from kvcache_cli.sizing.units import ConfigError
@@ -158,6 +159,56 @@ def test_sliding_layers_through_the_hybrid_cache_equal_a_banded_causal_mask(spec
     n = prompt + steps
     assert held["full"] == n * per_token
     assert held["sliding"] == 2 * (W if sliding == "model" else n) * per_token
+
+
+@pytest.mark.parametrize("kind", ["fp16", "bf16"])
+def test_a_half_kinds_rings_hold_its_2_bytes_and_equal_it_on_every_layer_under_the_band(kind):
+    """Under `fp16` or `bf16` the sliding layers' rings store numbers in the kind's 2 bytes
+    too: the logits of a prompt past the window and of decoding steps (each a native call
+    over the ring) are those of the kind on every layer with the band as a mask, where
+    float32 rings would give the sliding layers' keys unrounded."""
+    types = ("sliding_attention", "full_attention", "sliding_attention")
+    ours, _ = _pair(types)
+    prompt, steps = 3 * W + 3, 6
+    ids = torch.randint(0, 300, (1, prompt + steps), generator=torch.Generator().manual_seed(8))
+
+    def logits(cache):
+        with torch.no_grad():
+            out = [ours(ids[:, :prompt], 0, cache)]
+            out += [ours(ids[:, p:p + 1], p, cache) for p in range(prompt, prompt + steps)]
+        return torch.cat(out, dim=1)
+
+    rings = make_cache(kind, ours, prompt + steps)
+    ring = rings.cache_of(0)[0]
+    assert isinstance(ring, RingCache) and ring.k[0].dtype == ring.v[0].dtype == \
+        {"fp16": torch.float16, "bf16": torch.bfloat16}[kind]
+    got = logits(rings)
+    want = logits(make_cache(kind, ours, prompt + steps, sliding="full"))
+    unrounded = logits(make_cache("static", ours, prompt + steps))
+    assert (got - want).abs().max() <= TOLERANCE * want.abs().max()
+    assert (unrounded - want).abs().max() > 3 * (got - want).abs().max()
+    per_token = 2 * ours.config.n_kv_head * ours.config.head_size * 2  # 2 bytes a number
+    assert rings.bytes_by_kind() == {"sliding": 2 * W * per_token,
+                                     "full": (prompt + steps) * per_token}
+
+
+def test_a_half_rings_compiled_write_and_attention_equal_its_native_decoding_call():
+    """`attend_at` (a compiled step's, the position a tensor) rounds the token into the
+    float16 ring as the native call does, and attends over the same widened numbers."""
+    ring_shape = CacheShape(n_layer=1, n_kv_head=2, head_size=16, context=64)
+    gen = torch.Generator().manual_seed(9)
+    rings = [RingCache(ring_shape, 0, W, 64, 1, "cpu", torch.float32, f"window:{W}",
+                       whole=whole, store=torch.float16) for whole in (False, True)]
+    prefix = [torch.randn(1, 2, 2 * W + 1, 16, generator=gen) for _ in "kv"]
+    for ring in rings:
+        ring.update(0, 0, *prefix)
+    q, k, v = (torch.randn(1, heads, 1, 16, generator=gen) for heads in (4, 2, 2))
+    p = 2 * W + 1
+    native = rings[0].attend(0, q, k, v, Step.at(p, 1, 64, "cpu"))
+    compiled = rings[1].attend(0, q, k, v, Step(torch.tensor([p]), torch.tensor([p])))
+    assert torch.equal(rings[0].k[0], rings[1].k[0]) and torch.equal(rings[0].v[0],
+                                                                       rings[1].v[0])
+    torch.testing.assert_close(compiled, native, atol=1e-5, rtol=1e-5)
 
 
 def test_without_the_band_the_sliding_layers_see_past_the_window_and_the_output_differs():

@@ -1,7 +1,8 @@
 """`kvcache size --cache SPEC` on models with sliding-window layers: the spec on the global
-layers, the sliding ones in exact rings of their window (`--sliding model`), or the spec on
-every layer (`--sliding full`, the waste); bytes per layer kind, checked against what
-kvcache's own hybrid cache holds after a prompt three windows long."""
+layers, the sliding ones in exact rings of their window (`--sliding model`; a half kind's
+rings in its 2 bytes too), or the spec on every layer (`--sliding full`, the waste); bytes
+per layer kind, checked against what kvcache's own hybrid cache holds after a prompt three
+windows long."""
 
 import json
 
@@ -71,8 +72,10 @@ def test_a_bad_sliding_is_one_line_and_exit_2(args, says):
     assert out.output.count("\n") == 1
 
 
+@pytest.mark.parametrize("kind", ["int8", "fp16", "bf16"])  # a half kind's rings: 2 bytes too
 @pytest.mark.parametrize("sliding", ["model", "full"])
-def test_size_per_kind_is_what_the_hybrid_int8_cache_holds_after_1500_tokens(tmp_path, sliding):
+def test_size_per_kind_is_what_the_hybrid_cache_holds_after_1500_tokens(tmp_path, sliding,
+                                                                         kind):
     torch = pytest.importorskip("torch")
     from kvcache_cli.caches import make_cache
     from kvcache_cli.models.gemma3 import Gemma3, Gemma3Config
@@ -81,10 +84,10 @@ def test_size_per_kind_is_what_the_hybrid_int8_cache_holds_after_1500_tokens(tmp
     hf = tiny_hf()
     path = tmp_path / "config.json"
     hf.config.to_json_file(path)
-    r = size_json("--config", str(path), "--cache", "int8", "--seq", str(PROMPT), "--dtype",
+    r = size_json("--config", str(path), "--cache", kind, "--seq", str(PROMPT), "--dtype",
                   "fp32", "--sliding", sliding)
     model = Gemma3(Gemma3Config.from_hf(hf.config.to_dict())).eval()
-    cache = make_cache("int8", model, PROMPT, sliding=sliding)
+    cache = make_cache(kind, model, PROMPT, sliding=sliding)
     ids = torch.randint(3, 101, (1, PROMPT), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         model(ids, 0, cache, last_only=True)

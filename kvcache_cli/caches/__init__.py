@@ -47,8 +47,9 @@ def make_cache(spec: str | CacheSpec, model, max_len: int, batch: int = 1,
 
     A model whose every layer attends in full gets the spec's kind itself. One with
     sliding layers gets a `HybridCache`: the spec's kind on the full-attention layers,
-    and on each sliding layer a ring of its window (`sliding="model"`, exact), or the
-    spec's kind with the window kept as a band (`sliding="full"`, every position held).
+    and on each sliding layer a ring of its window (`sliding="model"`, exact; under a half
+    kind, `fp16` or `bf16`, its numbers stored in 2 bytes too), or the spec's kind with the
+    window kept as a band (`sliding="full"`, every position held).
     `spare`: slots each ring holds past its window (`window:W:kN`), so that it rolls back
     spare + 1 positions once it has wrapped (a speculative step's rejected tokens).
     """
@@ -63,9 +64,15 @@ def make_cache(spec: str | CacheSpec, model, max_len: int, batch: int = 1,
     shape = model.config.cache_shape
 
     def make(kind: CacheSpec | None, layers: CacheShape) -> KVCache:
-        kind = spec if kind is None else kind
-        return cache_class(kind).build(kind, layers, max_len=max_len, batch=batch,
-                                       device=model.device, dtype=model.dtype, whole=whole)
+        built = dict(max_len=max_len, batch=batch, device=model.device, dtype=model.dtype,
+                     whole=whole)
+        if kind is None or kind is spec:
+            return cache_class(spec).build(spec, layers, **built)
+        # A sliding layer's ring: under a half kind its numbers are stored in the kind's 2
+        # bytes too, as an engine's f16 cache stores its sliding layers.
+        from kvcache_cli.caches.half import HALF_DTYPES
+
+        return cache_class(kind).build(kind, layers, **built, store=HALF_DTYPES.get(spec.kind))
 
     if not shape.hybrid:
         return make(spec, shape)

@@ -108,11 +108,16 @@ class RingCache(PositionedCache):
     `index_copy_` and attention reads every slot under the mask of the positions they
     hold, all computed from that tensor, so one graph serves every position; the
     bookkeeping follows the graph (`advance`), as the static cache's does.
+
+    `store`: the buffers' dtype where it is not the model's: a hybrid model's rings under a
+    half kind (`fp16`, `bf16`) hold their numbers in its 2 bytes too, as llama.cpp's f16
+    cache holds its sliding layers (`caches.make_cache`). What `update` returns is widened
+    back to the model's dtype; a decoding step's native call reads them in place.
     """
 
     def __init__(self, shape, sinks: int, window: int, max_len: int, batch: int, device,
                  dtype: torch.dtype, name: str, spare: int = 0, rope: Rope | None = None,
-                 whole: bool = False):
+                 whole: bool = False, store: torch.dtype | None = None):
         if not 0 < max_len <= shape.context:
             raise ValueError(f"max_len {max_len} outside the context window 1..{shape.context}")
         self.name, self.sinks, self.window, self.max_len = name, sinks, window, max_len
@@ -124,18 +129,22 @@ class RingCache(PositionedCache):
                              f"written; rerotate moves them by a shift it cannot compute "
                              f"from a tensor position: drop :rerotate or run eager")
         self.whole = whole
+        self.dtype = dtype  # the model's: what attention computes in
         # per layer: (B, nkv, slots, hs)
         self.k, self.v = layer_buffers(shape.n_layer, (batch, shape.n_kv_head, self.slots,
-                                                       shape.head_size), device, dtype, whole)
+                                                       shape.head_size), device, store or dtype,
+                                       whole)
         self.device = device
         self.reset()
 
     @classmethod
-    def build(cls, spec, shape, *, max_len: int, batch: int, device, dtype, whole: bool):
+    def build(cls, spec, shape, *, max_len: int, batch: int, device, dtype, whole: bool,
+              store: torch.dtype | None = None):
         check_context(spec, shape.context)  # a budget it could never fill: refused
         params = dict(spec.params)
         return cls(shape, params.get("sinks", 0), params["window"], max_len, batch, device,
-                   dtype, str(spec), params.get("spare", 0), _rope_of(spec, shape), whole)
+                   dtype, str(spec), params.get("spare", 0), _rope_of(spec, shape), whole,
+                   store)
 
     def reset(self) -> None:
         # Nothing to clear: a slot's position says whether it is filled (-1: empty).
@@ -184,21 +193,26 @@ class RingCache(PositionedCache):
             # Decode: the newest token goes into its slot first (evicting p - R), then the
             # query reads the filled slots: its band, and any spare slots the mask hides.
             i = self.slot(start)
-            self.k[layer][:, :, i] = k[:, :, 0]
+            self.k[layer][:, :, i] = k[:, :, 0]  # cast to the buffers' dtype (`store`)
             self.v[layer][:, :, i] = v[:, :, 0]
-            self.bytes_copied += nbytes(k) + nbytes(v)
+            self.bytes_copied += self._stored_bytes(layer, k)
             n = min(end, self.slots)
-            return self._moved(self.k[layer][:, :, :n], start, end), self.v[layer][:, :, :n]
+            keys, values = self.k[layer][:, :, :n], self.v[layer][:, :, :n]
+            return self._moved(keys.to(self.dtype), start, end), values.to(self.dtype)
         # A chunk: its queries need keys its own later tokens would overwrite, so what the
         # cache held and the chunk are returned together and the band is the mask's job.
-        keys = torch.cat([self.k[layer][:, :, :filled], k], dim=2)  # (B, nkv, filled + T, hs)
-        values = torch.cat([self.v[layer][:, :, :filled], v], dim=2)
+        # The chunk as stored (`store`: rounded once, its own queries reading it so too),
+        # after what the cache held: (B, nkv, filled + T, hs), at the model's dtype.
+        k, v = k.to(self.k[layer].dtype), v.to(self.v[layer].dtype)
+        keys = torch.cat([self.k[layer][:, :, :filled], k], dim=2).to(self.dtype)
+        values = torch.cat([self.v[layer][:, :, :filled], v], dim=2).to(self.dtype)
         keep = [p for p in range(start, end) if p < self.sinks or p >= end - self.ring]
         slots = torch.tensor([self.slot(p) for p in keep], dtype=torch.long, device=k.device)
         rows = torch.tensor([p - start for p in keep], dtype=torch.long, device=k.device)
         self.k[layer].index_copy_(2, slots, k.index_select(2, rows))
         self.v[layer].index_copy_(2, slots, v.index_select(2, rows))
-        self.bytes_copied += nbytes(keys) + nbytes(values) + 2 * len(keep) * nbytes(k[:, :, :1])
+        self.bytes_copied += nbytes(keys) + nbytes(values) + \
+            len(keep) * self._stored_bytes(layer, k[:, :, :1])
         return self._moved(keys, start, end), values
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, step: Step) -> Tensor:
@@ -225,7 +239,7 @@ class RingCache(PositionedCache):
         start, end = _check_step(self, layer, step.start, 1)
         y = code_attention.attend_decode(q, k, v, self.k[layer], self.v[layer], step.pos,
                                          ring=True)
-        self.bytes_copied += nbytes(k) + nbytes(v)
+        self.bytes_copied += self._stored_bytes(layer, k)
         if layer == 0:
             self.length, self._pos, self._held = end, None, None
         return y  # (B, nh, 1, hs)
@@ -242,10 +256,16 @@ class RingCache(PositionedCache):
         graph); the caller records the write afterwards (`advance`)."""
         pos, S = step.pos, self.sinks
         slot = torch.where(pos < S, pos, S + torch.remainder(pos - S, self.ring))  # (1,)
-        self.k[layer].index_copy_(2, slot, k)
-        self.v[layer].index_copy_(2, slot, v)
+        store = self.k[layer].dtype
+        self.k[layer].index_copy_(2, slot, k.to(store))
+        self.v[layer].index_copy_(2, slot, v.to(store))
         held = self.positions(pos + 1)  # (slots,)
-        return step.by_position(q, self.k[layer], self.v[layer], held, self.window, S)
+        return step.by_position(q, self.k[layer].to(self.dtype), self.v[layer].to(self.dtype),
+                                held, self.window, S)
+
+    def _stored_bytes(self, layer: int, k: Tensor) -> int:
+        """Bytes that writing k and its values (B, nkv, T, hs) moves into the buffers."""
+        return 2 * k.numel() * self.k[layer].element_size()
 
     def advance(self, start_pos: int, T: int) -> None:
         """Record what `attend_at`, or a replayed step's `decode`, wrote at every layer: T

@@ -3,12 +3,15 @@
 The cache is built from the model's own layer types, as transformers' `DynamicCache` reads
 them (`get_layer_types_and_kwargs`): the spec's kind on every full-attention layer, and on
 a sliding (or chunked) layer transformers' own window (`sliding="model"`, exact, window - 1
-tokens between steps) or the spec's kind holding every position under the model's band
-(`sliding="full"`). Importing this module registers the "kvcache" attention (`attention`).
+tokens between steps; under a half kind, `fp16` or `bf16`, stored in its 2 bytes too) or the
+spec's kind holding every position under the model's band (`sliding="full"`). Importing
+this module registers the "kvcache" attention (`attention`).
 """
 
 from __future__ import annotations
 
+import torch
+from torch import Tensor
 from transformers.cache_utils import (
     DYNAMIC_LAYER_TYPE_MAPPING,
     DynamicSlidingWindowLayer,
@@ -16,6 +19,7 @@ from transformers.cache_utils import (
 )
 
 from kvcache_cli.caches import SLIDING_CHOICES, CacheSpec, CacheSpecError, parse_cache_spec
+from kvcache_cli.caches.half import HALF_DTYPES
 from kvcache_cli.hf.attention import kvcache_attention
 from kvcache_cli.hf.layers import ATTENTION, BridgeCache, BridgeError, BridgeLayer
 
@@ -44,12 +48,12 @@ def kv_cache(model, spec: str | CacheSpec = "concat", *, max_len: int | None = N
 
     max_len: the most positions the cache will hold; required by `static` and `paged`,
     which allocate them up front, else the model's context. sliding: `"model"` keeps each
-    sliding layer in transformers' own window (exact), `"full"` puts the spec's kind there
-    too. Raises CacheSpecError for a malformed spec and BridgeError for a kind or a model
-    the bridge cannot serve (linear attention, state-space or indexer layers, latent
-    attention), each one line. The kinds that evict or compress run only under the kvcache
-    attention (`model.set_attn_implementation("kvcache")`), the quantised ones read their
-    codes in place under it.
+    sliding layer in transformers' own window (exact; a half kind's in its 2 bytes),
+    `"full"` puts the spec's kind there too. Raises CacheSpecError for a malformed spec and
+    BridgeError for a kind or a model the bridge cannot serve (linear attention, state-space
+    or indexer layers, latent attention), each one line. The kinds that evict or compress
+    run only under the kvcache attention (`model.set_attn_implementation("kvcache")`), the
+    quantised ones read their codes in place under it.
     """
     if sliding not in SLIDING_CHOICES:
         raise BridgeError(f"sliding={sliding!r}: expected one of {', '.join(SLIDING_CHOICES)}")
@@ -87,7 +91,9 @@ def kv_cache(model, spec: str | CacheSpec = "concat", *, max_len: int | None = N
         if kind == "dummy":  # a layer that reads another's cache, or has no attention
             layers.append(DYNAMIC_LAYER_TYPE_MAPPING["dummy"]())
         elif window is not None and sliding == "model":
-            layers.append(DynamicSlidingWindowLayer(sliding_window=window))
+            store = HALF_DTYPES.get(spec.kind)
+            layers.append(DynamicSlidingWindowLayer(sliding_window=window) if store is None
+                          else HalfSlidingWindowLayer(window, store))
         else:
             layers.append(BridgeLayer(spec, max_len, window, config=config,
                                       index=len(layers)))
@@ -107,3 +113,20 @@ def refuse_across_layers(spec: CacheSpec) -> None:
         raise BridgeError(f"cache {str(spec)!r}: pyramid shares one budget across the "
                           "layers by depth; the bridge builds each layer's cache alone: "
                           "drop :pyramid (the same budget in every layer)")
+
+
+class HalfSlidingWindowLayer(DynamicSlidingWindowLayer):
+    """transformers' sliding-window layer with its window stored in a half kind's 2 bytes a
+    number (`fp16`, `bf16`), as that kind stores the full-attention layers and an engine's
+    f16 cache its sliding ones: each key and value rounded once, as it is stored, and what
+    `update` returns widened back to the model's dtype."""
+
+    def __init__(self, sliding_window: int, store: torch.dtype):
+        super().__init__(sliding_window=sliding_window)
+        self.store = store
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs
+               ) -> tuple[Tensor, Tensor]:
+        keys, values = super().update(key_states.to(self.store), value_states.to(self.store),
+                                      *args, **kwargs)
+        return keys.to(key_states.dtype), values.to(value_states.dtype)

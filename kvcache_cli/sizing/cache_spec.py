@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from kvcache_cli.caches.grammar import CacheSpecError, every_token
 from kvcache_cli.caches.spec import (
+    HALF_BYTES,
     HALF_ENGINES,
     CacheSpec,
     check_context,
@@ -64,12 +65,14 @@ class SpecSize:
     fit: SpecFit | None
     notes: tuple[str, ...]
     # Where the spec goes on a model with sliding (or chunked) layers: "model" puts it on the
-    # full-attention layers, the windowed ones in exact rings of their window at `full_dtype`
-    # (kvcache's HybridCache); "full" puts it on every layer, each holding every position.
+    # full-attention layers, the windowed ones in exact rings of their window at `full_dtype`,
+    # or a half kind's 2 bytes (kvcache's HybridCache); "full" puts it on every layer, each
+    # holding every position.
     sliding: str = "model"
     spec_layers: int = 0  # the layers holding the spec's kind
     bytes_by_kind: tuple[tuple[str, int, int], ...] = ()  # (layer kind, layers, bytes a sequence)
     other_sliding_bytes: int | None = None  # a sequence under the other choice; None: no window
+    ring_dtype: str = ""  # what the rings store: full_dtype, or a half kind's own (fp16, bf16)
 
 
 def _parts(spec: CacheSpec, n: int, kv_heads: int, head_dim: int, element: int
@@ -184,7 +187,7 @@ def size_spec(shape: ModelShape, spec: CacheSpec, seq: int, batch: int = 1,
         total_bytes=per_sequence * batch, bytes_per_token=per_sequence / seq,
         fp16_bytes_per_sequence=fp16, ratio_to_fp16=per_sequence / fp16, fit=fit,
         notes=tuple(notes), sliding=sliding, spec_layers=spec_layers, bytes_by_kind=by_kind,
-        other_sliding_bytes=other,
+        other_sliding_bytes=other, ring_dtype=spec.kind if spec.kind in HALF_ENGINES else dtype,
     )
 
 
@@ -198,7 +201,12 @@ def _sums(shape: ModelShape, groups, n: int, elem: int, spec: CacheSpec | None,
     out = [0, 0, 0]
     for g in groups:
         ring = g.kind in WINDOWED and sliding == "model"
-        if spec is None or ring:  # the exact cache: a windowed layer holds its window
+        if spec is not None and ring and spec.kind in HALF_ENGINES:
+            # a half kind's ring: its window, in the kind's 2 bytes a number too
+            held = tokens_held(shape, g.kind, n)
+            parts = (0, held, every_token({}, held, g.shape.kv_heads, g.shape.head_dim,
+                                          HALF_BYTES), 0, 0)
+        elif spec is None or ring:  # the exact cache: a windowed layer holds its window
             held = tokens_held(shape, g.kind, n)
             parts = (0, held, 0, 0, every_token({}, held, g.shape.kv_heads,
                                                 g.shape.head_dim, elem))

@@ -376,7 +376,8 @@ def _per_kind_lines(r: SpecSize) -> list[Text]:
         if kind == "full" or r.sliding == "full":
             held = "the spec" + (", every position under its band" if kind != "full" else "")
         else:
-            held = f"exact rings of their window at {r.full_dtype}"
+            held = f"exact rings of their window at {r.ring_dtype}" \
+                if r.ring_dtype == r.full_dtype else f"rings of their window in {r.ring_dtype}"
         lines.append(Text(f"  {kind}: {layers} layers, {held}: {format_bytes(n)}"))
     other = r.other_sliding_bytes
     if r.sliding == "model":
