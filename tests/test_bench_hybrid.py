@@ -29,14 +29,14 @@ def tiny_gemma3(sliding: int = 4):
     return Gemma3(Gemma3Config.from_hf(hf.to_dict())).eval()
 
 
-@pytest.mark.parametrize("spec", ["static", "window:12"])
+@pytest.mark.parametrize("spec", ["static", "window:12", "fp16"])  # fp16: 2-byte rings too
 def test_a_step_reads_each_sliding_layer_up_to_its_window(spec):
     model = tiny_gemma3()
     cache = make_cache(spec, model, PROMPT)
     with torch.no_grad():
         model(torch.randint(3, 50, (1, PROMPT)), 0, cache, last_only=True)
     shape = model.config.cache_shape
-    bounded = None if spec == "static" else parse_cache_spec(spec)
+    bounded = None if spec == "static" else parse_cache_spec(spec)  # or fp16's
     read = kv_bytes_read(shape, PROMPT, 4, bounded)
     assert read == cache.bytes_held
     per_position = 2 * 1 * 16 * 4  # K and V × one KV head × 16 × float32

@@ -249,16 +249,17 @@ def _mode_step_bytes(mode: str, model, w_bytes: int, lengths: Sequence[int], ele
 def kv_bytes_read(shape: CacheShape, n: int, element: int, spec: CacheSpec | None = None
                   ) -> int:
     """K and V a decode step reads at `n` positions: a sliding layer at most its window
-    (the ring it holds, exact), a full-attention layer all `n`, or what a bounded `spec`
-    keeps of them (the spec goes on the full-attention layers only, as `make_cache` puts
-    it)."""
-    from kvcache_cli.caches.spec import layer_bytes
+    (the ring it holds, exact; a half kind's in its 2 bytes), a full-attention layer all
+    `n`, or what a bounded `spec` keeps of them (the spec goes on the full-attention layers
+    only, as `make_cache` puts it)."""
+    from kvcache_cli.caches.spec import layer_bytes, ring_element
 
     per_position = 2 * shape.n_kv_head * shape.head_size * element  # K and V, one layer
+    per_slot = 2 * shape.n_kv_head * shape.head_size * ring_element(spec, element)
     total = 0
     for t in shape.layer_types:
         if t.sliding:
-            total += per_position * min(n, t.window)
+            total += per_slot * min(n, t.window)
         elif spec is None:
             total += per_position * n
         else:

@@ -98,6 +98,13 @@ def _half_bytes(params: dict, tokens: int, kv_heads: int, head_dim: int, element
     return every_token(params, tokens, kv_heads, head_dim, HALF_BYTES)
 
 
+def ring_element(spec: CacheSpec | None, element: int) -> int:
+    """Bytes a number of a hybrid model's sliding ring takes under `spec` (None: the exact
+    cache): a half kind's 2, as it stores the full-attention layers (`make_cache`), else the
+    model's `element`."""
+    return HALF_BYTES if spec is not None and spec.kind in HALF_ENGINES else element
+
+
 # ---------------------------------------------------------------------------- quantised
 # (the caches themselves: `kvcache_cli.caches.quantized`, whose docstring derives these)
 

@@ -13,12 +13,12 @@ from dataclasses import dataclass
 
 from kvcache_cli.caches.grammar import CacheSpecError, every_token
 from kvcache_cli.caches.spec import (
-    HALF_BYTES,
     HALF_ENGINES,
     CacheSpec,
     check_context,
     check_spec,
     layer_bytes,
+    ring_element,
 )
 from kvcache_cli.caches.spec_quantized import quantised_split
 from kvcache_cli.sizing.arithmetic import _max_tokens, tokens_held
@@ -201,15 +201,13 @@ def _sums(shape: ModelShape, groups, n: int, elem: int, spec: CacheSpec | None,
     out = [0, 0, 0]
     for g in groups:
         ring = g.kind in WINDOWED and sliding == "model"
-        if spec is not None and ring and spec.kind in HALF_ENGINES:
-            # a half kind's ring: its window, in the kind's 2 bytes a number too
+        if spec is None or ring:  # the exact cache: a windowed layer holds its window
             held = tokens_held(shape, g.kind, n)
-            parts = (0, held, every_token({}, held, g.shape.kv_heads, g.shape.head_dim,
-                                          HALF_BYTES), 0, 0)
-        elif spec is None or ring:  # the exact cache: a windowed layer holds its window
-            held = tokens_held(shape, g.kind, n)
-            parts = (0, held, 0, 0, every_token({}, held, g.shape.kv_heads,
-                                                g.shape.head_dim, elem))
+            window = every_token({}, held, g.shape.kv_heads, g.shape.head_dim,
+                                 ring_element(spec, elem))
+            # a half kind's rings: its 2 bytes a number, counted with its codes
+            half = spec is not None and spec.kind in HALF_ENGINES
+            parts = (0, held, window, 0, 0) if half else (0, held, 0, 0, window)
         else:  # the spec's kind; under "full" a windowed layer holds every position too
             parts = _parts(spec, n, g.shape.kv_heads, g.shape.head_dim, elem)
             q, full = parts[:2]
