@@ -45,6 +45,7 @@ using V = __m512;
 inline V zero() { return _mm512_setzero_ps(); }
 inline V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
 inline float lanes_sum(V v) { return _mm512_reduce_add_ps(v); }
+inline void in_register(V& v) { asm("" : "+v"(v)); }  // as AVX2's, below
 inline __mmask16 first(int n) { return static_cast<__mmask16>((1u << n) - 1); }
 inline V floats(const float* p) { return _mm512_loadu_ps(p); }
 inline V floats(const float* p, int n) { return _mm512_maskz_loadu_ps(first(n), p); }
@@ -83,6 +84,9 @@ constexpr int L = 8;
 using V = __m256;
 inline V zero() { return _mm256_setzero_ps(); }
 inline V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+// x's chunk held in a register for a tile's T weight rows: left to itself, the compiler folds
+// its load into each multiply-add (a load a product), and loads, not products, bound the tile.
+inline void in_register(V& v) { asm("" : "+x"(v)); }
 inline float lanes_sum(V v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_hadd_ps(s, s);
@@ -121,6 +125,7 @@ inline V floats(const float* p) {
     std::memcpy(&v, p, sizeof v);
     return v;
 }
+inline void in_register(V&) {}
 #endif
 
 // The last chunk of a row, n < L values widened into zeroed lanes: no byte past the row read.
@@ -197,9 +202,10 @@ struct Affine {
 
 // y[r, n + t] = (x[r] . w[n + t]) * scale + shift for t < T, r < R: w (N, K), x (R, K),
 // y (R, N) row-major. The lanes of an output's accumulator sum its chunks of L in order.
+// `next`: float32's rows ask for the same lines of the next T rows as they are read.
 template <class W, int T, int R>
 inline void tile(const typename W::T* w, const float* x, int64_t n, int64_t N, int64_t K,
-                 Affine f, float* y) {
+                 Affine f, float* y, bool next) {
     using E = typename W::T;
     const E* row = w + n * K;
     V acc[R][T];
@@ -209,16 +215,20 @@ inline void tile(const typename W::T* w, const float* x, int64_t n, int64_t N, i
         V wt[T];
         for (int t = 0; t < T; ++t) wt[t] = m == L ? W::load(row + t * K + k)
                                                    : W::load(row + t * K + k, m);
+        V xr[R];
         for (int r = 0; r < R; ++r) {
-            const V xr = m == L ? floats(x + r * K + k) : floats(x + r * K + k, m);
-            for (int t = 0; t < T; ++t) acc[r][t] = fma(wt[t], xr, acc[r][t]);
+            xr[r] = m == L ? floats(x + r * K + k) : floats(x + r * K + k, m);
+            if constexpr (T > 1) in_register(xr[r]);
         }
+        for (int r = 0; r < R; ++r)
+            for (int t = 0; t < T; ++t) acc[r][t] = fma(wt[t], xr[r], acc[r][t]);
     };
     // The rows lie end to end, so a thread's range is one stream; the hardware's prefetcher
     // stops at each 4 KiB page and starts again only after the first misses on the next, so
     // each cache line of a row asks for the line a page ahead (past the matrix: a no-op).
     // Not float32's rows: they came from memory faster without the hints (docs/bench.md,
-    // "One weight row a tile"), float16's and int8's slower.
+    // "One weight row a tile"), float16's and int8's slower. Where several tiles share the
+    // rows (`weight_rows`), float32's second tile asks for the next T rows instead.
     constexpr bool hinted = !std::is_same_v<E, float>;
     constexpr int LINE = 64 / sizeof(E) >= L ? 64 / sizeof(E) : L;  // values a step
     int64_t k = 0;
@@ -226,6 +236,8 @@ inline void tile(const typename W::T* w, const float* x, int64_t n, int64_t N, i
         if constexpr (hinted)
             for (int t = 0; t < T; ++t)
                 __builtin_prefetch(reinterpret_cast<const char*>(row + t * K + k) + AHEAD);
+        else if (next)
+            for (int t = 0; t < T; ++t) __builtin_prefetch(row + (T + t) * K + k);
         for (int c = 0; c < LINE; c += L) chunk(k + c, L);
     }
     for (; k < K; k += L) chunk(k, K - k < L ? static_cast<int>(K - k) : L);
@@ -240,14 +252,17 @@ inline void tile(const typename W::T* w, const float* x, int64_t n, int64_t N, i
 template <class W, int T>
 void weight_rows(const typename W::T* w, const float* x, int64_t n, int64_t R, int64_t N,
                  int64_t K, Affine f, float* y) {
+    // The first tile waits on memory for the rows; the second asks for the next T rows, so
+    // the next call's first tile finds them in cache (float32's: `tile`'s hints).
     int64_t r = 0;
-    for (; r + RX <= R; r += RX) tile<W, T, RX>(w, x + r * K, n, N, K, f, y + r * N);
+    for (; r + RX <= R; r += RX) tile<W, T, RX>(w, x + r * K, n, N, K, f, y + r * N, r == RX);
     const float* xr = x + r * K;
     float* yr = y + r * N;
+    const bool next = r == RX;
     switch (R - r) {  // fewer than RX left
-        case 3: if constexpr (RX > 3) tile<W, T, 3>(w, xr, n, N, K, f, yr); break;
-        case 2: if constexpr (RX > 2) tile<W, T, 2>(w, xr, n, N, K, f, yr); break;
-        case 1: tile<W, T, 1>(w, xr, n, N, K, f, yr); break;
+        case 3: if constexpr (RX > 3) tile<W, T, 3>(w, xr, n, N, K, f, yr, next); break;
+        case 2: if constexpr (RX > 2) tile<W, T, 2>(w, xr, n, N, K, f, yr, next); break;
+        case 1: tile<W, T, 1>(w, xr, n, N, K, f, yr, next); break;
         default: break;
     }
 }
