@@ -7,7 +7,9 @@
 # Starts vLLM for the model with scripts/vllm_cpu.sh (1 GiB of KV cache, float32, blocks of
 # 32, max model len 2048), runs `kvcache serve --target` twice, writes each run's JSON to
 # OUT_DIR/all.json and OUT_DIR/4.json (default OUT_DIR ./vllm-compare-<model>), and stops
-# the server it started (also when a run fails).
+# the server it started (also when a run fails). The server's prefix cache is emptied before
+# each run: the second would otherwise find the first's prompts computed, where kvcache's
+# engine starts empty.
 # SmolLM2 runs the chat workload (16 requests through its chat template); Gemma 3, a base
 # model with no chat template, the random workload at 16 requests.
 #
@@ -37,6 +39,7 @@ trap 'bash "$HERE/vllm_cpu.sh" stop' EXIT
 for flight in all 4; do
     extra=()
     [[ $flight == all ]] || extra=(--max-concurrency "$flight")
+    bash "$HERE/vllm_cpu.sh" reset
     # shellcheck disable=SC2086  # SERVE_ARGS is a list of flags
     kvcache serve -m "$MODEL" --device cpu --threads "$THREADS" --engines paged \
         --policy decode-first "${workload[@]}" --requests "$REQUESTS" "${extra[@]}" \

