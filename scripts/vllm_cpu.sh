@@ -151,11 +151,17 @@ stop() {
 }
 
 reset() {
-    "$PY" - "$URL" <<'EOF' || fail "$URL did not empty its prefix cache (started by this script?)"
+    local why
+    why=$("$PY" - "$URL" <<'EOF'
 import sys, urllib.request
-urllib.request.urlopen(urllib.request.Request(sys.argv[1] + "/reset_prefix_cache", method="POST"),
-                       timeout=30).read()
+try:
+    urllib.request.urlopen(urllib.request.Request(sys.argv[1] + "/reset_prefix_cache",
+                                                  method="POST"), timeout=30).read()
+except OSError as e:  # urllib's URLError and HTTPError are OSErrors
+    print(getattr(e, "reason", e))
+    sys.exit(1)
 EOF
+) || fail "$URL did not empty its prefix cache: $why (a server this script started serves it)"
     echo "emptied the prefix cache at $URL"
 }
 
