@@ -202,8 +202,9 @@ struct Affine {
 
 // y[r, n + t] = (x[r] . w[n + t]) * scale + shift for t < T, r < R: w (N, K), x (R, K),
 // y (R, N) row-major. The lanes of an output's accumulator sum its chunks of L in order.
-// `next`: float32's rows ask for the same lines of the next T rows as they are read.
-template <class W, int T, int R>
+// `next`: float32's rows ask for the same lines of the next T rows as they are read. `later`:
+// a tile after its rows' first, which finds them in cache (`weight_rows`).
+template <class W, int T, int R, bool later = false>
 inline void tile(const typename W::T* w, const float* x, int64_t n, int64_t N, int64_t K,
                  Affine f, float* y, bool next) {
     using E = typename W::T;
@@ -213,8 +214,13 @@ inline void tile(const typename W::T* w, const float* x, int64_t n, int64_t N, i
         for (V& v : a) v = zero();
     auto chunk = [&](int64_t k, int m) {  // m = L, or the last chunk's m < L values
         V wt[T];
-        for (int t = 0; t < T; ++t) wt[t] = m == L ? W::load(row + t * K + k)
-                                                   : W::load(row + t * K + k, m);
+        for (int t = 0; t < T; ++t) {
+            wt[t] = m == L ? W::load(row + t * K + k) : W::load(row + t * K + k, m);
+            // float32's chunks held too where they come from cache: the compiler folds their
+            // loads into the multiply-adds (a load a row of x); in the first tile, which
+            // waits on memory for them, holding them was slower.
+            if constexpr (later && R > 1 && std::is_same_v<E, float>) in_register(wt[t]);
+        }
         V xr[R];
         for (int r = 0; r < R; ++r) {
             xr[r] = m == L ? floats(x + r * K + k) : floats(x + r * K + k, m);
@@ -255,7 +261,10 @@ void weight_rows(const typename W::T* w, const float* x, int64_t n, int64_t R, i
     // The first tile waits on memory for the rows; the second asks for the next T rows, so
     // the next call's first tile finds them in cache (float32's: `tile`'s hints).
     int64_t r = 0;
-    for (; r + RX <= R; r += RX) tile<W, T, RX>(w, x + r * K, n, N, K, f, y + r * N, r == RX);
+    for (; r + RX <= R; r += RX) {
+        if (r == 0) tile<W, T, RX>(w, x, n, N, K, f, y, false);
+        else tile<W, T, RX, true>(w, x + r * K, n, N, K, f, y + r * N, r == RX);
+    }
     const float* xr = x + r * K;
     float* yr = y + r * N;
     const bool next = r == RX;
