@@ -16,6 +16,7 @@ an event that is not JSON, answer a request with one JSON body (not a stream), h
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -106,6 +107,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:  # noqa: N802
         b = self.behaviour
+        if self.path == "/reset_prefix_cache" and os.environ.get("VLLM_SERVER_DEV_MODE") == "1":
+            return self._send(200, b"")  # vLLM serves it in its dev mode only
         if self.path != "/v1/completions":
             return self._send(404, b'{"detail": "Not Found"}')
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))

@@ -427,8 +427,9 @@ StubServer(args.port).serve_forever(poll_interval=0.05)
 """
 
 
-def test_the_vllm_script_starts_waits_for_and_stops_its_server(tmp_path):
-    """scripts/vllm_cpu.sh's start, status and stop, on a venv whose vLLM is the stub."""
+def test_the_vllm_script_starts_waits_for_resets_and_stops_its_server(tmp_path):
+    """scripts/vllm_cpu.sh's start, status, reset and stop, on a venv whose vLLM is the stub
+    (which empties its prefix cache, as vLLM does, in the dev mode `start` turns on)."""
     if shutil.which("bash") is None or shutil.which("setsid") is None:
         pytest.skip("needs bash and setsid")
     venv, fake = tmp_path / "venv", tmp_path / "fake"
@@ -464,6 +465,9 @@ def test_the_vllm_script_starts_waits_for_and_stops_its_server(tmp_path):
         status = subprocess.run([*script, "status"], env=env, capture_output=True, text=True,
                                 timeout=30)
         assert f"running (PID {pid}), answering" in status.stdout
+        reset = subprocess.run([*script, "reset"], env=env, capture_output=True, text=True,
+                               timeout=30)
+        assert reset.returncode == 0 and "emptied the prefix cache" in reset.stdout, reset.stderr
         again = subprocess.run([*script, "start"], env=env, capture_output=True, text=True,
                                timeout=30)
         assert again.returncode == 1 and f"already running (PID {pid})" in again.stderr
@@ -473,6 +477,12 @@ def test_the_vllm_script_starts_waits_for_and_stops_its_server(tmp_path):
     assert "stopped vLLM" in stopped.stdout, stopped.stdout + stopped.stderr
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
+    # With nothing serving: one line naming the URL and why, no traceback.
+    reset = subprocess.run([*script, "reset"], env=env, capture_output=True, text=True,
+                           timeout=30)
+    assert reset.returncode == 1 and reset.stdout == ""
+    assert reset.stderr.startswith("error: http://127.0.0.1:") and reset.stderr.count("\n") == 1
+    assert "did not empty its prefix cache: " in reset.stderr
 
 
 def test_a_servers_replies_are_held_against_the_solo_tokens_as_text(stub):
