@@ -11,6 +11,7 @@ Timings are never asserted, only their order where the protocol fixes it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -32,6 +33,7 @@ from kvcache_cli.serving import target as T
 from kvcache_cli.serving import target_rows
 from kvcache_cli.serving.sequence import Request
 from kvcache_cli.serving.workload import WorkloadSpec, make_requests
+from kvcache_cli.views.serve import _target_line
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 checkpoint = servingkit.checkpoint  # the fixture, found by its name in this module
@@ -148,6 +150,31 @@ def test_the_servers_metrics_are_read_around_and_during_the_run(stub, monkeypatc
     assert m.preemptions == row.preemptions == 1  # the stub preempts every 4th request
     prompts = sum(len(r.prompt) for r in _requests())
     assert m.prefix_queries == prompts and 0 < m.prefix_hits < prompts
+
+
+def test_the_prompts_shared_blocks_are_counted_whole_with_their_prefix():
+    a, b = [1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 5, 6, 7, 8]
+    assert T.shared_prompt_tokens([a, b], 4) == 8  # two whole blocks; a's ninth token is none
+    assert T.shared_prompt_tokens([b, a], 4) == 8  # whatever the order
+    assert T.shared_prompt_tokens([a, b, b], 4) == 16
+    assert T.shared_prompt_tokens([[1, 2, 3], [1, 2, 3]], 4) == 0  # no whole block
+    # The second block's tokens match, its prefix does not: a cache keyed by both misses.
+    assert T.shared_prompt_tokens([[1, 2, 5, 6], [3, 4, 5, 6]], 2) == 0
+
+
+def test_hits_past_what_the_prompts_share_say_the_cache_was_warm(stub, monkeypatch):
+    """The stub reports hits for every request after the first; 3 requests, so it preempts
+    none, and prompts with no whole block of its 16 in common: all held from before."""
+    monkeypatch.setattr(T, "SAMPLE_EVERY_S", 0.02)
+    requests = _requests()[:3]
+    row = T.run(_server(stub), requests, SPEC, None, timeout=10)
+    m = row.remote.metrics
+    assert (m.preemptions, m.prefix_shared) == (0, 0) and m.prefix_hits > 0
+    line = " ".join(_target_line(row).split())
+    assert f"{m.prefix_hits:,} more than the prompts share: held from before the run" in line
+    # Prompts sent as text, which the server tokenizes itself: nothing to hold its hits to.
+    unknown = dataclasses.replace(row.remote, metrics=dataclasses.replace(m, prefix_shared=None))
+    assert "held from before" not in _target_line(dataclasses.replace(row, remote=unknown))
 
 
 def test_a_server_without_metrics_still_gets_its_row(stub):

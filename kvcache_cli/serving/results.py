@@ -77,6 +77,9 @@ class ServerMetrics:
     block_size: int | None
     kv_cache_tokens: int | None  # ... and the tokens it says they hold
     samples: int  # /metrics reads during the run
+    # The prompt tokens the run's own prompts could take from one another's blocks (ids sent,
+    # the server's block size known): prefix_hits past it came from blocks held before.
+    prefix_shared: int | None = None
 
     @property
     def prefix_hit_rate(self) -> float | None:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import dataclasses
 import json
 import ssl
 import time
@@ -300,6 +301,21 @@ def server_metrics(before: Snapshot, during: Sequence[Snapshot], after: Snapshot
         samples=len(during))
 
 
+def shared_prompt_tokens(prompts: Sequence[Sequence[int]], block_size: int) -> int:
+    """The prompt tokens a prefix cache can serve from the prompts' own blocks: each whole
+    block of `block_size` tokens whose tokens and prefix an earlier prompt holds (vLLM keys a
+    block by its tokens and its prefix's key), whatever order they ran in."""
+    seen: set[int] = set()
+    shared = 0
+    for prompt in prompts:
+        key = 0
+        for end in range(block_size, len(prompt) + 1, block_size):
+            key = hash((key, tuple(prompt[end - block_size:end])))
+            shared += block_size if key in seen else 0
+            seen.add(key)
+    return shared
+
+
 # ---------------------------------------------------------------------------- the run
 
 # (engine, requests done, requests in all, in flight, arrived and waiting for a slot)
@@ -528,10 +544,11 @@ def run(server: Server, requests: Sequence[Request], spec: WorkloadSpec,
                           f"{state.finished} of {len(requests)} requests had finished, and a "
                           "partial run is not shown")
     metrics = None if before is None else server_metrics(before, state.snapshots, after)
+    if metrics is not None and metrics.block_size and not texts:  # the server has our ids
+        metrics = dataclasses.replace(metrics, prefix_shared=shared_prompt_tokens(
+            [r.prompt for r in requests], metrics.block_size))
     result = _result(server, requests, state.replies, rate, targets, metrics)
     if texts:
-        import dataclasses
-
         result = dataclasses.replace(
             result, remote=dataclasses.replace(result.remote, prompt_form="text"))
     return result

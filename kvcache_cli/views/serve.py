@@ -119,9 +119,18 @@ def _target_line(e: EngineResult) -> str:
         figures.append(f"{m.preemptions:,} preemptions")
     if m.prefix_hit_rate is not None:
         figures.append(f"prefix cache {m.prefix_hits:,} of {m.prefix_queries:,} prompt "
-                       f"tokens ({m.prefix_hit_rate:.0%})")
+                       f"tokens ({m.prefix_hit_rate:.0%})" + _held_before(m))
     return line + ("; /metrics: " + ", ".join(figures) if figures else "; /metrics: none of "
                    "vLLM's KV figures")
+
+
+def _held_before(m) -> str:
+    """Where the server's prefix cache served more than the run's prompts share (with no
+    preemption to re-read a request's own blocks): it held blocks from before the run."""
+    if m.prefix_shared is None or m.preemptions != 0 or m.prefix_hits <= m.prefix_shared:
+        return ""
+    return (f", {m.prefix_hits - m.prefix_shared:,} more than the prompts share: held from "
+            "before the run (vLLM empties its cache on POST /reset_prefix_cache, dev mode)")
 
 
 def _pool_line(r: ServeResult) -> str:
