@@ -7,35 +7,18 @@ memory as in a step, not from the CPU's caches.
     PYTHONPATH=$PWD python scripts/attention_blocks_timing.py --before 7f981ed --threads 2
 """
 
-import argparse
 import statistics
-import subprocess
-import tempfile
 import time
-from pathlib import Path
 
 import torch
+from revision_source import builds, timing_arguments
 
 from kvcache_cli.caches import code_attention as ca
 
-parser = argparse.ArgumentParser()
-parser.add_argument("--before", required=True, help="the git revision to build beside the tree")
-parser.add_argument("--threads", type=int, default=2)
-parser.add_argument("--repeats", type=int, default=15)
+parser = timing_arguments(repeats=15)
 args = parser.parse_args()
 torch.set_num_threads(args.threads)
-
-tree, why = ca.load()
-old_source = Path(tempfile.mkdtemp()) / ca.SOURCE.name
-for path in [ca.SOURCE, *ca.SOURCE.parent.glob("*.h")]:  # the revision's, where it has them
-    shown = subprocess.run(["git", "show", f"{args.before}:kvcache_cli/caches/{path.name}"],
-                           capture_output=True)
-    (old_source.parent / path.name).write_bytes(
-        shown.stdout if shown.returncode == 0 else path.read_bytes())
-ca.SOURCE = old_source
-before, why_before = ca.load()
-if tree is None or before is None:
-    raise SystemExit(f"the kernel did not build: {why or why_before}")
+tree, before = builds(args.before, ca, "SOURCE", ca.load)
 
 gen = torch.Generator().manual_seed(0)
 # name: (layers, KV heads, query heads, head size, slots, stored dtype, position)

@@ -7,37 +7,20 @@ caches, so its rows come from memory as in a step.
     PYTHONPATH=$PWD python scripts/products_timing.py --before 5d44722 --threads 2
 """
 
-import argparse
 import statistics
-import subprocess
-import tempfile
 import time
-from pathlib import Path
 
 import torch
+from revision_source import builds, timing_arguments
 from torch import nn
 
 from kvcache_cli.models import huge_pages, linear
 
-parser = argparse.ArgumentParser()
-parser.add_argument("--before", required=True, help="the git revision to build beside the tree")
-parser.add_argument("--threads", type=int, default=2)
-parser.add_argument("--repeats", type=int, default=11)
+parser = timing_arguments(repeats=11)
 parser.add_argument("--rows", default="1,2,3,4,8,16", help="rows of x, comma-separated")
 args = parser.parse_args()
 torch.set_num_threads(args.threads)
-
-tree, why = linear.load_products()
-old_source = Path(tempfile.mkdtemp()) / linear.PRODUCTS_SOURCE.name
-for path in [linear.PRODUCTS_SOURCE, *linear.PRODUCTS_SOURCE.parent.glob("*.h")]:
-    shown = subprocess.run(["git", "show", f"{args.before}:kvcache_cli/models/{path.name}"],
-                           capture_output=True)
-    (old_source.parent / path.name).write_bytes(
-        shown.stdout if shown.returncode == 0 else path.read_bytes())
-linear.PRODUCTS_SOURCE = old_source
-before, why_before = linear.load_products()
-if tree is None or before is None:
-    raise SystemExit(f"the products did not build: {why or why_before}")
+tree, before = builds(args.before, linear, "PRODUCTS_SOURCE", linear.load_products)
 
 gen = torch.Generator().manual_seed(0)
 # name: (outputs, inputs), the weight rows and their length
