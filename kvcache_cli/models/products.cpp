@@ -5,10 +5,11 @@
 // a weight, so its time is how fast the weights stream from memory. Each output is a dot
 // product over one weight row (nn.Linear's (out, in) order, contiguous). Threads take equal
 // runs of rows, so each core streams one stretch of the matrix (float16 and int8 asking a
-// page ahead). A decode's one or two rows take one weight row at a time, one stream a
-// thread; more rows take four weight rows at once with up to four rows of x, all
-// accumulators in registers, so a weight is read from memory once for every row of x and a
-// row of x once a tile (a batch of 16 is bound by loads of x, not of weights, without it).
+// page ahead). A decode's one or two rows (float32's up to four) take one weight row at a
+// time, one stream a thread; more rows take four weight rows at once with up to four rows of
+// x, all accumulators in registers, so a weight is read from memory once for every row of x
+// and a row of x once a tile (a batch of 16 is bound by loads of x, not of weights, without
+// it).
 // Each weight is widened to float32 in registers as it is read: int8 (times its row's
 // bfloat16 scale, after the sum), float16, or float32.
 //
@@ -276,19 +277,37 @@ void weight_rows(const typename W::T* w, const float* x, int64_t n, int64_t R, i
     }
 }
 
+// The most rows of x a tile of one weight row takes: RX, and float32's up to 4 (3 and 4 rows
+// came faster so than in tiles of four weight rows with AVX2; float16's did not).
+template <class W>
+constexpr int ONE_ROW_X = std::is_same_v<typename W::T, float> && RX < 4 ? 4 : RX;
+
+// The R rows of x (at most ONE_ROW_X) by weight row n, in one tile.
+template <class W>
+inline void one_weight_row(const typename W::T* w, const float* x, int64_t n, int64_t R,
+                           int64_t N, int64_t K, Affine f, float* y) {
+    constexpr int most = ONE_ROW_X<W>;
+    switch (R) {
+        case 4: if constexpr (most >= 4) tile<W, 1, 4>(w, x, n, N, K, f, y, false); break;
+        case 3: if constexpr (most >= 3) tile<W, 1, 3>(w, x, n, N, K, f, y, false); break;
+        case 2: tile<W, 1, 2>(w, x, n, N, K, f, y, false); break;
+        default: tile<W, 1, 1>(w, x, n, N, K, f, y, false); break;
+    }
+}
+
 // y (R, N) = x (R, K) @ w (N, K)^T, each output times scales[n] where given, plus bias[n].
 // Threads take equal runs of tiles (OpenMP's pool: started once, kept between calls).
 template <class W>
 void product(const float* x, const typename W::T* w, const uint16_t* scales, const float* bias,
              float* y, int64_t R, int64_t N, int64_t K, int threads) {
     const Affine f{scales, bias};
-    if (R <= RX) {
-        // Up to RX rows of x (a decode's one or two) fit one tile beside one weight row, and
-        // x stays in L1 for the next: each thread then reads the weights as one stream in
-        // order, which came from memory faster than four weight rows' streams side by side
-        // (docs/bench.md, "One weight row a tile").
+    if (R <= ONE_ROW_X<W>) {
+        // A decode's one or two rows of x (and a few more) fit one tile beside one weight
+        // row, and x stays in L1 for the next: each thread then reads the weights as one
+        // stream in order, which came from memory faster than four weight rows' streams side
+        // by side (docs/bench.md, "One weight row a tile").
 #pragma omp parallel for num_threads(threads) schedule(static)
-        for (int64_t n = 0; n < N; ++n) weight_rows<W, 1>(w, x, n, R, N, K, f, y);
+        for (int64_t n = 0; n < N; ++n) one_weight_row<W>(w, x, n, R, N, K, f, y);
         return;
     }
     const int64_t tiles = (N + TW - 1) / TW;
