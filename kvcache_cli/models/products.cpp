@@ -85,8 +85,9 @@ constexpr int L = 8;
 using V = __m256;
 inline V zero() { return _mm256_setzero_ps(); }
 inline V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
-// x's chunk held in a register for a tile's T weight rows: left to itself, the compiler folds
-// its load into each multiply-add (a load a product), and loads, not products, bound the tile.
+// A chunk held in a register for every multiply-add of the tile that reads it: left to
+// itself, the compiler folds its load into each one (a load a product), and loads, not
+// products, then bound the tile.
 inline void in_register(V& v) { asm("" : "+x"(v)); }
 inline float lanes_sum(V v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -302,8 +303,8 @@ void product(const float* x, const typename W::T* w, const uint16_t* scales, con
              float* y, int64_t R, int64_t N, int64_t K, int threads) {
     const Affine f{scales, bias};
     if (R <= ONE_ROW_X<W>) {
-        // A decode's one or two rows of x (and a few more) fit one tile beside one weight
-        // row, and x stays in L1 for the next: each thread then reads the weights as one
+        // A decode's one or two rows of x (float32's up to four) fit one tile beside one
+        // weight row, and x stays in L1 for the next: each thread then reads the weights as one
         // stream in order, which came from memory faster than four weight rows' streams side
         // by side (docs/bench.md, "One weight row a tile").
 #pragma omp parallel for num_threads(threads) schedule(static)
