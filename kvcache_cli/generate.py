@@ -9,10 +9,11 @@ Reference: the GPT-2 KV-cache article in `seeds/003_*`, section 5.
 
 from __future__ import annotations
 
+import ctypes
 import time
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
-from operator import itemgetter
+from operator import is_, itemgetter
 
 import torch
 from torch import Tensor
@@ -179,9 +180,11 @@ class ReplayedDecode:
     serve every later position of any cache of that kind and shape. A replay looks the
     token's embedding up into the buffer the first call reads, writes the position where
     the calls read it (the step's positions: the rotation and the attention read them from
-    memory), records the write in the cache (`advance`), and makes the calls. A step that
-    is not native calls alone (a cache without fixed buffers: the quantised kinds, a window
-    with sinks; half-precision activations; GPT-2's torch blocks; a GPU) runs eager, and
+    memory), records the write in the cache (`advance`), and makes the calls; a call's
+    arguments in a struct are copied as recorded, pointers named alike. A step that is not
+    native calls alone (a cache without fixed buffers: a window with sinks, the fp8 and
+    rotated integer kinds, an integer cache whose sinks are filling; half-precision
+    activations; GPT-2's torch blocks; a GPU) runs eager, and
     `why_not` says why. Called as a `Forward`; T > 1 tokens (the prefill) go to the eager
     model. The recorded calls point at the model's weights: one is made for a model whose
     weights stay as they are (a change of `--weights-dtype` makes a new one, as `bench` and
@@ -205,7 +208,8 @@ class ReplayedDecode:
         buffers = cache.buffers()
         if buffers is None:  # its decoding step's calls would move with the position
             self._refuse(f"a {type(cache).__name__} has no fixed buffers to replay a step "
-                         "over (static and fp16/bf16 caches and plain sliding windows do)")
+                         "over (static, fp16/bf16 and unrotated integer caches and plain "
+                         "sliding windows do)")
             return self.model(idx, start_pos, cache, last_only=last_only)
         context = self.model.config.context
         if not 0 <= start_pos < context:
@@ -216,7 +220,7 @@ class ReplayedDecode:
             self._key, self._first, self._plan, self.why_not = key, None, None, None
             self._recordings = 0
         if self._plan is not None:
-            logits = self._plan.run(idx, start_pos, cache)
+            logits = self._plan.run(idx, start_pos, cache, buffers)
             self.steps_replayed += 1
             return logits
         self.pos.fill_(start_pos)
@@ -329,14 +333,24 @@ class _Recorded:
         return None
 
 
+_BYREF = type(ctypes.byref(ctypes.c_int()))  # a ctypes.byref's argument object
+
+
 def _named(args: tuple, places: list[tuple[int, int, tuple]]) -> tuple:
     """args with each pointer into a fresh tensor, the cache or the position replaced by
-    (its name, offset); other numbers, and pointers into the model's weights, as they are."""
+    (its name, offset); other numbers, and pointers into the model's weights, as they are.
+    A struct passed by reference (a call's arguments in one, `code_attention.DecodeArgs`) is
+    named by its fields as they are now, ("struct", its type, the fields named): the caller
+    rewrites its struct at every eager step, and a replay makes its own."""
     def name(arg):
         if isinstance(arg, int) and not isinstance(arg, bool):
             for first, end, what in places:
                 if first <= arg < end:
                     return (*what, arg - first)
+        if isinstance(arg, _BYREF) and isinstance(arg._obj, ctypes.Structure):
+            struct = arg._obj
+            return ("struct", type(struct),
+                    tuple(name(getattr(struct, field)) for field, _ in struct._fields_))
         return arg
     return tuple(name(arg) for arg in args)
 
@@ -349,11 +363,14 @@ class _Plan:
         self.weight, at = recorded.lookup  # the embedding's weight, and where its row goes
         self.embedded = recorded.fresh[at]  # (B, 1, C)
         self.cache: KVCache | None = None  # what `calls` were resolved for
+        self.buffers: list[Tensor] = []  # ... and its buffers then
         self.calls: list[tuple[Callable, tuple]] = []
 
-    def run(self, idx: Tensor, start_pos: int, cache: KVCache) -> Tensor:
-        if cache is not self.cache:
-            self.cache, self.calls = cache, self._resolved(cache)
+    def run(self, idx: Tensor, start_pos: int, cache: KVCache, buffers: list[Tensor]) -> Tensor:
+        # a cache may give a buffer back for another of its shape (a quantised cache's tail
+        # after a prefill): the calls then point at the new one
+        if cache is not self.cache or not all(map(is_, buffers, self.buffers)):
+            self.cache, self.buffers, self.calls = cache, buffers, self._resolved(buffers)
         cache.advance(start_pos, 1)  # refused past the cache's slots, before any write
         self.pos.fill_(start_pos)
         torch.index_select(self.weight, 0, idx.view(-1),
@@ -363,14 +380,17 @@ class _Plan:
         # the recorded step's logits, a view of one of its fresh tensors, written again
         return self.recorded.logits.clone()
 
-    def _resolved(self, cache: KVCache) -> list[tuple[Callable, tuple]]:
-        """The calls with each named pointer made an address again, the cache's into `cache`."""
+    def _resolved(self, held: list[Tensor]) -> list[tuple[Callable, tuple]]:
+        """The calls with each named pointer made an address again, the cache's into its
+        buffers `held`, and each named struct made afresh (kept alive by its reference)."""
         fresh = [t.data_ptr() for t in self.recorded.fresh]
-        buffers = [t.data_ptr() for t in cache.buffers()]
+        buffers = [t.data_ptr() for t in held]
 
         def address(arg):
             if not isinstance(arg, tuple):
                 return arg
+            if arg[0] == "struct":
+                return ctypes.byref(arg[1](*map(address, arg[2])))
             if arg[0] == "fresh":
                 return fresh[arg[1]] + arg[2]
             if arg[0] == "cache":
@@ -471,8 +491,8 @@ def generate(
     """Run one request to the end; `on_token` sees each token as it is made. `spec` is one
     of MODES or any cache spec (`paged:b16`, ...). A token in `stop_ids` (a chat model's
     end of turn) is the last one made. On the CPU, with a cache of fixed buffers (static,
-    fp16, bf16, a plain window), the decode steps are replayed (`ReplayedDecode`): the
-    eager steps' tokens and logits, without their Python."""
+    fp16, bf16, int8/int4/int2 unrotated, a plain window), the decode steps are replayed
+    (`ReplayedDecode`): the eager steps' tokens and logits, without their Python."""
     # Before sizing a cache for it.
     _check_generation(model, prompt_ids, max_new_tokens, spec, temperature, top_k)
     cache = make_cache(spec, model, len(prompt_ids) + max_new_tokens)

@@ -57,8 +57,8 @@ position = torch.tensor([n - 1])  # the kernel reads the step's position from me
 prepared = {kind: [ca.DecodeCall() for _ in layers] for kind in ("int8", "int4")}  # a layer's
 runs = {
     "fp16": lambda: [ca.attend_decode(q, k, v, K, V, position) for K, V in fp16],
-    "int8": lambda: [ca.decode_codes(q, k, v, r, n, 8, G, False, "codes", (none,) * 4, 0, c)
-                     for r, c in zip(int8, prepared["int8"])],
+    "int8": lambda: [ca.decode_codes(q, k, v, r, 0, 8, G, False, "at", (none,) * 4, 0, c,
+                                     (position, 0, 1)) for r, c in zip(int8, prepared["int8"])],
     "int4": lambda: [ca.decode_codes(q, k, v, r, n - tail, 4, G, True, None, f, tail, c)
                      for r, f, c in zip(int4, tails, prepared["int4"])],
 }

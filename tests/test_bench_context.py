@@ -159,7 +159,8 @@ def test_the_view_states_the_vocabulary_heads_share_of_the_weights(model):
 
 def test_replay_steps_the_caches_with_fixed_buffers_replayed_and_says_which(tmp_path):
     """--replay: our steps as `generate` runs them, each series marked where they were
-    replayed; a cache without fixed buffers (int8) steps eager and the note says why."""
+    replayed; a cache without fixed buffers (int8 rotated) steps eager and the note says
+    why."""
     from kvcache_cli.generate import REPLAY_NOTE
     from kvcache_cli.models import fused, linear, llama
 
@@ -169,8 +170,8 @@ def test_replay_steps_the_caches_with_fixed_buffers_replayed_and_says_which(tmp_
                                          intermediate=96, vocab_size=96, context=64))
     tiny = linear.arrange_weights(llama.init_random(tiny, 0.3, 0)).eval()
     REPLAY_NOTE.clear()
-    r = _run(tiny, "static,fp16,int8", model_name="tiny", replay=True)
-    assert r.replay and [s.replayed for s in r.series] == [True, True, False]
+    r = _run(tiny, "static,fp16,int8,int8:rot", model_name="tiny", replay=True)
+    assert r.replay and [s.replayed for s in r.series] == [True, True, True, False]
     assert "a QuantizedCache has no fixed buffers" in r.kernel_note
     assert not any(s.replayed for s in _run(tiny, "static,fp16", model_name="tiny").series)
 

@@ -69,6 +69,51 @@ def test_replayed_steps_equal_the_eager_steps_bit_for_bit(cache_spec, family, we
     assert (cache.length, cache.bytes_copied) == (eager_cache.length, eager_cache.bytes_copied)
 
 
+def _integer_layers(cache) -> list:
+    """The quantised layers of a cache, or of each cache of a hybrid one."""
+    return [L for c in getattr(cache, "caches", [cache]) for L in getattr(c, "layers", [])]
+
+
+# int8's default (each token quantised at once), sinks, per-channel chunks of 8 leaving a
+# residual of 4 (the prompt's 8 tokens and 20 steps pass two flushes), a residual of per-token
+# groups (a token leaves the tail every step), chunks with no residual; and Gemma 3's global
+# layer quantised beside its ring
+@pytest.mark.parametrize(("family", "spec"), [
+    ("llama", "int8"), ("llama", "int8:s2"), ("llama", "int4:g8:kchan:r4"),
+    ("llama", "int2:g8:ktok:r3:s1"), ("llama", "int4:g16:kchan:r0"), ("gemma3", "int4:g8:kchan:r4"),
+    ("gemma3", "int8")])
+def test_replayed_integer_caches_equal_their_eager_steps_bit_for_bit(family, spec):
+    model = tiny_llama() if family == "llama" else gemma3_rings()
+    eager_cache = make_cache(spec, model, len(PROMPT) + 20)
+    eager = steps(model, None, eager_cache)
+    replayed = ReplayedDecode(model)
+    cache = make_cache(spec, model, len(PROMPT) + 20)
+    got = steps(model, replayed, cache)
+    assert replayed.why_not is None and replayed.steps_replayed >= 16
+    assert [t for t, _ in got] == [t for t, _ in eager]
+    for (_, want), (_, have) in zip(eager, got, strict=True):
+        assert torch.equal(have, want)
+    for mine, theirs in zip(_integer_layers(cache), _integer_layers(eager_cache), strict=True):
+        for a, b in zip(mine.tensors(), theirs.tensors(), strict=True):  # what each holds
+            assert torch.equal(a, b)
+    assert (cache.length, cache.bytes_copied) == (eager_cache.length, eager_cache.bytes_copied)
+
+
+def test_a_replayed_integer_cache_reads_its_tail_where_a_prefill_gave_it_back():
+    # a second prompt after a reset: the tail's buffer, grown by the prefill and given back,
+    # is a new one of the same shape, which the plan's calls then point at
+    model = tiny_llama(2)
+    replayed = ReplayedDecode(model)
+    cache = make_cache("int4:g8:kchan:r4", model, 64)
+    first = steps(model, replayed, cache)
+    plan = replayed._plan
+    cache.reset()
+    again = steps(model, replayed, cache)
+    assert replayed._plan is plan and replayed.steps_replayed > 30
+    assert [t for t, _ in again] == [t for t, _ in first]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(again, first, strict=True))
+
+
 def test_one_plan_serves_a_fresh_cache_and_every_earlier_logits_stay_as_they_were():
     model = tiny_llama(1)
     replayed = ReplayedDecode(model)
@@ -96,7 +141,7 @@ def test_a_replayed_step_past_the_last_slot_is_refused_as_the_eager_step_is():
 
 
 @pytest.mark.parametrize(("spec", "why"), [
-    ("int8", "a QuantizedCache has no fixed buffers"),
+    ("int8:rot", "a QuantizedCache has no fixed buffers"),  # its query turned in torch
     ("concat", "a ConcatCache has no fixed buffers"),
     ("sink:2+6", "a RingCache has no fixed buffers"),  # its sinks: not a plain window
 ])
@@ -181,7 +226,7 @@ def test_generate_replays_its_decode_steps_where_it_can_and_says_so():
     from kvcache_cli.generate import generate
 
     model = tiny_llama()
-    for spec, replays in (("static", True), ("fp16", True), ("int8", False), ("naive", False)):
+    for spec, replays in (("static", True), ("fp16", True), ("int8", True), ("naive", False)):
         got = generate(model, PROMPT, 20, spec)
         # 19 decode steps: two recorded (three where the first built a kernel), the rest
         # replayed

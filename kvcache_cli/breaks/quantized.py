@@ -170,7 +170,8 @@ def _llama_outliers(out: FamilyModel, which: str, scale: float) -> None:
 
 class _FirstToken(ForwardingCache):
     """Wraps a cache and keeps what attention read of position 0 on the last step that
-    read the keys `update` returns (a quantised cache's steps over its codes do not)."""
+    read the keys `update` returns (a quantised cache's steps over its codes do not: `read`
+    reads what it holds once more)."""
 
     def __init__(self, inner: KVCache):
         super().__init__(inner)
@@ -184,6 +185,14 @@ class _FirstToken(ForwardingCache):
 
         inner.update = update  # the one the wrapped cache's own `attend` calls
 
+    def read(self) -> None:
+        """What every layer holds of position 0 now, as a step reads it: `update` with no
+        new token (B, nkv, 0, hs)."""
+        for layer, first in list(self.first.items()):
+            B, nkv, width = first.shape
+            none = first.new_empty(B, nkv, 0, width // 2)
+            self.inner.update(layer, self.length, none, none)
+
 
 def _logits(model: FamilyModel, spec: str, idx: Tensor, prompt_len: int):
     """Next-token logits at every position from the prompt's last on, and the cache."""
@@ -191,6 +200,7 @@ def _logits(model: FamilyModel, spec: str, idx: Tensor, prompt_len: int):
     with torch.no_grad():
         steps = [model(idx[:, :prompt_len], 0, cache)[:, -1:]]
         steps += [model(idx[:, p:p + 1], p, cache) for p in range(prompt_len, idx.size(1))]
+        cache.read()
     return torch.cat(steps, dim=1)[0].float(), cache  # (N, vocab)
 
 

@@ -177,11 +177,11 @@ class KVCache:
         raise NotImplementedError
 
     def buffers(self) -> list[Tensor] | None:
-        """The cache's memory where it is fixed for the cache's life and a decoding token's
+        """The cache's memory where it is fixed for the next decoding token and that token's
         write and attention are one native call that reads its position from the step
-        (`code_attention.attend_decode`), so a step's calls are the same at every position
-        and can be replayed (`generate.ReplayedDecode`), the cache's bookkeeping then
-        recorded by `advance(start_pos, T)`; None for any other cache."""
+        (`code_attention.attend_decode`, `decode_codes`), so a step's calls are the same at
+        every position and can be replayed (`generate.ReplayedDecode`), the cache's
+        bookkeeping then recorded by `advance(start_pos, T)`; None for any other cache."""
         return None
 
 

@@ -435,17 +435,40 @@ EXACT_MATH void quantise_group(const float* x, int64_t G, int levels, uint8_t* q
 
 // One token's hs numbers x: J = hs / G groups' codes packed into `codes` (hs * bits / 8
 // bytes), their scales and zero points into scale[0 .. J), zero[0 .. J).
-EXACT_MATH void quantise_token(const float* x, int64_t hs, int bits, int64_t G, uint8_t* codes,
-                               _Float16* scale, _Float16* zero) {
-    const int per = 8 / bits, levels = (1 << bits) - 1;
-    uint8_t q[1024];  // a head's codes, unpacked: head sizes up to 1,024 (checked)
-    for (int64_t j = 0; j < hs / G; ++j)
-        quantise_group(x + j * G, G, levels, q + j * G, scale + j, zero + j);
+// A token's hs codes q (unpacked) packed 8 / bits a byte into `codes`, the first lowest.
+void pack_codes(const uint8_t* q, int64_t hs, int bits, uint8_t* codes) {
+    const int per = 8 / bits;
     for (int64_t i = 0; i < hs * bits / 8; ++i) {
         int byte = 0;
         for (int k = 0; k < per; ++k) byte |= q[i * per + k] << (k * bits);
         codes[i] = static_cast<uint8_t>(byte);
     }
+}
+
+EXACT_MATH void quantise_token(const float* x, int64_t hs, int bits, int64_t G, uint8_t* codes,
+                               _Float16* scale, _Float16* zero) {
+    const int levels = (1 << bits) - 1;
+    uint8_t q[1024];  // a head's codes, unpacked: head sizes up to 1,024 (checked)
+    for (int64_t j = 0; j < hs / G; ++j)
+        quantise_group(x + j * G, G, levels, q + j * G, scale + j, zero + j);
+    pack_codes(q, hs, bits, codes);
+}
+
+// C tokens' keys x (C rows of hs) quantised per channel, KIVI's groups (`_Channels.encode`):
+// channel d's C numbers one group, its scale and zero point at scale[d], zero[d]; each
+// token's codes packed into its row of `codes`, `width` bytes apart.
+EXACT_MATH void quantise_channels(const float* x, int64_t C, int64_t hs, int bits,
+                                  uint8_t* codes, int64_t width, _Float16* scale,
+                                  _Float16* zero) {
+    const int levels = (1 << bits) - 1;
+    std::vector<float> column(C);
+    std::vector<uint8_t> q(C * hs), q_column(C);  // (C, hs) unpacked
+    for (int64_t d = 0; d < hs; ++d) {
+        for (int64_t c = 0; c < C; ++c) column[c] = x[c * hs + d];
+        quantise_group(column.data(), C, levels, q_column.data(), scale + d, zero + d);
+        for (int64_t c = 0; c < C; ++c) q[c * hs + d] = q_column[c];
+    }
+    for (int64_t c = 0; c < C; ++c) pack_codes(q.data() + c * hs, hs, bits, codes + c * width);
 }
 
 bool quantisable(int64_t bits, int64_t hs, int64_t G) {
@@ -477,14 +500,15 @@ extern "C" EXACT_MATH int quantise_tokens(const float* x, int64_t x_row, int64_t
 
 // A quantised cache's decoding step of one layer in one call, as `attend_decode` is a static
 // cache's: the new token's keys and values k, v (B, nkv, hs) written where the cache keeps
-// them, by `write`: kWriteCodes quantised per token into code row n - 1 (its n counts the
-// token: int8's r0, where every token leaves the tail at once), kWriteTail stored in format
-// fmt into tail row t - 1 (a residual window's step that quantises nothing: int4's r128 but
-// for its flush every G steps), kWriteNone already stored by the caller; then the
-// queries q (B, nh, hs), scaled by 1 / sqrt(hs), over codes, sinks and tail (as `attend_codes`
-// reads them), query head h on KV head h / (nh / nkv), the softmax finished into y (B, nh, hs).
+// them, by `write`: kWriteAt where its position puts them, read from memory (*at, the step's
+// positions), so that a replayed step's calls are the same at every position
+// (`generate.ReplayedDecode`): quantised at once, or into the tail, a chunk that fills
+// leaving the tail in the same call (`place_token`); kWriteNone already stored by the
+// caller. Then the queries q (B, nh, hs), scaled by 1 / sqrt(hs), over codes, sinks and tail
+// (as `attend_codes` reads them), query head h on KV head h / (nh / nkv), the softmax
+// finished into y (B, nh, hs).
 // q, k, v: views of the q|k|v product, element [b, h, d] at b * x_b + h * x_h + d.
-enum Write { kWriteNone = 0, kWriteCodes = 1, kWriteTail = 2 };
+enum Write { kWriteNone = 0, kWriteAt = 1 };
 
 // The call's arguments in one struct of 8-byte fields (code_attention.py's `DecodeArgs`, in
 // the same order): ctypes converts each argument of a call, and 40 of them took as long as
@@ -507,32 +531,111 @@ struct DecodeArgs {
     void *tail_k, *tail_v;
     int64_t tail_row, t, fmt;
     float* y;
+    const int64_t* at;  // kWriteAt's: the token's position, and how the cache keeps tokens:
+    int64_t residual, chunk;  // the newest `residual` in the tail, the rest `chunk` at a time
 };
 
+namespace {
+
+void widen_any(int64_t fmt, const char* row, float* out, int64_t hs) {
+    if (fmt == kF32) widen_row<kF32>(row, out, hs);
+    else if (fmt == kBF16) widen_row<kBF16>(row, out, hs);
+    else widen_row<kF16>(row, out, hs);
+}
+
+// The new token's keys and values quantised per token into code row `row` of every cache row.
+void write_codes(const DecodeArgs* a, int64_t row) {
+    const int64_t width = a->hs * a->bits / 8, J = a->hs / a->G;
+    for (int64_t r = 0; r < a->B * a->nkv; ++r) {
+        const int64_t b = r / a->nkv, h = r % a->nkv;
+        quantise_token(a->k + b * a->k_b + h * a->k_h, a->hs, static_cast<int>(a->bits), a->G,
+                       a->kc + r * a->kc_row + row * width, a->ks + r * a->ks_row + row * J,
+                       a->kz + r * a->ks_row + row * J);
+        quantise_token(a->v + b * a->v_b + h * a->v_h, a->hs, static_cast<int>(a->bits), a->G,
+                       a->vc + r * a->vc_row + row * width, a->vs + r * a->vs_row + row * J,
+                       a->vz + r * a->vs_row + row * J);
+    }
+}
+
+// The new token's keys and values stored in format fmt into tail row `row` of every cache
+// row: the tail is the caller's buffer, written here as `attend_decode` writes its own.
+void write_tail(const DecodeArgs* a, int64_t row) {
+    const int64_t bytes = a->fmt == kF32 ? 4 : 2;
+    for (int64_t r = 0; r < a->B * a->nkv; ++r) {
+        const int64_t b = r / a->nkv, h = r % a->nkv;
+        const int64_t at = (r * a->tail_row + row * a->hs) * bytes;
+        store_row(a->fmt, a->k + b * a->k_b + h * a->k_h, static_cast<char*>(a->tail_k) + at,
+                  a->hs);
+        store_row(a->fmt, a->v + b * a->v_b + h * a->v_h, static_cast<char*>(a->tail_v) + at,
+                  a->hs);
+    }
+}
+
+// The chunk that leaves the tail: its first C tokens of every cache row quantised into code
+// rows first .. first + C - 1 (keys per channel into key scale row first / C, KIVI's groups,
+// or per token; values per token), as `QuantizedCache._flush` quantises them, and the
+// tail's other `rest` tokens moved to its front.
+void flush_chunk(const DecodeArgs* a, int64_t first, int64_t C, int64_t rest) {
+    const int64_t hs = a->hs, bits = a->bits, width = hs * bits / 8, J = hs / a->G;
+    const int64_t bytes = a->fmt == kF32 ? 4 : 2;
+    std::vector<float> x(C * hs);  // (C, hs): the chunk widened to float32
+    for (int64_t r = 0; r < a->B * a->nkv; ++r)
+        for (const bool values : {false, true}) {
+            char* tail = static_cast<char*>(values ? a->tail_v : a->tail_k) +
+                         r * a->tail_row * bytes;
+            for (int64_t c = 0; c < C; ++c)
+                widen_any(a->fmt, tail + c * hs * bytes, x.data() + c * hs, hs);
+            uint8_t* codes = values ? a->vc + r * a->vc_row : a->kc + r * a->kc_row;
+            _Float16* scale = values ? a->vs + r * a->vs_row : a->ks + r * a->ks_row;
+            _Float16* zero = values ? a->vz + r * a->vs_row : a->kz + r * a->ks_row;
+            if (!values && a->key_channels)
+                quantise_channels(x.data(), C, hs, static_cast<int>(bits), codes + first * width,
+                                  width, scale + first / C * hs, zero + first / C * hs);
+            else
+                for (int64_t c = 0; c < C; ++c)
+                    quantise_token(x.data() + c * hs, hs, static_cast<int>(bits), a->G,
+                                   codes + (first + c) * width, scale + (first + c) * J,
+                                   zero + (first + c) * J);
+            std::memmove(tail, tail + C * hs * bytes, rest * hs * bytes);
+        }
+}
+
+// kWriteAt: the token at position *at placed as `QuantizedCache` keeps tokens. Past the s
+// sinks (full), m tokens with it: the codes hold the whole chunks beyond the residual,
+// (m - residual) / chunk * chunk of them, the tail the rest; a chunk leaves the tail the step
+// it fills. n and t: the codes and the tail tokens the step then reads. False for a position
+// or layout it cannot place.
+bool place_token(const DecodeArgs* a, int64_t* n, int64_t* t) {
+    const int64_t m = *a->at + 1 - a->s, R = a->residual, C = a->chunk;
+    if (m < 1 || R < 0 || C < 1 || (a->key_channels && C != a->G)) return false;
+    const int64_t coded = m - 1 > R ? (m - 1 - R) / C * C : 0;  // before the token
+    if (R == 0 && C == 1) {  // straight into the codes, as int8's default keeps them
+        write_codes(a, m - 1);
+        *n = m, *t = 0;
+        return true;
+    }
+    const int64_t held = m - coded;  // the tail's tokens, this one the last
+    write_tail(a, held - 1);
+    if (held - R == C) {
+        flush_chunk(a, coded, C, held - C);
+        *n = coded + C, *t = held - C;
+    } else {
+        *n = coded, *t = held;
+    }
+    return true;
+}
+
+}  // namespace
+
 extern "C" int decode_codes(const DecodeArgs* a) {
-    const int64_t B = a->B, nh = a->nh, nkv = a->nkv, n = a->n, hs = a->hs, bits = a->bits;
-    const int64_t G = a->G, t = a->t, fmt = a->fmt, write = a->write;
-    if (!quantisable(bits, hs, G) || nh % nkv || write < kWriteNone || write > kWriteTail ||
-        (write == kWriteCodes && (a->key_channels || n < 1)) || (write == kWriteTail && t < 1) ||
-        fmt < kF16 || fmt > kF32)
+    const int64_t B = a->B, nh = a->nh, nkv = a->nkv, hs = a->hs, bits = a->bits;
+    const int64_t G = a->G, fmt = a->fmt, write = a->write;
+    int64_t n = a->n, t = a->t;
+    if (!quantisable(bits, hs, G) || nh % nkv || write < kWriteNone || write > kWriteAt ||
+        (write == kWriteAt && a->at == nullptr) || fmt < kF16 || fmt > kF32)
         return 1;
-    const int64_t g = nh / nkv, rows = B * nkv, width = hs * bits / 8, J = hs / G;
-    const int64_t bytes = fmt == kF32 ? 4 : 2;
-    for (int64_t r = 0; write == kWriteTail && r < rows; ++r) {
-        const int64_t b = r / nkv, h = r % nkv, at = (r * a->tail_row + (t - 1) * hs) * bytes;
-        // the tail is the caller's buffer, written here as `attend_decode` writes its own
-        store_row(fmt, a->k + b * a->k_b + h * a->k_h, static_cast<char*>(a->tail_k) + at, hs);
-        store_row(fmt, a->v + b * a->v_b + h * a->v_h, static_cast<char*>(a->tail_v) + at, hs);
-    }
-    for (int64_t r = 0; write == kWriteCodes && r < rows; ++r) {
-        const int64_t b = r / nkv, h = r % nkv;
-        quantise_token(a->k + b * a->k_b + h * a->k_h, hs, static_cast<int>(bits), G,
-                       a->kc + r * a->kc_row + (n - 1) * width, a->ks + r * a->ks_row + (n - 1) * J,
-                       a->kz + r * a->ks_row + (n - 1) * J);
-        quantise_token(a->v + b * a->v_b + h * a->v_h, hs, static_cast<int>(bits), G,
-                       a->vc + r * a->vc_row + (n - 1) * width, a->vs + r * a->vs_row + (n - 1) * J,
-                       a->vz + r * a->vs_row + (n - 1) * J);
-    }
+    if (write == kWriteAt && !place_token(a, &n, &t)) return 1;
+    const int64_t g = nh / nkv, rows = B * nkv;
     // row b * nkv + h's g queries
     const std::vector<float> qs = scaled_queries(a->q, a->q_b, a->q_h, B, nh, hs);
     std::vector<float> m(B * nh), l(B * nh);

@@ -185,7 +185,7 @@ def attend_decode(q: Tensor, k: Tensor, v: Tensor, keys: Tensor, values: Tensor,
 
 
 # What `decode_codes` writes of the new token, by the flag the kernel takes.
-WRITES = {None: 0, "codes": 1, "tail": 2}
+WRITES = {None: 0, "at": 1}
 
 
 class DecodeArgs(ctypes.Structure):
@@ -200,7 +200,7 @@ class DecodeArgs(ctypes.Structure):
         ("B", 0), ("nh", 0), ("nkv", 0), ("n", 0), ("hs", 0), ("bits", 0), ("G", 0),
         ("key_channels", 0), ("threads", 0), ("sink_k", 1), ("sink_v", 1), ("sink_row", 0),
         ("s", 0), ("tail_k", 1), ("tail_v", 1), ("tail_row", 0), ("t", 0), ("fmt", 0),
-        ("y", 1))]
+        ("y", 1), ("at", 1), ("residual", 0), ("chunk", 0))]
 
 
 class DecodeCall:
@@ -235,18 +235,25 @@ class DecodeCall:
 def decode_codes(q: Tensor, k: Tensor, v: Tensor, rows: tuple[Tensor, ...], n: int,
                  bits: int, G: int, per_channel: bool, write: str | None,
                  full: tuple[Tensor, Tensor, Tensor, Tensor], t: int,
-                 prepared: DecodeCall | None = None) -> Tensor:
+                 prepared: DecodeCall | None = None,
+                 placed: tuple[Tensor, int, int] | None = None) -> Tensor:
     """A quantised cache's decoding step of one layer (B, nh, 1, hs), float32, in one call,
     as `attend_decode` is a static cache's. rows: the code and scale buffers k_codes,
     k_scale, k_zero, v_codes, v_scale, v_zero, each (B, nkv, capacity, width) with rows
     (the token axis) contiguous, n of their tokens filled. The new token's k, v (B, nkv, 1,
-    hs) float32 are written by `write`: "codes", quantised per token into row n - 1, bit for
-    bit as `quantise_tokens` writes them; "tail", into the tail's row t - 1, rounded as
-    torch's cast rounds; None, put in the tail by the caller. Then the queries q (B, nh, 1,
-    hs) over the codes, full = (sink_k, sink_v, tail_k, tail_v), the sinks (B, nkv, s, hs)
-    and the tail's buffers (B, nkv, capacity, hs) with t of their tokens filled (no view to
-    make: a slice is a torch op a layer), query head h on KV head h // (nh / nkv), scaled by
-    1 / sqrt(hs), the softmax finished. q, k, v may be any views whose last axis is
+    hs) float32 are written by `write`: "at", where its position puts them, placed = (pos,
+    residual, chunk): the step's positions (int64, read by the kernel, so the call is the
+    same at every position and `generate.ReplayedDecode` runs it again) and how the cache
+    keeps tokens past the s sinks (full), the newest `residual` in the tail (rounded as
+    torch's cast rounds) and the rest quantised `chunk` at a time; n and t are then the
+    kernel's to find, a token quantised at once or a chunk that fills the tail quantised in
+    the same call (`quantise_tokens`' and `QuantizedCache._flush`'s codes, bit for bit), and
+    the caller records the counts (`QuantizedCache.advance`); None, put in the tail by the
+    caller. Then the queries q
+    (B, nh, 1, hs) over the codes, full = (sink_k, sink_v, tail_k, tail_v), the sinks (B,
+    nkv, s, hs) and the tail's buffers (B, nkv, capacity, hs) with t of their tokens filled
+    (no view to make: a slice is a torch op a layer), query head h on KV head h // (nh /
+    nkv), scaled by 1 / sqrt(hs), the softmax finished. q, k, v may be any views whose last axis is
     contiguous (the q|k|v product's heads); `merge_heads` reads the result as a view.
     `prepared`: the layer's arguments from its last step, written again only where these
     buffers are not the ones they point into."""
@@ -254,7 +261,7 @@ def decode_codes(q: Tensor, k: Tensor, v: Tensor, rows: tuple[Tensor, ...], n: i
     call = prepared or DecodeCall()
     if not (call.buffers and all(map(operator.is_, rows + full, call.buffers))):
         call.prepare(rows, full, bits, G, per_channel)
-    if write == "tail" and not call.tail_in_place:
+    if write == "at" and not call.tail_in_place:
         raise ValueError(f"decoding over codes: a tail of strides {full[2].stride()} cannot "
                          "be written in place")
     a = call.args
@@ -264,6 +271,9 @@ def decode_codes(q: Tensor, k: Tensor, v: Tensor, rows: tuple[Tensor, ...], n: i
     a.v, a.v_b, a.v_h = v.data_ptr(), v.stride(0), v.stride(1)
     a.nh, a.write, a.n, a.t, a.y = nh, WRITES[write], n, t, y.data_ptr()
     a.threads = torch.get_num_threads()
+    if write == "at":
+        pos, a.residual, a.chunk = placed
+        a.at, a.n, a.t = pos.data_ptr(), 0, 0  # the kernel's: no number that moves a step
     if kernel().decode_codes(ctypes.byref(a)):
         raise ValueError(f"decoding over codes: {bits}-bit codes in groups of {G} of {hs}, "
                          f"{nh} query heads on {a.nkv} KV heads, write {write}, "

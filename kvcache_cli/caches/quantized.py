@@ -161,8 +161,8 @@ class _Rows:
     torch.cat of the codes copied all of them at every step). `t` is the filled part, a
     view; crop keeps the storage and forgets the rows past the cut."""
 
-    def __init__(self, B: int, nkv: int, width: int, device, dtype):
-        self.buf = torch.empty(B, nkv, 0, width, device=device, dtype=dtype)  # (B, nkv, cap, w)
+    def __init__(self, B: int, nkv: int, width: int, device, dtype, capacity: int = 0):
+        self.buf = torch.empty(B, nkv, capacity, width, device=device, dtype=dtype)  # (.., cap, w)
         self.n = 0
         self.row_bytes = B * nkv * width * self.buf.element_size()  # a token's, every (b, h)
 
@@ -220,22 +220,28 @@ class _IntLayer:
     """One layer's store: sinks, quantised keys and values, the full-precision tail."""
 
     def __init__(self, B: int, nkv: int, hs: int, bits: int, G: int, per_channel: bool,
-                 device, dtype):
+                 device, dtype, capacity: int, tail: int):
         fp = dict(device=device, dtype=dtype)
         width = hs * bits // 8
         self.sink_k = torch.empty(B, nkv, 0, hs, **fp)  # (B, nkv, s, hs)
         self.sink_v = torch.empty(B, nkv, 0, hs, **fp)
-        # the full-precision tail grows in place, so a decoding call writes its token there
-        self.tails = {w: _Rows(B, nkv, hs, device, dtype) for w in "kv"}  # (B, nkv, t, hs)
-        self.codes = {w: _Rows(B, nkv, width, device, torch.uint8) for w in "kv"}
+        # The buffers start with room for `capacity` tokens' codes and the `tail` a tail holds
+        # between flushes (a prefill's tail grows past it, and is given back), so a decoding
+        # call's memory stays put and a replayed step's calls read it.
+        self.tails = {w: _Rows(B, nkv, hs, device, dtype, tail) for w in "kv"}  # (B, nkv, t, hs)
+        self.codes = {w: _Rows(B, nkv, width, device, torch.uint8, capacity) for w in "kv"}
         # Keys per channel: (B, nkv, Tq/G, hs); per token, as values: (B, nkv, Tq, hs/G).
-        key_width = hs if per_channel else hs // G
+        key_width, key_rows = (hs, capacity // G) if per_channel else (hs // G, capacity)
         self.scales = {name: _Rows(B, nkv, key_width if name[0] == "k" else hs // G, device,
-                                   SCALE_DTYPE)
+                                   SCALE_DTYPE, key_rows if name[0] == "k" else capacity)
                        for name in ("k_scale", "k_zero", "v_scale", "v_zero")}
         # a decoding call's rows, in its order, and its arguments kept between steps
         self.code_rows = (self.codes["k"], self.scales["k_scale"], self.scales["k_zero"],
                           self.codes["v"], self.scales["v_scale"], self.scales["v_zero"])
+        # each row's growth when a chunk of G tokens (per-channel keys) or of 1 is quantised
+        chunk, key_scales = (G if per_channel else 1), self.code_rows[1:3]
+        self.chunk_rows = [(r, 1 if per_channel and r in key_scales else chunk)
+                           for r in self.code_rows]
         self.call = code_attention.DecodeCall()
 
     # The filled parts, as views: what bytes_held counts and attention reads.
@@ -262,7 +268,7 @@ class QuantizedCache(KVCache):
 
     def __init__(self, shape, batch: int, device, dtype: torch.dtype, *, bits: int,
                  group: int, key_axis: str, residual: int, sinks: int, rotate: bool = False,
-                 name: str = ""):
+                 name: str = "", capacity: int = 0):
         check_head_dim(name or f"int{bits}", {"bits": bits, "group": group, "rotate": rotate},
                        shape.head_size)
         self.shape, self.batch, self.device, self.dtype = shape, batch, device, dtype
@@ -272,18 +278,20 @@ class QuantizedCache(KVCache):
         self.chunk = group if self.per_channel else 1
         self.keys = _Channels if self.per_channel else _Tokens
         self.rotation = Rotation(shape.head_size, device) if rotate else None
+        self.capacity = capacity  # tokens the codes' buffers hold before they grow
         self.reset()
 
     @classmethod
     def build(cls, spec, shape, *, max_len: int, batch: int, device, dtype, whole: bool):
         return cls(shape, batch, device, dtype, bits=spec["bits"], group=spec["group"],
                    key_axis=spec["keys"], residual=spec["residual"], sinks=spec["sinks"],
-                   rotate=bool(spec["rotate"]), name=str(spec))
+                   rotate=bool(spec["rotate"]), name=str(spec), capacity=max_len)
 
     def reset(self) -> None:
         c = self.shape
         self.layers = [_IntLayer(self.batch, c.n_kv_head, c.head_size, self.bits, self.group,
-                                 self.per_channel, self.device, self.dtype)
+                                 self.per_channel, self.device, self.dtype, self.capacity,
+                                 self.residual + self.chunk)
                        for _ in range(c.n_layer)]
         self.lengths = [0] * c.n_layer
         self.length = 0
@@ -294,15 +302,15 @@ class QuantizedCache(KVCache):
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, step: Step) -> Tensor:
         """One decoding token's attention over the history, the quantised part read as
-        codes (`_attend_kernel`, or `_attend` a chunk at a time); a chunk of tokens (a
-        prefill, a draft's verification), or a layer with nothing quantised yet, reads
-        `update`'s copy under the causal mask."""
-        if q.size(2) != 1 or isinstance(step.start, Tensor) or \
-                self.layers[layer].quantised == 0:
+        codes (`_decode` in one call, or `_attend_kernel`, or `_attend` a chunk at a time); a
+        chunk of tokens (a prefill, a draft's verification), or, off the one call, a layer
+        with nothing quantised yet, reads `update`'s copy under the causal mask."""
+        decoding = q.size(2) == 1 and not isinstance(step.start, Tensor)
+        if decoding and self._one_call(self.layers[layer], q, k, v):
+            return self._decode(layer, q, k, v, step)
+        if not decoding or self.layers[layer].quantised == 0:
             keys, values = self.update(layer, step.start, k, v)  # (B, nkv, S, hs)
             return step.in_order(q, keys, values)
-        if self._one_call(self.layers[layer], q, k, v):
-            return self._decode(layer, q, k, v, step.start)
         L = self._store(layer, step.start, k, v)
         if L.k_codes.device.type == "cpu" and code_attention.kernel() is not None:
             return self._attend_kernel(L, q)
@@ -319,33 +327,82 @@ class QuantizedCache(KVCache):
             not (q.requires_grad or k.requires_grad or v.requires_grad) and \
             not torch.compiler.is_compiling() and code_attention.kernel() is not None
 
-    def _decode(self, layer: int, q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:
+    def _decode(self, layer: int, q: Tensor, k: Tensor, v: Tensor, step: Step) -> Tensor:
         """A decoding token's store and attention (B, nh, 1, hs) in one native call
-        (`code_attention.decode_codes`), as `StaticCache.decode` is fp16's. Where the token
-        is quantised at once (per-token keys, no residual, the sinks full: int8's default)
-        the call writes its codes in place too, the same bits `_store` writes; where it stays
-        in the tail and no chunk leaves (a residual window's step but one in G), the call
-        writes it into the tail's buffer; otherwise `_store` puts it in the tail and
-        quantises what leaves it first, so a flush reads as it did. The torch ops a
+        (`code_attention.decode_codes`), as `StaticCache.decode` is fp16's. Where the layer
+        holds every token where its position puts it (`_placed`), the call writes the token
+        there too, the codes or the tail, and quantises the chunk that fills the tail, the
+        same bits `_store` writes, reading the position from the step: the same call at
+        every position, so a step can be replayed (`buffers`). Otherwise (the sinks filling,
+        a crop into the residual, the buffers full) `_store` writes first. The torch ops a
         layer of the appends, the query's scaling and the softmax's finish were a fixed cost
         of every step, larger at SmolLM2's shape than the kernel's arithmetic's gap to fp16's."""
         L = self.layers[layer]
-        t, sinks_full = L.tails["k"].n, L.sink_k.size(2) == self.sinks
-        to_codes = self.residual == 0 and not self.per_channel and t == 0 and sinks_full
-        # the token stays in the tail and no chunk leaves it this step (int4's r128 but one
-        # step in G): the call writes it into the tail's buffer
-        to_tail = not to_codes and sinks_full and t + 1 - self.residual < self.chunk
-        if to_codes or to_tail:
-            self._check_append(layer, start)
-            grown = L.code_rows if to_codes else (L.tails["k"], L.tails["v"])
-            self.bytes_copied += sum([r.grow(1) for r in grown])  # filled by the call
-            self.lengths[layer] = self.length = start + 1
+        self._check_append(layer, step.start)
+        placed = self._placed(layer)
+        if placed:
+            self._count_step(layer)
         else:
-            self._store(layer, start, k, v)
+            self._store(layer, step.start, k, v)
         return code_attention.decode_codes(
             q, k, v, tuple(map(_BUFFER, L.code_rows)), L.quantised, self.bits, self.group,
-            self.per_channel, "codes" if to_codes else "tail" if to_tail else None,
-            (L.sink_k, L.sink_v, L.tails["k"].buf, L.tails["v"].buf), L.tails["k"].n, L.call)
+            self.per_channel, "at" if placed else None,
+            (L.sink_k, L.sink_v, L.tails["k"].buf, L.tails["v"].buf), L.tails["k"].n, L.call,
+            (step.pos, self.residual, self.chunk))
+
+    def _coded(self, m: int) -> int:
+        """Of m tokens past the sinks, those held as codes: the whole chunks beyond the
+        residual (the rest are the tail)."""
+        return (m - self.residual) // self.chunk * self.chunk if m > self.residual else 0
+
+    def _placed(self, layer: int) -> bool:
+        """Whether the layer's next decoding token goes where its position puts it
+        (`decode_codes`' "at"): the sinks full, the codes and tail as `_coded` has them (a
+        crop into the residual leaves fewer in the tail until it is full again), and room in
+        the buffers for the token and for the chunk it may make leave."""
+        L = self.layers[layer]
+        s = L.sink_k.size(2)
+        m = self.lengths[layer] - s  # tokens past the sinks, before the step
+        coded = self._coded(m)
+        leaves = self._coded(m + 1) > coded
+        return s == self.sinks and L.quantised == coded and L.tails["k"].n == m - coded and \
+            L.tails["k"].buf.size(2) > m - coded and \
+            (not leaves or all(r.n + grow <= r.buf.size(2) for r, grow in L.chunk_rows))
+
+    def _count_step(self, layer: int) -> None:
+        """Count what a placed decoding token's call writes in the layer (`_placed`): the
+        token in the codes or the tail, and the chunk that leaves the tail."""
+        L = self.layers[layer]
+        m = self.lengths[layer] + 1 - L.sink_k.size(2)  # tokens past the sinks, with it
+        coded = self._coded(m)
+        if self.residual == 0 and self.chunk == 1:  # quantised at once
+            self.bytes_copied += sum(r.grow(n) for r, n in L.chunk_rows)
+        else:
+            self.bytes_copied += sum(r.grow(1) for r in L.tails.values())
+            if coded > L.quantised:  # a chunk left the tail, the rest moved to its front
+                self.bytes_copied += sum(r.grow(n) for r, n in L.chunk_rows)
+                for r in L.tails.values():
+                    r.crop(m - coded)
+                    self.bytes_copied += (m - coded) * r.row_bytes
+        self.lengths[layer] = self.length = self.lengths[layer] + 1
+
+    def advance(self, start_pos: int, T: int) -> None:
+        """Count a replayed step's writes in every layer (`KVCache.buffers`): one token each,
+        placed by the call."""
+        if T != 1 or not all(start_pos == n for n in self.lengths):
+            raise ValueError(f"a quantised cache replays one token a step at its length "
+                             f"{self.length}; asked for {T} at {start_pos}")
+        for layer in range(len(self.layers)):
+            self._count_step(layer)
+
+    def buffers(self) -> list[Tensor] | None:
+        """Every layer's code and scale rows, sinks and tail buffers, where the next decoding
+        token is one call at every layer that reads its position from the step (`_placed`,
+        no rotation): its calls can be replayed (`KVCache.buffers`); else None."""
+        if self.rotation is not None or not all(map(self._placed, range(len(self.layers)))):
+            return None
+        return [t for L in self.layers for t in (*map(_BUFFER, L.code_rows), L.sink_k,
+                                                 L.sink_v, L.tails["k"].buf, L.tails["v"].buf)]
 
     def _attend_kernel(self, L: _IntLayer, q: Tensor) -> Tensor:
         """`_attend` in one C++ kernel (`code_attention`): the codes read as bytes, once,
