@@ -21,10 +21,14 @@ VECTOR_PATH = "avx2" in FLAGS  # where the builds but "plain" run the vector cod
 
 def keys_in_words(build: str, bits: int, per_channel: bool, hs: int, G: int) -> bool:
     """Whether `build` multiplies these keys in integers (`code_attention_simd.h`'s
-    `word_dots`), the query rounded to 16-bit words: the vector builds, at head sizes 64 and
-    128, for 8-bit per-token keys in groups of 32 and 8- or 4-bit per-channel ones."""
-    return (build != "plain" and VECTOR_PATH and hs in (64, 128) and
-            (bits in (8, 4) if per_channel else bits == 8 and G == 32))
+    `word_dots`), the query rounded to 16-bit words: the vector builds, for 8-bit per-token
+    keys in groups of 32 at head sizes 64 and 128, and 8- or 4-bit per-channel ones at 64,
+    128 and 256."""
+    if build == "plain" or not VECTOR_PATH:
+        return False
+    if per_channel:
+        return hs in (64, 128, 256) and bits in (8, 4)
+    return hs in (64, 128) and bits == 8 and G == 32
 
 
 def values_in_words(build: str, bits: int, hs: int, G: int) -> bool:

@@ -133,6 +133,7 @@ def check(got, want, scale=1.0):
     (64, 32, 544, 3),
     (64, 64, 96, 4),
     (128, 32, 64, 1),
+    (256, 32, 200, 4),  # Gemma 3's shape: one KV head of 256, 4 queries
     (48, 16, 48, 5),   # a head size of no unrolled loop; 5 queries: 4 and 1
     (32, 8, 40, 9),    # groups narrower than AVX-512's lanes (a permute of scales); 9 queries
     (32, 4, 20, 2),    # narrower than AVX2's lanes too
@@ -161,12 +162,13 @@ def test_codes_equal_float64_attention_over_the_dequantised_cache(bits, per_chan
 
 
 @pytest.mark.usefixtures("use")
-@pytest.mark.parametrize(("bits", "per_channel"), [(8, False), (8, True), (4, True)])
-def test_the_integer_path_rounds_the_query_to_16_bit_words(bits, per_channel, request):
+@pytest.mark.parametrize(("bits", "per_channel", "hs"), [(8, False, 64), (8, True, 64),
+                                                        (4, True, 64), (4, True, 256)])
+def test_the_integer_path_rounds_the_query_to_16_bit_words(bits, per_channel, hs, request):
     # one channel 10^4 times the rest: a step of the rounding is then some 10^-4 of the others
     # (q8_0's 8 bits would have rounded them all to 0)
     gen = torch.Generator().manual_seed(bits)
-    B, nkv, n, hs, g, G = 1, 3, 256, 64, 3, 32
+    B, nkv, n, g, G = 1, 3, 256, 3, 32
     x = torch.randn(2, B, nkv, n, hs, generator=gen)
     stored, keys, values = dequantised(x, bits, G, per_channel)
     q = torch.randn(B, nkv, g, hs, generator=gen) / 8

@@ -15,10 +15,10 @@
 // block's tokens; codes are widened a vector at a time and a block's scales in one pass;
 // rows are prefetched ahead. Sums run in another order than the plain loops' (as
 // -ffast-math already lets those), and three things differ from them:
-// - keys of 8-bit codes (per token, in groups of 32) and of 8 or 4 bits (per channel), at head
-//   sizes 64 and 128, are multiplied in integers (`word_dots`): the query rounded to 16-bit
-//   words, each within 1.5e-5 of its row's largest number, which moves a score by some 1e-5
-//   of it (the codes' own rounding moves it a hundred times more);
+// - keys of 8-bit codes (per token, in groups of 32, at head sizes 64 and 128) and of 8 or 4
+//   bits (per channel, at 64, 128 and 256) are multiplied in integers (`word_dots`): the
+//   query rounded to 16-bit words, each within 1.5e-5 of its row's largest number, which
+//   moves a score by some 1e-5 of it (the codes' own rounding moves it a hundred times more);
 // - 4-bit values in groups of a multiple of 32 are multiplied in integers (`word_values`):
 //   the softmax's weights times the scales rounded to 16-bit words, which moves an output by
 //   some 1e-4 of it;
@@ -837,8 +837,11 @@ void grouped_block(const float* q, const Cache& c, int64_t row, int64_t a, int64
 
     const uint8_t* kc = c.kc + row * c.kc_row + a * width;
     // the keys' integer path where it applies (`word_dots`), else their codes read as floats
-    const bool in_words = (hs == 64 || hs == 128) &&
-                          (key_channels ? bits == 8 || bits == 4 : bits == 8 && GS == 32);
+    // (per-token ones at 256, Gemma 3's, four queries a KV head: as fast as the float path,
+    // their sums and partial sums more than AVX2's registers hold)
+    const bool in_words = key_channels ? (hs == 64 || hs == 128 || hs == 256) &&
+                                             (bits == 8 || bits == 4)
+                                       : (hs == 64 || hs == 128) && bits == 8 && GS == 32;
     if (!key_channels) {  // per-token keys: dequantised as read, like the values, or in words
         const float* ks = widened(c.ks + row * c.ks_row + a * J, len * J, kKeyScales);
         const float* kz = widened(c.kz + row * c.ks_row + a * J, len * J, kKeyZeros);
@@ -884,7 +887,9 @@ void grouped_block(const float* q, const Cache& c, int64_t row, int64_t a, int64
                     query_words<n>(qs, hs, bits, w, step);
                     const int64_t u0 = t0 - a, u1 = t1 - a;  // the group's tokens in the block
                     if (hs == 64) word_dots<n, 64, bits, 64>(kc, u0, u1, w, nullptr, s, len);
-                    else word_dots<n, 128, bits, 128>(kc, u0, u1, w, nullptr, s, len);
+                    else if (hs == 128)
+                        word_dots<n, 128, bits, 128>(kc, u0, u1, w, nullptr, s, len);
+                    else word_dots<n, 256, bits, 256>(kc, u0, u1, w, nullptr, s, len);
                 }
             }
             if (!in_words) sized_scores<n>(keys, t0 - a, t1 - a, qs, hs, s, len);
