@@ -287,6 +287,13 @@ class _Recorded:
         refused: list[str] = []
 
         class StepOps(TorchDispatchMode):
+            @classmethod
+            def _should_skip_dynamo(cls) -> bool:
+                # No compiled code runs under this mode; torch would otherwise wrap
+                # __torch_dispatch__ in its dynamo guard, whose first call imports
+                # torch._dynamo (seconds of a one-shot `generate`'s first decode step)
+                return False
+
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 out = func(*args, **(kwargs or {}))
                 ops.append(str(func))
