@@ -253,3 +253,26 @@ def test_bench_times_the_replayed_mode_beside_static_and_says_when_it_ran_eager(
     result = bench_run.run_bench(gpt2, **options)  # its blocks are torch ops: eager
     assert result.mode("static-replayed").same_tokens
     assert "decode steps not replayed: the step runs torch's" in result.kernel_note
+
+
+def test_recording_a_step_imports_no_compiler():
+    # torch wraps a dispatch mode's __torch_dispatch__ in its dynamo guard, whose first call
+    # imports torch._dynamo: seconds inside a one-shot `generate`'s first decode step
+    import subprocess
+    import sys
+
+    script = """
+import sys
+from kvcache_cli.generate import generate
+from kvcache_cli.models import linear
+from kvcache_cli.models.llama import Llama, LlamaConfig, init_random
+model = Llama(LlamaConfig(n_layer=2, n_head=6, n_kv_head=2, n_embd=192, intermediate=96,
+                          vocab_size=96, context=64))
+model = linear.arrange_weights(init_random(model, 0.3, 0)).eval()
+assert generate(model, [3, 1, 4], 8, "static").steps_replayed > 0
+print("torch._dynamo" in sys.modules)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"
