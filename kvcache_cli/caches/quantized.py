@@ -64,8 +64,12 @@ float32 decoding token's whole layer (its store, the attention, the softmax's fi
 one call of it (`QuantizedCache._decode`), as fp16's is (`StaticCache.decode`); on
 another device, or where the kernel cannot be built (or `KVCACHE_CODE_ATTENTION=torch`),
 in torch a chunk of `ATTEND_CHUNK` tokens at a time (`QuantizedCache._attend`). The
-integer kinds' codes, scales and full-precision tail grow in place (`_Rows`); fp8 and the
-paged pool still read the whole copy.
+integer kinds' codes, scales and full-precision tail grow in place (`_Rows`), from room for
+the cache's max_len tokens; fp8 and the paged pool still read the whole copy. Where every
+held token lies where its position puts it (the sinks full; not so for a while after a crop
+into the residual), the call itself writes the token, and quantises the chunk that fills the
+tail, reading the position from the step: the same call at every position, so `generate`
+replays an integer cache's steps as it does a static cache's (`buffers`, `advance`).
 
 `crop(n)` (speculative decoding's rollback): exact when the forgotten tokens are all
 full-precision; it may also cut into the quantised part where a cut leaves every kept
