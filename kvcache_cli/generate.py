@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import time
+from bisect import bisect_right
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from operator import is_, itemgetter
@@ -227,7 +228,7 @@ class ReplayedDecode:
         step = Step(start_pos, self.pos)
         if self.why_not is not None:
             return self.model(idx, step, cache, last_only=last_only)
-        recorded = _Recorded.of(self.model, idx, step, cache, last_only)
+        recorded = _Recorded.of(self.model, idx, step, cache, buffers, last_only)
         self._recordings += 1
         why = recorded.refused
         if why is None and self._first is not None:
@@ -276,7 +277,8 @@ class _Recorded:
 
     @classmethod
     def of(cls, model: FamilyModel, idx: Tensor, step: Step, cache: KVCache,
-           last_only: bool) -> _Recorded:
+           buffers: list[Tensor], last_only: bool) -> _Recorded:
+        """The step at `step` recorded; `buffers`: the cache's (`KVCache.buffers`) before it."""
         from torch.utils._python_dispatch import TorchDispatchMode
 
         from kvcache_cli.caches import native
@@ -312,18 +314,19 @@ class _Recorded:
             refused.append("the step makes no native call (its kernels cannot run here)")
         recorded = cls(calls, ops, fresh, lookup[0] if lookup else None, logits,
                        refused[0] if refused else None, [])
-        recorded.named = [_named(args, recorded.places(cache, step.pos)) for _, args in calls]
+        places = recorded.places(buffers, step.pos)
+        recorded.named = [_named(args, places) for _, args in calls]
         if recorded.lookup is None and recorded.refused is None:
             recorded.refused = "the step looks up no embedding to replay"
         return recorded
 
-    def places(self, cache: KVCache, pos: Tensor) -> list[tuple[int, int, tuple]]:
-        """(first byte, end, name) of the memory a call may point into: this step's fresh
-        tensors, the cache's buffers and the position."""
+    def places(self, buffers: list[Tensor], pos: Tensor) -> _Places:
+        """The memory a call may point into: this step's fresh tensors, the cache's buffers
+        and the position."""
         held = [(t, ("fresh", i)) for i, t in enumerate(self.fresh)]
-        held += [(t, ("cache", i)) for i, t in enumerate(cache.buffers())]
-        return [(t.data_ptr(), t.data_ptr() + t.nbytes, name)
-                for t, name in [*held, (pos, ("pos",))]]
+        held += [(t, ("cache", i)) for i, t in enumerate(buffers)]
+        return _Places([(t.data_ptr(), t.data_ptr() + t.nbytes, name)
+                        for t, name in [*held, (pos, ("pos",))] if t.nbytes])
 
     def differs(self, other: _Recorded) -> str | None:
         """Why this step's calls would not serve `other`'s position, or None: the same ops
@@ -343,7 +346,26 @@ class _Recorded:
 _BYREF = type(ctypes.byref(ctypes.c_int()))  # a ctypes.byref's argument object
 
 
-def _named(args: tuple, places: list[tuple[int, int, tuple]]) -> tuple:
+class _Places:
+    """(first byte, end, name) of tensors that share no byte (each its own allocation),
+    found by address in a sorted list: a step's calls pass some 3,000 pointers, each looked
+    for among some 400 tensors."""
+
+    def __init__(self, places: list[tuple[int, int, tuple]]):
+        self.places = sorted(places, key=itemgetter(0))
+        self.firsts = [first for first, _, _ in self.places]
+
+    def find(self, address: int) -> tuple | None:
+        """(name..., offset) of the tensor holding `address`, or None."""
+        i = bisect_right(self.firsts, address) - 1
+        if i >= 0:
+            first, end, what = self.places[i]
+            if address < end:
+                return (*what, address - first)
+        return None
+
+
+def _named(args: tuple, places: _Places) -> tuple:
     """args with each pointer into a fresh tensor, the cache or the position replaced by
     (its name, offset); other numbers, and pointers into the model's weights, as they are.
     A struct passed by reference (a call's arguments in one, `code_attention.DecodeArgs`) is
@@ -351,9 +373,7 @@ def _named(args: tuple, places: list[tuple[int, int, tuple]]) -> tuple:
     rewrites its struct at every eager step, and a replay makes its own."""
     def name(arg):
         if isinstance(arg, int) and not isinstance(arg, bool):
-            for first, end, what in places:
-                if first <= arg < end:
-                    return (*what, arg - first)
+            return places.find(arg) or arg
         if isinstance(arg, _BYREF) and isinstance(arg._obj, ctypes.Structure):
             struct = arg._obj
             return ("struct", type(struct),
