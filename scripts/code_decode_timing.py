@@ -1,7 +1,7 @@
 """The code caches' decoding call against fp16's, kernels alone: one layer (rows in the CPU's
-caches) or 30 (rows from memory) at 8,176 tokens in SmolLM2's shape (9 query heads on 3 KV
-heads of 64), fp16's `attend_decode` and int8's (per-token keys, written by the call) and
-int4's (per-channel keys, a 144-token float32 tail) `decode_codes`, interleaved in one
+caches) or 30 (rows from memory) at 8,176 tokens (`--context`) in SmolLM2's shape (9 query
+heads on 3 KV heads of 64), fp16's `attend_decode` and int8's (per-token keys, written by the
+call) and int4's (per-channel keys, a 144-token float32 tail) `decode_codes`, interleaved in one
 process; medians, as ratios to fp16's. On 1 thread the clock is the thread's CPU time (the
 most robust on a busy machine), on more the wall clock.
 
@@ -20,9 +20,11 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--threads", type=int, default=1)
 parser.add_argument("--layers", type=int, default=30)
 parser.add_argument("--repeats", type=int, default=11)
+parser.add_argument("--context", type=int, default=8176, help="tokens held (at least 145)")
 args = parser.parse_args()
 torch.set_num_threads(args.threads)
-n, B, nkv, hs, G, slots, tail = 8176, 1, 3, 64, 32, 8192, 144
+n, B, nkv, hs, G, tail = args.context, 1, 3, 64, 32, 144
+slots = (n + 16) // 16 * 16
 gen = torch.Generator().manual_seed(0)
 qkv = torch.randn(B, 1, 15, hs, generator=gen).transpose(1, 2)  # (B, 15, 1, hs)
 q, k, v = qkv[:, :9], qkv[:, 9:12], qkv[:, 12:]

@@ -35,9 +35,9 @@ def values_in_words(build: str, bits: int, hs: int, G: int) -> bool:
     """Whether `build` multiplies these values in integers (`code_attention_simd.h`'s
     `word_values`), the softmax's weights times each group's scale rounded to 16-bit words on
     one step a block of tokens: the vector builds, for 4-bit values in groups of a multiple
-    of 32 channels, 1, 2 or 4 groups a token."""
+    of 32 channels, 1, 2, 4 or 8 groups a token."""
     return (build != "plain" and VECTOR_PATH and bits == 4 and G % 32 == 0 and hs % G == 0
-            and hs // G in (1, 2, 4))
+            and hs // G in (1, 2, 4, 8))
 
 
 def kernel_fixtures(module):

@@ -184,7 +184,7 @@ def test_the_integer_path_rounds_the_query_to_16_bit_words(bits, per_channel, hs
 
 
 @pytest.mark.usefixtures("use")
-@pytest.mark.parametrize(("hs", "G"), [(64, 32), (128, 32), (64, 64)])
+@pytest.mark.parametrize(("hs", "G"), [(64, 32), (128, 32), (64, 64), (256, 32)])
 def test_the_integer_path_rounds_the_values_weights_to_16_bit_words(hs, G, request):
     # a query that picks out a few keys: the rest's weights are then some steps of the
     # rounding each, 1e-5 of the largest (q4_0's 8-bit weights would have rounded them to 0)

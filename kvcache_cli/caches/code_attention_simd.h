@@ -163,6 +163,9 @@ inline ivec byte_pairs(const uint8_t* a, const uint8_t* b) {
 inline ivec shuffle_bytes(ivec w, __m128i order) {  // within each 16-byte lane
     return _mm512_shuffle_epi8(w, _mm512_broadcast_i32x4(order));
 }
+inline ivec quarters_paired(ivec w) {  // 8-byte quarters of each 32 bytes in order 0, 2, 1, 3
+    return _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 2, 1, 3, 4, 6, 5, 7), w);
+}
 inline ivec broadcast_int(int32_t x) { return _mm512_set1_epi32(x); }
 
 #else  // AVX2: 8 lanes, 16 registers
@@ -285,6 +288,9 @@ inline ivec byte_pairs(const uint8_t* a, const uint8_t* b) {
 }
 inline ivec shuffle_bytes(ivec w, __m128i order) {  // within each 16-byte lane
     return _mm256_shuffle_epi8(w, _mm256_broadcastsi128_si256(order));
+}
+inline ivec quarters_paired(ivec w) {  // 8-byte quarters in order 0, 2, 1, 3
+    return _mm256_permute4x64_epi64(w, 0xD8);
 }
 inline ivec broadcast_int(int32_t x) { return _mm256_set1_epi32(x); }
 #endif
@@ -646,24 +652,27 @@ void value_sums(const Reader r, int64_t len, const float* p, int64_t hs_, float*
 // so no word saturates, and the step is the same for every query. A weight is within half a
 // step, 1.5e-5 of the block's largest scale; the codes' own rounding moves a value by up to
 // 1/30 of its group's range. Groups of a multiple of 32 channels (whole passes of 2 * kLanes
-// each), and J = hs / G of 1, 2 or 4 (`paired_words`' shuffles).
+// each), and J = hs / G of 1, 2, 4 or 8 (`paired_words`' shuffles).
 template <class Reader>
 constexpr bool word_valued = false;
 template <int GS>
 constexpr bool word_valued<Codes<4, true, GS>> = true;
 
 inline bool values_in_words(int64_t hs, int64_t J) {
-    return hs % J == 0 && (hs / J) % 32 == 0 && (J == 1 || J == 2 || J == 4);
+    return hs % J == 0 && (hs / J) % 32 == 0 && (J == 1 || J == 2 || J == 4 || J == 8);
 }
 
 // Words in (token, group) order, J groups a token, put each pair of tokens' words for a
 // group side by side: token 2u's then 2u + 1's word for group j in 32-bit lane u * J + j.
-// A pair's 2J words lie in one 16-byte lane, so this is a shuffle within lanes.
+// Up to J = 4 a pair's 2J words lie in one 16-byte lane, so this is a shuffle within lanes;
+// J = 8's (Gemma 3's heads of 256 in groups of 32) span two, whose halves are brought
+// together first.
 inline ivec paired_words(ivec w, int64_t J) {
+    const __m128i fours = _mm_setr_epi8(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15);
     if (J == 2) return shuffle_bytes(w, _mm_setr_epi8(0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13,
                                                       10, 11, 14, 15));
-    if (J == 4) return shuffle_bytes(w, _mm_setr_epi8(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13,
-                                                      6, 7, 14, 15));
+    if (J == 4) return shuffle_bytes(w, fours);
+    if (J == 8) return shuffle_bytes(quarters_paired(w), fours);
     return w;  // J == 1: already so
 }
 
