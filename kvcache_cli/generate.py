@@ -215,11 +215,14 @@ class ReplayedDecode:
         context = self.model.config.context
         if not 0 <= start_pos < context:
             raise IndexError(f"position {start_pos} past context window {context}")
-        key = (type(cache), [(t.shape, t.dtype) for t in buffers], idx.size(0), last_only,
-               torch.get_num_threads(), torch.is_grad_enabled())
-        if key != self._key:
-            self._key, self._first, self._plan, self.why_not = key, None, None, None
-            self._recordings = 0
+        settings = (idx.size(0), last_only, torch.get_num_threads(), torch.is_grad_enabled())
+        # the buffers the plan's calls point at, the same objects: the same shapes
+        if self._plan is None or settings != self._key[2:] or not self._plan.serves(cache,
+                                                                                     buffers):
+            key = (type(cache), [(t.shape, t.dtype) for t in buffers], *settings)
+            if key != self._key:
+                self._key, self._first, self._plan, self.why_not = key, None, None, None
+                self._recordings = 0
         if self._plan is not None:
             logits = self._plan.run(idx, start_pos, cache, buffers)
             self.steps_replayed += 1
@@ -393,10 +396,15 @@ class _Plan:
         self.buffers: list[Tensor] = []  # ... and its buffers then
         self.calls: list[tuple[Callable, tuple]] = []
 
+    def serves(self, cache: KVCache, buffers: list[Tensor]) -> bool:
+        """Whether the calls point at these buffers of this cache, as they are resolved."""
+        return cache is self.cache and len(buffers) == len(self.buffers) and \
+            all(map(is_, buffers, self.buffers))
+
     def run(self, idx: Tensor, start_pos: int, cache: KVCache, buffers: list[Tensor]) -> Tensor:
         # a cache may give a buffer back for another of its shape (a quantised cache's tail
         # after a prefill): the calls then point at the new one
-        if cache is not self.cache or not all(map(is_, buffers, self.buffers)):
+        if not self.serves(cache, buffers):
             self.cache, self.buffers, self.calls = cache, buffers, self._resolved(buffers)
         cache.advance(start_pos, 1)  # refused past the cache's slots, before any write
         self.pos.fill_(start_pos)

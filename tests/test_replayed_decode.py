@@ -114,6 +114,21 @@ def test_a_replayed_integer_cache_reads_its_tail_where_a_prefill_gave_it_back():
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(again, first, strict=True))
 
 
+def test_a_crop_keeps_the_integer_buffers_a_plan_points_at():
+    # bench crops back to its context after each round: the plan's calls then point at the
+    # same memory, and are not made again
+    model = tiny_llama()
+    replayed = ReplayedDecode(model)
+    cache = make_cache("int8:s2", model, 64)
+    steps(model, replayed, cache, n=8)
+    plan, held, calls = replayed._plan, cache.buffers(), replayed._plan.calls
+    cache.crop(cache.length - 3)
+    assert all(a is b for a, b in zip(cache.buffers(), held, strict=True))
+    with torch.inference_mode():  # as the steps ran
+        replayed(torch.tensor([[7]]), cache.length, cache, last_only=True)
+    assert replayed._plan is plan and plan.calls is calls  # not resolved again
+
+
 def test_one_plan_serves_a_fresh_cache_and_every_earlier_logits_stay_as_they_were():
     model = tiny_llama(1)
     replayed = ReplayedDecode(model)

@@ -168,6 +168,7 @@ class _Rows:
     def __init__(self, B: int, nkv: int, width: int, device, dtype, capacity: int = 0):
         self.buf = torch.empty(B, nkv, capacity, width, device=device, dtype=dtype)  # (.., cap, w)
         self.n = 0
+        self.capacity = capacity  # buf.size(2), kept: a decoding step reads it at every layer
         self.row_bytes = B * nkv * width * self.buf.element_size()  # a token's, every (b, h)
 
     @property
@@ -178,12 +179,12 @@ class _Rows:
         """Count T more rows as filled, for a writer that fills them in place at rows
         n - T .. n - 1 of `buf`; the bytes they and a growth of the capacity moved."""
         need, moved = self.n + T, 0
-        if need > self.buf.size(2):  # a decoding step's call: one size, not the shape
+        if need > self.capacity:
             B, nkv, cap, width = self.buf.shape
             grown = self.buf.new_empty(B, nkv, max(need, 2 * cap, 64), width)
             grown[:, :, :self.n] = self.t
             moved += nbytes(self.t)
-            self.buf = grown
+            self.buf, self.capacity = grown, grown.size(2)
         self.n = need
         return moved + T * self.row_bytes
 
@@ -207,9 +208,10 @@ class _Rows:
         past `capacity` rows (a prefill's) is given back for one of that size. The bytes
         moved."""
         rest = self.buf[:, :, self.n - m:self.n]  # (B, nkv, m, width)
-        if self.buf.size(2) > capacity:
+        if self.capacity > capacity:
             B, nkv, _, width = self.buf.shape
             self.buf = self.buf.new_empty(B, nkv, max(capacity, m), width)
+            self.capacity = self.buf.size(2)
         elif m:
             rest = rest.clone()  # it overlaps where it goes
         self.buf[:, :, :m] = rest
@@ -365,13 +367,18 @@ class QuantizedCache(KVCache):
         crop into the residual leaves fewer in the tail until it is full again), and room in
         the buffers for the token and for the chunk it may make leave."""
         L = self.layers[layer]
-        s = L.sink_k.size(2)
+        s, tail = L.sink_k.size(2), L.tails["k"]
         m = self.lengths[layer] - s  # tokens past the sinks, before the step
         coded = self._coded(m)
-        leaves = self._coded(m + 1) > coded
-        return s == self.sinks and L.quantised == coded and L.tails["k"].n == m - coded and \
-            L.tails["k"].buf.size(2) > m - coded and \
-            (not leaves or all(r.n + grow <= r.buf.size(2) for r, grow in L.chunk_rows))
+        if s != self.sinks or L.quantised != coded or tail.n != m - coded or \
+                tail.capacity <= tail.n:
+            return False
+        if self._coded(m + 1) == coded:  # no chunk leaves
+            return True
+        for r, grow in L.chunk_rows:  # a loop: this runs every step at every layer
+            if r.n + grow > r.capacity:
+                return False
+        return True
 
     def _count_step(self, layer: int) -> None:
         """Count what a placed decoding token's call writes in the layer (`_placed`): the
@@ -379,15 +386,19 @@ class QuantizedCache(KVCache):
         L = self.layers[layer]
         m = self.lengths[layer] + 1 - L.sink_k.size(2)  # tokens past the sinks, with it
         coded = self._coded(m)
+        moved = 0
         if self.residual == 0 and self.chunk == 1:  # quantised at once
-            self.bytes_copied += sum(r.grow(n) for r, n in L.chunk_rows)
+            for r, n in L.chunk_rows:
+                moved += r.grow(n)
         else:
-            self.bytes_copied += sum(r.grow(1) for r in L.tails.values())
+            moved += L.tails["k"].grow(1) + L.tails["v"].grow(1)
             if coded > L.quantised:  # a chunk left the tail, the rest moved to its front
-                self.bytes_copied += sum(r.grow(n) for r, n in L.chunk_rows)
+                for r, n in L.chunk_rows:
+                    moved += r.grow(n)
                 for r in L.tails.values():
                     r.crop(m - coded)
-                    self.bytes_copied += (m - coded) * r.row_bytes
+                    moved += (m - coded) * r.row_bytes
+        self.bytes_copied += moved
         self.lengths[layer] = self.length = self.lengths[layer] + 1
 
     def advance(self, start_pos: int, T: int) -> None:
@@ -575,7 +586,8 @@ class QuantizedCache(KVCache):
         keep_s = min(s, length)
         keep_q = min(q, max(0, length - s))
         keep_t = max(0, length - s - q)
-        L.sink_k, L.sink_v = L.sink_k[:, :, :keep_s], L.sink_v[:, :, :keep_s]
+        if keep_s < s:  # else the same tensors: a replay's calls still point at them
+            L.sink_k, L.sink_v = L.sink_k[:, :, :keep_s], L.sink_v[:, :, :keep_s]
         L.tails["k"].crop(keep_t)
         L.tails["v"].crop(keep_t)
         if keep_q < q:  # whole groups only (checked): the kept rows stay bit for bit
