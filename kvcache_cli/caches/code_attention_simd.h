@@ -566,18 +566,11 @@ inline void zero_shares(const float* p, const float* zeros, int64_t len, int64_t
     int64_t t = 0;
     if (kLanes % J == 0) {
         const lane_index spread = lanes_over(__builtin_ctzll(J));
-        const int64_t step = kLanes / J;  // tokens a vector of zero points holds
-        const auto add = [&](int64_t t, vec acc) {  // loads p[t .. t + kLanes): inside len
-            return fmadd(permute(spread, load(p + t)), load(zeros + t * J), acc);
-        };
-        // four sums: one chain of multiply-adds waited on each one's latency, a tenth of
-        // int8's value pass
-        vec acc[4] = {zero(), zero(), zero(), zero()};
-        for (; t + 3 * step + kLanes <= len; t += 4 * step)
-            for (int k = 0; k < 4; ++k) acc[k] = add(t + k * step, acc[k]);
-        for (; t + kLanes <= len; t += step) acc[0] = add(t, acc[0]);
+        vec acc = zero();
+        for (; t + kLanes <= len; t += kLanes / J)  // loads p[t .. t + kLanes): inside len
+            acc = fmadd(permute(spread, load(p + t)), load(zeros + t * J), acc);
         float lanes[kLanes];
-        store(lanes, add_floats(add_floats(acc[0], acc[1]), add_floats(acc[2], acc[3])));
+        store(lanes, acc);
         for (int64_t l = 0; l < kLanes; ++l) sums[l % J] += lanes[l];
     }
     for (; t < len; ++t)
