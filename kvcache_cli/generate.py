@@ -216,7 +216,8 @@ class ReplayedDecode:
         if not 0 <= start_pos < context:
             raise IndexError(f"position {start_pos} past context window {context}")
         settings = (idx.size(0), last_only, torch.get_num_threads(), torch.is_grad_enabled())
-        # the buffers the plan's calls point at, the same objects: the same shapes
+        # a plan whose calls point at these very buffers needs no new key: the same objects
+        # have the same shapes (some 300 of them for an integer cache)
         if self._plan is None or settings != self._key[2:] or not self._plan.serves(cache,
                                                                                      buffers):
             key = (type(cache), [(t.shape, t.dtype) for t in buffers], *settings)
