@@ -526,15 +526,17 @@ def generate(
 ) -> Generation:
     """Run one request to the end; `on_token` sees each token as it is made. `spec` is one
     of MODES or any cache spec (`paged:b16`, ...). A token in `stop_ids` (a chat model's
-    end of turn) is the last one made. On the CPU, with a cache of fixed buffers (static,
-    fp16, bf16, int8/int4/int2 unrotated, a plain window), the decode steps are replayed
-    (`ReplayedDecode`): the eager steps' tokens and logits, without their Python."""
+    end of turn) is the last one made. On the CPU the decode steps are replayed
+    (`ReplayedDecode`) wherever the cache has fixed buffers (static, fp16, bf16, int8/int4/
+    int2 unrotated once their sinks are full, a plain window): the eager steps' tokens and
+    logits, without their Python."""
     # Before sizing a cache for it.
     _check_generation(model, prompt_ids, max_new_tokens, spec, temperature, top_k)
     cache = make_cache(spec, model, len(prompt_ids) + max_new_tokens)
-    replayed = None
-    if cache is not None and cache.buffers() is not None and model.device.type == "cpu":
-        replayed = ReplayedDecode(model)
+    # a cache may have fixed buffers only from some step on (an integer cache's sinks
+    # filling): the replay runs the steps before it eager
+    replayed = ReplayedDecode(model) if cache is not None and model.device.type == "cpu" \
+        else None
     stream = _tokens(model, prompt_ids, max_new_tokens, spec, cache,
                      temperature, top_k, generator, replayed)
     tokens: list[int] = []

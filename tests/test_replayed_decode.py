@@ -241,7 +241,8 @@ def test_generate_replays_its_decode_steps_where_it_can_and_says_so():
     from kvcache_cli.generate import generate
 
     model = tiny_llama()
-    for spec, replays in (("static", True), ("fp16", True), ("int8", True), ("naive", False)):
+    for spec, replays in (("static", True), ("fp16", True), ("int8", True), ("naive", False),
+                          ("concat", False)):
         got = generate(model, PROMPT, 20, spec)
         # 19 decode steps: two recorded (three where the first built a kernel), the rest
         # replayed
@@ -250,6 +251,13 @@ def test_generate_replays_its_decode_steps_where_it_can_and_says_so():
                                            make_cache(spec, model, len(PROMPT) + 20),
                                            lambda x: x.argmax(-1))]
         assert list(got.tokens) == want
+    # sinks of 10, filled by the 8-token prompt and the first two decode steps (eager): the
+    # steps after them replayed
+    got = generate(model, PROMPT, 20, "int8:s10")
+    assert got.steps_replayed in (15, 14)
+    assert list(got.tokens) == [t for t, _ in token_steps(
+        model, PROMPT, 20, "int8:s10", make_cache("int8:s10", model, len(PROMPT) + 20),
+        lambda x: x.argmax(-1))]
 
 
 def test_bench_times_the_replayed_mode_beside_static_and_says_when_it_ran_eager():
