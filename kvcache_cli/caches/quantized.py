@@ -386,18 +386,14 @@ class QuantizedCache(KVCache):
         L = self.layers[layer]
         m = self.lengths[layer] + 1 - L.sink_k.size(2)  # tokens past the sinks, with it
         coded = self._coded(m)
-        moved = 0
-        if self.residual == 0 and self.chunk == 1:  # quantised at once
+        at_once = self.residual == 0 and self.chunk == 1  # the token straight into the codes
+        moved = 0 if at_once else L.tails["k"].grow(1) + L.tails["v"].grow(1)
+        if coded > L.quantised:  # the token or a chunk quantised, the tail's rest to its front
             for r, n in L.chunk_rows:
                 moved += r.grow(n)
-        else:
-            moved += L.tails["k"].grow(1) + L.tails["v"].grow(1)
-            if coded > L.quantised:  # a chunk left the tail, the rest moved to its front
-                for r, n in L.chunk_rows:
-                    moved += r.grow(n)
-                for r in L.tails.values():
-                    r.crop(m - coded)
-                    moved += (m - coded) * r.row_bytes
+            for r in L.tails.values():
+                r.crop(m - coded)
+                moved += (m - coded) * r.row_bytes
         self.bytes_copied += moved
         self.lengths[layer] = self.length = self.lengths[layer] + 1
 
