@@ -285,7 +285,7 @@ def quantise_tokens(x: Tensor, codes: Tensor, scale: Tensor, zero: Tensor, bits:
                     G: int) -> None:
     """`affine._Tokens.encode` of x (B, nkv, T, hs) written in place, bit for bit: codes
     (B, nkv, T, hs * bits / 8) uint8, scale and zero (B, nkv, T, hs / G) float16, each a
-    view whose rows (the token axis) are contiguous, as `_Rows.claim` hands them out."""
+    view whose rows (the token axis) are contiguous, as `int_layer.Rows.claim` hands them out."""
     B, nkv, T, hs = x.shape
     x = (x if x.dtype == torch.float32 else x.float()).contiguous()  # (B, nkv, T, hs):
     # row b * nkv + h at (b * nkv + h) * T * hs

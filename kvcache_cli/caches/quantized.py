@@ -64,8 +64,8 @@ float32 decoding token's whole layer (its store, the attention, the softmax's fi
 one call of it (`QuantizedCache._decode`), as fp16's is (`StaticCache.decode`); on
 another device, or where the kernel cannot be built (or `KVCACHE_CODE_ATTENTION=torch`),
 in torch a chunk of `ATTEND_CHUNK` tokens at a time (`QuantizedCache._attend`). The
-integer kinds' codes, scales and full-precision tail grow in place (`_Rows`), from room for
-the cache's max_len tokens; fp8 and the paged pool still read the whole copy. Where every
+integer kinds' codes, scales and full-precision tail grow in place (`int_layer.Rows`), from
+room for the cache's max_len tokens; fp8 and the paged pool still read the whole copy. Where every
 held token lies where its position puts it (the sinks full; not so for a while after a crop
 into the residual), the call itself writes the token, and quantises the chunk that fills the
 tail, reading the position from the step: the same call at every position, so `generate`
@@ -86,14 +86,14 @@ scale 1.0. Its block bytes come from the same `layer_bytes`.
 from __future__ import annotations
 
 import math
-import operator
 
 import torch
 from torch import Tensor
 
 from kvcache_cli.caches import code_attention
-from kvcache_cli.caches.affine import SCALE_DTYPE, _Channels, _Tokens, unpack
+from kvcache_cli.caches.affine import _Channels, _Tokens, unpack
 from kvcache_cli.caches.base import KVCache, RollbackError, nbytes
+from kvcache_cli.caches.int_layer import BUFFER, IntLayer
 from kvcache_cli.caches.rotation import Rotation
 from kvcache_cli.caches.spec_quantized import check_head_dim
 from kvcache_cli.caches.step import Step
@@ -159,116 +159,6 @@ def _cat(a: Tensor, b: Tensor) -> Tensor:
 # ---------------------------------------------------------------------------- integer
 
 
-class _Rows:
-    """A (B, nkv, n, width) tensor that grows along its rows in place: the capacity
-    doubles when full, so appending a token copies that token and not the history (a
-    torch.cat of the codes copied all of them at every step). `t` is the filled part, a
-    view; crop keeps the storage and forgets the rows past the cut."""
-
-    def __init__(self, B: int, nkv: int, width: int, device, dtype, capacity: int = 0):
-        self.buf = torch.empty(B, nkv, capacity, width, device=device, dtype=dtype)  # (.., cap, w)
-        self.n = 0
-        self.capacity = capacity  # buf.size(2), kept: a decoding step reads it at every layer
-        self.row_bytes = B * nkv * width * self.buf.element_size()  # a token's, every (b, h)
-
-    @property
-    def t(self) -> Tensor:
-        return self.buf[:, :, :self.n]  # (B, nkv, n, width)
-
-    def grow(self, T: int) -> int:
-        """Count T more rows as filled, for a writer that fills them in place at rows
-        n - T .. n - 1 of `buf`; the bytes they and a growth of the capacity moved."""
-        need, moved = self.n + T, 0
-        if need > self.capacity:
-            B, nkv, cap, width = self.buf.shape
-            grown = self.buf.new_empty(B, nkv, max(need, 2 * cap, 64), width)
-            grown[:, :, :self.n] = self.t
-            moved += nbytes(self.t)
-            self.buf, self.capacity = grown, grown.size(2)
-        self.n = need
-        return moved + T * self.row_bytes
-
-    def claim(self, T: int) -> tuple[Tensor, int]:
-        """The next T rows (B, nkv, T, width), counted as filled, for a writer to fill in
-        place; and the bytes they and a growth of the capacity moved."""
-        moved = self.grow(T)
-        return self.buf[:, :, self.n - T:self.n], moved
-
-    def append(self, x: Tensor) -> int:
-        """Write x (B, nkv, T, width) after the filled rows; the bytes this moved."""
-        rows, moved = self.claim(x.size(2))
-        rows.copy_(x)
-        return moved
-
-    def crop(self, n: int) -> None:
-        self.n = n
-
-    def keep_last(self, m: int, capacity: int) -> int:
-        """Forget all filled rows but the last m, which move to the front; a buffer grown
-        past `capacity` rows (a prefill's) is given back for one of that size. The bytes
-        moved."""
-        rest = self.buf[:, :, self.n - m:self.n]  # (B, nkv, m, width)
-        if self.capacity > capacity:
-            B, nkv, _, width = self.buf.shape
-            self.buf = self.buf.new_empty(B, nkv, max(capacity, m), width)
-            self.capacity = self.buf.size(2)
-        elif m:
-            rest = rest.clone()  # it overlaps where it goes
-        self.buf[:, :, :m] = rest
-        self.n = m
-        return nbytes(rest)
-
-
-_BUFFER = operator.attrgetter("buf")
-
-
-class _IntLayer:
-    """One layer's store: sinks, quantised keys and values, the full-precision tail."""
-
-    def __init__(self, B: int, nkv: int, hs: int, bits: int, G: int, per_channel: bool,
-                 device, dtype, capacity: int, tail: int):
-        fp = dict(device=device, dtype=dtype)
-        width = hs * bits // 8
-        self.sink_k = torch.empty(B, nkv, 0, hs, **fp)  # (B, nkv, s, hs)
-        self.sink_v = torch.empty(B, nkv, 0, hs, **fp)
-        # The buffers start with room for `capacity` tokens' codes and the `tail` a tail holds
-        # between flushes (a prefill's tail grows past it, and is given back), so a decoding
-        # call's memory stays put and a replayed step's calls read it.
-        self.tails = {w: _Rows(B, nkv, hs, device, dtype, tail) for w in "kv"}  # (B, nkv, t, hs)
-        self.codes = {w: _Rows(B, nkv, width, device, torch.uint8, capacity) for w in "kv"}
-        # Keys per channel: (B, nkv, Tq/G, hs); per token, as values: (B, nkv, Tq, hs/G).
-        key_width, key_rows = (hs, capacity // G) if per_channel else (hs // G, capacity)
-        self.scales = {name: _Rows(B, nkv, key_width if name[0] == "k" else hs // G, device,
-                                   SCALE_DTYPE, key_rows if name[0] == "k" else capacity)
-                       for name in ("k_scale", "k_zero", "v_scale", "v_zero")}
-        # a decoding call's rows, in its order, and its arguments kept between steps
-        self.code_rows = (self.codes["k"], self.scales["k_scale"], self.scales["k_zero"],
-                          self.codes["v"], self.scales["v_scale"], self.scales["v_zero"])
-        # each row's growth when a chunk of G tokens (per-channel keys) or of 1 is quantised
-        chunk, key_scales = (G if per_channel else 1), self.code_rows[1:3]
-        self.chunk_rows = [(r, 1 if per_channel and r in key_scales else chunk)
-                           for r in self.code_rows]
-        self.call = code_attention.DecodeCall()
-
-    # The filled parts, as views: what bytes_held counts and attention reads.
-    tail_k = property(lambda self: self.tails["k"].t)
-    tail_v = property(lambda self: self.tails["v"].t)
-    k_codes = property(lambda self: self.codes["k"].t)
-    v_codes = property(lambda self: self.codes["v"].t)
-    k_scale = property(lambda self: self.scales["k_scale"].t)
-    k_zero = property(lambda self: self.scales["k_zero"].t)
-    v_scale = property(lambda self: self.scales["v_scale"].t)
-    v_zero = property(lambda self: self.scales["v_zero"].t)
-
-    def tensors(self) -> list[Tensor]:
-        return [self.sink_k, self.sink_v, self.tail_k, self.tail_v, self.k_codes,
-                self.v_codes, self.k_scale, self.k_zero, self.v_scale, self.v_zero]
-
-    @property
-    def quantised(self) -> int:
-        return self.codes["k"].n  # k_codes.size(2), without making the view
-
-
 class QuantizedCache(KVCache):
     """Integer keys and values (int8, int4, int2), affine per group, KIVI's layout."""
 
@@ -295,7 +185,7 @@ class QuantizedCache(KVCache):
 
     def reset(self) -> None:
         c = self.shape
-        self.layers = [_IntLayer(self.batch, c.n_kv_head, c.head_size, self.bits, self.group,
+        self.layers = [IntLayer(self.batch, c.n_kv_head, c.head_size, self.bits, self.group,
                                  self.per_channel, self.device, self.dtype, self.capacity,
                                  self.residual + self.chunk)
                        for _ in range(c.n_layer)]
@@ -322,7 +212,7 @@ class QuantizedCache(KVCache):
             return self._attend_kernel(L, q)
         return self._attend(L, q)
 
-    def _one_call(self, L: _IntLayer, q: Tensor, k: Tensor, v: Tensor) -> bool:
+    def _one_call(self, L: IntLayer, q: Tensor, k: Tensor, v: Tensor) -> bool:
         """Whether `_decode` takes this step: float32 on the CPU, each head's numbers
         contiguous, no gradient to keep (the call writes and reads raw memory), no rotation
         (its query and values' sum are turned in torch), not traced, the kernel built."""
@@ -351,7 +241,7 @@ class QuantizedCache(KVCache):
         else:
             self._store(layer, step.start, k, v)
         return code_attention.decode_codes(
-            q, k, v, tuple(map(_BUFFER, L.code_rows)), L.quantised, self.bits, self.group,
+            q, k, v, tuple(map(BUFFER, L.code_rows)), L.quantised, self.bits, self.group,
             self.per_channel, "at" if placed else None,
             (L.sink_k, L.sink_v, L.tails["k"].buf, L.tails["v"].buf), L.tails["k"].n, L.call,
             (step.pos, self.residual, self.chunk))
@@ -412,10 +302,10 @@ class QuantizedCache(KVCache):
         no rotation): its calls can be replayed (`KVCache.buffers`); else None."""
         if self.rotation is not None or not all(map(self._placed, range(len(self.layers)))):
             return None
-        return [t for L in self.layers for t in (*map(_BUFFER, L.code_rows), L.sink_k,
+        return [t for L in self.layers for t in (*map(BUFFER, L.code_rows), L.sink_k,
                                                  L.sink_v, L.tails["k"].buf, L.tails["v"].buf)]
 
-    def _attend_kernel(self, L: _IntLayer, q: Tensor) -> Tensor:
+    def _attend_kernel(self, L: IntLayer, q: Tensor) -> Tensor:
         """`_attend` in one C++ kernel (`code_attention`): the codes read as bytes, once,
         and the sinks and the tail in the same pass, so a step's attention is one call.
         With `rot` the codes are read with the rotated query and their values' sum
@@ -447,7 +337,7 @@ class QuantizedCache(KVCache):
             raise ValueError(f"a quantised cache appends: layer {layer} holds "
                              f"{self.lengths[layer]} positions, asked to write at {start_pos}")
 
-    def _store(self, layer: int, start_pos: int, k: Tensor, v: Tensor) -> _IntLayer:
+    def _store(self, layer: int, start_pos: int, k: Tensor, v: Tensor) -> IntLayer:
         self._check_append(layer, start_pos)
         L = self.layers[layer]
         T = k.size(2)
@@ -461,7 +351,7 @@ class QuantizedCache(KVCache):
         self.length = self.lengths[layer]
         return L
 
-    def _flush(self, L: _IntLayer) -> None:
+    def _flush(self, L: IntLayer) -> None:
         """Quantise the oldest tail tokens beyond the residual, whole chunks only."""
         out = (L.tails["k"].n - self.residual) // self.chunk * self.chunk
         if out <= 0:
@@ -475,7 +365,7 @@ class QuantizedCache(KVCache):
         self.bytes_copied += sum(r.keep_last(r.n - out, self.residual + self.chunk)
                                  for r in L.tails.values())
 
-    def _encode(self, L: _IntLayer, which: str, x: Tensor, axis) -> None:
+    def _encode(self, L: IntLayer, which: str, x: Tensor, axis) -> None:
         """x (B, nkv, T, hs) quantised along `axis` and appended to the layer's `which`
         ("k" or "v") codes and scales. Per-token groups on the CPU go through the kernel's
         `quantise_tokens`, the same codes written in place in one call: a decoding step
@@ -491,7 +381,7 @@ class QuantizedCache(KVCache):
         for r, new in zip(rows, axis.encode(x, self.bits, self.group), strict=True):
             self.bytes_copied += r.append(new)
 
-    def _read(self, L: _IntLayer) -> tuple[Tensor, Tensor]:
+    def _read(self, L: IntLayer) -> tuple[Tensor, Tensor]:
         """What attention reads: sinks, dequantised codes, tail, (B, nkv, n, hs)."""
         if L.quantised == 0:
             return _cat(L.sink_k, L.tail_k), _cat(L.sink_v, L.tail_v)
@@ -512,7 +402,7 @@ class QuantizedCache(KVCache):
                 out[:, :, s:s + q] = self.rotation.unrotate(rotated)
         return keys, values
 
-    def _attend(self, L: _IntLayer, q: Tensor) -> Tensor:
+    def _attend(self, L: IntLayer, q: Tensor) -> Tensor:
         """Attention output (B, nh, 1, hs) of one query q (B, nh, 1, hs) over sinks,
         codes and tail, in float32; what SDPA over `_read`'s copy computes, up to the
         order of the sums.
@@ -577,7 +467,7 @@ class QuantizedCache(KVCache):
             self.lengths[i] = length
         self.length = length
 
-    def _crop_layer(self, L: _IntLayer, length: int) -> None:
+    def _crop_layer(self, L: IntLayer, length: int) -> None:
         s, q = L.sink_k.size(2), L.quantised
         keep_s = min(s, length)
         keep_q = min(q, max(0, length - s))
