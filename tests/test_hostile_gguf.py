@@ -670,7 +670,7 @@ def test_size_reads_a_converted_config_only_once_it_is_checked(converted):
     del config["n_layer"]
     (folder / "config.json").write_text(json.dumps(config))
     _restamp(folder, gguf)
-    assert live_config(str(gguf))["num_hidden_layers"] == 2  # converted again, not trusted
+    assert live_config(str(gguf))["num_hidden_layers"] == 2  # the file's header, not trusted
 
 
 # --- the commands: a sample of every class, each one line and exit 2 ---------------------
@@ -726,6 +726,8 @@ def test_every_command_refuses_a_sample_of_every_class_in_one_line(base, tmp_pat
         for command, args in COMMANDS.items():
             if (case, command) == ("2^20 positions", "size"):
                 continue  # size allocates nothing: it prices the context (issue 43)
+            if (case, command) == ("a NaN weight", "size"):
+                continue  # size reads a file's header, never its weights
             line = one_line_exit_2([a.replace("{}", str(path)) for a in args])
             assert str(path) in line, (case, command, line)
 

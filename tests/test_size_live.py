@@ -89,17 +89,28 @@ def test_a_static_generation_on_smollm2_holds_what_size_says(smol):
 
 
 @smollm2
-def test_size_smollm2_never_imports_torch():
-    models.model_config("smollm2")  # converted once (torch, here), then read without it
+@pytest.mark.parametrize("command", [["size", "-m", "smollm2", "--json"],
+                                     ["caches", "-m", "smollm2", "int8", "--json"]])
+def test_size_smollm2_never_imports_torch_or_converts_the_file(tmp_path, command):
+    """With an empty kvcache cache (nothing converted yet) the shape comes from the GGUF's
+    header: no torch, nothing written, and the same answer as from the converted folder."""
+    import os
+
     probe = ("import sys; from typer.testing import CliRunner; from kvcache_cli.cli import app; "
-             "r = CliRunner().invoke(app, ['size', '-m', 'smollm2']); "
+             f"r = CliRunner().invoke(app, {command!r}); "
              "assert r.exit_code == 0, r.output; "
-             "print(sorted(m for m in sys.modules if m.split('.')[0] in "
-             "('torch', 'transformers', 'safetensors')))")
+             "assert not [m for m in sys.modules if m.split('.')[0] in "
+             "('torch', 'transformers', 'safetensors')], 'torch imported'; "
+             "print(r.stdout)")
+    env = {**os.environ, "KVCACHE_CACHE": str(tmp_path / "empty")}
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
-                          timeout=60)
+                          timeout=60, env=env)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "[]"
+    assert not (tmp_path / "empty").exists() or not any((tmp_path / "empty").iterdir())
+    models.model_config("smollm2")  # this machine's cache, converted now if it was not
+    converted = CliRunner().invoke(app, command)
+    assert converted.exit_code == 0, converted.output
+    assert json.loads(done.stdout) == json.loads(converted.stdout)
 
 
 def test_size_smollm2_not_installed_says_how_to_install(monkeypatch):

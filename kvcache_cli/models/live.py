@@ -43,7 +43,8 @@ def is_live(model: str) -> bool:
 
 def live_config(model: str) -> dict:
     """A transformers-style Llama config of `model` (smollm2, a .gguf): read from its
-    converted folder without torch, or converted now (with torch) the first time."""
+    converted folder, or from the file's header where it has none yet (no torch, nothing
+    written: sizing a model never converts it)."""
     from kvcache_cli.models import family_of
     from kvcache_cli.models.gemma3_270m import GEMMA3
     from kvcache_cli.models.gguf.converted import converted_config
@@ -56,13 +57,12 @@ def live_config(model: str) -> dict:
         raise SizingError(f"model {model!r}: no such file; expected smollm2 or a .gguf file")
     raw = converted_config(path)  # checked against the file; a ValueError for no GGUF
     if raw is None:
-        from kvcache_cli.models import model_config
+        from kvcache_cli.models.gguf.reader import read_llama_fields
 
-        model_config(model)  # the one conversion: torch, once per file
-        raw = converted_config(path)
-        if raw is None:
-            raise SizingError(f"model {model!r}: its converted folder does not read back "
-                              "(changed by another process?)")
+        try:
+            raw = read_llama_fields(path)
+        except ValueError as err:
+            raise SizingError(str(err)) from None
     hf = {
         "model_type": "llama", "num_hidden_layers": raw["n_layer"],
         "num_attention_heads": raw["n_head"], "num_key_value_heads": raw["n_kv_head"],

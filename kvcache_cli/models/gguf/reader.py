@@ -97,6 +97,23 @@ def read_gguf(path: str | Path) -> GGUFModel:
     return GGUFModel(fields, *tokenizer, tensors, types)
 
 
+def read_llama_fields(path: str | Path) -> dict:
+    """The config fields a Llama GGUF's header gives (`read_gguf`'s, checked alike), with no
+    tensor read or dequantised: what sizing needs of a file not yet converted. A ValueError
+    naming the file."""
+    path = Path(path)
+    data, size = open_file(path)
+    try:
+        layout = read_layout(path, data, size)
+        fields, _ = _fields(layout.metadata, path.stem)
+        fields["tie_word_embeddings"] = all(t.name != "output.weight" for t in layout.tensors)
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from None
+    finally:
+        data.close()
+    return fields
+
+
 @dataclass(frozen=True)
 class Gemma3GGUF:
     """A Gemma 3 GGUF's shape and weights, checked; its tokenizer (SentencePiece's, which
