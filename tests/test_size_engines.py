@@ -112,6 +112,23 @@ def test_what_vllm_packs_otherwise_is_refused_in_one_line(shape, words):
         fit_engine(shape, "vllm", "fp16", "auto", 1024, kv_memory=GiB)
 
 
+@pytest.mark.parametrize("engine", ["sglang", "llama.cpp"])
+@pytest.mark.parametrize("model", ["mamba-2.8b", "an attention-free config"])
+def test_a_model_with_no_kv_cache_is_refused_in_one_line_by_every_engine(engine, model,
+                                                                        tmp_path):
+    if model != "mamba-2.8b":
+        model = tmp_path / "config.json"
+        model.write_text(json.dumps({
+            "model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 8,
+            "hidden_size": 512, "layer_types": ["mlp", "mlp"],
+            "max_position_embeddings": 4096}))
+    out = runner.invoke(app, ["size", "-m", str(model), "--engine", engine, "--kv-memory",
+                              "1GiB", "--seq", "4k"])
+    assert out.exit_code == 2, out.output
+    assert out.stderr.strip() == (f"error: --engine {engine}: the model has no attention "
+                                  "layers that cache keys and values: no KV cache to size")
+
+
 def test_a_request_longer_than_the_pool_does_not_fit():
     fit = fit_engine(_smollm2(), "vllm", "fp32", "auto", 8192, kv_memory=64 * 2**20)
     assert not fit.fits and fit.num_blocks < 8192 // 16

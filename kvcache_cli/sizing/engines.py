@@ -221,6 +221,9 @@ def fit_engine(shape: ModelShape, engine: str, dtype: str, kv_cache_dtype: str,
         return EngineFit(engine, model, kv_bytes, memory, cache, bytes_per_token,
                          max_model_len, block_size, groups, per_block, blocks, tokens,
                          concurrency, fits, log, command, flags, tuple(notes))
+    if not bytes_per_token:  # vLLM's own checks said why above
+        raise SizingError(f"--engine {engine}: the model has no attention layers that cache "
+                          "keys and values: no KV cache to size")
     if engine == "sglang":
         tokens = kv_bytes // bytes_per_token  # a pool of tokens, a page of one by default
         if any(k in ("sliding", "chunked") for k in shape.layer_kinds):
