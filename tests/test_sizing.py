@@ -284,6 +284,28 @@ def test_nested_text_config(tmp_path):
     assert "text_config" in shape.source
 
 
+# google/gemma-3-4b-it's config.json as the Hub has it: its text_config names no head counts,
+# head size or rotary bases (transformers' Gemma3TextConfig fills them in).
+GEMMA3_4B_TEXT = {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                  "num_hidden_layers": 34, "sliding_window": 1024,
+                  "rope_scaling": {"factor": 8.0, "rope_type": "linear"}}
+
+
+@pytest.mark.parametrize("names_its_type", [True, False])
+def test_a_text_config_silent_on_its_widths_takes_transformers_defaults(names_its_type):
+    from transformers import Gemma3Config
+
+    text = dict(GEMMA3_4B_TEXT)
+    if not names_its_type:  # the wrapper's model_type says which text class it builds
+        del text["model_type"]
+    shape = shape_from_config({"model_type": "gemma3", "text_config": text})
+    built = Gemma3Config(text_config=dict(text)).text_config
+    assert (shape.heads, shape.kv_heads, shape.head_dim, shape.window, shape.max_positions) == (
+        built.num_attention_heads, built.num_key_value_heads, built.head_dim,
+        built.sliding_window, built.max_position_embeddings)
+    assert shape.layer_kinds == tuple(t.split("_")[0] for t in built.layer_types)
+
+
 @pytest.mark.parametrize(("content", "message"), [
     ("{not json", "is not valid JSON"),
     ("[1, 2]", "expected a JSON object"),

@@ -96,6 +96,9 @@ class Family:
     state_in_every_layer: bool = False
     # The recurrent state's bits whatever the dtype (0: the dtype's, or mamba_ssm_cache_dtype).
     state_bits: int = 0
+    # What transformers' config class fills in where config.json says nothing (the Hub's
+    # google/gemma-3-4b-it gives no head counts, head size or rotary bases).
+    defaults: tuple[tuple[str, Any], ...] = ()
 
 
 COMMON = Family()
@@ -108,7 +111,11 @@ FAMILIES: dict[str, Family] = {
     "gemma2": Family(sliding_every=2),  # google/gemma-2-9b
     "gpt_oss": Family(sliding_every=2),  # openai/gpt-oss-20b
     "gemma3": Family(sliding_every=6),  # google/gemma-3-27b-it
-    "gemma3_text": Family(sliding_every=6),
+    # transformers' Gemma3TextConfig defaults
+    "gemma3_text": Family(sliding_every=6, defaults=(
+        ("num_hidden_layers", 26), ("num_attention_heads", 8), ("num_key_value_heads", 4),
+        ("head_dim", 256), ("max_position_embeddings", 131072), ("sliding_window", 4096),
+        ("rope_theta", 1_000_000.0), ("rope_local_base_freq", 10_000.0))),
     "cohere2": Family(sliding_every=4),
     "gemma4": Family(global_widths=True),  # google/gemma-4
     "gemma4_text": Family(global_widths=True),
@@ -418,17 +425,35 @@ def shape_from_config(cfg: Any, name: str = "config.json", params: int | None = 
     )
 
 
+# The decoder a multimodal wrapper builds from a text_config that names no model_type.
+WRAPPED_TEXT_TYPES = {"gemma3": "gemma3_text", "gemma3n": "gemma3n_text",
+                      "gemma4": "gemma4_text", "llama4": "llama4_text", "mistral3": "mistral",
+                      "llava": "llama"}
+
+
+def decoder_config(cfg: dict) -> dict:
+    """The decoder's config as transformers builds it: a multimodal wrapper's text_config
+    (its model_type the wrapper's text class where it names none), and what the family's
+    config class fills in where config.json is silent (`Family.defaults`)."""
+    if isinstance(cfg.get("text_config"), dict):
+        outer, cfg = cfg.get("model_type"), cfg["text_config"]
+        if "model_type" not in cfg and isinstance(outer, str) and outer in WRAPPED_TEXT_TYPES:
+            cfg = {**cfg, "model_type": WRAPPED_TEXT_TYPES[outer]}
+    return {**dict(family(cfg).defaults), **cfg}
+
+
 def _decoder(cfg: Any, name: str) -> tuple[dict, str]:
-    """(the decoder's config, where it was read): a multimodal wrapper's text_config, with
-    the layer count a Nemotron-H pattern implies."""
+    """(the decoder's config, where it was read): `decoder_config`'s, with the layer count a
+    Nemotron-H pattern implies."""
     where = name
     if not isinstance(cfg, dict):
         raise ConfigError(f"{where}: expected a JSON object, got {type(cfg).__name__}")
     if isinstance(cfg.get("text_config"), dict):  # multimodal wrappers: the decoder is inside
-        cfg = cfg["text_config"]
         where = f"{name} (text_config)"
+    cfg = decoder_config(cfg)
     if not isinstance(cfg.get("model_type", ""), str):
-        raise ConfigError(f"{where}: model_type is {cfg['model_type']!r}; expected a name")
+        raise ConfigError(f"{where}: model_type is {str(cfg['model_type'])[:40]!r}; expected "
+                          "a name")
     if not any(cfg.get(key) is not None for key in LAYER_KEYS) and isinstance(
             cfg.get("layers_block_type"), list):
         # nvidia/NVIDIA-Nemotron-Nano-9B-v2 in transformers: the count is the pattern's length.

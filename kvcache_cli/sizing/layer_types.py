@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvcache_cli.caches.base import LayerType
-from kvcache_cli.sizing.config import shape_from_config
+from kvcache_cli.sizing.config import decoder_config, shape_from_config
 from kvcache_cli.sizing.units import ConfigError
 
 _TYPE_NAME = {"full": "full_attention", "sliding": "sliding_attention"}
@@ -28,8 +28,7 @@ def layer_types_from_hf(cfg: Any, name: str = "config.json") -> tuple[LayerType,
     if other:
         raise ConfigError(f"{name}: {', '.join(other)} layers; the caches build full and "
                           "sliding attention layers only")
-    text = cfg["text_config"] if isinstance(cfg.get("text_config"), dict) else cfg
-    bases = _rope_bases(text)
+    bases = _rope_bases(decoder_config(cfg))
     return tuple(LayerType(shape.window if kind == "sliding" else None,
                            bases.get(_TYPE_NAME[kind]))
                  for kind in shape.layer_kinds)
