@@ -182,6 +182,12 @@ def test_size_json_carries_the_engines_figures():
     (["--engine-device", "cpu"], "--engine-device is for an engine's cache"),
     (["--engine", "vllm", "--kv-memory", "1GiB", "--gpu-mem", "8GiB"],
      "--kv-memory and --gpu-mem both"),
+    (["--engine", "vllm", "--kv-memory", "1GiB", "--max-model-len", "4k", "--seq", "8k"],
+     "--seq 8,192 and --max-model-len 4,096 both give the longest request"),
+    (["--engine", "vllm", "--kv-memory", "1GiB", "--max-model-len", "0"],
+     "--max-model-len 0: expected a whole number from 1"),
+    (["--engine", "vllm", "--kv-memory", "1GiB", "--max-model-len", "-1"],
+     "--max-model-len '-1': expected a whole number of tokens"),
 ])
 def test_bad_engine_options_are_one_line(args, words):
     out = runner.invoke(app, ["size", "-m", "smollm2", *args])

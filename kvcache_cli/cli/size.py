@@ -118,8 +118,12 @@ def size(
         _check_engine_options(engine, kv_memory, gpu_memory_utilization, kv_cache_dtype,
                               max_model_len, max_num_batched_tokens, cache, window, verify,
                               engine_device)
-        if engine is not None and tokens is None and max_model_len is not None:
-            tokens = sizing.parse_tokens(max_model_len)
+        if engine is not None and max_model_len is not None:
+            longest = sizing.parse_tokens(max_model_len, "--max-model-len")
+            if tokens is not None and tokens != longest:
+                raise ValueError(f"--seq {tokens:,} and --max-model-len {longest:,} both give "
+                                 "the longest request under --engine: expected one of them")
+            tokens = longest
         shape, hf_config, hub_config, config = _resolve_shape(
             model, revision, config, (layers, kv_heads, head_dim, heads), count, memory, live)
         if verify and window is not None:

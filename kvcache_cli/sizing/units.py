@@ -194,6 +194,7 @@ LIMITS: dict[str, int] = {
     "--kv-heads": 65_536,
     "--head-dim": 65_536,
     "--seq": 10**12,  # a trillion tokens per sequence
+    "--max-model-len": 10**12,  # --engine's name for the same
     "--batch": 10**9,
     "--tp": 65_536,
     "--block-size": 10**6,
