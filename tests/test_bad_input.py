@@ -147,6 +147,9 @@ def test_dev_zero_is_refused_without_reading_it():
      "--model applies to the torch breaks only, and 'no-mask' runs on the NumPy toy"),
     (["break", "overflow", "--device", "cuda", "--max-new-tokens", "5"],
      "--device, --max-new-tokens apply to the torch breaks only"),
+    # a model that is none: refused before the NumPy breaks print, and never called GPT-2
+    (["break", "all", "--model", "/nonexistent"], "/nonexistent"),
+    (["break", "sliding-unbanded", "--model", "llama-3-8b"], "unknown model 'llama-3-8b'"),
     # --model names nothing that exists: each case must fail before a model is looked for.
     (["generate", "--ids", "1,2", "--temperature", "nan", "--model", "/nonexistent"],
      "--temperature nan: expected a finite number"),

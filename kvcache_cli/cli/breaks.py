@@ -147,6 +147,11 @@ def _models_for(names: list[str], model: str | None, asked: str
                  "gemma3": gemma3_270m.gemma3_gguf() is not None}
     runs: dict[str, list[str]] = {}
     cannot: list[str] = []
+    if model is not None:  # a model to load at all, before its family is read or a break runs
+        try:
+            models.model_config(model)
+        except ValueError as err:
+            fail(f"-m {model!r}: {err}" if model not in str(err) else str(err))
     family = models.family_of(model) if model is not None else None
     for n in names:
         b = registry()[n]
