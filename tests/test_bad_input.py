@@ -113,6 +113,26 @@ def test_config_fields_of_the_wrong_type_or_range(tmp_path, fields, first_line):
     assert_one_line(["size", "--config", str(tmp_path), "--seq", "8"], 2, first_line)
 
 
+@pytest.mark.parametrize("fields", [
+    {"num_hidden_layers": "x" * 100_000}, {"block_types": list(range(50_000))},
+    {"layer_types": "y" * 100_000}, {"attn_layer_indices": ["a" * 100_000]},
+    {"num_hidden_layers": 10**100},
+])
+def test_a_huge_value_is_quoted_short(tmp_path, fields):
+    (tmp_path / "config.json").write_text(json.dumps({**LLAMA, **fields}))
+    result = runner.invoke(app, ["size", "--config", str(tmp_path), "--seq", "8"])
+    assert result.exit_code == 2, result.output
+    assert len(result.stderr) < 200 + len(str(tmp_path)), result.stderr[:300]
+
+
+@pytest.mark.parametrize("index", ["²", "５", "1" * 5000])
+def test_a_per_layer_index_that_is_not_ascii_digits_is_refused(tmp_path, index):
+    fields = {"per_layer_config": {index: {"head_dim": 128}}}
+    (tmp_path / "config.json").write_text(json.dumps({**LLAMA, **fields}))
+    assert_one_line(["size", "--config", str(tmp_path), "--seq", "8"], 2,
+                    "per_layer_config has")
+
+
 def _huge(path) -> None:
     path.write_text("{}")
     os.truncate(path, 64 * 2**20)  # sparse: 64 MiB on paper, nothing on disk
@@ -122,6 +142,8 @@ def _huge(path) -> None:
     (lambda p: p.write_text("[" * 200_000 + "]" * 200_000), "nests arrays or objects"),
     (lambda p: p.write_bytes(b"\xff\xfe{}"), "is not UTF-8 text"),
     (lambda p: p.write_text(""), "is not valid JSON"),
+    (lambda p: p.write_text('{"num_hidden_layers": ' + "9" * 5000 + "}"),
+     "holds a number thousands of digits long"),
     (_huge, "expected a config.json under 16 MiB"),
     (os.mkfifo, "is not a regular file"),  # opening it would wait for a writer forever
 ])

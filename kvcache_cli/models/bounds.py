@@ -17,6 +17,8 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvcache_cli.sizing.units import shown
+
 FLOAT_BYTES = 4  # kvcache reads every model in float32, and runs it so by default
 
 
@@ -42,12 +44,6 @@ BOUNDS = {b.field: b for b in (
     Bound("rope_theta", "rope.freq_base", 1.0, 1e12, whole=False),
     Bound("rms_eps", "attention.layer_norm_rms_epsilon", 0.0, 1.0, whole=False),
 )}
-
-
-def shown(value, width: int = 40) -> str:
-    """A value as a refusal quotes it: repr, cut to `width` characters."""
-    text = f"{value:,}" if isinstance(value, int) and not isinstance(value, bool) else repr(value)
-    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 def expected(b: Bound) -> str:

@@ -34,7 +34,7 @@ from kvcache_cli.sizing.config_fields import (
 )
 from kvcache_cli.sizing.shape import ModelShape
 from kvcache_cli.sizing.states import state_rule
-from kvcache_cli.sizing.units import LIMITS, ConfigError
+from kvcache_cli.sizing.units import LIMITS, ConfigError, shown
 
 _MAX_CONFIG_BYTES = 16 * 2**20  # the largest real config.json is well under 1 MiB
 _MAX_WINDOW = LIMITS["--seq"]
@@ -187,7 +187,8 @@ def _block_types(cfg: dict, layers: int, where: str) -> list[str] | None:
     if types is None:
         return None
     if not isinstance(types, list) or not types or not all(isinstance(t, str) for t in types):
-        raise ConfigError(f"{where}: {key} is {types!r}; expected a non-empty list of names")
+        raise ConfigError(f"{where}: {key} is {shown(types)}; expected a non-empty list of "
+                          "names")
     if cfg.get("model_type") == "recurrent_gemma":
         # RecurrentGemmaConfig.layers_block_type: its attention blocks are always local,
         # attention_window_size tokens wide.
@@ -333,7 +334,9 @@ def _layer_overrides(cfg: dict, names: list[str], where: str) -> list[dict[str, 
             raise ConfigError(f"{where}: per_layer_config is {str(per_layer)[:40]}; expected an "
                               "object of layer index → fields")
         for key, fields in per_layer.items():
-            if not str(key).isdigit() or int(key) >= layers or not isinstance(fields, dict):
+            index = str(key)  # ASCII digits: isdigit alone passes '²' and full-width ones
+            if not (index.isascii() and index.isdigit() and len(index) < 10) or \
+                    int(index) >= layers or not isinstance(fields, dict):
                 raise ConfigError(f"{where}: per_layer_config has {str(key)[:20]!r}: "
                                   f"{str(fields)[:40]}; expected layer indices from 0 to "
                                   f"{layers - 1}, each with an object of fields")
@@ -452,8 +455,8 @@ def _decoder(cfg: Any, name: str) -> tuple[dict, str]:
         where = f"{name} (text_config)"
     cfg = decoder_config(cfg)
     if not isinstance(cfg.get("model_type", ""), str):
-        raise ConfigError(f"{where}: model_type is {str(cfg['model_type'])[:40]!r}; expected "
-                          "a name")
+        raise ConfigError(f"{where}: model_type is {shown(cfg['model_type'])}; expected a "
+                          "name")
     if not any(cfg.get(key) is not None for key in LAYER_KEYS) and isinstance(
             cfg.get("layers_block_type"), list):
         # nvidia/NVIDIA-Nemotron-Nano-9B-v2 in transformers: the count is the pattern's length.
@@ -572,20 +575,20 @@ def load_config(path: str | Path) -> dict:
     import json  # here, not at the top: `kvcache size` with flags starts ~7 ms faster
 
     path = Path(path)
-    shown = repr(str(path))
+    quoted = repr(str(path))
     try:
         if path.is_dir():
             path = path / "config.json"
-            shown = repr(str(path))
+            quoted = repr(str(path))
         info = os.stat(path)
     except FileNotFoundError:
-        raise ConfigError(f"config file {shown} not found; expected a config.json") from None
+        raise ConfigError(f"config file {quoted} not found; expected a config.json") from None
     except (OSError, ValueError) as error:
-        raise ConfigError(f"config file {shown} cannot be read: {error}") from None
+        raise ConfigError(f"config file {quoted} cannot be read: {error}") from None
     if not stat.S_ISREG(info.st_mode):
-        raise ConfigError(f"config file {shown} is not a regular file; expected a config.json")
+        raise ConfigError(f"config file {quoted} is not a regular file; expected a config.json")
     if info.st_size > _MAX_CONFIG_BYTES:
-        raise ConfigError(f"config file {shown} is {info.st_size:,} bytes; expected a "
+        raise ConfigError(f"config file {quoted} is {info.st_size:,} bytes; expected a "
                           f"config.json under {_MAX_CONFIG_BYTES // 2**20} MiB")
     try:
         # O_NONBLOCK: had the path been swapped for a FIFO since the stat, the open returns
@@ -594,25 +597,28 @@ def load_config(path: str | Path) -> dict:
         with os.fdopen(fd, "rb") as handle:
             data = handle.read(_MAX_CONFIG_BYTES + 1)
     except OSError as error:
-        raise ConfigError(f"config file {shown} cannot be read: {error}") from None
+        raise ConfigError(f"config file {quoted} cannot be read: {error}") from None
     if len(data) > _MAX_CONFIG_BYTES:
-        raise ConfigError(f"config file {shown} is over {_MAX_CONFIG_BYTES // 2**20} MiB; "
+        raise ConfigError(f"config file {quoted} is over {_MAX_CONFIG_BYTES // 2**20} MiB; "
                           "expected a config.json")
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as error:
-        raise ConfigError(f"config file {shown} is not UTF-8 text: {error.reason} at byte "
+        raise ConfigError(f"config file {quoted} is not UTF-8 text: {error.reason} at byte "
                           f"{error.start}") from None
     try:
         cfg = json.loads(text)
     except json.JSONDecodeError as error:
         raise ConfigError(
-            f"config file {shown} is not valid JSON: {error.msg} at line {error.lineno} "
+            f"config file {quoted} is not valid JSON: {error.msg} at line {error.lineno} "
             f"column {error.colno}"
         ) from None
+    except ValueError:  # an integer of thousands of digits, which int() refuses to read
+        raise ConfigError(f"config file {quoted} holds a number thousands of digits long; "
+                          "expected a config.json") from None
     except RecursionError:  # the parser recurses once per nested array or object
-        raise ConfigError(f"config file {shown} nests arrays or objects thousands deep; "
+        raise ConfigError(f"config file {quoted} nests arrays or objects thousands deep; "
                           "expected a config.json") from None
     if not isinstance(cfg, dict):
-        raise ConfigError(f"config file {shown}: expected a JSON object, got {type(cfg).__name__}")
+        raise ConfigError(f"config file {quoted}: expected a JSON object, got {type(cfg).__name__}")
     return cfg

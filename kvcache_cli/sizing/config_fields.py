@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvcache_cli.sizing.units import ConfigError
+from kvcache_cli.sizing.units import ConfigError, shown
 
 # Real configs spell the same number several ways; the first present wins.
 # decoder_layers / decoder_attention_heads: TrOCR's decoder (microsoft/trocr-base-handwritten).
@@ -35,10 +35,10 @@ MAX_WIDTH = 2**24  # any one width (hidden, state, window...) in a config
 def read_int(cfg: dict, key: str, where: str, low: int = 1, high: int = MAX_WIDTH) -> int:
     value = cfg[key]
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{where}: {key} is {value!r}; expected a whole number")
+        raise ConfigError(f"{where}: {key} is {shown(value)}; expected a whole number")
     if not low <= value <= high:
-        raise ConfigError(f"{where}: {key} is {value:,}; expected a whole number from {low:,} "
-                          f"to {high:,}")
+        raise ConfigError(f"{where}: {key} is {shown(value)}; expected a whole number from "
+                          f"{low:,} to {high:,}")
     return value
 
 
@@ -55,21 +55,22 @@ def first_int(cfg: dict, keys: tuple[str, ...], where: str, required: bool = Tru
 def int_list(cfg: dict, key: str, where: str, high: int) -> list[int]:
     value = cfg[key]
     if not isinstance(value, list):
-        raise ConfigError(f"{where}: {key} is {value!r}; expected a list of layer indices")
+        raise ConfigError(f"{where}: {key} is {shown(value)}; expected a list of layer "
+                          "indices")
     for item in value:
         if isinstance(item, bool) or not isinstance(item, int) or not 0 <= item <= high:
-            raise ConfigError(f"{where}: {key} holds {item!r}; expected layer indices from 0 "
+            raise ConfigError(f"{where}: {key} holds {shown(item)}; expected layer indices from 0 "
                               f"to {high}")
     return value
 
 
 def layer_names(value: Any, key: str, layers: int, where: str) -> list[str]:
     if not isinstance(value, list) or len(value) != layers:
-        got = f"{len(value)} entries" if isinstance(value, list) else repr(value)
+        got = f"{len(value)} entries" if isinstance(value, list) else shown(value)
         raise ConfigError(f"{where}: {key} has {got}; expected a list of {layers}, one per layer")
     for name in value:
         if not isinstance(name, str):
-            raise ConfigError(f"{where}: {key} holds {name!r}; expected layer type names")
+            raise ConfigError(f"{where}: {key} holds {shown(name)}; expected layer type names")
     return value
 
 

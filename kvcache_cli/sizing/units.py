@@ -16,6 +16,18 @@ class ConfigError(SizingError):
     """A config.json that is missing, malformed, or lacks a field the cache size needs."""
 
 
+def shown(value, width: int = 40) -> str:
+    """A value as a refusal quotes it: repr, cut to `width` characters (a whole number
+    with thousands separators; one too long to print, by its count of digits)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value.bit_length() > 3 * width:  # str() of thousands of digits is refused
+            return f"a whole number of some {int(value.bit_length() * 0.30103):,} digits"
+        text = f"{value:,}"
+    else:
+        text = repr(value)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
 # ---------------------------------------------------------------------------------------------
 # Dtypes and units
 # ---------------------------------------------------------------------------------------------
