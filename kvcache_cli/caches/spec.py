@@ -340,8 +340,8 @@ def check_context(spec: CacheSpec, context: int, model: str = "the model") -> No
         held = budget(dict(spec.params))
         raise CacheSpecError(
             f"cache {spec.typed or str(spec)!r} holds {held:,} positions, beyond {model}'s "
-            f"context window of {context:,}; expected at most {context:,} (GPT-2's learned "
-            "positions end there), or static for every position")
+            f"context window of {context:,}; expected at most {context:,} (no position past "
+            "it is ever held), or static for every position")
 
 
 def layer_bytes(spec: CacheSpec, tokens: int, kv_heads: int, head_dim: int,

@@ -107,6 +107,9 @@ def size(
     from kvcache_cli.models.live import is_live
 
     try:
+        if model is not None and not model.strip():
+            raise ValueError(f"--model {model!r}: expected a preset name (see 'kvcache "
+                             "models'), a Hub id, smollm2, gemma3 or a path")
         tokens = None if seq is None else sizing.parse_tokens(seq)
         count = None if params is None else sizing.parse_count(params)
         memory = None if gpu_mem is None else sizing.parse_bytes(gpu_mem)
@@ -117,7 +120,7 @@ def size(
             "fp32" if live and engine != "llama.cpp" else "fp16")
         _check_engine_options(engine, kv_memory, gpu_memory_utilization, kv_cache_dtype,
                               max_model_len, max_num_batched_tokens, cache, window, verify,
-                              engine_device)
+                              engine_device, block_size, tp)
         if engine is not None and max_model_len is not None:
             longest = sizing.parse_tokens(max_model_len, "--max-model-len")
             if tokens is not None and tokens != longest:
@@ -246,9 +249,15 @@ ENGINE_OPTIONS = ("--kv-memory", "--gpu-memory-utilization", "--kv-cache-dtype",
                   "--max-model-len", "--max-num-batched-tokens", "--engine-device")
 
 
+# The options only vLLM's fit reads (SGLang pools single tokens; llama.cpp's cells are its
+# own), and the ones llama.cpp's ignores too (kvcache prints one process's flags for it).
+VLLM_ONLY = ("--block-size", "--max-num-batched-tokens", "--engine-device")
+
+
 def _check_engine_options(engine, kv_memory, util, kv_cache_dtype, max_model_len,
-                          batched, cache, window, verify, device) -> None:
-    """The engine's options only with --engine, and --engine only with the exact cache."""
+                          batched, cache, window, verify, device, block_size, tp) -> None:
+    """The engine's options only with --engine (each with an engine that reads it), and
+    --engine only with the exact cache."""
     given = [flag for flag, value in zip(ENGINE_OPTIONS, (
         kv_memory is not None, util != 0.92, kv_cache_dtype != "auto",
         max_model_len is not None, batched != 2048, device != "cuda"), strict=True) if value]
@@ -261,6 +270,14 @@ def _check_engine_options(engine, kv_memory, util, kv_cache_dtype, max_model_len
         if value is not None:
             raise ValueError(f"--engine sizes the engine's own cache: expected no {flag} "
                              "with it")
+    ignored = [] if engine == "vllm" else [flag for flag, value in zip(VLLM_ONLY, (
+        block_size is not None, batched != 2048, device != "cuda"), strict=True) if value]
+    if engine == "llama.cpp" and tp != 1:
+        ignored.append("--tp")
+    if ignored:
+        engines = "vllm and sglang" if ignored[0] == "--tp" else "vllm"
+        raise ValueError(f"{ignored[0]} applies to --engine {engines} only: expected none "
+                         f"with --engine {engine}")
 
 
 def _engine_fit(shape, engine, dtype, dtype_given, kv_cache_dtype, max_model_len, kv_memory,

@@ -574,6 +574,9 @@ def load_config(path: str | Path) -> dict:
     """
     import json  # here, not at the top: `kvcache size` with flags starts ~7 ms faster
 
+    if not str(path).strip():  # Path("") is the working folder: not what an empty value meant
+        raise ConfigError(f"config path {str(path)!r}: expected a config.json or the folder "
+                          "that holds it")
     path = Path(path)
     quoted = repr(str(path))
     try:
