@@ -306,6 +306,25 @@ def test_a_text_config_silent_on_its_widths_takes_transformers_defaults(names_it
     assert shape.layer_kinds == tuple(t.split("_")[0] for t in built.layer_types)
 
 
+@pytest.mark.parametrize("cfg", [
+    # Qwen/Qwen3-0.6B's widths, QK-norm and tied embeddings
+    {"model_type": "qwen3", "hidden_size": 1024, "intermediate_size": 3072,
+     "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
+     "head_dim": 128, "vocab_size": 151936, "tie_word_embeddings": True},
+    # google/gemma-3-4b-it's text_config alone: heads, head size, vocabulary from the defaults
+    {k: v for k, v in GEMMA3_4B_TEXT.items() if k != "rope_scaling"},
+])
+def test_params_counted_from_a_config_are_what_transformers_builds(cfg):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    fields = dict(cfg)
+    hf_config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(hf_config)
+    assert sizing.params_from_config(cfg) == sum(t.numel() for t in model.parameters())
+
+
 @pytest.mark.parametrize(("content", "message"), [
     ("{not json", "is not valid JSON"),
     ("[1, 2]", "expected a JSON object"),

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvcache_cli.sizing.params import NEED_PARAMS
 from kvcache_cli.sizing.shape import LayerGroup, ModelShape
 from kvcache_cli.sizing.units import (
     DTYPE_BITS,
@@ -486,11 +487,7 @@ def _fit(shape: ModelShape, groups: tuple[LayerGroup, ...], per_layer: list[int]
          seq: int, batch: int, tp: int, gpu_mem: int, weight_dtype: str,
          block_size: int | None, bound: int | None = None) -> Fit:
     if shape.params is None:
-        raise SizingError(
-            "--gpu-mem needs the weights' size: expected --model NAME or --params N "
-            "(e.g. --params 6.74B); a --config's are counted for gpt2, llama, mistral, "
-            "qwen2, gemma and gemma2 only"
-        )
+        raise SizingError(NEED_PARAMS)
     weights = bytes_for_values(shape.params, DTYPE_BITS[weight_dtype])
     # Tensor parallel splits every weight matrix; the norms it replicates are negligible.
     weights_per_gpu = -(-weights // tp)

@@ -22,6 +22,7 @@ from kvcache_cli.caches.spec import (
 )
 from kvcache_cli.caches.spec_quantized import quantised_split
 from kvcache_cli.sizing.arithmetic import _max_tokens, tokens_held
+from kvcache_cli.sizing.params import NEED_PARAMS
 from kvcache_cli.sizing.shape import ModelShape
 from kvcache_cli.sizing.units import (
     DTYPE_BITS,
@@ -156,8 +157,7 @@ def size_spec(shape: ModelShape, spec: CacheSpec, seq: int, batch: int = 1,
     fit = None
     if gpu_mem is not None:
         if shape.params is None:
-            raise SizingError("--gpu-mem needs the weights' size: expected --model NAME or "
-                              "--params N (e.g. --params 6.74B)")
+            raise SizingError(NEED_PARAMS)
         weights = bytes_for_values(shape.params, DTYPE_BITS[canonical_dtype(weight_dtype)])
         if weights >= gpu_mem:
             raise SizingError(f"--gpu-mem {gpu_mem:,} bytes is not more than the weights "

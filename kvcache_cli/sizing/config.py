@@ -115,7 +115,8 @@ FAMILIES: dict[str, Family] = {
     "gemma3_text": Family(sliding_every=6, defaults=(
         ("num_hidden_layers", 26), ("num_attention_heads", 8), ("num_key_value_heads", 4),
         ("head_dim", 256), ("max_position_embeddings", 131072), ("sliding_window", 4096),
-        ("rope_theta", 1_000_000.0), ("rope_local_base_freq", 10_000.0))),
+        ("rope_theta", 1_000_000.0), ("rope_local_base_freq", 10_000.0),
+        ("hidden_size", 2304), ("intermediate_size", 9216), ("vocab_size", 262_208))),
     "cohere2": Family(sliding_every=4),
     "gemma4": Family(global_widths=True),  # google/gemma-4
     "gemma4_text": Family(global_widths=True),

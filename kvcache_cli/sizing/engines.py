@@ -49,6 +49,7 @@ from __future__ import annotations
 import math
 
 from kvcache_cli.sizing.arithmetic import _per_gpu_bytes_per_token
+from kvcache_cli.sizing.params import NEED_PARAMS
 from kvcache_cli.sizing.reports import EngineFit, Flag, FrontEnd, LlamaCppCache, SpecGroup
 from kvcache_cli.sizing.shape import ModelShape
 from kvcache_cli.sizing.units import (
@@ -261,8 +262,7 @@ def _memory(shape, kv_memory, gpu_mem, util, weight_dtype, tp, notes) -> tuple[i
         check_range("--kv-memory", kv_memory)
         return kv_memory, f"--kv-memory {format_bytes(kv_memory)}"
     if shape.params is None:
-        raise SizingError("--gpu-mem needs the weights' size: expected --model NAME or "
-                          "--params N, or --kv-memory for the cache alone")
+        raise SizingError(NEED_PARAMS + ", or --kv-memory for the cache alone")
     weights = -(-bytes_for_values(shape.params, DTYPE_BITS[canonical_dtype(weight_dtype)])
                 // tp)
     budget = int(gpu_mem * util)  # vLLM: total memory × the share it may take

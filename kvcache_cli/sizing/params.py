@@ -24,15 +24,25 @@ _GATED_FAMILIES = {
     "gemma": (2, False, True),
     "gemma2": (4, False, True),  # pre- and post-norms around attention and the MLP
     "gemma3_text": (4, False, True),  # and QK-norm: a head's width of q and of k (below)
+    "qwen3": (2, False, False),  # and QK-norm, as Gemma 3's
 }
+QK_NORM = ("gemma3_text", "qwen3")
+# What a refusal says when the weights' size is unknown.
+NEED_PARAMS = ("--gpu-mem needs the weights' size, which kvcache counts from a preset and from "
+               "the config of a dense gpt2, llama, mistral, qwen2, qwen3, gemma, gemma2 or "
+               "gemma3_text model only: expected --params N (e.g. --params 6.74B)")
 
 
 def params_from_config(cfg: dict, where: str = "config.json") -> int | None:
     """The parameters transformers builds for `cfg`, or None for a family not counted here
     (mixtures of experts, state spaces, MLA: pass --params for those) or a config that
     lacks a width the count needs."""
+    from kvcache_cli.sizing.config import decoder_config
+
+    if isinstance(cfg.get("text_config"), dict):
+        return None  # a multimodal wrapper: its vision tower's weights are not counted here
     try:
-        return _count_params(cfg, where)
+        return _count_params(decoder_config(cfg), where)  # with its class's defaults
     except ConfigError:
         return None
 
@@ -55,7 +65,7 @@ def _count_params(cfg: dict, where: str) -> int | None:
     bias = (q + 2 * kv) * (qkv_bias or bool(cfg.get("attention_bias")))
     attention = hidden * (q + 2 * kv) + q * hidden + bias
     layer = attention + 3 * hidden * inner + norms * hidden
-    if model_type == "gemma3_text":
+    if model_type in QK_NORM:
         layer += 2 * head_dim
     tie = cfg.get("tie_word_embeddings", tied)
     return vocab * hidden * (1 if tie else 2) + layers * layer + hidden
