@@ -153,6 +153,18 @@ def test_files_that_are_not_config_files(tmp_path, make, first_line):
     assert_one_line(["size", "--config", str(path), "--seq", "8"], 2, first_line)
 
 
+@pytest.mark.parametrize(("args", "first_line"), [
+    (["-m", ""], "--model '': expected a preset name"),
+    (["--config", ""], "config path '': expected a config.json or the folder"),
+])
+def test_an_empty_model_or_config_is_refused_not_read_as_the_working_folder(tmp_path,
+                                                                            monkeypatch, args,
+                                                                            first_line):
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA))
+    monkeypatch.chdir(tmp_path)
+    assert_one_line(["size", *args, "--seq", "8"], 2, first_line)
+
+
 def test_dev_zero_is_refused_without_reading_it():
     assert_one_line(["size", "--config", "/dev/zero", "--seq", "8"], 2,
                     "config file '/dev/zero' is not a regular file")
