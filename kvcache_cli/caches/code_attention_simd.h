@@ -479,8 +479,11 @@ inline float rounded_words(const float* q, int64_t hs, int bits, int16_t* out) {
 // tokens t0 .. t1 - 1 (rows of HS * bits / 8 bytes), into dots[i * len + t] as float32: the
 // whole row's for per-channel keys (P = HS), or for per-token keys the sum over groups of P
 // channels of each group's times its scale (scale[t * J + j], J = HS / P groups a token).
-// Tiles of kLanes tokens, two at a time, as `key_scores`. No 32-bit sum can overflow: a lane
-// adds HS / kLanes products of at most 255 * 32767.
+// Tiles of kLanes tokens, as `key_scores`, but one token at a time, each query's words an
+// operand read from memory: its GQ accumulators and unpacked codes then fit the registers.
+// Two tokens at a time, the queries' words loaded once for both, took 14 of AVX2's 16 and
+// the compiler spilled some 20 vectors a pair to the stack, whose stores bound the loop. No
+// 32-bit sum can overflow: a lane adds HS / kLanes products of at most 255 * 32767.
 template <int GQ, int HS, int bits, int P>
 void word_dots(const uint8_t* codes, int64_t t0, int64_t t1, const int16_t* q,
                const float* scale, float* dots, int64_t len) {
@@ -491,61 +494,41 @@ void word_dots(const uint8_t* codes, int64_t t0, int64_t t1, const int16_t* q,
     vec part[GQ][kLanes];
     for (int64_t tile = t0; tile < t1; tile += kLanes) {
         const int64_t n = t1 - tile < kLanes ? t1 - tile : kLanes;
-        for (int64_t k = 0; k < kLanes; k += 2) {
-            lines(codes + (tile + k + kAhead) * width, width);
-            lines(codes + (tile + k + 1 + kAhead) * width, width);
-            // the tile's tokens k and k + 1 (past n: token k again, its score ignored)
-            const int64_t t[2] = {tile + k, k + 1 < n ? tile + k + 1 : tile + k};
-            const uint8_t* row[2] = {codes + t[0] * width, codes + t[1] * width};
-            vec sum[2][GQ];
-            for (int u = 0; u < 2; ++u)
-                for (int i = 0; i < GQ; ++i) sum[u][i] = zero();
-#pragma GCC unroll 4
-            for (int64_t j = 0; j < J && k < n; ++j) {
-                ivec acc[2][GQ];
-                for (int u = 0; u < 2; ++u)
-                    for (int i = 0; i < GQ; ++i) acc[u][i] = izero();
+        for (int64_t k = 0; k < kLanes; ++k) {
+            vec sum[GQ];
+            for (int i = 0; i < GQ; ++i) sum[i] = zero();
+            if (k < n) {  // past n: zeros, their scores not stored
+                const int64_t t = tile + k;
+                const uint8_t* row = codes + t * width;
+                lines(row + kAhead * width, width);
 #pragma GCC unroll 8
-                for (int64_t c = j * P; c < (j + 1) * P; c += span) {
-                    if constexpr (bits == 8) {
-                        const ivec x[2] = {words(row[0] + c), words(row[1] + c)};
-                        for (int i = 0; i < GQ; ++i) {
-                            ivec qw = load_words(q + i * HS + c);
-                            asm("" : "+v"(qw));  // one load for both tokens, as key_scores'
-                            for (int u = 0; u < 2; ++u)
-                                acc[u][i] = add_ints(acc[u][i], dot_pairs(x[u], qw));
-                        }
-                    } else {  // a byte's two codes: channels c + 2m (low) and c + 2m + 1
-                        ivec low[2], high[2];
-                        for (int u = 0; u < 2; ++u) {
-                            const ivec w = words(row[u] + c / 2);
-                            low[u] = low_nibbles(w);
-                            high[u] = high_nibbles(w);
-                        }
-                        for (int i = 0; i < GQ; ++i) {
-                            ivec even = load_words(q + i * HS + c);
-                            ivec odd = load_words(q + i * HS + c + kWords);
-                            asm("" : "+v"(even), "+v"(odd));
-                            for (int u = 0; u < 2; ++u)
-                                acc[u][i] = add_ints(add_ints(acc[u][i], dot_pairs(low[u], even)),
-                                                     dot_pairs(high[u], odd));
+                for (int64_t j = 0; j < J; ++j) {
+                    ivec acc[GQ];
+                    for (int i = 0; i < GQ; ++i) acc[i] = izero();
+#pragma GCC unroll 8
+                    for (int64_t c = j * P; c < (j + 1) * P; c += span) {
+                        if constexpr (bits == 8) {
+                            const ivec x = words(row + c);
+                            for (int i = 0; i < GQ; ++i)
+                                acc[i] = add_ints(acc[i], dot_pairs(x, load_words(q + i * HS + c)));
+                        } else {  // a byte's two codes: channels c + 2m (low) and c + 2m + 1
+                            const ivec w = words(row + c / 2);
+                            const ivec low = low_nibbles(w), high = high_nibbles(w);
+                            for (int i = 0; i < GQ; ++i)
+                                acc[i] = add_ints(
+                                    add_ints(acc[i], dot_pairs(low, load_words(q + i * HS + c))),
+                                    dot_pairs(high, load_words(q + i * HS + c + kWords)));
                         }
                     }
-                }
-                for (int u = 0; u < 2; ++u) {
                     if constexpr (J == 1) {
-                        for (int i = 0; i < GQ; ++i) sum[u][i] = floats(acc[u][i]);
+                        for (int i = 0; i < GQ; ++i) sum[i] = floats(acc[i]);
                     } else {
-                        const vec s = broadcast(scale[t[u] * J + j]);
-                        for (int i = 0; i < GQ; ++i)
-                            sum[u][i] = fmadd(floats(acc[u][i]), s, sum[u][i]);
+                        const vec s = broadcast(scale[t * J + j]);
+                        for (int i = 0; i < GQ; ++i) sum[i] = fmadd(floats(acc[i]), s, sum[i]);
                     }
                 }
             }
-            for (int i = 0; i < GQ; ++i) {
-                part[i][k] = sum[0][i];
-                part[i][k + 1] = sum[1][i];
-            }
+            for (int i = 0; i < GQ; ++i) part[i][k] = sum[i];
         }
         for (int i = 0; i < GQ; ++i) store_first(dots + i * len + tile, lane_sums(part[i]), n);
     }
