@@ -140,6 +140,16 @@ def test_kvcache_models_keep_their_engine():
         assert pick_engine(name, Engine.auto) == "kvcache", name
 
 
+def test_a_gemma3_gguf_path_is_kvcaches_own(tmp_path):
+    import gemmakit
+
+    from kvcache_cli.cli.engine import Engine, pick_engine
+
+    path = gemmakit.write_tiny_gemma3(tmp_path / "tiny.gguf")
+    assert pick_engine(str(path), Engine.auto) == "kvcache"
+    assert pick_engine(str(path), Engine.kvcache) == "kvcache"  # not refused as foreign
+
+
 # ---------------------------------------------------------------------------- SmolLM2
 
 

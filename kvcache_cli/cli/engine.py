@@ -31,8 +31,9 @@ EngineOption = Annotated[Engine, typer.Option(
 
 # config.json's model_type of the families kvcache runs itself.
 KVCACHE_MODEL_TYPES = ("gpt2", "llama", "gemma3_text")
-# A GGUF's general.architecture kvcache reads as its own (models.gguf.reader).
-KVCACHE_GGUF = ("llama",)
+# A GGUF's general.architecture kvcache reads as its own (models.gguf.reader: read_gguf's
+# Llama, read_gemma3's Gemma 3).
+KVCACHE_GGUF = ("llama", "gemma3")
 
 
 def pick_engine(model: str, engine: Engine) -> str:
