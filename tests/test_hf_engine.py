@@ -150,6 +150,20 @@ def test_a_gemma3_gguf_path_is_kvcaches_own(tmp_path):
     assert pick_engine(str(path), Engine.kvcache) == "kvcache"  # not refused as foreign
 
 
+@pytest.mark.parametrize("engine", ["kvcache", "transformers"])
+def test_gemma3_in_float16_is_refused_not_run_to_nan_logits(tmp_path, engine):
+    import gemmakit
+
+    path = gemmakit.write_tiny_gemma3(tmp_path / "tiny.gguf")
+    out = invoke("generate", "-m", str(path), "--engine", engine, "--dtype", "fp16",
+                 "--ids", "1,2", "-n", "2")
+    assert out.exit_code == 2, out.output
+    assert out.stderr.strip().splitlines() == [
+        "error: --dtype fp16: Gemma 3's activations pass float16's largest number (65,504) "
+        "and every logit comes out NaN (transformers' Gemma3ForCausalLM too); expected "
+        "--dtype bf16 or fp32"]
+
+
 # ---------------------------------------------------------------------------- SmolLM2
 
 

@@ -34,7 +34,10 @@ from kvcache_cli.hf.folder_checks import (
     locate,
     safetensors_files,
 )
+from kvcache_cli.models import GEMMA3_MODEL_TYPES
 from kvcache_cli.models.bounds import BOUNDS
+from kvcache_cli.models.gemma3_config import FP16_OVERFLOWS
+from kvcache_cli.sizing.config import decoder_config
 
 if TYPE_CHECKING:
     import torch
@@ -82,6 +85,9 @@ def load_hf(source: str, *, device: str = "cpu",
 
     located = locate(source)
     config = _config_of(located)
+    if dtype == torch.float16 and decoder_config(config).get("model_type") in \
+            GEMMA3_MODEL_TYPES:
+        raise HFLoadError(FP16_OVERFLOWS)
     with _quiet():
         hf_config = _transformers_config(located, config)
         _check_fills(located, hf_config, _stored_shapes(located))

@@ -31,6 +31,11 @@ ARCH = "gemma3"
 # llama.cpp's values for what the converter does not write (llama-model.cpp, LLM_ARCH_GEMMA3).
 PATTERN = 6  # every 6th layer global: layers 5, 11, 17, ...
 LOCAL_ROPE_THETA = 10_000.0
+# Gemma 3's residual stream passes float16's largest number (65,504): every logit is NaN from
+# the middle layers on, in transformers' Gemma3ForCausalLM as in kvcache's own.
+FP16_OVERFLOWS = ("--dtype fp16: Gemma 3's activations pass float16's largest number (65,504) "
+                  "and every logit comes out NaN (transformers' Gemma3ForCausalLM too); "
+                  "expected --dtype bf16 or fp32")
 LAYERS_27B = 62  # llama.cpp scales the 27B's queries by its width per head, not its head size
 ACTIVATION = "gelu_pytorch_tanh"  # GeGLU's GELU, tanh-approximated (transformers' name)
 # transformers' name of each checked field in a gemma3_text config.json.

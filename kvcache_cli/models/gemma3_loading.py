@@ -22,6 +22,7 @@ import torch
 
 from kvcache_cli.models.base import LoadedModel
 from kvcache_cli.models.gemma3 import Gemma3, Gemma3Config, rotaries
+from kvcache_cli.models.gemma3_config import FP16_OVERFLOWS
 from kvcache_cli.models.linear import arrange_weights
 from kvcache_cli.models.llama import init_random
 from kvcache_cli.models.llama_loading import (
@@ -115,6 +116,8 @@ def load_gemma3(name_or_path: str, weights: str, device, dtype: torch.dtype,
     """The model a Gemma 3 folder holds; `config`: its `gemma3_config`, when read already."""
     if weights not in ("auto", "pretrained", "random"):
         raise ValueError(f"unknown weights {weights!r}: expected auto, pretrained or random")
+    if dtype == torch.float16:
+        raise ValueError(FP16_OVERFLOWS)
     folder, source, raw = _folder(name_or_path)
     config = config if config is not None else _config(folder, raw)
     with torch.device("meta"):
