@@ -386,3 +386,35 @@ def test_serve_hf_engine_without_continuous_batching_is_refused_before_a_model_l
     monkeypatch.setitem(sys.modules, "transformers.generation.configuration_utils", None)
     assert_one_line(["serve", "--weights", "random", "--engines", "paged,hf"], 2,
                     "has no continuous batching (generate_batch): upgrade transformers")
+
+
+@pytest.mark.parametrize("where", ["proc", "under a file"])
+def test_a_plot_path_no_file_can_be_made_at_is_refused_before_the_run(tmp_path, where):
+    # Root passes every permission check: /proc (and a read-only mount) shows only when a
+    # file is made there, which must happen before minutes of measuring, not after.
+    pytest.importorskip("torch")
+    pytest.importorskip("matplotlib")
+    import torch  # noqa: F401
+
+    if where == "proc" and not os.path.isdir("/proc/self"):
+        pytest.skip("no /proc here")
+    (tmp_path / "a-file").write_text("")
+    plot, first_line = (("/proc/nope.png", "--plot: '/proc/nope.png' cannot be written (")
+                        if where == "proc" else
+                        (str(tmp_path / "a-file" / "b.png"), "is a file, not a directory: "
+                         "expected a folder to write 'b.png' into"))
+    assert_one_line(["bench", "--plot", plot, "--model", "/nonexistent"], 2, first_line)
+    assert_one_line(["serve", "--plot", plot, "--weights", "random"], 2, first_line)
+
+
+def test_the_plot_path_check_leaves_no_file_behind(tmp_path):
+    pytest.importorskip("torch")
+    pytest.importorskip("matplotlib")
+    import torch  # noqa: F401
+
+    plot = tmp_path / "bench.png"
+    # The path is tried, then the model is refused: no run, so no plot, and no trial file.
+    result = runner.invoke(app, ["bench", "--plot", str(plot), "--model", "/nonexistent"])
+    assert result.exit_code == 2, result.output
+    assert "/nonexistent" in result.stderr and "--plot" not in result.stderr
+    assert list(tmp_path.iterdir()) == []

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import pytest
 from bytecheckpoint import write_byte_checkpoint
@@ -124,7 +125,8 @@ def test_replot_redraws_a_saved_runs_plot_without_running_it(checkpoint, tmp_pat
 @pytest.mark.parametrize(("content", "plot", "said"), [
     (None, True, "no such file; expected a saved kvcache eval --json"),
     ("{not json", True, "Expecting property name"),
-    ('{"model": "m", "caches": []}', True, "not the --json of a kvcache eval text run (no "),
+    ('{"model": "m", "caches": []}', True,
+     "not the --json of a kvcache eval text run (the file has no 'weights_note': expected "),
     ('{"question": 1, "caches": [], "first_token_share": []}', True,
      "not the --json of a kvcache eval text run"),
     ("[1, 2]", True, "not the --json of a kvcache eval text run"),
@@ -200,6 +202,21 @@ def test_a_plot_path_that_is_a_directory_is_refused_before_a_model_loads(
     result = invoke("--model", str(checkpoint), "--plot", str(tmp_path))
     assert result.exit_code == 2, result.output
     assert "is a directory" in result.stderr
+
+
+@pytest.mark.parametrize("where", ["proc", "under a file"])
+def test_a_plot_path_no_file_can_be_made_at_is_refused_before_a_model_loads(
+        checkpoint, tmp_path, no_model_loads, where):
+    pytest.importorskip("matplotlib")
+    if where == "proc" and not Path("/proc/self").is_dir():
+        pytest.skip("no /proc here")
+    (tmp_path / "a-file").write_text("")
+    plot = "/proc/nope.png" if where == "proc" else str(tmp_path / "a-file" / "eval.png")
+    result = invoke("--model", str(checkpoint), "--plot", plot)
+    assert result.exit_code == 2, result.output
+    assert result.stdout == ""
+    line, = result.stderr.strip().splitlines()
+    assert line.startswith("error: --plot: ") and "expected a " in line, line
 
 
 def test_gpt2_without_tiktoken_s_files_says_so_and_offers_the_trained_checkpoint(

@@ -48,13 +48,14 @@ def parse_eval_caches(value):
     (`kvpress:snapkv:0.25`, `peer_kvpress`) in one comma list, each once."""
     from kvcache_cli.caches.grammar import CacheSpecError
     from kvcache_cli.caches.spec import parse_cache_list
+    from kvcache_cli.cli.options import cache_items
     from kvcache_cli.eval.peer_hf import is_transformers, parse_transformers
     from kvcache_cli.eval.peer_kvpress import is_kvpress, parse_kvpress
     from kvcache_cli.eval.peer_llama_cpp import is_llama_cpp, parse_llama_cpp
 
     if isinstance(value, list):
         return value
-    parts = [part for part in value.split(",") if part.strip()]
+    parts = cache_items(value)  # an empty item refused, not dropped
 
     def peer(part: str):
         if is_kvpress(part):
@@ -148,6 +149,7 @@ def eval_(
     model = model if model is not None else default_model()
     need_torch_extra("kvcache eval needs", *GPT2_MODULES)
     if replot is not None:
+        _refuse_with_replot(ctx)
         _replot(replot, plot)
         return
     refuse_missing_model(model)
@@ -199,23 +201,46 @@ def eval_(
     _show(result, render, plain, save_plot, as_json, plot)
 
 
+def _refuse_with_replot(ctx: typer.Context) -> None:
+    """Options typed beside --replot, which draws the saved run as it was: each would be
+    ignored, so each is refused, as other commands refuse what does not apply."""
+    given = [next(o for o in p.opts if o.startswith("--")) for p in ctx.command.params
+             if p.name not in ("replot", "plot")
+             and getattr(ctx.get_parameter_source(p.name), "name", "") == "COMMANDLINE"]
+    if given:
+        verb = "applies" if len(given) == 1 else "apply"
+        fail(f"{', '.join(given)} {verb} to a run, not to --replot, which redraws the saved "
+             "one as it was: expected --replot FILE.json --plot OUT.png alone")
+
+
 def _replot(saved: Path, plot: Path | None) -> None:
-    """`eval --replot`: the plot of a saved --json, drawn as the run would have drawn it."""
+    """`eval --replot`: the plot of a saved --json, drawn as the run would have drawn it;
+    the file checked whole before the plot is drawn (`result_from_json`)."""
     import json
 
     from kvcache_cli.eval.quality import result_from_json
     from kvcache_cli.views.eval_plot import save_plot
 
+    name = repr(str(saved))
     if plot is None:
-        fail(f"--replot {str(saved)!r}: expected --plot OUT.png, where to draw it")
+        fail(f"--replot {name}: expected --plot OUT.png, where to draw it")
     try:
-        result = result_from_json(json.loads(saved.read_text(encoding="utf-8")))
+        data = json.loads(saved.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        fail(f"--replot {str(saved)!r}: no such file; expected a saved kvcache eval --json")
-    except (OSError, UnicodeDecodeError, ValueError) as err:  # JSONDecodeError is a ValueError
-        fail(f"--replot {str(saved)!r}: {err}")
+        fail(f"--replot {name}: no such file; expected a saved kvcache eval --json")
+    # A directory, bytes that are not UTF-8 or not JSON, JSON nested past Python's stack.
+    except (OSError, ValueError, RecursionError) as err:
+        fail(f"--replot {name}: not a JSON file ({err}); expected a saved kvcache eval --json")
+    try:
+        result = result_from_json(data)
+    except ValueError as err:
+        fail(f"--replot {name}: {err}")
     check_plot(plot)
-    show_then_plot(result, lambda _: f"redrawn from {saved}", False, save_plot, plot, "plot")
+    try:
+        save_plot(result, plot)
+    except (OSError, ValueError) as err:  # the file checked whole: the disk's fault
+        fail(f"--plot: the plot could not be written to {str(plot)!r} ({err})", code=1)
+    typer.echo(f"plot written to {plot} (redrawn from {saved})")
 
 
 def _show(result, render, plain, save_plot, as_json: bool, plot) -> None:

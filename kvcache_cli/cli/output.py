@@ -181,18 +181,39 @@ def print_view(renderable) -> None:
 
 
 def check_writable(path: Path) -> None:
-    """--plot must be writable before the benchmark runs, without leaving a file behind."""
+    """--plot must be writable before the benchmark runs, without leaving a file behind.
+    The permissions are asked first, for the usual reasons in plain words; then the file is
+    opened for writing as the plot will be (and a new one removed at once), since root
+    passes every permission check and /proc, a read-only mount or a name too long show only
+    when a file is made."""
     import os
 
-    if path.is_dir():
-        fail(f"--plot: {str(path)!r} is a directory: expected a file name such as bench.png")
-    if not path.parent.is_dir():
-        fail(f"--plot: no directory {str(path.parent)!r} to write {path.name!r} into")
-    if path.exists() and not os.access(path, os.W_OK):
-        fail(f"--plot: {str(path)!r} is not writable: expected a path this user can write")
-    if not path.exists() and not os.access(path.parent, os.W_OK | os.X_OK):
-        fail(f"--plot: directory {str(path.parent)!r} is not writable: expected one this user "
-             "can write")
+    shown = str(path)
+    try:
+        if path.is_dir():
+            fail(f"--plot: {shown!r} is a directory: expected a file name such as bench.png")
+        if not path.parent.is_dir():
+            if path.parent.exists():
+                fail(f"--plot: {str(path.parent)!r} is a file, not a directory: expected a "
+                     f"folder to write {path.name!r} into")
+            fail(f"--plot: no directory {str(path.parent)!r} to write {path.name!r} into")
+        existed = path.exists()
+        if existed and not os.access(path, os.W_OK):
+            fail(f"--plot: {shown!r} is not writable: expected a path this user can write")
+        if not existed and not os.access(path.parent, os.W_OK | os.X_OK):
+            fail(f"--plot: directory {str(path.parent)!r} is not writable: expected one this "
+                 "user can write")
+        # O_NONBLOCK (POSIX only): a named pipe with no reader is refused, where the open
+        # would wait for one.
+        flags = os.O_WRONLY | getattr(os, "O_NONBLOCK", 0) | (
+            os.O_APPEND if existed else os.O_CREAT | os.O_EXCL)
+        os.close(os.open(path, flags))  # an existing file opened, not truncated
+        if not existed:
+            os.unlink(path)
+    except (OSError, ValueError) as err:  # ValueError: a NUL byte in the path
+        reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+        fail(f"--plot: {shown!r} cannot be written ({reason}): expected a path this user can "
+             "write")
 
 
 def check_plot(plot: Path | None) -> None:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -39,6 +40,7 @@ from typing import TYPE_CHECKING
 
 from kvcache_cli.caches.base import ForwardingCache, KVCache
 from kvcache_cli.caches.spec import CacheSpec, check_prompt, parse_cache_spec
+from kvcache_cli.sizing.units import shown
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -148,33 +150,93 @@ class QualityResult:
 
 def result_from_json(data) -> QualityResult:
     """The QualityResult `kvcache eval --json` printed (lists back to the tuples the
-    dataclasses hold, null back to NaN, and the "nan"/"inf" strings of earlier releases back
-    to floats), or a ValueError saying what does not fit: a retrieval run's, another
-    command's, a hand-edited file."""
+    dataclasses hold, null back to NaN where a row has no time), or a ValueError saying what
+    does not fit and what was expected: a retrieval run's, another command's, a hand-edited
+    file. Every field is checked here, as the plot (minutes later, for a real run) would
+    otherwise fail on it with matplotlib's words or a traceback."""
+    try:
+        result = _typed(data, "QualityResult", "the file")
+        if not result.caches:
+            raise ValueError("caches is []: expected a row per cache, the exact one first")
+        if not 1 <= result.prompt_len < result.tokens:
+            raise ValueError(f"prompt_len is {result.prompt_len:,} of {result.tokens:,} "
+                             "tokens: expected at least 1 and fewer than tokens")
+        names = {row.cache for row in result.caches}
+        for i, row in enumerate(result.caches):
+            if len(row.loss_by_position) != result.scored:
+                raise ValueError(f"caches[{i}].loss_by_position has {len(row.loss_by_position):,}"
+                                 f" values: expected {result.scored:,} (tokens - prompt_len)")
+            if not row.reference and row.against not in names:
+                raise ValueError(f"caches[{i}].against is {shown(row.against)}: expected the "
+                                 f"name of a cache in the file ({', '.join(sorted(names))})")
+    except ValueError as err:
+        raise ValueError(f"not the --json of a kvcache eval text run ({err})") from None
+    return result
+
+
+# Where a row has no time (a peer's rows: llama.cpp is fed in chunks), its --json has null;
+# every other figure is measured, so a null or NaN there is a damaged file.
+UNTIMED = frozenset({"prefill_ms", "decode_ms_per_token"})
+
+
+def _typed(value, kind: str, where: str, field_name: str = ""):
+    """VALUE as the dataclass annotation KIND reads it ('int', 'tuple[float, ...]',
+    'CacheQuality', ...), or a ValueError naming WHERE it is and what was expected."""
     import dataclasses
 
-    def number(v):
-        return math.nan if v is None else float(v) if isinstance(v, str) else v
-
-    def numbers(row: dict, cls) -> dict:
-        floats = {f.name for f in dataclasses.fields(cls) if f.type == "float"}
-        return {k: number(v) if k in floats else v for k, v in row.items()}
-
-    try:
-        rows = tuple(CacheQuality(**{**numbers(c, CacheQuality), "loss_by_position": tuple(
-                                     map(number, c["loss_by_position"]))})
-                     for c in data["caches"])
-        rest = {k: v for k, v in data.items()
-                if k not in ("caches", "first_token_share", "refused")}
-        result = QualityResult(**numbers(rest, QualityResult), caches=rows,
-                               first_token_share=tuple(data["first_token_share"]),
-                               refused=tuple(Refusal(**r) for r in data.get("refused", ())))
-    except (KeyError, TypeError, ValueError) as err:
-        what = f"no {err}" if isinstance(err, KeyError) else str(err)
-        raise ValueError(f"not the --json of a kvcache eval text run ({what})") from None
-    if not rows:
-        raise ValueError("not the --json of a kvcache eval text run (no caches)")
-    return result
+    rows = {"QualityResult": (QualityResult, "a kvcache eval result"),
+            "CacheQuality": (CacheQuality, "a cache's row"), "Refusal": (Refusal, "a refusal")}
+    whole = isinstance(value, int) and not isinstance(value, bool)
+    expected = None
+    if kind in rows:
+        cls, label = rows[kind]
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        if not isinstance(value, dict):
+            expected = f"an object, {label}"
+        else:
+            extra = next((k for k in value if k not in fields), None)
+            needed = next((f.name for f in fields.values() if f.name not in value
+                           and f.default is f.default_factory is dataclasses.MISSING), None)
+            if extra is not None:
+                raise ValueError(f"{where} has {shown(extra)}: expected only the fields of "
+                                 f"{label}")
+            if needed is not None:
+                raise ValueError(f"{where} has no {needed!r}: expected every field of {label}")
+            prefix = "" if cls is QualityResult else f"{where}."
+            return cls(**{k: _typed(v, fields[k].type, prefix + k, k) for k, v in value.items()})
+    elif kind.startswith("tuple["):  # tuple[X, ...], a list in JSON
+        if isinstance(value, list):
+            return tuple(_typed(v, kind[6:-6], f"{where}[{i}]", field_name)
+                         for i, v in enumerate(value))
+        expected = "a list"
+    elif kind == "dict[str, int]":  # bytes by layer kind
+        if isinstance(value, dict):
+            return {k: _typed(v, "int", f"{where}[{k!r}]") for k, v in value.items()}
+        expected = "an object of whole numbers"
+    elif kind == "float":
+        if field_name in UNTIMED and (value is None or value == "nan"):  # "nan": before null
+            return math.nan
+        # abs() <= max: false for NaN and infinity, and for an integer past a float's range
+        if (whole or isinstance(value, float)) and abs(value) <= sys.float_info.max:
+            return float(value)
+        expected = "a finite number" + (" or null" if field_name in UNTIMED else "")
+    elif kind == "int":  # a count or a position: past 2^53 no JSON reader holds it exactly
+        if whole and 0 <= value <= 2**53:
+            return value
+        expected = "a whole number from 0 to 2^53"
+    elif kind == "bool":
+        if isinstance(value, bool):
+            return value
+        expected = "true or false"
+    elif kind in ("str", "str | None"):
+        if isinstance(value, str) or (value is None and kind != "str"):
+            return value
+        expected = "a string" + (" or null" if kind != "str" else "")
+    else:  # a field of a type this reader was not taught: the code's error, not the file's
+        raise TypeError(f"{where}: no reader for a field of type {kind}")
+    said = "null" if value is None else str(value).lower() if isinstance(value, bool) \
+        else shown(value)  # as the file spells it
+    raise ValueError(f"{where} is {said}: expected {expected}")
 
 
 # ---------------------------------------------------------------------------- inputs
