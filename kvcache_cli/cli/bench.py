@@ -30,6 +30,7 @@ from kvcache_cli.cli.options import (
     DType,
     ModelOption,
     WeightsDTypeOption,
+    refuse_empty_items,
     threads_error,
 )
 from kvcache_cli.cli.output import check_plot, console, progress, show_then_plot
@@ -128,6 +129,7 @@ def bench(
     plain decoding with the same cache, interleaved, medians over --repeats.
     """
     model = model if model is not None else default_model()
+    _check_lists(modes, cache, speculate, context, tasks, draft)
     _check_first(threads, plot, model, device, replay and context is None)
     if pick_engine(model, engine) == "transformers":
         return bench_engine(ctx, model)  # its other options read from ctx.params
@@ -195,6 +197,20 @@ def bench(
     except (RuntimeError, OSError) as err:
         fail(str(err), code=1)
     show_then_plot(result, bench_view, as_json, save_plot, plot, "per-step plot")
+
+
+def _check_lists(modes: str, cache: str | None, speculate: str, context: str | None,
+                 tasks: str | None, draft: str | None) -> None:
+    """An empty item in a comma-separated option, refused first: it needs no model."""
+    refuse_empty_items(
+        ("--modes", modes, "comma-separated modes such as naive,static,int8"),
+        ("--cache", cache, "comma-separated cache specs such as window:128,int4"),
+        ("--speculate", speculate, "comma-separated K values such as 1,2,4"),
+        ("--context", context, "comma-separated token counts such as 1024,4096"),
+        ("--tasks", tasks, "comma-separated sets such as copy,other"),
+        # A list only with --tasks; alone, one draft, which its own parser reads.
+        ("--draft", draft if tasks is not None else None,
+         "comma-separated drafts such as lookup,layers:2"))
 
 
 def _check_first(threads: int | None, plot: Path | None, model: str, device: str,

@@ -45,7 +45,8 @@ def compress(
         autocompletion=complete_cache_list,
         help="Comma-separated compressing kinds, each against the exact cache, e.g. "
         "snapkv:0.25,knorm:64,recent:0.25:s4 (docs/compression.md). Default: "
-        "snapkv:0.25,knorm:0.25,recent:0.25.")] = None,
+        "snapkv:0.25,knorm:0.25,recent:0.25. SnapKV's window, untyped (:wN), is cut to the "
+        "keys the prompt keeps.")] = None,
     model: ModelOption = None,
     new_tokens: Annotated[int, typer.Option(
         "--max-new-tokens", "-n", min=2, help="Greedy tokens to continue with in each "
@@ -95,6 +96,7 @@ def compress(
     try:
         config, ids, encoding, layout = _prompt_ids(
             model, prompt, text, question, hf.model.config if hf is not None else None)
+        specs = run.fit_windows(specs, len(ids))  # a window nobody typed, to the prompt
         run.check_compress(specs, len(ids), new_tokens, config.cache_shape, config.context,
                            layer)
         dev = resolve_device(device)

@@ -31,6 +31,7 @@ from kvcache_cli.cli.options import (
     Weights,
     WeightsDTypeOption,
     parse_cache_option,
+    refuse_empty_items,
     threads_error,
 )
 from kvcache_cli.cli.output import console, print_view
@@ -437,6 +438,7 @@ def _speculate(loaded, prompt_ids: list[int], encoding, as_json: bool, device: s
 def _parse_ids(text: str) -> list[int]:
     """Token ids, checked for form and sign before a model is loaded (its vocabulary after)."""
     expected = "expected comma-separated token ids like 464,2068,7586"
+    refuse_empty_items(("--ids", text, expected.removeprefix("expected ")))
     try:
         ids = [int(part) for part in text.replace(" ", "").split(",") if part]
     except ValueError:

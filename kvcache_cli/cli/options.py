@@ -12,6 +12,8 @@ from typing import Annotated, Any
 
 import typer
 
+from kvcache_cli.cli.refusals import fail
+
 # The options bench and serve share: where to run, and which GPT-2.
 DeviceOption = Annotated[str, typer.Option(help="cpu, cuda, or auto (cuda when there is one).")]
 ModelOption = Annotated[str | None, typer.Option(
@@ -104,6 +106,7 @@ def parse_cache_list_option(value):
 
     if isinstance(value, list):
         return value
+    cache_items(value)
     try:
         return parse_cache_list(value)
     except CacheSpecError as err:
@@ -114,6 +117,46 @@ def complete_cache_list(incomplete: str) -> list[tuple[str, str]]:
     """The kinds that may follow the last comma of INCOMPLETE, the list so far kept."""
     done, comma, last = incomplete.rpartition(",")
     return [(done + comma + name, summary) for name, summary in complete_cache(last)]
+
+
+# --- comma-separated lists -----------------------------------------------------------------
+
+CACHE_LIST = "comma-separated cache specs such as static,int8"
+
+
+def comma_items(text: str, option: str, expected: str) -> list[str]:
+    """TEXT's comma-separated items, each stripped of the spaces around it; a ValueError
+    naming OPTION and TEXT for an empty one beside others (two commas together, or one at
+    an end): a slip to show, never an item to drop in silence, whatever the option reads
+    items as. No item at all ('', ',') comes back empty, for the option's own refusal of
+    an empty list, which says what it needs at least."""
+    items = [item.strip() for item in text.split(",")]
+    kept = [item for item in items if item]
+    if kept and len(kept) < len(items):
+        raise ValueError(f"{option} {text!r}: an empty item; expected {expected}")
+    return kept
+
+
+def cache_items(value: str) -> list[str]:
+    """--cache's items, as an option's parser reads them: an empty one refused in
+    `comma_items`' line."""
+    try:
+        return comma_items(value, "--cache", CACHE_LIST)
+    except ValueError as err:
+        # the UsageError typer's click raises (it may be a copy of click's of its own), not
+        # BadParameter: a line with no parameter on it for `refusals.usage_message` to prefix
+        raise typer.BadParameter.__bases__[0](str(err)) from None
+
+
+def refuse_empty_items(*lists: tuple[str, str | None, str]) -> None:
+    """Each (option, its text or None, what it expects) through `comma_items`, the first
+    empty item refused in one line: before any model is looked for, as it needs none."""
+    for option, text, expected in lists:
+        if text is not None:
+            try:
+                comma_items(text, option, expected)
+            except ValueError as err:
+                fail(str(err))
 
 
 # The option every command that builds a cache takes: a `CacheSpec`, or None when not given.

@@ -20,7 +20,13 @@ from kvcache_cli.cli.loading import (
     refuse_missing_model,
     refuse_unbuilt_cuda,
 )
-from kvcache_cli.cli.options import DeviceOption, ModelOption, WeightsDTypeOption, threads_error
+from kvcache_cli.cli.options import (
+    DeviceOption,
+    ModelOption,
+    WeightsDTypeOption,
+    refuse_empty_items,
+    threads_error,
+)
 from kvcache_cli.cli.output import (
     Eta,
     ProgressLines,
@@ -136,6 +142,7 @@ def serve(
                          "prometheus_client")
     if threads_error(threads):  # first: it needs no model and none of serving's imports
         fail(threads_error(threads))
+    _check_lists(rate, goodput, engines, policy, token_budget, kv_dtype, keep_windows, batch)
     refuse_missing_model(model)
     refuse_unbuilt_cuda(device)
     from kvcache_cli.serving import batching
@@ -191,6 +198,20 @@ def serve(
 
         result = beside(result, _checked(remote, result, loaded.model, model))
     show_then_plot(result, render, as_json, save_plot, plot, "plot")
+
+
+def _check_lists(rate, goodput, engines, policy, token_budget, kv_dtype, keep_windows,
+                 batch) -> None:
+    """An empty item in a comma-separated option, refused before the model: it needs none."""
+    refuse_empty_items(
+        ("--rate", rate, "comma-separated requests/s such as 1,2,4,inf"),
+        ("--goodput", goodput, "comma-separated targets such as ttft:2000,tpot:100"),
+        ("--engines", engines, "comma-separated engines such as sequential,paged"),
+        ("--policy", policy, "comma-separated policies such as prefill-first,decode-first"),
+        ("--token-budget", token_budget, "comma-separated budgets such as 64,256,1024"),
+        ("--kv-dtype", kv_dtype, "comma-separated kinds such as int8,int4"),
+        ("--keep-windows", keep_windows, "comma-separated intervals such as 0,64"),
+        ("--batch", batch, "comma-separated batch sizes such as 1,4,16,64"))
 
 
 # A request slower than a day is a typing slip, not a run anyone waits for.
@@ -305,6 +326,7 @@ def _chat_workload(ctx, workload, model, requests, output_len, seed, batch):
     if kind.lower() == "random":
         return None
     path = None if kind.lower() == "chat" else Path(kind)
+    prompts = chat.load_set(path)  # the value the user typed, read before the model is asked
     for name in RANDOM_ONLY:
         if getattr(ctx.get_parameter_source(name), "name", "") == "COMMANDLINE":
             flag = "--" + name.replace("_", "-")
@@ -319,8 +341,8 @@ def _chat_workload(ctx, workload, model, requests, output_len, seed, batch):
         raise ValueError(f"--requests {n}: expected a whole number "
                          f"{numbers.span(1, limits.MAX_REQUESTS)}")
     config = model_config(model)
-    chat.check_template(config, model)
-    return chat.build(chat.load_set(path), config, model, n, seed)
+    chat.check_template(config, model, "chat" if path is None else kind)
+    return chat.build(prompts, config, model, n, seed)
 
 
 def _check(device, model, requests, prompt_len, output_len, shared_prefix, rate, seed, engines,

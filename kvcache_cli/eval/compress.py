@@ -28,7 +28,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvcache_cli.caches.spec import KINDS, CacheSpec, check_prompt
+from kvcache_cli.caches.spec import KINDS, CacheSpec, check_prompt, parse_cache_spec
+from kvcache_cli.caches.spec_bounded import prompt_budget
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -93,6 +94,43 @@ class CompressResult:
     rows: tuple[Compressed, ...]
 
 
+def fit_windows(specs: Sequence[CacheSpec], prompt: int) -> list[CacheSpec]:
+    """SPECS with each observation window the user did not type (SnapKV's 32, its paper's)
+    cut to the keys a prompt of `prompt` tokens keeps, as a budget in tokens already cuts
+    it: SnapKV never observes more than it keeps, so the run is the same and the row names
+    the window it used, and a short prompt runs with the defaults. A typed window is the
+    user's, refused as typed (`check_compress`)."""
+    fitted = []
+    for spec in specs:
+        params = dict(spec.params)
+        keep = prompt_budget(params, prompt) if "window" in params and prompt else None
+        if keep is not None and keep < params["window"] and not _typed_window(spec):
+            spec = parse_cache_spec(f"{spec.typed or spec}:w{keep}")
+        fitted.append(spec)
+    return fitted
+
+
+def _typed_window(spec: CacheSpec) -> bool:
+    # No other field of a compressing spec starts with w (k, s, max, avg, uniform, pyramid).
+    typed = spec.typed or str(spec)
+    return any(f.strip().lower().startswith("w") for f in typed.split(":")[1:])
+
+
+def _check_window(spec: CacheSpec, prompt: int) -> None:
+    """A typed observation window longer than the prompt, refused with the one that fits:
+    the keys the prompt keeps, the window `fit_windows` gives a spec without :wN."""
+    params = dict(spec.params)
+    window, budget = params.get("window", 0), params["budget"]
+    if window <= prompt or isinstance(budget, int) and budget > prompt:
+        return  # fits; or a budget past the prompt, which `check_prompt` names first
+    typed = (spec.typed or str(spec)).split(":")
+    fields = [f for f in typed if not f.strip().lower().startswith("w")]
+    fit = ":".join([*fields[:2], f"w{prompt_budget(params, prompt)}", *fields[2:]])
+    raise ValueError(f"cache {str(spec)!r}: the observation window of {window:,} tokens is "
+                     f"longer than the prompt of {prompt:,}; expected at most {prompt:,}, "
+                     f"e.g. {fit!r}, or no :wN (the window then fits the prompt)")
+
+
 def compressing_kinds() -> tuple[str, ...]:
     return tuple(name for name, kind in KINDS.items() if kind.compresses)
 
@@ -109,6 +147,7 @@ def check_compress(specs: Sequence[CacheSpec], prompt: int, new_tokens: int, sha
             raise ValueError(f"cache {spec.typed or str(spec)!r} does not compress the prompt: "
                              f"expected a kind that compresses at prefill "
                              f"({', '.join(compressing_kinds())}), e.g. snapkv:0.25")
+        _check_window(spec, prompt)
         check_prompt(spec, prompt)
     if prompt + new_tokens > context:
         raise ValueError(f"a prompt of {prompt:,} tokens and {new_tokens:,} new ones pass the "

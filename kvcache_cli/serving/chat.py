@@ -88,11 +88,13 @@ def draw(chat: ChatSet, n: int, seed: int) -> list[str]:
     return out
 
 
-def check_template(config, model: str) -> str:
+def check_template(config, model: str, workload: str = "chat") -> str:
+    """The model's chat template; a ValueError naming `workload` (chat or a file's path,
+    both rendered through it) when it has none."""
     template = getattr(config, "chat_template", None)
     if not template:
-        raise ValueError(f"--workload chat: model {model!r} has no chat template; expected a "
-                         "chat model such as smollm2, or --workload random")
+        raise ValueError(f"--workload {workload}: model {model!r} has no chat template; "
+                         "expected a chat model such as smollm2, or --workload random")
     return template
 
 
