@@ -269,8 +269,9 @@ def test_auto_falls_back_to_random_weights_with_one_line(offline_hub):
     assert loaded.model.config == TINY
 
 
-def test_pretrained_without_weights_is_a_runtime_error(offline_hub):
-    with pytest.raises(RuntimeError, match="pretrained gpt2 weights unavailable.*HF_HUB_OFFLINE"):
+def test_pretrained_without_weights_is_a_runtime_error_offering_the_offline_ways(offline_hub):
+    with pytest.raises(RuntimeError, match="pretrained gpt2 weights unavailable.*HF_HUB_OFFLINE"
+                       ".*--weights random.*-m stdlib-bytes"):
         load_gpt2("gpt2", weights="pretrained")
 
 

@@ -254,3 +254,14 @@ def test_smollm2_gguf_through_transformers_decodes_kvcache_own_tokens():
     assert theirs["model"].startswith("transformers ") and theirs["model"].endswith(".gguf)")
     # transformers dequantises the same GGUF blocks kvcache reads: the same greedy tokens.
     assert theirs["tokens"] == ours["tokens"]
+
+
+def test_q4_on_a_gemma3_gguf_names_the_blocks_it_cannot_take(tmp_path):
+    import gemmakit
+
+    path = gemmakit.write_tiny_gemma3(tmp_path / "tiny.gguf", types={"attn_output": "Q6_K"})
+    out = invoke("generate", "-m", str(path), "--weights-dtype", "q4", "--ids", "1,2", "-n", "1")
+    assert out.exit_code == 2, out.output
+    line = out.stderr.strip()
+    assert line.startswith("error: --weights-dtype: q4 runs Q4_0, Q4_1, Q8_0 blocks"), line
+    assert ".weight is Q6_K in tiny.gguf" in line, line  # its blocks read, not "no GGUF"

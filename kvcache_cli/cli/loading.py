@@ -163,6 +163,10 @@ def check_weights_dtype(weights_dtype: str | None, model: str, device: str,
             from kvcache_cli.models.llama_loading import source_types
 
             types = source_types(model)
+        elif weights_dtype == "q4" and family_of(model) == "gemma3":
+            from kvcache_cli.models.gemma3_loading import source_types
+
+            types = source_types(model)
         config = config if config is not None else model_config(model)
         linear.check_weights_dtype(weights_dtype, config, device, types)
     except ValueError as err:

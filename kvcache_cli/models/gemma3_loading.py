@@ -92,6 +92,13 @@ def gemma3_config(name_or_path: str) -> Gemma3Config:
     return _config(*_folder(name_or_path)[::2])
 
 
+def source_types(name_or_path: str) -> dict[str, str] | None:
+    """The GGUF type each tensor was stored in, for a model converted from a GGUF (None for
+    a safetensors folder), as `llama_loading.source_types`."""
+    raw = _folder(name_or_path)[2]
+    return None if raw is None else raw["source_types"]
+
+
 def _config(folder: Path, raw: dict | None) -> Gemma3Config:
     from kvcache_cli.sizing.config import ConfigError, load_config
 

