@@ -197,6 +197,8 @@ def test_dev_zero_is_refused_without_reading_it():
     (["generate", "--ids", "1,-5", "--model", "/nonexistent"], "--ids: token id -5 is not a "
                                                                "vocabulary index"),
     (["generate", "--ids", ",", "--model", "/nonexistent"], "at least one"),
+    (["generate", "--ids", "464 2068", "--model", "/nonexistent"],
+     "--ids: expected comma-separated token ids like 464,2068,7586, got '464 2068'"),
     (["generate", "--ids", "one,two", "--model", "/nonexistent"],
      "--ids: expected comma-separated token ids like 464,2068,7586, got 'one,two'"),
 ])

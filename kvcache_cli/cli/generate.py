@@ -440,7 +440,8 @@ def _parse_ids(text: str) -> list[int]:
     expected = "expected comma-separated token ids like 464,2068,7586"
     refuse_empty_items(("--ids", text, expected.removeprefix("expected ")))
     try:
-        ids = [int(part) for part in text.replace(" ", "").split(",") if part]
+        # each item stripped, not every space removed: "464 2068" is a slip, not id 4642068
+        ids = [int(part) for part in (p.strip() for p in text.split(",")) if part]
     except ValueError:
         fail(f"--ids: {expected}, got {text[:40]!r}")
     if not ids:
