@@ -4,6 +4,7 @@ tensors only; whatever the file holds, a {name: tensor} dict or one ValueError n
 from __future__ import annotations
 
 import pickle
+import warnings
 from pathlib import Path
 
 import torch
@@ -34,12 +35,21 @@ def read_weights(path: Path) -> dict[str, Tensor]:
     else:
         try:
             # weights_only=True unpickles tensors and plain containers and refuses any other
-            # object, so a .bin that would run code on load fails here instead.
-            state = torch.load(path, map_location="cpu", weights_only=True)
+            # object, so a .bin that would run code on load fails here instead. Its warning
+            # about a pickle protocol it was not written with is no news to the user.
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                state = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as error:  # noqa: BLE001 - bytes that are no pickle make the
             # unpickler raise whatever its first opcode hits: plain text is a KeyError
             # (an unknown memo key), other bytes an IndexError, a struct.error, ...
-            first = (str(error).strip().splitlines() or [""])[0][:120]
+            text = str(error)
+            # torch's refusal of an object opens with a paragraph on its defaults; what it
+            # refused follows "Unpickler error:" (an opcode, a global such as posix.system)
+            _, said, refused = text.partition("Unpickler error:")
+            lines = (refused if said else text).strip().splitlines() or [""]
+            first = lines[0].strip()
+            first = first if len(first) <= 120 else first[:117].rsplit(" ", 1)[0] + "..."
             if not isinstance(error, (pickle.UnpicklingError, RuntimeError, EOFError,
                                       ValueError, OSError)):
                 first = f"not a pickle: {type(error).__name__}"
