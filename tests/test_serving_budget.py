@@ -331,7 +331,8 @@ def test_serve_sweeps_rates_and_policies_in_one_run_and_draws_the_curve(checkpoi
     (["--goodput", "ttft=500"], "error: --goodput 'ttft=500': expected targets like"),
     (["--goodput", "ttft:500,itl:5"], "error: --goodput 'ttft:500,itl:5': expected targets"),
     (["--goodput", "tpot:-1"], "error: --goodput 'tpot:-1': expected targets like"),
-    (["--rate", "1,,2"], "error: --rate '1,,2': expected requests/s > 0"),
+    (["--rate", "1,,2"], "error: --rate '1,,2': an empty item; expected comma-separated "
+     "requests/s"),
     (["--rate", "1,x"], "error: --rate '1,x': expected requests/s > 0"),
     (["--rate", "0"], "error: --rate '0': expected requests/s > 0"),
     (["--rate", "2,2"], "error: --rate '2,2': the rate 2 given twice"),
