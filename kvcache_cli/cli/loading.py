@@ -155,18 +155,10 @@ def check_weights_dtype(weights_dtype: str | None, model: str, device: str,
     the model's, when the command has read it)."""
     if weights_dtype is None:
         return
-    from kvcache_cli.models import family_of, linear, model_config
+    from kvcache_cli.models import linear, model_config, source_types
 
     try:
-        types = None
-        if weights_dtype == "q4" and family_of(model) == "llama":
-            from kvcache_cli.models.llama_loading import source_types
-
-            types = source_types(model)
-        elif weights_dtype == "q4" and family_of(model) == "gemma3":
-            from kvcache_cli.models.gemma3_loading import source_types
-
-            types = source_types(model)
+        types = source_types(model) if weights_dtype == "q4" else None
         config = config if config is not None else model_config(model)
         linear.check_weights_dtype(weights_dtype, config, device, types)
     except ValueError as err:

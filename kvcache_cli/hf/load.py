@@ -37,7 +37,7 @@ from kvcache_cli.hf.folder_checks import (
 from kvcache_cli.models import GEMMA3_MODEL_TYPES
 from kvcache_cli.models.bounds import BOUNDS
 from kvcache_cli.models.gemma3_config import FP16_OVERFLOWS
-from kvcache_cli.sizing.config import decoder_config
+from kvcache_cli.sizing.families import decoder_config
 
 if TYPE_CHECKING:
     import torch

@@ -115,6 +115,19 @@ def model_config(name_or_path: str):
     return gpt2_config(name_or_path)
 
 
+def source_types(name_or_path: str) -> dict[str, str] | None:
+    """The GGUF type each tensor was stored in, for a Llama or Gemma 3 model converted from a
+    GGUF; None for any other (a safetensors folder, GPT-2)."""
+    family = family_of(name_or_path)
+    if family == "llama":
+        from kvcache_cli.models.llama_loading import source_types as types
+    elif family == "gemma3":
+        from kvcache_cli.models.gemma3_loading import source_types as types
+    else:
+        return None
+    return types(name_or_path)
+
+
 def tokenizer_name(name_or_path: str) -> str:
     """The tokenizer a model's config.json names ("bytes" or "gpt2"), read without torch;
     a Llama-family model's own tokenizer file as "file:PATH".

@@ -14,7 +14,8 @@ from __future__ import annotations
 from typing import Any
 
 from kvcache_cli.caches.base import LayerType
-from kvcache_cli.sizing.config import decoder_config, shape_from_config
+from kvcache_cli.sizing.config import shape_from_config
+from kvcache_cli.sizing.families import decoder_config
 from kvcache_cli.sizing.units import ConfigError
 
 _TYPE_NAME = {"full": "full_attention", "sliding": "sliding_attention"}

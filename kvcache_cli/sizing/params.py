@@ -11,6 +11,7 @@ from kvcache_cli.sizing.config_fields import (
     first_int,
     read_kv_heads,
 )
+from kvcache_cli.sizing.families import decoder_config
 from kvcache_cli.sizing.units import ConfigError
 
 # Decoder families whose weights are counted from their config alone: every layer one
@@ -37,8 +38,6 @@ def params_from_config(cfg: dict, where: str = "config.json") -> int | None:
     """The parameters transformers builds for `cfg`, or None for a family not counted here
     (mixtures of experts, state spaces, MLA: pass --params for those) or a config that
     lacks a width the count needs."""
-    from kvcache_cli.sizing.config import decoder_config
-
     if isinstance(cfg.get("text_config"), dict):
         return None  # a multimodal wrapper: its vision tower's weights are not counted here
     try:
